@@ -1,0 +1,349 @@
+"""Typed, frozen configuration: the one source of truth for every option.
+
+A `Config` holds five groups (`model`, `moe`, `train`, `data`, `parallel`). Presets are JSON files in
+`dropless/presets/`; the CLI turns `group.key=value` arguments into overrides. Every value is
+validated once, here, when the dataclass is built: a bad value raises `ConfigError` with one sentence
+that names the key, the accepted values and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message is one sentence naming the key and the fix."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _in_choices(key: str, value: Any, choices: tuple) -> None:
+    _require(value in choices, f"{key}={value!r} is not valid; choose one of {', '.join(map(str, choices))}.")
+
+
+def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    _require(ok, f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}.")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer architecture. Field names follow the Hugging Face configs where one exists."""
+
+    family: Literal["deepseek_v3", "mixtral", "qwen3_moe"] = "deepseek_v3"
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    num_layers: int = 4
+    # The first `first_dense_layers` layers use a dense SwiGLU MLP (DeepSeek-V3's first_k_dense_replace).
+    first_dense_layers: int = 1
+    dense_intermediate_size: int = 384
+    attention: Literal["mla", "gqa"] = "mla"
+    num_heads: int = 4
+    # GQA only.
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before RoPE.
+    # MLA only (DeepSeek-V2/V3). q_lora_rank = 0 means queries are projected directly.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 64
+    qk_rope_head_dim: int = 16
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    rope_theta: float = 10000.0
+    # None, or {"type": "yarn", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+    # "mscale", "mscale_all_dim"} as in DeepSeek-V3's config.json.
+    rope_scaling: dict | None = None
+    max_seq_len: int = 256
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        _in_choices("model.family", self.family, ("deepseek_v3", "mixtral", "qwen3_moe"))
+        _in_choices("model.attention", self.attention, ("mla", "gqa"))
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
+            _positive(f"model.{key}", getattr(self, key))
+        _require(0 <= self.first_dense_layers <= self.num_layers,
+                 f"model.first_dense_layers={self.first_dense_layers} must be between 0 and model.num_layers={self.num_layers}.")
+        if self.attention == "gqa":
+            _require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+                     f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}.")
+            _require(self.head_dim % 2 == 0, f"model.head_dim={self.head_dim} must be even for RoPE.")
+        else:
+            _require(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE.")
+            _positive("model.kv_lora_rank", self.kv_lora_rank)
+            _positive("model.q_lora_rank", self.q_lora_rank, allow_zero=True)
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
+            _require(kind == "yarn", f"model.rope_scaling type {kind!r} is not supported; use 'yarn' or null.")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The routed-expert layer. See README section "The MoE layer" for the formulas."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2  # top-k
+    expert_intermediate_size: int = 64
+    num_shared_experts: int = 1
+    score_func: Literal["softmax", "sigmoid"] = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    # Group-limited routing (DeepSeek-V3): n_group = 1 disables it.
+    n_group: int = 1
+    topk_group: int = 1
+    # Aux-loss-free balancing: bias += rate * sign(mean_load - load) after each step; 0 = off.
+    bias_update_rate: float = 0.0
+    # Balancing losses, each weighted; 0 = off.
+    aux_loss_weight: float = 0.0
+    seq_aux_loss_weight: float = 0.0
+    z_loss_weight: float = 0.0
+    # Grouped GEMM: "auto" = tokamax on GPU, xla elsewhere. "capacity" drops tokens (the baseline).
+    gmm_backend: Literal["auto", "xla", "tokamax", "capacity"] = "auto"
+    capacity_factor: float = 1.25
+    # Expert-parallel dispatch (used when parallel.expert > 1).
+    dispatch: Literal["auto", "allgather", "alltoall", "ragged"] = "auto"
+    alltoall_buffer_factor: float = 2.0
+    dedup: bool = True
+
+    def __post_init__(self):
+        _positive("moe.num_experts", self.num_experts)
+        _require(1 <= self.num_experts_per_tok <= self.num_experts,
+                 f"moe.num_experts_per_tok={self.num_experts_per_tok} must be between 1 and moe.num_experts={self.num_experts}.")
+        _positive("moe.expert_intermediate_size", self.expert_intermediate_size)
+        _positive("moe.num_shared_experts", self.num_shared_experts, allow_zero=True)
+        _in_choices("moe.score_func", self.score_func, ("softmax", "sigmoid"))
+        _require(self.n_group >= 1 and self.num_experts % self.n_group == 0,
+                 f"moe.n_group={self.n_group} must divide moe.num_experts={self.num_experts}.")
+        _require(1 <= self.topk_group <= self.n_group,
+                 f"moe.topk_group={self.topk_group} must be between 1 and moe.n_group={self.n_group}.")
+        if self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            _require(self.topk_group * per_group >= self.num_experts_per_tok,
+                     f"moe.topk_group={self.topk_group} groups of {per_group} experts cannot hold "
+                     f"moe.num_experts_per_tok={self.num_experts_per_tok}; raise moe.topk_group.")
+        for key in ("bias_update_rate", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight"):
+            _positive(f"moe.{key}", getattr(self, key), allow_zero=True)
+        _in_choices("moe.gmm_backend", self.gmm_backend, ("auto", "xla", "tokamax", "capacity"))
+        _positive("moe.capacity_factor", self.capacity_factor)
+        _in_choices("moe.dispatch", self.dispatch, ("auto", "allgather", "alltoall", "ragged"))
+        _require(self.alltoall_buffer_factor >= 1.0,
+                 f"moe.alltoall_buffer_factor={self.alltoall_buffer_factor} must be >= 1.0.")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 16  # global batch, in sequences
+    seq_len: int = 128
+    learning_rate: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights are float32
+    remat: Literal["none", "moe", "full"] = "none"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    offload_optimizer: bool = False
+    offload: str = ""  # comma-separated activation names to offload to pinned host memory
+    optimizer_moments_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self):
+        for key in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
+                    "checkpoint_every", "keep_checkpoints"):
+            _positive(f"train.{key}", getattr(self, key))
+        _positive("train.learning_rate", self.learning_rate)
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+        _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _in_choices("train.dtype", self.dtype, ("bfloat16", "float32"))
+        _in_choices("train.remat", self.remat, ("none", "moe", "full"))
+        _in_choices("train.optimizer_moments_dtype", self.optimizer_moments_dtype, ("float32", "bfloat16"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # "stdlib" = the Python standard library's own source files (always present, nothing to download).
+    source: str = "stdlib"
+    tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE on the corpus
+    eval_fraction: float = 0.02
+    shuffle_seed: int = 0
+    max_bytes: int = 16_000_000  # cap on the text read from the default corpus
+    prefetch: int = 4
+
+    def __post_init__(self):
+        _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction={self.eval_fraction} must be in (0, 0.5).")
+        _positive("data.max_bytes", self.max_bytes)
+        _positive("data.prefetch", self.prefetch, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Mesh shape. The product must equal the number of devices (data = -1 takes what is left)."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+
+    def __post_init__(self):
+        _require(self.data == -1 or self.data > 0, f"parallel.data={self.data} must be > 0 or -1 (all remaining devices).")
+        _positive("parallel.fsdp", self.fsdp)
+        _positive("parallel.expert", self.expert)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        _require(self.train.seq_len <= self.model.max_seq_len,
+                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; lower one or raise the other.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def replace(self, **overrides: Any) -> "Config":
+        """Return a copy with dotted-key overrides applied, e.g. replace(**{"moe.gmm_backend": "xla"})."""
+        return apply_overrides(self, overrides)
+
+
+_GROUPS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _group_classes() -> dict[str, type]:
+    return {"model": ModelConfig, "moe": MoEConfig, "train": TrainConfig, "data": DataConfig,
+            "parallel": ParallelConfig}
+
+
+def all_keys() -> list[str]:
+    return [f"{g}.{f.name}" for g, cls in _group_classes().items() for f in dataclasses.fields(cls)]
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:
+        close = difflib.get_close_matches(key.split(".")[-1], [k.split(".")[-1] for k in all_keys()], n=1)
+        close = [k for k in all_keys() if close and k.endswith("." + close[0])][:1]
+    return f" Did you mean '{close[0]}'?" if close else " Run 'dropless presets --keys' to list the keys."
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(key: str, raw: Any, hint: Any) -> Any:
+    """Turn a CLI string (or JSON value) into the field's type, or raise ConfigError."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        _in_choices(key, raw, choices)
+        return raw
+    if origin in (typing.Union, types.UnionType):  # `dict | None`
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("null", "none", "")):
+            return None
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError:
+                raise ConfigError(f"{key}={raw!r} is not valid JSON; give an object like '{{\"type\": \"yarn\", ...}}' or null.")
+        _require(isinstance(raw, dict), f"{key} must be a JSON object or null.")
+        return raw
+    if not isinstance(raw, str):
+        if hint is float and isinstance(raw, int) and not isinstance(raw, bool):
+            return float(raw)
+        _require(isinstance(raw, hint) and not (hint is int and isinstance(raw, bool)),
+                 f"{key}={raw!r} must be of type {hint.__name__}.")
+        return raw
+    if hint is bool:
+        low = raw.lower()
+        _require(low in ("true", "false", "1", "0", "yes", "no"), f"{key}={raw!r} must be true or false.")
+        return low in ("true", "1", "yes")
+    if hint is int:
+        try:
+            return int(raw.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r} must be an integer.")
+    if hint is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r} must be a number.")
+    return raw
+
+
+def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
+    """Apply `{"group.key": value}` overrides; values may be strings (from the CLI) or JSON values."""
+    groups = _group_classes()
+    changes: dict[str, dict[str, Any]] = {}
+    for key, raw in overrides.items():
+        group, _, name = key.partition(".")
+        _require(group in groups and name, f"Unknown config key '{key}'.{_suggest(key)}")
+        names = {f.name for f in dataclasses.fields(groups[group])}
+        _require(name in names, f"Unknown config key '{key}'.{_suggest(key)}")
+        changes.setdefault(group, {})[name] = _coerce(key, raw, _field_type(groups[group], name))
+    updated = {g: dataclasses.replace(getattr(config, g), **kv) for g, kv in changes.items()}
+    return dataclasses.replace(config, **updated)
+
+
+def from_dict(d: dict) -> Config:
+    """Build a Config from a nested dict (a preset file or a saved run config)."""
+    flat = {}
+    for group, values in d.items():
+        if group == "description":
+            continue
+        _require(isinstance(values, dict) and group in _GROUPS,
+                 f"Unknown config group '{group}'; the groups are {', '.join(_GROUPS)}.")
+        for name, value in values.items():
+            flat[f"{group}.{name}"] = value
+    return apply_overrides(Config(), flat)
+
+
+PRESETS_PACKAGE = "dropless.presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files(PRESETS_PACKAGE).iterdir() if p.name.endswith(".json"))
+
+
+def preset_description(name: str) -> str:
+    return json.loads(resources.files(PRESETS_PACKAGE).joinpath(f"{name}.json").read_text()).get("description", "")
+
+
+def load_preset(name: str) -> Config:
+    names = preset_names()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"Unknown preset '{name}'; the presets are {', '.join(names)}.{hint}")
+    return from_dict(json.loads(resources.files(PRESETS_PACKAGE).joinpath(f"{name}.json").read_text()))
+
+
+def save(config: Config, path: Path) -> None:
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def load(path: Path) -> Config:
+    return from_dict(json.loads(Path(path).read_text()))
