@@ -1,0 +1,210 @@
+"""The training loop: run directory, data, mesh, state, jitted step, logging, evaluation, checkpoints.
+
+Exact resumption rests on three facts: the batch at step n is a pure function of (data seed, n); the
+checkpoint holds every array the step reads (params, optimizer state, router biases, step counter); and
+nothing else in the step is random. So a run resumed at step n computes bit for bit what an
+uninterrupted run computes at step n.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dropless import config as config_lib
+from dropless.config import Config, ConfigError
+from dropless.data import load_token_dataset
+from dropless.models import flops as flops_lib
+from dropless.models import transformer
+from dropless.parallel import mesh as mesh_lib
+from dropless.train import checkpoint as ckpt
+from dropless.train import metrics as metrics_lib
+from dropless.train.optimizer import make_optimizer
+from dropless.train.step import TrainState, init_train_state, make_eval_step, make_train_step
+
+# Keys a resumed run may change: they steer logging and the run's length, not what a step computes.
+RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
+                     "train.keep_checkpoints", "train.eval_batches", "data.prefetch"}
+
+
+@dataclass
+class RunSummary:
+    run_dir: Path
+    first_step: int
+    last_step: int
+    eval_losses: list[tuple[int, float]]
+    wall_seconds: float
+    tokens_dropped: int
+
+
+def _flat(config: Config) -> dict:
+    return {f"{g}.{k}": v for g, d in config.to_dict().items() for k, v in d.items()}
+
+
+def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool) -> Config:
+    """Create or validate the run directory; returns the config the run will use."""
+    run_dir = Path(run_dir)
+    saved_path = run_dir / "config.json"
+    if resume:
+        if not saved_path.is_file():
+            raise ckpt.CheckpointError(f"--resume was given but {run_dir} holds no run (no config.json); "
+                                       "drop --resume to start a new run there.")
+        saved = ckpt.load_run_config(run_dir)
+        changed = {k for k, v in _flat(config).items() if _flat(saved)[k] != v} - RESUMABLE_CHANGES
+        if changed:
+            key = sorted(changed)[0]
+            raise ConfigError(f"--resume keeps the saved config, but {key} differs from the run's "
+                              f"({_flat(saved)[key]!r} saved, {_flat(config)[key]!r} given); drop that override "
+                              "or start a new run with --overwrite or another --run-dir.")
+        config_lib.save(config, saved_path)
+        return config
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not overwrite:
+            what = "a different config" if saved_path.is_file() and ckpt.load_run_config(run_dir) != config else "a run"
+            raise ConfigError(f"{run_dir} already holds {what}; pass --resume to continue it, --overwrite to "
+                              "replace it, or choose another --run-dir.")
+        for name in ("checkpoints", "metrics.jsonl", "tensorboard", "training.png", "config.json"):
+            target = run_dir / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_lib.save(config, saved_path)
+    return config
+
+
+def _global_batch(batch_BS1: np.ndarray, sharding) -> jax.Array:
+    """Place this process's rows of the global batch; the sharding spreads them over the mesh."""
+    rows = batch_BS1.shape[0] // jax.process_count()
+    local = batch_BS1[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+    return jax.make_array_from_process_local_data(sharding, local, batch_BS1.shape)
+
+
+def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
+          init_weights: tuple | None = None, log: Callable[[str], None] = print,
+          progress: bool = True) -> RunSummary:
+    """Train `config` in `run_dir`. `init_weights=(params, state)` starts from given weights (fine-tuning)."""
+    run_dir = Path(run_dir)
+    config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite)
+    tc = config.train
+
+    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len, run_dir)
+    mesh = mesh_lib.make_mesh(config.parallel)
+    mesh_lib.check_divisibility(config, mesh)
+    executor = mesh_lib.make_executor(config, mesh)
+    optimizer = make_optimizer(tc)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    param_shardings = mesh_lib.param_shardings(mesh, transformer.logical_axes(config))
+
+    def init_state():
+        params, model_state = init_weights if init_weights is not None else (None, None)
+        return init_train_state(jax.random.key(tc.seed), config, optimizer, params, model_state)
+
+    state_shapes = jax.eval_shape(init_state)
+    state_shardings = mesh_lib.state_shardings(mesh, state_shapes, param_shardings)
+    with mesh_lib.use_mesh(mesh):
+        state = jax.jit(init_state, out_shardings=state_shardings)()
+    start = 0
+    if resume:
+        start = ckpt.latest_step(run_dir) or 0
+        if start:
+            restored = ckpt.restore(run_dir, start,
+                                    {"params": state.params, "state": state.model_state},
+                                    {"opt_state": state.opt_state, "step": 0})
+            state = TrainState(jnp.asarray(start, jnp.int32), restored["model"]["params"],
+                               restored["optimizer"]["opt_state"], restored["model"]["state"])
+    total, active = transformer.param_counts(config)
+    flops_per_token = flops_lib.model_flops_per_token(config, tc.seq_len)
+    peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
+    log(f"dropless: run directory {run_dir.resolve()}")
+    log(f"dropless: {total / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active per token; "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}; "
+        f"gmm={mesh_lib.gmm_backend_name(config)}")
+    if start >= tc.steps:
+        log(f"dropless: the run is already at step {start} of {tc.steps}; raise --steps to train further.")
+
+    with mesh_lib.use_mesh(mesh):
+        train_step = jax.jit(make_train_step(config, optimizer, executor),
+                             in_shardings=(state_shardings, batch_sharding),
+                             out_shardings=(state_shardings, None), donate_argnums=0)
+        eval_step = jax.jit(make_eval_step(config, executor),
+                            in_shardings=(param_shardings, state_shardings.model_state, batch_sharding))
+    eval_data = [_global_batch(b, batch_sharding) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)]
+
+    def evaluate(state: TrainState) -> float:
+        with mesh_lib.use_mesh(mesh):
+            losses = [eval_step(state.params, state.model_state, b) for b in eval_data]
+        return float(np.mean(jax.device_get(losses)))
+
+    writer = metrics_lib.MetricsWriter(run_dir)
+    eval_losses: list[tuple[int, float]] = []
+    tokens_dropped_total = 0
+    if start == 0 or not ckpt.latest_step(run_dir):
+        eval_losses.append((start, evaluate(state)))
+        writer.write({"step": start, "eval_loss": eval_losses[-1][1]})
+        log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
+
+    bar = _progress_bar(start, tc.steps, progress)
+    window_start, window_tokens, pending = time.perf_counter(), 0, None
+    wall_start = time.perf_counter()
+    with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(start, tc.batch_size, tc.steps) as batches:
+        for step in range(start, tc.steps):
+            batch = _global_batch(next(batches), batch_sharding)
+            with mesh_lib.use_mesh(mesh):
+                state, step_metrics = train_step(state, batch)
+            window_tokens += tc.batch_size * tc.seq_len
+            done = step + 1
+            if done % tc.log_every == 0 or done == tc.steps:
+                step_metrics = jax.device_get(step_metrics)
+                elapsed = time.perf_counter() - window_start
+                record = {"step": done, **{k: float(v) for k, v in step_metrics.items()},
+                          **metrics_lib.throughput(window_tokens, elapsed, flops_per_token, jax.device_count(), peak)}
+                record["tokens_dropped"] = int(step_metrics["tokens_dropped"])
+                tokens_dropped_total += record["tokens_dropped"]
+                _check_nothing_dropped(config, record)
+                writer.write(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                load=f"{record['max_expert_load']:.2f}")
+                window_start, window_tokens = time.perf_counter(), 0
+            bar.update(1)
+            if done % tc.eval_every == 0 or done == tc.steps:
+                eval_losses.append((done, evaluate(state)))
+                writer.write({"step": done, "eval_loss": eval_losses[-1][1]})
+                bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
+            if done % tc.checkpoint_every == 0 or done == tc.steps:
+                ckpt.save(mngr, done, state.params, state.model_state, state.opt_state)
+    bar.close()
+    writer.close()
+    metrics_lib.plot_run(run_dir)
+    return RunSummary(run_dir, start, max(start, tc.steps), eval_losses, time.perf_counter() - wall_start,
+                      tokens_dropped_total)
+
+
+def _check_nothing_dropped(config: Config, record: dict) -> None:
+    """The dropless invariant: outside the capacity baseline, no token is ever dropped."""
+    if mesh_lib.gmm_backend_name(config) != "capacity" and record["tokens_dropped"] != 0:
+        raise RuntimeError(f"internal error: {record['tokens_dropped']} tokens dropped at step {record['step']} "
+                           "on a dropless path; please report this bug.")
+
+
+class _NoBar:
+    def update(self, n): pass
+    def set_postfix(self, **kw): pass
+    def write(self, s): print(s, file=sys.stderr)
+    def close(self): pass
+
+
+def _progress_bar(start: int, total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)

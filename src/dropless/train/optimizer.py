@@ -1,0 +1,50 @@
+"""AdamW with linear warm-up and cosine decay, global-norm clipping, and weight decay on matrices only."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dropless.config import TrainConfig
+
+
+def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
+    """Linear warm-up from 0 to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate` at `steps`."""
+    warmup = min(train.warmup_steps, max(train.steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=train.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(train.steps, warmup + 1),
+        end_value=train.learning_rate * train.min_lr_ratio,
+    )
+
+
+def _is_decayed(path: tuple, leaf: jax.Array) -> bool:
+    """Decay weight matrices; skip norms (their names end in 'norm') and biases, whatever their stacking."""
+    name = str(getattr(path[-1], "key", path[-1]))
+    return not (name.endswith("norm") or name.endswith("bias"))
+
+
+def weight_decay_mask(params):
+    return jax.tree_util.tree_map_with_path(_is_decayed, params)
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    moments_dtype = jnp.bfloat16 if train.optimizer_moments_dtype == "bfloat16" else jnp.float32
+    parts = []
+    if train.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(train.grad_clip))
+    parts.append(
+        optax.adamw(
+            learning_rate=learning_rate_schedule(train),
+            b1=train.beta1,
+            b2=train.beta2,
+            eps=1e-8,
+            weight_decay=train.weight_decay,
+            mask=weight_decay_mask,
+            mu_dtype=moments_dtype,
+        )
+    )
+    return optax.chain(*parts)

@@ -1,0 +1,92 @@
+"""The training step: one jitted pure function of (TrainState, batch) -> (TrainState, metrics).
+
+The loss is next-token cross-entropy plus the MoE balancing losses. After the optimizer update, the
+aux-loss-free router bias of every MoE layer moves by `rate * sign(mean_load - load)`: outside the
+gradient, from the loads this very step routed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dropless.config import Config
+from dropless.models import transformer
+from dropless.moe import update_router_bias
+from dropless.train.optimizer import learning_rate_schedule
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any
+    opt_state: Any
+    model_state: Any  # {"router_bias": [Lmoe, E]}: checkpointed, never touched by the optimizer
+
+
+def init_train_state(key: jax.Array, config: Config, optimizer: optax.GradientTransformation,
+                     params=None, model_state=None) -> TrainState:
+    params = transformer.init_params(key, config) if params is None else params
+    model_state = transformer.init_state(config) if model_state is None else model_state
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state)
+
+
+def split_batch(batch_BS1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, S+1] token windows -> (inputs [B, S], next-token targets [B, S])."""
+    return batch_BS1[:, :-1], batch_BS1[:, 1:]
+
+
+def loss_fn(params, model_state, batch_BS1, config: Config, executor=None):
+    """Mean next-token cross-entropy + MoE balancing losses. Returns (total, (cross_entropy, aux))."""
+    inputs_BS, targets_BS = split_batch(batch_BS1)
+    logits_BSV, aux = transformer.forward(params, model_state, inputs_BS, config, executor=executor)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
+    return cross_entropy + aux["balance_loss"], (cross_entropy, aux)
+
+
+def _moe_metrics(aux) -> dict[str, jax.Array]:
+    moe = aux.get("moe")
+    if moe is None:
+        zero = jnp.zeros((), jnp.float32)
+        return {"tokens_dropped": jnp.zeros((), jnp.int32), "max_expert_load": zero, "balance_loss": zero}
+    return {
+        "tokens_dropped": jnp.sum(moe.tokens_dropped).astype(jnp.int32),
+        "max_expert_load": jnp.max(moe.max_load_ratio),  # worst layer
+        "balance_loss": aux["balance_loss"],
+    }
+
+
+def update_router_biases(model_state, aux, rate: float):
+    """Apply the aux-loss-free bias rule to every MoE layer (vectorised over the stacked layer axis)."""
+    if rate == 0.0 or "router_bias" not in model_state or aux.get("moe") is None:
+        return model_state
+    bias_LE = jax.vmap(update_router_bias, in_axes=(0, 0, None))(
+        model_state["router_bias"], aux["moe"].tokens_per_expert, rate)
+    return {**model_state, "router_bias": bias_LE}
+
+
+def make_train_step(config: Config, optimizer: optax.GradientTransformation, executor=None) -> Callable:
+    """The un-jitted step; callers jit it with their shardings (see `dropless.train.loop`)."""
+    schedule_lr = learning_rate_schedule(config.train)
+
+    def train_step(state: TrainState, batch_BS1: jax.Array):
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (total, (cross_entropy, aux)), grads = grad_fn(state.params, state.model_state, batch_BS1, config, executor)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate)
+        metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": optax.global_norm(grads),
+                   "lr": schedule_lr(state.step), **_moe_metrics(aux)}
+        return TrainState(state.step + 1, params, opt_state, model_state), metrics
+
+    return train_step
+
+
+def make_eval_step(config: Config, executor=None) -> Callable:
+    def eval_step(params, model_state, batch_BS1):
+        _, (cross_entropy, aux) = loss_fn(params, model_state, batch_BS1, config, executor)
+        return cross_entropy
+    return eval_step
+
