@@ -1,0 +1,93 @@
+"""Mesh construction, logical-axis rules, placement, multi-process settings and XLA flags (8 CPU devices)."""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dropless import xla_flags
+from dropless.config import ConfigError, ParallelConfig
+from dropless.parallel import distributed
+from dropless.parallel.mesh import (batch_sharding, logical_to_spec, make_mesh, param_shardings, place,
+                                    shard_batch)
+
+
+@pytest.mark.parametrize("data,fsdp,expert,shape", [(-1, 1, 1, (8, 1, 1)), (-1, 2, 2, (2, 2, 2)),
+                                                     (2, 1, 4, (2, 1, 4)), (1, 1, 8, (1, 1, 8))])
+def test_make_mesh_shapes(data, fsdp, expert, shape):
+    mesh = make_mesh(ParallelConfig(data=data, fsdp=fsdp, expert=expert), batch_size=16, num_experts=8)
+    assert tuple(mesh.shape.values()) == shape and mesh.axis_names == ("data", "fsdp", "expert")
+    # expert is innermost: an expert group is a run of neighbouring devices.
+    assert [d.id for d in mesh.devices[0, 0]] == list(range(expert))
+
+
+@pytest.mark.parametrize("parallel,kwargs,words", [
+    (ParallelConfig(data=2, expert=2), {}, "parallel.data=2 x parallel.fsdp=1 x parallel.expert=2 = 4 but there are 8"),
+    (ParallelConfig(fsdp=3), {}, "does not divide the 8 devices"),
+    (ParallelConfig(expert=8), {"num_experts": 12}, "moe.num_experts=12 is not divisible by parallel.expert=8"),
+    (ParallelConfig(expert=2), {"batch_size": 12}, "train.batch_size=12 is not divisible by the 8 devices"),
+])
+def test_make_mesh_errors(parallel, kwargs, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
+        make_mesh(parallel, **kwargs)
+
+
+def test_rules_map_each_mesh_axis_once_and_skip_non_divisors():
+    mesh = make_mesh(ParallelConfig(data=2, fsdp=2, expert=2))
+    assert logical_to_spec(mesh, ("layers", "experts", "embed", "mlp")) == P(None, "expert", "fsdp", None)
+    assert logical_to_spec(mesh, ("layers", "experts", "mlp", "embed")) == P(None, "expert", "fsdp", None)
+    assert logical_to_spec(mesh, ("layers", "kv_lora", "heads_x_dim")) == P(None, "fsdp", None)
+    assert logical_to_spec(mesh, ("batch", None)) == P(("data", "fsdp", "expert"), None)
+    # 81 rows do not split over fsdp=2: the next eligible dimension takes it.
+    assert logical_to_spec(mesh, ("layers", "embed", "kv_lora"), (3, 81, 64)) == P(None, None, "fsdp")
+    # size-1 mesh axes never appear in a spec.
+    assert logical_to_spec(make_mesh(ParallelConfig()), ("experts", "embed")) == P(None, None)
+
+
+def test_param_shardings_and_place_round_trip():
+    mesh = make_mesh(ParallelConfig(fsdp=2, expert=4))
+    params = {"experts": {"gate_up": np.arange(2 * 8 * 4 * 6, dtype=np.float32).reshape(2, 8, 4, 6)},
+              "norm": np.ones((3,), np.float32)}
+    axes = {"experts": {"gate_up": ("layers", "experts", "embed", "mlp")}, "norm": ("embed",)}
+    shardings = param_shardings(mesh, axes, params)
+    assert shardings["experts"]["gate_up"].spec == P(None, "expert", "fsdp", None)
+    assert shardings["norm"].spec == P(None)  # 3 does not divide over fsdp=2
+    placed = place(params, shardings)
+    assert placed["experts"]["gate_up"].sharding == shardings["experts"]["gate_up"]
+    assert placed["experts"]["gate_up"].addressable_shards[0].data.shape == (2, 2, 2, 6)
+    np.testing.assert_array_equal(np.asarray(placed["experts"]["gate_up"]), params["experts"]["gate_up"])
+
+    batch = np.arange(16 * 5, dtype=np.int32).reshape(16, 5)
+    sharded = shard_batch(mesh, batch)
+    assert sharded.sharding == batch_sharding(mesh) and sharded.addressable_shards[0].data.shape == (2, 5)
+    np.testing.assert_array_equal(np.asarray(sharded), batch)
+
+
+def test_distributed_settings_from_environment():
+    assert distributed.distributed_settings({}) is None
+    own = {"DROPLESS_COORDINATOR": "10.0.0.1:1234", "DROPLESS_NUM_PROCESSES": "4", "DROPLESS_PROCESS_ID": "3",
+           "DROPLESS_LOCAL_DEVICE_IDS": "0,1"}
+    assert distributed.distributed_settings(own) == {
+        "coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3, "local_device_ids": [0, 1],
+        "cluster_detection_method": "deactivate"}
+    assert distributed.distributed_settings({**own, "DROPLESS_NUM_PROCESSES": "1", "DROPLESS_PROCESS_ID": "0"}) is None
+    with pytest.raises(ConfigError, match="DROPLESS_PROCESS_ID missing"):
+        distributed.distributed_settings({"DROPLESS_COORDINATOR": "h:1", "DROPLESS_NUM_PROCESSES": "2"})
+    with pytest.raises(ConfigError, match="must be in 0..DROPLESS_NUM_PROCESSES-1"):
+        distributed.distributed_settings({**own, "DROPLESS_PROCESS_ID": "4"})
+    with pytest.raises(ConfigError, match="must be an integer"):
+        distributed.distributed_settings({**own, "DROPLESS_NUM_PROCESSES": "four"})
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "0"}
+    assert distributed.distributed_settings(slurm) == {"local_device_ids": None}
+    assert distributed.distributed_settings({**slurm, "SLURM_NTASKS": "1"}) is None
+    assert not distributed.initialize({})  # one process: a no-op
+
+
+def test_xla_flags_user_setting_wins():
+    name = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer"
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    assert xla_flags.apply(env) == f"--xla_force_host_platform_device_count=8 {name}=true"
+    assert xla_flags.apply(env) == env["XLA_FLAGS"]  # idempotent
+    assert xla_flags.apply({"XLA_FLAGS": f"{name}=false"}) == f"{name}=false"
+    assert xla_flags.apply({"DROPLESS_XLA_FLAGS": "0"}) == ""
