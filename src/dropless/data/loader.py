@@ -1,0 +1,332 @@
+"""From a corpus to batches: tokenize (cached in the run directory), split, pack, shuffle, prefetch.
+
+Semantics, in order:
+1. Documents. Text corpora: one per `.py`/`.txt` file, `.jsonl` line or `.parquet` row, each followed by the
+   end-of-document token. Token corpora: one per `.npy`/`.bin` file, taken as they are (no separator added).
+2. Split by documents. The documents are put in a seeded random order (`data.shuffle_seed`); the last ones
+   form the held-out split, enough to hold `data.eval_fraction` of the tokens (and at least one sequence).
+   So no document is in both splits. Only when that would take more than twice the asked-for tokens (one
+   document dominates, e.g. a single big file) does the cut fall inside a document, which then contributes
+   a contiguous head to training and its tail to evaluation.
+3. Packing. Each split is a token stream cut into sequences of `seq_len + 1` tokens with stride `seq_len`
+   (sequence i = stream[i*S : i*S + S + 1]; consecutive sequences share one token, so every token is a
+   target exactly once). Sequences cross document boundaries; the trailing partial sequence is unused.
+4. Order. Epoch e visits the training sequences in the permutation drawn from `(shuffle_seed, e)`; the
+   global batch of step n holds the sequences at positions n*B ... n*B+B-1 of the concatenated epochs. The
+   batch is a pure function of (seed, step), so a resumed run sees exactly the batches of an uninterrupted one.
+5. Evaluation uses a fixed set of held-out sequences, spread evenly over the held-out stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from dropless.config import DataConfig
+from dropless.data import corpus as corpus_lib
+from dropless.data.corpus import Corpus, DataError
+from dropless.data.prefetch import Prefetcher
+from dropless.data.tokenizer import TextTokenizer, load_tokenizer, train_bpe
+
+TOKENIZER_FILE = "tokenizer.json"  # RUN_DIR/tokenizer.json: the tokenizer the run was trained with
+CACHE_DIR = "corpus"  # RUN_DIR/corpus/: the tokenized corpus and where the tokenizer came from
+_ENCODE_CHUNK_CHARS = 4_000_000  # encode in chunks to bound the memory of HF Encoding objects
+
+
+class TokenStream:
+    """A read-only concatenation of 1-D token arrays; memory-mapped segments are read only where used."""
+
+    def __init__(self, segments: Sequence[np.ndarray]):
+        self.segments = [s for s in segments if len(s)]
+        self.ends = np.cumsum([len(s) for s in self.segments], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def slice(self, start: int, stop: int) -> "TokenStream":
+        """Tokens [start, stop) as a new stream (views, no copy)."""
+        pieces = []
+        for segment, end in zip(self.segments, self.ends):
+            begin = int(end) - len(segment)
+            lo, hi = max(start, begin), min(stop, int(end))
+            if lo < hi:
+                pieces.append(segment[lo - begin:hi - begin])
+        return TokenStream(pieces)
+
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows stream[s : s + length] for each s in `starts`, as int32 [len(starts), length]."""
+        out = np.empty((len(starts), length), dtype=np.int32)
+        for row, start in enumerate(np.asarray(starts, dtype=np.int64)):
+            assert 0 <= start and start + length <= len(self)
+            filled = 0
+            segment_index = int(np.searchsorted(self.ends, start, side="right"))
+            while filled < length:
+                segment = self.segments[segment_index]
+                begin = int(self.ends[segment_index]) - len(segment)
+                offset = start + filled - begin
+                piece = segment[offset:offset + length - filled]
+                out[row, filled:filled + len(piece)] = piece
+                filled += len(piece)
+                segment_index += 1
+        return out
+
+
+def document_order(num_documents: int, seed: int) -> np.ndarray:
+    """The seeded random order of the documents; the held-out split is taken from its end."""
+    return np.random.default_rng(seed).permutation(num_documents)
+
+
+def split_point(lengths: np.ndarray, seq_len: int, eval_fraction: float, corpus_name: str = "the corpus") -> int:
+    """Where to cut a stream of documents of `lengths` (in stream order) into (train, eval)."""
+    total = int(lengths.sum())
+    sequence = seq_len + 1
+    if total < 2 * sequence:
+        raise DataError(f"{corpus_name} has {total} tokens but needs at least {2 * sequence}: one sequence of "
+                        f"train.seq_len+1={sequence} tokens for training and one for evaluation; give more data "
+                        "or lower train.seq_len.")
+    target = max(math.ceil(eval_fraction * total), sequence)
+    cut = total - target
+    boundaries = np.concatenate([[0], np.cumsum(lengths)])
+    at_boundary = int(boundaries[np.searchsorted(boundaries, cut, side="right") - 1])  # last boundary <= cut
+    if at_boundary >= sequence and total - at_boundary <= 2 * target:
+        cut = at_boundary
+    assert cut >= sequence and total - cut >= sequence
+    return cut
+
+
+def reorder(tokens: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The documents of the flat `tokens` (of `lengths`) concatenated in `order`, in one vectorized gather."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    new_lengths = lengths[order]
+    new_starts = np.concatenate([[0], np.cumsum(new_lengths)[:-1]])
+    index = np.arange(int(lengths.sum()), dtype=np.int64) + np.repeat(starts[order] - new_starts, new_lengths)
+    return tokens[index]
+
+
+class TokenDataset:
+    """Packed, shuffled training batches and fixed evaluation batches, as int32 [B, S+1] numpy arrays.
+
+    Inputs are `batch[:, :-1]`, targets `batch[:, 1:]`. With several processes, each asks for its own rows
+    (`process_index`, `process_count`): rows [p*B/P, (p+1)*B/P) of the global batch.
+    """
+
+    def __init__(self, train: TokenStream, eval: TokenStream, seq_len: int, seed: int, prefetch_depth: int = 2,
+                 description: str = ""):
+        self.train_stream, self.eval_stream = train, eval
+        self.seq_len, self.seed, self.prefetch_depth = seq_len, seed, prefetch_depth
+        self.num_train_sequences = max(len(train) - 1, 0) // seq_len
+        self.num_eval_sequences = max(len(eval) - 1, 0) // seq_len
+        assert self.num_train_sequences > 0 and self.num_eval_sequences > 0
+        self.description = description
+        self._permutations: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"TokenDataset({self.description + ': ' if self.description else ''}"
+                f"{len(self.train_stream):,} train tokens in {self.num_train_sequences:,} sequences, "
+                f"{len(self.eval_stream):,} held-out tokens, seq_len={self.seq_len})")
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        with self._lock:
+            if epoch not in self._permutations:
+                if len(self._permutations) >= 2:  # the batch being served and the next epoch's are enough
+                    del self._permutations[min(self._permutations)]
+                rng = np.random.default_rng([self.seed, epoch])
+                self._permutations[epoch] = rng.permutation(self.num_train_sequences)
+            return self._permutations[epoch]
+
+    def train_indices(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """Indices of the training sequences in this process's rows of the global batch at `step`."""
+        lo, hi = _process_rows(batch_size, process_index, process_count)
+        positions = step * batch_size + np.arange(lo, hi, dtype=np.int64)
+        epochs, within = np.divmod(positions, self.num_train_sequences)
+        return np.array([self._permutation(int(e))[i] for e, i in zip(epochs, within)], dtype=np.int64)
+
+    def train_batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> np.ndarray:
+        """The training batch of `step`, int32 [batch_size / process_count, seq_len + 1]."""
+        indices = self.train_indices(step, batch_size, process_index, process_count)
+        return self.train_stream.windows(indices * self.seq_len, self.seq_len + 1)
+
+    def epoch(self, step: int, batch_size: int) -> float:
+        """How many passes over the training sequences the first `step` steps made."""
+        return step * batch_size / self.num_train_sequences
+
+    def eval_batches(self, num_batches: int, batch_size: int, process_index: int = 0,
+                     process_count: int = 1) -> list[np.ndarray]:
+        """The fixed held-out batches: `num_batches * batch_size` sequences spread evenly over the held-out
+        stream (repeating some when it holds fewer), each batch int32 [batch_size / process_count, S+1]."""
+        lo, hi = _process_rows(batch_size, process_index, process_count)
+        count = num_batches * batch_size
+        indices = np.floor(np.arange(count) * (self.num_eval_sequences / count)).astype(np.int64)
+        batches = indices.reshape(num_batches, batch_size)[:, lo:hi]
+        return [self.eval_stream.windows(rows * self.seq_len, self.seq_len + 1) for rows in batches]
+
+    def prefetch(self, start_step: int, batch_size: int, stop_step: int | None = None, depth: int | None = None,
+                 process_index: int = 0, process_count: int = 1,
+                 transform: Callable[[np.ndarray], object] | None = None) -> Prefetcher:
+        """Training batches of steps [start_step, stop_step) from a background thread, `depth` ahead
+        (default `data.prefetch`). `transform` (e.g. a device put) runs on that thread too."""
+        _process_rows(batch_size, process_index, process_count)  # fail here, not in the thread
+
+        def produce(step: int):
+            batch = self.train_batch(step, batch_size, process_index, process_count)
+            return transform(batch) if transform is not None else batch
+
+        return Prefetcher(produce, start_step, stop_step, self.prefetch_depth if depth is None else depth)
+
+
+def _process_rows(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
+    if batch_size % process_count:
+        raise DataError(f"train.batch_size={batch_size} must be a multiple of the number of processes "
+                        f"({process_count}); change the batch size.")
+    assert 0 <= process_index < process_count
+    rows = batch_size // process_count
+    return process_index * rows, (process_index + 1) * rows
+
+
+# ------------------------------------------------------------------------------------------ building
+
+
+def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_dir: str | Path | None = None,
+                       log: Callable[[str], None] | None = None) -> tuple[TokenDataset, TextTokenizer | None]:
+    """Build the dataset of `data_cfg` for a model of `vocab_size` tokens; returns (dataset, tokenizer).
+
+    The tokenizer is `data.tokenizer` if given, else a byte-level BPE trained on the corpus; it is None for a
+    pre-tokenized corpus without `data.tokenizer`. With `run_dir`, the tokenizer is written to
+    RUN_DIR/tokenizer.json and the tokenized corpus cached under RUN_DIR/corpus/, so a resumed run reuses both.
+    """
+    log = log or (lambda message: None)
+    corpus = corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes)
+    cache_dir = Path(run_dir) / CACHE_DIR if run_dir is not None else None
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    texts = functools.cache(lambda: _read_texts(corpus, log))
+    tokenizer = _tokenizer(data_cfg, corpus, vocab_size, run_dir, cache_dir, texts, log)
+    if corpus.kind == "text":
+        # Text documents are small and many: one contiguous reordered copy makes batch gathers cheap.
+        tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log)
+        order = document_order(len(lengths), data_cfg.shuffle_seed)
+        stream = TokenStream([reorder(tokens, lengths, order)])
+    else:
+        # Token files may be huge memory maps: keep them as segments, read only where batches fall.
+        files = [_checked_tokens(path, corpus_lib.read_token_file(path), vocab_size) for path in corpus.files]
+        lengths = np.array([len(f) for f in files], dtype=np.int64)
+        if not lengths.sum():
+            raise DataError(f"{corpus.name} holds no tokens (all {len(files)} files are empty); give a corpus "
+                            "with tokens in it.")
+        order = document_order(len(files), data_cfg.shuffle_seed)
+        stream = TokenStream([files[i] for i in order])
+    cut = split_point(lengths[order], seq_len, data_cfg.eval_fraction, corpus.name)
+    train, held_out = stream.slice(0, cut), stream.slice(cut, len(stream))
+    dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch,
+                           f"{corpus.name}, {len(lengths):,} documents")
+    log(f"dropless: data {dataset}")
+    return dataset, tokenizer
+
+
+def _read_texts(corpus: Corpus, log: Callable[[str], None]) -> list[str]:
+    texts = list(corpus_lib.iter_documents(corpus))
+    if not texts:
+        raise DataError(f"{corpus.name} holds no text (its {len(corpus.files)} file(s) are empty or were skipped); "
+                        "give a corpus with text in it.")
+    log(f"dropless: read {len(texts):,} documents ({sum(map(len, texts)) / 1e6:.1f}M characters) from {corpus.name}")
+    return texts
+
+
+def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, cache_dir: Path | None,
+               texts: Callable[[], list[str]], log) -> TextTokenizer | None:
+    """The run's tokenizer: given, reused from the run directory, or trained (and saved there)."""
+    run_file = Path(run_dir) / TOKENIZER_FILE if run_dir is not None else None
+    origin_file = cache_dir / "tokenizer-origin.json" if cache_dir is not None else None
+    if data_cfg.tokenizer:
+        origin = {"tokenizer": str(Path(data_cfg.tokenizer).expanduser().resolve())}
+        tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size)
+    elif corpus.kind == "tokens":
+        if origin_file is not None and origin_file.exists():  # a tokenizer of an earlier run that we wrote
+            run_file.unlink(missing_ok=True)
+            origin_file.unlink()
+        return None
+    else:
+        # Reuse the run's tokenizer only if it was trained for this corpus and vocabulary (the same config).
+        origin = {"source": data_cfg.source, "max_bytes": data_cfg.max_bytes, "vocab_size": vocab_size}
+        if run_file is not None and run_file.is_file() and _read_json(origin_file) == origin:
+            return load_tokenizer(run_file, vocab_size)
+        log(f"dropless: training a byte-level BPE tokenizer of {vocab_size} tokens on {corpus.name}")
+        tokenizer = train_bpe(texts(), vocab_size)
+    if run_file is not None:
+        tokenizer.save(run_file)
+        _write_atomic(origin_file, json.dumps(origin).encode())
+    return tokenizer
+
+
+def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path | None,
+                      texts: Callable[[], list[str]], log) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, lengths): every document's tokens followed by the end-of-document id, concatenated in file
+    order, and each document's length; cached per (corpus, tokenizer)."""
+    key = hashlib.sha256((corpus.fingerprint() + tokenizer.to_str()).encode()).hexdigest()[:16]
+    cache_file = cache_dir / f"tokens-{key}.npz" if cache_dir is not None else None
+    if cache_file is not None and cache_file.is_file():
+        with np.load(cache_file) as cached:
+            tokens, lengths = cached["tokens"], cached["lengths"]
+    else:
+        log(f"dropless: tokenizing {corpus.name}")
+        encoded = []
+        chunk: list[str] = []
+        chunk_chars = 0
+        for text in texts() + [None]:
+            if text is None or chunk_chars >= _ENCODE_CHUNK_CHARS:
+                encoded.extend(tokenizer.encode_batch(chunk))
+                chunk, chunk_chars = [], 0
+            if text is not None:
+                chunk.append(text)
+                chunk_chars += len(text)
+        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+        tokens = np.concatenate([np.append(ids, tokenizer.eos_id) for ids in encoded]).astype(dtype)
+        lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
+        if cache_file is not None:
+            for stale in cache_dir.glob("tokens-*.npz"):
+                stale.unlink()
+            _write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
+    return tokens, lengths
+
+
+def _checked_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The ids of a pre-tokenized file, checked against the model's vocabulary."""
+    if len(tokens) == 0:
+        return tokens
+    largest, smallest = int(tokens.max()), int(tokens.min())
+    if smallest < 0:
+        raise DataError(f"{path} holds the negative token id {smallest}; token ids must be >= 0.")
+    if largest >= vocab_size:
+        raise DataError(f"{path} holds token id {largest}, beyond the vocabulary of model.vocab_size={vocab_size}; "
+                        f"set model.vocab_size={largest + 1} or more, or re-tokenize with a smaller vocabulary.")
+    return tokens
+
+
+def _npz_bytes(**arrays: np.ndarray) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path | None):
+    try:
+        return json.loads(path.read_text()) if path is not None else None
+    except (OSError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,90 @@
+"""Tokenizers: a byte-level BPE trained on the corpus (HF `tokenizers`), or a given `tokenizer.json`.
+
+Byte-level BPE (GPT-2's scheme) encodes any text without unknown tokens: the 256 bytes are the base
+alphabet and `<|endoftext|>` (id 0) separates documents.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dropless.data.corpus import DataError
+
+EOS_TOKEN = "<|endoftext|>"
+# End-of-document tokens of common tokenizers, tried in order when a tokenizer.json is loaded.
+EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
+BYTE_ALPHABET_SIZE = 256
+
+
+class TextTokenizer:
+    """A HF `tokenizers.Tokenizer` with its end-of-document id; encodes to numpy token arrays."""
+
+    def __init__(self, tokenizer: Tokenizer, name: str = "the tokenizer"):
+        self.hf = tokenizer
+        # Ids may have gaps, so the vocabulary the model needs is the largest id plus one.
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        eos = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+        if eos is None:
+            raise DataError(f"{name} has no end-of-document token (one of {', '.join(EOS_CANDIDATES)}); "
+                            "add one as a special token, or omit --tokenizer to train one.")
+        self.eos_token = eos
+        self.eos_id = tokenizer.token_to_id(eos)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of `text` (no special tokens added), int32."""
+        return np.asarray(self.hf.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode many documents at once (parallel in Rust)."""
+        return [np.asarray(e.ids, dtype=np.int32) for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_str(self) -> str:
+        return self.hf.to_str()
+
+    def save(self, path: Path) -> None:
+        """Write tokenizer.json atomically (a crash never leaves a half-written file)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.hf.to_str(pretty=True))
+        os.replace(tmp, path)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> TextTokenizer:
+    """Train a byte-level BPE of at most `vocab_size` tokens (fewer if the text runs out of pairs)."""
+    if vocab_size < BYTE_ALPHABET_SIZE + 1:
+        raise DataError(f"model.vocab_size={vocab_size} is too small for a byte-level BPE tokenizer, which needs "
+                        f"at least {BYTE_ALPHABET_SIZE + 1} tokens (256 bytes and {EOS_TOKEN}); raise it.")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer)
+    return TextTokenizer(tokenizer, "the trained tokenizer")
+
+
+def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> TextTokenizer:
+    """Load a `tokenizer.json`; with `vocab_size`, check that its ids fit in the model's vocabulary."""
+    path = Path(os.path.expanduser(str(path)))
+    if not path.is_file():
+        raise DataError(f"The tokenizer file {path} does not exist; give the path of a tokenizer.json, or omit "
+                        "--tokenizer to train one on the corpus.")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for every parse error
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{path} is not a valid tokenizer.json ({reason}); give a file saved by Hugging Face "
+                        "tokenizers.") from None
+    loaded = TextTokenizer(tokenizer, str(path))
+    if vocab_size is not None and loaded.vocab_size > vocab_size:
+        raise DataError(f"The tokenizer {path} has {loaded.vocab_size} tokens but model.vocab_size={vocab_size}; "
+                        f"set model.vocab_size={loaded.vocab_size} or more, or use a smaller tokenizer.")
+    return loaded
