@@ -1,0 +1,252 @@
+"""Hugging Face `config.json` <-> our `Config`, for DeepSeek-V3, Mixtral and Qwen3-MoE.
+
+Reading accepts both config styles found in the wild: the hub's (`rope_theta` + `rope_scaling`, as in
+deepseek-ai/DeepSeek-V3 and Qwen/Qwen3-30B-A3B) and transformers 5's (`rope_parameters`). A key that is missing
+takes the transformers default of that family. Every key that changes the function the model computes is either
+mapped or checked: an unsupported value raises `ConvertError` naming the key, never a silent approximation.
+Writing produces the hub style, which every transformers version since the family's introduction reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from dropless.config import Config, ConfigError, ModelConfig
+
+ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
+
+# transformers' defaults for the keys we read, per family (a config.json may omit any key at its default).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128,
+        qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3,
+        norm_topk_prob=True, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, initializer_range=0.02, rope_interleave=True),
+    "mixtral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=None, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False,
+        initializer_range=0.02, router_aux_loss_coef=0.001, sliding_window=None),
+    "qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4, head_dim=None, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        initializer_range=0.02, router_aux_loss_coef=0.001),
+}
+
+# Keys whose value must be exactly this (or absent) because our model implements only that behaviour.
+_REQUIRED = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "moe_layer_freq": 1,          # DeepSeek: every layer after the dense ones is MoE
+    "scoring_func": "sigmoid",    # DeepSeek-V3 (V2's softmax router is another architecture)
+    "topk_method": "noaux_tc",    # DeepSeek-V3's group-limited top-k with the correction bias
+    "use_sliding_window": False,  # Qwen3
+    "partial_rotary_factor": 1.0,
+}
+# Keys copied from a source config.json into an export unchanged (they do not change the function).
+PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+class ConvertError(ConfigError):
+    """A Hugging Face checkpoint or config we cannot convert; the message names the item and the fix."""
+
+
+def family_of(hf: dict) -> str:
+    """Our model family for an HF config dict, from `architectures` (or `model_type`)."""
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    if not archs and hf.get("model_type") in FAMILY_ARCHITECTURE:
+        return hf["model_type"]
+    name = ", ".join(archs) if archs else f"model_type {hf.get('model_type')!r}"
+    raise ConvertError(f"Architecture {name} is not supported; the supported ones are "
+                       f"{', '.join(ARCHITECTURES)}.")
+
+
+def _get(hf: dict, family: str, key: str, *aliases: str) -> Any:
+    for name in (key, *aliases):
+        if name in hf:
+            return hf[name]
+    return _DEFAULTS[family][key]
+
+
+def _unsupported(key: str, value: Any, supported: str) -> ConvertError:
+    return ConvertError(f"config.json field {key}={value!r} is not supported; dropless supports {supported}.")
+
+
+def rope_settings(hf: dict, family: str) -> tuple[float, dict | None]:
+    """(rope_theta, our rope_scaling or None) from either config style."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise _unsupported("rope_parameters", "per-layer-type RoPE", "one RoPE setting for all layers")
+    theta = float(hf.get("rope_theta", params.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
+    merged = {**params, **scaling}
+    kind = merged.get("rope_type", merged.get("type", "default"))
+    if merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _unsupported("partial_rotary_factor", merged.get("partial_rotary_factor"), "1.0 (full rotary width)")
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "yarn":
+        raise _unsupported("rope_scaling.type", kind, "'yarn' or no scaling")
+    max_pos = int(_get(hf, family, "max_position_embeddings"))
+    original = merged.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos
+    factor = merged.get("factor") or max_pos / original  # transformers derives a missing factor the same way
+    out = {"type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        if merged.get(key) is not None:
+            out[key] = float(merged[key])
+    if merged.get("truncate") is not None:
+        out["truncate"] = bool(merged["truncate"])
+    return theta, out
+
+
+def _check_required(hf: dict) -> None:
+    for key, want in _REQUIRED.items():
+        if key in hf and hf[key] != want and not (want is False and hf[key] is None):
+            raise _unsupported(key, hf[key], repr(want))
+
+
+def _moe_layer_split(hf: dict, family: str, num_layers: int) -> int:
+    """Number of leading dense layers; MoE layers must follow them all (our stacked layout)."""
+    if family == "deepseek_v3":
+        return min(int(_get(hf, family, "first_k_dense_replace") or 0), num_layers)
+    if family == "mixtral":
+        return 0
+    step = int(_get(hf, family, "decoder_sparse_step"))
+    only = set(_get(hf, family, "mlp_only_layers") or [])
+    dense = [i for i in range(num_layers) if i in only or (i + 1) % step != 0]
+    if dense != list(range(len(dense))):
+        raise ConvertError(f"config.json fields mlp_only_layers={sorted(only)} / decoder_sparse_step={step} make "
+                           f"layers {dense} dense; dropless supports dense layers only before all MoE layers.")
+    return len(dense)
+
+
+def config_from_hf(hf: dict, base: Config | None = None) -> Config:
+    """Our Config for an HF config.json dict; train/data/parallel come from `base` (defaults if None)."""
+    family = family_of(hf)
+    _check_required(hf)
+    get = lambda key, *aliases: _get(hf, family, key, *aliases)  # noqa: E731
+    theta, rope_scaling = rope_settings(hf, family)
+    num_layers = int(get("num_hidden_layers"))
+    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+    max_len = int(get("max_position_embeddings"))
+    model = dict(family=family, vocab_size=int(get("vocab_size")), hidden_size=hidden, num_layers=num_layers,
+                 first_dense_layers=_moe_layer_split(hf, family, num_layers), num_heads=heads,
+                 rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_len,
+                 rms_norm_eps=float(get("rms_norm_eps")), tie_embeddings=bool(get("tie_word_embeddings")),
+                 init_std=float(get("initializer_range")))
+    if family == "deepseek_v3":
+        model.update(attention="mla", dense_intermediate_size=int(get("intermediate_size")),
+                     q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank")),
+                     qk_rope_head_dim=int(get("qk_rope_head_dim")), qk_nope_head_dim=int(get("qk_nope_head_dim")),
+                     v_head_dim=int(get("v_head_dim")))
+        moe = dict(num_experts=int(get("n_routed_experts", "num_local_experts")),
+                   expert_intermediate_size=int(get("moe_intermediate_size")),
+                   num_shared_experts=int(get("n_shared_experts") or 0), score_func="sigmoid",
+                   norm_topk_prob=bool(get("norm_topk_prob")),
+                   routed_scaling_factor=float(get("routed_scaling_factor")),
+                   n_group=int(get("n_group") or 1), topk_group=int(get("topk_group") or 1))
+        if hf.get("seq_aux") and hf.get("aux_loss_alpha"):  # the official config's sequence-wise balance loss
+            moe["seq_aux_loss_weight"] = float(hf["aux_loss_alpha"])
+    else:
+        head_dim = get("head_dim") or hidden // heads
+        model.update(attention="gqa", num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(head_dim),
+                     qk_norm=family == "qwen3_moe")
+        window = hf.get("sliding_window")
+        if family == "mixtral" and window is not None and window < max_len:
+            raise _unsupported("sliding_window", window, f"null (or >= max_position_embeddings={max_len})")
+        if family == "mixtral":
+            width = int(get("intermediate_size"))
+            model["dense_intermediate_size"] = width
+            moe = dict(num_experts=int(get("num_local_experts", "num_experts")), expert_intermediate_size=width,
+                       norm_topk_prob=True)
+        else:
+            model["dense_intermediate_size"] = int(get("intermediate_size"))
+            moe = dict(num_experts=int(get("num_experts", "num_local_experts")),
+                       expert_intermediate_size=int(get("moe_intermediate_size")),
+                       norm_topk_prob=bool(get("norm_topk_prob")))
+        moe.update(num_shared_experts=0, score_func="softmax", routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                   aux_loss_weight=float(get("router_aux_loss_coef")))
+    moe["num_experts_per_tok"] = int(get("num_experts_per_tok"))
+    base = base or Config()
+    train = base.train
+    if train.seq_len > max_len:  # keep the Config valid for models with a short context
+        train = dataclasses.replace(train, seq_len=max_len)
+    try:
+        return Config(model=ModelConfig(**model), moe=dataclasses.replace(base.moe, **moe), train=train,
+                      data=base.data, parallel=base.parallel)
+    except ConfigError as err:
+        raise ConvertError(f"config.json describes a model dropless cannot build: {err}") from None
+
+
+def _require_export(ok: bool, key: str, value: Any, family: str, want: str) -> None:
+    if not ok:
+        raise ConvertError(f"{key}={value!r} cannot be expressed in a {FAMILY_ARCHITECTURE[family]} config.json "
+                           f"(it needs {want}); export to a family that has it or change the model.")
+
+
+def config_to_hf(config: Config, source: dict | None = None, dtype: str = "float32") -> dict:
+    """The HF config.json dict for our Config. `source`: the config.json it was imported from, if any, whose
+    token ids are kept."""
+    m, moe, family = config.model, config.moe, config.model.family
+    req = lambda ok, key, want: _require_export(ok, key, getattr(m if key.startswith("model.") else moe,  # noqa: E731
+                                                                key.split(".")[1]), family, want)
+    hf: dict[str, Any] = {"architectures": [FAMILY_ARCHITECTURE[family]], "model_type": family,
+                          "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
+                          "num_attention_heads": m.num_heads, "max_position_embeddings": m.max_seq_len,
+                          "rms_norm_eps": m.rms_norm_eps, "tie_word_embeddings": m.tie_embeddings,
+                          "rope_theta": m.rope_theta, "hidden_act": "silu", "initializer_range": m.init_std,
+                          "num_experts_per_tok": moe.num_experts_per_tok, "torch_dtype": dtype}
+    if m.rope_scaling is not None:
+        hf["rope_scaling"] = {**{k: v for k, v in m.rope_scaling.items() if k != "rope_type"}, "type": "yarn",
+                              "rope_type": "yarn"}
+    if family == "deepseek_v3":
+        req(m.attention == "mla", "model.attention", "'mla'")
+        req(moe.score_func == "sigmoid", "moe.score_func", "'sigmoid'")
+        hf.update(intermediate_size=m.dense_intermediate_size, moe_intermediate_size=moe.expert_intermediate_size,
+                  num_key_value_heads=m.num_heads, n_shared_experts=moe.num_shared_experts,
+                  n_routed_experts=moe.num_experts, routed_scaling_factor=moe.routed_scaling_factor,
+                  kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank or None,
+                  qk_rope_head_dim=m.qk_rope_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim,
+                  n_group=moe.n_group, topk_group=moe.topk_group, first_k_dense_replace=m.first_dense_layers,
+                  norm_topk_prob=moe.norm_topk_prob, rope_interleave=True, attention_bias=False,
+                  scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, num_nextn_predict_layers=0)
+        if moe.seq_aux_loss_weight > 0:
+            hf.update(seq_aux=True, aux_loss_alpha=moe.seq_aux_loss_weight)
+    else:
+        req(m.attention == "gqa", "model.attention", "'gqa'")
+        req(moe.score_func == "softmax", "moe.score_func", "'softmax'")
+        req(moe.num_shared_experts == 0, "moe.num_shared_experts", "0")
+        req(moe.n_group == 1, "moe.n_group", "1")
+        req(math.isclose(moe.routed_scaling_factor, 1.0), "moe.routed_scaling_factor", "1.0")
+        req(m.qk_norm == (family == "qwen3_moe"), "model.qk_norm", str(family == "qwen3_moe"))
+        hf.update(num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
+                  router_aux_loss_coef=moe.aux_loss_weight)
+        if family == "mixtral":
+            req(m.first_dense_layers == 0, "model.first_dense_layers", "0")
+            req(moe.norm_topk_prob, "moe.norm_topk_prob", "True")
+            hf.update(intermediate_size=moe.expert_intermediate_size, num_local_experts=moe.num_experts,
+                      sliding_window=None)
+        else:
+            hf.update(intermediate_size=m.dense_intermediate_size, moe_intermediate_size=moe.expert_intermediate_size,
+                      num_experts=moe.num_experts, norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(m.first_dense_layers)), attention_bias=False,
+                      use_sliding_window=False, sliding_window=None)
+    for key in PASSTHROUGH_KEYS:
+        if source and key in source:
+            hf[key] = source[key]
+    return dict(sorted(hf.items()))
