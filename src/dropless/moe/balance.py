@@ -1,0 +1,67 @@
+"""Load accounting and balancing: the three balancing losses and the aux-loss-free bias update.
+
+Shapes: B batch, S sequence, T = B*S tokens, E experts, K top-k. `probs` are the router scores
+normalised to sum to 1 over experts (softmax as is; sigmoid scores divided by their sum), and
+`count_e` is how many of the T*K (token, expert) assignments chose expert e. All losses equal 1
+(aux, seq-aux) when the load and the probabilities are uniform, whatever E and K.
+
+  aux_loss     (Switch/GShard, over the batch)  = E/(K*T) * sum_e count_e * mean_t probs[t, e]
+  seq_aux_loss (DeepSeek-V2/V3, per sequence)   = mean_b [ E/(K*S) * sum_e count_{b,e} * mean_s probs[b, s, e] ]
+  z_loss       (ST-MoE)                         = mean_t logsumexp(logits[t])^2
+
+Only `probs` carries gradient (the counts come from a discrete top-k), as in all three papers.
+Hugging Face's Mixtral `load_balancing_loss_func` is K times our aux_loss (its weights are per slot).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def tokens_per_expert(expert_ids_TK: jax.Array, num_experts: int) -> jax.Array:
+    """[E] int32 count of (token, expert) assignments per expert."""
+    one_hot_TKE = expert_ids_TK[..., None] == jnp.arange(num_experts, dtype=expert_ids_TK.dtype)
+    return jnp.sum(one_hot_TKE, axis=(0, 1), dtype=jnp.int32)
+
+
+def max_load_ratio(tokens_per_expert_E: jax.Array) -> jax.Array:
+    """max/mean tokens per expert: 1 is perfect balance, E/K the worst (every token on the same K experts)."""
+    load_E = tokens_per_expert_E.astype(jnp.float32)
+    return jnp.max(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9)
+
+
+def _balance(count_E: jax.Array, probs_NE: jax.Array, top_k: int) -> jax.Array:
+    num_experts = probs_NE.shape[-1]
+    num_rows = probs_NE.shape[-2]
+    fraction_E = count_E.astype(jnp.float32) * (num_experts / (top_k * num_rows))
+    return jnp.sum(fraction_E * jnp.mean(probs_NE, axis=-2), axis=-1)
+
+
+def aux_loss(probs_TE: jax.Array, expert_ids_TK: jax.Array) -> jax.Array:
+    """Switch/GShard load-balancing loss over all tokens of the batch."""
+    count_E = tokens_per_expert(jax.lax.stop_gradient(expert_ids_TK), probs_TE.shape[-1])
+    return _balance(count_E, probs_TE, expert_ids_TK.shape[-1])
+
+
+def seq_aux_loss(probs_BSE: jax.Array, expert_ids_BSK: jax.Array) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss: the aux loss within each sequence, averaged over sequences."""
+    num_experts = probs_BSE.shape[-1]
+    one_hot_BSKE = expert_ids_BSK[..., None] == jnp.arange(num_experts, dtype=expert_ids_BSK.dtype)
+    count_BE = jnp.sum(one_hot_BSKE, axis=(1, 2), dtype=jnp.int32)
+    return jnp.mean(_balance(count_BE, probs_BSE, expert_ids_BSK.shape[-1]))
+
+
+def z_loss(logits_TE: jax.Array) -> jax.Array:
+    """Router z-loss: penalises large logits, which make the softmax/sigmoid saturate."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))
+
+
+def update_router_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float) -> jax.Array:
+    """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean_load - load), outside the gradient.
+
+    Works on any leading axes (e.g. [L, E] for stacked layers); the mean is over the last (expert) axis.
+    """
+    load_E = tokens_per_expert_E.astype(jnp.float32)
+    step_E = jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E)
+    return (bias_E.astype(jnp.float32) + rate * step_E).astype(bias_E.dtype)

@@ -1,0 +1,39 @@
+"""The expert-executor seam: how routed tokens reach their experts and come back.
+
+An executor is any callable
+    executor(x_TD, expert_ids_TK int32, weights_TK float32, experts, gmm) -> (y_TD float32, tokens_dropped int32)
+where `experts` = {"gate_up": [E, D, 2F], "down": [E, F, D]} (already in the compute dtype) and `gmm` is a
+grouped-GEMM backend (dropless.moe.gmm). `LocalExecutor` runs everything on one device; the
+expert-parallel executors (dropless.parallel.dispatch) add dispatch/combine collectives around the same
+permute / routed_experts / unpermute stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+
+from dropless.moe.experts import routed_experts
+from dropless.moe.gmm import GroupedMatmul
+from dropless.moe.permute import permute, unpermute
+
+
+class ExpertExecutor(Protocol):
+    def __call__(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array, experts: dict,
+                 gmm: GroupedMatmul) -> tuple[jax.Array, jax.Array]: ...
+
+
+@dataclass(frozen=True)
+class LocalExecutor:
+    """Single device: permute -> grouped GEMM (SwiGLU) -> unpermute and weighted combine in float32."""
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts, gmm):
+        num_experts = experts["gate_up"].shape[0]
+        with jax.named_scope("permute"):
+            x_sorted_MD, group_sizes_E, info = permute(x_TD, expert_ids_TK, num_experts)
+        y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, gmm)
+        with jax.named_scope("unpermute"):
+            y_TD = unpermute(y_sorted_MD, info, weights_TK)
+        return y_TD, gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0])

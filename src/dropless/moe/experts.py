@@ -1,0 +1,47 @@
+"""SwiGLU experts: the routed experts as two grouped GEMMs, and the dense shared experts.
+
+SwiGLU(x) = (silu(x @ gate) * (x @ up)) @ down, with gate and up fused into one `gate_up` weight
+(`gate_up[..., :F]` = gate, `gate_up[..., F:]` = up) so one GEMM computes both.
+Shapes: M permuted rows, D hidden, E experts, F expert width.
+Matmuls run in the dtype of their inputs with float32 accumulation; the activation is computed in float32,
+and the down projection returns float32 so the combine that follows loses nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dropless.moe.gmm import GroupedMatmul
+
+
+def _glu(h_MF2: jax.Array, dtype) -> jax.Array:
+    gate_MF, up_MF = jnp.split(h_MF2.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate_MF) * up_MF).astype(dtype)
+
+
+def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: dict,
+                   gmm: GroupedMatmul) -> jax.Array:
+    """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] float32."""
+    dtype = x_sorted_MD.dtype
+    with jax.named_scope("gmm_up"):
+        h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E)
+    a_MF = _glu(h_MF2, dtype)
+    with jax.named_scope("gmm_down"):
+        return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E, preferred_element_type=jnp.float32)
+
+
+def dense_swiglu(x_TD: jax.Array, weights: dict) -> jax.Array:
+    """The shared experts (and any dense SwiGLU MLP): [T, D] -> [T, D] float32."""
+    dtype = x_TD.dtype
+    h_TF2 = jnp.dot(x_TD, weights["gate_up"].astype(dtype))
+    return jnp.dot(_glu(h_TF2, dtype), weights["down"].astype(dtype), preferred_element_type=jnp.float32)
+
+
+def init_swiglu(key: jax.Array, leading: tuple[int, ...], hidden_size: int, width: int, init_std: float) -> dict:
+    """float32 SwiGLU weights {"gate_up": [*leading, D, 2F], "down": [*leading, F, D]}, normal(0, init_std)."""
+    key_up, key_down = jax.random.split(key)
+    return {
+        "gate_up": init_std * jax.random.normal(key_up, (*leading, hidden_size, 2 * width), jnp.float32),
+        "down": init_std * jax.random.normal(key_down, (*leading, width, hidden_size), jnp.float32),
+    }

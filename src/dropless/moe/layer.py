@@ -1,0 +1,107 @@
+"""The MoE layer: route -> executor (permute -> grouped GEMM -> unpermute) -> + shared experts.
+
+Shapes: B batch, S sequence, T = B*S tokens, D hidden, E experts, K top-k, F expert width.
+Parameters (float32 master weights, one layer):
+    {"router": {"kernel": [D, E]},
+     "experts": {"gate_up": [E, D, 2F], "down": [E, F, D]},
+     "shared": {"gate_up": [D, 2Fs], "down": [Fs, D]}}      # only if moe.num_shared_experts > 0; Fs = n * F
+The router bias (`router_bias_E`, DeepSeek-V3's e_score_correction_bias) is state, not a parameter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dropless.moe import balance
+from dropless.moe.errors import MoEError
+from dropless.moe.executor import ExpertExecutor, LocalExecutor
+from dropless.moe.experts import dense_swiglu, init_swiglu
+from dropless.moe.gmm import make_gmm
+from dropless.moe.router import Routing, route
+
+
+class MoEStats(NamedTuple):
+    """Per-call accounting, all on device (no host sync)."""
+
+    tokens_per_expert: jax.Array  # [E] int32, assignments chosen by the router (before any drop)
+    max_load_ratio: jax.Array  # max/mean of tokens_per_expert
+    tokens_dropped: jax.Array  # int32 (token, expert) assignments not computed; 0 unless gmm_backend=capacity
+    aux_loss: jax.Array
+    seq_aux_loss: jax.Array
+    z_loss: jax.Array
+    balance_loss: jax.Array  # aux_loss_weight*aux + seq_aux_loss_weight*seq_aux + z_loss_weight*z
+
+
+def init_moe(key: jax.Array, hidden_size: int, moe_cfg, init_std: float) -> dict:
+    """One layer's float32 parameters, every weight drawn from normal(0, init_std)."""
+    key_router, key_experts, key_shared = jax.random.split(key, 3)
+    num_experts, width = moe_cfg.num_experts, moe_cfg.expert_intermediate_size
+    params = {
+        "router": {"kernel": init_std * jax.random.normal(key_router, (hidden_size, num_experts), jnp.float32)},
+        "experts": init_swiglu(key_experts, (num_experts,), hidden_size, width, init_std),
+    }
+    if moe_cfg.num_shared_experts > 0:
+        params["shared"] = init_swiglu(key_shared, (), hidden_size, moe_cfg.num_shared_experts * width, init_std)
+    return params
+
+
+def _expect(name: str, shape: tuple, expected: tuple, fix: str) -> None:
+    if tuple(shape) != tuple(expected):
+        raise MoEError(f"{name} has shape {tuple(shape)} but the MoE layer expects {tuple(expected)}; {fix}.")
+
+
+def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
+    """Validate shapes at the layer boundary (trace time, so free under jit)."""
+    if getattr(x_BSD, "ndim", None) != 3:
+        raise MoEError(f"x_BSD must be [batch, seq, hidden] but has shape {getattr(x_BSD, 'shape', None)}; "
+                       f"reshape the activations to 3 dimensions.")
+    hidden = x_BSD.shape[-1]
+    num_experts, width = moe_cfg.num_experts, moe_cfg.expert_intermediate_size
+    fix = "build the parameters with init_moe(key, hidden_size, moe_cfg, init_std) for this config"
+    _expect("params['router']['kernel']", params["router"]["kernel"].shape, (hidden, num_experts), fix)
+    _expect("params['experts']['gate_up']", params["experts"]["gate_up"].shape, (num_experts, hidden, 2 * width), fix)
+    _expect("params['experts']['down']", params["experts"]["down"].shape, (num_experts, width, hidden), fix)
+    shared_width = moe_cfg.num_shared_experts * width
+    if (moe_cfg.num_shared_experts > 0) != ("shared" in params):
+        raise MoEError(f"moe.num_shared_experts={moe_cfg.num_shared_experts} but the parameters "
+                       f"{'lack' if 'shared' not in params else 'have'} a 'shared' entry; {fix}.")
+    if "shared" in params:
+        _expect("params['shared']['gate_up']", params["shared"]["gate_up"].shape, (hidden, 2 * shared_width), fix)
+        _expect("params['shared']['down']", params["shared"]["down"].shape, (shared_width, hidden), fix)
+    if router_bias_E is not None:
+        _expect("router_bias_E", router_bias_E.shape, (num_experts,),
+                "pass one bias per expert (zeros when the aux-loss-free bias is unused)")
+
+
+def moe_stats(routing: Routing, tokens_dropped: jax.Array, batch_size: int, moe_cfg) -> MoEStats:
+    num_tokens, top_k = routing.expert_ids_TK.shape
+    seq_len = num_tokens // batch_size
+    counts_E = balance.tokens_per_expert(routing.expert_ids_TK, moe_cfg.num_experts)
+    aux = balance.aux_loss(routing.probs_TE, routing.expert_ids_TK)
+    seq_aux = balance.seq_aux_loss(routing.probs_TE.reshape(batch_size, seq_len, -1),
+                                   routing.expert_ids_TK.reshape(batch_size, seq_len, top_k))
+    z = balance.z_loss(routing.logits_TE)
+    total = moe_cfg.aux_loss_weight * aux + moe_cfg.seq_aux_loss_weight * seq_aux + moe_cfg.z_loss_weight * z
+    return MoEStats(counts_E, balance.max_load_ratio(counts_E), jnp.asarray(tokens_dropped, jnp.int32),
+                    aux, seq_aux, z, total)
+
+
+def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
+              executor: ExpertExecutor | None = None) -> tuple[jax.Array, MoEStats]:
+    """The routed (+ shared) expert layer: returns (y_BSD in compute_dtype, MoEStats)."""
+    check_inputs(params, router_bias_E, x_BSD, moe_cfg)
+    batch, seq, hidden = x_BSD.shape
+    x_TD = x_BSD.reshape(batch * seq, hidden)
+    with jax.named_scope("route"):
+        routing = route(params["router"]["kernel"], router_bias_E, x_TD, moe_cfg)
+    x_TD = x_TD.astype(compute_dtype)
+    experts = jax.tree.map(lambda w: w.astype(compute_dtype), params["experts"])
+    executor = LocalExecutor() if executor is None else executor
+    y_TD, tokens_dropped = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts, make_gmm(moe_cfg))
+    if "shared" in params:
+        with jax.named_scope("shared"):
+            y_TD = y_TD + dense_swiglu(x_TD, params["shared"])
+    return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), moe_stats(routing, tokens_dropped, batch, moe_cfg)

@@ -1,0 +1,99 @@
+"""Permutation: sort the (token, expert) pairs by expert so each expert's rows are contiguous, and back.
+
+Shapes: T tokens, K experts per token, M = T*K rows after permutation, D hidden, E experts.
+A *slot* is one (token, k) pair, numbered t*K + k. `permute` sorts the slots by expert id with a stable
+sort (so inside an expert the rows stay in token order) and gathers the token rows; `unpermute` gathers
+them back and combines the K expert outputs of each token with the routing weights, in float32.
+
+Both gathers have custom VJPs that are gathers too: the transpose of a gather is a scatter(-add), which on
+accelerators is slower and, with duplicate indices, non-deterministic. Because the sort is a permutation we
+know its inverse, so each backward pass is one more gather (plus a sum over K for the token rows).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class PermuteInfo(NamedTuple):
+    """What `unpermute` needs to undo `permute` (a pytree of int32 device arrays)."""
+
+    slot_of_row_M: jax.Array  # sorted row -> slot t*K + k
+    row_of_slot_TK: jax.Array  # slot (t, k) -> sorted row (the inverse permutation)
+
+
+@jax.custom_vjp
+def _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK):
+    top_k = row_of_slot_TK.shape[1]
+    return x_TD[slot_of_row_M // top_k]
+
+
+def _gather_token_rows_fwd(x_TD, slot_of_row_M, row_of_slot_TK):
+    return _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK), (row_of_slot_TK,)
+
+
+def _gather_token_rows_bwd(res, g_MD):
+    (row_of_slot_TK,) = res
+    # Token t was copied to the K rows row_of_slot[t]; its gradient is the sum of theirs.
+    g_TD = jnp.sum(g_MD[row_of_slot_TK].astype(jnp.float32), axis=1).astype(g_MD.dtype)
+    return g_TD, None, None
+
+
+_gather_token_rows.defvjp(_gather_token_rows_fwd, _gather_token_rows_bwd)
+
+
+@jax.custom_vjp
+def _gather_slots(y_RD, row_of_slot_M, slot_of_row_M):
+    return y_RD[row_of_slot_M]
+
+
+def _gather_slots_fwd(y_RD, row_of_slot_M, slot_of_row_M):
+    return _gather_slots(y_RD, row_of_slot_M, slot_of_row_M), (slot_of_row_M, y_RD.shape[0])
+
+
+def _gather_slots_bwd(res, g_MD):
+    slot_of_row_M, num_rows = res
+    g_sorted_MD = g_MD[slot_of_row_M]
+    # y may carry padding rows past the T*K real ones (an expert-parallel buffer); they get no gradient.
+    pad = num_rows - g_sorted_MD.shape[0]
+    return jnp.pad(g_sorted_MD, ((0, pad), (0, 0))), None, None
+
+
+_gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
+
+
+def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int
+            ) -> tuple[jax.Array, jax.Array, PermuteInfo]:
+    """Sort token copies by expert: returns (x_sorted_MD, group_sizes_E int32, info), all on device.
+
+    Row r of x_sorted is token slot_of_row[r] // K; rows of expert e are contiguous and in token order.
+    Ids >= num_experts (e.g. a sentinel for "not on this device") sort last and are left out of
+    group_sizes, so a grouped GEMM treats those rows as padding.
+    """
+    num_tokens, top_k = expert_ids_TK.shape
+    flat_ids_M = expert_ids_TK.reshape(-1).astype(jnp.int32)
+    slot_of_row_M = jnp.argsort(flat_ids_M, stable=True).astype(jnp.int32)
+    row_of_slot_M = jnp.zeros_like(slot_of_row_M).at[slot_of_row_M].set(
+        jnp.arange(num_tokens * top_k, dtype=jnp.int32), unique_indices=True)
+    info = PermuteInfo(slot_of_row_M, row_of_slot_M.reshape(num_tokens, top_k))
+    sorted_ids_M = flat_ids_M[slot_of_row_M]
+    # Boundaries of each expert's run in the sorted ids: a binary search, no scatter-add and no host sync.
+    bounds = jnp.searchsorted(sorted_ids_M, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
+    group_sizes_E = jnp.diff(bounds).astype(jnp.int32)
+    x_sorted_MD = _gather_token_rows(x_TD, info.slot_of_row_M, info.row_of_slot_TK)
+    return x_sorted_MD, group_sizes_E, info
+
+
+def unpermute(y_sorted_MD: jax.Array, info: PermuteInfo, weights_TK: jax.Array) -> jax.Array:
+    """Undo `permute` and combine: y_TD[t] = sum_k weights[t, k] * y_sorted[row_of_slot[t, k]], in float32.
+
+    `y_sorted` may have extra padding rows after the first T*K; they are ignored.
+    """
+    num_tokens, top_k = info.row_of_slot_TK.shape
+    y_slots_MD = _gather_slots(y_sorted_MD, info.row_of_slot_TK.reshape(-1), info.slot_of_row_M)
+    y_TKD = y_slots_MD.reshape(num_tokens, top_k, -1).astype(jnp.float32)
+    return jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD,
+                      precision=jax.lax.Precision.HIGHEST)

@@ -1,0 +1,70 @@
+"""The router: scores, expert selection (top-k, group-limited, bias-corrected) and combine weights.
+
+Everything here is float32 whatever the compute dtype. Shapes: T tokens, D hidden, E experts, K top-k,
+G expert groups (n_group). Semantics follow Hugging Face transformers exactly:
+- Mixtral / Qwen3-MoE: softmax over all E experts, top-k, renormalise if norm_topk_prob.
+- DeepSeek-V3: sigmoid scores; selection on scores + bias (the aux-loss-free correction bias), limited
+  to the best `topk_group` of `n_group` groups, a group scored by the sum of its top-2 biased scores;
+  combine weights are the *unbiased* scores of the chosen experts, renormalised (+1e-20) if
+  norm_topk_prob, then multiplied by routed_scaling_factor.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+    expert_ids_TK: jax.Array  # int32, in descending order of the selection score
+    weights_TK: jax.Array  # float32 combine weights
+    logits_TE: jax.Array  # float32 router logits (for the z-loss)
+    probs_TE: jax.Array  # float32 scores normalised to sum to 1 over experts (for the balancing losses)
+
+
+def router_logits(kernel_DE: jax.Array, x_TD: jax.Array) -> jax.Array:
+    # HIGHEST: on GPUs a default float32 dot may run in TF32, which can flip near-tied top-k choices.
+    return jnp.dot(x_TD.astype(jnp.float32), kernel_DE.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def scores_from_logits(logits_TE: jax.Array, score_func: str) -> jax.Array:
+    if score_func == "softmax":
+        return jax.nn.softmax(logits_TE, axis=-1)
+    return jax.nn.sigmoid(logits_TE)
+
+
+def select_experts(choice_TE: jax.Array, top_k: int, n_group: int, topk_group: int) -> jax.Array:
+    """Top-k expert ids of the selection scores, restricted to the best `topk_group` of `n_group` groups."""
+    if n_group > 1:
+        num_tokens, num_experts = choice_TE.shape
+        choice_TGX = choice_TE.reshape(num_tokens, n_group, num_experts // n_group)
+        # A group's score is the sum of its best two experts (DeepSeek-V3); one if groups have one expert.
+        best_in_group = min(2, num_experts // n_group)
+        group_score_TG = jnp.sum(jax.lax.top_k(choice_TGX, best_in_group)[0], axis=-1)
+        _, kept_groups_TJ = jax.lax.top_k(group_score_TG, topk_group)
+        kept_TG = jnp.any(kept_groups_TJ[:, :, None] == jnp.arange(n_group)[None, None, :], axis=1)
+        # -inf (not 0, as older HF versions did): a masked expert must never beat a negative biased score.
+        choice_TE = jnp.where(kept_TG[:, :, None], choice_TGX, -jnp.inf).reshape(num_tokens, num_experts)
+    _, expert_ids_TK = jax.lax.top_k(choice_TE, top_k)
+    return expert_ids_TK.astype(jnp.int32)
+
+
+def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg) -> Routing:
+    """Choose K experts per token and their combine weights. The bias steers selection only."""
+    logits_TE = router_logits(kernel_DE, x_TD)
+    scores_TE = scores_from_logits(logits_TE, moe_cfg.score_func)
+    choice_TE = jax.lax.stop_gradient(scores_TE)
+    if bias_E is not None:
+        choice_TE = choice_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
+    expert_ids_TK = select_experts(choice_TE, moe_cfg.num_experts_per_tok, moe_cfg.n_group, moe_cfg.topk_group)
+    weights_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=-1)
+    if moe_cfg.norm_topk_prob:
+        weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+    weights_TK = weights_TK * moe_cfg.routed_scaling_factor
+    if moe_cfg.score_func == "softmax":
+        probs_TE = scores_TE
+    else:
+        probs_TE = scores_TE / (jnp.sum(scores_TE, axis=-1, keepdims=True) + 1e-20)
+    return Routing(expert_ids_TK, weights_TK, logits_TE, probs_TE)

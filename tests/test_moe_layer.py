@@ -1,0 +1,130 @@
+"""The MoE layer against the per-token float64 reference: forward output, losses and gradients."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import enable_x64
+
+from dropless.config import MoEConfig
+from dropless.moe import MoEError, init_moe, moe_layer
+from dropless.moe.reference import reference_moe, reference_route
+
+HIDDEN = 12
+# Every router option, k = 1 and k = E, groups, bias, scaling, shared experts; all three losses weighted so
+# their gradients are checked too. (name, config kwargs, bias kind)
+CASES = [
+    ("mixtral", dict(num_experts=4, num_experts_per_tok=2, score_func="softmax", num_shared_experts=0), None),
+    ("qwen3_unnormalised", dict(num_experts=8, num_experts_per_tok=3, score_func="softmax", norm_topk_prob=False,
+                                num_shared_experts=0), None),
+    ("deepseek_v3", dict(num_experts=8, num_experts_per_tok=2, score_func="sigmoid", n_group=4, topk_group=2,
+                         routed_scaling_factor=2.5, num_shared_experts=1), "random"),
+    # k = 1 unnormalised (so the weight carries the router gradient); the bias puts every token on expert 2,
+    # leaving three experts empty.
+    ("all_on_one_expert", dict(num_experts=4, num_experts_per_tok=1, score_func="sigmoid", norm_topk_prob=False,
+                               num_shared_experts=0), "one_expert"),
+    ("k_equals_e", dict(num_experts=4, num_experts_per_tok=4, score_func="softmax", num_shared_experts=1), None),
+    ("groups_k3_two_shared", dict(num_experts=16, num_experts_per_tok=3, score_func="sigmoid", n_group=4,
+                                  topk_group=2, norm_topk_prob=False, routed_scaling_factor=1.5,
+                                  num_shared_experts=2), "random"),
+]
+LOSS_WEIGHTS = dict(aux_loss_weight=0.3, seq_aux_loss_weight=0.2, z_loss_weight=0.05)
+
+
+def _problem(name, kwargs, bias_kind, seed):
+    rng = np.random.default_rng(seed)
+    cfg = MoEConfig(expert_intermediate_size=int(rng.integers(3, 9)), gmm_backend="xla", **kwargs, **LOSS_WEIGHTS)
+    batch, seq = int(rng.integers(1, 4)), int(rng.integers(2, 7))
+    params = init_moe(jax.random.key(seed), HIDDEN, cfg, init_std=0.5)
+    x_BSD = jnp.asarray(rng.normal(size=(batch, seq, HIDDEN)), jnp.float32)
+    bias_E = jnp.zeros(cfg.num_experts, jnp.float32)
+    if bias_kind == "random":
+        bias_E = jnp.asarray(rng.normal(scale=0.3, size=cfg.num_experts), jnp.float32)
+    elif bias_kind == "one_expert":
+        bias_E = bias_E.at[2].set(10.0)
+    cotangent_BSD = jnp.asarray(rng.normal(size=x_BSD.shape), jnp.float32)
+    return cfg, params, bias_E, x_BSD, cotangent_BSD
+
+
+def _rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-6))
+
+
+@pytest.mark.parametrize("name,kwargs,bias_kind", CASES, ids=[c[0] for c in CASES])
+def test_layer_matches_reference_forward_and_gradients(name, kwargs, bias_kind):
+    cfg, params, bias_E, x_BSD, cotangent_BSD = _problem(name, kwargs, bias_kind, seed=len(name))
+
+    def objective(params, x_BSD, layer):
+        y_BSD, losses = layer(params, x_BSD)
+        return jnp.sum(y_BSD * cotangent_BSD) + losses["balance_loss"], (y_BSD, losses)
+
+    def layer(params, x_BSD):
+        y_BSD, stats = moe_layer(params, bias_E, x_BSD, cfg, compute_dtype=jnp.float32)
+        return y_BSD, stats._asdict()
+
+    (_, (y, stats)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True),
+                                     static_argnums=2)(params, x_BSD, layer)
+
+    ids_TK = reference_route(x_BSD.reshape(-1, HIDDEN), params["router"]["kernel"], bias_E, cfg)
+    np.testing.assert_array_equal(np.bincount(ids_TK.ravel(), minlength=cfg.num_experts), stats["tokens_per_expert"])
+    with enable_x64():
+        params64, x64 = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), (params, x_BSD))
+        cotangent_BSD = jnp.asarray(cotangent_BSD, jnp.float64)
+        reference = lambda p, x: reference_moe(p, x, ids_TK, cfg)
+        (_, (y_ref, losses_ref)), grads_ref = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True),
+                                                      static_argnums=2)(params64, x64, reference)
+
+    assert _rel_err(y, y_ref) < 1e-5
+    for key in ("aux_loss", "seq_aux_loss", "z_loss", "balance_loss"):
+        assert _rel_err(stats[key], losses_ref[key]) < 1e-5, key
+    flat, flat_ref = jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_ref)
+    assert len(flat) == len(flat_ref)
+    for (path, g), g_ref in zip(flat, flat_ref):
+        assert _rel_err(g, g_ref) < 1e-4, jax.tree_util.keystr(path)
+    if bias_kind == "one_expert":
+        assert int(stats["tokens_per_expert"][2]) == x_BSD.shape[0] * x_BSD.shape[1]
+        assert float(stats["max_load_ratio"]) == pytest.approx(cfg.num_experts)
+
+
+def test_bfloat16_compute_stays_close_to_reference():
+    cfg, params, bias_E, x_BSD, _ = _problem(*CASES[2], seed=7)
+    y, stats = jax.jit(lambda p, x: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.bfloat16))(params, x_BSD)
+    assert y.dtype == jnp.bfloat16
+    ids_TK = reference_route(x_BSD.reshape(-1, HIDDEN), params["router"]["kernel"], bias_E, cfg)
+    with enable_x64():
+        y_ref, _ = reference_moe(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params),
+                                 jnp.asarray(x_BSD, jnp.float64), ids_TK, cfg)
+    assert _rel_err(y, y_ref) < 2e-2
+
+
+def test_init_layout_and_dtypes():
+    cfg = MoEConfig(num_experts=6, num_experts_per_tok=2, expert_intermediate_size=5, num_shared_experts=2)
+    params = init_moe(jax.random.key(0), 7, cfg, init_std=0.02)
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype), params)
+    assert shapes == {"router": {"kernel": ((7, 6), jnp.float32)},
+                      "experts": {"gate_up": ((6, 7, 10), jnp.float32), "down": ((6, 5, 7), jnp.float32)},
+                      "shared": {"gate_up": ((7, 20), jnp.float32), "down": ((10, 7), jnp.float32)}}
+    assert abs(float(jnp.std(params["experts"]["gate_up"])) - 0.02) < 0.005
+    assert "shared" not in init_moe(jax.random.key(0), 7, dataclasses.replace(cfg, num_shared_experts=0), 0.02)
+
+
+def test_shape_mismatches_raise_one_clear_error():
+    cfg = MoEConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=4, num_shared_experts=1)
+    params = init_moe(jax.random.key(0), 8, cfg, 0.1)
+    x_BSD, bias_E = jnp.ones((1, 2, 8)), jnp.zeros(4)
+    call = lambda p=params, b=bias_E, x=x_BSD, c=cfg: moe_layer(p, b, x, c, compute_dtype=jnp.float32)
+    with pytest.raises(MoEError, match=r"router'\]\['kernel'\] has shape \(8, 4\) but .* expects \(6, 4\)"):
+        call(x=jnp.ones((1, 2, 6)))
+    with pytest.raises(MoEError, match="x_BSD must be"):
+        call(x=jnp.ones((2, 8)))
+    with pytest.raises(MoEError, match="router_bias_E"):
+        call(b=jnp.zeros(5))
+    with pytest.raises(MoEError, match="experts'\\]\\['gate_up'\\]"):
+        call(c=dataclasses.replace(cfg, expert_intermediate_size=3))
+    with pytest.raises(MoEError, match="lack a 'shared' entry"):
+        call(p={k: v for k, v in params.items() if k != "shared"})
+    with pytest.raises(MoEError, match=r"expects \(8, 8\)"):
+        call(c=dataclasses.replace(cfg, num_experts=8))
