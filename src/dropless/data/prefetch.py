@@ -75,7 +75,11 @@ class Prefetcher(Iterator[T]):
             if self._stop is not None and self._step >= self._stop:
                 self._finished = True
                 raise StopIteration
-            item = self._produce(self._step)
+            try:
+                item = self._produce(self._step)
+            except BaseException:
+                self._finished = True
+                raise
             self._step += 1
             return item
         item = self._queue.get()

@@ -26,6 +26,9 @@ class TextTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, name: str = "the tokenizer"):
         self.hf = tokenizer
+        # Text that merely spells a special token ("<|endoftext|>" in a document) is encoded as text:
+        # documents are separated only by the id the loader appends.
+        self.hf.encode_special_tokens = True
         # Ids may have gaps, so the vocabulary the model needs is the largest id plus one.
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         eos = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)

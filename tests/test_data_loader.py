@@ -1,0 +1,328 @@
+"""From files to batches: every format end to end, the held-out split, packing, seeded order, resumption,
+per-process rows, the run-directory cache, and the data errors raised while building a dataset."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dropless.config import DataConfig
+from dropless.data import DataError, TokenStream, document_order, load_token_dataset, reorder, split_point
+from dropless.data import loader as loader_lib
+from dropless.data import tokenizer as tokenizer_lib
+
+VOCAB = 300
+SEQ = 16
+WORDS = ["alpha", "beta", "gamma", "delta", "return", "value", "print", "lambda", "self", "def"]
+
+
+def _documents(count, seed=0):
+    rng = np.random.default_rng(seed)
+    return [f"doc{i:04d} " + " ".join(rng.choice(WORDS, size=int(rng.integers(5, 40)))) for i in range(count)]
+
+
+def _write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _cfg(source, **kw):
+    return DataConfig(source=str(source), **kw)
+
+
+def _stream(stream: TokenStream) -> np.ndarray:
+    return np.concatenate(stream.segments) if stream.segments else np.zeros(0, np.int64)
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A 200-document jsonl corpus loaded once with a run directory: (docs, dataset, tokenizer, run_dir, cfg)."""
+    root = tmp_path_factory.mktemp("text")
+    docs = _documents(200)
+    cfg = _cfg(_write_jsonl(root / "docs.jsonl", docs), eval_fraction=0.1, shuffle_seed=3)
+    dataset, tokenizer = load_token_dataset(cfg, VOCAB, SEQ, root / "run")
+    return docs, dataset, tokenizer, root / "run", cfg
+
+
+# ---------------------------------------------------------------------------------------- formats
+
+
+@pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet"])
+def test_text_formats_load_and_round_trip(tmp_path, fmt):
+    docs = _documents(60)
+    if fmt == "txt":
+        for i, doc in enumerate(docs):
+            (tmp_path / f"{i:03d}.txt").write_text(doc)
+        source = tmp_path
+    elif fmt == "jsonl":
+        source = _write_jsonl(tmp_path / "d.jsonl", docs)
+    else:
+        source = tmp_path / "d.parquet"
+        pq.write_table(pa.table({"text": docs}), source)
+    dataset, tokenizer = load_token_dataset(_cfg(source), VOCAB, SEQ)
+    stream = np.concatenate([_stream(dataset.train_stream), _stream(dataset.eval_stream)])
+    order = document_order(len(docs), 0)
+    assert tokenizer.decode(stream) == "".join(docs[i] + tokenizer.eos_token for i in order)
+    batch = dataset.train_batch(0, 4)
+    assert batch.shape == (4, SEQ + 1) and batch.dtype == np.int32
+
+
+@pytest.mark.parametrize("fmt", ["npy", "bin"])
+def test_token_formats_load_as_they_are(tmp_path, fmt):
+    files = [np.arange(i * 1000, i * 1000 + 700) % VOCAB for i in range(3)]
+    for i, tokens in enumerate(files):
+        if fmt == "npy":
+            np.save(tmp_path / f"{i}.npy", tokens.astype(np.int32))
+        else:
+            tokens.astype("<u2").tofile(tmp_path / f"{i}.bin")
+    dataset, tokenizer = load_token_dataset(_cfg(tmp_path / f"*.{fmt}", eval_fraction=0.2), VOCAB, SEQ)
+    assert tokenizer is None
+    stream = np.concatenate([_stream(dataset.train_stream), _stream(dataset.eval_stream)])
+    np.testing.assert_array_equal(stream, np.concatenate([files[i] for i in document_order(3, 0)]))
+    # Whole files split: 2100 tokens, 20% asked, so the last file in the seeded order is held out.
+    assert len(dataset.eval_stream) == 700
+    assert all(isinstance(s, np.memmap) for s in dataset.train_stream.segments)
+
+
+def test_stdlib_corpus_end_to_end(tmp_path):
+    dataset, tokenizer = load_token_dataset(DataConfig(max_bytes=60_000), VOCAB, SEQ, tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    text = tokenizer.decode(dataset.train_batch(0, 2)[0])
+    assert len(text) > SEQ  # real source text, several characters per token
+    assert dataset.num_train_sequences > 100
+
+
+# --------------------------------------------------------------------------------- split and packing
+
+
+def test_split_is_by_whole_documents_and_disjoint(text_run):
+    docs, dataset, tokenizer, _, cfg = text_run
+    eos = tokenizer.eos_token
+    train_docs = tokenizer.decode(_stream(dataset.train_stream)).split(eos)
+    eval_docs = tokenizer.decode(_stream(dataset.eval_stream)).split(eos)
+    assert train_docs[-1] == "" and eval_docs[-1] == ""  # each split ends at a document's end
+    train_docs, eval_docs = set(train_docs[:-1]), set(eval_docs[:-1])
+    assert train_docs.isdisjoint(eval_docs)
+    assert train_docs | eval_docs == set(docs)
+    total = len(dataset.train_stream) + len(dataset.eval_stream)
+    assert cfg.eval_fraction <= len(dataset.eval_stream) / total <= 2 * cfg.eval_fraction
+
+
+def test_split_point_prefers_the_document_boundary_at_or_before_the_target():
+    lengths = np.array([30, 30, 30, 30, 30])  # target 10% of 150 = 15 tokens, at least one sequence of 17
+    assert split_point(lengths, SEQ, 0.1) == 120  # eval = the last document (30 <= 2 * 17)
+
+
+def test_split_point_cuts_inside_a_dominant_document():
+    assert split_point(np.array([1000]), SEQ, 0.1) == 900
+    assert split_point(np.array([100, 900]), SEQ, 0.1) == 900  # the boundary at 100 would hold out 900 tokens
+    assert split_point(np.array([10, 990]), SEQ, 0.1) == 900  # the boundary at 10 would leave too little to train
+
+
+def test_single_text_document_splits_into_contiguous_head_and_tail(tmp_path):
+    (tmp_path / "book.txt").write_text(" ".join(_documents(80)))
+    dataset, tokenizer = load_token_dataset(_cfg(tmp_path / "book.txt", eval_fraction=0.25), VOCAB, SEQ)
+    full = tokenizer.encode((tmp_path / "book.txt").read_text()).tolist() + [tokenizer.eos_id]
+    train, held_out = _stream(dataset.train_stream).tolist(), _stream(dataset.eval_stream).tolist()
+    assert train + held_out == full
+    assert len(held_out) == int(np.ceil(0.25 * len(full)))
+
+
+def test_reorder_matches_concatenating_documents():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 9, size=20)
+    tokens = rng.integers(0, 1000, size=lengths.sum()).astype(np.uint16)
+    docs = np.split(tokens, np.cumsum(lengths)[:-1])
+    order = document_order(20, 5)
+    result = reorder(tokens, lengths, order)
+    assert result.dtype == np.uint16
+    np.testing.assert_array_equal(result, np.concatenate([docs[i] for i in order]))
+
+
+def test_token_stream_windows_and_slices_across_segments():
+    segments = [np.arange(0, 5), np.arange(5, 6), np.array([], dtype=np.int64), np.arange(6, 20)]
+    stream = TokenStream(segments)
+    flat = np.arange(20)
+    assert len(stream) == 20
+    starts = np.array([0, 3, 4, 5, 13])
+    np.testing.assert_array_equal(stream.windows(starts, 7), np.stack([flat[s:s + 7] for s in starts]))
+    np.testing.assert_array_equal(_stream(stream.slice(4, 17)), flat[4:17])
+    assert len(stream.slice(7, 7)) == 0
+
+
+def test_batches_are_stride_seq_len_windows_of_the_train_stream(text_run):
+    _, dataset, _, _, _ = text_run
+    stream = _stream(dataset.train_stream)
+    indices = dataset.train_indices(3, 8)
+    batch = dataset.train_batch(3, 8)
+    np.testing.assert_array_equal(batch, np.stack([stream[i * SEQ:i * SEQ + SEQ + 1] for i in indices]))
+    assert dataset.num_train_sequences == (len(stream) - 1) // SEQ
+
+
+# ------------------------------------------------------------------------------- order and resumption
+
+
+def test_each_epoch_visits_every_sequence_once_in_a_new_order(text_run):
+    _, dataset, _, _, _ = text_run
+    n, batch_size = dataset.num_train_sequences, 7
+    steps = 2 * n // batch_size + 2
+    seen = np.concatenate([dataset.train_indices(s, batch_size) for s in range(steps)])
+    first, second = seen[:n], seen[n:2 * n]
+    assert sorted(first) == list(range(n)) and sorted(second) == list(range(n))
+    assert not np.array_equal(first, second)
+    assert not np.array_equal(first, np.arange(n))
+
+
+def test_batches_are_a_pure_function_of_seed_and_step(text_run, tmp_path):
+    docs, dataset, _, _, cfg = text_run
+    again, _ = load_token_dataset(cfg, VOCAB, SEQ, tmp_path / "other-run")  # a fresh instance, no shared cache
+    for step in (0, 1, 57, 3):  # any order: no hidden iterator state
+        np.testing.assert_array_equal(again.train_batch(step, 5), dataset.train_batch(step, 5))
+    other_seed, _ = load_token_dataset(_cfg(cfg.source, eval_fraction=0.1, shuffle_seed=4), VOCAB, SEQ)
+    assert not np.array_equal(other_seed.train_batch(0, 5), dataset.train_batch(0, 5))
+
+
+def test_resumed_prefetch_sees_the_batches_of_an_uninterrupted_run(text_run):
+    _, dataset, _, run_dir, cfg = text_run
+    batch_size = 8
+    steps = dataset.num_train_sequences // batch_size * 2 + 3  # crosses two epoch boundaries
+    with dataset.prefetch(0, batch_size, steps) as batches:
+        uninterrupted = list(batches)
+    assert len(uninterrupted) == steps
+    resumed_dataset, _ = load_token_dataset(cfg, VOCAB, SEQ, run_dir)  # from the run directory's cache
+    resume_at = steps // 2
+    with resumed_dataset.prefetch(resume_at, batch_size, steps, depth=2) as batches:
+        resumed = list(batches)
+    for a, b in zip(uninterrupted[resume_at:], resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_prefetch_depth_defaults_to_the_config_and_transform_runs(text_run):
+    _, dataset, _, _, cfg = text_run
+    assert dataset.prefetch_depth == cfg.prefetch
+    with dataset.prefetch(2, 4, 4, transform=lambda b: b.sum()) as sums:
+        assert list(sums) == [dataset.train_batch(2, 4).sum(), dataset.train_batch(3, 4).sum()]
+
+
+# -------------------------------------------------------------------------------- processes and eval
+
+
+def test_process_rows_assemble_the_global_batch(text_run):
+    _, dataset, _, _, _ = text_run
+    parts = [dataset.train_batch(5, 8, process_index=p, process_count=4) for p in range(4)]
+    assert all(p.shape == (2, SEQ + 1) for p in parts)
+    np.testing.assert_array_equal(np.concatenate(parts), dataset.train_batch(5, 8))
+    eval_parts = [dataset.eval_batches(3, 8, p, 2) for p in range(2)]
+    for b, global_batch in enumerate(dataset.eval_batches(3, 8)):
+        np.testing.assert_array_equal(np.concatenate([eval_parts[0][b], eval_parts[1][b]]), global_batch)
+    with pytest.raises(DataError, match=r"train.batch_size=8 must be a multiple of the number of processes \(3\)"):
+        dataset.train_batch(0, 8, process_index=0, process_count=3)
+
+
+def test_eval_batches_are_fixed_held_out_and_spread(text_run):
+    _, dataset, _, _, _ = text_run
+    first, second = dataset.eval_batches(2, 4), dataset.eval_batches(2, 4)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+    held_out = _stream(dataset.eval_stream)
+    windows = {tuple(held_out[i * SEQ:i * SEQ + SEQ + 1]) for i in range(dataset.num_eval_sequences)}
+    rows = [tuple(row) for batch in first for row in batch]
+    assert set(rows) <= windows
+    assert len(set(rows)) == min(8, dataset.num_eval_sequences)  # distinct while there are enough
+
+
+def test_eval_batches_repeat_when_the_held_out_split_is_small(tmp_path):
+    source = _write_jsonl(tmp_path / "d.jsonl", _documents(30))
+    dataset, _ = load_token_dataset(_cfg(source, eval_fraction=0.01), VOCAB, SEQ)
+    batches = dataset.eval_batches(4, 8)
+    assert len(batches) == 4 and all(b.shape == (8, SEQ + 1) for b in batches)
+
+
+# ------------------------------------------------------------------------------- run-directory cache
+
+
+def test_a_second_load_reuses_the_run_directory_without_retraining(text_run, monkeypatch):
+    _, dataset, tokenizer, run_dir, cfg = text_run
+    assert (run_dir / "tokenizer.json").is_file() and len(list((run_dir / "corpus").glob("tokens-*.npz"))) == 1
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the run directory's cache should have been used")
+
+    monkeypatch.setattr(loader_lib, "train_bpe", forbidden)
+    monkeypatch.setattr(tokenizer_lib.TextTokenizer, "encode_batch", forbidden)
+    again, again_tokenizer = load_token_dataset(cfg, VOCAB, SEQ, run_dir)
+    assert again_tokenizer.to_str() == tokenizer.to_str()
+    np.testing.assert_array_equal(again.train_batch(9, 4), dataset.train_batch(9, 4))
+
+
+def test_a_changed_corpus_or_vocabulary_retrains_the_tokenizer(tmp_path):
+    first = _write_jsonl(tmp_path / "a.jsonl", _documents(50, seed=1))
+    _, tokenizer = load_token_dataset(_cfg(first), VOCAB, SEQ, tmp_path / "run")
+    _, bigger = load_token_dataset(_cfg(first), VOCAB + 20, SEQ, tmp_path / "run")
+    assert bigger.vocab_size > tokenizer.vocab_size
+    second = _write_jsonl(tmp_path / "b.jsonl", ["zzz qqq xxx " * 20] * 30)
+    _, other = load_token_dataset(_cfg(second), VOCAB + 20, SEQ, tmp_path / "run")
+    assert other.to_str() != bigger.to_str()
+    assert len(list((tmp_path / "run" / "corpus").glob("tokens-*.npz"))) == 1  # stale caches are removed
+
+
+def test_a_given_tokenizer_is_used_and_copied_to_the_run_directory(text_run, tmp_path):
+    docs, _, tokenizer, _, _ = text_run
+    tokenizer.save(tmp_path / "given.json")
+    source = _write_jsonl(tmp_path / "d.jsonl", docs[:50])
+    _, used = load_token_dataset(_cfg(source, tokenizer=str(tmp_path / "given.json")), VOCAB, SEQ, tmp_path / "run")
+    assert used.to_str() == tokenizer.to_str()
+    assert (tmp_path / "run" / "tokenizer.json").read_text() == (tmp_path / "given.json").read_text()
+
+
+# -------------------------------------------------------------------------------------------- errors
+
+
+def test_given_tokenizer_larger_than_the_model(text_run, tmp_path):
+    _, _, tokenizer, _, cfg = text_run
+    tokenizer.save(tmp_path / "given.json")
+    with pytest.raises(DataError, match=f"has {tokenizer.vocab_size} tokens but model.vocab_size=280"):
+        load_token_dataset(_cfg(cfg.source, tokenizer=str(tmp_path / "given.json")), 280, SEQ)
+
+
+def test_missing_tokenizer_file(text_run, tmp_path):
+    _, _, _, _, cfg = text_run
+    with pytest.raises(DataError, match="The tokenizer file .*missing.json does not exist"):
+        load_token_dataset(_cfg(cfg.source, tokenizer=str(tmp_path / "missing.json")), VOCAB, SEQ)
+
+
+def test_corpus_shorter_than_one_sequence(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(30))
+    with pytest.raises(DataError, match=r"has 30 tokens but needs at least 34: one sequence of "
+                                        r"train.seq_len\+1=17 tokens for training and one for evaluation"):
+        load_token_dataset(_cfg(tmp_path / "t.npy"), VOCAB, SEQ)
+
+
+def test_token_id_beyond_the_vocabulary(tmp_path):
+    tokens = np.arange(500)
+    np.save(tmp_path / "t.npy", tokens)
+    with pytest.raises(DataError, match="holds token id 499, beyond the vocabulary of model.vocab_size=300; "
+                                        "set model.vocab_size=500"):
+        load_token_dataset(_cfg(tmp_path / "t.npy"), VOCAB, SEQ)
+    np.save(tmp_path / "t.npy", tokens - 1)
+    with pytest.raises(DataError, match="holds the negative token id -1"):
+        load_token_dataset(_cfg(tmp_path / "t.npy"), 1000, SEQ)
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "a.txt").write_text("")
+    _write_jsonl(tmp_path / "b.jsonl", [""])
+    with pytest.raises(DataError, match=r"holds no text \(its 2 file\(s\) are empty or were skipped\)"):
+        load_token_dataset(_cfg(tmp_path), VOCAB, SEQ)
+    np.save(tmp_path / "t.npy", np.zeros(0, np.int32))
+    with pytest.raises(DataError, match=r"holds no tokens \(all 1 files are empty\)"):
+        load_token_dataset(_cfg(tmp_path / "t.npy"), VOCAB, SEQ)
+
+
+def test_corpus_of_only_undecodable_files(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"\xff\xff")
+    with pytest.warns(UserWarning, match="Skipping .*a.txt: it is not valid UTF-8"):
+        with pytest.raises(DataError, match="holds no text"):
+            load_token_dataset(_cfg(tmp_path), VOCAB, SEQ)
