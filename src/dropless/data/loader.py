@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import math
 import os
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -278,16 +279,7 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
             tokens, lengths = cached["tokens"], cached["lengths"]
     else:
         log(f"dropless: tokenizing {corpus.name}")
-        encoded = []
-        chunk: list[str] = []
-        chunk_chars = 0
-        for text in texts() + [None]:
-            if text is None or chunk_chars >= _ENCODE_CHUNK_CHARS:
-                encoded.extend(tokenizer.encode_batch(chunk))
-                chunk, chunk_chars = [], 0
-            if text is not None:
-                chunk.append(text)
-                chunk_chars += len(text)
+        encoded = [ids for chunk in _chunks(texts(), _ENCODE_CHUNK_CHARS) for ids in tokenizer.encode_batch(chunk)]
         dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
         tokens = np.concatenate([np.append(ids, tokenizer.eos_id) for ids in encoded]).astype(dtype)
         lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
@@ -296,6 +288,19 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
                 stale.unlink()
             _write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
     return tokens, lengths
+
+
+def _chunks(texts: list[str], max_chars: int) -> Iterator[list[str]]:
+    """Consecutive groups of texts of about `max_chars` characters."""
+    chunk, chars = [], 0
+    for text in texts:
+        chunk.append(text)
+        chars += len(text)
+        if chars >= max_chars:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
 
 
 def _checked_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -312,15 +317,14 @@ def _checked_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> np.ndarr
 
 
 def _npz_bytes(**arrays: np.ndarray) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    """Write via a private temporary file, so readers (and other processes) never see a partial file."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
 

@@ -55,7 +55,7 @@ class TextTokenizer:
     def save(self, path: Path) -> None:
         """Write tokenizer.json atomically (a crash never leaves a half-written file)."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(self.hf.to_str(pretty=True))
         os.replace(tmp, path)
 
