@@ -1,0 +1,125 @@
+"""Grouped-GEMM backends: xla and tokamax against a per-group loop; capacity equals them or drops exactly."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.config import MoEConfig
+from dropless.moe import CapacityGmm, MoEError, XlaGmm, init_moe, make_gmm, moe_layer
+from dropless.moe.gmm_tokamax import TokamaxGmm
+from dropless.moe.reference import reference_capacity_keep, reference_moe, reference_route
+
+ROWS, K_DIM, N_DIM = 13, 5, 6
+# Empty groups, a big group, and 2 padding rows past sum(group_sizes) = 11.
+GROUP_SIZES = np.array([3, 0, 6, 0, 2], np.int32)
+
+
+def _operands(seed=0):
+    rng = np.random.default_rng(seed)
+    lhs = rng.normal(size=(ROWS, K_DIM)).astype(np.float32)
+    lhs[GROUP_SIZES.sum():] = np.nan  # padding is never read as data
+    rhs = rng.normal(size=(len(GROUP_SIZES), K_DIM, N_DIM)).astype(np.float32)
+    cotangent = rng.normal(size=(ROWS, N_DIM)).astype(np.float32)
+    return jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(GROUP_SIZES), jnp.asarray(cotangent)
+
+
+def _loop_reference(lhs, rhs, group_sizes, capacity=None):
+    """Per-group loop in float64: rows of group g times rhs[g]; rows past capacity or past the groups are zero."""
+    lhs, rhs = np.nan_to_num(np.asarray(lhs, np.float64)), np.asarray(rhs, np.float64)
+    out, start = np.zeros((lhs.shape[0], rhs.shape[2])), 0
+    for g, size in enumerate(np.asarray(group_sizes)):
+        kept = size if capacity is None else min(size, capacity)
+        out[start:start + kept] = lhs[start:start + kept] @ rhs[g]
+        start += size
+    return out
+
+
+def _forward_and_grads(gmm, lhs, rhs, group_sizes, cotangent):
+    def objective(lhs, rhs):
+        out = gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0) * cotangent), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(lhs, rhs)
+    return out, grads
+
+
+@pytest.mark.parametrize("gmm", [XlaGmm(), TokamaxGmm(implementation="xla"), CapacityGmm(capacity_factor=5.0)],
+                         ids=["xla", "tokamax_xla_path", "capacity_large"])
+def test_dropless_backends_match_per_group_loop(gmm):
+    lhs, rhs, group_sizes, cotangent = _operands()
+    out, (grad_lhs, grad_rhs) = _forward_and_grads(gmm, lhs, rhs, group_sizes, cotangent)
+    want = _loop_reference(lhs, rhs, group_sizes)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(out)[GROUP_SIZES.sum():] == 0)
+    # d out / d lhs: row r of group g gets cotangent[r] @ rhs[g].T; padding rows get zero.
+    grad_lhs_ref = np.zeros((ROWS, K_DIM))
+    start = 0
+    for g, size in enumerate(GROUP_SIZES):
+        grad_lhs_ref[start:start + size] = np.asarray(cotangent)[start:start + size] @ np.asarray(rhs)[g].T
+        start += size
+    grad_rhs_ref = np.stack([np.nan_to_num(np.asarray(lhs))[s:s + n].T @ np.asarray(cotangent)[s:s + n]
+                             for s, n in zip(np.cumsum(GROUP_SIZES) - GROUP_SIZES, GROUP_SIZES)])
+    np.testing.assert_allclose(grad_lhs, grad_lhs_ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grad_rhs, grad_rhs_ref, rtol=1e-5, atol=1e-5)
+    assert int(gmm.dropped_rows(group_sizes, ROWS)) == 0
+
+
+def test_capacity_drops_exactly_the_rows_over_capacity():
+    lhs, rhs, group_sizes, cotangent = _operands(seed=1)
+    gmm = CapacityGmm(capacity_factor=1.0)
+    capacity = math.ceil(1.0 * ROWS / len(GROUP_SIZES))  # = 3: group 2 (6 rows) loses 3
+    assert gmm.capacity(ROWS, len(GROUP_SIZES)) == capacity
+    out, (grad_lhs, _) = _forward_and_grads(gmm, lhs, rhs, group_sizes, cotangent)
+    np.testing.assert_allclose(out, _loop_reference(lhs, rhs, group_sizes, capacity), rtol=1e-5, atol=1e-5)
+    dropped = np.zeros(ROWS, bool)
+    dropped[3 + capacity:3 + 6] = True
+    assert np.all(np.asarray(out)[dropped] == 0) and np.all(np.asarray(grad_lhs)[dropped] == 0)
+    assert int(gmm.dropped_rows(group_sizes, ROWS)) == 3 == dropped.sum()
+    with pytest.raises(MoEError, match="needs num_rows"):
+        gmm.dropped_rows(group_sizes)
+
+
+def test_backend_choice_and_tokamax_needs_a_gpu():
+    assert isinstance(make_gmm(MoEConfig(gmm_backend="auto")), XlaGmm if jax.default_backend() != "gpu" else TokamaxGmm)
+    assert make_gmm(MoEConfig(gmm_backend="capacity", capacity_factor=2.0)) == CapacityGmm(2.0)
+    backend = make_gmm(MoEConfig(gmm_backend="tokamax"))
+    assert isinstance(backend, TokamaxGmm) and backend is make_gmm(MoEConfig(gmm_backend="tokamax"))
+    if jax.default_backend() != "gpu":
+        lhs, rhs, group_sizes, _ = _operands()
+        with pytest.raises(MoEError, match="needs an NVIDIA GPU.*moe.gmm_backend=xla"):
+            backend(lhs, rhs, group_sizes)
+
+
+LAYER_CFG = MoEConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=6, score_func="softmax",
+                      num_shared_experts=1, gmm_backend="capacity", capacity_factor=0.75)
+
+
+def _layer_problem():
+    params = init_moe(jax.random.key(3), 8, LAYER_CFG, init_std=0.5)
+    # A skewed router so some experts overflow a capacity of ceil(0.75 * 24 / 4) = 5 assignments.
+    params["router"]["kernel"] = params["router"]["kernel"].at[:, 0].add(0.8)
+    x_BSD = jax.random.normal(jax.random.key(4), (2, 6, 8)) + 0.5
+    return params, x_BSD
+
+
+def test_capacity_layer_drops_the_expected_tokens_and_counts_them():
+    params, x_BSD = _layer_problem()
+    bias_E = jnp.zeros(4)
+    layer = jax.jit(lambda p, x, cfg: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.float32), static_argnums=2)
+    y, stats = layer(params, x_BSD, LAYER_CFG)
+    ids_TK = reference_route(x_BSD.reshape(-1, 8), params["router"]["kernel"], None, LAYER_CFG)
+    keep_TK = reference_capacity_keep(ids_TK, 4, capacity=5)
+    assert 0 < int(stats.tokens_dropped) == int((~keep_TK).sum())
+    with jax.enable_x64():
+        y_ref, _ = reference_moe(jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), params),
+                                 jnp.asarray(x_BSD, jnp.float64), ids_TK, LAYER_CFG, keep_TK)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    # With room for every assignment (C >= T*K) the baseline is exactly the dropless layer.
+    y_big, stats_big = layer(params, x_BSD, dataclasses.replace(LAYER_CFG, capacity_factor=4.0))
+    y_xla, stats_xla = layer(params, x_BSD, dataclasses.replace(LAYER_CFG, gmm_backend="xla"))
+    assert int(stats_big.tokens_dropped) == 0 == int(stats_xla.tokens_dropped)
+    np.testing.assert_allclose(y_big, y_xla, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,101 @@
+"""Router: group-limited selection vs brute force, bias for selection only, config errors, bias balancing."""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.config import ConfigError, MoEConfig
+from dropless.moe import route, update_router_bias
+from dropless.moe.balance import max_load_ratio, tokens_per_expert
+from dropless.moe.reference import reference_route
+from dropless.moe.router import select_experts
+
+
+def _brute_force_groups(choice_E, top_k, n_group, topk_group):
+    """Try every set of topk_group groups; keep the one with the largest total group score (sum of top-2)."""
+    per_group = len(choice_E) // n_group
+    group_score = [np.sort(choice_E[g * per_group:(g + 1) * per_group])[-2:].sum() for g in range(n_group)]
+    best = max(itertools.combinations(range(n_group), topk_group), key=lambda gs: sum(group_score[g] for g in gs))
+    allowed = [e for e in range(len(choice_E)) if e // per_group in best]
+    return set(sorted(allowed, key=lambda e: -choice_E[e])[:top_k])
+
+
+@pytest.mark.parametrize("num_experts,top_k,n_group,topk_group", [(8, 3, 4, 2), (12, 4, 3, 2)])
+def test_group_limited_selection_matches_brute_force(num_experts, top_k, n_group, topk_group):
+    rng = np.random.default_rng(num_experts)
+    # Biased sigmoid-like scores, some negative: the masked experts must not win with a fill of 0.
+    choice_TE = rng.uniform(-0.6, 1.0, size=(64, num_experts)).astype(np.float32)
+    ids_TK = np.asarray(jax.jit(select_experts, static_argnums=(1, 2, 3))(
+        jnp.asarray(choice_TE), top_k, n_group, topk_group))
+    for t in range(len(choice_TE)):
+        assert set(ids_TK[t]) == _brute_force_groups(choice_TE[t], top_k, n_group, topk_group)
+        assert list(np.argsort(-choice_TE[t][ids_TK[t]], kind="stable")) == list(range(top_k))  # best first
+
+
+def test_bias_changes_selection_but_not_weights():
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, score_func="sigmoid", n_group=4, topk_group=2,
+                    norm_topk_prob=False, routed_scaling_factor=2.0)
+    rng = np.random.default_rng(0)
+    x_TD = jnp.asarray(rng.normal(size=(32, 6)), jnp.float32)
+    kernel_DE = jnp.asarray(rng.normal(size=(6, 8)), jnp.float32)
+    bias_E = jnp.asarray(rng.normal(scale=0.5, size=8), jnp.float32)
+    routing = jax.jit(route, static_argnums=3)(kernel_DE, bias_E, x_TD, cfg)
+    np.testing.assert_array_equal(routing.expert_ids_TK, reference_route(x_TD, kernel_DE, bias_E, cfg))
+    assert not np.array_equal(routing.expert_ids_TK, reference_route(x_TD, kernel_DE, None, cfg))
+    scores_TE = jax.nn.sigmoid(x_TD @ kernel_DE)  # weights are the UNBIASED scores, scaled
+    np.testing.assert_allclose(routing.weights_TK,
+                               2.0 * np.take_along_axis(np.asarray(scores_TE), routing.expert_ids_TK, 1), rtol=1e-5)
+    bias_grad = jax.grad(lambda b: jnp.sum(route(kernel_DE, b, x_TD, cfg).weights_TK))(bias_E)
+    assert np.all(np.asarray(bias_grad) == 0)
+
+
+def test_softmax_router_follows_mixtral_and_qwen3():
+    """Softmax over all experts, top-k, then renormalise (Mixtral, Qwen3 norm_topk_prob=True) or not."""
+    rng = np.random.default_rng(1)
+    logits_TE = rng.normal(size=(5, 6))
+    x_TD, kernel_DE = jnp.asarray(logits_TE, jnp.float32), jnp.eye(6)
+    probs_TE = np.exp(logits_TE) / np.exp(logits_TE).sum(-1, keepdims=True)
+    top_TK = np.sort(probs_TE, axis=-1)[:, ::-1][:, :2]
+    for norm in (True, False):
+        cfg = MoEConfig(num_experts=6, num_experts_per_tok=2, score_func="softmax", norm_topk_prob=norm)
+        routing = route(kernel_DE, None, x_TD, cfg)
+        want = top_TK / top_TK.sum(-1, keepdims=True) if norm else top_TK
+        np.testing.assert_allclose(routing.weights_TK, want, rtol=1e-5)
+        np.testing.assert_array_equal(routing.expert_ids_TK, np.argsort(-probs_TE, axis=-1)[:, :2])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(num_experts=4, num_experts_per_tok=5), "num_experts_per_tok=5 must be between 1 and moe.num_experts=4"),
+    (dict(num_experts=8, n_group=3), "n_group=3 must divide moe.num_experts=8"),
+    (dict(num_experts=8, n_group=4, topk_group=5), "topk_group=5 must be between 1 and moe.n_group=4"),
+    (dict(num_experts=8, num_experts_per_tok=6, n_group=4, topk_group=2), "raise moe.topk_group"),
+])
+def test_bad_router_configs_raise_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        MoEConfig(**overrides)
+
+
+def test_update_router_bias_sign_rule_on_any_leading_axes():
+    load_LE = jnp.array([[4, 0, 2, 2], [1, 1, 1, 1]])
+    bias_LE = update_router_bias(jnp.zeros((2, 4)), load_LE, 0.1)
+    np.testing.assert_allclose(bias_LE, [[-0.1, 0.1, 0.0, 0.0], [0, 0, 0, 0]])
+
+
+def test_bias_update_drives_a_skewed_router_toward_balance():
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, score_func="sigmoid", n_group=4, topk_group=2)
+    rng = np.random.default_rng(2)
+    # Diverse tokens plus one constant feature that the kernel maps to a strong preference for experts 0, 1.
+    x_TD = jnp.asarray(rng.normal(size=(512, 16)), jnp.float32).at[:, 0].set(1.0)
+    kernel_DE = jnp.asarray(rng.normal(scale=0.5, size=(16, 8)), jnp.float32).at[0, :2].add(3.0)
+
+    def step(bias_E, _):
+        counts_E = tokens_per_expert(route(kernel_DE, bias_E, x_TD, cfg).expert_ids_TK, 8)
+        return update_router_bias(bias_E, counts_E, 0.01), max_load_ratio(counts_E)
+
+    _, ratios = jax.jit(lambda b: jax.lax.scan(step, b, length=300))(jnp.zeros(8))
+    assert float(ratios[0]) > 2.5  # most tokens pick experts 0 and 1 (the worst is E/K = 4)
+    assert float(jnp.max(ratios[-50:])) < 1.15
