@@ -211,13 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fixture", choices=sorted(FIXTURE_CONFIGS), help="the fixture the export came from")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # deterministic reduction order, so an exact export reproduces the logits exactly
     if args.verify_export:
         if not args.fixture:
             parser.error("--verify-export needs --fixture NAME (the fixture the exported run was imported from)")
         verify_export(args.verify_export, args.fixture, args.tolerance)
         return 0
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
-    torch.set_num_threads(1)
     for name in args.only or sorted(FIXTURE_CONFIGS):
         make_fixture(name, FIXTURE_CONFIGS[name], args.out)
     return 0

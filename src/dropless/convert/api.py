@@ -1,0 +1,210 @@
+"""The conversion entry points behind `dropless convert`, `train --init-from-hf`, `generate --hf-dir` and `logits`.
+
+A run directory imported from Hugging Face also keeps `hf_source.json` (the original config.json and the dtype
+of each kind of tensor) and `hf_files/` (tokenizer and generation files), so that exporting it again restores
+the same token ids, files and dtypes: HF -> dropless -> HF gives byte-identical tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dropless import config as config_lib
+from dropless.config import Config
+from dropless.convert.hf_config import ConvertError, config_from_hf, config_to_hf
+from dropless.convert.hf_weights import (FP8_DTYPES, Slab, check_checkpoint, check_coverage, fp8_block_size,
+                                         hf_shapes, name_pattern, plan, read_hf_tensor, to_hf, to_ours)
+from dropless.convert.run_store import LeafPath, RunReader, RunWriter, model_leaf_shapes
+from dropless.convert.safetensors_io import DTYPES, CheckpointReader, write_sharded
+from dropless.train import checkpoint as ckpt
+
+HF_SOURCE = "hf_source.json"
+HF_FILES = "hf_files"
+# Small non-weight files worth carrying between an HF directory and a run directory.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                 "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
+EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+_TORCH_NAMES = {code: name for name, code in EXPORT_DTYPES.items()}
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{hf_dir} has no config.json; pass a Hugging Face model directory "
+                           "(the one holding config.json and *.safetensors).")
+    return json.loads(path.read_text())
+
+
+def _import(hf_dir: Path, sink: Callable[[Slab, np.ndarray], None], base: Config | None = None):
+    """Stream every slab of an HF checkpoint into `sink`. Returns (config, hf config dict, dtype record)."""
+    hf = read_hf_config(hf_dir)
+    config = config_from_hf(hf, base)
+    shapes = model_leaf_shapes(config)
+    slabs = plan(config, rope_interleave=hf.get("rope_interleave", True))
+    check_coverage(slabs, shapes)
+    block = fp8_block_size(hf)
+    with CheckpointReader(hf_dir) as reader:
+        check_checkpoint(reader, slabs, shapes, config)
+        dtypes: dict[str, str] = {}
+        for slab in slabs:
+            tensors = [read_hf_tensor(reader, name, block) for name in slab.hf_names]
+            for name in slab.hf_names:  # FP8 weights are dequantized to bfloat16, and exported so
+                stored = reader.tensors[name].dtype
+                dtypes[name_pattern(name)] = "BF16" if stored in FP8_DTYPES else stored
+            sink(slab, to_ours(slab, tensors, shapes[slab.leaf][len(slab.index):]))
+            del tensors
+    return config, hf, dtypes
+
+
+def _leaf_depths(slabs: list[Slab]) -> dict[LeafPath, int]:
+    return {slab.leaf: len(slab.index) for slab in slabs}
+
+
+def _copy_carried(src: Path, dst: Path) -> None:
+    for name in CARRIED_FILES:
+        if (src / name).is_file():
+            dst.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / name, dst / name)
+
+
+def convert_from_hf(hf_dir: Path, run_dir: Path) -> Config:
+    """Import an HF checkpoint into a new run directory (config.json + an orbax checkpoint at step 0).
+
+    Streams slab by slab: host memory stays near the size of the largest tensor, whatever the checkpoint's.
+    """
+    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    config = config_from_hf(read_hf_config(hf_dir))
+    shapes = model_leaf_shapes(config)
+    depths = _leaf_depths(plan(config))
+    with RunWriter(run_dir, config, {leaf: (shape, depths[leaf]) for leaf, shape in shapes.items()}) as writer:
+        config, hf, dtypes = _import(hf_dir, lambda slab, array: writer.write(slab.leaf, slab.index, array))
+        (writer.tmp_dir / HF_SOURCE).write_text(json.dumps({"config": hf, "dtypes": dtypes}, indent=1) + "\n")
+        _copy_carried(hf_dir, writer.tmp_dir / HF_FILES)
+        if (hf_dir / "tokenizer.json").is_file():  # where `dropless generate --run-dir` looks for it
+            shutil.copy2(hf_dir / "tokenizer.json", writer.tmp_dir / "tokenizer.json")
+    return config
+
+
+def _nest(flat: dict[LeafPath, jax.Array]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def load_hf(hf_dir: Path, base: Config | None = None) -> tuple[Config, dict, dict]:
+    """(config, params, state) straight from an HF directory, in memory (float32 params), without a run dir.
+
+    `base` supplies the train/data/parallel groups (defaults if None).
+    """
+    hf_dir = Path(hf_dir)
+    config = config_from_hf(read_hf_config(hf_dir), base)
+    arrays = {leaf: np.empty(shape, np.float32) for leaf, shape in model_leaf_shapes(config).items()}
+
+    def sink(slab: Slab, array: np.ndarray) -> None:
+        arrays[slab.leaf][slab.index] = array
+
+    _import(hf_dir, sink, base)
+    # Committed to the default device, like arrays orbax restores, so both share compiled functions.
+    device = jax.devices()[0]
+    tree = _nest({leaf: jax.device_put(arrays.pop(leaf), device) for leaf in list(arrays)})
+    return config, tree["params"], tree["state"]
+
+
+def _export_dtype(name: str, recorded: dict[str, str], dtype: str | None) -> str:
+    if name.endswith("e_score_correction_bias"):  # transformers keeps DeepSeek's correction bias in float32
+        return recorded.get(name_pattern(name), "F32") if dtype is None else "F32"
+    if dtype is not None:
+        return EXPORT_DTYPES[dtype]
+    return recorded.get(name_pattern(name), "F32")
+
+
+def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step: int | None = None,
+                  max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Export a run directory's checkpoint (latest step unless `step`) as an HF model directory.
+
+    `dtype` ("float32", "bfloat16", "float16") casts every weight; None keeps each tensor's dtype from the
+    import this run came from, or float32 (lossless) for a run trained from scratch. Streams slab by slab.
+    """
+    run_dir, hf_dir = Path(run_dir), Path(hf_dir)
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConvertError(f"dtype={dtype!r} is not supported for export; choose one of {', '.join(EXPORT_DTYPES)}.")
+    if hf_dir.exists() and any(hf_dir.iterdir()):
+        raise ConvertError(f"{hf_dir} already exists and is not empty; choose a new output directory.")
+    config = ckpt.load_run_config(run_dir)
+    source = json.loads((run_dir / HF_SOURCE).read_text()) if (run_dir / HF_SOURCE).is_file() else {}
+    source_config, recorded = source.get("config"), source.get("dtypes", {})
+    rope_interleave = bool((source_config or {}).get("rope_interleave", True))
+    shapes = model_leaf_shapes(config)
+    slabs = plan(config, rope_interleave=rope_interleave)
+    check_coverage(slabs, shapes)
+    reader = RunReader(run_dir, step)
+    entries = [(name, _export_dtype(name, recorded, dtype), shape) for slab in slabs
+               for name, shape in zip(slab.hf_names, hf_shapes(slab, shapes[slab.leaf][len(slab.index):]))]
+
+    def tensors() -> Iterator[tuple[str, np.ndarray]]:
+        codes = dict((name, code) for name, code, _ in entries)
+        for slab in slabs:
+            if not slab.hf_names:
+                continue
+            array = reader.read(slab.leaf, slab.index)
+            want = shapes[slab.leaf][len(slab.index):]
+            if array.shape != want:
+                raise ckpt.CheckpointError(f"{'.'.join(slab.leaf)} in {run_dir} has slabs of shape {array.shape}, "
+                                           f"but the run's config.json implies {want}.")
+            for name, tensor in zip(slab.hf_names, to_hf(slab, array)):
+                yield name, tensor.astype(DTYPES[codes[name]])
+
+    tmp = hf_dir.with_name(f".{hf_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write_sharded(tmp, [(n, c, s) for n, c, s in entries], tensors(), max_shard_bytes)
+        main_code = collections.Counter(code for _, code, _ in entries).most_common(1)[0][0]
+        hf = config_to_hf(config, source_config, dtype=_TORCH_NAMES.get(main_code, "float32"))
+        if config.model.attention == "mla":
+            hf["rope_interleave"] = rope_interleave
+        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        if (run_dir / HF_FILES).is_dir():
+            _copy_carried(run_dir / HF_FILES, tmp)
+        elif (run_dir / "tokenizer.json").is_file():
+            shutil.copy2(run_dir / "tokenizer.json", tmp / "tokenizer.json")
+        if hf_dir.exists():
+            hf_dir.rmdir()
+        tmp.rename(hf_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return hf_dir
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_forward(config_json: str):
+    """One compiled forward per distinct config (Config holds a dict, so it is keyed by its JSON)."""
+    from dropless.models import transformer
+
+    config = config_lib.from_dict(json.loads(config_json))
+    return jax.jit(lambda params, state, tokens_BS: transformer.forward(params, state, tokens_BS, config)[0])
+
+
+def compute_logits(config: Config, params: dict, state: dict, tokens_BS: np.ndarray) -> np.ndarray:
+    """Float32 logits [B, S, V] for int token ids [B, S], computed in float32 with exact matmuls.
+
+    The MoE layer runs the dropless XLA grouped GEMM whatever `moe.gmm_backend` says, so no token is dropped
+    and the numbers are comparable with a reference implementation.
+    """
+    config = config.replace(**{"train.dtype": "float32", "moe.gmm_backend": "xla"})
+    forward = _jitted_forward(json.dumps(config.to_dict(), sort_keys=True))
+    with jax.default_matmul_precision("highest"):
+        logits = forward(params, state, jnp.asarray(tokens_BS, jnp.int32))
+    return np.asarray(logits, np.float32)

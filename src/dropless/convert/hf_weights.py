@@ -1,0 +1,263 @@
+"""Tensor mapping between Hugging Face checkpoints and our parameter layout (DESIGN.md "Parameters").
+
+The mapping is a list of `Slab`s. A slab ties a few HF tensors to one slice of one of our stacked leaves:
+`model.layers.5.mlp.experts.7.{gate_proj,up_proj}.weight` <-> `params.moe_layers.moe.experts.gate_up[2, 7]`.
+Conversion in either direction walks the slabs in HF layer order and holds one slab at a time, which is what
+keeps memory bounded by the largest tensor however large the checkpoint.
+
+Per-slab operations (HF `nn.Linear` weights are [out, in]; ours are [in, out]):
+  copy       norms, the embedding, the correction bias
+  transpose  projections, the router, lm_head
+  gate_up    gate and up [F, D] each -> one [D, 2F] (gate first)
+  zeros      our router_bias for families without a correction bias (no HF tensor)
+MLA rotary columns: our model applies DeepSeek's interleaved RoPE, the layout of `rope_interleave: true`
+checkpoints (all official ones). A `rope_interleave: false` checkpoint gets its rotary columns interleaved on
+import, which computes the same function; it is exported with `rope_interleave: true`.
+FP8 (DeepSeek-V3's official weights): e4m3 weights with a `<name>_scale_inv` float32 tensor per 128x128 block
+(the block size comes from `quantization_config.weight_block_size`) are dequantized to bfloat16 while reading.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from dropless.config import Config
+from dropless.convert.hf_config import ConvertError
+from dropless.convert.safetensors_io import CheckpointReader
+
+# Keys of our pytrees: ("params", ...) or ("state", ...).
+LeafPath = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Slab:
+    leaf: LeafPath
+    index: tuple[int, ...]  # leading indices into the stacked leaf ([L] or [L, E]); () for unstacked leaves
+    hf_names: tuple[str, ...]
+    op: str  # "copy" | "transpose" | "gate_up" | "zeros"
+    columns: tuple[int, ...] | None = None  # ours[:, j] = transposed_hf[:, columns[j]] (rope interleaving)
+
+
+def _interleave_columns(width: int, rope: int, group: int, groups: int) -> tuple[int, ...]:
+    """Column gather turning rotate-half rotary columns into interleaved ones, in each of `groups` blocks of
+    `group` columns whose last `rope` columns are rotary."""
+    half = rope // 2
+    perm = list(range(width))
+    for g in range(groups):
+        start = g * group + group - rope
+        for i in range(half):
+            perm[start + 2 * i] = start + i
+            perm[start + 2 * i + 1] = start + half + i
+    return tuple(perm)
+
+
+def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
+    """Every slab of the model, in HF order (embedding, layer 0, 1, ..., final norm, lm_head)."""
+    m, moe, family = config.model, config.moe, config.model.family
+    slabs = [Slab(("params", "embed"), (), ("model.embed_tokens.weight",), "copy")]
+    rope_fix = m.attention == "mla" and not rope_interleave
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    moe_root = "block_sparse_moe." if family == "mixtral" else "mlp."
+    expert_names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    for i in range(m.num_layers):
+        dense = i < m.first_dense_layers
+        stack, l = ("dense_layers", i) if dense else ("moe_layers", i - m.first_dense_layers)
+        p, leaf = f"model.layers.{i}.", lambda *keys: ("params", stack, *keys)  # noqa: E731
+        add = lambda keys, names, op, columns=None, index=(l,): slabs.append(  # noqa: E731
+            Slab(leaf(*keys), index, tuple(p + n for n in names), op, columns))
+        add(("attn_norm",), ["input_layernorm.weight"], "copy")
+        a = "self_attn."
+        if m.attention == "mla":
+            q_cols = _interleave_columns(m.num_heads * qk, m.qk_rope_head_dim, qk, m.num_heads) if rope_fix else None
+            if m.q_lora_rank:
+                add(("attn", "q_a"), [a + "q_a_proj.weight"], "transpose")
+                add(("attn", "q_a_norm"), [a + "q_a_layernorm.weight"], "copy")
+                add(("attn", "q_b"), [a + "q_b_proj.weight"], "transpose", q_cols)
+            else:
+                add(("attn", "q"), [a + "q_proj.weight"], "transpose", q_cols)
+            kv_width = m.kv_lora_rank + m.qk_rope_head_dim
+            kv_cols = _interleave_columns(kv_width, m.qk_rope_head_dim, kv_width, 1) if rope_fix else None
+            add(("attn", "kv_a"), [a + "kv_a_proj_with_mqa.weight"], "transpose", kv_cols)
+            add(("attn", "kv_a_norm"), [a + "kv_a_layernorm.weight"], "copy")
+            add(("attn", "kv_b"), [a + "kv_b_proj.weight"], "transpose")
+        else:
+            for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+                add(("attn", ours), [a + theirs + ".weight"], "transpose")
+            if m.qk_norm:
+                add(("attn", "q_norm"), [a + "q_norm.weight"], "copy")
+                add(("attn", "k_norm"), [a + "k_norm.weight"], "copy")
+        add(("attn", "o"), [a + "o_proj.weight"], "transpose")
+        add(("mlp_norm",), ["post_attention_layernorm.weight"], "copy")
+        if dense:
+            add(("mlp", "gate_up"), ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "gate_up")
+            add(("mlp", "down"), ["mlp.down_proj.weight"], "transpose")
+            continue
+        add(("moe", "router", "kernel"), [moe_root + "gate.weight"], "transpose")
+        bias = [moe_root + "gate.e_score_correction_bias"] if family == "deepseek_v3" else []
+        slabs.append(Slab(("state", "router_bias"), (l,), tuple(p + n for n in bias), "copy" if bias else "zeros"))
+        for e in range(moe.num_experts):
+            gate, up, down = (f"{moe_root}experts.{e}.{n}.weight" for n in expert_names)
+            add(("moe", "experts", "gate_up"), [gate, up], "gate_up", index=(l, e))
+            add(("moe", "experts", "down"), [down], "transpose", index=(l, e))
+        if moe.num_shared_experts:
+            add(("moe", "shared", "gate_up"), ["mlp.shared_experts.gate_proj.weight",
+                                               "mlp.shared_experts.up_proj.weight"], "gate_up")
+            add(("moe", "shared", "down"), ["mlp.shared_experts.down_proj.weight"], "transpose")
+    slabs.append(Slab(("params", "final_norm"), (), ("model.norm.weight",), "copy"))
+    if not m.tie_embeddings:
+        slabs.append(Slab(("params", "lm_head"), (), ("lm_head.weight",), "transpose"))
+    return slabs
+
+
+def check_coverage(slabs: list[Slab], leaf_shapes: dict[LeafPath, tuple[int, ...]]) -> None:
+    """Invariant: the slabs cover every element of every leaf exactly once."""
+    seen: dict[LeafPath, list[tuple[int, ...]]] = {}
+    for slab in slabs:
+        seen.setdefault(slab.leaf, []).append(slab.index)
+    assert set(seen) == set(leaf_shapes), f"plan leaves {sorted(set(seen) ^ set(leaf_shapes))} differ from the model's"
+    for leaf, indices in seen.items():
+        depth = len(indices[0])
+        expected = list(itertools.product(*(range(n) for n in leaf_shapes[leaf][:depth])))
+        assert sorted(indices) == expected, f"plan does not cover {leaf} exactly once"
+
+
+def hf_shapes(slab: Slab, slab_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The HF tensor shapes a slab of our shape `slab_shape` corresponds to."""
+    if slab.op == "copy":
+        return [slab_shape]
+    if slab.op == "transpose":
+        return [slab_shape[::-1]]
+    if slab.op == "gate_up":
+        d, f2 = slab_shape
+        return [(f2 // 2, d), (f2 // 2, d)]
+    return []
+
+
+def to_ours(slab: Slab, tensors: list[np.ndarray], slab_shape: tuple[int, ...]) -> np.ndarray:
+    """HF tensors (any float dtype) -> our float32 slab."""
+    if slab.op == "zeros":
+        return np.zeros(slab_shape, np.float32)
+    t = [np.asarray(x, np.float32) for x in tensors]
+    if slab.op == "copy":
+        out = t[0]
+    elif slab.op == "transpose":
+        out = t[0].T
+    else:
+        out = np.concatenate([t[0].T, t[1].T], axis=1)
+    if slab.columns is not None:
+        out = out[:, list(slab.columns)]
+    return np.ascontiguousarray(out)
+
+
+def to_hf(slab: Slab, array: np.ndarray) -> list[np.ndarray]:
+    """Our slab -> HF tensors (float32, in `slab.hf_names` order); the exact inverse of `to_ours`."""
+    if slab.columns is not None:
+        array = array[:, list(np.argsort(slab.columns))]
+    if slab.op == "zeros":
+        return []
+    if slab.op == "copy":
+        return [array]
+    if slab.op == "transpose":
+        return [np.ascontiguousarray(array.T)]
+    half = array.shape[1] // 2
+    return [np.ascontiguousarray(array[:, :half].T), np.ascontiguousarray(array[:, half:].T)]
+
+
+# --------------------------------------------------------------------------------------------- FP8 weights
+
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """`weight * scale_inv` per (block[0] x block[1]) tile, rounded to bfloat16, as DeepSeek's `weight_dequant`.
+
+    Works one row of tiles at a time, so the float32 temporaries stay one tile-row in size.
+    """
+    rows, cols = weight.shape
+    br, bc = block
+    want = (math.ceil(rows / br), math.ceil(cols / bc))
+    if scale_inv.shape != want:
+        raise ConvertError(f"FP8 scale of shape {scale_inv.shape} does not fit a weight of shape {weight.shape} "
+                           f"in {br}x{bc} blocks (expected {want}); check quantization_config.weight_block_size.")
+    out = np.empty((rows, cols), ml_dtypes.bfloat16)
+    scale_inv = scale_inv.astype(np.float32)
+    for b in range(want[0]):
+        r0, r1 = b * br, min((b + 1) * br, rows)
+        scale_row = np.repeat(scale_inv[b], bc)[:cols]
+        out[r0:r1] = (weight[r0:r1].astype(np.float32) * scale_row).astype(ml_dtypes.bfloat16)
+    return out
+
+
+def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
+    """The FP8 block size from `quantization_config`, or None when the checkpoint is not quantized."""
+    quant = hf_config.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") not in ("e4m3", "e5m2"):
+        raise ConvertError(f"config.json field quantization_config (quant_method={quant.get('quant_method')!r}, "
+                           f"fmt={quant.get('fmt')!r}) is not supported; dropless reads fp8 block-quantized "
+                           "checkpoints (DeepSeek-V3's) and unquantized ones.")
+    block = quant.get("weight_block_size") or [128, 128]
+    if len(block) != 2:
+        raise ConvertError(f"config.json field quantization_config.weight_block_size={block} must have 2 entries.")
+    return int(block[0]), int(block[1])
+
+
+# --------------------------------------------------------------------------------------------- reading and checking
+
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|_scale_inv$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def check_checkpoint(reader: CheckpointReader, slabs: list[Slab], leaf_shapes: dict, config: Config) -> None:
+    """Before anything is written: every expected tensor is there with its shape, and nothing is left over."""
+    expected: set[str] = set()
+    for slab in slabs:
+        for name, shape in zip(slab.hf_names, hf_shapes(slab, leaf_shapes[slab.leaf][len(slab.index):])):
+            expected.add(name)
+            if name not in reader:
+                raise ConvertError(f"The checkpoint lacks tensor {name} (expected shape {list(shape)}); "
+                                   "it is incomplete or its config.json describes another model.")
+            got = reader.tensors[name].shape
+            if got != shape:
+                raise ConvertError(f"Tensor {name} has shape {list(got)} but config.json implies {list(shape)}; "
+                                   "the config and the weights disagree.")
+            info = reader.tensors[name]
+            if info.dtype in FP8_DTYPES and name + "_scale_inv" not in reader:
+                raise ConvertError(f"Tensor {name} is {info.dtype} without {name}_scale_inv; dropless reads FP8 "
+                                   "weights only with their block scales (DeepSeek-V3's format).")
+    extra = []
+    for name in reader.tensors:
+        layer = _LAYER.match(name)
+        if name in expected or _IGNORED.search(name):
+            continue
+        if layer and int(layer.group(1)) >= config.model.num_layers:
+            continue  # DeepSeek-V3's multi-token-prediction layers, which transformers ignores as well
+        if name == "lm_head.weight" and config.model.tie_embeddings:
+            continue  # some tied checkpoints store the copy
+        extra.append(name)
+    if extra:
+        raise ConvertError(f"The checkpoint has {len(extra)} tensor(s) this {config.model.family} model does not use, "
+                           f"e.g. {', '.join(sorted(extra)[:3])}; check that config.json matches the weights.")
+
+
+def read_hf_tensor(reader: CheckpointReader, name: str, block: tuple[int, int] | None) -> np.ndarray:
+    """One HF tensor as stored, except FP8 weights, which come back dequantized to bfloat16."""
+    tensor = reader.read(name)
+    if reader.tensors[name].dtype in FP8_DTYPES:
+        if block is None:
+            raise ConvertError(f"Tensor {name} is FP8 but config.json has no quantization_config; add the "
+                               "checkpoint's original config.json.")
+        return dequantize_fp8_blocks(tensor, reader.read(name + "_scale_inv"), block)
+    return tensor
+
+
+def name_pattern(name: str) -> str:
+    """A tensor name with its layer and expert numbers replaced by '*' (to record dtypes compactly)."""
+    return re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", name))
