@@ -1,0 +1,413 @@
+"""Grouped-GEMM benchmark: `python -m dropless.bench.gmm` / `dropless bench gmm`.
+
+For each shape class and group-size skew, one run measures the dense matmul of equal FLOPs (the roofline
+reference), `jax.lax.ragged_dot`, tokamax's default path, tokamax with its forward tuned, our default path
+(`dropless`: the tuned plan for all three products) and the capacity-factor batched GEMM (drops rows),
+forward and forward+backward. Each path is checked against an f32 reference before it is timed. Timing:
+warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
+input sets, each batch ended by one device sync. Results: a list of records in JSON (see `record_schema`).
+
+Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows inside groups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ShapeSpec:
+    """One grouped GEMM of a model: M rows x K -> N, G local experts."""
+
+    name: str
+    m: int
+    k: int
+    n: int
+    g: int
+    what: str
+
+
+SHAPES = {s.name: s for s in (
+    ShapeSpec("dsv3-gate-up-e32", 65536, 7168, 4096, 32, "DeepSeek-V3 gate+up, 32 local experts"),
+    ShapeSpec("dsv3-down-e32", 65536, 2048, 7168, 32, "DeepSeek-V3 down, 32 local experts"),
+    ShapeSpec("dsv3-gate-up-e256", 65536, 7168, 4096, 256, "DeepSeek-V3 gate+up, 256 local experts"),
+    ShapeSpec("dsv3-down-e256", 65536, 2048, 7168, 256, "DeepSeek-V3 down, 256 local experts"),
+    ShapeSpec("mixtral-gate-up", 32768, 4096, 28672, 8, "Mixtral 8x7B gate+up"),
+    ShapeSpec("qwen3-gate-up", 65536, 2048, 1536, 128, "Qwen3-30B-A3B gate+up"),
+    ShapeSpec("qwen3-down", 65536, 768, 2048, 128, "Qwen3-30B-A3B down"),
+    ShapeSpec("tiny", 512, 128, 256, 4, "CPU smoke test"),
+)}
+DEFAULT_SHAPES = tuple(n for n in SHAPES if n != "tiny")
+SKEWS = ("balanced", "dirichlet", "hot")
+BACKENDS = ("dense", "xla", "tokamax_default", "tokamax_fwd_tuned", "dropless", "capacity")
+GPU_ONLY = ("tokamax_default", "tokamax_fwd_tuned", "dropless")
+# Paths that run for minutes per call on big shapes are timed on one skew only (their cost does not depend on it).
+SKEW_INSENSITIVE = ("xla",)
+RECORD_KEYS = ("shape", "skew", "backend", "fwd_tflops", "fwdbwd_tflops", "dense_tflops", "max_rel_err")
+REL_ERR_LIMIT = 2e-2  # bf16 outputs: ~4e-3 expected (8-bit mantissa); a wrong row or group gives O(1)
+
+
+def group_sizes(skew: str, m: int, g: int, seed: int = 0) -> np.ndarray:
+    """[G] int32 summing to m. balanced: equal; dirichlet: multinomial(m, Dirichlet(alpha=1));
+    hot: one expert holds half the rows, a quarter of the experts are empty, the rest share the remainder."""
+    rng = np.random.default_rng(seed)
+    if skew == "balanced":
+        sizes = np.full(g, m // g)
+        sizes[: m - sizes.sum()] += 1
+    elif skew == "dirichlet":
+        sizes = rng.multinomial(m, rng.dirichlet(np.ones(g)))
+    elif skew == "hot":
+        sizes = np.zeros(g, np.int64)
+        sizes[0] = m // 2
+        rest = [i for i in range(1, g) if i % 4 != 1] or [0]  # experts 1, 5, 9, ... stay empty
+        sizes[rest] += rng.multinomial(m - sizes[0], np.full(len(rest), 1 / len(rest)))
+    else:
+        raise ValueError(f"skew={skew!r} is not valid; choose one of {', '.join(SKEWS)}.")
+    assert sizes.sum() == m and (sizes >= 0).all()
+    return sizes.astype(np.int32)
+
+
+def time_calls(fn: Callable, arg_sets: list[tuple], *, target_s: float = 0.06, batches: int = 5) -> float:
+    """Median seconds per call: `batches` batches of back-to-back calls rotating over `arg_sets`, one sync
+    per batch (the device runs the calls in order, so the last one's completion times the batch)."""
+    import jax
+
+    jax.block_until_ready(fn(*arg_sets[0]))  # warm-up: compile and first run
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[1 % len(arg_sets)]))
+    one = time.perf_counter() - t0
+    calls = max(1, min(50, int(target_s / max(one, 1e-6))))
+    if one > 0.1:  # a slow path (XLA's dense-masked ragged_dot): fewer samples, same median
+        batches = 3
+    samples = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float = 1.25) -> Callable:
+    """gmm(x_MK, w_GKN, group_sizes_G) -> y_MN for one benchmarked path (dense: x @ w[0], ignores groups)."""
+    import jax
+    import jax.numpy as jnp
+
+    if name == "dense":
+        return lambda x, w, gs: jnp.dot(x, w[0], preferred_element_type=jnp.float32).astype(x.dtype)
+    if name == "xla":
+        return lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)
+    if name == "tokamax_default":
+        import tokamax
+
+        return lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic")
+    if name == "tokamax_fwd_tuned":
+        # What reusing a tuning result gives: the forward's config, passed explicitly; tokamax's own backward
+        # builds its dx / dW ops afresh, with heuristic configs.
+        from tokamax.ops.gpu import PallasMosaicRaggedDot
+
+        op = PallasMosaicRaggedDot(config=plan.fwd.tile.to_tokamax())
+        return lambda x, w, gs: op(x, w, group_sizes=gs)
+    if name == "dropless":
+        from dropless.moe.gmm_tuned import tuned_gmm
+
+        return lambda x, w, gs: tuned_gmm(x, w, gs, plan)
+    if name == "capacity":
+        from dropless.moe.gmm import CapacityGmm
+
+        return CapacityGmm(capacity_factor)
+    raise ValueError(f"backend={name!r} is not valid; choose one of {', '.join(BACKENDS)}.")
+
+
+def compile_all(paths, shape: ShapeSpec, plan, fwd_args: tuple, fwdbwd_args: tuple, workers: int = 8) -> dict:
+    """{(path, "fwd" | "fwdbwd"): (compiled function, None) or (None, error)}, compiled in parallel threads
+    (Mosaic GPU kernels spend seconds in the compiler, which releases the GIL)."""
+    import concurrent.futures
+
+    import jax
+
+    def build(job):
+        path, which = job
+        try:
+            fns = fwd_and_fwdbwd(make_backend(path, shape, plan))
+            fn, args = (fns[0], fwd_args) if which == "fwd" else (fns[1], fwdbwd_args)
+            return fn.lower(*args).compile(), None
+        except Exception as e:  # noqa: BLE001
+            return None, str(e).split("\n")[0][:300]
+
+    jobs = [(p, which) for p in paths for which in ("fwd", "fwdbwd")]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+        return dict(zip(jobs, ex.map(build, jobs)))
+
+
+def fwd_and_fwdbwd(gmm: Callable):
+    """Jitted forward, and forward + both input gradients for a given output cotangent."""
+    import jax
+
+    def fwdbwd(x, w, gs, dy):
+        out, pullback = jax.vjp(lambda x, w: gmm(x, w, gs), x, w)
+        return (out, *pullback(dy))
+
+    return jax.jit(gmm), jax.jit(fwdbwd)
+
+
+def reference_checker(rows: int = 256):
+    """check(x, w, dy, out, dx, dw, g, start, end, check_dw) -> max relative Frobenius error over: output rows
+    and input-gradient rows [start, start + rows) of group g (clipped to the group), and the whole dw[g]."""
+    import jax
+    import jax.numpy as jnp
+
+    def rel(a, b):
+        return jnp.linalg.norm((a - b).ravel()) / jnp.maximum(jnp.linalg.norm(b.ravel()), 1e-6)
+
+    @jax.jit
+    def check(x, w, dy, out, dx, dw, g, start, end, check_dw):
+        m = x.shape[0]
+        lo = jnp.minimum(start, m - rows)
+        keep = ((jnp.arange(rows) + lo >= start) & (jnp.arange(rows) + lo < end))[:, None]
+        f32 = lambda a: a.astype(jnp.float32)
+        xs, dys = (jax.lax.dynamic_slice_in_dim(f32(a), lo, rows) for a in (x, dy))
+        wg = f32(w[g])
+        ref_out = jnp.where(keep, xs @ wg, 0)
+        ref_dx = jnp.where(keep, dys @ wg.T, 0)
+        got_out = jnp.where(keep, jax.lax.dynamic_slice_in_dim(f32(out), lo, rows), 0)
+        got_dx = jnp.where(keep, jax.lax.dynamic_slice_in_dim(f32(dx), lo, rows), 0)
+        in_group = ((jnp.arange(m) >= start) & (jnp.arange(m) < end))[:, None]
+        ref_dw = jnp.where(in_group, f32(x), 0).T @ f32(dy)
+        err_dw = jnp.where(check_dw, rel(f32(dw[g]), ref_dw), 0.0)
+        return jnp.maximum(jnp.maximum(rel(got_out, ref_out), rel(got_dx, ref_dx)), err_dw)
+
+    return check
+
+
+def checked_groups(sizes: np.ndarray) -> list[int]:
+    """The largest group, a median one and an empty one (if any): where ragged kernels go wrong."""
+    order = np.argsort(sizes)
+    picks = [int(order[-1]), int(order[len(order) // 2])]
+    empty = np.flatnonzero(sizes == 0)
+    return picks + ([int(empty[0])] if empty.size else [])
+
+
+def environment() -> dict[str, Any]:
+    import jax
+
+    info = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
+            "date": datetime.date.today().isoformat(), "host": platform.node()}
+    try:
+        import tokamax
+
+        info["tokamax"] = tokamax.__version__
+    except ImportError:
+        info["tokamax"] = None
+    info["commit"] = os.environ.get("DROPLESS_COMMIT") or _git_commit()
+    return info
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _flops(rows: int, shape: ShapeSpec) -> float:
+    return 2.0 * rows * shape.k * shape.n
+
+
+def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int = 0, log=print) -> list[dict]:
+    """All records of one shape: dense once, then every (skew, backend)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dropless.moe import gmm_tuning
+
+    env = environment()
+    plan = gmm_tuning.plan_for(shape.m, shape.k, shape.n, shape.g, kind=env["device"], path=plan_path) \
+        if env["platform"] == "gpu" else None
+    keys = jax.random.split(jax.random.key(seed), 6)
+    bf16 = jnp.bfloat16
+    # Two input sets to rotate between; unit-variance weights scaled by 1/sqrt(K) keep outputs O(1).
+    xs = [jax.random.normal(keys[i], (shape.m, shape.k), bf16) for i in (0, 1)]
+    dys = [jax.random.normal(keys[2 + i], (shape.m, shape.n), bf16) for i in (0, 1)]
+    w = (jax.random.normal(keys[4], (shape.g, shape.k, shape.n), jnp.float32) / math.sqrt(shape.k)).astype(bf16)
+    check = reference_checker()
+    records: list[dict] = []
+    base = {"shape": shape.name, "m": shape.m, "k": shape.k, "n": shape.n, "g": shape.g} | env
+
+    gs0 = jnp.asarray(group_sizes("balanced", shape.m, shape.g))
+    fwd_args = [(x, w, gs0) for x in xs]
+    fwdbwd_args = [(x, w, gs0, dy) for x, dy in zip(xs, dys)]
+    paths = [b for b in backends if b == "dense" or not (b in GPU_ONLY and env["platform"] != "gpu")]
+    paths = ["dense"] + [b for b in paths if b != "dense"]
+    compiled = compile_all(paths, shape, plan, fwd_args[0], fwdbwd_args[0])
+
+    (dense_fwd, err_f), (dense_fwdbwd, err_b) = compiled[("dense", "fwd")], compiled[("dense", "fwdbwd")]
+    if err_f or err_b:
+        raise RuntimeError(f"{shape.name}: the dense reference failed to compile: {err_f or err_b}")
+    dense = {"fwd": time_calls(dense_fwd, fwd_args), "fwdbwd": time_calls(dense_fwdbwd, fwdbwd_args)}
+    dense_tf = {p: _flops(shape.m, shape) * (3 if p == "fwdbwd" else 1) / t / 1e12 for p, t in dense.items()}
+    records.append(base | {"skew": None, "backend": "dense", "fwd_ms": dense["fwd"] * 1e3,
+                           "fwdbwd_ms": dense["fwdbwd"] * 1e3, "fwd_tflops": dense_tf["fwd"],
+                           "fwdbwd_tflops": dense_tf["fwdbwd"], "dense_tflops": dense_tf["fwdbwd"],
+                           "dense_fwd_tflops": dense_tf["fwd"], "max_rel_err": None, "error": None})
+    log(f"{shape.name}: dense {dense['fwd']*1e3:.2f} ms fwd ({dense_tf['fwd']:.0f} TF/s), "
+        f"{dense['fwdbwd']*1e3:.2f} ms fwd+bwd ({dense_tf['fwdbwd']:.0f} TF/s)")
+
+    for backend in paths[1:]:
+        (fwd, err_f), (fwdbwd, err_b) = compiled.pop((backend, "fwd")), compiled.pop((backend, "fwdbwd"))
+        for skew in skews:
+            if backend in SKEW_INSENSITIVE and "dirichlet" in skews and skew != "dirichlet":
+                continue
+            sizes = group_sizes(skew, shape.m, shape.g, seed)
+            gs = jnp.asarray(sizes)
+            rows = int(sizes.sum())
+            rec = base | {"skew": skew, "backend": backend, "dense_tflops": dense_tf["fwdbwd"],
+                          "dense_fwd_tflops": dense_tf["fwd"], "error": None, "max_rel_err": None}
+            if backend == "dropless":
+                rec["plan"] = {p: plan.product(p).to_json() for p in gmm_tuning.PRODUCTS} | {"source": plan.source}
+            try:
+                if err_f or err_b:
+                    raise RuntimeError(err_f or err_b)
+                out, dx, dw = fwdbwd(xs[0], w, gs, dys[0])
+                ends = np.cumsum(sizes)
+                errs = []
+                cap = None
+                if backend == "capacity":
+                    cap = make_backend("capacity", shape).capacity(shape.m, shape.g)
+                    rec["dropped_rows"] = int(np.maximum(sizes - cap, 0).sum())
+                for g in checked_groups(sizes):
+                    start, end = int(ends[g] - sizes[g]), int(ends[g])
+                    if cap is not None:  # only the rows the capacity path keeps can match
+                        end = min(end, start + cap)
+                    errs.append(float(check(xs[0], w, dys[0], out, dx, dw, g, start, end, cap is None)))
+                rec["max_rel_err"] = max(errs)
+                del out, dx, dw
+                if not rec["max_rel_err"] <= REL_ERR_LIMIT:
+                    raise AssertionError(f"relative error {rec['max_rel_err']:.3g} > {REL_ERR_LIMIT}: not timed")
+                t_fwd = time_calls(fwd, [(x, w, gs) for x in xs])
+                t_fb = time_calls(fwdbwd, [(x, w, gs, dy) for x, dy in zip(xs, dys)])
+                rec |= {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3,
+                        "fwd_tflops": _flops(rows, shape) / t_fwd / 1e12,
+                        "fwdbwd_tflops": 3 * _flops(rows, shape) / t_fb / 1e12}
+                rec["fwd_vs_dense"] = rec["fwd_tflops"] / dense_tf["fwd"]
+                rec["fwdbwd_vs_dense"] = rec["fwdbwd_tflops"] / dense_tf["fwdbwd"]
+                log(f"{shape.name} {skew:9s} {backend:17s} fwd {rec['fwd_tflops']:6.1f} TF/s "
+                    f"fwd+bwd {rec['fwdbwd_tflops']:6.1f} TF/s = {rec['fwdbwd_vs_dense']:.0%} of dense, "
+                    f"err {rec['max_rel_err']:.1e}")
+            except Exception as e:  # noqa: BLE001 - a failing path is a result (e.g. XLA out of memory), not a crash
+                text = str(e).split("\n")[0][:300]
+                rec["error"] = "out of memory" if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e) else text
+                log(f"{shape.name} {skew:9s} {backend:17s} FAILED: {rec['error']}")
+            records.append(rec)
+        del fwd, fwdbwd
+    return records
+
+
+def write_chart(records: list[dict], path: Path, skew: str = "dirichlet") -> None:
+    """Bar chart: fwd+bwd TFLOP/s per shape and path at one skew, with the dense matmul of equal FLOPs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    paths = [b for b in BACKENDS if any(r["backend"] == b for r in records)]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 4.5))
+    width = 0.8 / len(paths)
+    for i, path_name in enumerate(paths):
+        values = []
+        for s in shapes:
+            rec = next((r for r in records if r["shape"] == s and r["backend"] == path_name
+                        and (r["skew"] == skew or path_name == "dense")), None)
+            values.append((rec or {}).get("fwdbwd_tflops") or 0.0)
+        ax.bar(np.arange(len(shapes)) + (i - (len(paths) - 1) / 2) * width, values, width, label=path_name)
+    ax.set_xticks(np.arange(len(shapes)), shapes, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("forward+backward TFLOP/s")
+    device = records[0].get("device", "") if records else ""
+    ax.set_title(f"Grouped GEMM fwd+bwd, {skew} group sizes, {device}")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def markdown_table(records: list[dict], skews=SKEWS) -> str:
+    """The BENCHMARKS.md table: per shape and skew, TFLOP/s of each path and our path's share of dense."""
+    lines = ["| shape | skew | dense fwd / fwd+bwd | xla | tokamax default | tokamax fwd-tuned | **dropless** (default) | "
+             "dropless / dense (fwd+bwd) | capacity 1.25 (drops) |", "|" + " --- |" * 9]
+    cell = lambda r: "n/a" if r is None else (r.get("error") or f"{r['fwd_tflops']:.0f} / {r['fwdbwd_tflops']:.0f}")
+    for s in dict.fromkeys(r["shape"] for r in records):
+        dense = next((r for r in records if r["shape"] == s and r["backend"] == "dense"), None)
+        for skew in skews:
+            pick = {b: next((r for r in records if r["shape"] == s and r["skew"] == skew and r["backend"] == b), None)
+                    for b in BACKENDS}
+            if not any(pick.values()):
+                continue
+            ours = pick["dropless"]
+            ratio = f"**{ours['fwdbwd_vs_dense']:.0%}**" if ours and ours.get("fwdbwd_vs_dense") else "n/a"
+            lines.append(f"| {s} | {skew} | {cell(dense)} | {cell(pick['xla'])} | {cell(pick['tokamax_default'])} | "
+                         f"{cell(pick['tokamax_fwd_tuned'])} | {cell(ours)} | {ratio} | {cell(pick['capacity'])} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dropless bench gmm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                   help=f"comma-separated shape classes from: {', '.join(SHAPES)} (default: all but tiny)")
+    p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated, from {', '.join(SKEWS)}")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {', '.join(BACKENDS)}")
+    p.add_argument("--configs", help="a tuned-config table to use instead of the packaged one")
+    p.add_argument("--out", default="benchmarks/results/gmm-{device}.json", help="results JSON ({device} is filled in)")
+    p.add_argument("--chart", default="", help="PNG chart path (default: the --out path with .png)")
+    p.add_argument("--table", action="store_true", help="print the markdown table at the end")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    for name, allowed in ((shapes, SHAPES), (args.skews.split(","), SKEWS), (args.backends.split(","), BACKENDS)):
+        bad = [x for x in name if x not in allowed]
+        if bad:
+            print(f"error: {', '.join(bad)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
+            return 2
+    from dropless import xla_flags
+
+    xla_flags.apply()
+    import jax
+
+    device = jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
+    out = Path(args.out.format(device=device))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records: list[dict] = []
+    for name in shapes:
+        records += bench_shape(SHAPES[name], args.skews.split(","), args.backends.split(","),
+                               plan_path=args.configs, seed=args.seed)
+        out.write_text(json.dumps(records, indent=1) + "\n")  # after every shape: a timeout keeps what was done
+    write_chart(records, Path(args.chart) if args.chart else out.with_suffix(".png"))
+    if args.table:
+        print(markdown_table(records, args.skews.split(",")))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""`dropless tune-gmm`: measure kernel/tile candidates for the three grouped-GEMM products on this GPU and
+write the fastest correct one per product into the tuned-config table.
+
+  dropless tune-gmm --preset deepseek-v3-671b            # the preset's gate+up and down GEMMs
+  dropless tune-gmm --shape 65536,7168,4096,32 --shape 65536,2048,7168,32 --out my_gmm.json
+
+A preset gives two shapes: gate+up (K = hidden, N = 2 x expert width) and down (K = expert width,
+N = hidden), with G = experts / parallel.expert and M = --rows. Each candidate is compiled (in parallel
+threads), checked against an f32 reference on the largest, a median and an empty group, then timed
+(median of batches, rotating inputs). The table written is the packaged one by default; write your own
+with --out and point DROPLESS_GMM_CONFIGS at it: its entries then take precedence over the packaged ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from dropless.moe import gmm_tuning as gt
+from dropless.moe.gmm_tuning import ProductConfig, ShapeKey, TileConfig
+
+PACKAGED_TABLE = Path(gt.__file__).with_name(gt.DATA_FILE)
+SMEM_BYTES = 227 * 1024  # sm90 shared memory per block
+
+
+def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4) -> ProductConfig:
+    return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, persistent, "mn".index(minor), width))
+
+
+# Hand-picked around tokamax's autotuned forward tile on an H200 (block 128x64x128, 4 stages, persistent,
+# n-minor walk in bands of 4-8: shared/facts/autotune_dsv3_*.json, 96 configs each). 128-wide N tiles
+# halve the shared-memory reads per MMA (tokamax's own search only tries N = 64); an m-minor walk makes the
+# row tiles of one expert reuse its weight tile from L2 (matters when experts get few rows, e.g. G = 256).
+QUICK = {
+    "fwd": (_pc("tokamax", 128, 64, 128, 4, width=4), _pc("tokamax", 128, 64, 128, 4, width=8),
+            _pc("tokamax", 128, 128, 64, 4), _pc("tokamax", 128, 128, 64, 4, minor="m"),
+            _pc("dropless", 128, 128, 64, 4)),
+    "dlhs": (_pc("tokamax", 128, 64, 128, 4), _pc("dropless", 128, 64, 128, 4), _pc("dropless", 128, 128, 64, 4),
+             _pc("dropless", 128, 128, 64, 4, minor="m"), _pc("dropless", 64, 128, 128, 4)),
+    "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
+             _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
+             _pc("dropless", 128, 256, 64, 3)),
+}
+
+
+def smem_bytes(tile: TileConfig, itemsize: int = 2) -> int:
+    """Pipeline stages of both operand blocks plus the output staging block."""
+    return itemsize * (tile.num_stages * (tile.block_m * tile.block_k + tile.block_k * tile.block_n)
+                       + tile.block_m * tile.block_n)
+
+
+def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
+    """A larger grid for users with time to spare (several hundred candidates over all products)."""
+    out = []
+    kernels = ("tokamax", "dropless")
+    for kernel in kernels:
+        for bm, bn, bk in ((128, 64, 128), (128, 128, 64), (64, 128, 128), (256, 64, 64), (128, 64, 64), (64, 64, 128)):
+            for stages in (2, 3, 4, 6):
+                for persistent in (True, False):
+                    for minor, width in (("n", 4), ("n", 8), ("m", 4), ("m", 2)):
+                        if kernel == "tokamax" and product == "drhs" and (persistent or (minor, width) != ("n", 4)):
+                            continue  # tokamax's weight-gradient kernel has a fixed grid
+                        c = _pc(kernel, bm, bn, bk, stages, persistent, minor, width)
+                        if smem_bytes(c.tile) <= SMEM_BYTES:
+                            out.append(c)
+    return tuple(dict.fromkeys(out))
+
+
+def candidates(product: str, shape: ShapeKey, which: str = "quick") -> list[ProductConfig]:
+    pool = QUICK[product] if which == "quick" else wide_candidates(product)
+    return [c for c in pool if c.fits(product, shape.k, shape.n)]
+
+
+def preset_shapes(name: str, rows: int) -> list[tuple[str, ShapeKey]]:
+    """The two routed-expert GEMMs of a preset, with G = local experts."""
+    from dropless.config import load_preset
+
+    cfg = load_preset(name)
+    d, f = cfg.model.hidden_size, cfg.moe.expert_intermediate_size
+    g = cfg.moe.num_experts // cfg.parallel.expert
+    return [(f"{name}-gate-up-e{g}", ShapeKey(rows, d, 2 * f, g)), (f"{name}-down-e{g}", ShapeKey(rows, f, d, g))]
+
+
+def product_fn(product: str, config: ProductConfig):
+    """The product as a function of its two operands and the group sizes."""
+    import jax.numpy as jnp
+
+    from dropless.moe.gmm_tuned import _ragged_contract, _ragged_rows
+
+    if product == "fwd":
+        return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=False, out_dtype=jnp.bfloat16)
+    if product == "dlhs":
+        return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=True, out_dtype=jnp.bfloat16)
+    return lambda a, b, gs: _ragged_contract(a, b, gs, config, out_dtype=jnp.bfloat16)
+
+
+def product_checker(product: str, rows: int = 256):
+    """err(a, b, out, g, start, end): relative Frobenius error of the product's output for group g."""
+    import jax
+    import jax.numpy as jnp
+
+    def rel(x, y):
+        return jnp.linalg.norm((x - y).ravel()) / jnp.maximum(jnp.linalg.norm(y.ravel()), 1e-6)
+
+    @jax.jit
+    def err(a, b, out, g, start, end):
+        f32 = lambda t: t.astype(jnp.float32)
+        m = a.shape[0]
+        if product == "drhs":
+            inside = ((jnp.arange(m) >= start) & (jnp.arange(m) < end))[:, None]
+            return rel(f32(out[g]), jnp.where(inside, f32(a), 0).T @ f32(b))
+        lo = jnp.minimum(start, m - rows)
+        keep = ((jnp.arange(rows) + lo >= start) & (jnp.arange(rows) + lo < end))[:, None]
+        wg = f32(b[g]) if product == "fwd" else f32(b[g]).T
+        ref = jnp.where(keep, jax.lax.dynamic_slice_in_dim(f32(a), lo, rows) @ wg, 0)
+        return rel(jnp.where(keep, jax.lax.dynamic_slice_in_dim(f32(out), lo, rows), 0), ref)
+
+    return err
+
+
+def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, workers: int, log=print):
+    """Measure every candidate of every product; returns ({product: best}, {product: best ms}, trial log)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dropless.bench.gmm import checked_groups, group_sizes, time_calls
+
+    keys = jax.random.split(jax.random.key(seed), 5)
+    bf16 = jnp.bfloat16
+    xs = [jax.random.normal(keys[i], (shape.m, shape.k), bf16) for i in (0, 1)]
+    dys = [jax.random.normal(keys[2 + i], (shape.m, shape.n), bf16) for i in (0, 1)]
+    w = (jax.random.normal(keys[4], (shape.g, shape.k, shape.n), jnp.float32) / math.sqrt(shape.k)).astype(bf16)
+    sizes = group_sizes(skew, shape.m, shape.g, seed)
+    gs = jnp.asarray(sizes)
+    ends = np.cumsum(sizes)
+    operands = {"fwd": [(x, w) for x in xs], "dlhs": [(dy, w) for dy in dys], "drhs": list(zip(xs, dys))}
+    best, best_ms, trials = {}, {}, []
+    for product in gt.PRODUCTS:
+        pool = candidates(product, shape, which)
+        args = [(*ab, gs) for ab in operands[product]]
+
+        def build(config):
+            return jax.jit(product_fn(product, config)).lower(*args[0]).compile()
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
+            compiled = list(ex.map(lambda c: _try(build, c), pool))
+        check = product_checker(product)
+        for config, (fn, error) in zip(pool, compiled):
+            trial = {"shape": name, "product": product, **config.to_json(), "ms": None, "max_rel_err": None,
+                     "error": error}
+            if fn is not None:
+                try:
+                    out = fn(*args[0])
+                    errs = [float(check(*operands[product][0], out, g, int(ends[g] - sizes[g]), int(ends[g])))
+                            for g in checked_groups(sizes)]
+                    del out
+                    trial["max_rel_err"] = max(errs)
+                    if not trial["max_rel_err"] <= 2e-2:
+                        raise AssertionError(f"relative error {trial['max_rel_err']:.3g}")
+                    trial["ms"] = time_calls(fn, args) * 1e3
+                except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+                    trial["error"] = str(e).split("\n")[0][:300]
+            trials.append(trial)
+            status = f"{trial['ms']:.3f} ms" if trial["ms"] else f"FAILED {trial['error']}"
+            log(f"{name} {product:4s} {config.kernel:8s} {config.tile} -> {status}")
+            if trial["ms"] and (product not in best_ms or trial["ms"] < best_ms[product]):
+                best[product], best_ms[product] = config, trial["ms"]
+        if product not in best:
+            raise RuntimeError(f"{name}: no {product} candidate ran correctly; see the log above.")
+    del xs, dys, w
+    return best, best_ms, trials
+
+
+def _try(build, config):
+    try:
+        return build(config), None
+    except Exception as e:  # noqa: BLE001
+        return None, str(e).split("\n")[0][:300]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dropless tune-gmm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", action="append", default=[], help="a preset name; repeatable")
+    p.add_argument("--shape", action="append", default=[], help="M,K,N,G; repeatable")
+    p.add_argument("--bench-shapes", default="", help="comma-separated shape classes of 'dropless bench gmm'")
+    p.add_argument("--rows", type=int, default=65536, help="M for --preset shapes (rows per grouped GEMM)")
+    p.add_argument("--skew", default="dirichlet", help="group-size distribution to tune on")
+    p.add_argument("--candidates", choices=("quick", "wide"), default="quick")
+    p.add_argument("--out", default=None, help=f"table to write/extend (default: the packaged {gt.DATA_FILE})")
+    p.add_argument("--log", default=None, help="also write every trial as JSON here")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="parallel compilations")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from dropless.bench.gmm import SHAPES, SKEWS, environment
+
+    shapes: list[tuple[str, ShapeKey]] = []
+    try:
+        for spec in args.shape:
+            m, k, n, g = (int(v) for v in spec.split(","))
+            shapes.append((gt.shape_class(m, k, n, g), ShapeKey(m, k, n, g)))
+    except ValueError:
+        print(f"error: --shape {spec!r} must be four integers M,K,N,G.", file=sys.stderr)
+        return 2
+    for name in args.preset:
+        shapes += preset_shapes(name, args.rows)
+    for name in filter(None, args.bench_shapes.split(",")):
+        if name not in SHAPES:
+            print(f"error: unknown bench shape {name!r}; choose from {', '.join(SHAPES)}.", file=sys.stderr)
+            return 2
+        s = SHAPES[name]
+        shapes.append((name, ShapeKey(s.m, s.k, s.n, s.g)))
+    if not shapes or args.skew not in SKEWS:
+        print("error: give --preset NAME, --shape M,K,N,G or --bench-shapes, and a --skew from "
+              f"{', '.join(SKEWS)}.", file=sys.stderr)
+        return 2
+    from dropless import xla_flags
+
+    xla_flags.apply()
+    env = environment()
+    if env["platform"] != "gpu":
+        print("error: tune-gmm measures GPU kernels; run it on an NVIDIA Hopper GPU.", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else PACKAGED_TABLE
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        print(f"error: cannot write {out}; pass --out my_gmm.json and set DROPLESS_GMM_CONFIGS=my_gmm.json.",
+              file=sys.stderr)
+        return 2
+    table = gt.load_table(out) if out.exists() else gt.empty_table()
+    all_trials = []
+    for name, shape in shapes:
+        best, best_ms, trials = tune_shape(name, shape, skew=args.skew, seed=args.seed, which=args.candidates,
+                                           workers=args.workers)
+        all_trials += trials
+        provenance = (f"dropless tune-gmm on {env['device']}, {datetime.date.today().isoformat()}, jax {env['jax']}, "
+                      f"tokamax {env['tokamax']}, commit {env['commit']}; {args.candidates} candidates, skew "
+                      f"{args.skew}, seed {args.seed}; median of batches, rotating inputs")
+        table = gt.merge_entry(table, env["device"], gt.make_entry(name, shape, best, best_ms, provenance))
+        gt.save_table(table, out)  # after every shape: a timeout keeps what was done
+        print(f"{name}: " + ", ".join(f"{p} {best[p].kernel} {best_ms[p]:.3f} ms" for p in gt.PRODUCTS), flush=True)
+        if args.log:
+            Path(args.log).write_text(json.dumps(all_trials, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Grouped-GEMM kernels for Hopper (sm90) in Pallas Mosaic GPU, reading every operand in the layout it has.
+
+tokamax 0.0.17's Mosaic GPU ragged_dot is fast on the forward product once tuned, but for both backward
+products it first materialises a transpose: `dy·Wᵀ` copies W to [G, N, K] (15 GB for DeepSeek-V3's 256
+experts: ~7 ms on an H200, more than the whole matmul at dense speed) and the weight gradient copies x to
+[K, M]. The two kernels here let the tensor cores' transposed-operand modes (wgmma reads either operand
+K-major or MN-major from shared memory) do that work instead:
+
+  grouped_matmul(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN  = rows of group g · rhs[g]   (rhs[g]ᵀ)
+  grouped_matmul_tn(lhs_MK, rhs_MN, group_sizes_G, tile)            out_GKN = (rows of group g of lhs)ᵀ · (same rows of rhs)
+
+Suffixes: M rows sorted by group, K and N feature dims, G groups, T row tiles. Rows past sum(group_sizes)
+are padding: grouped_matmul leaves their output rows unwritten (the caller masks them), grouped_matmul_tn
+never lets them reach the accumulator. Inputs must be bf16 or f16 with dims that are multiples of the tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dropless.moe.gmm_tuning import TileConfig
+
+# Row tiles of a group start at its first row rounded down to this many rows, so the TMA box starts on a
+# sublane-aligned row (tokamax does the same); the few rows before the group are computed and not stored.
+ROW_ALIGN = 8
+
+
+def _swizzled(minor_dim: int, dtype, leading_tile: int = 8) -> tuple:
+    """Tiling + swizzle transforms for a 2-D shared-memory block whose last dim (`minor_dim` long) is contiguous."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(minor_dim * bits)
+    return plgpu.TilingTransform((leading_tile, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
+
+
+def _block(shape, dtype, index_map) -> plgpu.BlockSpec:
+    # delay_release=1: a stage's buffers stay alive one step longer, so wgmma_wait(1) may keep one MMA in flight.
+    return plgpu.BlockSpec(shape, index_map, transforms=_swizzled(shape[-1], dtype), delay_release=1)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the device the kernel is built for (persistent grids launch one CTA each)."""
+    mesh_device = jax.sharding.get_abstract_mesh().abstract_device
+    if mesh_device is not None:
+        return mesh_device.num_cores
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)  # 132 = H100/H200 SXM, for CPU interpret runs
+
+
+def row_tiles(group_sizes_G: jax.Array, block_m: int, num_tiles: int) -> tuple[jax.Array, ...]:
+    """The work list of `grouped_matmul`, computed by XLA before the kernel runs.
+
+    Tile t multiplies lhs rows [start_T[t], start_T[t] + block_m) by rhs[group_T[t]] and stores the rows
+    [start_T[t] + offset_T[t], ... + size_T[t]), which all belong to that group. A group's tiles start at
+    its first row rounded down to ROW_ALIGN; tiles past the last group have size 0 and are skipped.
+    """
+    sizes_G = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
+    ends_G = jnp.cumsum(sizes_G)
+    starts_G = ends_G - sizes_G
+    first_G = starts_G // ROW_ALIGN * ROW_ALIGN
+    tiles_G = jnp.where(sizes_G > 0, pl.cdiv(ends_G - first_G, block_m), 0)
+    tile_end_G = jnp.cumsum(tiles_G)
+    t_T = jnp.arange(num_tiles, dtype=jnp.int32)
+    # compare_all: one fused comparison matrix, fast for the few thousand tiles x few hundred groups here.
+    group_T = jnp.searchsorted(tile_end_G[:-1], t_T, side="right", method="compare_all").astype(jnp.int32)
+    start_T = first_G[group_T] + block_m * (t_T - (tile_end_G - tiles_G)[group_T])
+    lo_T = jnp.maximum(start_T, starts_G[group_T])
+    hi_T = jnp.minimum(start_T + block_m, ends_G[group_T])
+    size_T = jnp.maximum(hi_T - lo_T, 0)
+    return group_T, start_T, jnp.where(size_T > 0, lo_T - start_T, 0), size_T
+
+
+def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
+    """An upper bound on the tiles `row_tiles` produces: a group of r rows starting at misalignment a < ROW_ALIGN
+    needs ceil((r + a) / block_m) <= (r + a - 1) // block_m + 1 tiles; summing over groups gives this bound."""
+    return (num_rows + (ROW_ALIGN - 1) * num_groups) // block_m + num_groups
+
+
+def _store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -> None:
+    """Copy `size` rows starting at `offset` of out_smem to out_gmem rows row0 + offset...
+
+    TMA boxes have static sizes, so the dynamic row count is stored as its binary digits: one copy of 2^i
+    rows for each set bit i of `size` (at most log2(block_m) + 1 copies, issued together, waited once).
+    """
+    step = 1 << (max_rows.bit_length() - 1)
+    while step:
+        @pl.when((size & step) != 0)
+        def _copy(step=step, offset=offset):
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(offset, step)], out_gmem.at[pl.ds(row0 + offset, step), cols],
+                                    commit_group=False)
+
+        offset = offset + (size & step)
+        step //= 2
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
+                   transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
+    """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
+
+    With transpose_rhs the kernel computes lhs · rhs[g]ᵀ straight from W's own layout: this is the input
+    gradient dy·Wᵀ of a forward x·W without copying W. Output rows past sum(group_sizes) are left unwritten.
+    """
+    m, k = lhs_MK.shape
+    if transpose_rhs:
+        g, n, k_rhs = rhs.shape
+    else:
+        g, k_rhs, n = rhs.shape
+    assert k == k_rhs and n % tile.block_n == 0 and k % tile.block_k == 0, (lhs_MK.shape, rhs.shape, tile)
+    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    m_tiles = max_row_tiles(m, g, bm)
+    n_tiles, k_steps = n // bn, k // bk
+    tables = row_tiles(group_sizes_G, bm, m_tiles)
+
+    def kernel(lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem, out_gmem):
+        def tile_body(first_tile, num_tiles, loop_info):
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (num_tiles, n_tiles), tile.grid_minor_dim,
+                                        tile.grid_tile_width)
+            t = first_tile + mi
+            group, size = group_gmem[t], size_gmem[t]
+            start = pl.multiple_of(start_gmem[t], ROW_ALIGN)
+
+            @pl.when(size > 0)
+            def _compute():
+                def mma(acc_ref):
+                    def step(_, lhs_smem, rhs_smem):
+                        b = plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem
+                        plgpu.wgmma(acc_ref, lhs_smem, b)
+                        plgpu.wgmma_wait(1)
+
+                    if transpose_rhs:
+                        rhs_spec = _block((bn, bk), rhs_gmem.dtype, lambda ki: (ni, ki))
+                    else:
+                        rhs_spec = _block((bk, bn), rhs_gmem.dtype, lambda ki: (ki, ni))
+                    lhs_spec = _block((pl.Element(bm), bk), lhs_gmem.dtype, lambda ki: (start, ki))
+                    plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=(lhs_spec, rhs_spec),
+                                        max_concurrent_steps=tile.num_stages)(lhs_gmem, rhs_gmem.at[group])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(mma, plgpu.ACC((bm, bn)))
+                # Leading tile of 1 row: the ragged store slices the staging buffer at any row.
+                out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype, leading_tile=1))
+
+                @functools.partial(pl.run_scoped, out_smem=out_type)
+                def _epilogue(out_smem):
+                    out_smem[...] = acc.astype(out_dtype)
+                    plgpu.commit_smem()
+                    _store_rows(out_smem, out_gmem, row0=start, offset=offset_gmem[t], size=size,
+                                cols=pl.ds(ni * bn, bn), max_rows=min(bm, m))
+
+        if tile.persistent:
+            # One CTA per SM walks the tiles. The first ceil(M / block_m) tiles almost all hold rows; the rest
+            # are mostly empty, and walking them second spreads the no-ops over all SMs.
+            busy = pl.cdiv(m, bm)
+            for first, count in ((0, busy), (busy, m_tiles - busy)):
+                if count > 0:
+                    plgpu.nd_loop((count * n_tiles,), collective_axes="sm")(
+                        functools.partial(tile_body, first, count))
+        else:
+            index = jax.lax.axis_index("mn")
+            tile_body(0, m_tiles, plgpu.NDLoopInfo((index,), local_index=0, num_local_steps=1))
+
+    grid, names = ((num_sms(),), ("sm",)) if tile.persistent else ((m_tiles * n_tiles,), ("mn",))
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, grid_names=names,
+        kernel_name="dropless_grouped_matmul" + ("_nt" if transpose_rhs else ""),
+        compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
+        interpret=interpret,
+    )(lhs_MK, rhs, *tables)
+
+
+def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
+                      out_dtype=None, interpret=None) -> jax.Array:
+    """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N]: the weight gradient xᵀ·dy, contracting over rows.
+
+    Tiles: block_m over K, block_n over N, block_k over rows. A group's rows are read in steps of block_k
+    starting at its first row rounded down to ROW_ALIGN; in the first and last step the rows outside the
+    group are zeroed in shared memory (both operands, so NaN in padding rows cannot leak). Empty groups
+    get zero gradients.
+    """
+    m, k = lhs_MK.shape
+    m_rhs, n = rhs_MN.shape
+    g = group_sizes_G.shape[0]
+    assert m == m_rhs and k % tile.block_m == 0 and n % tile.block_n == 0, (lhs_MK.shape, rhs_MN.shape, tile)
+    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    k_tiles, n_tiles = k // bm, n // bn
+
+    sizes_G = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
+    ends_G = jnp.cumsum(sizes_G)
+    starts_G = ends_G - sizes_G
+    first_G = starts_G // ROW_ALIGN * ROW_ALIGN
+    steps_G = jnp.where(sizes_G > 0, pl.cdiv(ends_G - first_G, bk), 0)
+
+    def kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        def tile_body(gi, ki, ni):
+            start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
+            first = pl.multiple_of(first_gmem[gi], ROW_ALIGN)
+
+            def mma(acc_ref):
+                def step(idx, lhs_smem, rhs_smem):
+                    (r,) = idx
+
+                    @pl.when((r == 0) | (r == steps - 1))
+                    def _mask_rows_outside_group():
+                        for ref in (lhs_smem, rhs_smem):
+                            row = first + r * bk + plgpu.layout_cast(
+                                jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+                            inside = (row >= start) & (row < end)
+                            ref[...] = jnp.where(inside, ref[...], jnp.zeros(ref.shape, ref.dtype))
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
+                    plgpu.wgmma_wait(1)
+
+                @pl.when(steps > 0)
+                def _pipeline():
+                    lhs_spec = _block((pl.Element(bk), bm), lhs_gmem.dtype, lambda r: (first + r * bk, ki))
+                    rhs_spec = _block((pl.Element(bk), bn), rhs_gmem.dtype, lambda r: (first + r * bk, ni))
+                    plgpu.emit_pipeline(step, grid=(steps,), in_specs=(lhs_spec, rhs_spec),
+                                        max_concurrent_steps=tile.num_stages)(lhs_gmem, rhs_gmem)
+
+                return acc_ref[...]
+
+            acc = pl.run_scoped(mma, plgpu.ACC((bm, bn)))
+            out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype))
+
+            @functools.partial(pl.run_scoped, out_smem=out_type)
+            def _epilogue(out_smem):
+                out_smem[...] = acc.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        if tile.persistent:
+            @plgpu.nd_loop((g * k_tiles * n_tiles,), collective_axes="sm")
+            def _loop(loop_info):
+                gi, kn = jax.lax.div(loop_info.index[0], k_tiles * n_tiles), jax.lax.rem(loop_info.index[0], k_tiles * n_tiles)
+                ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), tile.grid_minor_dim, tile.grid_tile_width)
+                tile_body(gi, ki, ni)
+        else:
+            tile_body(jax.lax.axis_index("g"), jax.lax.axis_index("k"), jax.lax.axis_index("n"))
+
+    if tile.persistent:
+        grid, names = (num_sms(),), ("sm",)
+    else:
+        grid, names = (k_tiles, n_tiles, g), ("k", "n", "g")
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid, grid_names=names,
+        kernel_name="dropless_grouped_matmul_tn",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)

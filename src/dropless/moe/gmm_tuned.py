@@ -1,0 +1,85 @@
+"""The tuned grouped GEMM for training: one custom_vjp, an explicit kernel and tile for each of its products.
+
+Why our own custom_vjp rather than tokamax's: tokamax picks a kernel config when the op is traced, from
+(1) `op.config`, else (2) its autotuning cache, else (3) heuristics. Its backward always builds fresh
+`PallasMosaicGpuRaggedDot()` ops for dx and dW, so a config given to the forward never reaches them, and
+an `AutotuningResult` used as a context never matches at all: the overlay is keyed by the op object, whose
+`vjp` field is a fresh `functools.partial` in every instance (partials compare by identity), so a result
+loaded from JSON is never found (see tests/test_gmm_tuning.py). Passing `config=` per product, at trace
+time, is the one mechanism that always takes effect, so that is what this module does, for all three:
+
+  fwd   y  = x · W[g]             tokamax ragged_dot, or dropless grouped_matmul
+  dlhs  dx = dy · W[g]ᵀ           dropless grouped_matmul(transpose_rhs) reads W in place; tokamax copies Wᵀ
+  drhs  dW = x[rows of g]ᵀ · dy   dropless grouped_matmul_tn reads x in place; tokamax copies xᵀ
+
+Rows past sum(group_sizes) are padding: their outputs and input gradients are zero, and the weight
+gradient never reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dropless.moe.gmm_tuning import GmmPlan, ProductConfig
+
+_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _tokamax_op(config: ProductConfig):
+    from tokamax.ops.gpu import PallasMosaicRaggedDot
+
+    return PallasMosaicRaggedDot(config=config.tile.to_tokamax(), bypass_device_check=True)
+
+
+def _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, config: ProductConfig, *, transpose_rhs: bool, out_dtype):
+    """out[m] = lhs[m] · rhs[g(m)] (or rhs[g(m)]ᵀ); rows past sum(group_sizes) unwritten."""
+    if config.kernel == "dropless":
+        from dropless.moe.gmm_mosaic import grouped_matmul
+
+        return grouped_matmul(lhs_MK, rhs_GKN, group_sizes_G, config.tile, transpose_rhs=transpose_rhs,
+                              out_dtype=out_dtype)
+    if transpose_rhs:  # tokamax 0.0.17 materialises this transpose itself; doing it here makes the cost visible
+        rhs_GKN = jnp.swapaxes(rhs_GKN, 1, 2)
+    return _tokamax_op(config)(lhs_MK, rhs_GKN, group_sizes=group_sizes_G, preferred_element_type=out_dtype)
+
+
+def _ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out_dtype):
+    """out[g] = lhs[rows of g]ᵀ · rhs[rows of g], [G, K, N]."""
+    if config.kernel == "dropless":
+        from dropless.moe.gmm_mosaic import grouped_matmul_tn
+
+        return grouped_matmul_tn(lhs_MK, rhs_MN, group_sizes_G, config.tile, out_dtype=out_dtype)
+    return _tokamax_op(config)(lhs_MK, rhs_MN, group_sizes=group_sizes_G,
+                               ragged_dot_dimension_numbers=_RAGGED_CONTRACTING, preferred_element_type=out_dtype)
+
+
+def _zero_padding_rows(out_MX: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
+    rows_M = jnp.arange(out_MX.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes_G)
+    return jnp.where(rows_M[:, None], out_MX, jnp.zeros((), out_MX.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan: GmmPlan, out_dtype=None):
+    """out_MN[m] = lhs_MK[m] · rhs_GKN[g(m)], differentiable in lhs and rhs, each product with the plan's kernel."""
+    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+    out_MN = _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, plan.fwd, transpose_rhs=False, out_dtype=out_dtype)
+    return _zero_padding_rows(out_MN, group_sizes_G)
+
+
+def _fwd(lhs_MK, rhs_GKN, group_sizes_G, plan, out_dtype):
+    return tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan, out_dtype), (lhs_MK, rhs_GKN, group_sizes_G)
+
+
+def _bwd(plan, out_dtype, residuals, dout_MN):
+    lhs_MK, rhs_GKN, group_sizes_G = residuals
+    dout_MN = dout_MN.astype(lhs_MK.dtype)  # the kernels take one input dtype; an f32 output's cotangent is f32
+    dlhs_MK = _ragged_rows(dout_MN, rhs_GKN, group_sizes_G, plan.dlhs, transpose_rhs=True, out_dtype=lhs_MK.dtype)
+    drhs_GKN = _ragged_contract(lhs_MK, dout_MN, group_sizes_G, plan.drhs, out_dtype=rhs_GKN.dtype)
+    return _zero_padding_rows(dlhs_MK, group_sizes_G), drhs_GKN, None
+
+
+tuned_gmm.defvjp(_fwd, _bwd)
