@@ -1,0 +1,166 @@
+"""Causal self-attention: DeepSeek's multi-head latent attention (MLA) and grouped-query attention (GQA).
+
+Shape suffixes (DESIGN.md legend, plus, in this file): `S` query positions, `T` key positions, `H` query heads,
+`N` key/value heads, `G = H / N` query heads per key/value head, `Q` per-head query/key width, `P` rotary width,
+`W` per-head value width, `R` a low-rank (LoRA) width.
+
+Both functions take one layer's parameters (unstacked; the transformer scans over the stacked `L` axis), run in
+the dtype of `x` (weights are float32 masters cast at use), take logits and softmax in float32, and return the
+projection back to the hidden size. The per-head layouts of the weights are the ones fixed in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dropless.config import ModelConfig
+from dropless.models.norms import rms_norm
+from dropless.models.rope import apply_rope, mla_softmax_scale
+
+# Hugging Face's DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm without passing
+# config.rms_norm_eps, so the latent norms always use the RMSNorm default.
+LATENT_NORM_EPS = 1e-6
+
+
+def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(key, shape, jnp.float32)
+
+
+def init_mla(key: jax.Array, m: ModelConfig) -> dict:
+    """One MLA layer's float32 weights (DESIGN.md "ATTN for MLA")."""
+    D, H, std = m.hidden_size, m.num_heads, m.init_std
+    qk_width = m.qk_nope_head_dim + m.qk_rope_head_dim
+    k_q_a, k_q_b, k_kv_a, k_kv_b, k_o = jax.random.split(key, 5)
+    params = {}
+    if m.q_lora_rank > 0:
+        params["q_a"] = _normal(k_q_a, (D, m.q_lora_rank), std)
+        params["q_a_norm"] = jnp.ones((m.q_lora_rank,), jnp.float32)
+        params["q_b"] = _normal(k_q_b, (m.q_lora_rank, H * qk_width), std)
+    else:
+        params["q"] = _normal(k_q_a, (D, H * qk_width), std)
+    params["kv_a"] = _normal(k_kv_a, (D, m.kv_lora_rank + m.qk_rope_head_dim), std)
+    params["kv_a_norm"] = jnp.ones((m.kv_lora_rank,), jnp.float32)
+    params["kv_b"] = _normal(k_kv_b, (m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)), std)
+    params["o"] = _normal(k_o, (H * m.v_head_dim, D), std)
+    return params
+
+
+def init_gqa(key: jax.Array, m: ModelConfig) -> dict:
+    """One GQA layer's float32 weights (DESIGN.md "ATTN for GQA")."""
+    D, H, N, hd, std = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.init_std
+    k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+    params = {
+        "q": _normal(k_q, (D, H * hd), std),
+        "k": _normal(k_k, (D, N * hd), std),
+        "v": _normal(k_v, (D, N * hd), std),
+        "o": _normal(k_o, (H * hd, D), std),
+    }
+    if m.qk_norm:
+        params["q_norm"] = jnp.ones((hd,), jnp.float32)
+        params["k_norm"] = jnp.ones((hd,), jnp.float32)
+    return params
+
+
+def init_attention(key: jax.Array, m: ModelConfig) -> dict:
+    return init_mla(key, m) if m.attention == "mla" else init_gqa(key, m)
+
+
+def attention_logical_axes(m: ModelConfig) -> dict:
+    """Logical axis names of one layer's attention weights, keyed like `init_attention`'s result."""
+    if m.attention == "gqa":
+        axes = {"q": ("embed", "heads_x_dim"), "k": ("embed", "heads_x_dim"), "v": ("embed", "heads_x_dim"),
+                "o": ("heads_x_dim", "embed")}
+        if m.qk_norm:  # [head_dim]: tiny, replicated
+            axes.update(q_norm=(None,), k_norm=(None,))
+        return axes
+    axes = {}
+    if m.q_lora_rank > 0:
+        axes.update(q_a=("embed", "q_lora"), q_a_norm=("q_lora",), q_b=("q_lora", "heads_x_dim"))
+    else:
+        axes["q"] = ("embed", "heads_x_dim")
+    axes.update(kv_a=("embed", "kv_lora"), kv_a_norm=("kv_lora",), kv_b=("kv_lora", "heads_x_dim"),
+                o=("heads_x_dim", "embed"))
+    return axes
+
+
+def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, scale: float) -> jax.Array:
+    """softmax(scale * q k^T + causal mask) v, with G query heads sharing each key/value head.
+
+    Logits and softmax are float32; the probabilities are cast back to v's dtype for the second matmul
+    (as Hugging Face's eager attention does). Returns o_BSNGW in q's dtype.
+    """
+    S, T = q_BSNGQ.shape[1], k_BTNQ.shape[1]
+    logits_BNGST = jnp.einsum("bsngq,btnq->bngst", q_BSNGQ, k_BTNQ, preferred_element_type=jnp.float32) * scale
+    causal_ST = jnp.tril(jnp.ones((S, T), dtype=bool), k=T - S)
+    logits_BNGST = jnp.where(causal_ST, logits_BNGST, jnp.finfo(jnp.float32).min)
+    probs_BNGST = jax.nn.softmax(logits_BNGST, axis=-1).astype(v_BTNW.dtype)
+    out_BSNGW = jnp.einsum("bngst,btnw->bsngw", probs_BNGST, v_BTNW, preferred_element_type=jnp.float32)
+    return out_BSNGW.astype(q_BSNGQ.dtype)
+
+
+def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
+    """DeepSeek-V2/V3 multi-head latent attention, as Hugging Face's DeepseekV3Attention (rope_interleave=True).
+
+    Queries: `x @ q` or `norm(x @ q_a) @ q_b`, per head [nope | rope]. Keys/values: `x @ kv_a` gives a latent
+    c (first Rkv columns) and one rotary key shared by all heads (last P columns); `norm(c) @ kv_b` gives per
+    head [k_nope | v]. Each head's key is [k_nope | shared rotary key].
+    """
+    dtype = x_BSD.dtype
+    B, S, _ = x_BSD.shape
+    H, nope, P, W = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+
+    if "q_a" in params:
+        q_latent_BSR = rms_norm(x_BSD @ params["q_a"].astype(dtype), params["q_a_norm"], LATENT_NORM_EPS)
+        q_BSX = q_latent_BSR @ params["q_b"].astype(dtype)
+    else:
+        q_BSX = x_BSD @ params["q"].astype(dtype)
+    q_BSHQ = q_BSX.reshape(B, S, H, nope + P)
+    q_nope_BSHn, q_rope_BSHP = q_BSHQ[..., :nope], q_BSHQ[..., nope:]
+
+    kv_a_BSX = x_BSD @ params["kv_a"].astype(dtype)
+    kv_latent_BSR, k_rope_BSP = kv_a_BSX[..., : m.kv_lora_rank], kv_a_BSX[..., m.kv_lora_rank :]
+    kv_latent_BSR = rms_norm(kv_latent_BSR, params["kv_a_norm"], LATENT_NORM_EPS)
+    kv_BSHX = (kv_latent_BSR @ params["kv_b"].astype(dtype)).reshape(B, S, H, nope + W)
+    k_nope_BSHn, v_BSHW = kv_BSHX[..., :nope], kv_BSHX[..., nope:]
+
+    q_rope_BSHP = apply_rope(q_rope_BSHP, cos_SP, sin_SP, interleaved=True)
+    k_rope_BS1P = apply_rope(k_rope_BSP[:, :, None, :], cos_SP, sin_SP, interleaved=True)
+
+    q_BSHQ = jnp.concatenate([q_nope_BSHn, q_rope_BSHP], axis=-1)
+    k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BS1P, (B, S, H, P))], axis=-1)
+    scale = mla_softmax_scale(nope + P, m.rope_scaling)
+    out_BSH1W = causal_attention(q_BSHQ[:, :, :, None, :], k_BSHQ, v_BSHW, scale)
+    return out_BSH1W.reshape(B, S, H * W) @ params["o"].astype(dtype)
+
+
+def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
+    """Grouped-query attention (Mixtral; Qwen3 with per-head q/k RMSNorm before RoPE), rotate-half RoPE.
+
+    Query head h attends with key/value head h // G, as Hugging Face's `repeat_kv` arranges it.
+    """
+    dtype = x_BSD.dtype
+    B, S, _ = x_BSD.shape
+    H, N, hd = m.num_heads, m.num_kv_heads, m.head_dim
+
+    q_BSHQ = (x_BSD @ params["q"].astype(dtype)).reshape(B, S, H, hd)
+    k_BSNQ = (x_BSD @ params["k"].astype(dtype)).reshape(B, S, N, hd)
+    v_BSNW = (x_BSD @ params["v"].astype(dtype)).reshape(B, S, N, hd)
+    if "q_norm" in params:
+        q_BSHQ = rms_norm(q_BSHQ, params["q_norm"], m.rms_norm_eps)
+        k_BSNQ = rms_norm(k_BSNQ, params["k_norm"], m.rms_norm_eps)
+    q_BSHQ = apply_rope(q_BSHQ, cos_SP, sin_SP)
+    k_BSNQ = apply_rope(k_BSNQ, cos_SP, sin_SP)
+
+    out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, hd), k_BSNQ, v_BSNW, hd**-0.5)
+    return out_BSNGW.reshape(B, S, H * hd) @ params["o"].astype(dtype)
+
+
+def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
+    """The configured attention (`model.attention`: mla or gqa)."""
+    return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m)
+
+
+def rotary_dim(m: ModelConfig) -> int:
+    """Width of the rotated part of each query/key head."""
+    return m.qk_rope_head_dim if m.attention == "mla" else m.head_dim

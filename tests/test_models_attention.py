@@ -1,0 +1,164 @@
+"""MLA and GQA attention against naive per-head references (forward and gradients), shapes, and causality."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.config import ModelConfig
+from dropless.models import attention as attn_lib
+from dropless.models import rope
+
+S = 6
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 4, "beta_slow": 1,
+        "mscale": 0.7, "mscale_all_dim": 1.0}  # mscale != mscale_all_dim: cos/sin and softmax both rescaled
+
+
+def mla_config(q_lora_rank=16, rope_scaling=None) -> ModelConfig:
+    # v_head_dim differs from nope + rope so that a mixed-up split cannot go unnoticed.
+    return ModelConfig(hidden_size=32, num_heads=4, attention="mla", q_lora_rank=q_lora_rank, kv_lora_rank=16,
+                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, rope_scaling=rope_scaling)
+
+
+def gqa_config(num_kv_heads=2, qk_norm=False) -> ModelConfig:
+    return ModelConfig(family="qwen3_moe" if qk_norm else "mixtral", attention="gqa", hidden_size=32, num_heads=4,
+                       num_kv_heads=num_kv_heads, head_dim=8, qk_norm=qk_norm, first_dense_layers=0)
+
+
+def _params(m: ModelConfig, seed=0) -> dict:
+    def make(key):
+        params = attn_lib.init_attention(key, m)
+        # Larger weights and non-trivial norm weights, so that a norm applied to the wrong tensor shows up.
+        return {k: (v + 0.3 * jax.random.normal(jax.random.key(9), v.shape) if k.endswith("norm") else v * 8.0)
+                for k, v in params.items()}
+    return jax.jit(make)(jax.random.key(seed))
+
+
+def _tables(m: ModelConfig):
+    return rope.rope_tables(S, attn_lib.rotary_dim(m), m.rope_theta, m.rope_scaling)
+
+
+def _norm(v, w, eps):
+    return w * v / jnp.sqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+
+
+def _rotate(v_SP, inv_freq, factor, *, interleaved):
+    """Rotate pairs of dimensions by position * inv_freq_i; pairs are (2i, 2i+1) if interleaved, else (i, i+P/2).
+    The result keeps the input's layout."""
+    angle_SP = jnp.arange(v_SP.shape[0])[:, None] * inv_freq[None, :]
+    a, b = (v_SP[:, 0::2], v_SP[:, 1::2]) if interleaved else jnp.split(v_SP, 2, axis=-1)
+    a, b = a * jnp.cos(angle_SP) - b * jnp.sin(angle_SP), b * jnp.cos(angle_SP) + a * jnp.sin(angle_SP)
+    out = jnp.stack([a, b], axis=-1).reshape(v_SP.shape) if interleaved else jnp.concatenate([a, b], axis=-1)
+    return factor * out
+
+
+def _softmax_attention(q_SQ, k_SQ, v_SW, scale):
+    scores = q_SQ @ k_SQ.T * scale
+    scores = jnp.where(jnp.tril(jnp.ones((S, S), bool)), scores, -jnp.inf)
+    return jax.nn.softmax(scores, axis=-1) @ v_SW
+
+
+def naive_mla(p: dict, x_SD, m: ModelConfig):
+    """One sequence, one head at a time, slicing each head's columns out of q_b / kv_b (head-major layout)."""
+    H, nope, P, W, R = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    inv_freq, factor = rope.inverse_frequencies(P, m.rope_theta, m.rope_scaling)
+    q_all = _norm(x_SD @ p["q_a"], p["q_a_norm"], 1e-6) @ p["q_b"] if m.q_lora_rank else x_SD @ p["q"]
+    kv_a = x_SD @ p["kv_a"]
+    kv_all = _norm(kv_a[:, :R], p["kv_a_norm"], 1e-6) @ p["kv_b"]
+    k_rope = _rotate(kv_a[:, R:], inv_freq, factor, interleaved=True)  # one rotary key shared by all heads
+    scale = rope.mla_softmax_scale(nope + P, m.rope_scaling)
+    heads = []
+    for h in range(H):
+        q_h = q_all[:, h * (nope + P):(h + 1) * (nope + P)]
+        kv_h = kv_all[:, h * (nope + W):(h + 1) * (nope + W)]
+        q_h = jnp.concatenate([q_h[:, :nope], _rotate(q_h[:, nope:], inv_freq, factor, interleaved=True)], axis=-1)
+        k_h = jnp.concatenate([kv_h[:, :nope], k_rope], axis=-1)
+        heads.append(_softmax_attention(q_h, k_h, kv_h[:, nope:], scale))
+    return jnp.concatenate(heads, axis=-1) @ p["o"]
+
+
+def naive_gqa(p: dict, x_SD, m: ModelConfig):
+    """Hugging Face's eager path: project, (q/k norm), rotate-half RoPE, repeat_kv, per-head softmax."""
+    H, N, hd = m.num_heads, m.num_kv_heads, m.head_dim
+    inv_freq, factor = rope.inverse_frequencies(hd, m.rope_theta, m.rope_scaling)
+    q = (x_SD @ p["q"]).reshape(S, H, hd)
+    k = (x_SD @ p["k"]).reshape(S, N, hd)
+    v = (x_SD @ p["v"]).reshape(S, N, hd)
+    if m.qk_norm:
+        q, k = _norm(q, p["q_norm"], m.rms_norm_eps), _norm(k, p["k_norm"], m.rms_norm_eps)
+    k, v = jnp.repeat(k, H // N, axis=1), jnp.repeat(v, H // N, axis=1)  # repeat_kv: head h uses kv head h // G
+    rotate = lambda t: _rotate(t, inv_freq, factor, interleaved=False)  # Llama pairs dimensions (i, i + hd/2)
+    heads = [_softmax_attention(rotate(q[:, h]), rotate(k[:, h]), v[:, h], hd**-0.5) for h in range(H)]
+    return jnp.concatenate(heads, axis=-1) @ p["o"]
+
+
+CASES = {
+    "mla_q_lora": (mla_config(16), naive_mla),
+    "mla_no_q_lora": (mla_config(0), naive_mla),
+    "mla_yarn": (mla_config(16, YARN), naive_mla),
+    "gqa": (gqa_config(2), naive_gqa),
+    "gqa_qk_norm": (gqa_config(2, qk_norm=True), naive_gqa),
+    "mha_qk_norm": (gqa_config(4, qk_norm=True), naive_gqa),
+}
+
+
+def _output_and_grads(fn, params, x_BSD, probe):
+    """fn(params, x) and the gradient of sum(fn * probe) with respect to (params, x), in one compilation."""
+    def run(params, x_BSD):
+        out, vjp = jax.vjp(fn, params, x_BSD)
+        return out, vjp(probe)
+    return jax.jit(run)(params, x_BSD)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_matches_naive_per_head_reference(case):
+    m, naive = CASES[case]
+    params = _params(m)
+    x_BSD = jax.random.normal(jax.random.key(1), (2, S, m.hidden_size))
+    probe = jax.random.normal(jax.random.key(2), x_BSD.shape)
+    cos, sin = _tables(m)
+    got, got_grads = _output_and_grads(lambda p, x: attn_lib.attention(p, x, cos, sin, m), params, x_BSD, probe)
+    want, want_grads = _output_and_grads(lambda p, x: jnp.stack([naive(p, x[b], m) for b in range(2)]),
+                                         params, x_BSD, probe)
+    assert got.shape == x_BSD.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    # Gradients with respect to every weight and the input.
+    assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-4)
+
+
+def test_mla_parameter_shapes():
+    m = mla_config(16)
+    shapes = {k: v.shape for k, v in attn_lib.init_mla(jax.random.key(0), m).items()}
+    assert shapes == {"q_a": (32, 16), "q_a_norm": (16,), "q_b": (16, 4 * 16), "kv_a": (32, 16 + 8),
+                      "kv_a_norm": (16,), "kv_b": (16, 4 * (8 + 12)), "o": (4 * 12, 32)}
+    shapes = {k: v.shape for k, v in attn_lib.init_mla(jax.random.key(0), mla_config(0)).items()}
+    assert shapes["q"] == (32, 4 * 16) and "q_a" not in shapes and "q_b" not in shapes
+
+
+@pytest.mark.parametrize("case", ["mla_q_lora", "gqa_qk_norm"])
+def test_attention_is_causal(case):
+    # d out[t] / d x[s] must vanish exactly for every later position s > t, and not for s <= t.
+    m, _ = CASES[case]
+    params = _params(m)
+    cos, sin = _tables(m)
+    x_SD = jax.random.normal(jax.random.key(3), (S, m.hidden_size))
+    jac = jax.jit(jax.jacrev(lambda x: attn_lib.attention(params, x[None], cos, sin, m)[0]))(x_SD)  # [S, D, S, D]
+    influence_SS = np.abs(np.asarray(jac)).sum(axis=(1, 3))
+    assert np.all(influence_SS[np.triu_indices(S, k=1)] == 0.0)
+    assert np.all(influence_SS[np.tril_indices(S)] > 0.0)
+
+
+def test_bfloat16_attention_stays_close_to_float32():
+    m = mla_config(16)
+    params = _params(m)
+    cos, sin = _tables(m)
+    x = jax.random.normal(jax.random.key(4), (2, S, m.hidden_size))
+    run = jax.jit(lambda p, x: attn_lib.attention(p, x, cos, sin, m))
+    full, half = run(params, x), run(params, x.astype(jnp.bfloat16))
+    assert half.dtype == jnp.bfloat16
+    err = np.abs(np.asarray(half, np.float32) - np.asarray(full))
+    assert err.max() < 0.05 * np.abs(np.asarray(full)).max()
