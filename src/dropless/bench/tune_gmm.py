@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+from dataclasses import astuple
 import datetime
 import json
 import math
@@ -31,8 +32,8 @@ PACKAGED_TABLE = Path(gt.__file__).with_name(gt.DATA_FILE)
 SMEM_BYTES = 227 * 1024  # sm90 shared memory per block
 
 
-def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4) -> ProductConfig:
-    return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, persistent, "mn".index(minor), width))
+def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4, chain_k=False) -> ProductConfig:
+    return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, persistent, "mn".index(minor), width, chain_k))
 
 
 # Hand-picked around tokamax's autotuned forward tile on an H200 (block 128x64x128, 4 stages, persistent,
@@ -47,7 +48,7 @@ QUICK = {
              _pc("dropless", 128, 128, 64, 4, minor="m"), _pc("dropless", 64, 128, 128, 4)),
     "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
              _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
-             _pc("dropless", 128, 256, 64, 3)),
+             _pc("dropless", 128, 128, 64, 4, chain_k=True), _pc("dropless", 128, 128, 64, 6, chain_k=True)),
 }
 
 
@@ -126,7 +127,8 @@ def product_checker(product: str, rows: int = 256):
     return err
 
 
-def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, workers: int, log=print):
+def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, workers: int,
+               products=gt.PRODUCTS, log=print):
     """Measure every candidate of every product; returns ({product: best}, {product: best ms}, trial log)."""
     import jax
     import jax.numpy as jnp
@@ -143,7 +145,7 @@ def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, 
     ends = np.cumsum(sizes)
     operands = {"fwd": [(x, w) for x in xs], "dlhs": [(dy, w) for dy in dys], "drhs": list(zip(xs, dys))}
     best, best_ms, trials = {}, {}, []
-    for product in gt.PRODUCTS:
+    for product in products:
         pool = candidates(product, shape, which)
         args = [(*ab, gs) for ab in operands[product]]
 
@@ -194,6 +196,8 @@ def parse_args(argv):
     p.add_argument("--rows", type=int, default=65536, help="M for --preset shapes (rows per grouped GEMM)")
     p.add_argument("--skew", default="dirichlet", help="group-size distribution to tune on")
     p.add_argument("--candidates", choices=("quick", "wide"), default="quick")
+    p.add_argument("--products", default=",".join(gt.PRODUCTS),
+                   help="comma-separated subset of fwd,dlhs,drhs to tune; the others keep the table's configs")
     p.add_argument("--out", default=None, help=f"table to write/extend (default: the packaged {gt.DATA_FILE})")
     p.add_argument("--log", default=None, help="also write every trial as JSON here")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="parallel compilations")
@@ -238,17 +242,29 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     table = gt.load_table(out) if out.exists() else gt.empty_table()
+    products = tuple(p for p in args.products.split(",") if p)
+    if not products or any(p not in gt.PRODUCTS for p in products):
+        print(f"error: --products must be a comma-separated subset of {', '.join(gt.PRODUCTS)}.", file=sys.stderr)
+        return 2
     all_trials = []
     for name, shape in shapes:
         best, best_ms, trials = tune_shape(name, shape, skew=args.skew, seed=args.seed, which=args.candidates,
-                                           workers=args.workers)
+                                           workers=args.workers, products=products)
+        if len(products) < len(gt.PRODUCTS):  # keep the current table's choice (and timing) for the others
+            current = gt.lookup(gt.overlay(gt.load_table(), table), env["device"], *astuple(shape))
+            previous = next((e for e in table["devices"].get(env["device"], []) + gt.load_table()["devices"].get(
+                env["device"], []) if (e["m"], e["k"], e["n"], e["g"]) == astuple(shape)), {})
+            for p in gt.PRODUCTS:
+                if p not in products:
+                    best[p] = current.product(p)
+                    best_ms[p] = previous.get(p, {}).get("ms")
         all_trials += trials
         provenance = (f"dropless tune-gmm on {env['device']}, {datetime.date.today().isoformat()}, jax {env['jax']}, "
                       f"tokamax {env['tokamax']}, commit {env['commit']}; {args.candidates} candidates, skew "
                       f"{args.skew}, seed {args.seed}; median of batches, rotating inputs")
         table = gt.merge_entry(table, env["device"], gt.make_entry(name, shape, best, best_ms, provenance))
         gt.save_table(table, out)  # after every shape: a timeout keeps what was done
-        print(f"{name}: " + ", ".join(f"{p} {best[p].kernel} {best_ms[p]:.3f} ms" for p in gt.PRODUCTS), flush=True)
+        print(f"{name}: " + ", ".join(f"{p} {best[p].kernel} {best_ms[p]} ms" for p in gt.PRODUCTS), flush=True)
         if args.log:
             Path(args.log).write_text(json.dumps(all_trials, indent=1) + "\n")
     print(f"wrote {out}")

@@ -237,7 +237,9 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                 plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        if tile.persistent:
+        if tile.chain_k:
+            chained_kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem)
+        elif tile.persistent:
             @plgpu.nd_loop((g * k_tiles * n_tiles,), collective_axes="sm")
             def _loop(loop_info):
                 gi, kn = jax.lax.div(loop_info.index[0], k_tiles * n_tiles), jax.lax.rem(loop_info.index[0], k_tiles * n_tiles)
@@ -246,7 +248,65 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
         else:
             tile_body(jax.lax.axis_index("g"), jax.lax.axis_index("k"), jax.lax.axis_index("n"))
 
-    if tile.persistent:
+    def chained_kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        # Each SM takes (group, N tile) pairs; one pipeline walks (K tile, row step) for a pair, storing a K tile
+        # when its last row step is done, so TMA keeps loading the next K tile while this one is stored.
+        out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype))
+
+        @functools.partial(pl.run_scoped, out_smem=out_type)
+        def _scope(out_smem):
+            def store(gi, ki, ni, value):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read out_smem
+                out_smem[...] = value.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
+
+            @plgpu.nd_loop((g * n_tiles,), collective_axes="sm")
+            def _loop(loop_info):
+                gi, ni = jax.lax.div(loop_info.index[0], n_tiles), jax.lax.rem(loop_info.index[0], n_tiles)
+                start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
+                first = pl.multiple_of(first_gmem[gi], ROW_ALIGN)
+
+                @pl.when(steps == 0)
+                def _empty_group():
+                    zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+                    jax.lax.fori_loop(0, k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0)
+
+                @pl.when(steps > 0)
+                def _group():
+                    def mma(acc_ref):
+                        def step(idx, lhs_smem, rhs_smem):
+                            ki, r = idx
+
+                            @pl.when((r == 0) | (r == steps - 1))
+                            def _mask_rows_outside_group():
+                                for ref in (lhs_smem, rhs_smem):
+                                    row = first + r * bk + plgpu.layout_cast(
+                                        jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+                                    inside = (row >= start) & (row < end)
+                                    ref[...] = jnp.where(inside, ref[...], jnp.zeros(ref.shape, ref.dtype))
+                                plgpu.commit_smem()
+
+                            plgpu.wgmma(acc_ref, plgpu.transpose_ref(lhs_smem, (1, 0)), rhs_smem)
+
+                            @pl.when(r == steps - 1)
+                            def _flush():
+                                value = acc_ref[...]  # waits for every MMA in flight
+                                acc_ref[...] = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+                                store(gi, ki, ni, value)
+
+                            plgpu.wgmma_wait(1)
+
+                        lhs_spec = _block((pl.Element(bk), bm), lhs_gmem.dtype, lambda ki, r: (first + r * bk, ki))
+                        rhs_spec = _block((pl.Element(bk), bn), rhs_gmem.dtype, lambda ki, r: (first + r * bk, ni))
+                        plgpu.emit_pipeline(step, grid=(k_tiles, steps), in_specs=(lhs_spec, rhs_spec),
+                                            max_concurrent_steps=tile.num_stages)(lhs_gmem, rhs_gmem)
+
+                    pl.run_scoped(mma, plgpu.ACC((bm, bn)))
+
+            plgpu.wait_smem_to_gmem(0)
+
+    if tile.persistent or tile.chain_k:
         grid, names = (num_sms(),), ("sm",)
     else:
         grid, names = (k_tiles, n_tiles, g), ("k", "n", "g")

@@ -30,9 +30,10 @@ _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
 
 
 def _tokamax_op(config: ProductConfig):
-    from tokamax.ops.gpu import PallasMosaicRaggedDot
+    # = tokamax.ops.gpu.PallasMosaicRaggedDot; that module also imports tokamax's Triton kernels (jax_triton).
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 
-    return PallasMosaicRaggedDot(config=config.tile.to_tokamax(), bypass_device_check=True)
+    return PallasMosaicGpuRaggedDot(config=config.tile.to_tokamax(), bypass_device_check=True)
 
 
 def _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, config: ProductConfig, *, transpose_rhs: bool, out_dtype):

@@ -51,6 +51,9 @@ class TileConfig:
     persistent: bool = True
     grid_minor_dim: int = 1
     grid_tile_width: int = 1
+    # dropless drhs only: one pipeline walks every K tile of a (group, N tile), so the next tile's loads overlap
+    # this tile's store (pays off when groups are short, e.g. 256 experts).
+    chain_k: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -65,9 +68,10 @@ class TileConfig:
 
     def to_tokamax(self):
         """The same tile as tokamax's `PallasMosaicRaggedDotConfig`."""
-        from tokamax.ops.gpu import PallasMosaicRaggedDotConfig
+        # tokamax.ops.gpu would also import tokamax's Triton kernels, which need jax_triton.
+        from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config
 
-        return PallasMosaicRaggedDotConfig(
+        return Config(
             block_m=self.block_m, block_n=self.block_n, block_k=self.block_k, num_stages=self.num_stages,
             split_k=1, persistent=self.persistent, grid_minor_dim=self.grid_minor_dim,
             grid_tile_width=self.grid_tile_width)
@@ -83,6 +87,8 @@ class ProductConfig:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise GmmConfigError(f"kernel={self.kernel!r} is not valid; choose one of {', '.join(KERNELS)}.")
+        if self.tile.chain_k and self.kernel != "dropless":
+            raise GmmConfigError("chain_k is a mode of the dropless weight-gradient kernel; drop it or use kernel 'dropless'.")
 
     def fits(self, product: str, k: int, n: int) -> bool:
         """Whether the tile divides the product's output and contraction dims (the kernels need that)."""
@@ -95,9 +101,10 @@ class ProductConfig:
 
     def to_json(self) -> dict[str, Any]:
         t = self.tile
-        return {"kernel": self.kernel, "block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k,
-                "num_stages": t.num_stages, "persistent": t.persistent,
-                "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width}
+        d = {"kernel": self.kernel, "block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k,
+             "num_stages": t.num_stages, "persistent": t.persistent,
+             "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width}
+        return d | ({"chain_k": True} if t.chain_k else {})
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str = "config") -> "ProductConfig":
@@ -105,7 +112,7 @@ class ProductConfig:
             minor = d.get("grid_minor_dim", "n")
             tile = TileConfig(int(d["block_m"]), int(d["block_n"]), int(d["block_k"]), int(d["num_stages"]),
                               bool(d.get("persistent", True)), _MINOR_DIMS[minor] if isinstance(minor, str) else int(minor),
-                              int(d.get("grid_tile_width", 1)))
+                              int(d.get("grid_tile_width", 1)), bool(d.get("chain_k", False)))
             return cls(str(d["kernel"]), tile)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, GmmConfigError):
@@ -323,7 +330,8 @@ def make_entry(name: str, shape: ShapeKey, configs: dict[str, ProductConfig], ti
     """One table entry as written by `dropless tune-gmm`."""
     entry: dict[str, Any] = {"name": name, "m": shape.m, "k": shape.k, "n": shape.n, "g": shape.g}
     for product in PRODUCTS:
-        entry[product] = configs[product].to_json() | {"ms": round(float(timings_ms[product]), 4)}
+        ms = timings_ms.get(product)
+        entry[product] = configs[product].to_json() | ({"ms": round(float(ms), 4)} if ms is not None else {})
     entry["provenance"] = provenance
     entry["date"] = datetime.date.today().isoformat()
     return entry
