@@ -100,9 +100,12 @@ class CheckpointReader:
         if f is None:
             f = self._files[info.path] = open(info.path, "rb")
         out = np.empty(info.shape, DTYPES[info.dtype])
-        assert out.nbytes == info.nbytes, f"{name}: header size {info.nbytes} != {out.nbytes}"
+        if out.nbytes != info.nbytes:
+            raise ConvertError(f"{info.path} is corrupt: tensor {name} has {info.nbytes} bytes for shape "
+                               f"{list(info.shape)} {info.dtype}; re-download it.")
         f.seek(info.start)
-        if f.readinto(memoryview(out.reshape(-1)).cast("B")) != info.nbytes:
+        # Viewed as bytes: bfloat16/float8 arrays do not export the buffer protocol themselves.
+        if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != info.nbytes:
             raise ConvertError(f"{info.path} is truncated (tensor {name} is cut short); re-download it.")
         return out
 

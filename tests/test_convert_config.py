@@ -1,0 +1,136 @@
+"""config.json <-> Config: the published configs map onto our presets, both config styles are read, every
+unsupported setting is refused by name, and export refuses what a family cannot express."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dropless.config import load_preset
+from dropless.convert import ConvertError, config_from_hf, config_to_hf
+
+# The config.json files published with the models (abridged only by dropping keys irrelevant to the function).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1,
+    "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                                     "quant_method": "fp8", "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                            "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000,
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+ROUTING_KEYS = ("num_experts", "num_experts_per_tok", "expert_intermediate_size", "num_shared_experts", "score_func",
+                "norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group")
+
+
+@pytest.mark.parametrize("hf, preset", [(DEEPSEEK_V3, "deepseek-v3-671b"), (MIXTRAL_8X7B, "mixtral-8x7b"),
+                                        (QWEN3_30B_A3B, "qwen3-30b-a3b")])
+def test_published_configs_equal_our_presets(hf, preset):
+    ours, want = config_from_hf(hf), load_preset(preset)
+    skip = {"init_std"}
+    for field in dataclasses.fields(want.model):
+        if field.name not in skip:
+            assert getattr(ours.model, field.name) == getattr(want.model, field.name), field.name
+    for key in ROUTING_KEYS:
+        assert getattr(ours.moe, key) == getattr(want.moe, key), key
+    assert config_from_hf(config_to_hf(ours, hf)) == ours
+
+
+def test_transformers5_rope_parameters_style_is_read():
+    v5 = {k: v for k, v in DEEPSEEK_V3.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {**DEEPSEEK_V3["rope_scaling"], "rope_type": "yarn", "rope_theta": 10000.0}
+    assert config_from_hf(v5) == config_from_hf(DEEPSEEK_V3)
+
+
+def test_yarn_factor_and_original_length_default_like_transformers():
+    hf = {**QWEN3_30B_A3B, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 10240}}
+    assert config_from_hf(hf).model.rope_scaling == {"type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 10240}
+
+
+def test_missing_keys_take_the_family_defaults():
+    minimal = {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96, "vocab_size": 100}
+    config = config_from_hf(minimal)
+    assert (config.model.rope_theta, config.model.head_dim, config.moe.num_experts, config.model.rms_norm_eps) == \
+        (1e6, 16, 8, 1e-5)
+
+
+def test_qwen3_dense_prefix_layers_map_to_first_dense_layers():
+    hf = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "mlp_only_layers": [0, 1]}
+    assert config_from_hf(hf).model.first_dense_layers == 2
+    hf_step = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "decoder_sparse_step": 2}
+    with pytest.raises(ConvertError, match="mlp_only_layers.*decoder_sparse_step=2.*dense layers only before"):
+        config_from_hf(hf_step)
+
+
+@pytest.mark.parametrize("hf, field", [
+    ({**DEEPSEEK_V3, "architectures": ["LlamaForCausalLM"]}, "LlamaForCausalLM"),
+    ({**DEEPSEEK_V3, "hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({**DEEPSEEK_V3, "scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({**DEEPSEEK_V3, "topk_method": "greedy"}, "topk_method='greedy'"),
+    ({**DEEPSEEK_V3, "attention_bias": True}, "attention_bias=True"),
+    ({**DEEPSEEK_V3, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type='linear'"),
+    ({**DEEPSEEK_V3, "quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+    ({**MIXTRAL_8X7B, "sliding_window": 4096}, "sliding_window=4096"),
+    ({**QWEN3_30B_A3B, "use_sliding_window": True}, "use_sliding_window=True"),
+    ({**QWEN3_30B_A3B, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+])
+def test_unsupported_settings_are_named(hf, field):
+    from dropless.convert.hf_weights import fp8_block_size
+
+    with pytest.raises(ConvertError) as err:
+        config_from_hf(hf)
+        fp8_block_size(hf)
+    assert field in str(err.value)
+    assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    with pytest.raises(ConvertError, match="Qwen2MoeForCausalLM is not supported.*DeepseekV3ForCausalLM, "
+                                           "MixtralForCausalLM, Qwen3MoeForCausalLM"):
+        config_from_hf({**QWEN3_30B_A3B, "architectures": ["Qwen2MoeForCausalLM"]})
+
+
+def test_a_config_we_cannot_build_is_a_convert_error():
+    # One group of 256 / 8 = 32 experts cannot hold a top-40 choice.
+    with pytest.raises(ConvertError, match="config.json describes a model dropless cannot build.*topk_group"):
+        config_from_hf({**DEEPSEEK_V3, "topk_group": 1, "num_experts_per_tok": 40})
+
+
+def test_export_refuses_what_the_family_cannot_express():
+    config = config_from_hf(MIXTRAL_8X7B)
+    with pytest.raises(ConvertError, match="moe.num_shared_experts=1 cannot be expressed in a MixtralForCausalLM"):
+        config_to_hf(config.replace(**{"moe.num_shared_experts": 1}))
+    with pytest.raises(ConvertError, match="moe.score_func='softmax'.*DeepseekV3ForCausalLM"):
+        config_to_hf(config_from_hf(DEEPSEEK_V3).replace(**{"moe.score_func": "softmax"}))
+    qwen = config_from_hf(QWEN3_30B_A3B)
+    assert config_to_hf(qwen.replace(**{"model.first_dense_layers": 2}))["mlp_only_layers"] == [0, 1]
