@@ -62,6 +62,14 @@ def test_npy_any_integer_dtype_is_flattened_and_memory_mapped(tmp_path):
     np.testing.assert_array_equal(loaded, tokens.reshape(-1))
 
 
+def test_extensions_are_case_insensitive(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(3))
+    (tmp_path / "t.npy").rename(tmp_path / "T.NPY")
+    corpus = resolve(str(tmp_path), 10**9)
+    assert corpus.kind == "tokens"
+    np.testing.assert_array_equal(read_token_file(corpus.files[0]), np.arange(3))
+
+
 def test_bin_raw_uint16_little_endian(tmp_path):
     tokens = np.array([0, 1, 65535, 300], dtype="<u2")
     tokens.tofile(tmp_path / "t.bin")

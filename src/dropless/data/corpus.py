@@ -96,7 +96,7 @@ def resolve(source: str, max_bytes: int) -> Corpus:
         if not path.exists():
             raise DataError(f"{name} does not exist; give an existing file, directory or glob, or 'stdlib'.")
         files = _files_in_dir(path, name) if path.is_dir() else [_checked_file(path)]
-    kinds = {"tokens" if f.suffix in TOKEN_SUFFIXES else "text" for f in files}
+    kinds = {"tokens" if f.suffix.lower() in TOKEN_SUFFIXES else "text" for f in files}
     if len(kinds) > 1:
         raise DataError(f"{name} mixes text files ({', '.join(TEXT_SUFFIXES)}) with token arrays "
                         f"({', '.join(TOKEN_SUFFIXES)}); point it at one kind only.")
