@@ -15,8 +15,7 @@ from pathlib import Path
 from dropless import config as config_lib
 from dropless.config import ConfigError
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError,
-                                                IsADirectoryError, PermissionError)
+OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
               "memory": "dropless.bench.memory"}
 
@@ -243,11 +242,21 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def is_user_error(err: BaseException) -> bool:
+    """dropless's own ValueError subclasses (ConfigError, DataError, CheckpointError, ...) carry one sentence
+    for the user; so do missing or unreadable files. Any other exception is a bug and keeps its traceback."""
+    if isinstance(err, OS_ERRORS):
+        return True
+    return isinstance(err, ValueError) and type(err).__module__.startswith("dropless")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         return args.func(args)
-    except USER_ERRORS as err:
+    except (ValueError, *OS_ERRORS) as err:
+        if not is_user_error(err):
+            raise  # our own bug: keep the traceback
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"dropless: error: {message}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from dropless import config as config_lib
@@ -46,7 +47,7 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None) 
     """Save one step; blocks until the checkpoint is complete on disk."""
     items = {"model": ocp.args.StandardSave({"params": params, "state": state})}
     if opt_state is not None:
-        items["optimizer"] = ocp.args.StandardSave({"opt_state": opt_state, "step": step})
+        items["optimizer"] = ocp.args.StandardSave({"opt_state": opt_state, "step": np.asarray(step, np.int64)})
     mngr.save(step, args=ocp.args.Composite(**items), force=True)
     mngr.wait_until_finished()
 
@@ -54,8 +55,8 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None) 
 def _abstract(tree):
     """ShapeDtypeStructs (with shardings, where the leaves have them) describing `tree`."""
     def leaf(x):
-        sharding = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        x = np.asarray(x) if isinstance(x, (int, float)) else x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
     return jax.tree.map(leaf, tree)
 
 

@@ -18,12 +18,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dropless import config as config_lib
 from dropless.config import Config, ConfigError
 from dropless.data import load_token_dataset
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
+from dropless.moe.gmm import resolve_backend_name
+from dropless.parallel import dispatch
 from dropless.parallel import mesh as mesh_lib
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
@@ -82,11 +85,22 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     return config
 
 
-def _global_batch(batch_BS1: np.ndarray, sharding) -> jax.Array:
-    """Place this process's rows of the global batch; the sharding spreads them over the mesh."""
-    rows = batch_BS1.shape[0] // jax.process_count()
-    local = batch_BS1[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-    return jax.make_array_from_process_local_data(sharding, local, batch_BS1.shape)
+def _global_batch(local_BS1: np.ndarray, sharding, global_batch: int) -> jax.Array:
+    """This process's rows of the global batch, as one global array spread over the mesh."""
+    return jax.make_array_from_process_local_data(sharding, local_BS1, (global_batch, local_BS1.shape[1]))
+
+
+def train_state_shardings(config: Config, mesh, optimizer) -> TrainState:
+    """Shardings of every TrainState leaf: parameters by their logical axes (the one rule table in
+    dropless.parallel.mesh), optimizer moments like the parameters they track, the rest replicated."""
+    replicated = mesh_lib.replicated(mesh)
+    param_shapes = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config))
+    params = mesh_lib.param_shardings(mesh, transformer.logical_axes(config), param_shapes)
+    opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+    opt_state = optax.tree_map_params(optimizer, lambda _, sharding: sharding, opt_shapes, params,
+                                      transform_non_params=lambda _: replicated)
+    model_state = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: transformer.init_state(config)))
+    return TrainState(replicated, params, opt_state, model_state)
 
 
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
@@ -97,22 +111,18 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite)
     tc = config.train
 
-    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len, run_dir)
-    mesh = mesh_lib.make_mesh(config.parallel)
-    mesh_lib.check_divisibility(config, mesh)
-    executor = mesh_lib.make_executor(config, mesh)
+    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len, run_dir, log=log)
+    mesh = mesh_lib.make_mesh(config.parallel, batch_size=tc.batch_size, num_experts=config.moe.num_experts)
+    executor = dispatch.make_executor(config, mesh)
     optimizer = make_optimizer(tc)
     batch_sharding = mesh_lib.batch_sharding(mesh)
-    param_shardings = mesh_lib.param_shardings(mesh, transformer.logical_axes(config))
+    state_shardings = train_state_shardings(config, mesh, optimizer)
 
     def init_state():
         params, model_state = init_weights if init_weights is not None else (None, None)
         return init_train_state(jax.random.key(tc.seed), config, optimizer, params, model_state)
 
-    state_shapes = jax.eval_shape(init_state)
-    state_shardings = mesh_lib.state_shardings(mesh, state_shapes, param_shardings)
-    with mesh_lib.use_mesh(mesh):
-        state = jax.jit(init_state, out_shardings=state_shardings)()
+    state = jax.jit(init_state, out_shardings=state_shardings)()
     start = 0
     if resume:
         start = ckpt.latest_step(run_dir) or 0
@@ -120,29 +130,31 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
             restored = ckpt.restore(run_dir, start,
                                     {"params": state.params, "state": state.model_state},
                                     {"opt_state": state.opt_state, "step": 0})
-            state = TrainState(jnp.asarray(start, jnp.int32), restored["model"]["params"],
-                               restored["optimizer"]["opt_state"], restored["model"]["state"])
+            state = TrainState(jax.device_put(jnp.asarray(start, jnp.int32), state_shardings.step),
+                               restored["model"]["params"], restored["optimizer"]["opt_state"],
+                               restored["model"]["state"])
     total, active = transformer.param_counts(config)
     flops_per_token = flops_lib.model_flops_per_token(config, tc.seq_len)
     peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
     log(f"dropless: run directory {run_dir.resolve()}")
     log(f"dropless: {total / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active per token; "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}; "
-        f"gmm={mesh_lib.gmm_backend_name(config)}")
+        f"gmm={resolve_backend_name(config.moe.gmm_backend)}, "
+        f"dispatch={type(executor.strategy).__name__ if executor else 'none'}")
     if start >= tc.steps:
         log(f"dropless: the run is already at step {start} of {tc.steps}; raise --steps to train further.")
 
-    with mesh_lib.use_mesh(mesh):
-        train_step = jax.jit(make_train_step(config, optimizer, executor),
-                             in_shardings=(state_shardings, batch_sharding),
-                             out_shardings=(state_shardings, None), donate_argnums=0)
-        eval_step = jax.jit(make_eval_step(config, executor),
-                            in_shardings=(param_shardings, state_shardings.model_state, batch_sharding))
-    eval_data = [_global_batch(b, batch_sharding) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)]
+    train_step = jax.jit(make_train_step(config, optimizer, executor),
+                         in_shardings=(state_shardings, batch_sharding),
+                         out_shardings=(state_shardings, None), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(config, executor),
+                        in_shardings=(state_shardings.params, state_shardings.model_state, batch_sharding))
+    process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+    eval_data = [_global_batch(b, batch_sharding, tc.batch_size)
+                 for b in dataset.eval_batches(tc.eval_batches, tc.batch_size, **process)]
 
     def evaluate(state: TrainState) -> float:
-        with mesh_lib.use_mesh(mesh):
-            losses = [eval_step(state.params, state.model_state, b) for b in eval_data]
+        losses = [eval_step(state.params, state.model_state, b) for b in eval_data]
         return float(np.mean(jax.device_get(losses)))
 
     writer = metrics_lib.MetricsWriter(run_dir)
@@ -156,11 +168,11 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     bar = _progress_bar(start, tc.steps, progress)
     window_start, window_tokens, pending = time.perf_counter(), 0, None
     wall_start = time.perf_counter()
-    with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(start, tc.batch_size, tc.steps) as batches:
+    with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
+            start, tc.batch_size, tc.steps, transform=lambda b: _global_batch(b, batch_sharding, tc.batch_size),
+            **process) as batches:
         for step in range(start, tc.steps):
-            batch = _global_batch(next(batches), batch_sharding)
-            with mesh_lib.use_mesh(mesh):
-                state, step_metrics = train_step(state, batch)
+            state, step_metrics = train_step(state, next(batches))
             window_tokens += tc.batch_size * tc.seq_len
             done = step + 1
             if done % tc.log_every == 0 or done == tc.steps:
@@ -191,7 +203,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
 
 def _check_nothing_dropped(config: Config, record: dict) -> None:
     """The dropless invariant: outside the capacity baseline, no token is ever dropped."""
-    if mesh_lib.gmm_backend_name(config) != "capacity" and record["tokens_dropped"] != 0:
+    if resolve_backend_name(config.moe.gmm_backend) != "capacity" and record["tokens_dropped"] != 0:
         raise RuntimeError(f"internal error: {record['tokens_dropped']} tokens dropped at step {record['step']} "
                            "on a dropless path; please report this bug.")
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from dropless.config import TrainConfig
+from dropless.train.offload import apply_memory_features
 
 
 def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
@@ -32,7 +32,6 @@ def weight_decay_mask(params):
 
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    moments_dtype = jnp.bfloat16 if train.optimizer_moments_dtype == "bfloat16" else jnp.float32
     parts = []
     if train.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(train.grad_clip))
@@ -44,7 +43,7 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
             eps=1e-8,
             weight_decay=train.weight_decay,
             mask=weight_decay_mask,
-            mu_dtype=moments_dtype,
         )
     )
-    return optax.chain(*parts)
+    # bfloat16 moments (both of them) and host offloading of the optimizer state: dropless.train.offload.
+    return apply_memory_features(optax.chain(*parts), train)

@@ -77,7 +77,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate)
-        metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": optax.tree.norm(grads),
                    "lr": schedule_lr(state.step), **_moe_metrics(aux)}
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 

@@ -1,0 +1,72 @@
+"""The real CLI, in subprocesses: user mistakes give one line on stderr, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train import SMALL, write_corpus
+
+
+def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "dropless.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert lines[0].startswith("dropless: error:"), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["train", "moe.gmm_backnd=xla"], ["Unknown config key 'moe.gmm_backnd'", "moe.gmm_backend"]),
+    (["train", "moe.num_experts_per_tok=99"], ["moe.num_experts_per_tok=99", "between 1 and"]),
+    (["train", "moe.n_group=3"], ["moe.n_group=3 must divide"]),
+    (["train", "train.dtype=float16"], ["train.dtype", "bfloat16, float32"]),
+    (["train", "train.steps=many"], ["train.steps", "integer"]),
+    (["train", "oops"], ["key=value"]),
+    (["train", "--preset", "tinny"], ["Unknown preset 'tinny'", "tiny"]),
+    (["train", "--steps"], ["expected one argument"]),
+    (["train", "--bogus-flag"], ["unrecognized arguments"]),
+    (["train", "--data", "/no/such/corpus.txt", "--steps", "1"], ["/no/such/corpus.txt"]),
+    (["generate", "--run-dir", "/no/such/run", "--prompt", "x"], ["/no/such/run"]),
+    (["logits", "--run-dir", "/no/such/run", "--tokens", "/no/t.npy", "--out", "/tmp/o.npy"], ["/no/t.npy"]),
+])
+def test_user_mistakes_get_one_clear_line(tmp_path, args, fragments):
+    assert_user_error(run_cli(*args, cwd=tmp_path), *fragments)
+
+
+def test_presets_lists_every_preset():
+    result = run_cli("presets")
+    assert result.returncode == 0
+    for name in ("tiny", "deepseek-v3-671b", "deepseek-v3-proxy", "mixtral-8x7b", "qwen3-30b-a3b"):
+        assert name in result.stdout
+
+
+def test_train_then_generate_and_resume_through_the_cli(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    corpus = write_corpus(tmp_path / "corpus")
+    overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["train.eval_every=4", "train.checkpoint_every=2"]
+    run_dir = tmp_path / "run"
+    first = run_cli("train", "--data", str(corpus), "--steps", "2", "--run-dir", str(run_dir), "--no-progress",
+                    *overrides)
+    assert first.returncode == 0, first.stderr
+    assert str(run_dir.resolve()) in first.stdout  # the run directory is printed at start
+    again = run_cli("train", "--data", str(corpus), "--steps", "2", "--run-dir", str(run_dir), *overrides)
+    assert_user_error(again, "already holds", "--resume")
+    resumed = run_cli("train", "--data", str(corpus), "--steps", "4", "--run-dir", str(run_dir), "--resume",
+                      "--no-progress", *overrides)
+    assert resumed.returncode == 0, resumed.stderr
+    sample = run_cli("generate", "--run-dir", str(run_dir), "--prompt", "def ", "--max-new-tokens", "5",
+                     "--temperature", "0")
+    assert sample.returncode == 0, sample.stderr
+    assert sample.stdout.startswith("def ")
