@@ -1,7 +1,7 @@
 """The expert-executor seam: how routed tokens reach their experts and come back.
 
 An executor is any callable
-    executor(x_TD, expert_ids_TK int32, weights_TK float32, experts, gmm) -> (y_TD float32, tokens_dropped int32)
+    executor(x_TD, expert_ids_TK int32, weights_TK float32, experts, gmm) -> (y_TD float32, ExecutorStats)
 where `experts` = {"gate_up": [E, D, 2F], "down": [E, F, D]} (already in the compute dtype) and `gmm` is a
 grouped-GEMM backend (dropless.moe.gmm). `LocalExecutor` runs everything on one device; the
 expert-parallel executors (dropless.parallel.dispatch) add dispatch/combine collectives around the same
@@ -11,18 +11,33 @@ permute / routed_experts / unpermute stages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from dropless.moe.experts import routed_experts
 from dropless.moe.gmm import GroupedMatmul
 from dropless.moe.permute import permute, unpermute
 
 
+class ExecutorStats(NamedTuple):
+    """What an executor reports per call: int32 scalars, totals over all devices."""
+
+    tokens_dropped: jax.Array  # (token, expert) assignments not computed; 0 unless gmm_backend=capacity
+    dispatch_overflowed: jax.Array  # 1 if expert-parallel alltoall slots overflowed (a worst-case exchange ran)
+    rows_sent: jax.Array  # token rows that crossed between devices in dispatch (combine returns as many)
+    rows_sent_without_dedup: jax.Array  # rows needed with one copy per remote (token, expert) pair
+
+    @classmethod
+    def single_device(cls, tokens_dropped: jax.Array) -> "ExecutorStats":
+        zero = jnp.zeros((), jnp.int32)
+        return cls(jnp.asarray(tokens_dropped, jnp.int32), zero, zero, zero)
+
+
 class ExpertExecutor(Protocol):
     def __call__(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array, experts: dict,
-                 gmm: GroupedMatmul) -> tuple[jax.Array, jax.Array]: ...
+                 gmm: GroupedMatmul) -> tuple[jax.Array, ExecutorStats]: ...
 
 
 @dataclass(frozen=True)
@@ -36,4 +51,4 @@ class LocalExecutor:
         y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, gmm)
         with jax.named_scope("unpermute"):
             y_TD = unpermute(y_sorted_MD, info, weights_TK)
-        return y_TD, gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0])
+        return y_TD, ExecutorStats.single_device(gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0]))

@@ -10,6 +10,7 @@ The router bias (`router_bias_E`, DeepSeek-V3's e_score_correction_bias) is stat
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 
 from dropless.moe import balance
 from dropless.moe.errors import MoEError
-from dropless.moe.executor import ExpertExecutor, LocalExecutor
+from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, init_swiglu
 from dropless.moe.gmm import make_gmm
 from dropless.moe.router import Routing, route
@@ -33,8 +34,13 @@ class MoEStats(NamedTuple):
     seq_aux_loss: jax.Array
     z_loss: jax.Array
     balance_loss: jax.Array  # aux_loss_weight*aux + seq_aux_loss_weight*seq_aux + z_loss_weight*z
+    # Expert-parallel traffic (dropless.parallel.dispatch); 0 on one device.
+    dispatch_overflowed: jax.Array  # int32 1 if the alltoall slots overflowed and the worst-case exchange ran
+    rows_sent: jax.Array  # int32 token rows sent between devices (dispatch; combine returns as many)
+    rows_sent_without_dedup: jax.Array  # int32 rows one copy per remote (token, expert) pair would need
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one compilation instead of one per random draw
 def init_moe(key: jax.Array, hidden_size: int, moe_cfg, init_std: float) -> dict:
     """One layer's float32 parameters, every weight drawn from normal(0, init_std)."""
     key_router, key_experts, key_shared = jax.random.split(key, 3)
@@ -76,7 +82,7 @@ def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
                 "pass one bias per expert (zeros when the aux-loss-free bias is unused)")
 
 
-def moe_stats(routing: Routing, tokens_dropped: jax.Array, batch_size: int, moe_cfg) -> MoEStats:
+def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg) -> MoEStats:
     num_tokens, top_k = routing.expert_ids_TK.shape
     seq_len = num_tokens // batch_size
     counts_E = balance.tokens_per_expert(routing.expert_ids_TK, moe_cfg.num_experts)
@@ -85,8 +91,9 @@ def moe_stats(routing: Routing, tokens_dropped: jax.Array, batch_size: int, moe_
                                    routing.expert_ids_TK.reshape(batch_size, seq_len, top_k))
     z = balance.z_loss(routing.logits_TE)
     total = moe_cfg.aux_loss_weight * aux + moe_cfg.seq_aux_loss_weight * seq_aux + moe_cfg.z_loss_weight * z
-    return MoEStats(counts_E, balance.max_load_ratio(counts_E), jnp.asarray(tokens_dropped, jnp.int32),
-                    aux, seq_aux, z, total)
+    return MoEStats(counts_E, balance.max_load_ratio(counts_E), executor_stats.tokens_dropped,
+                    aux, seq_aux, z, total, executor_stats.dispatch_overflowed, executor_stats.rows_sent,
+                    executor_stats.rows_sent_without_dedup)
 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
@@ -100,8 +107,8 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     x_TD = x_TD.astype(compute_dtype)
     experts = jax.tree.map(lambda w: w.astype(compute_dtype), params["experts"])
     executor = LocalExecutor() if executor is None else executor
-    y_TD, tokens_dropped = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts, make_gmm(moe_cfg))
+    y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts, make_gmm(moe_cfg))
     if "shared" in params:
         with jax.named_scope("shared"):
             y_TD = y_TD + dense_swiglu(x_TD, params["shared"])
-    return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), moe_stats(routing, tokens_dropped, batch, moe_cfg)
+    return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), moe_stats(routing, executor_stats, batch, moe_cfg)
