@@ -61,6 +61,13 @@ def host_state_shardings(state_shardings: Any) -> Any:
     return state_shardings._replace(opt_state=opt_state)
 
 
+def state_shardings_for(train: TrainConfig, state_shardings: Any, devices=None) -> Any:
+    """The TrainState shardings `train` asks for: the optimizer state in pinned host memory when
+    `train.offload_optimizer`, once the devices are checked to have such memory (for `train.offload` too)."""
+    check_host_memory(train, devices)
+    return host_state_shardings(state_shardings) if train.offload_optimizer else state_shardings
+
+
 def _cast_floats(tree: Any, dtype) -> Any:
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
