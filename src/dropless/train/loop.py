@@ -30,6 +30,7 @@ from dropless.parallel import dispatch
 from dropless.parallel import mesh as mesh_lib
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
+from dropless.train import offload
 from dropless.train.optimizer import make_optimizer
 from dropless.train.step import TrainState, init_train_state, make_eval_step, make_train_step
 
@@ -116,7 +117,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     executor = dispatch.make_executor(config, mesh)
     optimizer = make_optimizer(tc)
     batch_sharding = mesh_lib.batch_sharding(mesh)
-    state_shardings = train_state_shardings(config, mesh, optimizer)
+    state_shardings = offload.state_shardings_for(tc, train_state_shardings(config, mesh, optimizer))
 
     def init_state():
         params, model_state = init_weights if init_weights is not None else (None, None)
