@@ -10,6 +10,7 @@ import argparse
 import datetime
 import importlib
 import sys
+import warnings
 from pathlib import Path
 
 from dropless import config as config_lib
@@ -250,8 +251,22 @@ def is_user_error(err: BaseException) -> bool:
     return isinstance(err, ValueError) and type(err).__module__.startswith("dropless")
 
 
+def _one_line_warnings() -> None:
+    """Show our own warnings (e.g. a skipped undecodable file) as one plain line each."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if category.__module__.startswith("dropless"):
+            print(f"dropless: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    _one_line_warnings()
     try:
         return args.func(args)
     except (ValueError, *OS_ERRORS) as err:
