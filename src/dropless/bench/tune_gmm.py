@@ -133,7 +133,7 @@ def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, 
     import jax
     import jax.numpy as jnp
 
-    from dropless.bench.gmm import checked_groups, group_sizes, time_calls
+    from dropless.bench.gmm import REL_ERR_LIMIT, checked_groups, group_sizes, time_calls
 
     keys = jax.random.split(jax.random.key(seed), 5)
     bf16 = jnp.bfloat16
@@ -165,7 +165,7 @@ def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, 
                             for g in checked_groups(sizes)]
                     del out
                     trial["max_rel_err"] = max(errs)
-                    if not trial["max_rel_err"] <= 2e-2:
+                    if not trial["max_rel_err"] <= REL_ERR_LIMIT:
                         raise AssertionError(f"relative error {trial['max_rel_err']:.3g}")
                     trial["ms"] = time_calls(fn, args) * 1e3
                 except Exception as e:  # noqa: BLE001 - a failing candidate is a result

@@ -1,0 +1,245 @@
+"""Tuned grouped GEMM: config lookup, shape classes, fallbacks, the data file, the Mosaic kernels (in Pallas's
+GPU interpreter, forward and both gradients against ragged_dot), and the benchmark's record schema."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dropless.moe import gmm_tuning as gt
+from dropless.moe.gmm_tuning import GmmConfigError, GmmPlan, ProductConfig, ShapeKey, TileConfig
+
+H200 = "NVIDIA H200"
+DSV3 = {"dsv3-gate-up-e32": (65536, 7168, 4096, 32), "dsv3-down-e32": (65536, 2048, 7168, 32),
+        "dsv3-gate-up-e256": (65536, 7168, 4096, 256), "dsv3-down-e256": (65536, 2048, 7168, 256)}
+
+
+def _config(kernel="dropless", bm=128, bn=128, bk=64, stages=4, **kw):
+    return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, **kw))
+
+
+def test_shape_class_names_features_groups_and_rows_per_group():
+    assert gt.shape_class(65536, 7168, 4096, 32) == "k7168-n4096-g32-r2048"
+    assert gt.shape_class(65536, 2048, 7168, 256) == "k2048-n7168-g256-r256"
+    assert gt.shape_class(1000, 64, 64, 3) == "k64-n64-g3-r256"  # 333 rows per group rounds to 2^8
+
+
+def test_packaged_table_has_a_measured_entry_for_every_deepseek_shape():
+    table = gt.load_table()
+    for name, shape in DSV3.items():
+        plan = gt.lookup(table, H200, *shape)
+        assert plan.source == name
+        for product in gt.PRODUCTS:
+            config = plan.product(product)
+            assert config.fits(product, shape[1], shape[2])
+            # tokamax 0.0.17's weight-gradient kernel failed the correctness check on an H200 (docs/gmm.md).
+            assert not (product == "drhs" and config.kernel == "tokamax")
+    entry = next(e for e in table["devices"][H200] if e["name"] == "dsv3-gate-up-e32")
+    assert all(entry[p]["ms"] > 0 for p in gt.PRODUCTS) and "tune-gmm" in entry["provenance"]
+
+
+def test_other_hopper_parts_use_the_h200_table_and_other_devices_the_defaults():
+    table = gt.load_table()
+    shape = DSV3["dsv3-down-e32"]
+    assert gt.lookup(table, "NVIDIA H100 80GB HBM3", *shape) == gt.lookup(table, H200, *shape)
+    assert gt.lookup(table, "NVIDIA GH200 480GB", *shape).source == "dsv3-down-e32"  # any Hopper: the sm90 alias
+    for kind in ("NVIDIA A100-SXM4-80GB", None):
+        plan = gt.lookup(table, kind, *shape)
+        assert (plan.fwd, plan.dlhs, plan.drhs) == (gt.DEFAULT_PLAN.fwd, gt.DEFAULT_PLAN.dlhs, gt.DEFAULT_PLAN.drhs)
+
+
+def test_nearest_entry_then_smaller_tiles_then_a_clear_error():
+    table = gt.load_table()
+    near = gt.lookup(table, H200, 32768, 7168, 4096, 32)  # half the rows of the tuned gate+up shape
+    assert near.source == "dsv3-gate-up-e32"
+    odd = gt.lookup(table, H200, 4096, 576, 320, 8)  # only multiples of 64: no 128-wide tile fits
+    for product in gt.PRODUCTS:
+        assert odd.product(product).fits(product, 576, 320)
+    assert "safe" in odd.source
+    with pytest.raises(GmmConfigError, match="multiples of 64"):
+        gt.lookup(table, H200, 4096, 100, 320, 8)
+
+
+def test_fits_checks_the_dims_each_product_tiles():
+    c = _config(bm=128, bn=64, bk=128)
+    assert c.fits("fwd", k=256, n=64) and not c.fits("fwd", k=64, n=64)  # fwd contracts K in block_k
+    assert c.fits("dlhs", k=64, n=256) and not c.fits("dlhs", k=256, n=64)  # dlhs: out K in block_n, contracts N
+    assert c.fits("drhs", k=128, n=64) and not c.fits("drhs", k=64, n=64)  # drhs: out K in block_m
+
+
+def test_json_round_trip_merge_and_overlay(tmp_path):
+    configs = {"fwd": _config(), "dlhs": _config(grid_minor_dim=0),
+               "drhs": _config(chain_k=True)}
+    for c in configs.values():
+        assert ProductConfig.from_json(json.loads(json.dumps(c.to_json()))) == c
+    shape = ShapeKey(4096, 512, 1024, 8)
+    entry = gt.make_entry("mine", shape, configs, {"fwd": 1.0, "dlhs": 2.0, "drhs": 3.0}, "test")
+    table = gt.merge_entry(gt.empty_table(), H200, entry)
+    table = gt.merge_entry(table, H200, entry | {"name": "mine-again"})  # same shape: replaced, not added
+    assert [e["name"] for e in table["devices"][H200]] == ["mine-again"]
+    path = tmp_path / "table.json"
+    gt.save_table(table, path)
+    plan = gt.lookup(gt.load_table(path), H200, 4096, 512, 1024, 8)
+    assert (plan.fwd, plan.dlhs, plan.drhs, plan.source) == (configs["fwd"], configs["dlhs"], configs["drhs"], "mine-again")
+    merged = gt.overlay(gt.load_table(), gt.load_table(path))
+    assert gt.lookup(merged, H200, 4096, 512, 1024, 8).source == "mine-again"
+    assert gt.lookup(merged, H200, *DSV3["dsv3-gate-up-e32"]).source == "dsv3-gate-up-e32"
+    assert hash(plan) == hash(GmmPlan(plan.fwd, plan.dlhs, plan.drhs, plan.source))  # a static jit argument
+
+
+def test_user_table_from_environment(tmp_path, monkeypatch):
+    shape = ShapeKey(4096, 512, 1024, 8)
+    configs = {p: _config(stages=3) for p in gt.PRODUCTS}
+    path = tmp_path / "mine.json"
+    gt.save_table(gt.merge_entry(gt.empty_table(), H200, gt.make_entry("env", shape, configs, {}, "t")), path)
+    monkeypatch.setenv(gt.USER_TABLE_ENV, str(path))
+    assert gt.plan_for(4096, 512, 1024, 8, kind=H200).source == "env"
+    monkeypatch.setenv(gt.USER_TABLE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(GmmConfigError, match="does not exist"):
+        gt.plan_for(4096, 512, 1024, 8, kind=H200)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t: t.update(schema_version=99), "schema_version"),
+    (lambda t: t["devices"][H200][0].pop("drhs"), "needs fwd, dlhs and drhs"),
+    (lambda t: t["devices"][H200][0]["fwd"].update(kernel="cublas"), "kernel='cublas'"),
+    (lambda t: t["devices"][H200][0]["dlhs"].update(block_m=100), "multiple of 8"),
+    (lambda t: t["devices"][H200][0]["fwd"].pop("block_k"), "malformed"),
+    (lambda t: t["aliases"].update({"NVIDIA B200": "NVIDIA B200"}), "has no table"),
+    (lambda t: t["devices"][H200][0]["fwd"].update(kernel="tokamax", chain_k=True), "chain_k"),
+])
+def test_malformed_tables_raise_one_clear_error(tmp_path, mutate, message):
+    table = gt.load_table()
+    mutate(table)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(table))
+    with pytest.raises(GmmConfigError, match=message) as err:
+        gt.load_table(path)
+    assert isinstance(err.value, ValueError)
+    path.write_text("{not json")
+    with pytest.raises(GmmConfigError, match="not valid JSON"):
+        gt.load_table(path)
+
+
+_MAX_GROUPS, _MAX_SIZE = 9, 70
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, _MAX_SIZE), min_size=1, max_size=_MAX_GROUPS),
+       block_m=st.sampled_from([8, 16, 64]), padding=st.integers(0, 20))
+def test_row_tiles_store_every_row_of_every_group_exactly_once(sizes, block_m, padding):
+    from dropless.moe.gmm_mosaic import max_row_tiles, row_tiles
+
+    # Trailing empty groups pad every example to one shape (one compilation per block_m); the tile count is
+    # the bound for the largest possible example, so it also checks that the bound leaves no row behind.
+    sizes_G = np.array(sizes + [0] * (_MAX_GROUPS - len(sizes)), np.int32)
+    m = max(int(sizes_G.sum()) + padding, 1)
+    num_tiles = max_row_tiles(m, _MAX_GROUPS, block_m)
+    tables = jax.jit(row_tiles, static_argnums=(1, 2))(jnp.asarray(sizes_G), block_m,
+                                                       max_row_tiles(_MAX_GROUPS * _MAX_SIZE, _MAX_GROUPS, block_m))
+    group_T, start_T, offset_T, size_T = map(np.asarray, tables)
+    assert (size_T[num_tiles:] == 0).all()  # every row fits in the bound for this example's own M
+    owner = np.repeat(np.arange(_MAX_GROUPS), sizes_G)
+    stored = np.zeros(m, np.int32)
+    for g, start, offset, size in zip(group_T, start_T, offset_T, size_T):
+        if size == 0:
+            continue
+        assert start % 8 == 0 and 0 <= offset and offset + size <= block_m  # aligned TMA box, rows inside it
+        rows = np.arange(start + offset, start + offset + size)
+        assert (owner[rows] == g).all()
+        stored[rows] += 1
+    assert (stored[: sizes_G.sum()] == 1).all() and (stored[sizes_G.sum():] == 0).all()
+
+
+def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_result():
+    """Why gmm_tuned passes configs per product: tokamax keys its autotuning overlay by the op object, whose
+    `vjp` field is a fresh functools.partial per instance, so two equal ops never compare equal."""
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
+
+    a, b = PallasMosaicGpuRaggedDot(), PallasMosaicGpuRaggedDot()
+    assert a != b and a.replace(vjp=None) == b.replace(vjp=None)
+    config = _config().tile.to_tokamax()
+    x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 128, 256), jnp.bfloat16)
+    bound = a.replace(config=config).bind(x, w, group_sizes=jax.ShapeDtypeStruct((4,), jnp.int32))
+    assert bound.default_config == config  # chosen at trace time, before cache or heuristics
+
+
+def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter():
+    """The three dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.moe.gmm_tuned import tuned_gmm
+
+    tile = TileConfig(64, 64, 64, 2, True, 1, 2)
+    plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
+    m, k, n = 200, 128, 128
+    sizes = jnp.array([50, 0, 93, 45], jnp.int32)  # 188 rows in groups, 12 rows of padding
+    kx, kw, kc = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16).at[190].set(jnp.nan)
+    w = (jax.random.normal(kw, (4, k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    cot = jax.random.normal(kc, (m, n), jnp.float32)
+    live = (jnp.arange(m) < sizes.sum())[:, None]
+
+    def loss(gmm, x, w):
+        return jnp.sum(jnp.where(live, gmm(x, w).astype(jnp.float32) * cot, 0))
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = tuned_gmm(x, w, sizes, plan)
+        dx, dw = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan), x, w), (0, 1))(x, w)
+    x_clean = jnp.where(live, x, 0)
+    ref = jax.lax.ragged_dot(x_clean, w, sizes, preferred_element_type=jnp.float32)
+    ref_dx, ref_dw = jax.grad(lambda x, w: loss(
+        lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), x, w), (0, 1))(x_clean, w)
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b).ravel()) / jnp.linalg.norm(b.ravel()))
+    assert rel(out, ref) < 1e-2 and rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2
+    assert (out[188:] == 0).all() and (dx[188:] == 0).all()  # padding rows: zero output, zero gradient
+    assert (dw[1] == 0).all() and bool(jnp.isfinite(dw).all())  # empty group; NaN padding never leaks
+
+
+def test_benchmark_records_schema_on_a_tiny_cpu_run(tmp_path):
+    from dropless.bench import gmm as bench
+
+    out = tmp_path / "gmm-cpu.json"
+    assert bench.main(["--shapes", "tiny", "--skews", "dirichlet", "--backends", "dense,xla,capacity",
+                       "--out", str(out), "--batches", "1"]) == 0
+    records = json.loads(out.read_text())
+    assert {r["backend"] for r in records} == {"dense", "xla", "capacity"}
+    for r in records:
+        assert set(bench.RECORD_KEYS) <= set(r) and r["device"] and r["date"]
+        assert r["error"] is None and r["fwd_tflops"] > 0 and r["fwdbwd_tflops"] > 0 and r["dense_tflops"] > 0
+    xla = next(r for r in records if r["backend"] == "xla")
+    assert xla["max_rel_err"] < 1e-2 and set(xla["rel_err"]) == set(gt.PRODUCTS)
+    assert next(r for r in records if r["backend"] == "capacity")["dropped_rows"] >= 0
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| tiny | dirichlet |" in bench.markdown_table(records)
+
+
+def test_group_size_skews():
+    from dropless.bench.gmm import group_sizes
+
+    for skew in ("balanced", "dirichlet", "hot"):
+        sizes = group_sizes(skew, 1000, 8, seed=3)
+        assert sizes.sum() == 1000 and (sizes >= 0).all() and sizes.dtype == np.int32
+    hot = group_sizes("hot", 1000, 8)
+    assert hot[0] == 500 and (hot[[1, 5]] == 0).all()
+    with pytest.raises(ValueError, match="skew"):
+        group_sizes("zipf", 10, 2)
+
+
+def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
+    from dropless.bench import tune_gmm
+
+    assert tune_gmm.main(["--shape", "1,2,3"]) == 2
+    assert "M,K,N,G" in capsys.readouterr().err
+    assert tune_gmm.main([]) == 2
+    assert tune_gmm.main(["--shape", "4096,512,1024,8"]) == 2
+    assert "GPU" in capsys.readouterr().err
+    shapes = tune_gmm.preset_shapes("deepseek-v3-671b", 65536)
+    assert [s for _, s in shapes] == [ShapeKey(65536, 7168, 4096, 256), ShapeKey(65536, 2048, 7168, 256)]
+    for product in gt.PRODUCTS:
+        assert all(tune_gmm.smem_bytes(c.tile) <= tune_gmm.SMEM_BYTES for c in tune_gmm.QUICK[product])
