@@ -170,7 +170,8 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
 
 
 def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter():
-    """The three dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group."""
+    """The three dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
+    f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from dropless.moe.gmm_tuned import tuned_gmm
@@ -189,14 +190,15 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
         return jnp.sum(jnp.where(live, gmm(x, w).astype(jnp.float32) * cot, 0))
 
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = tuned_gmm(x, w, sizes, plan)
-        dx, dw = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan), x, w), (0, 1))(x, w)
+        out = tuned_gmm(x, w, sizes, plan, jnp.float32)
+        dx, dw = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32), x, w), (0, 1))(x, w)
+    assert out.dtype == jnp.float32 and dx.dtype == x.dtype and dw.dtype == w.dtype
     x_clean = jnp.where(live, x, 0)
     ref = jax.lax.ragged_dot(x_clean, w, sizes, preferred_element_type=jnp.float32)
     ref_dx, ref_dw = jax.grad(lambda x, w: loss(
         lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), x, w), (0, 1))(x_clean, w)
     rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b).ravel()) / jnp.linalg.norm(b.ravel()))
-    assert rel(out, ref) < 1e-2 and rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2
+    assert rel(out, ref) < 1e-3 and rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2  # f32 out: no bf16 rounding
     assert (out[188:] == 0).all() and (dx[188:] == 0).all()  # padding rows: zero output, zero gradient
     assert (dw[1] == 0).all() and bool(jnp.isfinite(dw).all())  # empty group; NaN padding never leaks
 
