@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-from dataclasses import astuple
 import datetime
 import json
 import math
 import os
 import sys
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np

@@ -16,7 +16,6 @@ Kernels: "tokamax" is tokamax's Mosaic GPU ragged_dot (for dlhs/drhs it copies W
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import math
@@ -346,7 +345,3 @@ def merge_entry(table: dict[str, Any], kind: str, entry: dict[str, Any]) -> dict
 def save_table(table: dict[str, Any], path: str | Path) -> None:
     validate_table(table, str(path))
     Path(path).write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
-
-
-def with_tile(config: ProductConfig, **changes) -> ProductConfig:
-    return ProductConfig(changes.pop("kernel", config.kernel), dataclasses.replace(config.tile, **changes))
