@@ -1,0 +1,385 @@
+"""Expert parallelism: send each token to the devices that hold its experts, compute there, bring it back.
+
+The experts are split evenly over the `expert` mesh axis; tokens are split over every device. The whole
+exchange runs inside one `jax.shard_map`, so everything below is written for ONE device's shard. A
+strategy has the same three stages whatever the wire: `dispatch` (rows out, with the metadata its
+`combine` needs), the local experts (the same permute -> grouped GEMM -> unpermute as on one device,
+`dropless.moe.LocalExecutor`), and `combine` (partial results back, summed per token).
+
+Strategies (`moe.dispatch`):
+- `allgather`: every device gathers its expert group's tokens, computes its own experts on all of them,
+  and a reduce-scatter returns each token's sum. Static and simple; every token crosses every link.
+- `alltoall`: rows packed into fixed slots per destination (`moe.alltoall_buffer_factor` x the balanced
+  load) and exchanged with `all_to_all`. If any device's rows for any destination do not fit, checked on
+  the device, the layer takes a second, worst-case-sized exchange instead (`lax.cond`): never a drop.
+- `ragged`: `jax.lax.ragged_all_to_all` moves exactly the rows needed (GPU only; see dropless.xla_flags).
+
+Deduplication (`moe.dedup`, alltoall and ragged): a token whose top-k experts include several on one
+device is sent there once, with the list of its experts on that device; the receiver expands it to
+those experts and sends back ONE row, their weighted sum. Combine rows travel in the compute dtype.
+
+Legend, per device: T tokens, K top-k, D hidden, P devices on the `expert` axis, G = E / P local
+experts, J = experts one sent row carries (min(K, G) with dedup, else 1), U = T*K send units
+(a unit is a (token, destination) pair with dedup, a (token, k) pair without), C slot rows per
+destination, R received rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from dropless.config import Config, ConfigError
+from dropless.moe.executor import ExecutorStats, LocalExecutor
+from dropless.moe.gmm import GroupedMatmul
+from dropless.moe.permute import PermuteInfo, permute, unpermute
+from dropless.parallel.mesh import BATCH_AXES, MESH_AXES
+
+EXPERT_AXIS = "expert"
+
+
+class Received(NamedTuple):
+    """Rows that arrived on this device, each with the local experts it asks for."""
+
+    x_RD: jax.Array
+    local_ids_RJ: jax.Array  # int32 in [0, G]; G means "no expert" (an empty column or an empty row)
+    weights_RJ: jax.Array  # float32 routing weights, 0 where the id is G
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """This device's G experts applied to received rows: the single-device permute -> gmm -> unpermute."""
+
+    experts: dict  # {"gate_up": [G, D, 2F], "down": [G, F, D]}, this device's shard
+    gmm: GroupedMatmul
+
+    @property
+    def num_local(self) -> int:
+        return self.experts["gate_up"].shape[0]
+
+    def __call__(self, received: Received) -> tuple[jax.Array, jax.Array]:
+        """-> (partial_RD float32: each row's weighted sum over its local experts, rows dropped)."""
+        y_RD, stats = LocalExecutor()(received.x_RD, received.local_ids_RJ, received.weights_RJ, self.experts, self.gmm)
+        return y_RD, stats.tokens_dropped
+
+
+class Strategy(Protocol):
+    """One way across the wire: `strategy(x_TD, expert_ids_TK, weights_TK, local) -> (y_TD f32, ExecutorStats)`.
+
+    Called per device inside the shard_map; `local` computes this device's experts on what arrived.
+    """
+
+    name: str
+
+    def __call__(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array,
+                 local: LocalExperts) -> tuple[jax.Array, ExecutorStats]: ...
+
+
+def _carry_to_columns(carried_XK, ids_XK, weights_XK, num_local: int, width: int):
+    """Compact the carried experts of each row into `width` columns (the rest: id G, weight 0)."""
+    # A stable sort of "not carried" brings the carried columns to the front in their original order.
+    order_XJ = jnp.argsort(~carried_XK, axis=-1, stable=True)[..., :width]
+    valid_XJ = jnp.take_along_axis(carried_XK, order_XJ, axis=-1)
+    ids_XJ = jnp.where(valid_XJ, jnp.take_along_axis(ids_XK % num_local, order_XJ, axis=-1), num_local)
+    weights_XJ = jnp.where(valid_XJ, jnp.take_along_axis(weights_XK, order_XJ, axis=-1), 0.0)
+    return ids_XJ.astype(jnp.int32), weights_XJ.astype(jnp.float32)
+
+
+def _remote_pairs(expert_ids_TK, num_local: int) -> jax.Array:
+    """(token, expert) pairs whose expert lives on another device: the rows sent without dedup."""
+    return jnp.sum(expert_ids_TK // num_local != jax.lax.axis_index(EXPERT_AXIS)).astype(jnp.int32)
+
+
+class SendPlan(NamedTuple):
+    """The sender's side of alltoall and ragged: units sorted by destination device."""
+
+    x_UD: jax.Array  # unit rows, destination-major; rows past sum(sends_P) are unused
+    meta_UJ2: jax.Array  # float32 (weight, local id) of each expert a unit carries; id G = none
+    sends_P: jax.Array  # int32 rows for each destination device
+    info: PermuteInfo  # undoes the sort in the combine
+    unit_used_TK: jax.Array  # float32: 1 for a unit that is sent, 0 for an unused one (dedup repeats)
+
+
+def plan_units(x_TD, expert_ids_TK, weights_TK, num_devices: int, num_local: int, dedup: bool) -> SendPlan:
+    """Which rows go to which device, destination-major, via the MoE `permute` (devices as its groups).
+
+    Local ids travel as float32 beside their weights, so one collective carries both (exact below 2**24).
+    """
+    num_tokens, top_k = expert_ids_TK.shape
+    dest_TK = expert_ids_TK // num_local
+    if dedup:
+        # A token's distinct destinations: sort them, and mark each repeat with the sentinel P (never sent).
+        sorted_TK = jnp.sort(dest_TK, axis=1)
+        repeat_TK = jnp.concatenate([jnp.zeros((num_tokens, 1), bool), sorted_TK[:, 1:] == sorted_TK[:, :-1]], 1)
+        unit_dest_TK = jnp.where(repeat_TK, num_devices, sorted_TK)
+        carried_TKK = dest_TK[:, None, :] == unit_dest_TK[:, :, None]  # [token, unit, k]
+        width = min(top_k, num_local)  # a token's top-k ids are distinct: at most G of them on one device
+    else:
+        unit_dest_TK = dest_TK
+        carried_TKK = jnp.broadcast_to(jnp.eye(top_k, dtype=bool), (num_tokens, top_k, top_k))
+        width = 1
+    ids_TKJ, weights_TKJ = _carry_to_columns(
+        carried_TKK, jnp.broadcast_to(expert_ids_TK[:, None, :], carried_TKK.shape),
+        jnp.broadcast_to(weights_TK[:, None, :], carried_TKK.shape), num_local, width)
+    x_UD, sends_P, info = permute(x_TD, unit_dest_TK, num_devices)
+    meta_UJ2 = jnp.stack([weights_TKJ, ids_TKJ.astype(jnp.float32)], -1).reshape(-1, width, 2)[info.slot_of_row_M]
+    return SendPlan(x_UD, meta_UJ2, sends_P, info, (unit_dest_TK < num_devices).astype(jnp.float32))
+
+
+def worst_case_rows(num_tokens: int, top_k: int, num_local: int, dedup: bool) -> int:
+    """Most rows one device can send to one other: a token goes there once with dedup, else once per expert."""
+    return num_tokens if dedup else num_tokens * min(top_k, num_local)
+
+
+def _received(x_RD, meta_RJ2) -> Received:
+    return Received(x_RD, meta_RJ2[..., 1].astype(jnp.int32), meta_RJ2[..., 0])
+
+
+def _rows_sent(plan: SendPlan) -> jax.Array:
+    return (jnp.sum(plan.sends_P) - plan.sends_P[jax.lax.axis_index(EXPERT_AXIS)]).astype(jnp.int32)
+
+
+def _sum_units(y_UD, plan: SendPlan) -> jax.Array:
+    """Each token's returned unit rows (each already weighted by the routing) summed in float32."""
+    return unpermute(y_UD, plan.info, plan.unit_used_TK)
+
+
+@dataclass(frozen=True)
+class AllGather:
+    """Gather the group's tokens, compute the local experts on all of them, reduce-scatter the sums.
+
+    The reduce-scatter adds the P partial rows of a token in the compute dtype (bf16 in training).
+    """
+
+    name: str = "allgather"
+
+    def dispatch(self, x_TD, expert_ids_TK, weights_TK, num_local: int) -> Received:
+        gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
+        ids_RK, weights_RK = gather(expert_ids_TK), gather(weights_TK)
+        here_RK = ids_RK // num_local == jax.lax.axis_index(EXPERT_AXIS)
+        ids_RJ, weights_RJ = _carry_to_columns(here_RK, ids_RK, weights_RK, num_local, min(ids_RK.shape[1], num_local))
+        return Received(gather(x_TD), ids_RJ, weights_RJ)
+
+    def combine(self, partial_RD, dtype) -> jax.Array:
+        return jax.lax.psum_scatter(partial_RD.astype(dtype), EXPERT_AXIS, scatter_dimension=0,
+                                    tiled=True).astype(jnp.float32)
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
+        with jax.named_scope("dispatch"):
+            received = self.dispatch(x_TD, expert_ids_TK, weights_TK, local.num_local)
+        partial_RD, dropped = local(received)
+        with jax.named_scope("combine"):
+            y_TD = self.combine(partial_RD, x_TD.dtype)
+        sent = x_TD.shape[0] * (jax.lax.axis_size(EXPERT_AXIS) - 1)
+        stats = ExecutorStats(dropped, jnp.zeros((), jnp.int32), jnp.asarray(sent, jnp.int32),
+                              _remote_pairs(expert_ids_TK, local.num_local))
+        return y_TD, stats
+
+
+def _to_slots(rows_UX, sends_P, capacity: int, fill) -> jax.Array:
+    """[U, ...] destination-major rows -> [P, C, ...]: slot (p, c) holds p's c-th row, or `fill`."""
+    starts_P = jnp.cumsum(sends_P) - sends_P
+    pos_C = jnp.arange(capacity, dtype=jnp.int32)
+    filled_PC = pos_C[None, :] < sends_P[:, None]
+    picked = rows_UX[jnp.where(filled_PC, starts_P[:, None] + pos_C[None, :], 0)]
+    filled = filled_PC.reshape(filled_PC.shape + (1,) * (rows_UX.ndim - 1))
+    return jnp.where(filled, picked, jnp.asarray(fill, rows_UX.dtype))
+
+
+def _from_slots(slots_PCD, sends_P, num_units: int) -> jax.Array:
+    """The returning rows: [P, C, D] slots -> [U, D] destination-major units (unused units zero)."""
+    num_devices, capacity, hidden = slots_PCD.shape
+    unit_U = jnp.arange(num_units, dtype=jnp.int32)
+    ends_P = jnp.cumsum(sends_P)
+    dest_U = jnp.searchsorted(ends_P, unit_U, side="right").astype(jnp.int32)
+    sent_U = dest_U < num_devices
+    dest_U = jnp.minimum(dest_U, num_devices - 1)
+    slot_U = dest_U * capacity + unit_U - (ends_P - sends_P)[dest_U]
+    rows_UD = slots_PCD.reshape(num_devices * capacity, hidden)[jnp.where(sent_U, slot_U, 0)]
+    return jnp.where(sent_U[:, None], rows_UD, 0)
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """Fixed-size slots per destination, one `all_to_all` each way; a worst-case exchange on overflow.
+
+    Both exchanges are compiled; one runs. Under autodiff JAX keeps residual buffers for both branches of a
+    `lax.cond` (the untaken one as zeros), so the slots save link traffic, not activation memory, unless
+    the MoE layer is rematerialised (train.remat).
+    """
+
+    buffer_factor: float = 2.0
+    dedup: bool = True
+    name: str = "alltoall"
+
+    def slot_sizes(self, num_tokens: int, top_k: int, num_devices: int, num_local: int) -> tuple[int, int]:
+        """(normal, worst case) slot rows per destination. Normal = buffer_factor x the balanced load."""
+        worst = worst_case_rows(num_tokens, top_k, num_local, self.dedup)
+        return min(worst, math.ceil(self.buffer_factor * num_tokens * top_k / num_devices)), worst
+
+    def dispatch(self, plan: SendPlan, capacity: int, num_local: int) -> Received:
+        a2a = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
+        x_PCD = a2a(_to_slots(plan.x_UD, plan.sends_P, capacity, 0))
+        empty = jnp.asarray([0.0, num_local], jnp.float32)  # weight 0, id G: "no expert"
+        meta_PCJ2 = a2a(_to_slots(plan.meta_UJ2, plan.sends_P, capacity, empty))
+        return _received(x_PCD.reshape(-1, x_PCD.shape[-1]), meta_PCJ2.reshape(-1, *meta_PCJ2.shape[2:]))
+
+    def combine(self, partial_RD, plan: SendPlan, capacity: int, dtype) -> jax.Array:
+        num_devices = plan.sends_P.shape[0]
+        back_PCD = jax.lax.all_to_all(partial_RD.astype(dtype).reshape(num_devices, capacity, -1),
+                                      EXPERT_AXIS, 0, 0, tiled=True)
+        return _sum_units(_from_slots(back_PCD, plan.sends_P, plan.x_UD.shape[0]), plan)
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
+        num_devices, num_local = jax.lax.axis_size(EXPERT_AXIS), local.num_local
+        plan = plan_units(x_TD, expert_ids_TK, weights_TK, num_devices, num_local, self.dedup)
+        normal, worst = self.slot_sizes(*expert_ids_TK.shape, num_devices, num_local)
+
+        def exchange(capacity):
+            def run():
+                with jax.named_scope("dispatch"):
+                    received = self.dispatch(plan, capacity, num_local)
+                partial_RD, dropped = local(received)
+                with jax.named_scope("combine"):
+                    return self.combine(partial_RD, plan, capacity, x_TD.dtype), dropped
+            return run
+
+        # Decided on the device, identically everywhere (the branches run different collectives).
+        overflowed = jax.lax.pmax(jnp.max(plan.sends_P) > normal, MESH_AXES)
+        if normal == worst:
+            y_TD, dropped = exchange(worst)()
+        else:
+            y_TD, dropped = jax.lax.cond(overflowed, exchange(worst), exchange(normal))
+        stats = ExecutorStats(dropped, overflowed.astype(jnp.int32), _rows_sent(plan),
+                              _remote_pairs(expert_ids_TK, num_local))
+        return y_TD, stats
+
+
+def ragged_offsets(sends_SP: jax.Array, me) -> dict[str, jax.Array]:
+    """Offsets and sizes for both `ragged_all_to_all` calls, from the [source, destination] row counts.
+
+    A receiver stores its rows source-major: source s's rows start at the sum of what sources < s send it.
+    """
+    recv_sizes_S = sends_SP[:, me]
+    return {
+        "input_offsets": (jnp.cumsum(sends_SP, axis=1) - sends_SP)[me],  # my rows for p start here
+        "send_sizes": sends_SP[me],
+        "output_offsets": (jnp.cumsum(sends_SP, axis=0) - sends_SP)[me],  # ... and land here on p
+        "recv_sizes": recv_sizes_S,
+        "recv_offsets": jnp.cumsum(recv_sizes_S) - recv_sizes_S,  # where source s's rows are here
+        "back_offsets": (jnp.cumsum(sends_SP, axis=1) - sends_SP)[:, me],  # where they came from on s
+    }
+
+
+@dataclass(frozen=True)
+class Ragged:
+    """`ragged_all_to_all`: exactly the needed rows each way. Receive buffers are worst-case sized.
+
+    `collective` is `jax.lax.ragged_all_to_all` (GPU); tests pass an emulation, as XLA:CPU lacks it.
+    """
+
+    dedup: bool = True
+    collective: Callable = jax.lax.ragged_all_to_all
+    name: str = "ragged"
+
+    def dispatch(self, plan: SendPlan, offsets: dict, buffer_rows: int, num_local: int) -> Received:
+        def send(operand, empty_row):
+            output = jnp.broadcast_to(jnp.asarray(empty_row, operand.dtype), (buffer_rows, *operand.shape[1:]))
+            return self.collective(operand, output, offsets["input_offsets"], offsets["send_sizes"],
+                                   offsets["output_offsets"], offsets["recv_sizes"], axis_name=EXPERT_AXIS)
+        meta_RJ2 = send(plan.meta_UJ2, jnp.asarray([0.0, num_local]))  # unfilled rows: weight 0, id G
+        return _received(send(plan.x_UD, 0), meta_RJ2)
+
+    def combine(self, partial_RD, plan: SendPlan, offsets: dict, dtype) -> jax.Array:
+        output_UD = jnp.zeros((plan.x_UD.shape[0], partial_RD.shape[1]), dtype)
+        y_UD = self.collective(partial_RD.astype(dtype), output_UD, offsets["recv_offsets"], offsets["recv_sizes"],
+                               offsets["back_offsets"], offsets["send_sizes"], axis_name=EXPERT_AXIS)
+        return _sum_units(y_UD, plan)
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
+        num_devices, num_local = jax.lax.axis_size(EXPERT_AXIS), local.num_local
+        num_tokens, top_k = expert_ids_TK.shape
+        plan = plan_units(x_TD, expert_ids_TK, weights_TK, num_devices, num_local, self.dedup)
+        sends_SP = jax.lax.all_gather(plan.sends_P, EXPERT_AXIS, axis=0, tiled=False)
+        offsets = ragged_offsets(sends_SP, jax.lax.axis_index(EXPERT_AXIS))
+        buffer_rows = num_devices * worst_case_rows(num_tokens, top_k, num_local, self.dedup)
+        with jax.named_scope("dispatch"):
+            received = self.dispatch(plan, offsets, buffer_rows, num_local)
+        partial_RD, dropped = local(received)
+        with jax.named_scope("combine"):
+            y_TD = self.combine(partial_RD, plan, offsets, x_TD.dtype)
+        stats = ExecutorStats(dropped, jnp.zeros((), jnp.int32), _rows_sent(plan),
+                              _remote_pairs(expert_ids_TK, num_local))
+        return y_TD, stats
+
+
+@dataclass(frozen=True)
+class NoDispatch:
+    """parallel.expert = 1: every device holds every expert; nothing crosses a link."""
+
+    name: str = "local"
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
+        return LocalExecutor()(x_TD, expert_ids_TK, weights_TK, local.experts, local.gmm)
+
+
+@dataclass(frozen=True)
+class ExpertParallelExecutor:
+    """The MoE executor seam over a mesh: one `shard_map`, tokens over every device, experts over `expert`."""
+
+    mesh: Mesh
+    strategy: Strategy
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts, gmm):
+        num_tokens, num_devices = x_TD.shape[0], self.mesh.size
+        if num_tokens % num_devices:
+            raise ConfigError(f"the MoE layer got {num_tokens} tokens, which do not split over the {num_devices} "
+                              f"devices of the mesh; make train.batch_size a multiple of {num_devices}.")
+        tokens, experts_spec = P(BATCH_AXES), P(EXPERT_AXIS)
+
+        def per_device(x_TD, expert_ids_TK, weights_TK, experts):
+            y_TD, stats = self.strategy(x_TD, expert_ids_TK, weights_TK, LocalExperts(experts, gmm))
+            totals = jax.tree.map(lambda s: jax.lax.psum(s, MESH_AXES), stats)
+            # Every device took the same branch: the layer overflowed once, not once per device.
+            return y_TD, totals._replace(dispatch_overflowed=jax.lax.pmax(stats.dispatch_overflowed, MESH_AXES))
+
+        run = jax.shard_map(per_device, mesh=self.mesh, out_specs=(tokens, P()),
+                            in_specs=(tokens, tokens, tokens, jax.tree.map(lambda _: experts_spec, experts)))
+        return run(x_TD, expert_ids_TK, weights_TK, experts)
+
+
+def make_strategy(config: Config, platform: str | None = None) -> Strategy:
+    """The strategy `moe.dispatch` names ("auto": see DEFAULT_DISPATCH), for `parallel.expert` devices."""
+    moe = config.moe
+    if config.parallel.expert == 1:
+        return NoDispatch()
+    name = DEFAULT_DISPATCH if moe.dispatch == "auto" else moe.dispatch
+    platform = platform or jax.default_backend()
+    if name == "ragged" and platform != "gpu":
+        raise ConfigError(f"moe.dispatch=ragged needs GPUs (XLA:{platform.upper()} has no ragged_all_to_all); "
+                          f"use moe.dispatch=alltoall or allgather.")
+    if name == "allgather":
+        return AllGather()
+    if name == "alltoall":
+        return AllToAll(moe.alltoall_buffer_factor, moe.dedup)
+    return Ragged(moe.dedup)
+
+
+# Chosen by measurement on two H200s (docs/parallel.md).
+DEFAULT_DISPATCH = "alltoall"
+
+
+def make_executor(config: Config, mesh: Mesh) -> ExpertParallelExecutor | None:
+    """The executor for this config and mesh; None (the single-device LocalExecutor) on one device."""
+    if mesh.size == 1:
+        return None
+    if config.moe.num_experts % mesh.shape[EXPERT_AXIS]:
+        raise ConfigError(f"moe.num_experts={config.moe.num_experts} is not divisible by parallel.expert="
+                          f"{mesh.shape[EXPERT_AXIS]}; choose an expert-parallel size that divides it.")
+    return ExpertParallelExecutor(mesh, make_strategy(config))

@@ -1,0 +1,198 @@
+"""Expert parallelism on 8 CPU devices: the MoE layer under every strategy and mesh equals the single-device layer.
+
+Checked in float32 with tight tolerances: the output and the gradients with respect to the input and every
+parameter (router, experts, shared expert, through the balancing losses too), plus the accounting:
+tokens_dropped, alltoall overflow, and rows sent with and without deduplication, counted again in Python.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.config import Config, ConfigError, MoEConfig, ParallelConfig
+from dropless.moe import LocalExecutor, XlaGmm, init_moe, moe_layer, route
+from dropless.parallel import dispatch
+from dropless.parallel.dispatch import AllGather, AllToAll, NoDispatch, Ragged, ragged_offsets
+from dropless.parallel.mesh import make_mesh
+
+HIDDEN, WIDTH, EXPERTS = 8, 4, 8
+# Tiny programs, many compilations: XLA:CPU's LLVM optimisation is most of the time and buys nothing here.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all`'s documented semantics built from all_gather (XLA:CPU lacks the primitive)."""
+    del recv_sizes  # implied by the senders' sizes; `test_ragged_offsets_are_consistent` checks they agree
+    me = jax.lax.axis_index(axis_name)
+    gather = lambda a: jax.lax.all_gather(a, axis_name, axis=0, tiled=False)
+    operand_SN = gather(operand)
+    start_S, size_S, source_start_S = gather(output_offsets)[:, me], gather(send_sizes)[:, me], gather(input_offsets)[:, me]
+    pos_M = jnp.arange(output.shape[0])
+    inside_SM = (pos_M[None] >= start_S[:, None]) & (pos_M[None] < (start_S + size_S)[:, None])
+    source_M, hit_M = jnp.argmax(inside_SM, axis=0), jnp.any(inside_SM, axis=0)
+    row_M = jnp.where(hit_M, source_start_S[source_M] + pos_M - start_S[source_M], 0)
+    hit = hit_M.reshape(hit_M.shape + (1,) * (output.ndim - 1))
+    return jnp.where(hit, operand_SN[source_M, row_M], output)
+
+
+STRATEGIES = {
+    "allgather": AllGather(),
+    "alltoall": AllToAll(buffer_factor=2.0, dedup=True),
+    "ragged": Ragged(dedup=True, collective=emulated_ragged_all_to_all),
+}
+MESHES = {1: ParallelConfig(data=4, fsdp=2, expert=1), 2: ParallelConfig(data=2, fsdp=2, expert=2),
+          4: ParallelConfig(data=2, fsdp=1, expert=4), 8: ParallelConfig(data=1, fsdp=1, expert=8)}
+BATCH, SEQ = 8, 8  # 64 tokens, 8 per device
+MOE = MoEConfig(num_experts=EXPERTS, num_experts_per_tok=3, expert_intermediate_size=WIDTH, num_shared_experts=1,
+                score_func="sigmoid", gmm_backend="xla", aux_loss_weight=0.1, z_loss_weight=0.01)
+
+
+def _problem(seed, bias_E=None):
+    rng = np.random.default_rng(seed)
+    params = init_moe(jax.random.key(seed), HIDDEN, MOE, init_std=0.5)
+    bias_E = np.zeros(EXPERTS, np.float32) if bias_E is None else np.asarray(bias_E, np.float32)
+    x_BSD = rng.normal(size=(BATCH, SEQ, HIDDEN)).astype(np.float32)
+    cotangent_BSD = rng.normal(size=x_BSD.shape).astype(np.float32)
+    return params, bias_E, x_BSD, cotangent_BSD
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=FAST_COMPILE)
+def _layer(executor, moe_cfg, params, bias_E, x_BSD, cotangent_BSD):
+    """The MoE layer's output, its gradients w.r.t. every parameter and the input, and its stats."""
+    def loss(params, x_BSD):
+        y_BSD, stats = moe_layer(params, bias_E, x_BSD, moe_cfg, compute_dtype=jnp.float32, executor=executor)
+        return jnp.sum(y_BSD * cotangent_BSD) + stats.balance_loss, (y_BSD, stats)
+    (_, (y_BSD, stats)), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
+    return y_BSD, grads, stats
+
+
+def _expected_rows(problem, expert_parallel, dedup):
+    """Rows that cross devices, counted in Python: per (token, device) with dedup, per (token, expert) without."""
+    params, bias_E, x_BSD, _ = problem
+    ids_TK = np.asarray(route(params["router"]["kernel"], jnp.asarray(bias_E), x_BSD.reshape(-1, HIDDEN), MOE).expert_ids_TK)
+    per_device, num_local = BATCH * SEQ // 8, EXPERTS // expert_parallel
+    sent = 0
+    for t, ids in enumerate(ids_TK):
+        me = (t // per_device) % expert_parallel  # the token's device's position on the `expert` axis
+        remote = [int(e) // num_local for e in ids if int(e) // num_local != me]
+        sent += len(set(remote)) if dedup else len(remote)
+    return sent
+
+
+def _assert_matches_single_device(strategy, expert_parallel, problem, moe_cfg=MOE):
+    y_want, grads_want, stats_want = _layer(None, moe_cfg, *problem)
+    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[expert_parallel]), strategy)
+    y_got, grads_got, stats = _layer(executor, moe_cfg, *problem)
+    np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads_got), jax.tree.leaves(grads_want)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    assert int(stats.tokens_dropped) == 0
+    np.testing.assert_array_equal(stats.tokens_per_expert, stats_want.tokens_per_expert)
+    return stats
+
+
+@pytest.mark.parametrize("expert_parallel", sorted(MESHES))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_layer_matches_single_device(name, expert_parallel):
+    problem = _problem(seed=expert_parallel)
+    stats = _assert_matches_single_device(STRATEGIES[name], expert_parallel, problem)
+    assert int(stats.rows_sent_without_dedup) == _expected_rows(problem, expert_parallel, dedup=False)
+    expected = BATCH * SEQ * (expert_parallel - 1) if name == "allgather" else _expected_rows(problem, expert_parallel, True)
+    assert int(stats.rows_sent) == expected
+
+
+def test_alltoall_slot_sizes():
+    assert AllToAll(2.0, dedup=True).slot_sizes(num_tokens=8, top_k=3, num_devices=8, num_local=1) == (6, 8)
+    assert AllToAll(2.0, dedup=True).slot_sizes(num_tokens=8, top_k=3, num_devices=2, num_local=4) == (8, 8)
+    assert AllToAll(1.0, dedup=False).slot_sizes(num_tokens=8, top_k=3, num_devices=4, num_local=2) == (6, 16)
+
+
+@pytest.mark.parametrize("name", ["alltoall", "ragged"])
+def test_dedup_sends_fewer_rows_and_changes_nothing(name):
+    problem = _problem(seed=4)
+    undeduplicated = dataclasses.replace(STRATEGIES[name], dedup=False)
+    without = _assert_matches_single_device(undeduplicated, 4, problem)
+    with_dedup = _assert_matches_single_device(STRATEGIES[name], 4, problem)  # compiled above, for this problem
+    assert int(with_dedup.rows_sent) < int(without.rows_sent) == int(without.rows_sent_without_dedup)
+    assert int(with_dedup.rows_sent_without_dedup) == int(without.rows_sent)
+
+
+@pytest.mark.parametrize("expert_parallel,dedup", [(4, True), (8, False)])
+def test_alltoall_overflow_takes_the_worst_case_path_and_drops_nothing(expert_parallel, dedup):
+    # The bias sends every token to experts 0, 1 and 2: the devices holding them receive far more than
+    # buffer_factor x the balanced load.
+    skewed = _problem(seed=7, bias_E=[10.0, 10.0, 10.0, 0, 0, 0, 0, 0])
+    strategy = AllToAll(buffer_factor=1.0, dedup=dedup)
+    assert int(_assert_matches_single_device(strategy, expert_parallel, skewed).dispatch_overflowed) == 1
+
+
+def test_alltoall_routing_that_fits_takes_the_slots():
+    """Perfectly balanced routing at buffer factor 1 fills every slot exactly: no overflow, same result."""
+    tokens, top_k = BATCH * SEQ, 2
+    rng = np.random.default_rng(0)
+    x_TD = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
+    ids_TK = jnp.asarray(np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], 1), jnp.int32)
+    weights_TK = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
+    experts = init_moe(jax.random.key(0), HIDDEN, MOE, init_std=0.5)["experts"]
+
+    @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+    def run(executor, x_TD, weights_TK, experts):
+        def loss(x_TD, weights_TK, experts):
+            y_TD, stats = executor(x_TD, ids_TK, weights_TK, experts, XlaGmm())
+            return jnp.sum(y_TD ** 2), (y_TD, stats)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x_TD, weights_TK, experts)
+
+    (_, (y_want, _)), grads_want = run(LocalExecutor(), x_TD, weights_TK, experts)
+    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[8]), AllToAll(buffer_factor=1.0))
+    (_, (y_got, stats)), grads_got = run(executor, x_TD, weights_TK, experts)
+    assert int(stats.dispatch_overflowed) == 0 and int(stats.rows_sent) == tokens * top_k * 7 // 8
+    np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_emulated_ragged_all_to_all_follows_jax_documentation():
+    """The example in jax.lax.ragged_all_to_all's docstring, through the emulation used above."""
+    mesh = jax.make_mesh((2,), ("expert",), (jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    operand = np.array([1, 2, 2, 3, 4, 0], np.float32)
+    args = [np.array(a, np.int32) for a in ([0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])]
+
+    def per_device(operand, input_offsets, send_sizes, output_offsets, recv_sizes):
+        return emulated_ragged_all_to_all(operand, jnp.zeros(4, jnp.float32), input_offsets, send_sizes,
+                                          output_offsets, recv_sizes, axis_name="expert")
+
+    spec = jax.sharding.PartitionSpec("expert")
+    out = jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(operand, *args)
+    np.testing.assert_array_equal(out, [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+def test_ragged_offsets_are_consistent():
+    """Senders' output offsets tile each receiver's buffer source by source; the return trip inverts it."""
+    rng = np.random.default_rng(0)
+    sends_SP = rng.integers(0, 5, size=(4, 4)).astype(np.int32)
+    plans = [jax.tree.map(np.asarray, ragged_offsets(jnp.asarray(sends_SP), me)) for me in range(4)]
+    for receiver in range(4):
+        recv = plans[receiver]
+        for source in range(4):
+            assert plans[source]["output_offsets"][receiver] == recv["recv_offsets"][source]
+            assert plans[source]["send_sizes"][receiver] == recv["recv_sizes"][source]
+            # the combine writes back where the sender's rows for this receiver started
+            assert recv["back_offsets"][source] == plans[source]["input_offsets"][receiver]
+        assert recv["recv_offsets"][-1] + recv["recv_sizes"][-1] == sends_SP[:, receiver].sum()
+
+
+def test_make_executor_choices():
+    tiny = Config(moe=MoEConfig(num_experts=8), parallel=ParallelConfig(expert=4))
+    mesh = make_mesh(tiny.parallel)
+    assert dispatch.make_executor(tiny, mesh).strategy == AllToAll(2.0, True)
+    assert dispatch.make_strategy(tiny.replace(**{"moe.dispatch": "allgather"})) == AllGather()
+    assert dispatch.make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="gpu") == Ragged(True)
+    assert dispatch.make_strategy(tiny.replace(**{"parallel.expert": 1})) == NoDispatch()
+    assert dispatch.make_executor(tiny, make_mesh(ParallelConfig(), devices=jax.devices()[:1])) is None
+    with pytest.raises(ConfigError, match="moe.dispatch=ragged needs GPUs"):
+        dispatch.make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="cpu")
