@@ -6,6 +6,8 @@ Needs `torch` and `transformers` (optional extras, not project dependencies); ru
     python tools/make_hf_fixtures.py --verify-export OUT_DIR --fixture deepseek_v3
         # load OUT_DIR (e.g. written by `dropless convert --from RUN --to-hf OUT_DIR`) with transformers and
         # require its logits on the fixture's tokens to match the fixture's expected logits
+    python tools/make_hf_fixtures.py --verify-export OUT_DIR --tokens T.npy --expected L.npy
+        # the same for any exported model, e.g. against `dropless logits --run-dir RUN --tokens T.npy --out L.npy`
 
 Each fixture directory holds what `save_pretrained` writes (config.json and *.safetensors, sharded with an index
 for some), `tokens.npy` (int32 [batch, seq]) and `logits.npy` (float32 [batch, seq, vocab], computed by
@@ -188,16 +190,15 @@ def make_fixture(name: str, spec: dict, out_root: Path) -> None:
           f"{len(list(out.glob('*.safetensors')))} shard(s), {size / 1e3:.0f} kB")
 
 
-def verify_export(exported: Path, fixture: str, tolerance: float) -> float:
-    """Load an exported directory with transformers; its logits on the fixture's tokens must match."""
-    source = FIXTURES / fixture
+def verify_export(exported: Path, tokens_path: Path, expected_path: Path, tolerance: float) -> float:
+    """Load an exported directory with transformers; its logits on the tokens must match the expected ones."""
     config = json.loads((exported / "config.json").read_text())
-    tokens = np.load(source / "tokens.npy")
-    expected = np.load(source / "logits.npy")
+    tokens = np.load(tokens_path)
+    expected = np.load(expected_path)
     logits = _logits(_load(exported, config["architectures"][0]), tokens)
     error = float(np.abs(logits - expected).max())
     print(f"{exported}: {config['architectures'][0]} loads in transformers {transformers.__version__}; "
-          f"max |logits - fixture logits| = {error:.2e}")
+          f"max |logits - expected logits| = {error:.2e} (largest |logit| {np.abs(expected).max():.2f})")
     if error > tolerance:
         raise SystemExit(f"export check failed: {error:.2e} > {tolerance}")
     return error
@@ -209,13 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=FIXTURES, help="where to write the fixtures")
     parser.add_argument("--verify-export", type=Path, help="an exported HF directory to check in transformers")
     parser.add_argument("--fixture", choices=sorted(FIXTURE_CONFIGS), help="the fixture the export came from")
+    parser.add_argument("--tokens", type=Path, help="int token ids [batch, seq] (.npy), instead of --fixture")
+    parser.add_argument("--expected", type=Path, help="expected float32 logits (.npy), instead of --fixture")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # deterministic reduction order, so an exact export reproduces the logits exactly
     if args.verify_export:
-        if not args.fixture:
-            parser.error("--verify-export needs --fixture NAME (the fixture the exported run was imported from)")
-        verify_export(args.verify_export, args.fixture, args.tolerance)
+        if args.fixture:
+            args.tokens, args.expected = FIXTURES / args.fixture / "tokens.npy", FIXTURES / args.fixture / "logits.npy"
+        if not (args.tokens and args.expected):
+            parser.error("--verify-export needs --fixture NAME, or --tokens T.npy and --expected L.npy")
+        verify_export(args.verify_export, args.tokens, args.expected, args.tolerance)
         return 0
     print(f"transformers {transformers.__version__}, torch {torch.__version__}")
     for name in args.only or sorted(FIXTURE_CONFIGS):

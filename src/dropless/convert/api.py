@@ -61,8 +61,9 @@ def _import(hf_dir: Path, sink: Callable[[Slab, np.ndarray], None], base: Config
             for name in slab.hf_names:  # FP8 weights are dequantized to bfloat16, and exported so
                 stored = reader.tensors[name].dtype
                 dtypes[name_pattern(name)] = "BF16" if stored in FP8_DTYPES else stored
-            sink(slab, to_ours(slab, tensors, shapes[slab.leaf][len(slab.index):]))
-            del tensors
+            array = to_ours(slab, tensors, shapes[slab.leaf][len(slab.index):])
+            del tensors  # before the sink takes its share of memory
+            sink(slab, array)
     return config, hf, dtypes
 
 
@@ -166,7 +167,7 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
                 raise ckpt.CheckpointError(f"{'.'.join(slab.leaf)} in {run_dir} has slabs of shape {array.shape}, "
                                            f"but the run's config.json implies {want}.")
             for name, tensor in zip(slab.hf_names, to_hf(slab, array)):
-                yield name, tensor.astype(DTYPES[codes[name]])
+                yield name, np.asarray(tensor, DTYPES[codes[name]], order="C")  # cast and lay out in one copy
 
     tmp = hf_dir.with_name(f".{hf_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:

@@ -139,7 +139,10 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
     """Our Config for an HF config.json dict; train/data/parallel come from `base` (defaults if None)."""
     family = family_of(hf)
     _check_required(hf)
-    get = lambda key, *aliases: _get(hf, family, key, *aliases)  # noqa: E731
+
+    def get(key: str, *aliases: str) -> Any:
+        return _get(hf, family, key, *aliases)
+
     theta, rope_scaling = rope_settings(hf, family)
     num_layers = int(get("num_hidden_layers"))
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
@@ -193,18 +196,18 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
         raise ConvertError(f"config.json describes a model dropless cannot build: {err}") from None
 
 
-def _require_export(ok: bool, key: str, value: Any, family: str, want: str) -> None:
-    if not ok:
-        raise ConvertError(f"{key}={value!r} cannot be expressed in a {FAMILY_ARCHITECTURE[family]} config.json "
-                           f"(it needs {want}); export to a family that has it or change the model.")
-
-
 def config_to_hf(config: Config, source: dict | None = None, dtype: str = "float32") -> dict:
     """The HF config.json dict for our Config. `source`: the config.json it was imported from, if any, whose
     token ids are kept."""
     m, moe, family = config.model, config.moe, config.model.family
-    req = lambda ok, key, want: _require_export(ok, key, getattr(m if key.startswith("model.") else moe,  # noqa: E731
-                                                                key.split(".")[1]), family, want)
+
+    def req(ok: bool, key: str, want: str) -> None:
+        if not ok:
+            group, name = key.split(".")
+            value = getattr(m if group == "model" else moe, name)
+            raise ConvertError(f"{key}={value!r} cannot be expressed in a {FAMILY_ARCHITECTURE[family]} "
+                               f"config.json (it needs {want}); export to a family that has it or change the model.")
+
     hf: dict[str, Any] = {"architectures": [FAMILY_ARCHITECTURE[family]], "model_type": family,
                           "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
                           "num_attention_heads": m.num_heads, "max_position_embeddings": m.max_seq_len,

@@ -68,9 +68,11 @@ def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
     for i in range(m.num_layers):
         dense = i < m.first_dense_layers
         stack, l = ("dense_layers", i) if dense else ("moe_layers", i - m.first_dense_layers)
-        p, leaf = f"model.layers.{i}.", lambda *keys: ("params", stack, *keys)  # noqa: E731
-        add = lambda keys, names, op, columns=None, index=(l,): slabs.append(  # noqa: E731
-            Slab(leaf(*keys), index, tuple(p + n for n in names), op, columns))
+
+        def add(keys, names, op, columns=None, index=(l,), stack=stack, i=i):
+            slabs.append(Slab(("params", stack, *keys), index, tuple(f"model.layers.{i}.{n}" for n in names),
+                              op, columns))
+
         add(("attn_norm",), ["input_layernorm.weight"], "copy")
         a = "self_attn."
         if m.attention == "mla":
@@ -99,8 +101,8 @@ def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
             add(("mlp", "down"), ["mlp.down_proj.weight"], "transpose")
             continue
         add(("moe", "router", "kernel"), [moe_root + "gate.weight"], "transpose")
-        bias = [moe_root + "gate.e_score_correction_bias"] if family == "deepseek_v3" else []
-        slabs.append(Slab(("state", "router_bias"), (l,), tuple(p + n for n in bias), "copy" if bias else "zeros"))
+        bias = (f"model.layers.{i}.{moe_root}gate.e_score_correction_bias",) if family == "deepseek_v3" else ()
+        slabs.append(Slab(("state", "router_bias"), (l,), bias, "copy" if bias else "zeros"))
         for e in range(moe.num_experts):
             gate, up, down = (f"{moe_root}experts.{e}.{n}.weight" for n in expert_names)
             add(("moe", "experts", "gate_up"), [gate, up], "gate_up", index=(l, e))
@@ -140,23 +142,24 @@ def hf_shapes(slab: Slab, slab_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def to_ours(slab: Slab, tensors: list[np.ndarray], slab_shape: tuple[int, ...]) -> np.ndarray:
-    """HF tensors (any float dtype) -> our float32 slab."""
+    """HF tensors (any float dtype) -> our float32 slab, allocating the result once (no float32 temporaries)."""
     if slab.op == "zeros":
         return np.zeros(slab_shape, np.float32)
-    t = [np.asarray(x, np.float32) for x in tensors]
     if slab.op == "copy":
-        out = t[0]
+        out = np.asarray(tensors[0], np.float32, order="C")
     elif slab.op == "transpose":
-        out = t[0].T
+        out = np.asarray(tensors[0].T, np.float32, order="C")
     else:
-        out = np.concatenate([t[0].T, t[1].T], axis=1)
+        out = np.empty(slab_shape, np.float32)
+        half = slab_shape[1] // 2
+        out[:, :half], out[:, half:] = tensors[0].T, tensors[1].T
     if slab.columns is not None:
         out = out[:, list(slab.columns)]
-    return np.ascontiguousarray(out)
+    return out
 
 
 def to_hf(slab: Slab, array: np.ndarray) -> list[np.ndarray]:
-    """Our slab -> HF tensors (float32, in `slab.hf_names` order); the exact inverse of `to_ours`."""
+    """Our slab -> HF tensors in `slab.hf_names` order, as (possibly strided) views; the inverse of `to_ours`."""
     if slab.columns is not None:
         array = array[:, list(np.argsort(slab.columns))]
     if slab.op == "zeros":
@@ -164,9 +167,9 @@ def to_hf(slab: Slab, array: np.ndarray) -> list[np.ndarray]:
     if slab.op == "copy":
         return [array]
     if slab.op == "transpose":
-        return [np.ascontiguousarray(array.T)]
+        return [array.T]
     half = array.shape[1] // 2
-    return [np.ascontiguousarray(array[:, :half].T), np.ascontiguousarray(array[:, half:].T)]
+    return [array[:, :half].T, array[:, half:].T]
 
 
 # --------------------------------------------------------------------------------------------- FP8 weights

@@ -28,10 +28,10 @@ from dropless.config import Config
 from dropless.train import checkpoint as ckpt
 
 LeafPath = tuple[str, ...]
-_CHUNK_BYTES = 256 * 2**20  # unstacked leaves (the embedding) are split into chunks of at most this size
+_CHUNK_BYTES = 64 * 2**20  # unstacked leaves (the embedding) are split into chunks of at most this size
 # Slab writes are grouped into transactions of about this many bytes: committing each slab on its own costs
 # ~10 ms and a file in the store (31k expert slabs in DeepSeek-V3); a transaction holds its data until commit.
-_COMMIT_BYTES = 128 * 2**20
+_COMMIT_BYTES = 64 * 2**20
 
 
 def _model_item_dir(run_dir: Path, step: int) -> Path:
@@ -110,8 +110,21 @@ class RunWriter:
         array = self._arrays[leaf]
         want = tuple(array.shape[len(index):])
         assert slab.shape == want and slab.dtype == np.float32, f"{leaf}{list(index)}: {slab.shape} {slab.dtype} != {want}"
+        if index or slab.nbytes <= _COMMIT_BYTES:
+            self._write(array, index, slab)
+            return
+        # A large unstacked leaf (the embedding) goes chunk-row by chunk-row, each in its own commit, so the
+        # store never buffers more than one commit's worth of encoded data.
+        self._commit()
+        rows = array.chunk_layout.write_chunk.shape[0]
+        for start in range(0, slab.shape[0], rows):
+            self._write(array[start:start + rows], (), slab[start:start + rows])
+            self._commit()
+
+    def _write(self, array: ts.TensorStore, index: tuple[int, ...], slab: np.ndarray) -> None:
         target = array.with_transaction(self._transaction)
-        (target[index] if index else target).write(slab).result()
+        # The slab is never modified afterwards, so tensorstore may keep a reference instead of a copy.
+        (target[index] if index else target).write(slab, can_reference_source_data_indefinitely=True).result()
         self._pending_bytes += slab.nbytes
         if self._pending_bytes >= _COMMIT_BYTES:
             self._commit()
@@ -166,10 +179,13 @@ class RunReader:
     def read(self, leaf: LeafPath, index: tuple[int, ...]) -> np.ndarray:
         array = self._arrays.get(leaf)
         if array is None:
-            # Cache one chunk, so reading the slabs of a trained checkpoint (few large chunks) decodes each once.
+            # A trained checkpoint may hold several slabs per chunk (orbax chunks by shard): cache one chunk
+            # then, so reading its slabs in order decodes it once. Converted runs have one slab per chunk.
             probe = _open_leaf(self.item_dir, leaf)
             chunk = probe.chunk_layout.read_chunk.shape
-            cache = int(np.prod(chunk, dtype=np.int64)) * probe.dtype.numpy_dtype.itemsize * 2
+            slabs_per_chunk = int(np.prod(chunk[:len(index)], dtype=np.int64))
+            chunk_bytes = int(np.prod(chunk, dtype=np.int64)) * probe.dtype.numpy_dtype.itemsize
+            cache = chunk_bytes + chunk_bytes // 4 if slabs_per_chunk > 1 else 0
             array = self._arrays[leaf] = _open_leaf(self.item_dir, leaf, cache)
         return np.asarray((array[index] if index else array).read().result(), np.float32)
 

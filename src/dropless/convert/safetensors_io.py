@@ -159,7 +159,7 @@ def write_sharded(out_dir: Path, plan: list[tuple[str, str, tuple[int, ...]]],
                 got_name, array = next(iterator)
                 assert got_name == name and array.shape == shape and DTYPE_NAMES[array.dtype] == dtype, \
                     f"tensor stream out of plan: got {got_name} {array.shape} {array.dtype}, planned {name} {shape} {dtype}"
-                f.write(np.ascontiguousarray(array).tobytes())
+                f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))  # no copy
         os.replace(tmp, out_dir / file_name)
     assert next(iterator, None) is None, "tensor stream longer than the plan"
     if len(shards) > 1:
