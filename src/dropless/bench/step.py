@@ -1,0 +1,566 @@
+"""`dropless bench step`: the real training step, timed; and the optimisation ladder in one run.
+
+    dropless bench step --preset deepseek-v3-proxy [key=value ...]
+    dropless bench step --preset deepseek-v3-proxy --ladder [--out benchmarks/results]
+    dropless bench step --chart benchmarks/results/step-h200.json      # redraw a ladder's PNG
+
+One measurement compiles `dropless.train.step`'s train step (the same jitted, donated step the trainer runs;
+`dropless.bench.harness`), runs `--warmup` steps, then times steps one by one (each ended by a device sync)
+until `--steps` are timed or `--seconds` have passed, and reports the median step time, tokens/s, model
+TFLOPS per device (`dropless.models.flops` x tokens/s, `dropless.train.metrics.throughput`), MFU against the
+dense bf16 matmul rate measured in the same process and against the datasheet peak, the compiled program's
+peak device memory, and the tokens the step dropped.
+
+The ladder (`--ladder`), every rung on the same model and per-device batch:
+  1 naive dropless: jax.lax.ragged_dot         5 + the best rematerialisation policy (none, moe, full)
+  2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
+  3 tokamax, default heuristics                7 + XLA scheduling flags, each verified to change the program
+  4 the tuned grouped GEMM                     8 expert parallelism on 2 devices, the default dispatch
+Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. All programs
+are compiled up front in parallel threads (XLA's compiler releases the GIL), then timed one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GIB = 1024**3
+
+
+# ------------------------------------------------------------------------------------------------ measuring
+
+def dense_matmul_tflops(size: int = 8192, reps: int = 20) -> float:
+    """The bf16 rate of one `a @ b` (size^3) on the default device, median of `reps` timed calls on random data."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys)
+    matmul = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(matmul(a, b))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e12
+
+
+def time_steps(compiled, state, batches, *, warmup: int = 2, steps: int = 10, seconds: float = 5.0):
+    """Run `warmup` steps, then time steps one by one until `steps` are timed or `seconds` have passed
+    (at least 3). Returns (state, step times in seconds, the last step's metrics on the host)."""
+    import jax
+
+    metrics = None
+    for i in range(warmup):
+        state, metrics = compiled(state, batches[i % len(batches)])
+    jax.block_until_ready((state, metrics))
+    times: list[float] = []
+    while len(times) < steps and (len(times) < 3 or sum(times) < seconds):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batches[len(times) % len(batches)])
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return state, times, jax.device_get(metrics)
+
+
+def peak_bytes(compiled) -> int | None:
+    """The compiled program's peak device memory: arguments + outputs - donated aliases + XLA's temporaries."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+               + stats.temp_size_in_bytes)
+
+
+def summarize(config, times: list[float], metrics: dict, *, devices: int, dense_tflops: float | None,
+              peak_tflops: float | None) -> dict:
+    """Throughput figures of one timed program (pure: testable without a device)."""
+    from dropless.models import flops as flops_lib
+    from dropless.models.transformer import layer_counts
+    from dropless.train import metrics as metrics_lib
+
+    tokens = config.train.batch_size * config.train.seq_len
+    step_s = statistics.median(times)
+    rates = metrics_lib.throughput(tokens, step_s, flops_lib.model_flops_per_token(config, config.train.seq_len),
+                                   devices, peak_tflops)
+    assignments = tokens * config.moe.num_experts_per_tok * layer_counts(config.model)[1]
+    dropped = int(metrics["tokens_dropped"])
+    return {
+        "step_ms": 1e3 * step_s,
+        "step_ms_min": 1e3 * min(times),
+        "steps_timed": len(times),
+        "tokens_per_step": tokens,
+        "tokens_per_s": rates["tokens_per_s"],
+        "tokens_per_s_per_device": rates["tokens_per_s"] / devices,
+        "model_tflops_per_device": rates["tflops_per_device"],
+        "mfu_vs_measured_dense": rates["tflops_per_device"] / dense_tflops if dense_tflops else None,
+        "mfu_vs_datasheet_peak": rates["mfu"],
+        "tokens_dropped": dropped,
+        "dropped_fraction": dropped / assignments if assignments else 0.0,
+        "max_expert_load": float(metrics["max_expert_load"]),
+        "loss": float(metrics["loss"]),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ variants
+
+@dataclass(frozen=True)
+class Variant:
+    """One program to compile and time: overrides of the base config, per-compile XLA options, devices."""
+
+    key: str
+    overrides: dict = field(default_factory=dict)
+    xla: dict = field(default_factory=dict)
+    devices: int = 1
+    profile: bool = False  # traced and broken down instead of timed
+
+
+@dataclass
+class Program:
+    variant: Variant
+    config: object = None
+    setup: object = None
+    compiled: object = None
+    hlo_text: str = ""
+    compile_s: float = 0.0
+    error: str = ""
+
+
+def _short_error(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+
+
+def compile_variants(base_config, variants: list[Variant], *, workers: int | None = None, log=print) -> dict[str, Program]:
+    """Lower every variant (serially: tracing holds the GIL), then compile them all in parallel threads.
+
+    Variants with the same config and devices share one lowering; only their XLA options differ.
+    """
+    import jax
+
+    from dropless.bench import harness
+
+    programs = {v.key: Program(v) for v in variants}
+    lowered: dict[tuple, object] = {}
+    jobs = []
+    for program in programs.values():
+        v = program.variant
+        lower_key = (tuple(sorted(v.overrides.items())), v.devices)
+        try:
+            program.config = base_config.replace(**v.overrides)
+            if lower_key not in lowered:
+                setup = harness.build(program.config, jax.devices()[:v.devices])
+                lowered[lower_key] = (setup, harness.lower(setup))
+            program.setup = lowered[lower_key][0]
+            jobs.append((program, lowered[lower_key][1]))
+        except Exception as error:  # noqa: BLE001 - one broken rung must not stop the ladder
+            program.error = _short_error(error)
+            log(f"  {v.key}: cannot be built: {program.error}")
+
+    def compile_one(job):
+        program, lowering = job
+        start = time.perf_counter()
+        try:
+            program.compiled = lowering.compile(compiler_options=program.variant.xla or None)
+            program.hlo_text = program.compiled.as_text()
+        except Exception as error:  # noqa: BLE001
+            program.error = _short_error(error)
+        program.compile_s = time.perf_counter() - start
+
+    log(f"dropless: compiling {len(jobs)} programs ({len(lowered)} lowerings) in parallel")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers or min(len(jobs) or 1, os.cpu_count() or 1)) as pool:
+        list(pool.map(compile_one, jobs))
+    return programs
+
+
+class Runner:
+    """Times compiled programs one after another, keeping one live TrainState per device count.
+
+    The step donates its state, so a program that fails mid-run leaves no valid state: a fresh one is made.
+    """
+
+    def __init__(self, dense_tflops: float | None, peak_tflops: float | None, deadline: float, log=print, *,
+                 warmup: int = 2, steps: int = 10, seconds: float = 5.0):
+        self.dense_tflops, self.peak_tflops, self.deadline, self.log = dense_tflops, peak_tflops, deadline, log
+        self.warmup, self.steps, self.seconds = warmup, steps, seconds
+        self._state = None
+        self._state_key = None
+        self._batches = {}
+
+    def _inputs(self, program: Program):
+        import jax
+
+        from dropless.bench import harness
+
+        setup = program.setup
+        key = (setup.mesh.size, jax.tree.structure(setup.state_shapes), setup.config.train.batch_size)
+        if self._state_key != key:
+            self._state = None  # free the old state before the new one is made
+            self._state = harness.init_state(setup)
+            self._state_key = key
+        if key not in self._batches:
+            self._batches[key] = harness.random_batches(setup, 3)
+        return self._state, self._batches[key]
+
+    def run(self, program: Program, trace_dir: Path | None = None) -> dict:
+        """Time (or, for a profile variant, trace) one program; returns its record."""
+        import jax
+
+        v = program.variant
+        record = {"key": v.key, "overrides": v.overrides, "xla_options": v.xla, "devices": v.devices,
+                  "compile_s": round(program.compile_s, 1)}
+        if program.error:
+            return {**record, "status": f"error: {program.error}"}
+        if time.monotonic() > self.deadline:
+            return {**record, "status": "skipped: out of time"}
+        peak = peak_bytes(program.compiled)
+        limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        record["peak_device_gib"] = peak / GIB if peak is not None else None
+        if peak is not None and limit and peak > limit:
+            return {**record, "status": f"does not fit: needs {peak / GIB:.1f} GiB of {limit / GIB:.1f}"}
+        try:
+            state, batches = self._inputs(program)
+            self._state = None
+            if v.profile:
+                from dropless.bench import profile
+
+                state, _, _ = time_steps(program.compiled, state, batches, warmup=1, steps=0)
+                state, result = profile.profile_compiled(program.compiled, state, batches, 2, trace_dir)
+                record.update(status="ok", breakdown=result)
+            else:
+                state, times, metrics = time_steps(program.compiled, state, batches, warmup=self.warmup,
+                                                   steps=self.steps, seconds=self.seconds)
+                record.update(status="ok", step_ms_all=[round(1e3 * t, 2) for t in times],
+                              **summarize(program.config, times, metrics, devices=v.devices,
+                                          dense_tflops=self.dense_tflops, peak_tflops=self.peak_tflops))
+            self._state = state
+        except Exception as error:  # noqa: BLE001
+            self._state_key = None
+            record["status"] = f"error: {_short_error(error)}"
+            self.log(traceback.format_exc(limit=3))
+        return record
+
+
+# ------------------------------------------------------------------------------------------------ the ladder
+
+RUNGS = {
+    1: "naive dropless: jax.lax.ragged_dot",
+    2: "capacity factor 1.25 (drops tokens)",
+    3: "tokamax, default heuristics",
+    4: "tuned grouped GEMM",
+    5: "+ best rematerialisation policy",
+    6: "+ activations offloaded to host memory",
+    7: "+ XLA scheduling flags",
+    8: "expert parallelism, 2 devices",
+}
+REMAT_POLICIES = ("none", "moe", "full")
+
+
+def ladder_variants(base_config, *, tuned_backend: str | None, flags: dict[str, dict], ep_devices: int,
+                    offload_names: str) -> list[Variant]:
+    """Every program the ladder needs, built on `tuned` (rung 4's config: remat none, no flags)."""
+    from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
+
+    tuned = {"moe.gmm_backend": tuned_backend or "tokamax", "train.remat": "none", "train.offload": ""}
+    variants = [
+        Variant("1", {"moe.gmm_backend": "xla"}),
+        Variant("2", {"moe.gmm_backend": "capacity", "moe.capacity_factor": 1.25}),
+        Variant("3", {"moe.gmm_backend": "tokamax"}),
+    ]
+    if tuned_backend:
+        variants.append(Variant("4", tuned))
+    variants += [Variant(f"5:remat={p}", {**tuned, "train.remat": p}) for p in REMAT_POLICIES if p != "none"]
+    variants.append(Variant("6", {**tuned, "train.remat": "full", "train.offload": offload_names}))
+    variants += [Variant(f"7:{name}", tuned, options) for name, options in flags.items()]
+    all_flags = {k: v for options in flags.values() for k, v in options.items()}
+    if len(flags) > 1:
+        variants.append(Variant("7:all", tuned, all_flags))
+    variants.append(Variant("profile", tuned, dict(PROFILE_COMPILER_OPTIONS), profile=True))
+    if ep_devices > 1:
+        ep = {**tuned, "parallel.expert": ep_devices,
+              "train.batch_size": base_config.train.batch_size * ep_devices}
+        variants += [Variant("8", ep, {}, ep_devices), Variant("8:all_flags", ep, all_flags, ep_devices),
+                     Variant("profile:ep", ep, dict(PROFILE_COMPILER_OPTIONS), ep_devices, profile=True)]
+    return variants
+
+
+def hlo_changed(program_text: str, reference_text: str) -> bool:
+    """True if two compiled programs differ beyond their module names and metadata (a flag did something)."""
+    import re
+
+    def canonical(text: str) -> str:
+        # Metadata names source lines; backend_config holds autotuning picks, which may differ between two
+        # compiles of one program. Neither is a change the flag made.
+        text = re.sub(r"^HloModule[^\n]*\n", "", text)
+        text = re.sub(r", metadata=\{[^}]*\}", "", text)
+        return re.sub(r", backend_config=.*$", "", text, flags=re.MULTILINE)
+
+    return canonical(program_text) != canonical(reference_text)
+
+
+def _fastest(records: list[dict]) -> dict | None:
+    ok = [r for r in records if r.get("status") == "ok" and r.get("step_ms")]
+    return min(ok, key=lambda r: r["step_ms"]) if ok else None
+
+
+def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, noise: float = 0.01) -> list[dict]:
+    """Turn the measured variants into the eight rungs (pure, testable).
+
+    Rung 5 is the fastest remat policy on rung 4's config; rung 6 is remat=full with offloading; rung 7 is
+    the fastest of rung 4 + one flag or + all flags, counting only flags that changed the compiled program
+    or its time by more than `noise`; rung 8 the faster of the two expert-parallel variants.
+    """
+    def rung(number: int, record: dict | None, **extra) -> dict:
+        base = {"rung": number, "what": RUNGS[number]}
+        if record is None:
+            return {**base, "status": extra.pop("missing", "not run"), **extra}
+        return {**base, **record, **extra}
+
+    rungs = [rung(n, records.get(str(n))) for n in (1, 2, 3)]
+    tuned = records.get("4")
+    rungs.append(rung(4, tuned, missing="not available: no tuned grouped-GEMM backend in this build"))
+    reference = tuned if tuned and tuned.get("status") == "ok" else records.get("3")
+    remat = [r for r in [reference, *(records.get(f"5:remat={p}") for p in REMAT_POLICIES)] if r]
+    best_remat = _fastest(remat)
+    rungs.append(rung(5, best_remat, tried={r["key"]: r.get("step_ms") or r.get("status") for r in remat},
+                      chosen=best_remat and {"train.remat": best_remat["overrides"].get("train.remat", "none")}))
+    rungs.append(rung(6, records.get("6")))
+    verdicts, candidates = {}, []
+    for key, record in records.items():
+        if not key.startswith("7:") or key == "7:all":
+            continue
+        name = key[2:]
+        if record.get("status") != "ok" or not reference or reference.get("status") != "ok":
+            verdicts[name] = {"status": record.get("status")}
+            continue
+        changed_program = hlo_changed(hlo_texts.get(key, ""), hlo_texts.get(reference["key"], ""))
+        ratio = record["step_ms"] / reference["step_ms"]
+        changed = changed_program or abs(ratio - 1) > noise
+        verdicts[name] = {"changed_program": changed_program, "step_ms": record["step_ms"],
+                          "time_vs_without": ratio, "kept": changed and ratio < 1 - noise / 2}
+        if verdicts[name]["kept"]:
+            candidates.append(record)
+    if records.get("7:all", {}).get("status") == "ok" and all(v.get("kept") for v in verdicts.values()):
+        candidates.append(records["7:all"])
+    best_flags = _fastest(candidates)
+    rungs.append(rung(7, best_flags or reference, flags=verdicts,
+                      note=None if best_flags else "no flag made the step faster; rung 7 = rung 4's program"))
+    ep = [r for r in (records.get("8"), records.get("8:all_flags")) if r]
+    rungs.append(rung(8, _fastest(ep) or (ep[0] if ep else None),
+                      tried={r["key"]: r.get("step_ms") or r.get("status") for r in ep}))
+    return ladder_table(rungs)
+
+
+def ladder_table(rungs: list[dict]) -> list[dict]:
+    """Add each rung's speed-up over rung 1 (per-device tokens/s) and, for rung 8, its per-device efficiency
+    against the best one-device rung."""
+    first = rungs[0].get("tokens_per_s_per_device") if rungs else None
+    single = [r.get("tokens_per_s_per_device") or 0 for r in rungs if r.get("devices", 1) == 1]
+    best_single = max(single, default=0)
+    for r in rungs:
+        rate = r.get("tokens_per_s_per_device")
+        r["speedup_vs_rung1"] = rate / first if rate and first else None
+        if r.get("devices", 1) > 1 and rate and best_single:
+            r["per_device_efficiency_vs_best_single"] = rate / best_single
+    return rungs
+
+
+def format_ladder(rungs: list[dict], dense_tflops: float | None = None) -> str:
+    """The ladder as a Markdown table."""
+    def num(value, fmt: str, unit: str = "") -> str:
+        return "" if value is None else format(value, fmt) + unit
+
+    header = ("| rung | what | step ms | tokens/s/GPU | model TFLOPS/GPU | vs dense | MFU (peak) | peak GiB "
+              "| dropped | speed-up |")
+    lines = [header, "|" + " --- |" * 10]
+    for r in rungs:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['rung']} | {r['what']} | {r.get('status')} |" + " |" * 7)
+            continue
+        dropped = f"{r['tokens_dropped']:,} ({100 * r['dropped_fraction']:.1f}%)" if r.get("tokens_dropped") else "0"
+        lines.append(
+            f"| {r['rung']} | {r['what']}{_chosen(r)} | {r['step_ms']:.1f} | {r['tokens_per_s_per_device']:,.0f} "
+            f"| {r['model_tflops_per_device']:.3g} | {num(r.get('mfu_vs_measured_dense') and 100 * r['mfu_vs_measured_dense'], '.0f', '%')} "
+            f"| {num(r.get('mfu_vs_datasheet_peak') and 100 * r['mfu_vs_datasheet_peak'], '.0f', '%')} "
+            f"| {num(r.get('peak_device_gib'), '.1f')} | {dropped} | {num(r.get('speedup_vs_rung1'), '.2f')}x |")
+    if dense_tflops:
+        lines.append(f"\nDense bf16 matmul measured in the same run: {dense_tflops:.0f} TFLOP/s.")
+    return "\n".join(lines)
+
+
+def _chosen(r: dict) -> str:
+    if r["rung"] == 5 and r.get("chosen"):
+        return f" (remat={r['chosen']['train.remat']})"
+    if r["rung"] == 7 and r.get("key", "").startswith("7:"):
+        return f" ({r['key'][2:]})"
+    if r["rung"] == 8:
+        return f" ({r['overrides'].get('train.batch_size')} seq. global)"
+    return ""
+
+
+def plot_ladder(result: dict, path: Path) -> Path:
+    """A bar chart of model TFLOPS per GPU per rung, with the dense rate and the 60% target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rungs = [r for r in result["ladder"] if r.get("status") == "ok"]
+    labels = [f"{r['rung']}. {r['what']}" for r in rungs]
+    values = [r["model_tflops_per_device"] for r in rungs]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rungs) + 2.0))
+    bars = ax.barh(labels[::-1], values[::-1], color="#4C72B0")
+    for bar, r in zip(bars, rungs[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['speedup_vs_rung1']:.1f}x",
+                va="center", fontsize=9)
+    dense = result.get("dense_tflops")
+    if dense:
+        ax.axvline(dense, color="grey", ls="--", lw=1, label=f"dense bf16 matmul, measured ({dense:.0f})")
+        ax.axvline(0.6 * dense, color="#C44E52", ls=":", lw=1, label="target: 60% of dense")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / len(rungs)), ncol=2, fontsize=8)
+    env = result.get("environment", {})
+    ax.set(xlabel="model TFLOPS per GPU", title=f"{result.get('preset')} on {env.get('device')} "
+           f"({env.get('date')}, {env.get('commit')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def device_slug(device_kind: str) -> str:
+    """'NVIDIA H200' -> 'h200' (the results file name)."""
+    import re
+
+    words = device_kind.lower().replace("nvidia", "").split()
+    return re.sub(r"[^a-z0-9]+", "-", "-".join(words)).strip("-") or "cpu"
+
+
+def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: str | None, ep_devices: int,
+               preset: str, traces_dir: Path | None = None, log=print) -> dict:
+    """Compile and time every rung; writes step-<device>.json (after each program, so a cut-off run
+    still leaves its results) and the PNG chart. Returns the result dict. With `traces_dir`, the profiled
+    programs' traces and HLO texts are kept there (trace-<key>.json.gz, hlo-<key>.txt.gz)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    import jax
+
+    from dropless import xla_flags
+    from dropless.bench.gmm import environment
+    from dropless.models import transformer
+    from dropless.train import metrics as metrics_lib
+
+    deadline = time.monotonic() + budget_s
+    env = environment()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"step-{device_slug(env['device'])}.json"
+    ep_devices = ep_devices if jax.device_count() >= ep_devices else 1
+    dense = dense_matmul_tflops() if jax.default_backend() == "gpu" else dense_matmul_tflops(512, 5)
+    peak = metrics_lib.device_peak_tflops(env["device"])
+    result = {"preset": preset, "environment": env, "dense_tflops": dense, "datasheet_peak_tflops": peak,
+              "config": base_config.to_dict(), "xla_flags_env": os.environ.get("XLA_FLAGS", ""), "variants": {}}
+    log(f"dropless: dense bf16 matmul {dense:.0f} TFLOP/s; datasheet peak {peak}")
+    flags = xla_flags.SCHEDULING_CANDIDATES if jax.default_backend() == "gpu" else {}
+    variants = ladder_variants(base_config, tuned_backend=tuned_backend, flags=flags, ep_devices=ep_devices,
+                               offload_names=",".join(transformer.ACTIVATION_NAMES))
+    programs = compile_variants(base_config, variants, log=log)
+    runner = Runner(dense, peak, deadline, log)
+
+    def save():
+        json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    hlo_texts = {}
+    scratch = Path(tempfile.mkdtemp(prefix="dropless-traces-"))
+    # Single-device programs first, then the multi-device ones (one state alive at a time).
+    for program in sorted(programs.values(), key=lambda p: p.variant.devices):
+        name = program.variant.key.replace(":", "-")
+        record = runner.run(program, scratch / name if program.variant.profile else None)
+        result["variants"][program.variant.key] = record
+        hlo_texts[program.variant.key] = program.hlo_text
+        if traces_dir and record.get("breakdown"):
+            Path(traces_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copy(record["breakdown"]["trace"], Path(traces_dir) / f"trace-{name}.json.gz")
+            with gzip.open(Path(traces_dir) / f"hlo-{name}.txt.gz", "wt") as stream:
+                stream.write(program.hlo_text)
+        log(f"  {program.variant.key:22s} {record['status']:>6s} "
+            + (f"{record['step_ms']:8.1f} ms  {record['model_tflops_per_device']:6.0f} TFLOPS/device"
+               if record.get("step_ms") else ""))
+        save()
+    shutil.rmtree(scratch, ignore_errors=True)
+    result["ladder"] = assemble_ladder(result["variants"], hlo_texts)
+    save()
+    try:
+        plot_ladder(result, json_path.with_suffix(".png"))
+    except ImportError as error:  # matplotlib is optional on a bare GPU machine; redraw with --chart
+        log(f"dropless: no chart ({error}); draw it later with 'dropless bench step --chart {json_path}'")
+    log(format_ladder(result["ladder"], dense))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dropless bench step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="deepseek-v3-proxy", help="a preset name (see 'dropless presets')")
+    parser.add_argument("--ladder", action="store_true", help="run the whole optimisation ladder")
+    parser.add_argument("--out", default="benchmarks/results", help="where the ladder writes step-<device>.json/.png")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (at most)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="stop timing after this long (at least 3 steps)")
+    parser.add_argument("--budget", type=float, default=1e9, help="ladder: skip programs not started within this many seconds")
+    parser.add_argument("--tuned-backend", help="ladder rung 4: the moe.gmm_backend of the tuned grouped GEMM")
+    parser.add_argument("--ep-devices", type=int, default=2, help="ladder rung 8: devices for expert parallelism")
+    parser.add_argument("--traces", help="ladder: keep the profiled programs' traces and HLO texts in this directory")
+    parser.add_argument("--chart", metavar="JSON", help="only redraw the PNG of a ladder's JSON file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.gmm_backend=xla")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.chart:
+        path = Path(args.chart)
+        print(f"dropless: wrote {plot_ladder(json.loads(path.read_text()), path.with_suffix('.png'))}")
+        return 0
+    from dropless import xla_flags
+
+    xla_flags.apply()
+    import jax
+
+    from dropless.cli import _overrides, build_config
+    from dropless.train import metrics as metrics_lib
+
+    config = build_config(args.preset, _overrides(args.overrides))
+    if args.ladder:
+        run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,
+                   ep_devices=args.ep_devices, preset=args.preset, traces_dir=args.traces and Path(args.traces),
+                   log=lambda s: print(s, flush=True))
+        return 0
+    gpu = jax.default_backend() == "gpu"
+    dense = dense_matmul_tflops() if gpu else None
+    peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
+    programs = compile_variants(config, [Variant("step", devices=jax.device_count())], log=lambda s: None)
+    runner = Runner(dense, peak, math.inf, warmup=args.warmup, steps=args.steps, seconds=args.seconds)
+    record = runner.run(programs["step"])
+    if record["status"] != "ok":
+        print(f"dropless: {record['status']}", file=sys.stderr)
+        return 1
+    print(f"step {record['step_ms']:.1f} ms (median of {record['steps_timed']}), {record['tokens_per_s']:,.0f} tokens/s, "
+          f"{record['model_tflops_per_device']:.1f} model TFLOPS per device"
+          + (f", {100 * record['mfu_vs_measured_dense']:.0f}% of the measured dense rate ({dense:.0f})" if dense else "")
+          + (f", MFU {100 * record['mfu_vs_datasheet_peak']:.0f}% of the datasheet peak" if record["mfu_vs_datasheet_peak"] else "")
+          + f"; peak memory {record['peak_device_gib']:.2f} GiB; tokens dropped {record['tokens_dropped']}")
+    return 0

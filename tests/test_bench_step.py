@@ -1,0 +1,147 @@
+"""The step benchmark: throughput arithmetic, the ladder's assembly and table, and one real timed step on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+from dropless.bench import step
+from dropless.config import load_preset
+from dropless.models import flops as flops_lib
+
+
+def _record(key: str, step_ms: float, *, overrides=None, devices: int = 1, tokens: int = 4096, **extra) -> dict:
+    rate = tokens / (step_ms / 1e3)
+    return {"key": key, "status": "ok", "step_ms": step_ms, "devices": devices, "overrides": overrides or {},
+            "tokens_per_s": rate, "tokens_per_s_per_device": rate / devices, "model_tflops_per_device": rate / devices * 1e-6,
+            "mfu_vs_measured_dense": 0.5, "mfu_vs_datasheet_peak": 0.3, "peak_device_gib": 100.0,
+            "tokens_dropped": 0, "dropped_fraction": 0.0, **extra}
+
+
+HLO_BASE = "HloModule jit_a, x=1\n%f = f32[2] add(%a, %b), metadata={op_name=\"a\"}, backend_config={\"x\":1}\n"
+HLO_SAME = "HloModule jit_b, x=2\n%f = f32[2] add(%a, %b), metadata={op_name=\"b\"}, backend_config={\"x\":2}\n"
+HLO_OTHER = "HloModule jit_c\n%f = f32[2] multiply(%a, %b)\n"
+
+
+def test_hlo_changed_ignores_names_metadata_and_autotuning():
+    assert not step.hlo_changed(HLO_SAME, HLO_BASE)
+    assert step.hlo_changed(HLO_OTHER, HLO_BASE)
+
+
+def _variants() -> dict[str, dict]:
+    return {
+        "1": _record("1", 1000.0),
+        "2": _record("2", 200.0, tokens_dropped=4096, dropped_fraction=0.02),
+        "3": _record("3", 150.0),
+        "4": _record("4", 100.0, overrides={"train.remat": "none"}),
+        "5:remat=moe": _record("5:remat=moe", 110.0, overrides={"train.remat": "moe"}),
+        "5:remat=full": {"key": "5:remat=full", "status": "does not fit: needs 150.0 GiB of 139.0"},
+        "6": _record("6", 130.0),
+        "7:latency_hiding_scheduler": _record("7:latency_hiding_scheduler", 99.9),  # same program, noise
+        "7:no_command_buffers": _record("7:no_command_buffers", 90.0),             # faster
+        "7:while_loop_double_buffering": _record("7:while_loop_double_buffering", 104.0),  # changed, slower
+        "7:all": _record("7:all", 95.0),
+        "8": _record("8", 110.0, devices=2, tokens=8192, overrides={"train.batch_size": 8}),
+        "8:all_flags": _record("8:all_flags", 105.0, devices=2, tokens=8192, overrides={"train.batch_size": 8}),
+    }
+
+
+def test_assemble_ladder_chooses_by_measurement_and_reports_speedups():
+    texts = {"4": HLO_BASE, "7:latency_hiding_scheduler": HLO_SAME, "7:no_command_buffers": HLO_OTHER,
+             "7:while_loop_double_buffering": HLO_OTHER}
+    rungs = step.assemble_ladder(_variants(), texts)
+    assert [r["rung"] for r in rungs] == list(range(1, 9))
+    by_rung = {r["rung"]: r for r in rungs}
+    assert by_rung[1]["speedup_vs_rung1"] == pytest.approx(1.0)
+    assert by_rung[4]["speedup_vs_rung1"] == pytest.approx(10.0)
+    # Rung 5: remat=none (rung 4's program) beat moe; full did not fit and says so.
+    assert by_rung[5]["chosen"] == {"train.remat": "none"}
+    assert by_rung[5]["tried"]["5:remat=full"].startswith("does not fit")
+    # Rung 7: only the flag that changed something and helped is kept; "all" is not eligible then.
+    flags = by_rung[7]["flags"]
+    assert flags["latency_hiding_scheduler"]["kept"] is False and not flags["latency_hiding_scheduler"]["changed_program"]
+    assert flags["while_loop_double_buffering"]["kept"] is False and flags["while_loop_double_buffering"]["changed_program"]
+    assert flags["no_command_buffers"]["kept"] is True
+    assert by_rung[7]["key"] == "7:no_command_buffers"
+    assert by_rung[7]["speedup_vs_rung1"] == pytest.approx(1000 / 90)
+    # Rung 8: the faster EP variant, per-device throughput against rung 1 and against the best single device.
+    assert by_rung[8]["key"] == "8:all_flags"
+    assert by_rung[8]["speedup_vs_rung1"] == pytest.approx(1000 / 105)
+    assert by_rung[8]["per_device_efficiency_vs_best_single"] == pytest.approx(90 / 105)
+    table = step.format_ladder(rungs, dense_tflops=686.0)
+    assert sum(line[2:3].isdigit() for line in table.splitlines()) == 8
+    assert "(remat=none)" in table and "10.00x" in table
+    assert "4,096 (2.0%)" in table and "686 TFLOP/s" in table
+
+
+def test_assemble_ladder_without_a_tuned_backend_builds_on_tokamax_default():
+    variants = _variants()
+    del variants["4"]
+    rungs = {r["rung"]: r for r in step.assemble_ladder(variants, {})}
+    assert rungs[4]["status"].startswith("not available")
+    assert set(rungs[5]["tried"]) == {"3", "5:remat=moe", "5:remat=full"}  # rung 3's program is remat=none
+    assert rungs[5]["chosen"] == {"train.remat": "moe"}
+    assert "not available" in step.format_ladder(list(rungs.values()))
+
+
+def test_ladder_variants_cover_every_rung_and_share_lowerings():
+    config = load_preset("tiny")
+    variants = step.ladder_variants(config, tuned_backend="tokamax_tuned",
+                                    flags={"a": {"xla_a": True}, "b": {"xla_b": 1}}, ep_devices=2,
+                                    offload_names="moe_in")
+    keys = [v.key for v in variants]
+    assert keys[:4] == ["1", "2", "3", "4"] and "6" in keys and "7:all" in keys and "8" in keys
+    by_key = {v.key: v for v in variants}
+    assert by_key["7:a"].overrides == by_key["4"].overrides  # flags reuse rung 4's lowering
+    assert by_key["7:all"].xla == {"xla_a": True, "xla_b": 1}
+    assert by_key["8"].devices == 2 and by_key["8"].overrides["train.batch_size"] == 2 * config.train.batch_size
+    assert by_key["6"].overrides["train.remat"] == "full" and by_key["6"].overrides["train.offload"] == "moe_in"
+    assert by_key["profile"].profile and by_key["profile"].xla == {"xla_gpu_enable_command_buffer": ""}
+    assert "8" not in [v.key for v in step.ladder_variants(config, tuned_backend=None, flags={}, ep_devices=1,
+                                                          offload_names="moe_in")]
+
+
+def test_summarize_follows_the_readme_formulas():
+    config = load_preset("tiny").replace(**{"train.batch_size": 4, "train.seq_len": 64})
+    times = [0.2, 0.1, 0.3]
+    record = step.summarize(config, times, {"tokens_dropped": 12, "max_expert_load": 1.5, "loss": 7.0},
+                            devices=2, dense_tflops=1.0, peak_tflops=None)
+    tokens = 4 * 64
+    tokens_per_s = tokens / 0.2
+    assert record["step_ms"] == pytest.approx(200.0) and record["step_ms_min"] == pytest.approx(100.0)
+    assert record["tokens_per_s"] == pytest.approx(tokens_per_s)
+    assert record["tokens_per_s_per_device"] == pytest.approx(tokens_per_s / 2)
+    tflops = flops_lib.model_flops_per_token(config, 64) * tokens_per_s / 2 / 1e12
+    assert record["model_tflops_per_device"] == pytest.approx(tflops)
+    assert record["mfu_vs_measured_dense"] == pytest.approx(tflops)
+    assert record["mfu_vs_datasheet_peak"] is None
+    moe_layers = config.model.num_layers - config.model.first_dense_layers
+    assert record["dropped_fraction"] == pytest.approx(12 / (tokens * config.moe.num_experts_per_tok * moe_layers))
+
+
+def test_device_slug():
+    assert step.device_slug("NVIDIA H200") == "h200"
+    assert step.device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert step.device_slug("cpu") == "cpu"
+
+
+def test_one_real_step_is_timed_on_cpu():
+    """The whole path on a micro model: compile (parallel), time, summarize."""
+    config = load_preset("tiny").replace(**{
+        "model.num_layers": 2, "model.hidden_size": 32, "model.vocab_size": 64, "model.num_heads": 2,
+        "model.q_lora_rank": 16, "model.kv_lora_rank": 16, "model.dense_intermediate_size": 32,
+        "moe.num_experts": 4, "moe.n_group": 2, "moe.topk_group": 1, "moe.expert_intermediate_size": 16,
+        "train.batch_size": 2, "train.seq_len": 8, "moe.gmm_backend": "capacity"})
+    programs = step.compile_variants(config, [step.Variant("a", devices=1), step.Variant("bad", {"moe.gmm_backend": "tokamax"})],
+                                     log=lambda s: None)
+    assert programs["bad"].error  # tokamax needs a GPU: reported, not raised
+    runner = step.Runner(dense_tflops=None, peak_tflops=None, deadline=math.inf, log=lambda s: None,
+                         warmup=1, steps=3, seconds=0.0)
+    record = runner.run(programs["a"])
+    assert record["status"] == "ok" and record["steps_timed"] == 3 and len(record["step_ms_all"]) == 3
+    assert record["tokens_per_step"] == 16 and record["model_tflops_per_device"] > 0
+    assert record["peak_device_gib"] > 0 and record["tokens_dropped"] >= 0
+    assert runner.run(programs["bad"])["status"].startswith("error: MoEError")
+    assert jax.device_count() >= 1
