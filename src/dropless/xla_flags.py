@@ -18,6 +18,24 @@ GPU_XLA_FLAGS: dict[str, str] = {
 }
 
 
+# The ladder's rung 7 (`dropless bench step --ladder`) tries each of these on top of the best program so far, as
+# per-compile options (`Lowered.compile(compiler_options=...)`, the same settings as `--name=value` in
+# XLA_FLAGS), keeps a flag only if it changed the compiled program or its step time and made the step faster,
+# and records the verdicts in benchmarks/results/step-<device>.json. A flag joins GPU_XLA_FLAGS above only
+# with such a measurement behind it.
+SCHEDULING_CANDIDATES: dict[str, dict[str, bool | int | str]] = {
+    # Schedules the program to overlap asynchronous collectives (and host offload copies) with compute.
+    "latency_hiding_scheduler": {"xla_gpu_enable_latency_hiding_scheduler": True},
+    # Unrolls the layer scan by two so that one layer's start can overlap the previous layer's end.
+    "while_loop_double_buffering": {"xla_gpu_enable_while_loop_double_buffering": True},
+    # Runs every kernel as its own launch instead of replaying CUDA graphs (command buffers): a check
+    # that the default graphs help this step rather than hurt it.
+    "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
+    # Combines gradient all-reduces up to 256 MiB into one collective (multi-GPU only).
+    "combine_all_reduce": {"xla_gpu_all_reduce_combine_threshold_bytes": 256 * 1024 * 1024},
+}
+
+
 def merged_flags(current: str, flags: dict[str, str] = GPU_XLA_FLAGS) -> str:
     """`current` (an XLA_FLAGS string) with every flag of `flags` it does not already set appended."""
     present = {token.split("=", 1)[0] for token in current.split()}
