@@ -229,9 +229,10 @@ def _synthetic_checkpoint(path: Path, layers=3, experts=16, hidden=128, width=64
 
 def test_multi_shard_import_streams_with_memory_bounded_by_the_largest_tensor(tmp_path, monkeypatch):
     # Written slabs stay referenced until their transaction commits: scale the commit and chunk sizes to this
-    # checkpoint (which also sends the 512 kB embedding through the chunk-row-by-chunk-row path).
+    # checkpoint (which also sends the 512 kB embedding through the chunk-row-by-chunk-row path, with a
+    # partial last chunk: 1024 rows in chunks of 192).
     monkeypatch.setattr(run_store, "_COMMIT_BYTES", 2**18)
-    monkeypatch.setattr(run_store, "_CHUNK_BYTES", 2**17)
+    monkeypatch.setattr(run_store, "_CHUNK_BYTES", 3 * 2**15)
     source, largest, total = _synthetic_checkpoint(tmp_path / "hf")
     assert len(list(source.glob("*.safetensors"))) >= 5 and (source / INDEX_NAME).is_file()
     convert_from_hf(FIXTURES / "qwen3_moe_tied", tmp_path / "warm_up")  # lazy imports are not what we measure

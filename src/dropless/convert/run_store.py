@@ -118,7 +118,8 @@ class RunWriter:
         self._commit()
         rows = array.chunk_layout.write_chunk.shape[0]
         for start in range(0, slab.shape[0], rows):
-            self._write(array[start:start + rows], (), slab[start:start + rows])
+            stop = min(start + rows, slab.shape[0])  # tensorstore does not clip slices to the domain
+            self._write(array[start:stop], (), slab[start:stop])
             self._commit()
 
     def _write(self, array: ts.TensorStore, index: tuple[int, ...], slab: np.ndarray) -> None:
