@@ -272,11 +272,12 @@ def ladder_variants(base_config, *, tuned_backend: str | None, flags: dict[str, 
     """Every program the ladder needs, built on `tuned` (rung 4's config: remat none, no flags)."""
     from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 
-    tuned = {"moe.gmm_backend": tuned_backend or "tokamax", "train.remat": "none", "train.offload": ""}
+    default = {"moe.gmm_backend": "tokamax", "train.remat": "none", "train.offload": ""}
+    tuned = {**default, "moe.gmm_backend": tuned_backend} if tuned_backend else default  # same lowering as 3 then
     variants = [
-        Variant("1", {"moe.gmm_backend": "xla"}),
-        Variant("2", {"moe.gmm_backend": "capacity", "moe.capacity_factor": 1.25}),
-        Variant("3", {"moe.gmm_backend": "tokamax"}),
+        Variant("1", {**default, "moe.gmm_backend": "xla"}),
+        Variant("2", {**default, "moe.gmm_backend": "capacity", "moe.capacity_factor": 1.25}),
+        Variant("3", default),
     ]
     if tuned_backend:
         variants.append(Variant("4", tuned))
