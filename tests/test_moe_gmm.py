@@ -47,8 +47,9 @@ def _forward_and_grads(gmm, lhs, rhs, group_sizes, cotangent):
     return out, grads
 
 
-@pytest.mark.parametrize("gmm", [XlaGmm(), TokamaxGmm(implementation="xla"), CapacityGmm(capacity_factor=5.0)],
-                         ids=["xla", "tokamax_xla_path", "capacity_large"])
+@pytest.mark.parametrize("gmm", [XlaGmm(), TokamaxGmm(implementation="xla"), CapacityGmm(capacity_factor=5.0),
+                                 TokamaxGmm(implementation="xla", weight_grad="tokamax")],
+                         ids=["xla", "tokamax_xla_path", "capacity_large", "tokamax_own_weight_grad"])
 def test_dropless_backends_match_per_group_loop(gmm):
     lhs, rhs, group_sizes, cotangent = _operands()
     out, (grad_lhs, grad_rhs) = _forward_and_grads(gmm, lhs, rhs, group_sizes, cotangent)
@@ -123,3 +124,17 @@ def test_capacity_layer_drops_the_expected_tokens_and_counts_them():
     y_xla, stats_xla = layer(params, x_BSD, dataclasses.replace(LAYER_CFG, gmm_backend="xla"))
     assert int(stats_big.tokens_dropped) == 0 == int(stats_xla.tokens_dropped)
     np.testing.assert_allclose(y_big, y_xla, rtol=1e-6, atol=1e-6)
+
+
+def test_tokamax_wrapper_widened_output_has_a_working_backward():
+    """bf16 operands with a float32 output (the down projection): tokamax's own VJP cannot take a float32
+    cotangent with bf16 weights, so the wrapper casts it; its gradients must equal the xla backend's."""
+    lhs, rhs, group_sizes, cotangent = _operands(seed=2)
+    lhs, rhs = lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16)
+    out_t, grads_t = _forward_and_grads(TokamaxGmm(implementation="xla"), lhs, rhs, group_sizes, cotangent)
+    out_x, grads_x = _forward_and_grads(XlaGmm(), lhs, rhs, group_sizes, cotangent)
+    assert out_t.dtype == jnp.float32
+    np.testing.assert_allclose(out_t, out_x, rtol=1e-5, atol=1e-5)
+    for g_t, g_x in zip(grads_t, grads_x):
+        assert g_t.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g_t, np.float32), np.asarray(g_x, np.float32), rtol=2e-2, atol=2e-2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from dropless.moe.errors import MoEError
 class GroupedMatmul:
     """Interface of a grouped-GEMM backend. Subclasses are frozen dataclasses, so they are hashable and static."""
 
-    name: str = "abstract"
+    name: ClassVar[str] = "abstract"
 
     def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
                  preferred_element_type=None) -> jax.Array:
@@ -46,7 +47,7 @@ def row_mask(num_rows: int, group_sizes_G: jax.Array) -> jax.Array:
 class XlaGmm(GroupedMatmul):
     """`jax.lax.ragged_dot`: works on every platform; XLA zeroes the padding rows and never reads them."""
 
-    name: str = "xla"
+    name: ClassVar[str] = "xla"
 
     def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
         return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
@@ -64,7 +65,7 @@ class CapacityGmm(GroupedMatmul):
     """
 
     capacity_factor: float = 1.25
-    name: str = "capacity"
+    name: ClassVar[str] = "capacity"
 
     def capacity(self, num_rows: int, num_groups: int) -> int:
         return max(1, math.ceil(self.capacity_factor * num_rows / num_groups))

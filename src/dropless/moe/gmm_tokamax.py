@@ -5,11 +5,22 @@ but calling it raises `MoEError` telling the user to pick `moe.gmm_backend=xla` 
 silently fall back, because a benchmark that quietly ran the XLA path would report the wrong thing.
 `implementation="xla"` selects tokamax's portable reference path (used by the CPU tests of this wrapper).
 Tuned kernel configurations, keyed by device and shape, belong in this module.
+
+The backward pass is ours (a custom VJP), for three measured reasons (H200, jax 0.11.2, tokamax 0.0.17):
+- tokamax's weight gradient (its "ragged contracting dim" kernel) was wrong by 15-25 % per expert and
+  differed from run to run for groups of >= 512 rows, so by default the weight gradient uses XLA's
+  `ragged_dot_general` (`weight_grad="xla"`); set `weight_grad="tokamax"` once a release fixes it;
+- tokamax's own VJP needs the cotangent in the operands' dtype (a float32 cotangent with bf16 weights
+  raises), so we cast it;
+- the kernel leaves rows past sum(group_sizes) unwritten and reads padding rows in the weight gradient,
+  so we zero those rows on the way in and on the way out.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -17,20 +28,64 @@ import jax.numpy as jnp
 from dropless.moe.errors import MoEError
 from dropless.moe.gmm import GroupedMatmul, row_mask
 
+ROW_ALIGNMENT = 128  # the kernel rejects row counts that are not a multiple of its row tile (seen: 64)
+
+# Weight gradient: contract the (ragged) row axis, one [K, N] block per group.
+_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+def _ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, implementation, preferred_element_type=None):
+    import tokamax
+
+    return tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type,
+                              implementation=implementation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype, weight_grad):
+    return _ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype)
+
+
+def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype, weight_grad):
+    return _gmm(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype, weight_grad), (lhs_MK, rhs_GKN,
+                                                                                          group_sizes_G)
+
+
+def _gmm_bwd(implementation, out_dtype, weight_grad, residuals, g_MN):
+    lhs_MK, rhs_GKN, group_sizes_G = residuals
+    valid_M1 = row_mask(lhs_MK.shape[0], group_sizes_G)[:, None]
+    g_MN = jnp.where(valid_M1, g_MN, 0).astype(lhs_MK.dtype)
+    g_lhs_MK = _ragged_dot(g_MN, jnp.swapaxes(rhs_GKN, 1, 2), group_sizes_G, implementation)
+    if weight_grad == "tokamax":
+        import tokamax
+
+        g_rhs_GKN = tokamax.ragged_dot_general(lhs_MK, g_MN, group_sizes_G, _RAGGED_CONTRACTING,
+                                               preferred_element_type=rhs_GKN.dtype, implementation=implementation)
+    else:
+        g_rhs_GKN = jax.lax.ragged_dot_general(lhs_MK, g_MN, group_sizes_G, _RAGGED_CONTRACTING,
+                                               preferred_element_type=jnp.float32).astype(rhs_GKN.dtype)
+    return jnp.where(valid_M1, g_lhs_MK, 0).astype(lhs_MK.dtype), g_rhs_GKN, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
 
 @dataclass(frozen=True)
 class TokamaxGmm(GroupedMatmul):
     implementation: str = "mosaic_gpu"
-    name: str = "tokamax"
+    weight_grad: Literal["xla", "tokamax"] = "xla"
+    name: ClassVar[str] = "tokamax"
 
     def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
-        import tokamax
-
         if self.implementation == "mosaic_gpu" and jax.default_backend() != "gpu":
             raise MoEError(f"moe.gmm_backend=tokamax needs an NVIDIA GPU (tokamax's Mosaic GPU kernel) but the "
                            f"JAX backend is {jax.default_backend()!r}; use moe.gmm_backend=xla or auto.")
         group_sizes_G = group_sizes_G.astype(jnp.int32)
-        out_MN = tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type,
-                                    implementation=self.implementation)
-        # The kernel leaves rows past sum(group_sizes) unwritten (garbage); the contract says zero.
-        return jnp.where(row_mask(lhs_MK.shape[0], group_sizes_G)[:, None], out_MN, 0)
+        num_rows = lhs_MK.shape[0]
+        valid_M1 = row_mask(num_rows, group_sizes_G)[:, None]
+        # Zero the padding rows (they may hold NaN) and pad to the kernel's row tile; extra rows are padding.
+        lhs_PK = jnp.pad(jnp.where(valid_M1, lhs_MK, 0), ((0, -num_rows % ROW_ALIGNMENT), (0, 0)))
+        out_dtype = jnp.dtype(preferred_element_type or lhs_MK.dtype)
+        out_PN = _gmm(lhs_PK, rhs_GKN, group_sizes_G, self.implementation, out_dtype, self.weight_grad)
+        return jnp.where(valid_M1, out_PN[:num_rows], 0)
