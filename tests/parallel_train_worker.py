@@ -1,0 +1,61 @@
+"""A few float32 training steps on random tokens, for tests/test_parallel_train.py; prints the losses as JSON.
+
+Run once per process as `python -m tests.parallel_train_worker '<json config overrides>'`. With the DROPLESS_*
+variables set, the process joins a multi-process run first (`dropless.parallel.distributed.initialize`), the
+mesh spans every process's devices, and each process feeds its own rows of the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from dropless.parallel import distributed
+
+# Tiny preset, shorter sequences: the same model on the same batch, compiled and run in seconds on a CPU.
+OVERRIDES = {"train.dtype": "float32", "train.seq_len": 32, "train.warmup_steps": 1, "train.learning_rate": 1e-2}
+STEPS = 4
+# Small programs: XLA:CPU's LLVM optimisation would be most of the compile time and buys nothing here.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def train_losses(overrides: dict, devices=None) -> dict:
+    """Losses of STEPS steps of the tiny preset (+ overrides) on `devices` (default: every process's)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dropless import config as config_lib
+    from dropless.parallel import dispatch
+    from dropless.parallel.mesh import batch_sharding, make_mesh
+    from dropless.train.loop import train_state_shardings
+    from dropless.train.optimizer import make_optimizer
+    from dropless.train.step import init_train_state, make_train_step
+
+    config = config_lib.load_preset("tiny").replace(**{**OVERRIDES, **overrides})
+    tc = config.train
+    mesh = make_mesh(config.parallel, devices, batch_size=tc.batch_size, num_experts=config.moe.num_experts)
+    optimizer = make_optimizer(tc)
+    shardings = train_state_shardings(config, mesh, optimizer)
+    state = jax.jit(lambda: init_train_state(jax.random.key(tc.seed), config, optimizer), out_shardings=shardings)()
+    step = jax.jit(make_train_step(config, optimizer, dispatch.make_executor(config, mesh)),
+                   in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
+                   compiler_options=FAST_COMPILE)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (STEPS, tc.batch_size, tc.seq_len + 1))
+    rows = tc.batch_size // jax.process_count()
+    losses, dropped = [], 0
+    for batch in tokens.astype(np.int32):
+        mine = batch[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+        global_batch = jax.make_array_from_process_local_data(batch_sharding(mesh), mine, batch.shape)
+        state, metrics = step(state, global_batch)
+        losses.append(float(metrics["loss"]))
+        dropped += int(metrics["tokens_dropped"])
+    # Sums over every parameter and router bias: any difference in any update shows here.
+    checksums = [float(jnp.sum(jnp.abs(leaf))) for leaf in jax.tree.leaves((state.params, state.model_state))]
+    return {"losses": losses, "checksums": checksums, "tokens_dropped": dropped, "devices": mesh.size,
+            "processes": jax.process_count()}
+
+
+if __name__ == "__main__":
+    distributed.initialize()
+    print(json.dumps(train_losses(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,65 @@
+"""Training with expert parallelism equals training on one device: in one process, and across two processes.
+
+Float32, the tiny preset on random tokens (tests/parallel_train_worker.py): the per-step losses and every
+trained parameter and router bias agree to 1e-5 relative, and nothing is dropped.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from tests.parallel_train_worker import train_losses
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return train_losses({}, devices=jax.devices()[:1])
+
+
+def _assert_same_training(got, want):
+    assert got["tokens_dropped"] == 0 == want["tokens_dropped"]
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+    np.testing.assert_allclose(got["checksums"], want["checksums"], rtol=1e-5)
+
+
+def test_expert_parallel_training_matches_one_device(one_device):
+    expert_parallel = train_losses({"parallel.expert": 4, "parallel.data": 2})
+    assert expert_parallel["devices"] == 8 and one_device["devices"] == 1
+    _assert_same_training(expert_parallel, one_device)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_processes_with_the_expert_axis_across_them_match_one_process(one_device):
+    """jax.distributed on localhost, 2 CPU devices per process, parallel.expert=4: every expert group spans both."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "DROPLESS_COORDINATOR": f"127.0.0.1:{_free_port()}", "DROPLESS_NUM_PROCESSES": "2"}
+    overrides = json.dumps({"parallel.data": 1, "parallel.expert": 4})
+    workers = [subprocess.Popen([sys.executable, "-m", "tests.parallel_train_worker", overrides], cwd=ROOT,
+                                env={**env, "DROPLESS_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outputs = [worker.communicate(timeout=400) for worker in workers]
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
+    for worker, (stdout, stderr) in zip(workers, outputs):
+        assert worker.returncode == 0, stderr[-3000:]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        assert result["processes"] == 2 and result["devices"] == 4
+        _assert_same_training(result, one_device)
