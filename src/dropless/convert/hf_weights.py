@@ -141,16 +141,17 @@ def hf_shapes(slab: Slab, slab_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
     return []
 
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
 def to_ours(slab: Slab, tensors: list[np.ndarray], slab_shape: tuple[int, ...]) -> np.ndarray:
-    """HF tensors (any float dtype) -> our float32 slab, allocating the result once (no float32 temporaries)."""
-    if slab.op == "zeros":
-        return np.zeros(slab_shape, np.float32)
+    """HF tensors (any float dtype) -> our float32 slab; the cast and the layout change are one copy."""
+    out = np.zeros(slab_shape, np.float32) if slab.op == "zeros" else np.empty(slab_shape, np.float32)
     if slab.op == "copy":
-        out = np.asarray(tensors[0], np.float32, order="C")
+        out[...] = tensors[0]
     elif slab.op == "transpose":
-        out = np.asarray(tensors[0].T, np.float32, order="C")
-    else:
-        out = np.empty(slab_shape, np.float32)
+        out[...] = tensors[0].T
+    elif slab.op == "gate_up":
         half = slab_shape[1] // 2
         out[:, :half], out[:, half:] = tensors[0].T, tensors[1].T
     if slab.columns is not None:
@@ -188,12 +189,12 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tupl
     if scale_inv.shape != want:
         raise ConvertError(f"FP8 scale of shape {scale_inv.shape} does not fit a weight of shape {weight.shape} "
                            f"in {br}x{bc} blocks (expected {want}); check quantization_config.weight_block_size.")
-    out = np.empty((rows, cols), ml_dtypes.bfloat16)
+    out = np.empty((rows, cols), BF16)
     scale_inv = scale_inv.astype(np.float32)
     for b in range(want[0]):
         r0, r1 = b * br, min((b + 1) * br, rows)
         scale_row = np.repeat(scale_inv[b], bc)[:cols]
-        out[r0:r1] = (weight[r0:r1].astype(np.float32) * scale_row).astype(ml_dtypes.bfloat16)
+        out[r0:r1] = weight[r0:r1].astype(np.float32) * scale_row
     return out
 
 
