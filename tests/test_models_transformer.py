@@ -1,0 +1,281 @@
+"""The whole model: forward and gradients against a layer-by-layer reference for each family, causality,
+precision, rematerialisation, parameter counts and logical axes."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.config import Config, ConfigError, ModelConfig, MoEConfig, TrainConfig, load_preset, preset_names
+from dropless.models import transformer
+from dropless.moe.reference import reference_moe, reference_route
+from tests.test_models_attention import naive_gqa, naive_mla
+
+B, S = 2, 8
+
+
+def _config(model: dict, moe: dict, **train) -> Config:
+    return Config(model=ModelConfig(vocab_size=64, hidden_size=32, num_layers=3, **model),
+                  moe=MoEConfig(expert_intermediate_size=16, **moe),
+                  train=TrainConfig(dtype=train.pop("dtype", "float32"), seq_len=S, batch_size=B, **train))
+
+
+# One tiny model per family, each switching on its family's peculiarities.
+FAMILIES = {
+    # MLA with q-LoRA, YaRN with the mscale softmax correction, a dense first layer, a shared expert,
+    # sigmoid routing limited to 2 of 4 groups, routed scaling, and the sequence-level balance loss.
+    "deepseek_v3": _config(
+        dict(family="deepseek_v3", attention="mla", first_dense_layers=1, dense_intermediate_size=48, num_heads=2,
+             q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+             rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                           "mscale": 1.0, "mscale_all_dim": 0.8}),
+        dict(num_experts=8, num_experts_per_tok=2, num_shared_experts=1, score_func="sigmoid",
+             routed_scaling_factor=2.5, n_group=4, topk_group=2, seq_aux_loss_weight=0.01)),
+    # GQA (4 query heads on 2 key/value heads), softmax top-2, no shared expert, the aux loss.
+    "mixtral": _config(
+        dict(family="mixtral", attention="gqa", first_dense_layers=0, num_heads=4, num_kv_heads=2, head_dim=8,
+             rope_theta=1e6, rms_norm_eps=1e-5),
+        dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=0, score_func="softmax",
+             aux_loss_weight=0.02)),
+    # GQA with q/k RMSNorm, tied embeddings, the z-loss.
+    "qwen3_moe": _config(
+        dict(family="qwen3_moe", attention="gqa", first_dense_layers=0, num_heads=4, num_kv_heads=1, head_dim=8,
+             qk_norm=True, tie_embeddings=True),
+        dict(num_experts=8, num_experts_per_tok=2, num_shared_experts=0, score_func="softmax",
+             aux_loss_weight=0.01, z_loss_weight=0.001)),
+}
+
+
+def _setup(config: Config, seed=0):
+    params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(seed))
+    # A non-zero router bias, different in each layer, checks that layer l gets its own bias row.
+    state = transformer.init_state(config)
+    state = {"router_bias": 0.05 * jax.random.normal(jax.random.key(7), state["router_bias"].shape)}
+    tokens = jax.random.randint(jax.random.key(8), (B, S), 0, config.model.vocab_size)
+    return params, state, tokens
+
+
+def _norm(v, w, eps):
+    return w * v / jnp.sqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
+
+
+def _swiglu(p, x):
+    width = p["down"].shape[0]
+    h = x @ p["gate_up"]
+    return jax.nn.silu(h[..., :width]) * h[..., width:] @ p["down"]
+
+
+def reference_forward(params, state, tokens, config: Config, routes=None):
+    """Layer after layer in a Python loop, naive per-head attention and the per-token MoE oracle.
+
+    `routes` (one [T, K] array per MoE layer) fixes the expert choice; when None it is computed with
+    `reference_route` from concrete values and returned, so a second, traced call can reuse it.
+    """
+    m = config.model
+    naive_attention = naive_mla if m.attention == "mla" else naive_gqa
+    layer_at = lambda stack, l: jax.tree.map(lambda a: a[l], stack)
+    x = params["embed"][tokens]
+    chosen, balance = [], 0.0
+
+    def attention_block(layer, x):
+        h = _norm(x, layer["attn_norm"], m.rms_norm_eps)
+        return x + jnp.stack([naive_attention(layer["attn"], h[b], m) for b in range(x.shape[0])])
+
+    for l in range(m.first_dense_layers):
+        layer = layer_at(params["dense_layers"], l)
+        x = attention_block(layer, x)
+        x = x + _swiglu(layer["mlp"], _norm(x, layer["mlp_norm"], m.rms_norm_eps))
+    for l in range(m.num_layers - m.first_dense_layers):
+        layer = layer_at(params["moe_layers"], l)
+        x = attention_block(layer, x)
+        h = _norm(x, layer["mlp_norm"], m.rms_norm_eps)
+        ids = (reference_route(h.reshape(-1, m.hidden_size), layer["moe"]["router"]["kernel"],
+                               state["router_bias"][l], config.moe) if routes is None else routes[l])
+        chosen.append(ids)
+        y, losses = reference_moe(layer["moe"], h, ids, config.moe)
+        x, balance = x + y, balance + losses["balance_loss"]
+    x = _norm(x, params["final_norm"], m.rms_norm_eps)
+    head = params["embed"].T if m.tie_embeddings else params["lm_head"]
+    return x @ head, balance, chosen
+
+
+def _jitted_forward(config: Config):
+    return jax.jit(lambda params, state, tokens: transformer.forward(params, state, tokens, config))
+
+
+# Compiled once per process and shared by the tests below.
+FORWARD = {family: _jitted_forward(config) for family, config in FAMILIES.items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_matches_layer_by_layer_reference(family):
+    config = FAMILIES[family]
+    params, state, tokens = _setup(config)
+    logits, aux = FORWARD[family](params, state, tokens)
+    want_logits, want_balance, _ = reference_forward(params, state, tokens, config)
+    assert logits.dtype == jnp.float32 and logits.shape == (B, S, config.model.vocab_size)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-4, atol=1e-5)
+    assert float(aux["balance_loss"]) > 0
+    assert float(aux["balance_loss"]) == pytest.approx(float(want_balance), rel=1e-4)
+
+
+def test_gradients_match_layer_by_layer_reference():
+    config = FAMILIES["deepseek_v3"]  # the family with the most parts: MLA, YaRN, dense layer, shared expert
+    params, state, tokens = _setup(config)
+    _, _, routes = reference_forward(params, state, tokens, config)  # concrete pass: the expert choice
+    probe = jax.random.normal(jax.random.key(3), (B, S, config.model.vocab_size))
+
+    def ours(p):
+        logits, aux = transformer.forward(p, state, tokens, config)
+        return jnp.sum(logits * probe) + aux["balance_loss"]
+
+    def reference(p):
+        logits, balance, _ = reference_forward(p, state, tokens, config, routes)
+        return jnp.sum(logits * probe) + balance
+
+    grads, want_grads = jax.jit(jax.grad(ours))(params), jax.jit(jax.grad(reference))(params)
+    assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
+    for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
+        scale = float(jnp.max(jnp.abs(w)))
+        assert scale > 0, jax.tree_util.keystr(path)  # every parameter takes part
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4 * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_aux_stacks_moe_stats_over_moe_layers_and_causality_holds():
+    config = FAMILIES["deepseek_v3"]
+    params, state, tokens = _setup(config)
+    forward = FORWARD["deepseek_v3"]
+    logits, aux = forward(params, state, tokens)
+    num_moe = config.model.num_layers - config.model.first_dense_layers
+    assert aux["moe"].tokens_per_expert.shape == (num_moe, config.moe.num_experts)
+    np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_per_expert).sum(-1), B * S * config.moe.num_experts_per_tok)
+    np.testing.assert_allclose(float(aux["balance_loss"]), float(aux["moe"].balance_loss.sum()), rtol=1e-6)
+    # Changing the tokens from position 5 on leaves the logits of positions 0..4 exactly unchanged.
+    later = tokens.at[:, 5:].set((tokens[:, 5:] + 1) % config.model.vocab_size)
+    changed, _ = forward(params, state, later)
+    np.testing.assert_array_equal(np.asarray(changed[:, :5]), np.asarray(logits[:, :5]))
+    assert not np.allclose(np.asarray(changed[:, 5:]), np.asarray(logits[:, 5:]))
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+    config = FAMILIES["deepseek_v3"]
+    params, state, tokens = _setup(config)
+    full, _ = FORWARD["deepseek_v3"](params, state, tokens)
+    half, _ = _jitted_forward(config.replace(**{"train.dtype": "bfloat16"}))(params, state, tokens)
+    assert half.dtype == jnp.float32  # logits stay float32 whatever the compute dtype
+    full, half = np.asarray(full), np.asarray(half)
+    assert np.abs(half - full).max() < 0.05 * np.abs(full).max()
+    assert np.mean(np.argmax(half, -1) == np.argmax(full, -1)) > 0.9
+
+
+def _has_remat(jaxpr: str) -> bool:
+    # jax.checkpoint's primitive prints as `remat2[...]` (older JAX) or `checkpoint[...]`.
+    return re.search(r"\b(remat\w*|checkpoint)\[", jaxpr) is not None
+
+
+@pytest.fixture(scope="module")
+def plain_loss_and_grads():
+    config = FAMILIES["mixtral"]
+    params, state, tokens = _setup(config)
+    loss = lambda p: jnp.mean(transformer.forward(p, state, tokens, config)[0] ** 2)
+    assert not _has_remat(str(jax.make_jaxpr(jax.grad(loss))(params)))
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+# remat=full without offloading differs from the offloading case only in its policy (nothing saved).
+@pytest.mark.parametrize("remat, offload", [("moe", ""), ("full", "attn_out,moe_out")])
+def test_rematerialisation_changes_memory_not_numbers(remat, offload, plain_loss_and_grads):
+    config = FAMILIES["mixtral"].replace(**{"train.remat": remat, "train.offload": offload})
+    params, state, tokens = _setup(config)
+    loss = lambda p: jnp.mean(transformer.forward(p, state, tokens, config)[0] ** 2)
+    assert _has_remat(str(jax.make_jaxpr(jax.grad(loss))(params)))
+    got, got_grads = jax.jit(jax.value_and_grad(loss))(params)
+    want, want_grads = plain_loss_and_grads
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train.offload": "moe_out,attn"}, "unknown activation"),
+    ({"train.offload": "moe_out", "train.remat": "moe"}, "train.remat=full"),
+])
+def test_bad_offload_settings_are_config_errors(overrides, message):
+    config = FAMILIES["mixtral"].replace(**overrides)
+    params, state, tokens = _setup(FAMILIES["mixtral"])
+    with pytest.raises(ConfigError, match=message):
+        jax.eval_shape(lambda p: transformer.forward(p, state, tokens, config), params)
+
+
+def test_all_dense_model_reports_empty_moe_stats():
+    config = FAMILIES["deepseek_v3"].replace(**{"model.first_dense_layers": 3})
+    params, state, tokens = _setup(config)
+    assert "moe_layers" not in params and state["router_bias"].shape == (0, config.moe.num_experts)
+    logits, aux = jax.jit(lambda p, s: transformer.forward(p, s, tokens, config))(params, state)
+    assert logits.shape == (B, S, config.model.vocab_size)
+    assert aux["moe"].tokens_per_expert.shape == (0, config.moe.num_experts) and float(aux["balance_loss"]) == 0.0
+
+
+def _configs_to_count():
+    yield from ((name, load_preset(name)) for name in preset_names())
+    yield from FAMILIES.items()
+    yield "mla_without_q_lora", FAMILIES["deepseek_v3"].replace(**{"model.q_lora_rank": 0})
+
+
+@pytest.mark.parametrize("name, config", list(_configs_to_count()))
+def test_param_counts_logical_axes_and_layout_agree_with_init_params(name, config):
+    shapes = jax.eval_shape(lambda key: transformer.init_params(key, config), jax.random.key(0))
+    total, active = transformer.param_counts(config)
+    leaves = jax.tree.leaves_with_path(shapes)
+    assert total == sum(math.prod(leaf.shape) for _, leaf in leaves)
+    moe = config.moe
+    routed = sum(math.prod(leaf.shape) for path, leaf in leaves if "experts" in jax.tree_util.keystr(path)
+                 and "shared" not in jax.tree_util.keystr(path))
+    assert active == total - routed + routed * moe.num_experts_per_tok // moe.num_experts
+    assert all(leaf.dtype == jnp.float32 for _, leaf in leaves)
+
+    axes = transformer.logical_axes(config)
+    is_axes = lambda leaf: isinstance(leaf, tuple)
+    assert jax.tree.structure(axes, is_leaf=is_axes) == jax.tree.structure(shapes)
+    known = {"layers", "vocab", "embed", "q_lora", "kv_lora", "heads_x_dim", "mlp", "experts", "router", None}
+    for names, leaf in zip(jax.tree.leaves(axes, is_leaf=is_axes), jax.tree.leaves(shapes)):
+        assert len(names) == leaf.ndim and set(names) <= known
+
+    m = config.model
+    if m.first_dense_layers:
+        assert shapes["dense_layers"]["mlp"]["gate_up"].shape == (m.first_dense_layers, m.hidden_size, 2 * m.dense_intermediate_size)
+    if m.num_layers > m.first_dense_layers:
+        experts = shapes["moe_layers"]["moe"]["experts"]
+        num_moe = m.num_layers - m.first_dense_layers
+        assert experts["gate_up"].shape == (num_moe, moe.num_experts, m.hidden_size, 2 * moe.expert_intermediate_size)
+        assert shapes["moe_layers"]["moe"]["router"]["kernel"].shape == (num_moe, m.hidden_size, moe.num_experts)
+    assert ("lm_head" in shapes) == (not m.tie_embeddings)
+
+
+@pytest.mark.parametrize("name, total_b, active_b", [
+    ("deepseek-v3-671b", 671.0, 37.6),  # published: 671B total, 37B activated (without the MTP module)
+    ("mixtral-8x7b", 46.7, 12.9),       # published: 46.7B total, 12.9B active
+    ("qwen3-30b-a3b", 30.5, 3.35),      # published: 30.5B total, 3.3B activated
+])
+def test_param_counts_of_published_models(name, total_b, active_b):
+    total, active = transformer.param_counts(load_preset(name))
+    assert total / 1e9 == pytest.approx(total_b, abs=0.05)
+    assert active / 1e9 == pytest.approx(active_b, abs=0.05)
+
+
+def test_init_params_values():
+    config = FAMILIES["deepseek_v3"]
+    params, _, _ = _setup(config)
+    layers = params["moe_layers"]
+    np.testing.assert_array_equal(np.asarray(layers["attn_norm"]), 1.0)
+    np.testing.assert_array_equal(np.asarray(layers["attn"]["kv_a_norm"]), 1.0)
+    np.testing.assert_array_equal(np.asarray(params["final_norm"]), 1.0)
+    experts = np.asarray(layers["moe"]["experts"]["gate_up"])
+    assert experts.std() == pytest.approx(config.model.init_std, rel=0.05) and abs(experts.mean()) < 1e-3
+    # Each stacked layer is drawn independently.
+    assert not np.allclose(np.asarray(layers["attn"]["o"][0]), np.asarray(layers["attn"]["o"][1]))
