@@ -245,3 +245,25 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
     assert [s for _, s in shapes] == [ShapeKey(65536, 7168, 4096, 256), ShapeKey(65536, 2048, 7168, 256)]
     for product in gt.PRODUCTS:
         assert all(tune_gmm.smem_bytes(c.tile) <= tune_gmm.SMEM_BYTES for c in tune_gmm.QUICK[product])
+
+
+def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch):
+    """TokamaxGmm's default path (checked here without a GPU: the kernels are replaced by a recorder)."""
+    from dropless.moe import gmm_tokamax, gmm_tuned
+    from dropless.moe.errors import MoEError
+
+    seen = {}
+
+    def fake_tuned_gmm(lhs, rhs, group_sizes, plan, out_dtype):
+        seen.update(rows=lhs.shape[0], plan=plan, out_dtype=out_dtype)
+        return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype or lhs.dtype)
+
+    monkeypatch.setattr(gmm_tuned, "tuned_gmm", fake_tuned_gmm)
+    x = jnp.zeros((200, 128), jnp.bfloat16)
+    w = jnp.zeros((4, 128, 256), jnp.bfloat16)
+    out = gmm_tokamax._tuned(x, w, jnp.array([50, 0, 93, 45], jnp.int32), jnp.float32)
+    assert out.shape == (200, 256) and out.dtype == jnp.float32
+    assert seen["rows"] == 256 and seen["out_dtype"] == jnp.float32  # padded to the 128-row tile
+    assert seen["plan"] == gt.plan_for(256, 128, 256, 4)
+    with pytest.raises(MoEError, match="bf16 or f16"):
+        gmm_tokamax._tuned(x.astype(jnp.float32), w.astype(jnp.float32), jnp.array([1, 0, 0, 0]), None)

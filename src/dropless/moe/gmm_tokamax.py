@@ -1,12 +1,17 @@
-"""The tokamax grouped-GEMM backend: tokamax.ragged_dot with its Mosaic GPU kernel.
+"""The GPU grouped-GEMM backend (`moe.gmm_backend=tokamax`, the GPU default): Mosaic GPU kernels, tuned per product.
+
+`implementation="mosaic_gpu"` (the default) runs `gmm_tuned.tuned_gmm`: forward, dx and dW each with the kernel
+and tile that `gmm_tuning.plan_for` picks for this GPU and shape from `gmm_configs.json` — our kernels in
+`gmm_mosaic.py` for every shape measured so far (they read W and x in place, and their dW is correct), tokamax's
+where a table entry names it. docs/gmm.md has the measurements. Other implementations (`"xla"`: tokamax's
+portable path, used by the CPU tests of this wrapper) run tokamax.ragged_dot under the custom VJP below.
 
 Needs an NVIDIA GPU. On any other machine the backend can be built (so configs and tests can name it),
 but calling it raises `MoEError` telling the user to pick `moe.gmm_backend=xla` or `auto`: we never
 silently fall back, because a benchmark that quietly ran the XLA path would report the wrong thing.
-`implementation="xla"` selects tokamax's portable reference path (used by the CPU tests of this wrapper).
-Tuned kernel configurations, keyed by device and shape, belong in this module.
 
-The backward pass is ours (a custom VJP), for three measured reasons (H200, jax 0.11.2, tokamax 0.0.17):
+For tokamax.ragged_dot the backward pass is ours (a custom VJP), for three measured reasons (H200, jax 0.11.2,
+tokamax 0.0.17):
 - tokamax's weight gradient (its "ragged contracting dim" kernel) was wrong by 15-25 % per expert and
   differed from run to run for groups of >= 512 rows, so by default the weight gradient uses XLA's
   `ragged_dot_general` (`weight_grad="xla"`); set `weight_grad="tokamax"` once a release fixes it;
@@ -82,6 +87,8 @@ class TokamaxGmm(GroupedMatmul):
             raise MoEError(f"moe.gmm_backend=tokamax needs an NVIDIA GPU (tokamax's Mosaic GPU kernel) but the "
                            f"JAX backend is {jax.default_backend()!r}; use moe.gmm_backend=xla or auto.")
         group_sizes_G = group_sizes_G.astype(jnp.int32)
+        if self.implementation == "mosaic_gpu":
+            return _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type)
         num_rows = lhs_MK.shape[0]
         valid_M1 = row_mask(num_rows, group_sizes_G)[:, None]
         # Zero the padding rows (they may hold NaN) and pad to the kernel's row tile; extra rows are padding.
@@ -89,3 +96,21 @@ class TokamaxGmm(GroupedMatmul):
         out_dtype = jnp.dtype(preferred_element_type or lhs_MK.dtype)
         out_PN = _gmm(lhs_PK, rhs_GKN, group_sizes_G, self.implementation, out_dtype, self.weight_grad)
         return jnp.where(valid_M1, out_PN[:num_rows], 0)
+
+
+def _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type):
+    """The tuned three-product path; the plan is looked up while tracing (shapes are static)."""
+    from dropless.moe.gmm_tuned import tuned_gmm
+    from dropless.moe.gmm_tuning import plan_for
+
+    if lhs_MK.dtype != rhs_GKN.dtype or lhs_MK.dtype not in (jnp.bfloat16, jnp.float16):
+        raise MoEError(f"moe.gmm_backend=tokamax multiplies bf16 or f16 operands of one dtype, got {lhs_MK.dtype} x "
+                       f"{rhs_GKN.dtype}; use train.dtype=bfloat16 or moe.gmm_backend=xla.")
+    num_rows, k = lhs_MK.shape
+    g, _, n = rhs_GKN.shape
+    # tokamax's kernel (if a table entry names it) rejects row counts off its row tile; the extra rows are padding,
+    # which every kernel here leaves out of dW and whose outputs tuned_gmm zeroes.
+    lhs_PK = jnp.pad(lhs_MK, ((0, -num_rows % ROW_ALIGNMENT), (0, 0)))
+    out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    out_PN = tuned_gmm(lhs_PK, rhs_GKN, group_sizes_G, plan_for(lhs_PK.shape[0], k, n, g), out_dtype)
+    return out_PN[:num_rows]
