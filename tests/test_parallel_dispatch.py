@@ -16,7 +16,7 @@ import pytest
 from dropless.config import Config, ConfigError, MoEConfig, ParallelConfig
 from dropless.moe import LocalExecutor, XlaGmm, init_moe, moe_layer, route
 from dropless.parallel import dispatch
-from dropless.parallel.dispatch import AllGather, AllToAll, NoDispatch, Ragged, ragged_offsets
+from dropless.parallel.dispatch import AllGather, AllToAll, Auto, NoDispatch, Ragged, ragged_offsets
 from dropless.parallel.mesh import make_mesh
 
 HIDDEN, WIDTH, EXPERTS = 8, 4, 8
@@ -106,10 +106,14 @@ def test_layer_matches_single_device(name, expert_parallel):
     assert int(stats.rows_sent) == expected
 
 
-def test_alltoall_slot_sizes():
+def test_alltoall_slot_sizes_and_the_auto_choice():
+    # dedup: the balanced load is T * P(a token has an expert on a given device) = 8 * (1 - C(7,3)/C(8,3)) = 3
     assert AllToAll(2.0, dedup=True).slot_sizes(num_tokens=8, top_k=3, num_devices=8, num_local=1) == (6, 8)
     assert AllToAll(2.0, dedup=True).slot_sizes(num_tokens=8, top_k=3, num_devices=2, num_local=4) == (8, 8)
     assert AllToAll(1.0, dedup=False).slot_sizes(num_tokens=8, top_k=3, num_devices=4, num_local=2) == (6, 16)
+    # DeepSeek-V3 proxy (32 experts, top-8): on 2 devices the slots would hold every token, on 8 they need not.
+    assert Auto(2.0).choose(num_tokens=4096, top_k=8, num_devices=2, num_local=16) == AllGather()
+    assert Auto(1.25).choose(num_tokens=4096, top_k=8, num_devices=8, num_local=4) == AllToAll(1.25)
 
 
 @pytest.mark.parametrize("name", ["alltoall", "ragged"])
@@ -189,7 +193,7 @@ def test_ragged_offsets_are_consistent():
 def test_make_executor_choices():
     tiny = Config(moe=MoEConfig(num_experts=8), parallel=ParallelConfig(expert=4))
     mesh = make_mesh(tiny.parallel)
-    assert dispatch.make_executor(tiny, mesh).strategy == AllToAll(2.0, True)
+    assert dispatch.make_executor(tiny, mesh).strategy == Auto(2.0, True)
     assert dispatch.make_strategy(tiny.replace(**{"moe.dispatch": "allgather"})) == AllGather()
     assert dispatch.make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="gpu") == Ragged(True)
     assert dispatch.make_strategy(tiny.replace(**{"parallel.expert": 1})) == NoDispatch()

@@ -137,6 +137,18 @@ def worst_case_rows(num_tokens: int, top_k: int, num_local: int, dedup: bool) ->
     return num_tokens if dedup else num_tokens * min(top_k, num_local)
 
 
+def balanced_rows(num_tokens: int, top_k: int, num_devices: int, num_local: int, dedup: bool) -> float:
+    """Expected rows from one device to another when every expert is equally likely (uniform routing).
+
+    Without dedup that is T*K/P. With dedup a token goes to a device if any of its K distinct experts is one
+    of that device's G, which has probability 1 - C(E-G, K) / C(E, K).
+    """
+    if not dedup:
+        return num_tokens * top_k / num_devices
+    experts = num_devices * num_local
+    return num_tokens * (1 - math.comb(experts - num_local, top_k) / math.comb(experts, top_k))
+
+
 def _received(x_RD, meta_RJ2) -> Received:
     return Received(x_RD, meta_RJ2[..., 1].astype(jnp.int32), meta_RJ2[..., 0])
 
@@ -221,7 +233,8 @@ class AllToAll:
     def slot_sizes(self, num_tokens: int, top_k: int, num_devices: int, num_local: int) -> tuple[int, int]:
         """(normal, worst case) slot rows per destination. Normal = buffer_factor x the balanced load."""
         worst = worst_case_rows(num_tokens, top_k, num_local, self.dedup)
-        return min(worst, math.ceil(self.buffer_factor * num_tokens * top_k / num_devices)), worst
+        return min(worst, math.ceil(self.buffer_factor * balanced_rows(num_tokens, top_k, num_devices, num_local,
+                                                                         self.dedup))), worst
 
     def dispatch(self, plan: SendPlan, capacity: int, num_local: int) -> Received:
         a2a = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
@@ -330,6 +343,30 @@ class NoDispatch:
 
 
 @dataclass(frozen=True)
+class Auto:
+    """`moe.dispatch=auto`: alltoall when its slots are smaller than the whole token set, else allgather.
+
+    When every slot must hold all T tokens (few devices and a large top-k: at 2 devices with DeepSeek-V3's
+    top-8, nearly every token has an expert on the other device), all_to_all moves the same rows as
+    all_gather, and all_gather moved 15% more bytes per second between two H200s (170 vs 150 GB/s,
+    shared/facts/h200-measurements.md) with no packing. Decided per shape, at trace time.
+    """
+
+    buffer_factor: float = 2.0
+    dedup: bool = True
+    name: str = "auto"
+
+    def choose(self, num_tokens: int, top_k: int, num_devices: int, num_local: int) -> Strategy:
+        alltoall = AllToAll(self.buffer_factor, self.dedup)
+        normal, _ = alltoall.slot_sizes(num_tokens, top_k, num_devices, num_local)
+        return AllGather() if normal >= num_tokens else alltoall
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
+        chosen = self.choose(*expert_ids_TK.shape, jax.lax.axis_size(EXPERT_AXIS), local.num_local)
+        return chosen(x_TD, expert_ids_TK, weights_TK, local)
+
+
+@dataclass(frozen=True)
 class ExpertParallelExecutor:
     """The MoE executor seam over a mesh: one `shard_map`, tokens over every device, experts over `expert`."""
 
@@ -355,12 +392,14 @@ class ExpertParallelExecutor:
 
 
 def make_strategy(config: Config, platform: str | None = None) -> Strategy:
-    """The strategy `moe.dispatch` names ("auto": see DEFAULT_DISPATCH), for `parallel.expert` devices."""
+    """The strategy `moe.dispatch` names, for `parallel.expert` devices."""
     moe = config.moe
     if config.parallel.expert == 1:
         return NoDispatch()
-    name = DEFAULT_DISPATCH if moe.dispatch == "auto" else moe.dispatch
+    name = moe.dispatch
     platform = platform or jax.default_backend()
+    if name == "auto":
+        return Auto(moe.alltoall_buffer_factor, moe.dedup)
     if name == "ragged" and platform != "gpu":
         raise ConfigError(f"moe.dispatch=ragged needs GPUs (XLA:{platform.upper()} has no ragged_all_to_all); "
                           f"use moe.dispatch=alltoall or allgather.")
@@ -369,10 +408,6 @@ def make_strategy(config: Config, platform: str | None = None) -> Strategy:
     if name == "alltoall":
         return AllToAll(moe.alltoall_buffer_factor, moe.dedup)
     return Ragged(moe.dedup)
-
-
-# Chosen by measurement on two H200s (docs/parallel.md).
-DEFAULT_DISPATCH = "alltoall"
 
 
 def make_executor(config: Config, mesh: Mesh) -> ExpertParallelExecutor | None:
