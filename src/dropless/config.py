@@ -68,10 +68,13 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # Attention kernel: "auto" = tokamax's flash attention on GPU in bfloat16, the plain XLA einsum otherwise.
+    attention_backend: Literal["auto", "xla", "tokamax"] = "auto"
 
     def __post_init__(self):
         _in_choices("model.family", self.family, ("deepseek_v3", "mixtral", "qwen3_moe"))
         _in_choices("model.attention", self.attention, ("mla", "gqa"))
+        _in_choices("model.attention_backend", self.attention_backend, ("auto", "xla", "tokamax"))
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
             _positive(f"model.{key}", getattr(self, key))
         _require(0 <= self.first_dense_layers <= self.num_layers,
