@@ -5,8 +5,10 @@ Shape suffixes (DESIGN.md legend, plus, in this file): `S` query positions, `T` 
 `W` per-head value width, `R` a low-rank (LoRA) width.
 
 Both functions take one layer's parameters (unstacked; the transformer scans over the stacked `L` axis), run in
-the dtype of `x` (weights are float32 masters cast at use), take logits and softmax in float32, and return the
-projection back to the hidden size. The per-head layouts of the weights are the ones fixed in DESIGN.md.
+the dtype of `x` (weights are float32 masters cast at use), and return the projection back to the hidden size.
+The per-head layouts of the weights are the ones fixed in DESIGN.md. The attention itself runs on one of two
+backends (`model.attention_backend`): `xla`, a plain einsum with float32 logits and softmax (the reference), or
+`tokamax`, a flash-attention kernel that never holds the [S, S] logits (chosen by `auto` on GPUs in bfloat16).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dropless.config import ModelConfig
+from dropless.config import ConfigError, ModelConfig
 from dropless.models.norms import rms_norm
 from dropless.models.rope import apply_rope, mla_softmax_scale
 
@@ -87,8 +89,9 @@ def attention_logical_axes(m: ModelConfig) -> dict:
 def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, scale: float) -> jax.Array:
     """softmax(scale * q k^T + causal mask) v, with G query heads sharing each key/value head.
 
-    Logits and softmax are float32; the probabilities are cast back to v's dtype for the second matmul
-    (as Hugging Face's eager attention does). Returns o_BSNGW in q's dtype.
+    The plain XLA path (and the reference for the others): logits and softmax are float32; the probabilities
+    are cast back to v's dtype for the second matmul, as Hugging Face's eager attention does. It materialises
+    the [S, T] logits of every head. Returns o_BSNGW in q's dtype.
     """
     S, T = q_BSNGQ.shape[1], k_BTNQ.shape[1]
     logits_BNGST = jnp.einsum("bsngq,btnq->bngst", q_BSNGQ, k_BTNQ, preferred_element_type=jnp.float32) * scale
@@ -97,6 +100,33 @@ def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, s
     probs_BNGST = jax.nn.softmax(logits_BNGST, axis=-1).astype(v_BTNW.dtype)
     out_BSNGW = jnp.einsum("bngst,btnw->bsngw", probs_BNGST, v_BTNW, preferred_element_type=jnp.float32)
     return out_BSNGW.astype(q_BSNGQ.dtype)
+
+
+def attention_backend(m: ModelConfig, dtype) -> str:
+    """`model.attention_backend` resolved: "auto" is tokamax's flash attention on a GPU in 16-bit compute
+    (its Mosaic kernel takes bf16/fp16 only), the XLA einsum otherwise."""
+    if m.attention_backend != "auto":
+        return m.attention_backend
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "tokamax" if jax.default_backend() == "gpu" and half else "xla"
+
+
+def _attend(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: float, m: ModelConfig) -> jax.Array:
+    """Causal attention of H query heads over N key/value heads (query head h uses kv head h // (H/N))."""
+    B, S, H, Q = q_BSHQ.shape
+    N = k_BSNQ.shape[2]
+    if attention_backend(m, q_BSHQ.dtype) == "tokamax":
+        try:
+            import tokamax  # optional (dropless[gpu]); imported only when used
+        except ImportError as error:
+            raise ConfigError("model.attention_backend=tokamax needs the tokamax package; install dropless[gpu] "
+                              "or set model.attention_backend=xla.") from error
+        # Flash attention: no [S, S] logits in memory. On one H200 at DeepSeek-V3's MLA shape (128 heads,
+        # 4096 tokens, widths 192/128, bf16), forward + backward took 5.9 ms and 0.13 GiB of scratch, against
+        # 39 ms and 20 GiB for the einsum path.
+        return tokamax.dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, is_causal=True)
+    out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, Q), k_BSNQ, v_BSNW, scale)
+    return out_BSNGW.reshape(B, S, H, v_BSNW.shape[-1])
 
 
 def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
@@ -129,9 +159,8 @@ def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
 
     q_BSHQ = jnp.concatenate([q_nope_BSHn, q_rope_BSHP], axis=-1)
     k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BS1P, (B, S, H, P))], axis=-1)
-    scale = mla_softmax_scale(nope + P, m.rope_scaling)
-    out_BSH1W = causal_attention(q_BSHQ[:, :, :, None, :], k_BSHQ, v_BSHW, scale)
-    return out_BSH1W.reshape(B, S, H * W) @ params["o"].astype(dtype)
+    out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m)
+    return out_BSHW.reshape(B, S, H * W) @ params["o"].astype(dtype)
 
 
 def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
@@ -152,8 +181,8 @@ def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     q_BSHQ = apply_rope(q_BSHQ, cos_SP, sin_SP)
     k_BSNQ = apply_rope(k_BSNQ, cos_SP, sin_SP)
 
-    out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, hd), k_BSNQ, v_BSNW, hd**-0.5)
-    return out_BSNGW.reshape(B, S, H * hd) @ params["o"].astype(dtype)
+    out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, hd**-0.5, m)
+    return out_BSHW.reshape(B, S, H * hd) @ params["o"].astype(dtype)
 
 
 def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
