@@ -201,10 +201,10 @@ def _jitted_forward(config_json: str):
 def compute_logits(config: Config, params: dict, state: dict, tokens_BS: np.ndarray) -> np.ndarray:
     """Float32 logits [B, S, V] for int token ids [B, S], computed in float32 with exact matmuls.
 
-    The MoE layer runs the dropless XLA grouped GEMM whatever `moe.gmm_backend` says, so no token is dropped
-    and the numbers are comparable with a reference implementation.
+    Attention and the MoE layer run their XLA reference paths whatever `model.attention_backend` and
+    `moe.gmm_backend` say, so no token is dropped and the numbers are comparable with another implementation.
     """
-    config = config.replace(**{"train.dtype": "float32", "moe.gmm_backend": "xla"})
+    config = config.replace(**{"train.dtype": "float32", "moe.gmm_backend": "xla", "model.attention_backend": "xla"})
     forward = _jitted_forward(json.dumps(config.to_dict(), sort_keys=True))
     with jax.default_matmul_precision("highest"):
         logits = forward(params, state, jnp.asarray(tokens_BS, jnp.int32))
