@@ -145,3 +145,15 @@ def test_one_real_step_is_timed_on_cpu():
     assert record["peak_device_gib"] > 0 and record["tokens_dropped"] >= 0
     assert runner.run(programs["bad"])["status"].startswith("error: MoEError")
     assert jax.device_count() >= 1
+
+
+def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
+    variants = step.ladder_variants(load_preset("tiny"), tuned_backend="t", flags={"a": {"x": 1}, "b": {"y": 2}},
+                                    ep_devices=2, offload_names="moe_in")
+    phases = {v.key: step.ladder_phase(v.key) for v in variants}
+    assert {k for k, p in phases.items() if p == 0} == {"1", "2", "3", "4"}
+    assert phases["5:remat=moe"] == phases["6"] == 1
+    assert phases["7:a"] == phases["7:all"] == phases["profile"] == 2
+    assert phases["8"] == phases["8:all_flags"] == phases["profile:ep"] == 3
+    with pytest.raises(KeyError):
+        step.ladder_phase("9")

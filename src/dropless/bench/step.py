@@ -16,8 +16,9 @@ The ladder (`--ladder`), every rung on the same model and per-device batch:
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
   3 tokamax, default heuristics                7 + XLA scheduling flags, each verified to change the program
   4 the tuned grouped GEMM                     8 expert parallelism on 2 devices, the default dispatch
-Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. All programs
-are compiled up front in parallel threads (XLA's compiler releases the GIL), then timed one after another.
+Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. The ladder
+runs in phases (LADDER_PHASES: the anchor rungs first); each phase's programs are compiled in parallel threads
+(XLA's compiler releases the GIL), then timed one after another, never while anything compiles.
 """
 
 from __future__ import annotations
@@ -160,8 +161,10 @@ def compile_variants(base_config, variants: list[Variant], *, workers: int | Non
         try:
             program.config = base_config.replace(**v.overrides)
             if lower_key not in lowered:
+                start = time.perf_counter()
                 setup = harness.build(program.config, jax.devices()[:v.devices])
                 lowered[lower_key] = (setup, harness.lower(setup))
+                log(f"  lowered {v.key} in {time.perf_counter() - start:.0f} s")
             program.setup = lowered[lower_key][0]
             jobs.append((program, lowered[lower_key][1]))
         except Exception as error:  # noqa: BLE001 - one broken rung must not stop the ladder
@@ -177,6 +180,7 @@ def compile_variants(base_config, variants: list[Variant], *, workers: int | Non
         except Exception as error:  # noqa: BLE001
             program.error = _short_error(error)
         program.compile_s = time.perf_counter() - start
+        log(f"  compiled {program.variant.key} in {program.compile_s:.0f} s" + (f": {program.error}" if program.error else ""))
 
     log(f"dropless: compiling {len(jobs)} programs ({len(lowered)} lowerings) in parallel")
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers or min(len(jobs) or 1, os.cpu_count() or 1)) as pool:
@@ -294,6 +298,20 @@ def ladder_variants(base_config, *, tuned_backend: str | None, flags: dict[str, 
         variants += [Variant("8", ep, {}, ep_devices), Variant("8:all_flags", ep, all_flags, ep_devices),
                      Variant("profile:ep", ep, dict(PROFILE_COMPILER_OPTIONS), ep_devices, profile=True)]
     return variants
+
+
+# The ladder runs in phases, each compiled in parallel and then timed, so that a run cut short by its budget
+# still has its first rungs: the anchors first (1, 3, 4, 2), then remat and offloading, flags and the profile,
+# and expert parallelism last.
+LADDER_PHASES = (("1", "3", "4", "2"), ("5:", "6"), ("7:", "profile"), ("8", "8:", "profile:ep"))
+
+
+def ladder_phase(key: str) -> int:
+    """The phase (index into LADDER_PHASES) of a ladder variant's key."""
+    for index, members in enumerate(LADDER_PHASES):
+        if any(key == m or (m.endswith(":") and key.startswith(m)) for m in members):  # "5:" = every "5:..."
+            return index
+    raise KeyError(f"ladder variant {key!r} belongs to no phase")
 
 
 def hlo_changed(program_text: str, reference_text: str) -> bool:
@@ -448,10 +466,12 @@ def device_slug(device_kind: str) -> str:
 
 
 def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: str | None, ep_devices: int,
-               preset: str, traces_dir: Path | None = None, log=print) -> dict:
-    """Compile and time every rung; writes step-<device>.json (after each program, so a cut-off run
-    still leaves its results) and the PNG chart. Returns the result dict. With `traces_dir`, the profiled
-    programs' traces and HLO texts are kept there (trace-<key>.json.gz, hlo-<key>.txt.gz)."""
+               preset: str, traces_dir: Path | None = None, timing: dict | None = None,
+               compile_workers: int | None = None, log=print) -> dict:
+    """Compile and time every rung, phase by phase (LADDER_PHASES); writes step-<device>.json from the start and
+    after every program, so a run cut short still leaves what it measured, then the PNG chart. A phase that
+    would start after `budget_s` is skipped. With `traces_dir`, the profiled programs' traces and HLO texts are
+    kept there (trace-<key>.json.gz, hlo-<key>.txt.gz). `timing`: warmup/steps/seconds for `Runner`."""
     import gzip
     import shutil
     import tempfile
@@ -463,7 +483,12 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     from dropless.models import transformer
     from dropless.train import metrics as metrics_lib
 
-    deadline = time.monotonic() + budget_s
+    start = time.monotonic()
+    deadline = start + budget_s
+
+    def say(message: str) -> None:
+        log(f"[{time.monotonic() - start:6.1f} s] {message}")
+
     env = environment()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -472,41 +497,56 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     dense = dense_matmul_tflops() if jax.default_backend() == "gpu" else dense_matmul_tflops(512, 5)
     peak = metrics_lib.device_peak_tflops(env["device"])
     result = {"preset": preset, "environment": env, "dense_tflops": dense, "datasheet_peak_tflops": peak,
-              "config": base_config.to_dict(), "xla_flags_env": os.environ.get("XLA_FLAGS", ""), "variants": {}}
-    log(f"dropless: dense bf16 matmul {dense:.0f} TFLOP/s; datasheet peak {peak}")
-    flags = xla_flags.SCHEDULING_CANDIDATES if jax.default_backend() == "gpu" else {}
-    variants = ladder_variants(base_config, tuned_backend=tuned_backend, flags=flags, ep_devices=ep_devices,
-                               offload_names=",".join(transformer.ACTIVATION_NAMES))
-    programs = compile_variants(base_config, variants, log=log)
-    runner = Runner(dense, peak, deadline, log)
+              "config": base_config.to_dict(), "xla_flags_env": os.environ.get("XLA_FLAGS", ""),
+              "phases": [], "variants": {}}
 
     def save():
         json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
+    save()
+    say(f"dense bf16 matmul {dense:.0f} TFLOP/s; datasheet peak {peak}")
+    flags = xla_flags.SCHEDULING_CANDIDATES if jax.default_backend() == "gpu" else {}
+    variants = ladder_variants(base_config, tuned_backend=tuned_backend, flags=flags, ep_devices=ep_devices,
+                               offload_names=",".join(transformer.ACTIVATION_NAMES))
+    runner = Runner(dense, peak, deadline, say, **(timing or {}))
     hlo_texts = {}
     scratch = Path(tempfile.mkdtemp(prefix="dropless-traces-"))
-    # Single-device programs first, then the multi-device ones (one state alive at a time).
-    for program in sorted(programs.values(), key=lambda p: p.variant.devices):
-        name = program.variant.key.replace(":", "-")
-        record = runner.run(program, scratch / name if program.variant.profile else None)
-        result["variants"][program.variant.key] = record
-        hlo_texts[program.variant.key] = program.hlo_text
-        if traces_dir and record.get("breakdown"):
-            Path(traces_dir).mkdir(parents=True, exist_ok=True)
-            shutil.copy(record["breakdown"]["trace"], Path(traces_dir) / f"trace-{name}.json.gz")
-            with gzip.open(Path(traces_dir) / f"hlo-{name}.txt.gz", "wt") as stream:
-                stream.write(program.hlo_text)
-        log(f"  {program.variant.key:22s} {record['status']:>6s} "
-            + (f"{record['step_ms']:8.1f} ms  {record['model_tflops_per_device']:6.0f} TFLOPS/device"
-               if record.get("step_ms") else ""))
-        save()
+    for phase in range(len(LADDER_PHASES)):
+        chosen = [v for v in variants if ladder_phase(v.key) == phase]
+        if not chosen:
+            continue
+        if time.monotonic() > deadline:
+            for v in chosen:
+                result["variants"][v.key] = {"key": v.key, "overrides": v.overrides, "xla_options": v.xla,
+                                             "devices": v.devices, "status": "skipped: out of time"}
+            continue
+        phase_start = time.monotonic()
+        programs = compile_variants(base_config, chosen, workers=compile_workers, log=say)
+        result["phases"].append({"variants": [v.key for v in chosen],
+                                 "compile_wall_s": round(time.monotonic() - phase_start, 1)})
+        # Single-device programs first, then the multi-device ones (one state alive at a time).
+        for program in sorted(programs.values(), key=lambda p: p.variant.devices):
+            name = program.variant.key.replace(":", "-")
+            record = runner.run(program, scratch / name if program.variant.profile else None)
+            result["variants"][program.variant.key] = record
+            hlo_texts[program.variant.key] = program.hlo_text
+            if traces_dir and record.get("breakdown"):
+                Path(traces_dir).mkdir(parents=True, exist_ok=True)
+                shutil.copy(record["breakdown"]["trace"], Path(traces_dir) / f"trace-{name}.json.gz")
+                with gzip.open(Path(traces_dir) / f"hlo-{name}.txt.gz", "wt") as stream:
+                    stream.write(program.hlo_text)
+            say(f"{program.variant.key:22s} {record['status']} "
+                + (f"{record['step_ms']:.1f} ms, {record['model_tflops_per_device']:.0f} TFLOPS/device"
+                   if record.get("step_ms") else ""))
+            save()
+        result["phases"][-1]["wall_s"] = round(time.monotonic() - phase_start, 1)
     shutil.rmtree(scratch, ignore_errors=True)
     result["ladder"] = assemble_ladder(result["variants"], hlo_texts)
     save()
     try:
         plot_ladder(result, json_path.with_suffix(".png"))
     except ImportError as error:  # matplotlib is optional on a bare GPU machine; redraw with --chart
-        log(f"dropless: no chart ({error}); draw it later with 'dropless bench step --chart {json_path}'")
+        say(f"no chart ({error}); draw it later with 'dropless bench step --chart {json_path}'")
     log(format_ladder(result["ladder"], dense))
     return result
 
@@ -521,10 +561,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (at most)")
     parser.add_argument("--seconds", type=float, default=5.0, help="stop timing after this long (at least 3 steps)")
-    parser.add_argument("--budget", type=float, default=1e9, help="ladder: skip programs not started within this many seconds")
+    parser.add_argument("--budget", type=float, default=1e9, help="ladder: skip phases and programs not started within this many seconds")
     parser.add_argument("--tuned-backend", help="ladder rung 4: the moe.gmm_backend of the tuned grouped GEMM")
     parser.add_argument("--ep-devices", type=int, default=2, help="ladder rung 8: devices for expert parallelism")
     parser.add_argument("--traces", help="ladder: keep the profiled programs' traces and HLO texts in this directory")
+    parser.add_argument("--compile-workers", type=int, help="ladder: programs compiled at once (default: all of a phase)")
+    parser.add_argument("--compilation-cache", metavar="DIR",
+                        help="JAX's persistent compilation cache: a second run on the same machine skips compiling")
     parser.add_argument("--chart", metavar="JSON", help="only redraw the PNG of a ladder's JSON file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.gmm_backend=xla")
     return parser
@@ -544,17 +587,21 @@ def main(argv: list[str] | None = None) -> int:
     from dropless.cli import _overrides, build_config
     from dropless.train import metrics as metrics_lib
 
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     config = build_config(args.preset, _overrides(args.overrides))
+    timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
         run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,
                    ep_devices=args.ep_devices, preset=args.preset, traces_dir=args.traces and Path(args.traces),
-                   log=lambda s: print(s, flush=True))
+                   timing=timing, compile_workers=args.compile_workers, log=lambda s: print(s, flush=True))
         return 0
     gpu = jax.default_backend() == "gpu"
     dense = dense_matmul_tflops() if gpu else None
     peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
     programs = compile_variants(config, [Variant("step", devices=jax.device_count())], log=lambda s: None)
-    runner = Runner(dense, peak, math.inf, warmup=args.warmup, steps=args.steps, seconds=args.seconds)
+    runner = Runner(dense, peak, math.inf, **timing)
     record = runner.run(programs["step"])
     if record["status"] != "ok":
         print(f"dropless: {record['status']}", file=sys.stderr)
