@@ -76,19 +76,24 @@ def test_assemble_ladder_chooses_by_measurement_and_reports_speedups():
     assert "4,096 (2.0%)" in table and "686 TFLOP/s" in table
 
 
-def test_assemble_ladder_without_a_tuned_backend_builds_on_tokamax_default():
+def test_assemble_ladder_without_rung_3_or_with_rung_4_failing():
     variants = _variants()
-    del variants["4"]
+    del variants["3"]
     rungs = {r["rung"]: r for r in step.assemble_ladder(variants, {})}
-    assert rungs[4]["status"].startswith("not available")
-    assert set(rungs[5]["tried"]) == {"3", "5:remat=moe", "5:remat=full"}  # rung 3's program is remat=none
+    assert rungs[3]["status"] == step.NO_DEFAULT_BACKEND
+    assert rungs[4]["status"] == "ok" and rungs[5]["chosen"] == {"train.remat": "none"}
+    assert "not run: no moe.gmm_backend" in step.format_ladder(list(rungs.values()))
+    variants = _variants()
+    variants["4"] = {"key": "4", "status": "error: MoEError: boom"}
+    rungs = {r["rung"]: r for r in step.assemble_ladder(variants, {})}
+    assert rungs[4]["status"] == "error: MoEError: boom"
+    assert set(rungs[5]["tried"]) == {"3", "5:remat=moe", "5:remat=full"}  # rung 3's program stands in for none
     assert rungs[5]["chosen"] == {"train.remat": "moe"}
-    assert "not available" in step.format_ladder(list(rungs.values()))
 
 
 def test_ladder_variants_cover_every_rung_and_share_lowerings():
     config = load_preset("tiny")
-    variants = step.ladder_variants(config, tuned_backend="tokamax_tuned",
+    variants = step.ladder_variants(config, tuned_backend="tokamax", default_backend="tokamax_default",
                                     flags={"a": {"xla_a": True}, "b": {"xla_b": 1}}, ep_devices=2,
                                     offload_names="moe_in")
     keys = [v.key for v in variants]
@@ -99,8 +104,10 @@ def test_ladder_variants_cover_every_rung_and_share_lowerings():
     assert by_key["8"].devices == 2 and by_key["8"].overrides["train.batch_size"] == 2 * config.train.batch_size
     assert by_key["6"].overrides["train.remat"] == "full" and by_key["6"].overrides["train.offload"] == "moe_in"
     assert by_key["profile"].profile and by_key["profile"].xla == {"xla_gpu_enable_command_buffer": ""}
-    assert "8" not in [v.key for v in step.ladder_variants(config, tuned_backend=None, flags={}, ep_devices=1,
-                                                          offload_names="moe_in")]
+    assert by_key["3"].overrides["moe.gmm_backend"] == "tokamax_default"
+    keys = [v.key for v in step.ladder_variants(config, tuned_backend="tokamax", default_backend=None, flags={},
+                                                ep_devices=1, offload_names="moe_in")]
+    assert "3" not in keys and "8" not in keys and "4" in keys
 
 
 def test_summarize_follows_the_readme_formulas():
@@ -148,8 +155,8 @@ def test_one_real_step_is_timed_on_cpu():
 
 
 def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
-    variants = step.ladder_variants(load_preset("tiny"), tuned_backend="t", flags={"a": {"x": 1}, "b": {"y": 2}},
-                                    ep_devices=2, offload_names="moe_in")
+    variants = step.ladder_variants(load_preset("tiny"), tuned_backend="t", default_backend="d",
+                                    flags={"a": {"x": 1}, "b": {"y": 2}}, ep_devices=2, offload_names="moe_in")
     phases = {v.key: step.ladder_phase(v.key) for v in variants}
     assert {k for k, p in phases.items() if p == 0} == {"1", "2", "3", "4"}
     assert phases["5:remat=moe"] == phases["6"] == 1

@@ -14,8 +14,9 @@ peak device memory, and the tokens the step dropped.
 The ladder (`--ladder`), every rung on the same model and per-device batch:
   1 naive dropless: jax.lax.ragged_dot         5 + the best rematerialisation policy (none, moe, full)
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
-  3 tokamax, default heuristics                7 + XLA scheduling flags, each verified to change the program
-  4 the tuned grouped GEMM                     8 expert parallelism on 2 devices, the default dispatch
+  3 tokamax, default heuristics (if a backend   7 + XLA scheduling flags, each verified to change the program
+    runs it: --default-backend)                8 expert parallelism on 2 devices, the default dispatch
+  4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
 Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. The ladder
 runs in phases (LADDER_PHASES: the anchor rungs first); each phase's programs are compiled in parallel threads
 (XLA's compiler releases the GIL), then timed one after another, never while anything compiles.
@@ -269,22 +270,24 @@ RUNGS = {
     8: "expert parallelism, 2 devices",
 }
 REMAT_POLICIES = ("none", "moe", "full")
+NO_DEFAULT_BACKEND = ("not run: no moe.gmm_backend runs tokamax's own kernel with its default heuristics "
+                      "(moe.gmm_backend=tokamax is the tuned path; docs/gmm.md compares the two per GEMM)")
 
 
-def ladder_variants(base_config, *, tuned_backend: str | None, flags: dict[str, dict], ep_devices: int,
-                    offload_names: str) -> list[Variant]:
-    """Every program the ladder needs, built on `tuned` (rung 4's config: remat none, no flags)."""
+def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | None, flags: dict[str, dict],
+                    ep_devices: int, offload_names: str) -> list[Variant]:
+    """Every program the ladder needs; rungs 5-8 build on rung 4's config (the tuned backend, remat none)."""
     from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 
-    default = {"moe.gmm_backend": "tokamax", "train.remat": "none", "train.offload": ""}
-    tuned = {**default, "moe.gmm_backend": tuned_backend} if tuned_backend else default  # same lowering as 3 then
+    common = {"train.remat": "none", "train.offload": ""}
+    tuned = {**common, "moe.gmm_backend": tuned_backend}
     variants = [
-        Variant("1", {**default, "moe.gmm_backend": "xla"}),
-        Variant("2", {**default, "moe.gmm_backend": "capacity", "moe.capacity_factor": 1.25}),
-        Variant("3", default),
+        Variant("1", {**common, "moe.gmm_backend": "xla"}),
+        Variant("2", {**common, "moe.gmm_backend": "capacity", "moe.capacity_factor": 1.25}),
     ]
-    if tuned_backend:
-        variants.append(Variant("4", tuned))
+    if default_backend:
+        variants.append(Variant("3", {**common, "moe.gmm_backend": default_backend}))
+    variants.append(Variant("4", tuned))
     variants += [Variant(f"5:remat={p}", {**tuned, "train.remat": p}) for p in REMAT_POLICIES if p != "none"]
     variants.append(Variant("6", {**tuned, "train.remat": "full", "train.offload": offload_names}))
     variants += [Variant(f"7:{name}", tuned, options) for name, options in flags.items()]
@@ -346,9 +349,10 @@ def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, nois
             return {**base, "status": extra.pop("missing", "not run"), **extra}
         return {**base, **record, **extra}
 
-    rungs = [rung(n, records.get(str(n))) for n in (1, 2, 3)]
+    rungs = [rung(n, records.get(str(n))) for n in (1, 2)]
+    rungs.append(rung(3, records.get("3"), missing=NO_DEFAULT_BACKEND))
     tuned = records.get("4")
-    rungs.append(rung(4, tuned, missing="not available: no tuned grouped-GEMM backend in this build"))
+    rungs.append(rung(4, tuned))
     reference = tuned if tuned and tuned.get("status") == "ok" else records.get("3")
     remat = [r for r in [reference, *(records.get(f"5:remat={p}") for p in REMAT_POLICIES)] if r]
     best_remat = _fastest(remat)
@@ -465,7 +469,8 @@ def device_slug(device_kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", "-".join(words)).strip("-") or "cpu"
 
 
-def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: str | None, ep_devices: int,
+def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: str = "tokamax",
+               default_backend: str | None = None, ep_devices: int,
                preset: str, traces_dir: Path | None = None, timing: dict | None = None,
                compile_workers: int | None = None, log=print) -> dict:
     """Compile and time every rung, phase by phase (LADDER_PHASES); writes step-<device>.json from the start and
@@ -506,7 +511,8 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     save()
     say(f"dense bf16 matmul {dense:.0f} TFLOP/s; datasheet peak {peak}")
     flags = xla_flags.SCHEDULING_CANDIDATES if jax.default_backend() == "gpu" else {}
-    variants = ladder_variants(base_config, tuned_backend=tuned_backend, flags=flags, ep_devices=ep_devices,
+    variants = ladder_variants(base_config, tuned_backend=tuned_backend, default_backend=default_backend,
+                               flags=flags, ep_devices=ep_devices,
                                offload_names=",".join(transformer.ACTIVATION_NAMES))
     runner = Runner(dense, peak, deadline, say, **(timing or {}))
     hlo_texts = {}
@@ -562,7 +568,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (at most)")
     parser.add_argument("--seconds", type=float, default=5.0, help="stop timing after this long (at least 3 steps)")
     parser.add_argument("--budget", type=float, default=1e9, help="ladder: skip phases and programs not started within this many seconds")
-    parser.add_argument("--tuned-backend", help="ladder rung 4: the moe.gmm_backend of the tuned grouped GEMM")
+    parser.add_argument("--tuned-backend", default="tokamax", help="ladder rung 4: the tuned grouped GEMM's moe.gmm_backend")
+    parser.add_argument("--default-backend",
+                        help="ladder rung 3: a moe.gmm_backend running tokamax's kernel with its default heuristics")
     parser.add_argument("--ep-devices", type=int, default=2, help="ladder rung 8: devices for expert parallelism")
     parser.add_argument("--traces", help="ladder: keep the profiled programs' traces and HLO texts in this directory")
     parser.add_argument("--compile-workers", type=int, help="ladder: programs compiled at once (default: all of a phase)")
@@ -594,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
         run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,
+                   default_backend=args.default_backend,
                    ep_devices=args.ep_devices, preset=args.preset, traces_dir=args.traces and Path(args.traces),
                    timing=timing, compile_workers=args.compile_workers, log=lambda s: print(s, flush=True))
         return 0
