@@ -303,9 +303,8 @@ def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
     changes: dict[str, dict[str, Any]] = {}
     for key, raw in overrides.items():
         group, _, name = key.partition(".")
-        _require(group in groups and name, f"Unknown config key '{key}'.{_suggest(key)}")
-        names = {f.name for f in dataclasses.fields(groups[group])}
-        _require(name in names, f"Unknown config key '{key}'.{_suggest(key)}")
+        if group not in groups or name not in {f.name for f in dataclasses.fields(groups[group])}:
+            raise ConfigError(f"Unknown config key '{key}'.{_suggest(key)}")
         changes.setdefault(group, {})[name] = _coerce(key, raw, _field_type(groups[group], name))
     updated = {g: dataclasses.replace(getattr(config, g), **kv) for g, kv in changes.items()}
     return dataclasses.replace(config, **updated)
