@@ -1,0 +1,270 @@
+"""`dropless bench ep`: expert-parallel dispatch/combine and MoE-layer weak scaling, per strategy.
+
+For one MoE layer of a preset (default: the DeepSeek-V3 proxy, 32 experts, top-8, hidden 7168) with a fixed
+number of tokens per device, in bf16, forward + backward (gradients w.r.t. the input and the routed experts):
+
+- the layer's time on ONE device (all experts there) and on N devices (`parallel.expert = N`, N x the
+  tokens) for each dispatch strategy; weak-scaling efficiency = one-device time / N-device time;
+- from a `jax.profiler` trace of the N-device program: communication kernel time (the dispatch/combine
+  collectives) and its share of all kernel time (dropless.bench.profile's breakdown);
+- the useful bandwidth: bytes of the rows that must cross devices (one per remote (token, device) pair,
+  four trips in forward + backward) per second of communication kernel time, per device;
+- rows sent with and without deduplication, alltoall overflow, and the routing's max/mean expert load;
+each under `random` routing (a random router) and `skewed` routing (a router bias favouring low expert ids).
+Results: benchmarks/results/ep-<device>.json; `--table` prints the BENCHMARKS.md table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STRATEGIES = ("auto", "allgather", "alltoall", "ragged")
+SKEWS = ("random", "skewed")
+# Router bias for `skewed`: a ramp from +SKEW to -SKEW over the experts (selection only; sigmoid scores ~0.5).
+SKEW = 0.05
+
+
+def _layer_program(moe_cfg, mesh, strategy):
+    """jit(forward + backward of one bf16 MoE layer) on `mesh`; strategy None = the single-device executor."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dropless.moe import moe_layer
+    from dropless.parallel.dispatch import ExpertParallelExecutor
+    from dropless.parallel.mesh import batch_sharding
+
+    executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy)
+
+    def forward_backward(params, bias_E, x_BSD, cotangent_BSD):
+        def loss(experts, x_BSD):
+            y_BSD, stats = moe_layer({**params, "experts": experts}, bias_E, x_BSD, moe_cfg,
+                                     compute_dtype=jnp.bfloat16, executor=executor)
+            return jnp.sum(y_BSD.astype(jnp.float32) * cotangent_BSD), stats
+        (_, stats), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params["experts"], x_BSD)
+        return grads, stats
+
+    replicated = NamedSharding(mesh, P())
+    experts = NamedSharding(mesh, P("expert"))
+    params = {"router": {"kernel": replicated}, "experts": {"gate_up": experts, "down": experts}}
+    if moe_cfg.num_shared_experts:
+        params["shared"] = {"gate_up": replicated, "down": replicated}
+    tokens = batch_sharding(mesh)
+    return jax.jit(forward_backward, in_shardings=(params, replicated, tokens, tokens),
+                   out_shardings=((params["experts"], tokens), replicated))
+
+
+def _time(compiled, args, iters: int) -> float:
+    import jax
+
+    jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _profile(compiled, args, iters: int) -> dict:
+    """Kernel-time breakdown of `iters` calls (dropless.bench.profile)."""
+    import jax
+
+    from dropless.bench import profile
+
+    text = compiled.as_text()
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(iters):
+                out = compiled(*args)
+            jax.block_until_ready(out)
+        events = profile.read_trace(profile.find_trace(Path(trace_dir)))
+    return profile.breakdown(events, profile.parse_hlo(text), module=profile.hlo_module_name(text), steps=iters)
+
+
+def _inputs(config, devices: int, tokens_per_device: int, seed: int = 0):
+    """(params, x_BSD, cotangent_BSD) in bf16 activations for `devices` x `tokens_per_device` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from dropless.moe import init_moe
+
+    hidden, seq = config.model.hidden_size, min(config.train.seq_len, tokens_per_device)
+    shape = (devices * tokens_per_device // seq, seq, hidden)
+
+    @jax.jit
+    def make(key):
+        key_params, key_x, key_cotangent = jax.random.split(key, 3)
+        params = init_moe(key_params, hidden, config.moe, config.model.init_std)
+        return (params, jax.random.normal(key_x, shape, jnp.bfloat16), jax.random.normal(key_cotangent, shape, jnp.bfloat16))
+    return make(jax.random.key(seed))
+
+
+def _router_bias(moe_cfg, skew: str):
+    import jax.numpy as jnp
+
+    ramp = jnp.linspace(SKEW, -SKEW, moe_cfg.num_experts) if skew == "skewed" else jnp.zeros(moe_cfg.num_experts)
+    return ramp.astype(jnp.float32)
+
+
+def needed_rows(params, bias_E, x_BSD, moe_cfg, devices: int) -> int:
+    """Rows that must cross devices whatever the strategy: one per (token, other device holding its experts).
+
+    Tokens are split evenly and in order over the devices of the (1, 1, devices) mesh.
+    """
+    import jax
+    import numpy as np
+
+    from dropless.moe import route
+
+    x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+    ids_TK = np.asarray(jax.jit(lambda k, b, x: route(k, b, x, moe_cfg).expert_ids_TK)(
+        params["router"]["kernel"], bias_E, x_TD))
+    tokens = ids_TK.shape[0]
+    holds_TP = np.zeros((tokens, devices), bool)
+    holds_TP[np.arange(tokens)[:, None], ids_TK // (moe_cfg.num_experts // devices)] = True
+    holds_TP[np.arange(tokens), np.arange(tokens) // (tokens // devices)] = False  # its own device
+    return int(holds_TP.sum())
+
+
+def measure(config, strategies, skews, *, tokens_per_device: int, devices: list, iters: int, profile_iters: int,
+            log=print) -> list[dict]:
+    """One record per (strategy, skew) on all `devices`, plus the one-device baseline per skew."""
+    import jax
+
+    from dropless.config import ParallelConfig
+    from dropless.parallel.dispatch import make_strategy
+    from dropless.parallel.mesh import make_mesh
+
+    count = len(devices)
+    dtype_bytes = 2  # bf16 rows on the wire
+    records = []
+    one = make_mesh(ParallelConfig(data=1), devices[:1])
+    many = make_mesh(ParallelConfig(data=1, expert=count), devices, num_experts=config.moe.num_experts)
+    params, x_BSD, cotangent_BSD = _inputs(config, count, tokens_per_device)
+    rows = x_BSD.shape[0] // count  # one device's share: the first device's tokens of the N-device runs
+    arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD[:rows], cotangent_BSD[:rows]) for skew in skews}
+    baseline = _layer_program(config.moe, one, None).lower(*arguments[skews[0]]).compile()
+    baseline_ms = {}
+    for skew in skews:
+        args = arguments[skew]
+        baseline_ms[skew] = 1e3 * _time(baseline, args, iters)
+        records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew]})
+        log(f"ep: 1 device, {skew}: {baseline_ms[skew]:.2f} ms")
+    arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
+    for name in strategies:
+        strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count}),
+                                 platform=devices[0].platform)
+        program = _layer_program(config.moe, many, strategy)
+        compiled = program.lower(*arguments[skews[0]]).compile()
+        for skew in skews:
+            args = arguments[skew]
+            layer_ms = 1e3 * _time(compiled, args, iters)
+            _, stats = jax.device_get(compiled(*args))
+            breakdown = _profile(compiled, args, profile_iters)
+            comm_ms = breakdown["ms_per_step_per_device"]["communication"]
+            needed = needed_rows(*args[:3], config.moe, count)
+            record = {
+                "strategy": name, "chosen": type(strategy.choose(tokens_per_device, config.moe.num_experts_per_tok,
+                                                                 count, config.moe.num_experts // count)).__name__
+                if hasattr(strategy, "choose") else type(strategy).__name__,
+                "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
+                "layer_ms": layer_ms, "single_device_ms": baseline_ms[skew],
+                "weak_scaling_efficiency": baseline_ms[skew] / layer_ms,
+                "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
+                "comm_ms_by_kind": {k: v for k, v in breakdown["communication_ms_per_step_per_device"].items() if v},
+                "kernel_ms": breakdown["kernel_ms_per_step_per_device"],
+                "rows_needed_per_device": needed / count,
+                "rows_sent_per_device": int(stats.rows_sent) / count,
+                "rows_sent_without_dedup_per_device": int(stats.rows_sent_without_dedup) / count,
+                "overflowed": int(stats.dispatch_overflowed), "tokens_dropped": int(stats.tokens_dropped),
+                "max_load_ratio": float(stats.max_load_ratio),
+            }
+            if comm_ms > 0:  # forward: dispatch + combine; backward: their transposes
+                useful = 4 * needed / count * config.model.hidden_size * dtype_bytes
+                record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
+            records.append(record)
+            log(f"ep: {count} devices, {name}, {skew}: {layer_ms:.2f} ms (efficiency "
+                f"{record['weak_scaling_efficiency']:.2f}), communication {comm_ms:.2f} ms = "
+                f"{100 * record['comm_share']:.1f}% of kernel time, rows sent {record['rows_sent_per_device']:.0f} "
+                f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")
+    return records
+
+
+def markdown_table(records: list[dict]) -> str:
+    lines = ["| strategy | routing | layer fwd+bwd (ms) | weak-scaling efficiency | communication (ms, share) | "
+             "useful GB/s per device | rows sent per device (without dedup) | overflowed |", "|" + " --- |" * 8]
+    for r in records:
+        if r["strategy"] == "single-device":
+            lines.append(f"| 1 device | {r['skew']} | {r['layer_ms']:.2f} | 1.00 | - | - | - | - |")
+            continue
+        gbps = f"{r['useful_GBps_per_device']:.0f}" if "useful_GBps_per_device" in r else "-"
+        strategy = r["strategy"] + (f" ({r['chosen']})" if r["strategy"] == "auto" else "")
+        lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.2f} | "
+                     f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}% | {gbps} | "
+                     f"{r['rows_sent_per_device']:.0f} ({r['rows_sent_without_dedup_per_device']:.0f}) | "
+                     f"{r['overflowed']} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dropless bench ep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="deepseek-v3-proxy", help="the preset whose MoE layer is measured")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per device (fixed: weak scaling)")
+    p.add_argument("--devices", type=int, default=2, help="devices for the expert-parallel runs")
+    p.add_argument("--strategies", default="", help=f"comma-separated from {', '.join(STRATEGIES)} "
+                                                    "(default: all that the platform runs)")
+    p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated from {', '.join(SKEWS)}")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per measurement (the median is kept)")
+    p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
+    p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
+    p.add_argument("--table", action="store_true", help="print the markdown table at the end")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.dedup=false")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from dropless import xla_flags
+
+    xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag
+    import jax
+
+    from dropless.bench.gmm import environment
+    from dropless.bench.step import device_slug
+    from dropless.cli import _overrides, build_config
+
+    devices = jax.devices()[:args.devices]
+    if len(devices) < args.devices:
+        print(f"error: --devices {args.devices} but only {len(devices)} are present; lower --devices.", file=sys.stderr)
+        return 2
+    platform = devices[0].platform
+    strategies = [s for s in args.strategies.split(",") if s] or [
+        s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
+    skews = [s for s in args.skews.split(",") if s]
+    for chosen, allowed in ((strategies, STRATEGIES), (skews, SKEWS)):
+        if unknown := [x for x in chosen if x not in allowed]:
+            print(f"error: {', '.join(unknown)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
+            return 2
+    config = build_config(args.preset, _overrides(args.overrides))
+    out = Path(args.out.format(device=device_slug(devices[0].device_kind)))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,
+                      profile_iters=args.profile_iters)
+    result = {"preset": args.preset, "tokens_per_device": args.tokens, "overrides": args.overrides,
+              "environment": environment(), "records": records}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.table:
+        print(markdown_table(records))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
