@@ -7,21 +7,12 @@ import numpy as np
 import pytest
 
 from dropless.bench import harness, memory
-from dropless.config import load_preset
 from dropless.models import transformer
-
-
-def _micro(**overrides):
-    return load_preset("tiny").replace(**{
-        "model.num_layers": 2, "model.hidden_size": 32, "model.vocab_size": 64, "model.num_heads": 2,
-        "model.q_lora_rank": 16, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8,
-        "model.v_head_dim": 8, "model.dense_intermediate_size": 32, "moe.num_experts": 4, "moe.n_group": 2,
-        "moe.topk_group": 1, "moe.expert_intermediate_size": 16, "train.batch_size": 4, "train.seq_len": 8,
-        "moe.gmm_backend": "xla", **overrides})
+from tests.micro_config import micro_config
 
 
 def test_report_matches_the_arithmetic_of_the_shapes():
-    config = _micro()
+    config = micro_config()
     report = memory.memory_report(config, jax.devices()[:1])
     total, _ = transformer.param_counts(config)
     parts = report["per_device_bytes"]
@@ -43,11 +34,11 @@ def test_report_matches_the_arithmetic_of_the_shapes():
 
 
 def test_residual_activations_grow_with_the_batch_and_shrink_with_remat():
-    grows, fixed = memory.residual_bytes(_micro())
-    grows_double, fixed_double = memory.residual_bytes(_micro(**{"train.batch_size": 8}))
+    grows, fixed = memory.residual_bytes(micro_config())
+    grows_double, fixed_double = memory.residual_bytes(micro_config(**{"train.batch_size": 4}))
     assert grows_double == 2 * grows and fixed_double == fixed
     assert fixed > 0  # bfloat16 copies of the weights, saved for the backward pass
-    remat_grows, _ = memory.residual_bytes(_micro(**{"train.remat": "full"}))
+    remat_grows, _ = memory.residual_bytes(micro_config(**{"train.remat": "full"}))
     assert 0 < remat_grows < grows / 2
 
 
@@ -60,14 +51,14 @@ def test_sharding_memory_features_and_meshes_without_compiling():
                 memory.tree_bytes_per_device(shapes.opt_state, shardings.opt_state),
                 memory.tree_bytes_per_device(shapes, shardings, "pinned_host"))
 
-    params, opt_state, host = bytes_of(_micro(), jax.devices()[:1])
+    params, opt_state, host = bytes_of(micro_config(), jax.devices()[:1])
     assert opt_state == 2 * params + 8 and host == 0
-    _, bf16_state, _ = bytes_of(_micro(**{"train.optimizer_moments_dtype": "bfloat16"}), jax.devices()[:1])
+    _, bf16_state, _ = bytes_of(micro_config(**{"train.optimizer_moments_dtype": "bfloat16"}), jax.devices()[:1])
     assert bf16_state == params + 8
-    _, offloaded, host = bytes_of(_micro(**{"train.offload_optimizer": True}), jax.devices()[:1])
+    _, offloaded, host = bytes_of(micro_config(**{"train.offload_optimizer": True}), jax.devices()[:1])
     assert host == offloaded == opt_state
     if jax.device_count() >= 2:
-        sharded, _, _ = bytes_of(_micro(**{"parallel.fsdp": 2, "parallel.data": 1}), jax.devices()[:2])
+        sharded, _, _ = bytes_of(micro_config(**{"parallel.fsdp": 2, "parallel.data": 1}), jax.devices()[:2])
         assert params / 2 <= sharded < params  # nearly everything splits over fsdp; tiny vectors replicate
 
 

@@ -10,6 +10,7 @@ import pytest
 from dropless.bench import step
 from dropless.config import load_preset
 from dropless.models import flops as flops_lib
+from tests.micro_config import micro_config
 
 
 def _record(key: str, step_ms: float, *, overrides=None, devices: int = 1, tokens: int = 4096, **extra) -> dict:
@@ -136,11 +137,7 @@ def test_device_slug():
 
 def test_one_real_step_is_timed_on_cpu():
     """The whole path on a micro model: compile (parallel), time, summarize."""
-    config = load_preset("tiny").replace(**{
-        "model.num_layers": 2, "model.hidden_size": 32, "model.vocab_size": 64, "model.num_heads": 2,
-        "model.q_lora_rank": 16, "model.kv_lora_rank": 16, "model.dense_intermediate_size": 32,
-        "moe.num_experts": 4, "moe.n_group": 2, "moe.topk_group": 1, "moe.expert_intermediate_size": 16,
-        "train.batch_size": 2, "train.seq_len": 8, "moe.gmm_backend": "capacity"})
+    config = micro_config(**{"moe.gmm_backend": "capacity"})
     programs = step.compile_variants(config, [step.Variant("a", devices=1), step.Variant("bad", {"moe.gmm_backend": "tokamax"})],
                                      log=lambda s: None)
     assert programs["bad"].error  # tokamax needs a GPU: reported, not raised

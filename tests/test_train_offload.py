@@ -9,10 +9,11 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dropless.config import Config, ConfigError, TrainConfig, load_preset
+from dropless.config import ConfigError, TrainConfig
 from dropless.train import offload
 from dropless.train.optimizer import make_optimizer
 from dropless.train.step import TrainState
+from tests.micro_config import micro_config
 
 
 def _params():
@@ -120,28 +121,18 @@ def test_check_host_memory_names_the_key_and_the_fix():
     offload.check_host_memory(TrainConfig(offload_optimizer=True), jax.devices()[:1])  # XLA:CPU has pinned_host
 
 
-def _micro(**overrides) -> Config:
-    config = load_preset("tiny").replace(**{
-        "model.num_layers": 2, "model.hidden_size": 32, "model.vocab_size": 64, "model.num_heads": 2,
-        "model.q_lora_rank": 16, "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8, "model.qk_rope_head_dim": 8,
-        "model.v_head_dim": 8, "model.dense_intermediate_size": 32, "moe.num_experts": 4, "moe.n_group": 2,
-        "moe.topk_group": 1, "moe.expert_intermediate_size": 16, "train.batch_size": 2, "train.seq_len": 8,
-        "moe.gmm_backend": "xla"})
-    return config.replace(**overrides)
-
-
 def test_activation_offload_validation():
     from dropless.models import transformer
 
-    params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), _micro()))
-    state = jax.eval_shape(lambda: transformer.init_state(_micro()))
+    params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), micro_config()))
+    state = jax.eval_shape(lambda: transformer.init_state(micro_config()))
     tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
     with pytest.raises(ConfigError, match="unknown activation"):
-        jax.eval_shape(lambda p, s, t: transformer.forward(p, s, t, _micro(**{"train.remat": "full",
+        jax.eval_shape(lambda p, s, t: transformer.forward(p, s, t, micro_config(**{"train.remat": "full",
                                                                               "train.offload": "nope"})),
                        params, state, tokens)
     with pytest.raises(ConfigError, match="needs train.remat=full"):
-        jax.eval_shape(lambda p, s, t: transformer.forward(p, s, t, _micro(**{"train.offload": "moe_in"})),
+        jax.eval_shape(lambda p, s, t: transformer.forward(p, s, t, micro_config(**{"train.offload": "moe_in"})),
                        params, state, tokens)
 
 
@@ -151,7 +142,7 @@ def test_activation_offload_keeps_gradients_and_moves_activations_to_the_host(ca
     from dropless.models import transformer
     from dropless.train.step import loss_fn
 
-    config = _micro()
+    config = micro_config()
     params = transformer.init_params(jax.random.key(0), config)
     state = transformer.init_state(config)
     batch = jax.random.randint(jax.random.key(1), (2, 9), 0, config.model.vocab_size)
