@@ -1,6 +1,5 @@
 """Mesh construction, logical-axis rules, placement, multi-process settings and XLA flags (8 CPU devices)."""
 
-import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -8,8 +7,7 @@ from jax.sharding import PartitionSpec as P
 from dropless import xla_flags
 from dropless.config import ConfigError, ParallelConfig
 from dropless.parallel import distributed
-from dropless.parallel.mesh import (batch_sharding, logical_to_spec, make_mesh, param_shardings, place,
-                                    shard_batch)
+from dropless.parallel.mesh import batch_sharding, logical_to_spec, make_mesh, param_shardings, place
 
 
 @pytest.mark.parametrize("data,fsdp,expert,shape", [(-1, 1, 1, (8, 1, 1)), (-1, 2, 2, (2, 2, 2)),
@@ -58,7 +56,7 @@ def test_param_shardings_and_place_round_trip():
     np.testing.assert_array_equal(np.asarray(placed["experts"]["gate_up"]), params["experts"]["gate_up"])
 
     batch = np.arange(16 * 5, dtype=np.int32).reshape(16, 5)
-    sharded = shard_batch(mesh, batch)
+    sharded = place(batch, batch_sharding(mesh))
     assert sharded.sharding == batch_sharding(mesh) and sharded.addressable_shards[0].data.shape == (2, 5)
     np.testing.assert_array_equal(np.asarray(sharded), batch)
 

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 STRATEGIES = ("auto", "allgather", "alltoall", "ragged")
@@ -60,18 +58,6 @@ def _layer_program(moe_cfg, mesh, strategy):
                    out_shardings=((params["experts"], tokens), replicated))
 
 
-def _time(compiled, args, iters: int) -> float:
-    import jax
-
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _profile(compiled, args, iters: int) -> dict:
     """Kernel-time breakdown of `iters` calls (dropless.bench.profile)."""
     import jax
@@ -102,7 +88,8 @@ def _inputs(config, devices: int, tokens_per_device: int, seed: int = 0):
     def make(key):
         key_params, key_x, key_cotangent = jax.random.split(key, 3)
         params = init_moe(key_params, hidden, config.moe, config.model.init_std)
-        return (params, jax.random.normal(key_x, shape, jnp.bfloat16), jax.random.normal(key_cotangent, shape, jnp.bfloat16))
+        normal = lambda key: jax.random.normal(key, shape, jnp.bfloat16)
+        return params, normal(key_x), normal(key_cotangent)
     return make(jax.random.key(seed))
 
 
@@ -138,6 +125,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     """One record per (strategy, skew) on all `devices`, plus the one-device baseline per skew."""
     import jax
 
+    from dropless.bench.gmm import time_calls
     from dropless.config import ParallelConfig
     from dropless.parallel.dispatch import make_strategy
     from dropless.parallel.mesh import make_mesh
@@ -154,7 +142,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     baseline_ms = {}
     for skew in skews:
         args = arguments[skew]
-        baseline_ms[skew] = 1e3 * _time(baseline, args, iters)
+        baseline_ms[skew] = 1e3 * time_calls(baseline, [args], batches=iters)
         records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew]})
         log(f"ep: 1 device, {skew}: {baseline_ms[skew]:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
@@ -165,7 +153,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         compiled = program.lower(*arguments[skews[0]]).compile()
         for skew in skews:
             args = arguments[skew]
-            layer_ms = 1e3 * _time(compiled, args, iters)
+            layer_ms = 1e3 * time_calls(compiled, [args], batches=iters)
             _, stats = jax.device_get(compiled(*args))
             breakdown = _profile(compiled, args, profile_iters)
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
@@ -221,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default="", help=f"comma-separated from {', '.join(STRATEGIES)} "
                                                     "(default: all that the platform runs)")
     p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated from {', '.join(SKEWS)}")
-    p.add_argument("--iters", type=int, default=5, help="timed calls per measurement (the median is kept)")
+    p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement (the median is kept)")
     p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
     p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
     p.add_argument("--table", action="store_true", help="print the markdown table at the end")

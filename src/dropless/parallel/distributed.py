@@ -38,7 +38,8 @@ def _local_device_ids(environ) -> list[int] | None:
     try:
         return [int(part) for part in raw.split(",")]
     except ValueError:
-        raise ConfigError(f"DROPLESS_LOCAL_DEVICE_IDS={raw!r} must be a comma-separated list of device numbers, like 0,1,2,3.") from None
+        raise ConfigError(f"DROPLESS_LOCAL_DEVICE_IDS={raw!r} must be a comma-separated list of device numbers, "
+                          f"like 0,1,2,3.") from None
 
 
 def distributed_settings(environ=None) -> dict | None:

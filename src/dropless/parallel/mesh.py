@@ -63,7 +63,8 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
         data = parallel.data
     if data * inner != count:
         raise ConfigError(f"parallel.data={data} x parallel.fsdp={parallel.fsdp} x parallel.expert={parallel.expert} "
-                          f"= {data * inner} but there are {count} devices; make the product {count} or set parallel.data=-1.")
+                          f"= {data * inner} but there are {count} devices; make the product {count} "
+                          f"or set parallel.data=-1.")
     if num_experts is not None and num_experts % parallel.expert:
         raise ConfigError(f"moe.num_experts={num_experts} is not divisible by parallel.expert={parallel.expert}; "
                           f"choose an expert-parallel size that divides the number of experts.")
@@ -84,7 +85,8 @@ def _mesh_axes_of(logical: str | None) -> tuple[str, ...]:
     return () if rule is None else (rule,) if isinstance(rule, str) else tuple(rule)
 
 
-def logical_to_spec(mesh: Mesh, logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> PartitionSpec:
+def logical_to_spec(mesh: Mesh, logical_axes: Sequence[str | None],
+                    shape: Sequence[int] | None = None) -> PartitionSpec:
     """PartitionSpec for one array: apply the rules, each mesh axis at most once, size-1 axes dropped.
 
     With `shape`, a mesh axis that does not divide its dimension is skipped (that dimension stays
@@ -149,8 +151,3 @@ def place(tree: Any, shardings: Any) -> Any:
         return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(put, tree, shardings)
-
-
-def shard_batch(mesh: Mesh, batch: np.ndarray) -> jax.Array:
-    """A global [B, ...] host batch (the same in every process) as one array sharded over the mesh."""
-    return place(batch, batch_sharding(mesh))
