@@ -120,6 +120,15 @@ def test_alltoall_slot_sizes_and_the_auto_choice():
     assert Auto(1.25).choose(num_tokens=4096, top_k=8, num_devices=8, num_local=4) == AllToAll(1.25)
 
 
+def test_meshes_without_expert_parallelism_compute_locally():
+    """parallel.expert=1 (data and fsdp only): make_executor's NoDispatch, each device its own tokens."""
+    config = Config(moe=MOE, parallel=MESHES[1])
+    executor = dispatch.make_executor(config, make_mesh(config.parallel))
+    assert executor.strategy == NoDispatch()
+    stats = _assert_matches_single_device(executor.strategy, 1, _problem(seed=1))
+    assert int(stats.rows_sent) == 0 == int(stats.rows_sent_without_dedup)
+
+
 @pytest.mark.parametrize("name", ["alltoall", "ragged"])
 def test_dedup_sends_fewer_rows_and_changes_nothing(name):
     problem = _problem(seed=4)
