@@ -26,7 +26,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"dropless: error: {message} (see 'dropless {self.prog.split()[-1]} --help').\n")
 
 
-def _overrides(pairs: list[str]) -> dict[str, str]:
+def parse_overrides(pairs: list[str]) -> dict[str, str]:
+    """['group.key=value', ...] -> {'group.key': 'value'}; anything else is a ConfigError."""
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -63,7 +64,7 @@ def cmd_train(args) -> int:
     from dropless.train import checkpoint as ckpt
     from dropless.train.loop import train
 
-    overrides = _overrides(args.overrides)
+    overrides = parse_overrides(args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(args.preset, args.resume)
     init_weights = None
     if args.resume and (run_dir / "config.json").is_file():
@@ -228,19 +229,28 @@ def make_parser() -> argparse.ArgumentParser:
     presets.add_argument("--keys", action="store_true", help="list every config key instead")
     presets.set_defaults(func=cmd_presets)
 
-    bench = sub.add_parser("bench", help="benchmarks: gmm, ep, step, memory (see 'dropless bench NAME --help')")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
-    bench.add_argument("args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=lambda a: _delegate(BENCHMARKS[a.name], a.args))
-
-    tune = sub.add_parser("tune-gmm", help="autotune the grouped GEMM on this GPU", add_help=False)
-    tune.add_argument("args", nargs=argparse.REMAINDER)
-    tune.set_defaults(func=lambda a: _delegate("dropless.bench.tune_gmm", a.args))
-
-    profile = sub.add_parser("profile", help="trace training steps and break down device time", add_help=False)
-    profile.add_argument("args", nargs=argparse.REMAINDER)
-    profile.set_defaults(func=lambda a: _delegate("dropless.bench.profile", a.args))
+    # These hand their arguments, untouched, to their own parsers (see PASS_THROUGH in main).
+    sub.add_parser("bench", help="benchmarks: gmm, ep, step, memory (see 'dropless bench NAME --help')")
+    sub.add_parser("tune-gmm", help="autotune the grouped GEMM on this GPU (see 'dropless tune-gmm --help')")
+    sub.add_parser("profile", help="trace training steps and break down device time (see 'dropless profile --help')")
     return parser
+
+
+PASS_THROUGH = {"tune-gmm": "dropless.bench.tune_gmm", "profile": "dropless.bench.profile"}
+
+
+def _pass_through(argv: list[str]):
+    """(module, its argv) when argv names a command whose arguments its own parser reads, else None."""
+    if not argv:
+        return None
+    if argv[0] in PASS_THROUGH:
+        return PASS_THROUGH[argv[0]], argv[1:]
+    if argv[0] == "bench":
+        if len(argv) < 2 or argv[1] not in BENCHMARKS:
+            raise ConfigError(f"dropless bench needs one of {', '.join(sorted(BENCHMARKS))}, "
+                              "e.g. 'dropless bench gmm --help'.")
+        return BENCHMARKS[argv[1]], argv[2:]
+    return None
 
 
 def is_user_error(err: BaseException) -> bool:
@@ -265,9 +275,16 @@ def _one_line_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     _one_line_warnings()
     try:
+        delegated = _pass_through(argv)
+        if delegated is not None:
+            return _delegate(*delegated)
+        args = make_parser().parse_args(argv)
+        # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
+        from dropless.parallel import distributed
+        distributed.initialize()
         return args.func(args)
     except (ValueError, *OS_ERRORS) as err:
         if not is_user_error(err):

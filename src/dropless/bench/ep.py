@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dropless.bench.gmm import environment
     from dropless.bench.step import device_slug
-    from dropless.cli import _overrides, build_config
+    from dropless.cli import build_config, parse_overrides
 
     devices = jax.devices()[:args.devices]
     if len(devices) < args.devices:
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := [x for x in chosen if x not in allowed]:
             print(f"error: {', '.join(unknown)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
             return 2
-    config = build_config(args.preset, _overrides(args.overrides))
+    config = build_config(args.preset, parse_overrides(args.overrides))
     out = Path(args.out.format(device=device_slug(devices[0].device_kind)))
     out.parent.mkdir(parents=True, exist_ok=True)
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,

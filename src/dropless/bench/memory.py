@@ -194,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         from dropless import xla_flags
 
         xla_flags.apply()
-    from dropless.cli import _overrides, build_config
+    from dropless.cli import build_config, parse_overrides
 
-    config = build_config(args.preset, _overrides(args.overrides))
+    config = build_config(args.preset, parse_overrides(args.overrides))
     report = memory_report(config)
     report["preset"] = args.preset
     print(format_report(report, args.device_memory_gib * GIB if args.device_memory_gib else None))

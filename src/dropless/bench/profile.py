@@ -330,12 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from dropless.bench import harness
-    from dropless.cli import _overrides, build_config
+    from dropless.cli import build_config, parse_overrides
     from dropless.config import ConfigError
 
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1.")
-    config = build_config(args.preset, _overrides(args.overrides))
+    config = build_config(args.preset, parse_overrides(args.overrides))
     out = Path(args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     setup = harness.build(config)
     options = PROFILE_COMPILER_OPTIONS if jax.default_backend() == "gpu" else {}

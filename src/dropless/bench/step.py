@@ -592,13 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     xla_flags.apply()
     import jax
 
-    from dropless.cli import _overrides, build_config
+    from dropless.cli import build_config, parse_overrides
     from dropless.train import metrics as metrics_lib
 
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    config = build_config(args.preset, _overrides(args.overrides))
+    config = build_config(args.preset, parse_overrides(args.overrides))
     timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
         run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,

@@ -109,10 +109,17 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
           progress: bool = True) -> RunSummary:
     """Train `config` in `run_dir`. `init_weights=(params, state)` starts from given weights (fine-tuning)."""
     run_dir = Path(run_dir)
-    config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite)
+    # With several processes, process 0 alone writes the run directory (config, tokenizer, corpus cache,
+    # metrics); the others wait for it, then read. Checkpoints are written by all (orbax coordinates them).
+    primary = jax.process_index() == 0
+    log = log if primary else (lambda message: None)
+    if primary:
+        config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite)
+        dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir, log=log)
+    _sync_processes("dropless: run directory ready")
+    if not primary:
+        dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir)
     tc = config.train
-
-    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len, run_dir, log=log)
     mesh = mesh_lib.make_mesh(config.parallel, batch_size=tc.batch_size, num_experts=config.moe.num_experts)
     executor = dispatch.make_executor(config, mesh)
     optimizer = make_optimizer(tc)
@@ -158,16 +165,16 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
         losses = [eval_step(state.params, state.model_state, b) for b in eval_data]
         return float(np.mean(jax.device_get(losses)))
 
-    writer = metrics_lib.MetricsWriter(run_dir)
+    writer = metrics_lib.MetricsWriter(run_dir) if primary else None
     eval_losses: list[tuple[int, float]] = []
     tokens_dropped_total = 0
-    if start == 0 or not ckpt.latest_step(run_dir):
+    if start == 0:
         eval_losses.append((start, evaluate(state)))
-        writer.write({"step": start, "eval_loss": eval_losses[-1][1]})
+        _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
         log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
 
-    bar = _progress_bar(start, tc.steps, progress)
-    window_start, window_tokens, pending = time.perf_counter(), 0, None
+    bar = _progress_bar(start, tc.steps, progress and primary)
+    window_start, window_tokens = time.perf_counter(), 0
     wall_start = time.perf_counter()
     with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
             start, tc.batch_size, tc.steps, transform=lambda b: _global_batch(b, batch_sharding, tc.batch_size),
@@ -181,25 +188,38 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
                 elapsed = time.perf_counter() - window_start
                 record = {"step": done, **{k: float(v) for k, v in step_metrics.items()},
                           **metrics_lib.throughput(window_tokens, elapsed, flops_per_token, jax.device_count(), peak)}
-                record["tokens_dropped"] = int(step_metrics["tokens_dropped"])
+                for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup"):
+                    record[key] = int(step_metrics[key])
                 tokens_dropped_total += record["tokens_dropped"]
                 _check_nothing_dropped(config, record)
-                writer.write(record)
+                _write(writer, record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                                 load=f"{record['max_expert_load']:.2f}")
                 window_start, window_tokens = time.perf_counter(), 0
             bar.update(1)
             if done % tc.eval_every == 0 or done == tc.steps:
                 eval_losses.append((done, evaluate(state)))
-                writer.write({"step": done, "eval_loss": eval_losses[-1][1]})
+                _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
                 bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
             if done % tc.checkpoint_every == 0 or done == tc.steps:
                 ckpt.save(mngr, done, state.params, state.model_state, state.opt_state)
     bar.close()
-    writer.close()
-    metrics_lib.plot_run(run_dir)
+    if primary:
+        writer.close()
+        metrics_lib.plot_run(run_dir)
     return RunSummary(run_dir, start, max(start, tc.steps), eval_losses, time.perf_counter() - wall_start,
                       tokens_dropped_total)
+
+
+def _sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+def _write(writer, record: dict) -> None:
+    if writer is not None:
+        writer.write(record)
 
 
 def _check_nothing_dropped(config: Config, record: dict) -> None:

@@ -48,13 +48,19 @@ def loss_fn(params, model_state, batch_BS1, config: Config, executor=None):
 
 def _moe_metrics(aux) -> dict[str, jax.Array]:
     moe = aux.get("moe")
-    if moe is None:
-        zero = jnp.zeros((), jnp.float32)
-        return {"tokens_dropped": jnp.zeros((), jnp.int32), "max_expert_load": zero, "balance_loss": zero}
+    if moe is None or moe.tokens_dropped.size == 0:  # a model without MoE layers
+        zero_i, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+        return {"tokens_dropped": zero_i, "max_expert_load": zero_f, "balance_loss": zero_f,
+                "dispatch_overflows": zero_i, "rows_sent": zero_i, "rows_sent_without_dedup": zero_i}
     return {
         "tokens_dropped": jnp.sum(moe.tokens_dropped).astype(jnp.int32),
         "max_expert_load": jnp.max(moe.max_load_ratio),  # worst layer
         "balance_loss": aux["balance_loss"],
+        # Expert parallelism: layers whose alltoall slots overflowed (and took the worst-case exchange,
+        # dropping nothing), and token rows sent between devices with and without deduplication.
+        "dispatch_overflows": jnp.sum(moe.dispatch_overflowed).astype(jnp.int32),
+        "rows_sent": jnp.sum(moe.rows_sent).astype(jnp.int32),
+        "rows_sent_without_dedup": jnp.sum(moe.rows_sent_without_dedup).astype(jnp.int32),
     }
 
 
