@@ -36,7 +36,7 @@ def test_packaged_table_has_a_measured_entry_for_every_deepseek_shape():
         for product in gt.PRODUCTS:
             config = plan.product(product)
             assert config.fits(product, shape[1], shape[2])
-            # tokamax 0.0.17's weight-gradient kernel failed the correctness check on an H200 (docs/gmm.md).
+            # tokamax 0.0.17's weight-gradient kernel failed the correctness check on an H200 (BENCHMARKS.md).
             assert not (product == "drhs" and config.kernel == "tokamax")
     entry = next(e for e in table["devices"][H200] if e["name"] == "dsv3-gate-up-e32")
     assert all(entry[p]["ms"] > 0 for p in gt.PRODUCTS) and "tune-gmm" in entry["provenance"]

@@ -274,9 +274,17 @@ def _one_line_warnings() -> None:
     warnings.showwarning = show
 
 
+def _quiet_library_logs() -> None:
+    """orbax logs routine notes (e.g. on read-only checkpoint access) as absl warnings: keep errors only."""
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _one_line_warnings()
+    _quiet_library_logs()
     try:
         delegated = _pass_through(argv)
         if delegated is not None:

@@ -271,7 +271,7 @@ RUNGS = {
 }
 REMAT_POLICIES = ("none", "moe", "full")
 NO_DEFAULT_BACKEND = ("not run: no moe.gmm_backend runs tokamax's own kernel with its default heuristics "
-                      "(moe.gmm_backend=tokamax is the tuned path; docs/gmm.md compares the two per GEMM)")
+                      "(moe.gmm_backend=tokamax is the tuned path; BENCHMARKS.md compares the two per GEMM)")
 
 
 def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | None, flags: dict[str, dict],

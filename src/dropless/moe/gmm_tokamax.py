@@ -3,7 +3,7 @@
 `implementation="mosaic_gpu"` (the default) runs `gmm_tuned.tuned_gmm`: forward, dx and dW each with the kernel
 and tile that `gmm_tuning.plan_for` picks for this GPU and shape from `gmm_configs.json` — our kernels in
 `gmm_mosaic.py` for every shape measured so far (they read W and x in place, and their dW is correct), tokamax's
-where a table entry names it. docs/gmm.md has the measurements. Other implementations (`"xla"`: tokamax's
+where a table entry names it. BENCHMARKS.md has the measurements. Other implementations (`"xla"`: tokamax's
 portable path, used by the CPU tests of this wrapper) run tokamax.ragged_dot under the custom VJP below.
 
 Needs an NVIDIA GPU. On any other machine the backend can be built (so configs and tests can name it),
