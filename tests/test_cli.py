@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,23 @@ def test_train_then_generate_and_resume_through_the_cli(tmp_path):
                      "--temperature", "0")
     assert sample.returncode == 0, sample.stderr
     assert sample.stdout.startswith("def ")
+
+
+def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path):
+    import json
+
+    import numpy as np
+
+    fixture = Path(__file__).parent / "fixtures" / "hf" / "mixtral"
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 128, 20_000).astype(np.int32))
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--init-from-hf", str(fixture), "--data", str(tokens), "--steps", "2",
+                     "--run-dir", str(run_dir), "--no-progress", "train.batch_size=8", "train.seq_len=16",
+                     "train.eval_batches=1", "train.log_every=1", "train.dtype=float32")
+    assert result.returncode == 0, result.stderr
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["model"]["family"] == "mixtral" and saved["model"]["hidden_size"] == 32
+    assert saved["train"]["seq_len"] == 16  # the run's own settings apply on top of the imported model
+    no_tokenizer = run_cli("generate", "--hf-dir", str(fixture), "--prompt", "x")
+    assert_user_error(no_tokenizer, "tokenizer.json")

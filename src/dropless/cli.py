@@ -76,6 +76,9 @@ def cmd_train(args) -> int:
         hf_config, params, state = load_hf(Path(args.init_from_hf))
         merged = {k: v for k, v in _flat_dict(config_lib.load_preset(args.preset)).items()
                   if k.split(".")[0] in ("train", "data", "parallel")}
+        hf_tokenizer = Path(args.init_from_hf) / "tokenizer.json"
+        if args.tokenizer is None and hf_tokenizer.is_file():
+            merged["data.tokenizer"] = str(hf_tokenizer)  # the checkpoint's own tokenizer, unless told otherwise
         config = config_lib.apply_overrides(hf_config, {**merged, **overrides, **_flag_overrides(args)})
         init_weights = (params, state)
     else:
