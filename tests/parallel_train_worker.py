@@ -28,7 +28,7 @@ def train_losses(overrides: dict, devices=None) -> dict:
     from dropless import config as config_lib
     from dropless.parallel import dispatch
     from dropless.parallel.mesh import batch_sharding, make_mesh
-    from dropless.train.loop import train_state_shardings
+    from dropless.train.setup import train_state_shardings
     from dropless.train.optimizer import make_optimizer
     from dropless.train.step import init_train_state, make_train_step
 

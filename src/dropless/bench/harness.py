@@ -1,4 +1,5 @@
-"""The real training step, built for measurement: the same pieces `dropless.train.loop` jits, without the data.
+"""The real training step, built for measurement: the very step `dropless.train.loop` runs
+(`dropless.train.setup`), without the data.
 
 `build(config)` returns the mesh, the shardings and the jitted `dropless.train.step` train step (state donated).
 `lower(setup)` lowers it from abstract shapes, so a program can be compiled and its memory analysed without
@@ -8,47 +9,14 @@ Batches are uniform random token ids: the router, the expert loads and every mat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import Mesh, NamedSharding
 
 from dropless.config import Config
-from dropless.parallel import dispatch
 from dropless.parallel import mesh as mesh_lib
-from dropless.train import offload
-from dropless.train.loop import train_state_shardings
-from dropless.train.optimizer import make_optimizer
-from dropless.train.step import TrainState, init_train_state, make_train_step
-
-
-@dataclass(frozen=True)
-class StepSetup:
-    config: Config
-    mesh: Mesh
-    optimizer: optax.GradientTransformation
-    state_shapes: TrainState  # ShapeDtypeStructs
-    state_shardings: TrainState  # NamedShardings
-    batch_sharding: NamedSharding
-    step: Any  # jax.jit(train_step), state donated
-
-
-def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSetup:
-    """Mesh, shardings and the jitted train step for `config` on `devices` (default: all)."""
-    devices = list(jax.devices() if devices is None else devices)
-    mesh = mesh_lib.make_mesh(config.parallel, devices, batch_size=config.train.batch_size,
-                              num_experts=config.moe.num_experts)
-    optimizer = make_optimizer(config.train)
-    state_shapes = jax.eval_shape(lambda: init_train_state(jax.random.key(config.train.seed), config, optimizer))
-    shardings = offload.state_shardings_for(config.train, train_state_shardings(config, mesh, optimizer), devices)
-    batch_sharding = mesh_lib.batch_sharding(mesh)
-    step = jax.jit(make_train_step(config, optimizer, dispatch.make_executor(config, mesh)),
-                   in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
-    return StepSetup(config, mesh, optimizer, state_shapes, shardings, batch_sharding, step)
+from dropless.train.setup import StepSetup, build, init_state  # noqa: F401  (the benchmarks' entry points)
+from dropless.train.step import TrainState
 
 
 def batch_shape(config: Config) -> jax.ShapeDtypeStruct:
@@ -65,13 +33,6 @@ def abstract_args(setup: StepSetup) -> tuple[TrainState, jax.ShapeDtypeStruct]:
 
 def lower(setup: StepSetup) -> jax.stages.Lowered:
     return setup.step.lower(*abstract_args(setup))
-
-
-def init_state(setup: StepSetup) -> TrainState:
-    """A freshly initialised TrainState, created directly in its shardings."""
-    config, optimizer = setup.config, setup.optimizer
-    return jax.jit(lambda: init_train_state(jax.random.key(config.train.seed), config, optimizer),
-                   out_shardings=setup.state_shardings)()
 
 
 def random_batches(setup: StepSetup, count: int, seed: int = 0) -> list[jax.Array]:

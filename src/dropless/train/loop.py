@@ -18,7 +18,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from dropless import config as config_lib
 from dropless.config import Config, ConfigError
@@ -26,13 +25,10 @@ from dropless.data import load_token_dataset
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
 from dropless.moe.gmm import resolve_backend_name
-from dropless.parallel import dispatch
-from dropless.parallel import mesh as mesh_lib
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
-from dropless.train import offload
-from dropless.train.optimizer import make_optimizer
-from dropless.train.step import TrainState, init_train_state, make_eval_step, make_train_step
+from dropless.train import setup as setup_lib
+from dropless.train.step import TrainState, make_eval_step
 
 # Keys a resumed run may change: they steer logging and the run's length, not what a step computes.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
@@ -91,19 +87,6 @@ def _global_batch(local_BS1: np.ndarray, sharding, global_batch: int) -> jax.Arr
     return jax.make_array_from_process_local_data(sharding, local_BS1, (global_batch, local_BS1.shape[1]))
 
 
-def train_state_shardings(config: Config, mesh, optimizer) -> TrainState:
-    """Shardings of every TrainState leaf: parameters by their logical axes (the one rule table in
-    dropless.parallel.mesh), optimizer moments like the parameters they track, the rest replicated."""
-    replicated = mesh_lib.replicated(mesh)
-    param_shapes = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config))
-    params = mesh_lib.param_shardings(mesh, transformer.logical_axes(config), param_shapes)
-    opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
-    opt_state = optax.tree_map_params(optimizer, lambda _, sharding: sharding, opt_shapes, params,
-                                      transform_non_params=lambda _: replicated)
-    model_state = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: transformer.init_state(config)))
-    return TrainState(replicated, params, opt_state, model_state)
-
-
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
           init_weights: tuple | None = None, log: Callable[[str], None] = print,
           progress: bool = True) -> RunSummary:
@@ -120,17 +103,10 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     if not primary:
         dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir)
     tc = config.train
-    mesh = mesh_lib.make_mesh(config.parallel, batch_size=tc.batch_size, num_experts=config.moe.num_experts)
-    executor = dispatch.make_executor(config, mesh)
-    optimizer = make_optimizer(tc)
-    batch_sharding = mesh_lib.batch_sharding(mesh)
-    state_shardings = offload.state_shardings_for(tc, train_state_shardings(config, mesh, optimizer))
-
-    def init_state():
-        params, model_state = init_weights if init_weights is not None else (None, None)
-        return init_train_state(jax.random.key(tc.seed), config, optimizer, params, model_state)
-
-    state = jax.jit(init_state, out_shardings=state_shardings)()
+    setup = setup_lib.build(config)
+    mesh, executor, state_shardings, batch_sharding = (setup.mesh, setup.executor, setup.state_shardings,
+                                                       setup.batch_sharding)
+    state = setup_lib.init_state(setup, init_weights)
     start = 0
     if resume:
         start = ckpt.latest_step(run_dir) or 0
@@ -152,9 +128,6 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     if start >= tc.steps:
         log(f"dropless: the run is already at step {start} of {tc.steps}; raise --steps to train further.")
 
-    train_step = jax.jit(make_train_step(config, optimizer, executor),
-                         in_shardings=(state_shardings, batch_sharding),
-                         out_shardings=(state_shardings, None), donate_argnums=0)
     eval_step = jax.jit(make_eval_step(config, executor),
                         in_shardings=(state_shardings.params, state_shardings.model_state, batch_sharding))
     process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
@@ -180,7 +153,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
             start, tc.batch_size, tc.steps, transform=lambda b: _global_batch(b, batch_sharding, tc.batch_size),
             **process) as batches:
         for step in range(start, tc.steps):
-            state, step_metrics = train_step(state, next(batches))
+            state, step_metrics = setup.step(state, next(batches))
             window_tokens += tc.batch_size * tc.seq_len
             done = step + 1
             if done % tc.log_every == 0 or done == tc.steps:

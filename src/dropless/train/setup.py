@@ -1,0 +1,70 @@
+"""Everything a training step needs besides data, built once: mesh, executor, optimizer, shardings, the jitted step.
+
+`dropless.train.loop` trains with it; the benchmarks (`dropless.bench`) lower and time the very same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from dropless.config import Config
+from dropless.models import transformer
+from dropless.parallel import dispatch
+from dropless.parallel import mesh as mesh_lib
+from dropless.train import offload
+from dropless.train.optimizer import make_optimizer
+from dropless.train.step import TrainState, init_train_state, make_train_step
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    config: Config
+    mesh: Mesh
+    executor: Any  # the expert-parallel executor, or None on one device
+    optimizer: optax.GradientTransformation
+    state_shapes: TrainState  # ShapeDtypeStructs
+    state_shardings: TrainState  # NamedShardings
+    batch_sharding: NamedSharding
+    step: Any  # jax.jit(train_step), state donated
+
+
+def train_state_shardings(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation) -> TrainState:
+    """Shardings of every TrainState leaf: parameters by their logical axes (the one rule table in
+    dropless.parallel.mesh), optimizer moments like the parameters they track, the rest replicated."""
+    replicated = mesh_lib.replicated(mesh)
+    param_shapes = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config))
+    params = mesh_lib.param_shardings(mesh, transformer.logical_axes(config), param_shapes)
+    opt_shapes = jax.eval_shape(optimizer.init, param_shapes)
+    opt_state = optax.tree_map_params(optimizer, lambda _, sharding: sharding, opt_shapes, params,
+                                      transform_non_params=lambda _: replicated)
+    model_state = jax.tree.map(lambda _: replicated, jax.eval_shape(lambda: transformer.init_state(config)))
+    return TrainState(replicated, params, opt_state, model_state)
+
+
+def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSetup:
+    """Mesh, shardings and the jitted train step for `config` on `devices` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = mesh_lib.make_mesh(config.parallel, devices, batch_size=config.train.batch_size,
+                              num_experts=config.moe.num_experts)
+    executor = dispatch.make_executor(config, mesh)
+    optimizer = make_optimizer(config.train)
+    state_shapes = jax.eval_shape(lambda: init_train_state(jax.random.key(config.train.seed), config, optimizer))
+    shardings = offload.state_shardings_for(config.train, train_state_shardings(config, mesh, optimizer), devices)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+    step = jax.jit(make_train_step(config, optimizer, executor),
+                   in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+    return StepSetup(config, mesh, executor, optimizer, state_shapes, shardings, batch_sharding, step)
+
+
+def init_state(setup: StepSetup, init_weights: tuple | None = None) -> TrainState:
+    """A fresh TrainState created directly in its shardings; `init_weights=(params, state)` starts from given
+    weights (fine-tuning) instead of a random initialisation."""
+    config, optimizer = setup.config, setup.optimizer
+    params, model_state = init_weights if init_weights is not None else (None, None)
+    return jax.jit(lambda: init_train_state(jax.random.key(config.train.seed), config, optimizer, params, model_state),
+                   out_shardings=setup.state_shardings)()
