@@ -267,3 +267,27 @@ def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch
     assert seen["plan"] == gt.plan_for(256, 128, 256, 4)
     with pytest.raises(MoEError, match="bf16 or f16"):
         gmm_tokamax._tuned(x.astype(jnp.float32), w.astype(jnp.float32), jnp.array([1, 0, 0, 0]), None)
+
+
+def test_weight_gradient_kernel_matches_a_per_group_loop_in_the_gpu_interpreter():
+    """xᵀ·dy per group: boundary rows shared with neighbouring groups and NaN padding must not count. (The
+    chain_k tile walk is not covered here: Pallas's GPU interpreter rejects its accumulator; tune-gmm checks
+    every candidate against a reference on the GPU before it can be chosen.)"""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.moe.gmm_mosaic import grouped_matmul_tn
+
+    tile = TileConfig(64, 64, 64, 2, True, 1, 1)
+    sizes = np.array([37, 0, 60, 51], np.int32)  # 148 rows in groups (none aligned), 12 rows of padding
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((160, 128)).astype(np.float32)
+    dy = rng.standard_normal((160, 64)).astype(np.float32)
+    x[150], dy[155] = np.nan, np.nan
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        dw = grouped_matmul_tn(jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16), jnp.asarray(sizes), tile,
+                               out_dtype=jnp.float32)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    xb, dyb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))
+    for g in range(len(sizes)):
+        lo, hi = bounds[g], bounds[g + 1]
+        np.testing.assert_allclose(np.asarray(dw[g]), xb[lo:hi].T @ dyb[lo:hi], rtol=1e-4, atol=1e-3)

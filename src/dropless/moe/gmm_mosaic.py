@@ -177,6 +177,19 @@ def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, 
     )(lhs_MK, rhs, *tables)
 
 
+def _zero_rows_outside_group(smem_refs, first_row, start, end, when) -> None:
+    """Zero, in shared memory, the rows of row tiles (starting at global row `first_row`) that fall outside
+    [start, end): the first and last tiles of a group overlap its neighbours, whose rows must not count."""
+
+    @pl.when(when)
+    def _mask():
+        for ref in smem_refs:
+            row = first_row + plgpu.layout_cast(jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+            inside = (row >= start) & (row < end)
+            ref[...] = jnp.where(inside, ref[...], jnp.zeros(ref.shape, ref.dtype))
+        plgpu.commit_smem()
+
+
 def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                       out_dtype=None, interpret=None) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N]: the weight gradient xᵀ·dy, contracting over rows.
@@ -209,14 +222,8 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                 def step(idx, lhs_smem, rhs_smem):
                     (r,) = idx
 
-                    @pl.when((r == 0) | (r == steps - 1))
-                    def _mask_rows_outside_group():
-                        for ref in (lhs_smem, rhs_smem):
-                            row = first + r * bk + plgpu.layout_cast(
-                                jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
-                            inside = (row >= start) & (row < end)
-                            ref[...] = jnp.where(inside, ref[...], jnp.zeros(ref.shape, ref.dtype))
-                        plgpu.commit_smem()
+                    _zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
+                                             (r == 0) | (r == steps - 1))
 
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
                     plgpu.wgmma_wait(1)
@@ -281,14 +288,8 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                         def step(idx, lhs_smem, rhs_smem):
                             ki, r = idx
 
-                            @pl.when((r == 0) | (r == steps - 1))
-                            def _mask_rows_outside_group():
-                                for ref in (lhs_smem, rhs_smem):
-                                    row = first + r * bk + plgpu.layout_cast(
-                                        jax.lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
-                                    inside = (row >= start) & (row < end)
-                                    ref[...] = jnp.where(inside, ref[...], jnp.zeros(ref.shape, ref.dtype))
-                                plgpu.commit_smem()
+                            _zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
+                                                     (r == 0) | (r == steps - 1))
 
                             plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
 
