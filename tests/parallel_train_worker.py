@@ -15,8 +15,6 @@ from dropless.parallel import distributed
 # Tiny preset, shorter sequences: the same model on the same batch, compiled and run in seconds on a CPU.
 OVERRIDES = {"train.dtype": "float32", "train.seq_len": 32, "train.warmup_steps": 1, "train.learning_rate": 1e-2}
 STEPS = 4
-# Small programs: XLA:CPU's LLVM optimisation would be most of the compile time and buys nothing here.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def train_losses(overrides: dict, devices=None) -> dict:
@@ -26,27 +24,18 @@ def train_losses(overrides: dict, devices=None) -> dict:
     import numpy as np
 
     from dropless import config as config_lib
-    from dropless.parallel import dispatch
-    from dropless.parallel.mesh import batch_sharding, make_mesh
-    from dropless.train.setup import train_state_shardings
-    from dropless.train.optimizer import make_optimizer
-    from dropless.train.step import init_train_state, make_train_step
+    from dropless.train import setup as setup_lib
 
     config = config_lib.load_preset("tiny").replace(**{**OVERRIDES, **overrides})
     tc = config.train
-    mesh = make_mesh(config.parallel, devices, batch_size=tc.batch_size, num_experts=config.moe.num_experts)
-    optimizer = make_optimizer(tc)
-    shardings = train_state_shardings(config, mesh, optimizer)
-    state = jax.jit(lambda: init_train_state(jax.random.key(tc.seed), config, optimizer), out_shardings=shardings)()
-    step = jax.jit(make_train_step(config, optimizer, dispatch.make_executor(config, mesh)),
-                   in_shardings=(shardings, batch_sharding(mesh)), out_shardings=(shardings, None),
-                   compiler_options=FAST_COMPILE)
+    setup = setup_lib.build(config, devices)  # the very step `dropless train` runs
+    state, step, mesh = setup_lib.init_state(setup), setup.step, setup.mesh
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (STEPS, tc.batch_size, tc.seq_len + 1))
     rows = tc.batch_size // jax.process_count()
     losses, dropped = [], 0
     for batch in tokens.astype(np.int32):
         mine = batch[jax.process_index() * rows:(jax.process_index() + 1) * rows]
-        global_batch = jax.make_array_from_process_local_data(batch_sharding(mesh), mine, batch.shape)
+        global_batch = jax.make_array_from_process_local_data(setup.batch_sharding, mine, batch.shape)
         state, metrics = step(state, global_batch)
         losses.append(float(metrics["loss"]))
         dropped += int(metrics["tokens_dropped"])
