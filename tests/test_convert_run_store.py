@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import jax
 import numpy as np

@@ -1,6 +1,5 @@
 """Router: group-limited selection vs brute force, bias for selection only, config errors, bias balancing."""
 
-import dataclasses
 import itertools
 
 import jax

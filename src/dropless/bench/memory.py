@@ -92,8 +92,6 @@ def residual_bytes(config, executor=None) -> tuple[int, int]:
 def memory_report(config, devices=None, *, compiled=None) -> dict:
     """Per-device bytes of a training step: parameters, gradients, optimizer state, activations, temporaries,
     the compiled program's own figures, and the peak estimate. Nothing is allocated."""
-    import jax
-
     from dropless.bench import harness
     from dropless.parallel import dispatch
 
