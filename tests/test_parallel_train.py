@@ -43,44 +43,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_two_processes_with_the_expert_axis_across_them_match_one_process(one_device):
-    """jax.distributed on localhost, 2 CPU devices per process, parallel.expert=4: every expert group spans both."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
-           "DROPLESS_COORDINATOR": f"127.0.0.1:{_free_port()}", "DROPLESS_NUM_PROCESSES": "2"}
-    overrides = json.dumps({"parallel.data": 1, "parallel.expert": 4})
-    workers = [subprocess.Popen([sys.executable, "-m", "tests.parallel_train_worker", overrides], cwd=ROOT,
-                                env={**env, "DROPLESS_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outputs = [worker.communicate(timeout=400) for worker in workers]
-    finally:
-        for worker in workers:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-    for worker, (stdout, stderr) in zip(workers, outputs):
-        assert worker.returncode == 0, stderr[-3000:]
-        result = json.loads(stdout.strip().splitlines()[-1])
-        assert result["processes"] == 2 and result["devices"] == 4
-        _assert_same_training(result, one_device)
-
-
-def test_dropless_train_runs_across_two_processes(tmp_path):
-    """The real CLI in two jax.distributed processes sharing one run directory, expert axis across both:
-    process 0 writes config, tokenizer and metrics, both take part in the checkpoint, nothing is dropped."""
-    from tests.test_train import SMALL, write_corpus
-
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
-    run_dir = tmp_path / "run"
-    overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["parallel.data=1", "parallel.expert=4",
-                                                         "train.eval_every=2", "train.checkpoint_every=2"]
+def run_two_processes(command: list[str]) -> list[str]:
+    """Run `command` as processes 0 and 1 of one jax.distributed run on localhost (2 CPU devices each);
+    both must succeed. Returns their standard outputs."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
            "DROPLESS_COORDINATOR": f"127.0.0.1:{_free_port()}", "DROPLESS_NUM_PROCESSES": "2"}
-    command = [sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus), "--steps", "2",
-               "--run-dir", str(run_dir), "--no-progress", *overrides]
     workers = [subprocess.Popen(command, cwd=ROOT, env={**env, "DROPLESS_PROCESS_ID": str(i)},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
@@ -90,11 +58,36 @@ def test_dropless_train_runs_across_two_processes(tmp_path):
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
-    for worker, (stdout, stderr) in zip(workers, outputs):
+    for worker, (_, stderr) in zip(workers, outputs):
         assert worker.returncode == 0, stderr[-3000:]
-    assert "4 cpu device(s)" in outputs[0][0] and "tokens dropped: 0" in outputs[0][0]
+    return [stdout for stdout, _ in outputs]
+
+
+def test_two_processes_with_the_expert_axis_across_them_match_one_process(one_device):
+    """jax.distributed on localhost, 2 CPU devices per process, parallel.expert=4: every expert group spans both."""
+    overrides = json.dumps({"parallel.data": 1, "parallel.expert": 4})
+    for stdout in run_two_processes([sys.executable, "-m", "tests.parallel_train_worker", overrides]):
+        result = json.loads(stdout.strip().splitlines()[-1])
+        assert result["processes"] == 2 and result["devices"] == 4
+        _assert_same_training(result, one_device)
+
+
+def test_dropless_train_runs_across_two_processes(tmp_path):
+    """The real CLI in two jax.distributed processes sharing one run directory, expert axis across both:
+    process 0 writes config, tokenizer and metrics, both take part in the checkpoint, nothing is dropped."""
+    from dropless.train import checkpoint as ckpt
+    from tests.test_train import SMALL, write_corpus
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    run_dir = tmp_path / "run"
+    overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["parallel.data=1", "parallel.expert=4",
+                                                         "train.eval_every=2", "train.checkpoint_every=2"]
+    outputs = run_two_processes([sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus), "--steps",
+                                 "2", "--run-dir", str(run_dir), "--no-progress", *overrides])
+    assert "4 cpu device(s)" in outputs[0] and "tokens dropped: 0" in outputs[0]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]  # written once, by process 0
     assert all(r["tokens_dropped"] == 0 for r in records if "loss" in r)
-    from dropless.train import checkpoint as ckpt
     assert ckpt.latest_step(run_dir) == 2
