@@ -291,3 +291,41 @@ def test_weight_gradient_kernel_matches_a_per_group_loop_in_the_gpu_interpreter(
     for g in range(len(sizes)):
         lo, hi = bounds[g], bounds[g + 1]
         np.testing.assert_allclose(np.asarray(dw[g]), xb[lo:hi].T @ dyb[lo:hi], rtol=1e-4, atol=1e-3)
+
+
+def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
+    """Expert parallelism runs the grouped GEMM inside jax.shard_map with the weights varying over `expert`; the
+    Pallas kernels' outputs vary over no axis, and a custom_vjp's cotangent must carry its primal's axes (this broke
+    `dropless bench ep` on two H200s). Traced over two devices; run (Pallas's interpreter simulates one device at a
+    time) over one, where the gradients equal ragged_dot's."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dropless.moe.gmm_tuned import tuned_gmm
+
+    tile = TileConfig(64, 64, 64, 2, True, 1, 2)
+    plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
+    kx, kw = jax.random.split(jax.random.key(2))
+    x = jax.random.normal(kx, (2, 128, 128), jnp.float32).astype(jnp.bfloat16)  # [device, rows, K]
+    w = (jax.random.normal(kw, (4, 128, 64), jnp.float32) / 8).astype(jnp.bfloat16)  # 2 experts per device
+    sizes = jnp.array([[70, 58], [0, 101]], jnp.int32)
+
+    def per_device(x, w, sizes):
+        return jax.grad(lambda x, w: jnp.sum(tuned_gmm(x[0], w, sizes[0], plan, jnp.float32) ** 2), (0, 1))(x, w)
+
+    def sharded(devices):
+        mesh = jax.sharding.Mesh(np.array(devices), ("expert",))
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, P("expert")))
+        run = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert")))
+        return run, (put(x[:len(devices)]), put(w[:2 * len(devices)]), put(sizes[:len(devices)]))
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        run, args = sharded(jax.devices()[:2])
+        run.lower(*args)  # raised "the manual axis types do not match" before the fix
+        run, args = sharded(jax.devices()[:1])
+        dx, dw = run(*args)
+    ref_dx, ref_dw = jax.grad(lambda x, w: jnp.sum(jax.lax.ragged_dot(x[0], w, sizes[0], preferred_element_type=jnp.float32)
+                                                   ** 2), (0, 1))(x[:1], w[:2])
+    rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                             / np.linalg.norm(np.asarray(b, np.float32)))
+    assert rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2

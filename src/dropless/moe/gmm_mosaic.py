@@ -45,7 +45,7 @@ def _block(shape, dtype, index_map) -> plgpu.BlockSpec:
 def num_sms() -> int:
     """Streaming multiprocessors of the device the kernel is built for (persistent grids launch one CTA each)."""
     mesh_device = jax.sharding.get_abstract_mesh().abstract_device
-    if mesh_device is not None:
+    if mesh_device is not None and mesh_device.num_cores:  # inside shard_map (None on CPU meshes)
         return mesh_device.num_cores
     device = jax.devices()[0]
     if device.platform != "gpu":  # Pallas's GPU interpreter on CPU (tests): a few simulated SMs are enough
