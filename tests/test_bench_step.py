@@ -161,3 +161,21 @@ def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
     assert phases["8"] == phases["8:all_flags"] == phases["profile:ep"] == 3
     with pytest.raises(KeyError):
         step.ladder_phase("9")
+
+
+def test_rung_1_out_of_memory_still_gives_a_table_and_a_chart(tmp_path):
+    """On the H200 the naive ragged_dot step runs out of memory at 8 192 tokens: the error is named as such,
+    and the table and chart are made without speed-ups over rung 1 (there is nothing to divide by)."""
+    pytest.importorskip("matplotlib")
+    error = RuntimeError("NOT_FOUND: All configs failed during profiling.\nFailures (3):\nEXECUTION FAILED: "
+                         "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 56.02GiB with allocator GPU_0_bfc")
+    assert step._short_error(error) == "out of memory: trying to allocate 56.02GiB"
+    variants = _variants()
+    variants["1"] = {"key": "1", "status": f"error: {step._short_error(error)}"}
+    rungs = step.assemble_ladder(variants, {})
+    assert all(r.get("speedup_vs_rung1") is None for r in rungs)
+    table = step.format_ladder(rungs)
+    assert "| 1 | naive dropless: jax.lax.ragged_dot | error: out of memory: trying to allocate 56.02GiB |" in table
+    assert "Nonex" not in table
+    path = step.plot_ladder({"ladder": rungs, "dense_tflops": 600.0, "environment": {}}, tmp_path / "ladder.png")
+    assert path.stat().st_size > 1000

@@ -140,7 +140,14 @@ class Program:
 
 
 def _short_error(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
+    """One line for the results table. Out-of-memory is named as such: XLA reports it from deep inside (its
+    autotuner's "All configs failed" wraps "Out of memory while trying to allocate 56.02GiB")."""
+    import re
+
+    full = str(error)
+    if oom := re.search(r"Out of memory while trying to allocate [0-9.]+ ?[KMGT]i?B", full):
+        return f"out of memory: {oom.group(0)[len('Out of memory while '):]}"
+    text = full.strip().splitlines()
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
 
 
@@ -416,7 +423,7 @@ def format_ladder(rungs: list[dict], dense_tflops: float | None = None) -> str:
             f"| {r['rung']} | {r['what']}{_chosen(r)} | {r['step_ms']:.1f} | {r['tokens_per_s_per_device']:,.0f} "
             f"| {r['model_tflops_per_device']:.3g} | {num(r.get('mfu_vs_measured_dense') and 100 * r['mfu_vs_measured_dense'], '.0f', '%')} "
             f"| {num(r.get('mfu_vs_datasheet_peak') and 100 * r['mfu_vs_datasheet_peak'], '.0f', '%')} "
-            f"| {num(r.get('peak_device_gib'), '.1f')} | {dropped} | {num(r.get('speedup_vs_rung1'), '.2f')}x |")
+            f"| {num(r.get('peak_device_gib'), '.1f')} | {dropped} | {num(r.get('speedup_vs_rung1'), '.2f', 'x')} |")
     if dense_tflops:
         lines.append(f"\nDense bf16 matmul measured in the same run: {dense_tflops:.0f} TFLOP/s.")
     return "\n".join(lines)
@@ -445,8 +452,9 @@ def plot_ladder(result: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(rungs) + 2.0))
     bars = ax.barh(labels[::-1], values[::-1], color="#4C72B0")
     for bar, r in zip(bars, rungs[::-1]):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['speedup_vs_rung1']:.1f}x",
-                va="center", fontsize=9)
+        if r.get("speedup_vs_rung1"):
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['speedup_vs_rung1']:.1f}x",
+                    va="center", fontsize=9)
     dense = result.get("dense_tflops")
     if dense:
         ax.axvline(dense, color="grey", ls="--", lw=1, label=f"dense bf16 matmul, measured ({dense:.0f})")
