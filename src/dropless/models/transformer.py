@@ -27,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dropless.config import Config, ConfigError, ModelConfig, TrainConfig
 from dropless.models.attention import attention, attention_logical_axes, init_attention, rotary_dim
+from dropless.models.matmul import matmul_f32_out
 from dropless.models.mlp import MLP_LOGICAL_AXES, init_mlp, swiglu
 from dropless.models.norms import rms_norm
 from dropless.models.rope import rope_tables
@@ -282,5 +283,5 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *, 
         x_BSD = rms_norm(x_BSD, params["final_norm"], m.rms_norm_eps)
     with jax.named_scope("lm_head"):
         head_DV = params["embed"].T if m.tie_embeddings else params["lm_head"]
-        logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
+        logits_BSV = matmul_f32_out(x_BSD.astype(dtype), head_DV.astype(dtype))
     return logits_BSV, {"moe": moe_stats, "balance_loss": jnp.sum(moe_stats.balance_loss)}
