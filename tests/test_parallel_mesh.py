@@ -89,3 +89,58 @@ def test_xla_flags_user_setting_wins():
     assert xla_flags.apply(env) == env["XLA_FLAGS"]  # idempotent
     assert xla_flags.apply({"XLA_FLAGS": f"{name}=false"}) == f"{name}=false"
     assert xla_flags.apply({"DROPLESS_XLA_FLAGS": "0"}) == ""
+
+
+def test_per_batch_shard_runs_an_unpartitionable_kernel_on_each_devices_slice():
+    """A host callback stands in for a Pallas kernel: XLA cannot split it, so under plain jit every call sees the
+    whole batch; through per_batch_shard each device's call sees its own slice and the result is unchanged."""
+    import jax
+    import jax.numpy as jnp
+
+    from dropless.parallel.mesh import per_batch_shard
+
+    seen = []
+
+    def opaque(x):  # [B, S] -> [B, S], on the host
+        def host(x):
+            seen.append(x.shape)
+            return np.cumsum(x, axis=1).astype(x.dtype)
+        return jax.pure_callback(host, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    mesh = make_mesh(ParallelConfig(data=2, expert=4), batch_size=16, num_experts=8)
+    x = place(np.arange(16 * 3, dtype=np.float32).reshape(16, 3), batch_sharding(mesh))
+    expected = np.cumsum(np.asarray(x), axis=1)
+    np.testing.assert_array_equal(jax.jit(opaque)(x), expected)
+    assert seen == [(16, 3)]  # plain jit: the whole batch, gathered
+    seen.clear()
+    np.testing.assert_array_equal(jax.jit(per_batch_shard(opaque, mesh))(x), expected)
+    assert seen == [(2, 3)] * 8
+    assert per_batch_shard(opaque, None) is opaque
+
+
+def test_the_model_runs_attention_per_batch_shard_on_a_mesh(monkeypatch):
+    """forward() hands the executor's mesh to the attention kernel, which is traced on one device's batch slice."""
+    import jax
+
+    from dropless.models import attention, transformer
+    from dropless.parallel.dispatch import make_executor
+    from tests.micro_config import micro_config
+
+    config = micro_config(**{"train.batch_size": 8, "parallel.data": 2, "parallel.expert": 4})
+    mesh = make_mesh(config.parallel, batch_size=8, num_experts=config.moe.num_experts)
+    traced_batches = []
+    local = attention._attend_local
+
+    def recording(q, *args, **kwargs):
+        traced_batches.append(q.shape[0])
+        return local(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_attend_local", recording)
+    params, state = transformer.init_params(jax.random.key(0), config), transformer.init_state(config)
+    tokens = np.zeros((8, config.train.seq_len), np.int32)
+    jax.eval_shape(lambda p, s, t: transformer.forward(p, s, t, config, executor=make_executor(config, mesh)),
+                   params, state, tokens)
+    assert traced_batches and set(traced_batches) == {1}  # 8 sequences over 8 devices
+    traced_batches.clear()
+    jax.eval_shape(lambda p, s, t: transformer.forward(p, s, t, config), params, state, tokens)
+    assert set(traced_batches) == {8}

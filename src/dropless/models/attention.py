@@ -13,11 +13,15 @@ backends (`model.attention_backend`): `xla`, a plain einsum with float32 logits 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dropless.config import ConfigError, ModelConfig
 from dropless.models.norms import rms_norm
+from dropless.parallel.mesh import per_batch_shard
 from dropless.models.rope import apply_rope, mla_softmax_scale
 
 # Hugging Face's DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm without passing
@@ -111,8 +115,15 @@ def attention_backend(m: ModelConfig, dtype) -> str:
     return "tokamax" if jax.default_backend() == "gpu" and half else "xla"
 
 
-def _attend(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: float, m: ModelConfig) -> jax.Array:
-    """Causal attention of H query heads over N key/value heads (query head h uses kv head h // (H/N))."""
+def _attend(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: float, m: ModelConfig,
+            mesh: Mesh | None) -> jax.Array:
+    """Causal attention of H query heads over N key/value heads (query head h uses kv head h // (H/N)), on each
+    device's slice of the batch when a mesh is given (`per_batch_shard`)."""
+    kernel = functools.partial(_attend_local, scale=scale, m=m)
+    return per_batch_shard(kernel, mesh)(q_BSHQ, k_BSNQ, v_BSNW)
+
+
+def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, *, scale: float, m: ModelConfig) -> jax.Array:
     B, S, H, Q = q_BSHQ.shape
     N = k_BSNQ.shape[2]
     if attention_backend(m, q_BSHQ.dtype) == "tokamax":
@@ -129,7 +140,8 @@ def _attend(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: floa
     return out_BSNGW.reshape(B, S, H, v_BSNW.shape[-1])
 
 
-def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
+def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
+        mesh: Mesh | None = None) -> jax.Array:
     """DeepSeek-V2/V3 multi-head latent attention, as Hugging Face's DeepseekV3Attention (rope_interleave=True).
 
     Queries: `x @ q` or `norm(x @ q_a) @ q_b`, per head [nope | rope]. Keys/values: `x @ kv_a` gives a latent
@@ -159,11 +171,12 @@ def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
 
     q_BSHQ = jnp.concatenate([q_nope_BSHn, q_rope_BSHP], axis=-1)
     k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BS1P, (B, S, H, P))], axis=-1)
-    out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m)
+    out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m, mesh)
     return out_BSHW.reshape(B, S, H * W) @ params["o"].astype(dtype)
 
 
-def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
+def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
+        mesh: Mesh | None = None) -> jax.Array:
     """Grouped-query attention (Mixtral; Qwen3 with per-head q/k RMSNorm before RoPE), rotate-half RoPE.
 
     Query head h attends with key/value head h // G, as Hugging Face's `repeat_kv` arranges it.
@@ -181,13 +194,14 @@ def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     q_BSHQ = apply_rope(q_BSHQ, cos_SP, sin_SP)
     k_BSNQ = apply_rope(k_BSNQ, cos_SP, sin_SP)
 
-    out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, hd**-0.5, m)
+    out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, hd**-0.5, m, mesh)
     return out_BSHW.reshape(B, S, H * hd) @ params["o"].astype(dtype)
 
 
-def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig) -> jax.Array:
-    """The configured attention (`model.attention`: mla or gqa)."""
-    return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m)
+def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
+              mesh: Mesh | None = None) -> jax.Array:
+    """The configured attention (`model.attention`: mla or gqa); `mesh`: the training mesh (None on one device)."""
+    return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m, mesh)
 
 
 def rotary_dim(m: ModelConfig) -> int:

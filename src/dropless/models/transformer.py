@@ -216,10 +216,10 @@ def _layer_checkpoint(fn, train: TrainConfig):
     return jax.checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig) -> jax.Array:
+def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh) -> jax.Array:
     with jax.named_scope("attention"):
         h_BSD = rms_norm(x_BSD, layer["attn_norm"], m.rms_norm_eps)
-        y_BSD = checkpoint_name(attention(layer["attn"], h_BSD, cos_SP, sin_SP, m), "attn_out")
+        y_BSD = checkpoint_name(attention(layer["attn"], h_BSD, cos_SP, sin_SP, m, mesh), "attn_out")
     return x_BSD + y_BSD
 
 
@@ -242,12 +242,13 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *, 
     """
     m = config.model
     dtype = compute_dtype(config)
+    mesh = getattr(executor, "mesh", None)  # the attention kernel runs per batch shard over the same mesh
     with jax.named_scope("embed"):
         x_BSD = jnp.take(params["embed"], tokens_BS, axis=0).astype(dtype)
     cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(m), m.rope_theta, m.rope_scaling)
 
     def dense_layer(x_BSD, layer):
-        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m)
+        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh)
         with jax.named_scope("mlp"):
             h_BSD = rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps)
             y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD), "mlp_out")
@@ -262,7 +263,7 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *, 
 
     def moe_layer_body(x_BSD, layer_and_bias):
         layer, bias_E = layer_and_bias
-        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m)
+        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh)
         with jax.named_scope("moe"):
             h_BSD = checkpoint_name(rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps), "moe_in")
             y_BSD, stats = moe_block(layer["moe"], bias_E, h_BSD)

@@ -126,6 +126,20 @@ def param_shardings(mesh: Mesh, logical_axes_tree: Any, shapes_tree: Any = None)
                         logical_axes_tree, shapes_tree, is_leaf=_is_axes_leaf)
 
 
+def per_batch_shard(kernel, mesh: Mesh | None):
+    """`kernel(*arrays) -> array`, every array batch-first, run on each device's own slice of the batch.
+
+    For kernels XLA cannot partition (Pallas calls such as tokamax's flash attention): under plain jit its SPMD
+    partitioner gathers the whole batch onto every device and runs the kernel there. On two H200s that all-gathered
+    attention's q/k/v every layer and doubled its time (benchmarks/results/step-h200.json, profile:ep).
+    Identity on one device. check_vma=False: Pallas kernels' custom VJPs return cotangents without mesh axes.
+    """
+    if mesh is None or mesh.size == 1:
+        return kernel
+    spec = PartitionSpec(BATCH_AXES)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of a [B, ...] batch: sequences split over every device of the mesh."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
