@@ -18,7 +18,7 @@ from dropless.config import ConfigError
 
 OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
-              "memory": "dropless.bench.memory"}
+              "memory": "dropless.bench.memory", "scale": "dropless.bench.scale"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -233,7 +233,7 @@ def make_parser() -> argparse.ArgumentParser:
     presets.set_defaults(func=cmd_presets)
 
     # These hand their arguments, untouched, to their own parsers (see PASS_THROUGH in main).
-    sub.add_parser("bench", help="benchmarks: gmm, ep, step, memory (see 'dropless bench NAME --help')")
+    sub.add_parser("bench", help="benchmarks: gmm, ep, step, memory, scale (see 'dropless bench NAME --help')")
     sub.add_parser("tune-gmm", help="autotune the grouped GEMM on this GPU (see 'dropless tune-gmm --help')")
     sub.add_parser("profile", help="trace training steps and break down device time (see 'dropless profile --help')")
     return parser

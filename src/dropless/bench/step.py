@@ -132,6 +132,7 @@ class Variant:
     xla: dict = field(default_factory=dict)
     devices: int = 1
     profile: bool = False  # traced and broken down instead of timed
+    profile_after: bool = False  # timed, then the same program traced and broken down (dropless bench scale)
 
 
 @dataclass
@@ -222,7 +223,7 @@ class Runner:
         from dropless.bench import harness
 
         setup = program.setup
-        key = (setup.mesh.size, jax.tree.structure(setup.state_shapes), setup.config.train.batch_size)
+        key = (tuple(setup.mesh.shape.items()), jax.tree.structure(setup.state_shapes), setup.config.train.batch_size)
         if self._state_key != key:
             self._state = None  # free the old state before the new one is made
             self._state = harness.init_state(setup)
@@ -261,7 +262,19 @@ class Runner:
                                                    steps=self.steps, seconds=self.seconds)
                 record.update(status="ok", step_ms_all=[round(1e3 * t, 2) for t in times],
                               **summarize(program.config, times, metrics, devices=v.devices,
-                                          dense_tflops=self.dense_tflops, peak_tflops=self.peak_tflops))
+                                          dense_tflops=self.dense_tflops, peak_tflops=self.peak_tflops),
+                              rows_sent=int(metrics["rows_sent"]),
+                              rows_sent_without_dedup=int(metrics["rows_sent_without_dedup"]),
+                              dispatch_overflows=int(metrics["dispatch_overflows"]))
+                if v.profile_after:
+                    import tempfile
+
+                    from dropless.bench import profile
+
+                    with tempfile.TemporaryDirectory() as scratch:
+                        state, breakdown = profile.profile_compiled(program.compiled, state, batches, 2,
+                                                                    trace_dir or Path(scratch))
+                    record["breakdown"] = {name: value for name, value in breakdown.items() if name != "trace"}
             self._state = state
         except Exception as error:  # noqa: BLE001
             self._state_key = None

@@ -1,0 +1,171 @@
+"""`dropless bench scale`: weak scaling of the real training step with expert parallelism, per dispatch strategy.
+
+    dropless bench scale --preset deepseek-v3-proxy [--devices 1,2,4,8] [--strategies allgather,alltoall,ragged]
+                         [--fsdp] [--out benchmarks/results/scale-{device}.json] [key=value ...]
+
+The per-device batch (`train.batch_size` of the config, default the preset's) stays fixed and the global batch
+grows with the devices. For each device count N > 1 and each strategy the step runs on the mesh `expert = N`
+(experts spread over all devices); with `--fsdp`, also on every `fsdp x expert` mesh of the largest N with both
+axes >= 2. Each program is compiled once (on GPUs without command buffers, so that the trace shows every
+kernel), timed like `dropless bench step` (median step time), then traced for two steps and broken down by
+`dropless.bench.profile`. Per record: step time, tokens/s and model TFLOPS per device, weak-scaling efficiency
+(tokens/s per device over the one-device figure of the same run), the communication share of kernel time and its
+kinds, rows sent per device with and without deduplication, alltoall overflows and tokens dropped (0).
+Results: benchmarks/results/scale-<device>.json; `--table` prints the BENCHMARKS.md table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from dropless.bench.step import Runner, Variant, compile_variants
+
+STRATEGIES = ("allgather", "alltoall", "ragged")
+
+
+def mesh_layouts(devices: list[int], fsdp: bool) -> list[tuple[int, int]]:
+    """(fsdp, expert) per measured mesh: (1, N) for every N in `devices`, plus, with `fsdp`, every split of the
+    largest N into fsdp x expert with both >= 2."""
+    layouts = [(1, n) for n in devices]
+    if fsdp:
+        largest = max(devices)
+        layouts += [(f, largest // f) for f in range(2, largest // 2 + 1) if largest % f == 0]
+    return layouts
+
+
+def scale_variants(base_config, devices: list[int], strategies: list[str], fsdp: bool) -> list[Variant]:
+    """One Variant per (mesh, strategy); one device needs no dispatch, so it is measured once."""
+    from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
+
+    import jax
+
+    options = dict(PROFILE_COMPILER_OPTIONS) if jax.default_backend() == "gpu" else {}
+    per_device = base_config.train.batch_size
+    variants = []
+    for f, e in mesh_layouts(devices, fsdp):
+        n = f * e
+        for strategy in (strategies if n > 1 else ["none"]):
+            overrides = {"parallel.data": 1, "parallel.fsdp": f, "parallel.expert": e,
+                         "train.batch_size": per_device * n}
+            if n > 1:
+                overrides["moe.dispatch"] = strategy
+            key = f"{n}:fsdp={f},expert={e}:{strategy}"
+            variants.append(Variant(key, overrides, options, n, profile_after=True))
+    return variants
+
+
+def scaling_records(records: dict[str, dict]) -> list[dict]:
+    """Flat records with the weak-scaling efficiency against the one-device record (pure, testable)."""
+    single = next((r for k, r in records.items() if k.startswith("1:") and r.get("status") == "ok"), None)
+    base = single and single["tokens_per_s_per_device"]
+    rows = []
+    for key, r in records.items():
+        devices, mesh, strategy = key.split(":")
+        row = {"key": key, "devices": int(devices), "mesh": mesh, "strategy": strategy, "status": r.get("status")}
+        if r.get("status") == "ok":
+            breakdown = r.get("breakdown") or {}
+            row.update(step_ms=r["step_ms"], tokens_per_s_per_device=r["tokens_per_s_per_device"],
+                       model_tflops_per_device=r["model_tflops_per_device"],
+                       efficiency=r["tokens_per_s_per_device"] / base if base else None,
+                       comm_share=breakdown.get("communication_share"),
+                       comm_ms_by_kind={k: v for k, v in breakdown.get("communication_ms_per_step_per_device",
+                                                                         {}).items() if v},
+                       rows_sent_per_device=r["rows_sent"] / int(devices),
+                       rows_sent_without_dedup_per_device=r["rows_sent_without_dedup"] / int(devices),
+                       dispatch_overflows=r["dispatch_overflows"], tokens_dropped=r["tokens_dropped"],
+                       peak_device_gib=r.get("peak_device_gib"))
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| GPUs | mesh | dispatch | step ms | tokens/s per GPU | model TFLOPS per GPU | efficiency | "
+             "communication share | rows sent per GPU (without dedup) | overflows | dropped |", "|" + " --- |" * 11]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['devices']} | {r['mesh']} | {r['strategy']} | {r['status']} |" + " |" * 7)
+            continue
+        share = "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}%"
+        efficiency = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(f"| {r['devices']} | {r['mesh']} | {r['strategy']} | {r['step_ms']:.1f} | "
+                     f"{r['tokens_per_s_per_device']:,.0f} | {r['model_tflops_per_device']:.3g} | {efficiency} | {share} | "
+                     f"{r['rows_sent_per_device']:,.0f} ({r['rows_sent_without_dedup_per_device']:,.0f}) | "
+                     f"{r['dispatch_overflows']} | {r['tokens_dropped']} |")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dropless bench scale", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="deepseek-v3-proxy", help="a preset name (see 'dropless presets')")
+    p.add_argument("--devices", default="1,2,4,8", help="device counts (those above the devices present are skipped)")
+    p.add_argument("--strategies", default="", help=f"comma-separated from {', '.join(STRATEGIES)} "
+                                                    "(default: all that the platform runs)")
+    p.add_argument("--fsdp", action="store_true", help="also every fsdp x expert mesh of the largest device count")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (at most)")
+    p.add_argument("--seconds", type=float, default=2.0, help="stop timing after this long (at least 3 steps)")
+    p.add_argument("--out", default="benchmarks/results/scale-{device}.json", help="results JSON ({device} filled in)")
+    p.add_argument("--table", action="store_true", help="print the markdown table at the end")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides; train.batch_size is the per-device batch")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from dropless import xla_flags
+
+    xla_flags.apply()
+    import jax
+
+    from dropless.bench.gmm import environment
+    from dropless.bench.step import device_slug
+    from dropless.cli import build_config, parse_overrides
+    from dropless.train import metrics as metrics_lib
+
+    try:
+        wanted = sorted({int(n) for n in args.devices.split(",") if n})
+    except ValueError:
+        print(f"error: --devices {args.devices!r} must be comma-separated integers, e.g. 1,2,4,8.", file=sys.stderr)
+        return 2
+    devices = [n for n in wanted if 1 <= n <= jax.device_count()]
+    skipped = [n for n in wanted if n not in devices]
+    platform = jax.default_backend()
+    strategies = [s for s in args.strategies.split(",") if s] or [
+        s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
+    if unknown := [s for s in strategies if s not in STRATEGIES]:
+        print(f"error: {', '.join(unknown)} not known; choose from {', '.join(STRATEGIES)}.", file=sys.stderr)
+        return 2
+    if not devices or devices[0] != 1:
+        print("error: weak scaling is measured against one device; include 1 in --devices.", file=sys.stderr)
+        return 2
+    config = build_config(args.preset, parse_overrides(args.overrides))
+    env = environment()
+    say = lambda message: print(message, flush=True)
+    if skipped:
+        say(f"dropless: skipping {skipped} devices: only {jax.device_count()} present")
+    programs = compile_variants(config, scale_variants(config, devices, strategies, args.fsdp), log=say)
+    runner = Runner(None, metrics_lib.device_peak_tflops(env["device"]), math.inf, say, steps=args.steps,
+                    seconds=args.seconds)
+    records = {}
+    for key, program in sorted(programs.items(), key=lambda item: item[1].variant.devices):
+        records[key] = runner.run(program)
+        say(f"{key:32s} {records[key]['status']}" + (f" {records[key]['step_ms']:.1f} ms" if records[key].get("step_ms") else ""))
+    rows = scaling_records(records)
+    out = Path(args.out.format(device=device_slug(env["device"])))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"preset": args.preset, "per_device_batch": config.train.batch_size,
+                               "seq_len": config.train.seq_len, "overrides": args.overrides,
+                               "devices_skipped": skipped, "environment": env, "records": rows,
+                               "raw": records}, indent=1, default=str) + "\n")
+    if args.table:
+        say(markdown_table(rows))
+    say(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
