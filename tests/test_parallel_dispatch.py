@@ -213,3 +213,28 @@ def test_make_executor_choices():
     assert dispatch.make_executor(tiny, make_mesh(ParallelConfig(), devices=jax.devices()[:1])) is None
     with pytest.raises(ConfigError, match="moe.dispatch=ragged needs GPUs"):
         dispatch.make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="cpu")
+
+
+@pytest.mark.parametrize("name,expert_parallel", [("allgather", 2), ("alltoall", 4)])
+def test_chunked_dispatch_matches_single_device_and_adds_up_the_accounting(name, expert_parallel):
+    """moe.dispatch_chunks: each device's 8 tokens in 2 chunks; same output and gradients, the same rows sent as one
+    exchange (dedup is per token, so chunks change nothing), and an overflow in a chunk is reported."""
+    problem = _problem(seed=11)
+    whole = _assert_matches_single_device(STRATEGIES[name], expert_parallel, problem)
+    chunked = _assert_matches_single_device(dispatch.Chunked(STRATEGIES[name], 2), expert_parallel, problem)
+    assert int(chunked.rows_sent) == int(whole.rows_sent)
+    assert int(chunked.rows_sent_without_dedup) == int(whole.rows_sent_without_dedup)
+    skewed = _problem(seed=7, bias_E=[10.0, 10.0, 10.0, 0, 0, 0, 0, 0])
+    strategy = dispatch.Chunked(AllToAll(buffer_factor=1.0), 2)
+    assert int(_assert_matches_single_device(strategy, 4, skewed).dispatch_overflowed) == 1
+
+
+def test_chunked_dispatch_config_and_errors():
+    tiny = Config(moe=MoEConfig(num_experts=8, dispatch_chunks=2), parallel=ParallelConfig(expert=4))
+    assert dispatch.make_strategy(tiny) == dispatch.Chunked(Auto(2.0, True), 2)
+    assert dispatch.make_strategy(tiny.replace(**{"parallel.expert": 1})) == NoDispatch()
+    with pytest.raises(ConfigError, match="moe.dispatch_chunks"):
+        MoEConfig(dispatch_chunks=0)
+    problem = _problem(seed=1)
+    with pytest.raises(ConfigError, match="moe.dispatch_chunks=3 does not divide the 8 tokens"):
+        _assert_matches_single_device(dispatch.Chunked(AllGather(), 3), 2, problem)

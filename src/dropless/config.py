@@ -119,12 +119,16 @@ class MoEConfig:
     dispatch: Literal["auto", "allgather", "alltoall", "ragged"] = "auto"
     alltoall_buffer_factor: float = 2.0
     dedup: bool = True
+    # Split each device's tokens into this many chunks, dispatched and computed one after another, so that one
+    # chunk's exchange can overlap the previous chunk's grouped GEMMs. 1 = one exchange (measured default).
+    dispatch_chunks: int = 1
 
     def __post_init__(self):
         _positive("moe.num_experts", self.num_experts)
         _require(1 <= self.num_experts_per_tok <= self.num_experts,
                  f"moe.num_experts_per_tok={self.num_experts_per_tok} must be between 1 and moe.num_experts={self.num_experts}.")
         _positive("moe.expert_intermediate_size", self.expert_intermediate_size)
+        _positive("moe.dispatch_chunks", self.dispatch_chunks)
         _positive("moe.num_shared_experts", self.num_shared_experts, allow_zero=True)
         _in_choices("moe.score_func", self.score_func, ("softmax", "sigmoid"))
         _require(self.n_group >= 1 and self.num_experts % self.n_group == 0,
