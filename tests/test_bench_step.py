@@ -46,6 +46,8 @@ def _variants() -> dict[str, dict]:
         "7:all": _record("7:all", 95.0),
         "8": _record("8", 110.0, devices=2, tokens=8192, overrides={"train.batch_size": 8}),
         "8:all_flags": _record("8:all_flags", 105.0, devices=2, tokens=8192, overrides={"train.batch_size": 8}),
+        "8:chunks=2": _record("8:chunks=2", 108.0, devices=2, tokens=8192,
+                              overrides={"train.batch_size": 8, "moe.dispatch_chunks": 2}),
     }
 
 
@@ -73,7 +75,8 @@ def test_assemble_ladder_chooses_by_measurement_and_reports_speedups():
     assert by_rung[8]["per_device_efficiency_vs_best_single"] == pytest.approx(90 / 105)
     table = step.format_ladder(rungs, dense_tflops=686.0)
     assert sum(line[2:3].isdigit() for line in table.splitlines()) == 8
-    assert "(remat=none)" in table and "10.00x" in table
+    assert "(remat=none)" in table and "10.00x" in table and "(all_flags, 8 seq. global)" in table
+    assert set(by_rung[8]["tried"]) == {"8", "8:all_flags", "8:chunks=2"}
     assert "4,096 (2.0%)" in table and "686 TFLOP/s" in table
 
 
@@ -103,6 +106,7 @@ def test_ladder_variants_cover_every_rung_and_share_lowerings():
     assert by_key["7:a"].overrides == by_key["4"].overrides  # flags reuse rung 4's lowering
     assert by_key["7:all"].xla == {"xla_a": True, "xla_b": 1}
     assert by_key["8"].devices == 2 and by_key["8"].overrides["train.batch_size"] == 2 * config.train.batch_size
+    assert by_key["8:chunks=2"].overrides == {**by_key["8"].overrides, "moe.dispatch_chunks": 2}
     assert by_key["6"].overrides["train.remat"] == "full" and by_key["6"].overrides["train.offload"] == "moe_in"
     assert by_key["profile"].profile and by_key["profile"].xla == {"xla_gpu_enable_command_buffer": ""}
     assert by_key["3"].overrides["moe.gmm_backend"] == "tokamax_default"
@@ -158,7 +162,7 @@ def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
     assert {k for k, p in phases.items() if p == 0} == {"1", "2", "3", "4"}
     assert phases["5:remat=moe"] == phases["6"] == 1
     assert phases["7:a"] == phases["7:all"] == phases["profile"] == 2
-    assert phases["8"] == phases["8:all_flags"] == phases["profile:ep"] == 3
+    assert phases["8"] == phases["8:all_flags"] == phases["8:chunks=4"] == phases["profile:ep"] == 3
     with pytest.raises(KeyError):
         step.ladder_phase("9")
 

@@ -15,7 +15,8 @@ The ladder (`--ladder`), every rung on the same model and per-device batch:
   1 naive dropless: jax.lax.ragged_dot         5 + the best rematerialisation policy (none, moe, full)
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
   3 tokamax, default heuristics (if a backend   7 + XLA scheduling flags, each verified to change the program
-    runs it: --default-backend)                8 expert parallelism on 2 devices, the default dispatch
+    runs it: --default-backend)                8 expert parallelism on 2 devices, the default dispatch (also
+                                                 with all flags, and in 2 or 4 chunks: the fastest)
   4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
 Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. The ladder
 runs in phases (LADDER_PHASES: the anchor rungs first); each phase's programs are compiled in parallel threads
@@ -296,6 +297,8 @@ RUNGS = {
     8: "expert parallelism, 2 devices",
 }
 REMAT_POLICIES = ("none", "moe", "full")
+# Rung 8 also tries the dispatch in chunks (moe.dispatch_chunks), whose exchanges may overlap the grouped GEMMs.
+EP_CHUNKS = (2, 4)
 NO_DEFAULT_BACKEND = ("not run: no moe.gmm_backend runs tokamax's own kernel with its default heuristics "
                       "(moe.gmm_backend=tokamax is the tuned path; BENCHMARKS.md compares the two per GEMM)")
 
@@ -325,6 +328,7 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
         ep = {**tuned, "parallel.expert": ep_devices,
               "train.batch_size": base_config.train.batch_size * ep_devices}
         variants += [Variant("8", ep, {}, ep_devices), Variant("8:all_flags", ep, all_flags, ep_devices),
+                     *(Variant(f"8:chunks={n}", {**ep, "moe.dispatch_chunks": n}, {}, ep_devices) for n in EP_CHUNKS),
                      Variant("profile:ep", ep, dict(PROFILE_COMPILER_OPTIONS), ep_devices, profile=True)]
     return variants
 
@@ -405,7 +409,7 @@ def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, nois
     best_flags = _fastest(candidates)
     rungs.append(rung(7, best_flags or reference, flags=verdicts,
                       note=None if best_flags else "no flag made the step faster; rung 7 = rung 4's program"))
-    ep = [r for r in (records.get("8"), records.get("8:all_flags")) if r]
+    ep = [r for key, r in records.items() if key == "8" or key.startswith("8:")]
     rungs.append(rung(8, _fastest(ep) or (ep[0] if ep else None),
                       tried={r["key"]: r.get("step_ms") or r.get("status") for r in ep}))
     return ladder_table(rungs)
@@ -454,7 +458,8 @@ def _chosen(r: dict) -> str:
     if r["rung"] == 7 and r.get("key", "").startswith("7:"):
         return f" ({r['key'][2:]})"
     if r["rung"] == 8:
-        return f" ({r['overrides'].get('train.batch_size')} seq. global)"
+        variant = "" if r.get("key", "8") == "8" else f"{r['key'][2:]}, "
+        return f" ({variant}{r['overrides'].get('train.batch_size')} seq. global)"
     return ""
 
 
