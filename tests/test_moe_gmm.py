@@ -138,3 +138,30 @@ def test_tokamax_wrapper_widened_output_has_a_working_backward():
     for g_t, g_x in zip(grads_t, grads_x):
         assert g_t.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(g_t, np.float32), np.asarray(g_x, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_tokamax_default_backend_uses_tokamax_heuristics_with_our_weight_gradient():
+    """moe.gmm_backend=tokamax_default (the ladder's rung 3): tokamax's own kernel for the forward and dx, our
+    weight-gradient kernel for dW (tokamax's is wrong on the H200). The wrapper is checked here with tokamax's
+    portable implementation and our dW kernel in Pallas's GPU interpreter: both gradients equal ragged_dot's."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    backend = make_gmm(MoEConfig(gmm_backend="tokamax_default"))
+    assert backend == TokamaxGmm(implementation="mosaic", weight_grad="dropless")
+    if jax.default_backend() != "gpu":
+        lhs, rhs, group_sizes, _ = _operands()
+        with pytest.raises(MoEError, match="needs an NVIDIA GPU"):
+            backend(lhs, rhs, group_sizes)
+    rng = np.random.default_rng(3)
+    sizes = jnp.asarray([70, 0, 101, 21], jnp.int32)  # 192 rows in groups, 8 of padding
+    lhs = jnp.asarray(rng.normal(size=(200, 128)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.normal(size=(4, 128, 64)) / 8, jnp.bfloat16)
+    cotangent = jnp.asarray(rng.normal(size=(200, 64)), jnp.float32)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out, (dx, dw) = _forward_and_grads(TokamaxGmm(implementation="xla", weight_grad="dropless"), lhs, rhs, sizes,
+                                           cotangent)
+    out_x, (dx_x, dw_x) = _forward_and_grads(XlaGmm(), lhs, rhs, sizes, cotangent)
+    rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
+                             / np.linalg.norm(np.asarray(b, np.float32)))
+    assert rel(out, out_x) < 1e-3 and rel(dx, dx_x) < 1e-2 and rel(dw, dw_x) < 1e-2
+    assert (np.asarray(dw[1], np.float32) == 0).all()  # the empty group

@@ -112,8 +112,9 @@ class MoEConfig:
     aux_loss_weight: float = 0.0
     seq_aux_loss_weight: float = 0.0
     z_loss_weight: float = 0.0
-    # Grouped GEMM: "auto" = tokamax on GPU, xla elsewhere. "capacity" drops tokens (the baseline).
-    gmm_backend: Literal["auto", "xla", "tokamax", "capacity"] = "auto"
+    # Grouped GEMM: "auto" = tokamax (our tuned kernels) on GPU, xla elsewhere. "tokamax_default": tokamax's own
+    # kernel with its heuristic tiles (a benchmark reference). "capacity" drops tokens (the baseline).
+    gmm_backend: Literal["auto", "xla", "tokamax", "tokamax_default", "capacity"] = "auto"
     capacity_factor: float = 1.25
     # Expert-parallel dispatch (used when parallel.expert > 1).
     dispatch: Literal["auto", "allgather", "alltoall", "ragged"] = "auto"
@@ -142,7 +143,7 @@ class MoEConfig:
                      f"moe.num_experts_per_tok={self.num_experts_per_tok}; raise moe.topk_group.")
         for key in ("bias_update_rate", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight"):
             _positive(f"moe.{key}", getattr(self, key), allow_zero=True)
-        _in_choices("moe.gmm_backend", self.gmm_backend, ("auto", "xla", "tokamax", "capacity"))
+        _in_choices("moe.gmm_backend", self.gmm_backend, ("auto", "xla", "tokamax", "tokamax_default", "capacity"))
         _positive("moe.capacity_factor", self.capacity_factor)
         _in_choices("moe.dispatch", self.dispatch, ("auto", "allgather", "alltoall", "ragged"))
         _require(self.alltoall_buffer_factor >= 1.0,

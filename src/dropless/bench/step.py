@@ -14,8 +14,8 @@ peak device memory, and the tokens the step dropped.
 The ladder (`--ladder`), every rung on the same model and per-device batch:
   1 naive dropless: jax.lax.ragged_dot         5 + the best rematerialisation policy (none, moe, full)
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
-  3 tokamax, default heuristics (if a backend   7 + XLA scheduling flags, each verified to change the program
-    runs it: --default-backend)                8 expert parallelism on 2 devices, the default dispatch (also
+  3 tokamax's kernel, default heuristics        7 + XLA scheduling flags, each verified to change the program
+    (moe.gmm_backend=tokamax_default)          8 expert parallelism on 2 devices, the default dispatch (also
                                                  with all flags, and in 2 or 4 chunks: the fastest)
   4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
 Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. The ladder
@@ -299,8 +299,8 @@ RUNGS = {
 REMAT_POLICIES = ("none", "moe", "full")
 # Rung 8 also tries the dispatch in chunks (moe.dispatch_chunks), whose exchanges may overlap the grouped GEMMs.
 EP_CHUNKS = (2, 4)
-NO_DEFAULT_BACKEND = ("not run: no moe.gmm_backend runs tokamax's own kernel with its default heuristics "
-                      "(moe.gmm_backend=tokamax is the tuned path; BENCHMARKS.md compares the two per GEMM)")
+NO_DEFAULT_BACKEND = ("not run: tokamax's own kernel (moe.gmm_backend=tokamax_default, the default of "
+                      "--default-backend on GPUs) needs a GPU")
 
 
 def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | None, flags: dict[str, dict],
@@ -604,7 +604,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--budget", type=float, default=1e9, help="ladder: skip the phases not started within this many seconds")
     parser.add_argument("--tuned-backend", default="tokamax", help="ladder rung 4: the tuned grouped GEMM's moe.gmm_backend")
     parser.add_argument("--default-backend",
-                        help="ladder rung 3: a moe.gmm_backend running tokamax's kernel with its default heuristics")
+                        help="ladder rung 3: the moe.gmm_backend running tokamax's kernel with its default heuristics "
+                             "(default on GPUs: tokamax_default; 'none' skips the rung)")
     parser.add_argument("--ep-devices", type=int, default=2, help="ladder rung 8: devices for expert parallelism")
     parser.add_argument("--traces", help="ladder: keep the profiled programs' traces and HLO texts in this directory")
     parser.add_argument("--compile-workers", type=int, help="ladder: programs compiled at once (default: all of a phase)")
@@ -635,8 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(args.preset, parse_overrides(args.overrides))
     timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
+        default_backend = args.default_backend or ("tokamax_default" if jax.default_backend() == "gpu" else None)
         run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,
-                   default_backend=args.default_backend,
+                   default_backend=None if default_backend == "none" else default_backend,
                    ep_devices=args.ep_devices, preset=args.preset, traces_dir=args.traces and Path(args.traces),
                    timing=timing, compile_workers=args.compile_workers, log=lambda s: print(s, flush=True))
         return 0

@@ -116,7 +116,12 @@ def _make(backend: str, capacity_factor: float) -> GroupedMatmul:
         from dropless.moe.gmm_tokamax import TokamaxGmm  # imports tokamax only when asked for
 
         return TokamaxGmm()
-    raise MoEError(f"moe.gmm_backend={backend!r} is not valid; choose one of auto, xla, tokamax, capacity.")
+    if backend == "tokamax_default":
+        from dropless.moe.gmm_tokamax import TokamaxGmm
+
+        return TokamaxGmm(implementation="mosaic", weight_grad="dropless")
+    raise MoEError(f"moe.gmm_backend={backend!r} is not valid; choose one of auto, xla, tokamax, tokamax_default, "
+                   f"capacity.")
 
 
 def make_gmm(moe_cfg) -> GroupedMatmul:

@@ -67,6 +67,13 @@ def _gmm_bwd(implementation, out_dtype, weight_grad, residuals, g_MN):
 
         g_rhs_GKN = tokamax.ragged_dot_general(lhs_MK, g_MN, group_sizes_G, _RAGGED_CONTRACTING,
                                                preferred_element_type=rhs_GKN.dtype, implementation=implementation)
+    elif weight_grad == "dropless":
+        # Our weight-gradient kernel with the tuned tile for this shape (gmm_tuned.py): correct where tokamax's is not.
+        from dropless.moe.gmm_tuned import ragged_contract
+        from dropless.moe.gmm_tuning import plan_for
+
+        (m, k), (g, _, n) = lhs_MK.shape, rhs_GKN.shape
+        g_rhs_GKN = ragged_contract(lhs_MK, g_MN, group_sizes_G, plan_for(m, k, n, g).drhs, out_dtype=rhs_GKN.dtype)
     else:
         g_rhs_GKN = jax.lax.ragged_dot_general(lhs_MK, g_MN, group_sizes_G, _RAGGED_CONTRACTING,
                                                preferred_element_type=jnp.float32).astype(rhs_GKN.dtype)
@@ -78,12 +85,18 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 @dataclass(frozen=True)
 class TokamaxGmm(GroupedMatmul):
+    """`implementation`: "mosaic_gpu" = our tuned three-product path (the GPU default); any other value runs
+    tokamax.ragged_dot with that implementation under the custom VJP above: "mosaic" is tokamax's own Mosaic GPU
+    kernel with its heuristic tiles (`moe.gmm_backend=tokamax_default`, the ladder's rung 3, with
+    `weight_grad="dropless"` because tokamax's weight gradient is wrong on the H200), "xla" its portable path (the
+    CPU tests of this wrapper)."""
+
     implementation: str = "mosaic_gpu"
-    weight_grad: Literal["xla", "tokamax"] = "xla"
+    weight_grad: Literal["xla", "tokamax", "dropless"] = "xla"
     name: ClassVar[str] = "tokamax"
 
     def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
-        if self.implementation == "mosaic_gpu" and jax.default_backend() != "gpu":
+        if self.implementation != "xla" and jax.default_backend() != "gpu":
             raise MoEError(f"moe.gmm_backend=tokamax needs an NVIDIA GPU (tokamax's Mosaic GPU kernel) but the "
                            f"JAX backend is {jax.default_backend()!r}; use moe.gmm_backend=xla or auto.")
         group_sizes_G = group_sizes_G.astype(jnp.int32)

@@ -48,7 +48,7 @@ def _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, config: ProductConfig, *, trans
     return _tokamax_op(config)(lhs_MK, rhs_GKN, group_sizes=group_sizes_G, preferred_element_type=out_dtype)
 
 
-def _ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out_dtype):
+def ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out_dtype):
     """out[g] = lhs[rows of g]ᵀ · rhs[rows of g], [G, K, N]."""
     if config.kernel == "dropless":
         from dropless.moe.gmm_mosaic import grouped_matmul_tn
@@ -88,7 +88,7 @@ def _bwd(plan, out_dtype, residuals, dout_MN):
     lhs_MK, rhs_GKN, group_sizes_G = residuals
     dout_MN = dout_MN.astype(lhs_MK.dtype)  # the kernels take one input dtype; an f32 output's cotangent is f32
     dlhs_MK = _ragged_rows(dout_MN, rhs_GKN, group_sizes_G, plan.dlhs, transpose_rhs=True, out_dtype=lhs_MK.dtype)
-    drhs_GKN = _ragged_contract(lhs_MK, dout_MN, group_sizes_G, plan.drhs, out_dtype=rhs_GKN.dtype)
+    drhs_GKN = ragged_contract(lhs_MK, dout_MN, group_sizes_G, plan.drhs, out_dtype=rhs_GKN.dtype)
     return (_varying_like(_zero_padding_rows(dlhs_MK, group_sizes_G), lhs_MK), _varying_like(drhs_GKN, rhs_GKN),
             None)
 
