@@ -18,3 +18,17 @@ def test_ep_bench_writes_consistent_records(tmp_path, capsys):
     assert sent == needed <= record["rows_sent_without_dedup_per_device"]
     assert 0 < record["comm_share"] < 1 and record["weak_scaling_efficiency"] > 0
     assert "| alltoall | skewed |" in capsys.readouterr().out
+
+
+def test_ep_bench_measures_chunked_dispatch_in_the_same_run(tmp_path, capsys):
+    out = tmp_path / "ep.json"
+    assert ep.main(["--preset", "tiny", "--tokens", "32", "--devices", "2", "--strategies", "allgather",
+                    "--skews", "random", "--chunks", "1,2", "--iters", "1", "--profile-iters", "1", "--out", str(out),
+                    "--table"]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert [(r["strategy"], r.get("chunks")) for r in records] == [("single-device", None), ("allgather", 1),
+                                                                   ("allgather", 2)]
+    assert records[1]["rows_sent_per_device"] == records[2]["rows_sent_per_device"]  # the same rows, in two trips
+    assert "| allgather, 2 chunks | random |" in capsys.readouterr().out
+    assert ep.main(["--tokens", "32", "--chunks", "3"]) == 2
+    assert "positive divisors of --tokens 32" in capsys.readouterr().err

@@ -121,8 +121,9 @@ def needed_rows(params, bias_E, x_BSD, moe_cfg, devices: int) -> int:
 
 
 def measure(config, strategies, skews, *, tokens_per_device: int, devices: list, iters: int, profile_iters: int,
-            log=print) -> list[dict]:
-    """One record per (strategy, skew) on all `devices`, plus the one-device baseline per skew."""
+            chunks: tuple[int, ...] = (1,), log=print) -> list[dict]:
+    """One record per (strategy, chunks, skew) on all `devices`, plus the one-device baseline per skew.
+    `chunks`: the values of moe.dispatch_chunks to measure for every strategy, in the same run."""
     import jax
 
     from dropless.bench.gmm import time_calls
@@ -146,9 +147,10 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew]})
         log(f"ep: 1 device, {skew}: {baseline_ms[skew]:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
-    for name in strategies:
-        strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count}),
-                                 platform=devices[0].platform)
+    for name, chunk_count in [(name, n) for name in strategies for n in chunks]:
+        strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count,
+                                                   "moe.dispatch_chunks": chunk_count}), platform=devices[0].platform)
+        inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
         program = _layer_program(config.moe, many, strategy)
         compiled = program.lower(*arguments[skews[0]]).compile()
         for skew in skews:
@@ -159,9 +161,10 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
             needed = needed_rows(*args[:3], config.moe, count)
             record = {
-                "strategy": name, "chosen": type(strategy.choose(tokens_per_device, config.moe.num_experts_per_tok,
-                                                                 count, config.moe.num_experts // count)).__name__
-                if hasattr(strategy, "choose") else type(strategy).__name__,
+                "strategy": name, "chunks": chunk_count,
+                "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
+                                            count, config.moe.num_experts // count)).__name__
+                if hasattr(inner, "choose") else type(inner).__name__,
                 "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
                 "layer_ms": layer_ms, "single_device_ms": baseline_ms[skew],
                 "weak_scaling_efficiency": baseline_ms[skew] / layer_ms,
@@ -178,7 +181,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 useful = 4 * needed / count * config.model.hidden_size * dtype_bytes
                 record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
             records.append(record)
-            log(f"ep: {count} devices, {name}, {skew}: {layer_ms:.2f} ms (efficiency "
+            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), {skew}: {layer_ms:.2f} ms (efficiency "
                 f"{record['weak_scaling_efficiency']:.2f}), communication {comm_ms:.2f} ms = "
                 f"{100 * record['comm_share']:.1f}% of kernel time, rows sent {record['rows_sent_per_device']:.0f} "
                 f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")
@@ -194,6 +197,7 @@ def markdown_table(records: list[dict]) -> str:
             continue
         gbps = f"{r['useful_GBps_per_device']:.0f}" if "useful_GBps_per_device" in r else "-"
         strategy = r["strategy"] + (f" ({r['chosen']})" if r["strategy"] == "auto" else "")
+        strategy += f", {r['chunks']} chunks" if r.get("chunks", 1) > 1 else ""
         lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.2f} | "
                      f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}% | {gbps} | "
                      f"{r['rows_sent_per_device']:.0f} ({r['rows_sent_without_dedup_per_device']:.0f}) | "
@@ -209,6 +213,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--strategies", default="", help=f"comma-separated from {', '.join(STRATEGIES)} "
                                                     "(default: all that the platform runs)")
     p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated from {', '.join(SKEWS)}")
+    p.add_argument("--chunks", default="1", help="comma-separated values of moe.dispatch_chunks to measure per "
+                                                 "strategy in the same run, e.g. 1,2,4")
     p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement (the median is kept)")
     p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
     p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
@@ -240,11 +246,19 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := [x for x in chosen if x not in allowed]:
             print(f"error: {', '.join(unknown)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
             return 2
+    try:
+        chunks = tuple(int(n) for n in args.chunks.split(",") if n)
+    except ValueError:
+        chunks = ()
+    if not chunks or min(chunks) < 1 or any(args.tokens % n for n in chunks):
+        print(f"error: --chunks {args.chunks!r} must list positive divisors of --tokens {args.tokens}, e.g. 1,2,4.",
+              file=sys.stderr)
+        return 2
     config = build_config(args.preset, parse_overrides(args.overrides))
     out = Path(args.out.format(device=device_slug(devices[0].device_kind)))
     out.parent.mkdir(parents=True, exist_ok=True)
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,
-                      profile_iters=args.profile_iters)
+                      profile_iters=args.profile_iters, chunks=chunks)
     result = {"preset": args.preset, "tokens_per_device": args.tokens, "overrides": args.overrides,
               "environment": environment(), "records": records}
     out.write_text(json.dumps(result, indent=1) + "\n")
