@@ -53,10 +53,9 @@ def dense_matmul_tflops(size: int = 8192, reps: int = 30, warm_s: float = 1.0) -
     a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys)
     matmul = jax.jit(lambda x, y: x @ y)
     start = time.perf_counter()
-    while True:
+    jax.block_until_ready(matmul(a, b))
+    while time.perf_counter() - start < warm_s:
         jax.block_until_ready(matmul(a, b))
-        if time.perf_counter() - start >= warm_s:
-            break
     times = []
     for _ in range(reps):
         start = time.perf_counter()

@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 
 from dropless.config import ConfigError, ModelConfig
 from dropless.models.norms import rms_norm
-from dropless.parallel.mesh import per_batch_shard
 from dropless.models.rope import apply_rope, mla_softmax_scale
+from dropless.parallel.mesh import per_batch_shard
 
 # Hugging Face's DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm without passing
 # config.rms_norm_eps, so the latent norms always use the RMSNorm default.

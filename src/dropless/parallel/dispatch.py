@@ -425,17 +425,15 @@ class Chunked:
 
 def make_strategy(config: Config, platform: str | None = None) -> Strategy:
     """The strategy `moe.dispatch` names, split into `moe.dispatch_chunks` chunks when that is > 1."""
-    strategy = _make_strategy(config, platform)
-    if config.parallel.expert == 1 or config.moe.dispatch_chunks == 1:
-        return strategy
-    return Chunked(strategy, config.moe.dispatch_chunks)
-
-
-def _make_strategy(config: Config, platform: str | None = None) -> Strategy:
-    """The strategy `moe.dispatch` names, for `parallel.expert` devices."""
-    moe = config.moe
     if config.parallel.expert == 1:
         return NoDispatch()
+    strategy = _named_strategy(config, platform)
+    return strategy if config.moe.dispatch_chunks == 1 else Chunked(strategy, config.moe.dispatch_chunks)
+
+
+def _named_strategy(config: Config, platform: str | None = None) -> Strategy:
+    """The strategy `moe.dispatch` names, for `parallel.expert` > 1 devices."""
+    moe = config.moe
     name = moe.dispatch
     platform = platform or jax.default_backend()
     if name == "auto":
