@@ -39,6 +39,7 @@ def _variants() -> dict[str, dict]:
         "4": _record("4", 100.0, overrides={"train.remat": "none"}),
         "5:remat=moe": _record("5:remat=moe", 110.0, overrides={"train.remat": "moe"}),
         "5:remat=full": {"key": "5:remat=full", "status": "does not fit: needs 150.0 GiB of 139.0"},
+        "5:unrolled": _record("5:unrolled", 100.5, overrides={"train.remat": "none", "train.scan_layers": False}),
         "6": _record("6", 130.0),
         "7:latency_hiding_scheduler": _record("7:latency_hiding_scheduler", 99.9),  # same program, noise
         "7:no_command_buffers": _record("7:no_command_buffers", 90.0),             # faster
@@ -59,8 +60,9 @@ def test_assemble_ladder_chooses_by_measurement_and_reports_speedups():
     by_rung = {r["rung"]: r for r in rungs}
     assert by_rung[1]["speedup_vs_rung1"] == pytest.approx(1.0)
     assert by_rung[4]["speedup_vs_rung1"] == pytest.approx(10.0)
-    # Rung 5: remat=none (rung 4's program) beat moe; full did not fit and says so.
-    assert by_rung[5]["chosen"] == {"train.remat": "none"}
+    # Rung 5: remat=none (rung 4's program) beat moe and the unrolled loop; full did not fit and says so.
+    assert by_rung[5]["chosen"] == {"train.remat": "none", "train.scan_layers": True}
+    assert by_rung[5]["tried"]["5:unrolled"] == 100.5
     assert by_rung[5]["tried"]["5:remat=full"].startswith("does not fit")
     # Rung 7: only the flag that changed something and helped is kept; "all" is not eligible then.
     flags = by_rung[7]["flags"]
@@ -85,14 +87,18 @@ def test_assemble_ladder_without_rung_3_or_with_rung_4_failing():
     del variants["3"]
     rungs = {r["rung"]: r for r in step.assemble_ladder(variants, {})}
     assert rungs[3]["status"] == step.NO_DEFAULT_BACKEND
-    assert rungs[4]["status"] == "ok" and rungs[5]["chosen"] == {"train.remat": "none"}
+    assert rungs[4]["status"] == "ok" and rungs[5]["chosen"] == {"train.remat": "none", "train.scan_layers": True}
     assert "not run: tokamax's own kernel" in step.format_ladder(list(rungs.values()))
     variants = _variants()
     variants["4"] = {"key": "4", "status": "error: MoEError: boom"}
     rungs = {r["rung"]: r for r in step.assemble_ladder(variants, {})}
     assert rungs[4]["status"] == "error: MoEError: boom"
-    assert set(rungs[5]["tried"]) == {"3", "5:remat=moe", "5:remat=full"}  # rung 3's program stands in for none
-    assert rungs[5]["chosen"] == {"train.remat": "moe"}
+    assert set(rungs[5]["tried"]) == {"3", "5:remat=moe", "5:remat=full", "5:unrolled"}  # rung 3 stands in for none
+    assert rungs[5]["chosen"] == {"train.remat": "none", "train.scan_layers": False}  # 100.5 beat moe's 110
+    assert "(remat=none, unrolled)" in step.format_ladder(list(rungs.values()))
+    del variants["5:unrolled"]
+    rungs = {r["rung"]: r for r in step.assemble_ladder(variants, {})}
+    assert rungs[5]["chosen"] == {"train.remat": "moe", "train.scan_layers": True}
 
 
 def test_ladder_variants_cover_every_rung_and_share_lowerings():
@@ -107,6 +113,8 @@ def test_ladder_variants_cover_every_rung_and_share_lowerings():
     assert by_key["7:all"].xla == {"xla_a": True, "xla_b": 1}
     assert by_key["8"].devices == 2 and by_key["8"].overrides["train.batch_size"] == 2 * config.train.batch_size
     assert by_key["8:chunks=2"].overrides == {**by_key["8"].overrides, "moe.dispatch_chunks": 2}
+    assert by_key["5:unrolled"].overrides == {**by_key["4"].overrides, "train.scan_layers": False}
+    assert by_key["8:unrolled"].overrides == {**by_key["8"].overrides, "train.scan_layers": False}
     assert by_key["6"].overrides["train.remat"] == "full" and by_key["6"].overrides["train.offload"] == "moe_in"
     assert by_key["profile"].profile and by_key["profile"].xla == {"xla_gpu_enable_command_buffer": ""}
     assert by_key["3"].overrides["moe.gmm_backend"] == "tokamax_default"

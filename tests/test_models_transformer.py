@@ -201,6 +201,29 @@ def test_rematerialisation_changes_memory_not_numbers(remat, offload, plain_loss
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_give_the_scanned_numbers(remat, plain_loss_and_grads):
+    config = FAMILIES["mixtral"].replace(**{"train.scan_layers": False, "train.remat": remat})
+    params, state, tokens = _setup(config)
+    loss = lambda p: jnp.mean(transformer.forward(p, state, tokens, config)[0] ** 2)
+    assert "scan[" not in str(jax.make_jaxpr(jax.grad(loss))(params))
+    got, got_grads = jax.jit(jax.value_and_grad(loss))(params)
+    want, want_grads = plain_loss_and_grads
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+
+
+def test_unrolled_layers_stack_the_moe_stats_like_scan():
+    config = FAMILIES["deepseek_v3"]
+    params, state, tokens = _setup(config)
+    _, scanned = FORWARD["deepseek_v3"](params, state, tokens)
+    _, unrolled = _jitted_forward(config.replace(**{"train.scan_layers": False}))(params, state, tokens)
+    for got, want in zip(jax.tree.leaves(unrolled), jax.tree.leaves(scanned)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"train.offload": "moe_out,attn"}, "unknown activation"),
     ({"train.offload": "moe_out", "train.remat": "moe"}, "train.remat=full"),

@@ -173,6 +173,9 @@ class TrainConfig:
     offload_optimizer: bool = False
     offload: str = ""  # comma-separated activation names to offload to pinned host memory
     optimizer_moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    # Run each group of identical layers with one jax.lax.scan (compile time flat in depth) or unrolled
+    # (straight-line code: no stacked-residual buffers to fill and slice; compile time grows with depth).
+    scan_layers: bool = True
 
     def __post_init__(self):
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",

@@ -12,11 +12,12 @@ dense bf16 matmul rate measured in the same process and against the datasheet pe
 peak device memory, and the tokens the step dropped.
 
 The ladder (`--ladder`), every rung on the same model and per-device batch:
-  1 naive dropless: jax.lax.ragged_dot         5 + the best rematerialisation policy (none, moe, full)
+  1 naive dropless: jax.lax.ragged_dot         5 + the best rematerialisation policy (none, moe, full) and
+                                                 layer loop (scanned, or unrolled: train.scan_layers=false)
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
   3 tokamax's kernel, default heuristics        7 + XLA scheduling flags, each verified to change the program
     (moe.gmm_backend=tokamax_default)          8 expert parallelism on 2 devices, the default dispatch (also
-                                                 with all flags, and in 2 or 4 chunks: the fastest)
+                                                 with all flags, in 2 or 4 chunks, unrolled: the fastest)
   4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
 Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. The ladder
 runs in phases (LADDER_PHASES: the anchor rungs first); each phase's programs are compiled in parallel threads
@@ -290,7 +291,7 @@ RUNGS = {
     2: "capacity factor 1.25 (drops tokens)",
     3: "tokamax, default heuristics",
     4: "tuned grouped GEMM",
-    5: "+ best rematerialisation policy",
+    5: "+ best rematerialisation policy and layer loop",
     6: "+ activations offloaded to host memory",
     7: "+ XLA scheduling flags",
     8: "expert parallelism, 2 devices",
@@ -317,6 +318,7 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
         variants.append(Variant("3", {**common, "moe.gmm_backend": default_backend}))
     variants.append(Variant("4", tuned))
     variants += [Variant(f"5:remat={p}", {**tuned, "train.remat": p}) for p in REMAT_POLICIES if p != "none"]
+    variants.append(Variant("5:unrolled", {**tuned, "train.scan_layers": False}))
     variants.append(Variant("6", {**tuned, "train.remat": "full", "train.offload": offload_names}))
     variants += [Variant(f"7:{name}", tuned, options) for name, options in flags.items()]
     all_flags = {k: v for options in flags.values() for k, v in options.items()}
@@ -328,6 +330,7 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
               "train.batch_size": base_config.train.batch_size * ep_devices}
         variants += [Variant("8", ep, {}, ep_devices), Variant("8:all_flags", ep, all_flags, ep_devices),
                      *(Variant(f"8:chunks={n}", {**ep, "moe.dispatch_chunks": n}, {}, ep_devices) for n in EP_CHUNKS),
+                     Variant("8:unrolled", {**ep, "train.scan_layers": False}, {}, ep_devices),
                      Variant("profile:ep", ep, dict(PROFILE_COMPILER_OPTIONS), ep_devices, profile=True)]
     return variants
 
@@ -368,7 +371,7 @@ def _fastest(records: list[dict]) -> dict | None:
 def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, noise: float = 0.01) -> list[dict]:
     """Turn the measured variants into the eight rungs (pure, testable).
 
-    Rung 5 is the fastest remat policy on rung 4's config; rung 6 is remat=full with offloading; rung 7 is
+    Rung 5 is the fastest remat policy or layer loop on rung 4's config; rung 6 is remat=full with offloading; rung 7 is
     the fastest of rung 4 + one flag or + all flags, counting only flags that changed the compiled program
     or its time by more than `noise`; rung 8 the faster of the two expert-parallel variants.
     """
@@ -383,10 +386,12 @@ def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, nois
     tuned = records.get("4")
     rungs.append(rung(4, tuned))
     reference = tuned if tuned and tuned.get("status") == "ok" else records.get("3")
-    remat = [r for r in [reference, *(records.get(f"5:remat={p}") for p in REMAT_POLICIES)] if r]
+    remat = [r for r in [reference, *(records.get(f"5:remat={p}") for p in REMAT_POLICIES), records.get("5:unrolled")]
+             if r]
     best_remat = _fastest(remat)
     rungs.append(rung(5, best_remat, tried={r["key"]: r.get("step_ms") or r.get("status") for r in remat},
-                      chosen=best_remat and {"train.remat": best_remat["overrides"].get("train.remat", "none")}))
+                      chosen=best_remat and {"train.remat": best_remat["overrides"].get("train.remat", "none"),
+                                             "train.scan_layers": best_remat["overrides"].get("train.scan_layers", True)}))
     rungs.append(rung(6, records.get("6")))
     verdicts, candidates = {}, []
     for key, record in records.items():
@@ -453,7 +458,8 @@ def format_ladder(rungs: list[dict], dense_tflops: float | None = None) -> str:
 
 def _chosen(r: dict) -> str:
     if r["rung"] == 5 and r.get("chosen"):
-        return f" (remat={r['chosen']['train.remat']})"
+        loop = "" if r["chosen"].get("train.scan_layers", True) else ", unrolled"
+        return f" (remat={r['chosen']['train.remat']}{loop})"
     if r["rung"] == 7 and r.get("key", "").startswith("7:"):
         return f" ({r['key'][2:]})"
     if r["rung"] == 8:

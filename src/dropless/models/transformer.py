@@ -3,7 +3,8 @@
 Layers are pre-norm residual blocks, `x += attn(norm(x)); x += mlp_or_moe(norm(x))`. The first
 `model.first_dense_layers` layers use a dense SwiGLU MLP, the rest the MoE layer of `dropless.moe`. Each group is
 stored stacked on a leading `L` axis (layout in DESIGN.md "Parameters") and run with one `jax.lax.scan`, so
-compile time does not grow with depth. The numbers match Hugging Face's DeepseekV3ForCausalLM,
+compile time does not grow with depth, or unrolled with `train.scan_layers=false` (same numbers; for shallow
+models the straight-line program skips the scan's stacked buffers). The numbers match Hugging Face's DeepseekV3ForCausalLM,
 MixtralForCausalLM and Qwen3MoeForCausalLM (positions 0..S-1, no padding mask).
 
 Precision: float32 master weights are cast to the compute dtype (`train.dtype`) where they are used; the
@@ -202,7 +203,7 @@ def _offload_names(train: TrainConfig) -> tuple[str, ...]:
 
 
 def _layer_checkpoint(fn, train: TrainConfig):
-    """Wrap a scanned layer body for `train.remat=full`; identity otherwise."""
+    """Wrap a layer body for `train.remat=full`; identity otherwise."""
     offload = _offload_names(train)
     if train.remat != "full":
         return fn
@@ -213,7 +214,18 @@ def _layer_checkpoint(fn, train: TrainConfig):
     else:
         policy = jax.checkpoint_policies.nothing_saveable
     # prevent_cse=False is safe (and faster) under scan, which already keeps the recomputation separate.
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not train.scan_layers)
+
+
+def _run_layers(body, x_BSD: jax.Array, stacked, scan: bool):
+    """`jax.lax.scan(body, x, stacked)`, or the same loop unrolled in Python over the leading layer axis."""
+    if scan:
+        return jax.lax.scan(body, x_BSD, stacked)
+    outputs = []
+    for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+        x_BSD, out = body(x_BSD, jax.tree.map(lambda a: a[i], stacked))
+        outputs.append(out)
+    return x_BSD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
 
 def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh) -> jax.Array:
@@ -259,7 +271,8 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *, 
         return y_BSD.astype(dtype), stats
 
     if config.train.remat == "moe":
-        moe_block = jax.checkpoint(moe_block, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        moe_block = jax.checkpoint(moe_block, policy=jax.checkpoint_policies.nothing_saveable,
+                                   prevent_cse=not config.train.scan_layers)
 
     def moe_layer_body(x_BSD, layer_and_bias):
         layer, bias_E = layer_and_bias
@@ -272,11 +285,12 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *, 
 
     if "dense_layers" in params:
         with jax.named_scope("dense_layers"):
-            x_BSD, _ = jax.lax.scan(_layer_checkpoint(dense_layer, config.train), x_BSD, params["dense_layers"])
+            x_BSD, _ = _run_layers(_layer_checkpoint(dense_layer, config.train), x_BSD, params["dense_layers"],
+                                   config.train.scan_layers)
     if "moe_layers" in params:
         with jax.named_scope("moe_layers"):
-            x_BSD, moe_stats = jax.lax.scan(_layer_checkpoint(moe_layer_body, config.train), x_BSD,
-                                            (params["moe_layers"], state["router_bias"]))
+            x_BSD, moe_stats = _run_layers(_layer_checkpoint(moe_layer_body, config.train), x_BSD,
+                                           (params["moe_layers"], state["router_bias"]), config.train.scan_layers)
     else:
         moe_stats = _empty_moe_stats(config, x_BSD)
 
