@@ -169,16 +169,18 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
     assert bound.default_config == config  # chosen at trace time, before cache or heuristics
 
 
-def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter():
+# 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor.
+@pytest.mark.parametrize("tile, k, n", [(TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
+                                        (TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256)])
+def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter(tile, k, n):
     """The three dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from dropless.moe.gmm_tuned import tuned_gmm
 
-    tile = TileConfig(64, 64, 64, 2, True, 1, 2)
     plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
-    m, k, n = 200, 128, 128
+    m = 200
     sizes = jnp.array([50, 0, 93, 45], jnp.int32)  # 188 rows in groups, 12 rows of padding
     kx, kw, kc = jax.random.split(jax.random.key(1), 3)
     x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16).at[190].set(jnp.nan)
