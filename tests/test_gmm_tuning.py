@@ -331,3 +331,28 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
     rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
                              / np.linalg.norm(np.asarray(b, np.float32)))
     assert rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2
+
+
+@pytest.mark.parametrize("product", gt.PRODUCTS)
+def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product):
+    """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.bench import tune_gmm
+
+    m, k, n = 256, 128, 128
+    sizes = np.array([70, 0, 101, 85], np.int32)
+    keys = jax.random.split(jax.random.key(5), 3)
+    a = jax.random.normal(keys[0], (m, k if product != "dlhs" else n), jnp.bfloat16)
+    b = (jax.random.normal(keys[1], (4, k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    if product == "drhs":
+        b = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    config = ProductConfig("dropless", TileConfig(64, 64, 64, 2, True, 1, 2))
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = tune_gmm.product_fn(product, config)(a, b, jnp.asarray(sizes))
+    check = tune_gmm.product_checker(product, rows=64)
+    ends = np.cumsum(sizes)
+    for g in (0, 2, 3):
+        assert float(check(a, b, out, g, int(ends[g] - sizes[g]), int(ends[g]))) < 1e-2
+    # The checker catches a wrong output.
+    assert float(check(a, b, jnp.zeros_like(out), 2, int(ends[1]), int(ends[2]))) > 0.5

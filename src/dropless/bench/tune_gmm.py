@@ -99,13 +99,13 @@ def product_fn(product: str, config: ProductConfig):
     """The product as a function of its two operands and the group sizes."""
     import jax.numpy as jnp
 
-    from dropless.moe.gmm_tuned import _ragged_contract, _ragged_rows
+    from dropless.moe.gmm_tuned import _ragged_rows, ragged_contract
 
     if product == "fwd":
         return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=False, out_dtype=jnp.bfloat16)
     if product == "dlhs":
         return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=True, out_dtype=jnp.bfloat16)
-    return lambda a, b, gs: _ragged_contract(a, b, gs, config, out_dtype=jnp.bfloat16)
+    return lambda a, b, gs: ragged_contract(a, b, gs, config, out_dtype=jnp.bfloat16)
 
 
 def product_checker(product: str, rows: int = 256):
