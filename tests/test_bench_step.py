@@ -114,7 +114,6 @@ def test_ladder_variants_cover_every_rung_and_share_lowerings():
     assert by_key["8"].devices == 2 and by_key["8"].overrides["train.batch_size"] == 2 * config.train.batch_size
     assert by_key["8:chunks=2"].overrides == {**by_key["8"].overrides, "moe.dispatch_chunks": 2}
     assert by_key["5:unrolled"].overrides == {**by_key["4"].overrides, "train.scan_layers": False}
-    assert by_key["8:unrolled"].overrides == {**by_key["8"].overrides, "train.scan_layers": False}
     assert by_key["6"].overrides["train.remat"] == "full" and by_key["6"].overrides["train.offload"] == "moe_in"
     assert by_key["profile"].profile and by_key["profile"].xla == {"xla_gpu_enable_command_buffer": ""}
     assert by_key["3"].overrides["moe.gmm_backend"] == "tokamax_default"
@@ -168,8 +167,8 @@ def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
                                     flags={"a": {"x": 1}, "b": {"y": 2}}, ep_devices=2, offload_names="moe_in")
     phases = {v.key: step.ladder_phase(v.key) for v in variants}
     assert {k for k, p in phases.items() if p == 0} == {"1", "2", "3", "4"}
-    assert phases["5:remat=moe"] == phases["6"] == 1
-    assert phases["7:a"] == phases["7:all"] == phases["profile"] == 2
+    assert phases["5:remat=moe"] == phases["5:unrolled"] == 1
+    assert phases["6"] == phases["7:a"] == phases["7:all"] == phases["profile"] == 2 == step.REBASE_PHASE
     assert phases["8"] == phases["8:all_flags"] == phases["8:chunks=4"] == phases["profile:ep"] == 3
     with pytest.raises(KeyError):
         step.ladder_phase("9")
@@ -191,3 +190,25 @@ def test_rung_1_out_of_memory_still_gives_a_table_and_a_chart(tmp_path):
     assert "Nonex" not in table
     path = step.plot_ladder({"ladder": rungs, "dense_tflops": 600.0, "environment": {}}, tmp_path / "ladder.png")
     assert path.stat().st_size > 1000
+
+
+def test_rungs_6_to_8_are_rebuilt_on_rung_5s_measured_choice():
+    records = _variants()
+    assert step.rung5_choice({}) is None
+    assert step.rung5_choice(records) == {"train.remat": "none"}  # rung 4 (100 ms) beat 5:unrolled (100.5)
+    records["5:unrolled"]["step_ms"] = 80.0
+    choice = step.rung5_choice(records)
+    assert choice["train.scan_layers"] is False
+    config = load_preset("tiny")
+    kwargs = dict(tuned_backend="t", default_backend="d", flags={"a": {"x": 1}}, ep_devices=2, offload_names="moe_in")
+    before = {v.key: v for v in step.ladder_variants(config, **kwargs)}
+    after = {v.key: v for v in step.ladder_variants(config, **kwargs, rung5=choice)}
+    assert before["4"].overrides == after["4"].overrides and before["4"].overrides["train.scan_layers"] is True
+    assert before["5:unrolled"].overrides == after["5:unrolled"].overrides
+    for key in ("6", "7:a", "profile", "8", "8:chunks=2", "profile:ep"):
+        assert before[key].overrides["train.scan_layers"] is True and after[key].overrides["train.scan_layers"] is False
+    assert after["6"].overrides["train.remat"] == "full" and after["8"].overrides["parallel.expert"] == 2
+
+
+def test_dense_reference_rate_is_timed_in_batches():
+    assert step.dense_matmul_tflops(128, warm_s=0.0, batches=2) > 0

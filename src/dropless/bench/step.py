@@ -43,26 +43,26 @@ GIB = 1024**3
 
 # ------------------------------------------------------------------------------------------------ measuring
 
-def dense_matmul_tflops(size: int = 8192, reps: int = 30, warm_s: float = 1.0) -> float:
-    """The bf16 rate of one `a @ b` (size^3) on the default device, median of `reps` timed calls on random data,
-    after `warm_s` seconds of the same matmul: a GPU that has just woken up runs below its clocks (two runs of
-    the ladder measured 557 and 670 TFLOP/s with a single warm-up call)."""
+def dense_matmul_tflops(size: int = 8192, warm_s: float = 1.0, batches: int = 7) -> float:
+    """The bf16 rate of `a @ b` (size^3) on the default device: after `warm_s` seconds of the same matmul (a GPU
+    that has just woken up runs below its clocks), the median of `batches` batches of back-to-back calls on two
+    rotating input pairs, one sync per batch (`dropless.bench.gmm.time_calls`, as the grouped-GEMM benchmark
+    times its dense reference). Single synced calls measured 557-570 TFLOP/s in two ladder runs on H200s where
+    the batched timing of the grouped-GEMM benchmark measured 678-696 the same hour: a sync per 1.6 ms call
+    charges the host's round trip to the GPU."""
     import jax
     import jax.numpy as jnp
 
-    keys = jax.random.split(jax.random.key(0), 2)
-    a, b = (jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys)
+    from dropless.bench.gmm import time_calls
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    pairs = [tuple(jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys[i:i + 2]) for i in (0, 2)]
     matmul = jax.jit(lambda x, y: x @ y)
     start = time.perf_counter()
-    jax.block_until_ready(matmul(a, b))
+    jax.block_until_ready(matmul(*pairs[0]))
     while time.perf_counter() - start < warm_s:
-        jax.block_until_ready(matmul(a, b))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(matmul(a, b))
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times) / 1e12
+        jax.block_until_ready(matmul(*pairs[0]))
+    return 2 * size**3 / time_calls(matmul, pairs, target_s=0.1, batches=batches) / 1e12
 
 
 def time_steps(compiled, state, batches, *, warmup: int = 2, steps: int = 10, seconds: float = 5.0):
@@ -304,11 +304,12 @@ NO_DEFAULT_BACKEND = ("not run: tokamax's own kernel (moe.gmm_backend=tokamax_de
 
 
 def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | None, flags: dict[str, dict],
-                    ep_devices: int, offload_names: str) -> list[Variant]:
-    """Every program the ladder needs; rungs 5-8 build on rung 4's config (the tuned backend, remat none)."""
+                    ep_devices: int, offload_names: str, rung5: dict | None = None) -> list[Variant]:
+    """Every program the ladder needs. Rung 5 varies rung 4's config (the tuned backend, remat none, scanned
+    layers); rungs 6-8 build on `rung5`, the overrides rung 5 chose (rung 4's until it has been measured)."""
     from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 
-    common = {"train.remat": "none", "train.offload": ""}
+    common = {"train.remat": "none", "train.offload": "", "train.scan_layers": True}
     tuned = {**common, "moe.gmm_backend": tuned_backend}
     variants = [
         Variant("1", {**common, "moe.gmm_backend": "xla"}),
@@ -319,26 +320,33 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
     variants.append(Variant("4", tuned))
     variants += [Variant(f"5:remat={p}", {**tuned, "train.remat": p}) for p in REMAT_POLICIES if p != "none"]
     variants.append(Variant("5:unrolled", {**tuned, "train.scan_layers": False}))
-    variants.append(Variant("6", {**tuned, "train.remat": "full", "train.offload": offload_names}))
-    variants += [Variant(f"7:{name}", tuned, options) for name, options in flags.items()]
+    best = {**tuned, **(rung5 or {})}
+    variants.append(Variant("6", {**best, "train.remat": "full", "train.offload": offload_names}))
+    variants += [Variant(f"7:{name}", best, options) for name, options in flags.items()]
     all_flags = {k: v for options in flags.values() for k, v in options.items()}
     if len(flags) > 1:
-        variants.append(Variant("7:all", tuned, all_flags))
-    variants.append(Variant("profile", tuned, dict(PROFILE_COMPILER_OPTIONS), profile=True))
+        variants.append(Variant("7:all", best, all_flags))
+    variants.append(Variant("profile", best, dict(PROFILE_COMPILER_OPTIONS), profile=True))
     if ep_devices > 1:
-        ep = {**tuned, "parallel.expert": ep_devices,
+        ep = {**best, "parallel.expert": ep_devices,
               "train.batch_size": base_config.train.batch_size * ep_devices}
         variants += [Variant("8", ep, {}, ep_devices), Variant("8:all_flags", ep, all_flags, ep_devices),
                      *(Variant(f"8:chunks={n}", {**ep, "moe.dispatch_chunks": n}, {}, ep_devices) for n in EP_CHUNKS),
-                     Variant("8:unrolled", {**ep, "train.scan_layers": False}, {}, ep_devices),
                      Variant("profile:ep", ep, dict(PROFILE_COMPILER_OPTIONS), ep_devices, profile=True)]
     return variants
 
 
+def rung5_choice(records: dict[str, dict]) -> dict | None:
+    """The overrides of rung 5's winner (rung 4 or a "5:" variant), once measured; None before."""
+    best = _fastest([r for key, r in records.items() if key == "4" or key.startswith("5:")])
+    return dict(best["overrides"]) if best else None
+
+
 # The ladder runs in phases, each compiled in parallel and then timed, so that a run cut short by its budget
-# still has its first rungs: the anchors first (1, 3, 4, 2), then remat and offloading, flags and the profile,
-# and expert parallelism last.
-LADDER_PHASES = (("1", "3", "4", "2"), ("5:", "6"), ("7:", "profile"), ("8", "8:", "profile:ep"))
+# still has its first rungs: the anchors first (1, 3, 4, 2), then rung 5's remat policies and layer loops, then
+# what builds on rung 5's choice: offloading, flags and the profile, and expert parallelism last.
+LADDER_PHASES = (("1", "3", "4", "2"), ("5:",), ("6", "7:", "profile"), ("8", "8:", "profile:ep"))
+REBASE_PHASE = 2  # from this phase on, variants are rebuilt on rung 5's measured choice
 
 
 def ladder_phase(key: str) -> int:
@@ -371,9 +379,9 @@ def _fastest(records: list[dict]) -> dict | None:
 def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, noise: float = 0.01) -> list[dict]:
     """Turn the measured variants into the eight rungs (pure, testable).
 
-    Rung 5 is the fastest remat policy or layer loop on rung 4's config; rung 6 is remat=full with offloading; rung 7 is
-    the fastest of rung 4 + one flag or + all flags, counting only flags that changed the compiled program
-    or its time by more than `noise`; rung 8 the faster of the two expert-parallel variants.
+    Rung 5 is the fastest remat policy or layer loop on rung 4's config; rung 6 is rung 5's choice with remat=full
+    and offloading; rung 7 is the fastest of rung 5's program + one flag or + all flags, counting only flags that
+    changed the compiled program or its time by more than `noise`; rung 8 the fastest expert-parallel variant.
     """
     def rung(number: int, record: dict | None, **extra) -> dict:
         base = {"rung": number, "what": RUNGS[number]}
@@ -393,6 +401,7 @@ def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, nois
                       chosen=best_remat and {"train.remat": best_remat["overrides"].get("train.remat", "none"),
                                              "train.scan_layers": best_remat["overrides"].get("train.scan_layers", True)}))
     rungs.append(rung(6, records.get("6")))
+    reference = best_remat or reference  # the flags were added to rung 5's choice
     verdicts, candidates = {}, []
     for key, record in records.items():
         if not key.startswith("7:") or key == "7:all":
@@ -412,7 +421,7 @@ def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, nois
         candidates.append(records["7:all"])
     best_flags = _fastest(candidates)
     rungs.append(rung(7, best_flags or reference, flags=verdicts,
-                      note=None if best_flags else "no flag made the step faster; rung 7 = rung 4's program"))
+                      note=None if best_flags else "no flag made the step faster; rung 7 = rung 5's program"))
     ep = [r for key, r in records.items() if key == "8" or key.startswith("8:")]
     rungs.append(rung(8, _fastest(ep) or (ep[0] if ep else None),
                       tried={r["key"]: r.get("step_ms") or r.get("status") for r in ep}))
@@ -536,7 +545,7 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"step-{device_slug(env['device'])}.json"
     ep_devices = ep_devices if jax.device_count() >= ep_devices else 1
-    dense = dense_matmul_tflops() if jax.default_backend() == "gpu" else dense_matmul_tflops(512, 5, 0.0)
+    dense = dense_matmul_tflops() if jax.default_backend() == "gpu" else dense_matmul_tflops(512, 0.0, 2)
     peak = metrics_lib.device_peak_tflops(env["device"])
     result = {"preset": preset, "environment": env, "dense_tflops": dense, "datasheet_peak_tflops": peak,
               "config": base_config.to_dict(), "xla_flags_env": os.environ.get("XLA_FLAGS", ""),
@@ -557,6 +566,11 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     hlo_texts = {}
     scratch = Path(tempfile.mkdtemp(prefix="dropless-traces-"))
     for phase in range(len(LADDER_PHASES)):
+        if phase == REBASE_PHASE:
+            variants = ladder_variants(base_config, tuned_backend=tuned_backend, default_backend=default_backend,
+                                       flags=flags, ep_devices=ep_devices,
+                                       offload_names=",".join(transformer.ACTIVATION_NAMES),
+                                       rung5=rung5_choice(result["variants"]))
         chosen = [v for v in variants if ladder_phase(v.key) == phase]
         if not chosen:
             continue
