@@ -17,11 +17,12 @@ The ladder (`--ladder`), every rung on the same model and per-device batch:
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
   3 tokamax's kernel, default heuristics        7 + XLA scheduling flags, each verified to change the program
     (moe.gmm_backend=tokamax_default)          8 expert parallelism on 2 devices, the default dispatch (also
-                                                 with all flags, in 2 or 4 chunks, unrolled: the fastest)
+                                                 with all flags, or in 2 or 4 chunks: the fastest)
   4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
-Rungs 5 and 7 are chosen by measurement in the same run; every variant tried is kept in the JSON. The ladder
-runs in phases (LADDER_PHASES: the anchor rungs first); each phase's programs are compiled in parallel threads
-(XLA's compiler releases the GIL), then timed one after another, never while anything compiles.
+Rungs 5 and 7 are chosen by measurement in the same run, and rungs 6-8 are built on rung 5's choice; every
+variant tried is kept in the JSON. The ladder runs in phases (LADDER_PHASES: the anchor rungs first); each
+phase's programs are compiled in parallel threads (XLA's compiler releases the GIL), then timed one after
+another, never while anything compiles.
 """
 
 from __future__ import annotations
