@@ -89,6 +89,10 @@ def test_xla_flags_user_setting_wins():
     assert xla_flags.apply(env) == env["XLA_FLAGS"]  # idempotent
     assert xla_flags.apply({"XLA_FLAGS": f"{name}=false"}) == f"{name}=false"
     assert xla_flags.apply({"DROPLESS_XLA_FLAGS": "0"}) == ""
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    mine = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    xla_flags.apply(mine)
+    assert mine["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"  # the user's value wins
 
 
 def test_per_batch_shard_runs_an_unpartitionable_kernel_on_each_devices_slice():
