@@ -23,12 +23,16 @@ def test_ep_bench_writes_consistent_records(tmp_path, capsys):
 def test_ep_bench_measures_chunked_dispatch_in_the_same_run(tmp_path, capsys):
     out = tmp_path / "ep.json"
     assert ep.main(["--preset", "tiny", "--tokens", "32", "--devices", "2", "--strategies", "allgather",
-                    "--skews", "random", "--chunks", "1,2", "--iters", "1", "--profile-iters", "1", "--out", str(out),
-                    "--table"]) == 0
+                    "--skews", "random", "--chunks", "1,2", "--xla", "none,latency_hiding_scheduler", "--iters", "1",
+                    "--profile-iters", "1", "--out", str(out), "--table"]) == 0
     records = json.loads(out.read_text())["records"]
-    assert [(r["strategy"], r.get("chunks")) for r in records] == [("single-device", None), ("allgather", 1),
-                                                                   ("allgather", 2)]
-    assert records[1]["rows_sent_per_device"] == records[2]["rows_sent_per_device"]  # the same rows, in two trips
-    assert "| allgather, 2 chunks | random |" in capsys.readouterr().out
+    assert [(r["strategy"], r.get("chunks"), r.get("xla")) for r in records] == [
+        ("single-device", None, None), ("allgather", 1, "none"), ("allgather", 1, "latency_hiding_scheduler"),
+        ("allgather", 2, "none"), ("allgather", 2, "latency_hiding_scheduler")]
+    assert records[1]["rows_sent_per_device"] == records[3]["rows_sent_per_device"]  # the same rows, in two trips
+    table = capsys.readouterr().out
+    assert "| allgather, 2 chunks | random |" in table and "| allgather, 2 chunks, latency_hiding_scheduler |" in table
     assert ep.main(["--tokens", "32", "--chunks", "3"]) == 2
     assert "positive divisors of --tokens 32" in capsys.readouterr().err
+    assert ep.main(["--tokens", "32", "--xla", "fast"]) == 2
+    assert "choose from none, latency_hiding_scheduler" in capsys.readouterr().err

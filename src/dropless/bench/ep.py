@@ -121,10 +121,13 @@ def needed_rows(params, bias_E, x_BSD, moe_cfg, devices: int) -> int:
 
 
 def measure(config, strategies, skews, *, tokens_per_device: int, devices: list, iters: int, profile_iters: int,
-            chunks: tuple[int, ...] = (1,), log=print) -> list[dict]:
-    """One record per (strategy, chunks, skew) on all `devices`, plus the one-device baseline per skew.
-    `chunks`: the values of moe.dispatch_chunks to measure for every strategy, in the same run."""
+            chunks: tuple[int, ...] = (1,), xla: tuple[str, ...] = ("none",), log=print) -> list[dict]:
+    """One record per (strategy, chunks, xla, skew) on all `devices`, plus the one-device baseline per skew.
+    `chunks`: the values of moe.dispatch_chunks to measure for every strategy, in the same run; `xla`: names of
+    `dropless.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without)."""
     import jax
+
+    from dropless.xla_flags import SCHEDULING_CANDIDATES
 
     from dropless.bench.gmm import time_calls
     from dropless.config import ParallelConfig
@@ -147,12 +150,13 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew]})
         log(f"ep: 1 device, {skew}: {baseline_ms[skew]:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
-    for name, chunk_count in [(name, n) for name in strategies for n in chunks]:
+    for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
         strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count,
                                                    "moe.dispatch_chunks": chunk_count}), platform=devices[0].platform)
         inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
         program = _layer_program(config.moe, many, strategy)
-        compiled = program.lower(*arguments[skews[0]]).compile()
+        options = {} if flags == "none" else SCHEDULING_CANDIDATES[flags]
+        compiled = program.lower(*arguments[skews[0]]).compile(compiler_options=options or None)
         for skew in skews:
             args = arguments[skew]
             layer_ms = 1e3 * time_calls(compiled, [args], batches=iters)
@@ -161,7 +165,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
             needed = needed_rows(*args[:3], config.moe, count)
             record = {
-                "strategy": name, "chunks": chunk_count,
+                "strategy": name, "chunks": chunk_count, "xla": flags,
                 "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
                                             count, config.moe.num_experts // count)).__name__
                 if hasattr(inner, "choose") else type(inner).__name__,
@@ -181,7 +185,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 useful = 4 * needed / count * config.model.hidden_size * dtype_bytes
                 record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
             records.append(record)
-            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), {skew}: {layer_ms:.2f} ms (efficiency "
+            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: {layer_ms:.2f} ms (efficiency "
                 f"{record['weak_scaling_efficiency']:.2f}), communication {comm_ms:.2f} ms = "
                 f"{100 * record['comm_share']:.1f}% of kernel time, rows sent {record['rows_sent_per_device']:.0f} "
                 f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")
@@ -198,6 +202,7 @@ def markdown_table(records: list[dict]) -> str:
         gbps = f"{r['useful_GBps_per_device']:.0f}" if "useful_GBps_per_device" in r else "-"
         strategy = r["strategy"] + (f" ({r['chosen']})" if r["strategy"] == "auto" else "")
         strategy += f", {r['chunks']} chunks" if r.get("chunks", 1) > 1 else ""
+        strategy += f", {r['xla']}" if r.get("xla", "none") != "none" else ""
         lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.2f} | "
                      f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}% | {gbps} | "
                      f"{r['rows_sent_per_device']:.0f} ({r['rows_sent_without_dedup_per_device']:.0f}) | "
@@ -215,6 +220,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated from {', '.join(SKEWS)}")
     p.add_argument("--chunks", default="1", help="comma-separated values of moe.dispatch_chunks to measure per "
                                                  "strategy in the same run, e.g. 1,2,4")
+    p.add_argument("--xla", default="none", help="comma-separated: 'none' and/or names of dropless.xla_flags."
+                                                 "SCHEDULING_CANDIDATES to compile each expert-parallel program with, "
+                                                 "e.g. none,latency_hiding_scheduler")
     p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement (the median is kept)")
     p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
     p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
@@ -254,11 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --chunks {args.chunks!r} must list positive divisors of --tokens {args.tokens}, e.g. 1,2,4.",
               file=sys.stderr)
         return 2
+    xla = tuple(x for x in args.xla.split(",") if x)
+    if not xla or (unknown := [x for x in xla if x != "none" and x not in xla_flags.SCHEDULING_CANDIDATES]):
+        print(f"error: --xla {args.xla!r}: choose from none, {', '.join(xla_flags.SCHEDULING_CANDIDATES)}.",
+              file=sys.stderr)
+        return 2
     config = build_config(args.preset, parse_overrides(args.overrides))
     out = Path(args.out.format(device=device_slug(devices[0].device_kind)))
     out.parent.mkdir(parents=True, exist_ok=True)
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,
-                      profile_iters=args.profile_iters, chunks=chunks)
+                      profile_iters=args.profile_iters, chunks=chunks, xla=xla)
     result = {"preset": args.preset, "tokens_per_device": args.tokens, "overrides": args.overrides,
               "environment": environment(), "records": records}
     out.write_text(json.dumps(result, indent=1) + "\n")
