@@ -40,6 +40,9 @@ def test_residual_activations_grow_with_the_batch_and_shrink_with_remat():
     assert fixed > 0  # bfloat16 copies of the weights, saved for the backward pass
     remat_grows, _ = memory.residual_bytes(micro_config(**{"train.remat": "full"}))
     assert 0 < remat_grows < grows / 2
+    # Gradient accumulation keeps one microbatch's residuals alive, not the batch's.
+    accumulated, _ = memory.residual_bytes(micro_config(**{"train.batch_size": 4, "train.grad_accum_steps": 2}))
+    assert accumulated == grows
 
 
 def test_sharding_memory_features_and_meshes_without_compiling():

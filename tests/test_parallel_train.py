@@ -37,6 +37,12 @@ def test_expert_parallel_training_matches_one_device(one_device):
     _assert_same_training(expert_parallel, one_device)
 
 
+def test_gradient_accumulation_with_expert_parallelism_matches_one_batch_on_one_device(one_device):
+    """Two microbatches of 8 sequences over 8 devices (expert 4 x data 2) train as one batch of 16 on one device."""
+    accumulated = train_losses({"parallel.expert": 4, "parallel.data": 2, "train.grad_accum_steps": 2})
+    _assert_same_training(accumulated, one_device)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

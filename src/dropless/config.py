@@ -176,11 +176,17 @@ class TrainConfig:
     # Run each group of identical layers with one jax.lax.scan (compile time flat in depth) or unrolled
     # (straight-line code: no stacked-residual buffers to fill and slice; compile time grows with depth).
     scan_layers: bool = True
+    # Microbatches per optimizer step: the step runs batch_size / grad_accum_steps sequences at a time and sums
+    # their gradients (float32) before one update; activation memory is that of one microbatch.
+    grad_accum_steps: int = 1
 
     def __post_init__(self):
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
-                    "checkpoint_every", "keep_checkpoints"):
+                    "checkpoint_every", "keep_checkpoints", "grad_accum_steps"):
             _positive(f"train.{key}", getattr(self, key))
+        _require(self.batch_size % self.grad_accum_steps == 0,
+                 f"train.batch_size={self.batch_size} is not divisible by train.grad_accum_steps="
+                 f"{self.grad_accum_steps}; make the batch a multiple of the microbatch count.")
         _positive("train.learning_rate", self.learning_rate)
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)

@@ -7,10 +7,12 @@ The real train step is lowered from abstract shapes (`dropless.bench.harness.low
 is allocated, so a 671B model can be analysed on a laptop: `--devices N` makes N virtual CPU devices. Two
 sources are combined, per device:
 
-- arithmetic from shapes and shardings: parameters, gradients (float32, like the master weights) and
-  optimizer state, each in device or pinned host memory;
+- arithmetic from shapes and shardings: parameters, gradients (float32, like the master weights; twice that
+  with `train.grad_accum_steps` > 1: the running sum and one microbatch's) and optimizer state, each in
+  device or pinned host memory;
 - activations: the residuals the backward pass keeps (the outputs of `jax.vjp`'s forward), those that grow
-  with the batch, split over the devices that split the batch. They follow `train.remat` and `train.offload`;
+  with the batch (one microbatch's with gradient accumulation), split over the devices that split the batch.
+  They follow `train.remat` and `train.offload`;
 - the compiled program's `memory_analysis()`: arguments, outputs, aliasing (donation) and XLA's temporary
   buffer. `temporaries` is what that buffer holds beyond the gradients and activations (matmul
   workspace, bfloat16 weight copies, recomputation).
@@ -81,7 +83,7 @@ def residual_bytes(config, executor=None) -> tuple[int, int]:
         shape, dtype = entry
         return math.prod(shape) * dtype.itemsize
 
-    base = config.train.batch_size
+    base = config.train.batch_size // config.train.grad_accum_steps  # one microbatch's residuals are alive at a time
     single, double = residuals(base), residuals(2 * base)
     if len(single) != len(double):  # the program's structure changed with the batch: count all as activations
         return sum(map(nbytes, single)), 0
@@ -102,7 +104,9 @@ def memory_report(config, devices=None, *, compiled=None) -> dict:
     params = tree_bytes_per_device(shapes.params, shardings.params)
     activations_global, _ = residual_bytes(config, dispatch.make_executor(config, setup.mesh))
     activations = activations_global // setup.mesh.size
-    gradients = params  # float32 gradients, sharded like the float32 master weights
+    # float32 gradients, sharded like the float32 master weights; with gradient accumulation, the running sum
+    # and one microbatch's
+    gradients = params * (2 if config.train.grad_accum_steps > 1 else 1)
     host_state = tree_bytes_per_device(shapes, shardings, "pinned_host")
     argument, output, alias, temp = (int(getattr(stats, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp"))
     # XLA:CPU counts host-memory arguments as device arguments; XLA:GPU reports them separately.

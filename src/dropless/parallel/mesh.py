@@ -45,11 +45,13 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None, *,
-              batch_size: int | None = None, num_experts: int | None = None) -> Mesh:
+              batch_size: int | None = None, num_experts: int | None = None,
+              microbatch_size: int | None = None) -> Mesh:
     """Build the ("data", "fsdp", "expert") mesh; `parallel.data = -1` takes the devices left over.
 
-    `batch_size` (global sequences) and `num_experts`, when given, are checked for divisibility so that
-    a bad layout fails here, with the fix in the message, rather than deep inside XLA.
+    `batch_size` (global sequences), `microbatch_size` (sequences per gradient-accumulation microbatch) and
+    `num_experts`, when given, are checked for divisibility so that a bad layout fails here, with the fix in
+    the message, rather than deep inside XLA.
     """
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
@@ -71,6 +73,9 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
     if batch_size is not None and batch_size % count:
         raise ConfigError(f"train.batch_size={batch_size} is not divisible by the {count} devices of the mesh "
                           f"(the batch is split over all of them); use a multiple of {count}.")
+    if microbatch_size is not None and microbatch_size % count:
+        raise ConfigError(f"a microbatch (train.batch_size / train.grad_accum_steps = {microbatch_size} sequences) "
+                          f"is not divisible by the {count} devices of the mesh; make it a multiple of {count}.")
     grid = np.asarray(devices, dtype=object).reshape(data, parallel.fsdp, parallel.expert)
     # Auto axes: the compiler propagates shardings outside the MoE layer's explicit shard_map.
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

@@ -49,8 +49,9 @@ def train_state_shardings(config: Config, mesh: Mesh, optimizer: optax.GradientT
 def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSetup:
     """Mesh, shardings and the jitted train step for `config` on `devices` (default: all)."""
     devices = list(jax.devices() if devices is None else devices)
-    mesh = mesh_lib.make_mesh(config.parallel, devices, batch_size=config.train.batch_size,
-                              num_experts=config.moe.num_experts)
+    train = config.train
+    mesh = mesh_lib.make_mesh(config.parallel, devices, batch_size=train.batch_size, num_experts=config.moe.num_experts,
+                              microbatch_size=train.batch_size // train.grad_accum_steps)
     executor = dispatch.make_executor(config, mesh)
     optimizer = make_optimizer(config.train)
     state_shapes = jax.eval_shape(lambda: init_train_state(jax.random.key(config.train.seed), config, optimizer))

@@ -3,6 +3,12 @@
 The loss is next-token cross-entropy plus the MoE balancing losses. After the optimizer update, the
 aux-loss-free router bias of every MoE layer moves by `rate * sign(mean_load - load)`: outside the
 gradient, from the loads this very step routed.
+
+With `train.grad_accum_steps = N > 1` the batch is split into N microbatches, run one after another in a
+`jax.lax.scan`; their gradients are averaged in float32 before the one optimizer update, their expert loads
+summed for the bias rule. Cross-entropy, the per-sequence balance loss and the z-loss are means over
+sequences or tokens, so the step computes what one big batch would; the batch-level aux loss
+(`moe.aux_loss_weight`) and capacity (`gmm_backend=capacity`) are per microbatch, as in other trainers.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import optax
 from dropless.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
+from dropless.moe.balance import max_load_ratio
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -73,13 +80,59 @@ def update_router_biases(model_state, aux, rate: float):
     return {**model_state, "router_bias": bias_LE}
 
 
+def microbatches(batch_BS1: jax.Array, count: int) -> jax.Array:
+    """[B, S+1] -> [count, B / count, S+1]; microbatch j holds rows j, j + count, j + 2 count, ...
+
+    Strided rather than contiguous, so that every device's shard of the batch (a contiguous block of rows)
+    holds its share of every microbatch and the split moves no data between devices.
+    """
+    rows, width = batch_BS1.shape
+    return jnp.swapaxes(batch_BS1.reshape(rows // count, count, width), 0, 1)
+
+
+# How the MoE statistics of N microbatches combine into the step's: counts add (the load ratio is then the whole
+# step's, from the summed loads), losses (means over their microbatch) average.
+_STATS_SUMMED = ("tokens_per_expert", "tokens_dropped", "dispatch_overflowed", "rows_sent", "rows_sent_without_dedup")
+
+
+def merge_microbatch_stats(stats_N):
+    """MoEStats stacked over microbatches [N, ...] -> the step's MoEStats, as one batch would report them."""
+    merged = {name: jnp.sum(value, axis=0) if name in _STATS_SUMMED else jnp.mean(value, axis=0)
+              for name, value in zip(stats_N._fields, stats_N)}
+    merged["max_load_ratio"] = jax.vmap(max_load_ratio)(merged["tokens_per_expert"])  # one row per MoE layer
+    return type(stats_N)(**merged)
+
+
+def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, executor=None):
+    """`jax.value_and_grad(loss_fn, has_aux=True)` over `config.train.grad_accum_steps` microbatches.
+
+    Returns ((total, (cross_entropy, aux)), grads) like one call on the whole batch: losses and gradients
+    averaged, the MoE statistics merged (`merge_microbatch_stats`).
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    count = config.train.grad_accum_steps
+    if count == 1:
+        return grad_fn(params, model_state, batch_BS1, config, executor)
+
+    def one(grads_sum, micro_BS1):
+        (total, (cross_entropy, aux)), grads = grad_fn(params, model_state, micro_BS1, config, executor)
+        grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads_sum, grads)
+        return grads_sum, (total, cross_entropy, aux)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads_sum, (total_N, cross_entropy_N, aux_N) = jax.lax.scan(one, zeros, microbatches(batch_BS1, count))
+    grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads_sum, params)
+    aux = {**aux_N, "moe": merge_microbatch_stats(aux_N["moe"]), "balance_loss": jnp.mean(aux_N["balance_loss"])}
+    return (jnp.mean(total_N), (jnp.mean(cross_entropy_N), aux)), grads
+
+
 def make_train_step(config: Config, optimizer: optax.GradientTransformation, executor=None) -> Callable:
     """The un-jitted step; callers jit it with their shardings (see `dropless.train.loop`)."""
     schedule_lr = learning_rate_schedule(config.train)
 
     def train_step(state: TrainState, batch_BS1: jax.Array):
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (total, (cross_entropy, aux)), grads = grad_fn(state.params, state.model_state, batch_BS1, config, executor)
+        (total, (cross_entropy, aux)), grads = accumulated_value_and_grad(
+            state.params, state.model_state, batch_BS1, config, executor)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate)
@@ -91,8 +144,14 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
 
 
 def make_eval_step(config: Config, executor=None) -> Callable:
+    """Mean cross-entropy of a batch, in `train.grad_accum_steps` microbatches (the memory of a training one)."""
     def eval_step(params, model_state, batch_BS1):
-        _, (cross_entropy, aux) = loss_fn(params, model_state, batch_BS1, config, executor)
-        return cross_entropy
+        if config.train.grad_accum_steps == 1:
+            return loss_fn(params, model_state, batch_BS1, config, executor)[1][0]
+
+        def one(_, micro_BS1):
+            return None, loss_fn(params, model_state, micro_BS1, config, executor)[1][0]
+        _, cross_entropy_N = jax.lax.scan(one, None, microbatches(batch_BS1, config.train.grad_accum_steps))
+        return jnp.mean(cross_entropy_N)
     return eval_step
 

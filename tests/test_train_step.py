@@ -1,0 +1,62 @@
+"""The training step's gradient accumulation: N microbatches give the gradients, losses and MoE statistics of one
+batch (float32, tiny preset), and the configuration refuses splits that cannot work."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.config import ConfigError, load_preset
+from dropless.parallel.mesh import make_mesh
+from dropless.train.step import accumulated_value_and_grad, make_eval_step, microbatches
+
+CONFIG = load_preset("tiny").replace(**{"train.dtype": "float32", "train.batch_size": 8, "train.seq_len": 16})
+
+
+@pytest.fixture(scope="module")
+def batch_and_state():
+    from dropless.models import transformer
+
+    params = transformer.init_params(jax.random.key(0), CONFIG)
+    state = {"router_bias": 0.05 * jax.random.normal(jax.random.key(2), transformer.init_state(CONFIG)["router_bias"].shape)}
+    batch = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.model.vocab_size)
+    return params, state, batch
+
+
+def test_microbatches_are_strided_rows_that_cover_the_batch_once():
+    batch = jnp.arange(8 * 3).reshape(8, 3)
+    micro = microbatches(batch, 4)
+    assert micro.shape == (4, 2, 3)
+    np.testing.assert_array_equal(micro[1], batch[jnp.array([1, 5])])
+    np.testing.assert_array_equal(np.sort(micro.reshape(-1, 3)[:, 0]), batch[:, 0])
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_accumulated_gradients_equal_the_whole_batch(count, batch_and_state):
+    params, state, batch = batch_and_state
+    whole = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, CONFIG))(params)
+    config = CONFIG.replace(**{"train.grad_accum_steps": count})
+    split = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, config))(params)
+    (total, (cross_entropy, aux)), grads = split
+    (want_total, (want_cross_entropy, want_aux)), want_grads = whole
+    assert float(cross_entropy) == pytest.approx(float(want_cross_entropy), rel=1e-6)
+    assert float(total) == pytest.approx(float(want_total), rel=1e-6)  # the per-sequence balance loss is linear too
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):  # f32 sums in another order
+        want = np.asarray(want)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    # Loads add up to the whole batch's (the router-bias rule sees the same counts), the load ratio follows.
+    np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_per_expert), np.asarray(want_aux["moe"].tokens_per_expert))
+    np.testing.assert_allclose(np.asarray(aux["moe"].max_load_ratio), np.asarray(want_aux["moe"].max_load_ratio), rtol=1e-6)
+    assert int(jnp.sum(aux["moe"].tokens_dropped)) == 0
+    # Evaluation splits the same way and gives the same mean.
+    evaluated = jax.jit(make_eval_step(config))(params, state, batch)
+    assert float(evaluated) == pytest.approx(float(want_cross_entropy), rel=1e-6)
+
+
+def test_accumulation_splits_that_cannot_work_are_config_errors():
+    with pytest.raises(ConfigError, match="not divisible by train.grad_accum_steps=3"):
+        CONFIG.replace(**{"train.grad_accum_steps": 3})
+    with pytest.raises(ConfigError, match="train.grad_accum_steps"):
+        CONFIG.replace(**{"train.grad_accum_steps": 0})
+    with pytest.raises(ConfigError, match=r"microbatch .* 2 sequences\) is not divisible by the 8 devices"):
+        make_mesh(CONFIG.parallel, jax.devices()[:8], batch_size=8, microbatch_size=2)
