@@ -169,17 +169,20 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
     assert bound.default_config == config  # chosen at trace time, before cache or heuristics
 
 
-# 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor.
-@pytest.mark.parametrize("tile, k, n", [(TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
-                                        (TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256)])
-def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter(tile, k, n):
-    """The three dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
+# 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor; the warp-specialised kernel for the
+# forward and input gradient (CTA tile 64 x 2*64) beside the dropless weight gradient.
+@pytest.mark.parametrize("rows_kernel, tile, k, n", [("dropless", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
+                                                     ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
+                                                     ("dropless_ws", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 256)])
+def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter(rows_kernel, tile, k, n):
+    """The dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from dropless.moe.gmm_tuned import tuned_gmm
 
-    plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
+    plan = GmmPlan(ProductConfig(rows_kernel, tile), ProductConfig(rows_kernel, tile), ProductConfig("dropless", tile))
+    assert plan.fwd.fits("fwd", k, n) and plan.dlhs.fits("dlhs", k, n)
     m = 200
     sizes = jnp.array([50, 0, 93, 45], jnp.int32)  # 188 rows in groups, 12 rows of padding
     kx, kw, kc = jax.random.split(jax.random.key(1), 3)
@@ -246,7 +249,8 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
     shapes = tune_gmm.preset_shapes("deepseek-v3-671b", 65536)
     assert [s for _, s in shapes] == [ShapeKey(65536, 7168, 4096, 256), ShapeKey(65536, 2048, 7168, 256)]
     for product in gt.PRODUCTS:
-        assert all(tune_gmm.smem_bytes(c.tile) <= tune_gmm.SMEM_BYTES for c in tune_gmm.QUICK[product])
+        assert all(tune_gmm.smem_bytes(c) <= tune_gmm.SMEM_BYTES for c in tune_gmm.QUICK[product])
+        assert all(c.kernel != "dropless_ws" for c in tune_gmm.wide_candidates("drhs"))
 
 
 def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch):
@@ -333,8 +337,8 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
     assert rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2
 
 
-@pytest.mark.parametrize("product", gt.PRODUCTS)
-def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product):
+@pytest.mark.parametrize("product, kernel", [*((p, "dropless") for p in gt.PRODUCTS), ("fwd", "dropless_ws")])
+def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product, kernel):
     """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -347,7 +351,7 @@ def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(pro
     b = (jax.random.normal(keys[1], (4, k, n), jnp.float32) / 8).astype(jnp.bfloat16)
     if product == "drhs":
         b = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
-    config = ProductConfig("dropless", TileConfig(64, 64, 64, 2, True, 1, 2))
+    config = ProductConfig(kernel, TileConfig(64, 64, 64, 2, True, 1, 2))
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = tune_gmm.product_fn(product, config)(a, b, jnp.asarray(sizes))
     check = tune_gmm.product_checker(product, rows=64)
@@ -356,3 +360,14 @@ def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(pro
         assert float(check(a, b, out, g, int(ends[g] - sizes[g]), int(ends[g]))) < 1e-2
     # The checker catches a wrong output.
     assert float(check(a, b, jnp.zeros_like(out), 2, int(ends[1]), int(ends[2]))) > 0.5
+
+
+def test_warp_specialised_kernel_fits_only_rows_products_with_two_tiles_of_columns():
+    ws = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3))
+    assert ws.fits("fwd", 7168, 4096) and ws.fits("dlhs", 7168, 4096)
+    assert not ws.fits("fwd", 7168, 128 * 3)  # 384 columns: not a multiple of the 256-wide CTA tile
+    assert not ws.fits("drhs", 7168, 4096)  # no weight-gradient kernel: the lookup falls through to another entry
+    table = {"schema_version": gt.SCHEMA_VERSION, "aliases": {}, "devices": {"GPU": [
+        {"m": 4096, "k": 512, "n": 512, "g": 4, **{p: ws.to_json() for p in gt.PRODUCTS}}]}}
+    plan = gt.lookup(table, "GPU", 4096, 512, 512, 4)
+    assert plan.fwd == ws and plan.dlhs == ws and plan.drhs.kernel == "dropless"

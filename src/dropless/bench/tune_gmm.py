@@ -40,15 +40,21 @@ def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4, chain_k
 # n-minor walk in bands of 4-8: shared/facts/autotune_dsv3_*.json, 96 configs each). 128-wide N tiles
 # halve the shared-memory reads per MMA (tokamax's own search only tries N = 64); an m-minor walk makes the
 # row tiles of one expert reuse its weight tile from L2 (matters when experts get few rows, e.g. G = 256).
+# The warp-specialised kernel (fwd and dlhs only): CTA tiles of 128x256 (cuBLAS's shape for these GEMMs), 64x256
+# and 128x128, with as many stages as shared memory holds beside the two consumers' output blocks.
+WARP_SPECIALISED = (_pc("dropless_ws", 128, 128, 64, 3), _pc("dropless_ws", 64, 128, 64, 4),
+                    _pc("dropless_ws", 128, 64, 64, 6))
 # 64x256 tiles are wgmma's widest single instruction (m64n256k16): per MMA they read 17% fewer operand bytes
 # from shared memory than 128x128, and 64-row tiles waste fewer rows at group boundaries.
 QUICK = {
     "fwd": (_pc("tokamax", 128, 64, 128, 4, width=4), _pc("tokamax", 128, 64, 128, 4, width=8),
             _pc("tokamax", 128, 128, 64, 4), _pc("tokamax", 128, 128, 64, 4, minor="m"),
-            _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4)),
+            _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4),
+            *WARP_SPECIALISED),
     "dlhs": (_pc("tokamax", 128, 64, 128, 4), _pc("dropless", 128, 64, 128, 4), _pc("dropless", 128, 128, 64, 4),
              _pc("dropless", 128, 128, 64, 4, minor="m"), _pc("dropless", 64, 128, 128, 4),
-             _pc("dropless", 128, 128, 64, 6, minor="m"), _pc("dropless", 64, 256, 64, 4, minor="m")),
+             _pc("dropless", 128, 128, 64, 6, minor="m"), _pc("dropless", 64, 256, 64, 4, minor="m"),
+             *WARP_SPECIALISED),
     "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
              _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
              _pc("dropless", 128, 128, 64, 4, chain_k=True), _pc("dropless", 128, 128, 64, 6, chain_k=True),
@@ -56,16 +62,17 @@ QUICK = {
 }
 
 
-def smem_bytes(tile: TileConfig, itemsize: int = 2) -> int:
-    """Pipeline stages of both operand blocks plus the output staging block."""
-    return itemsize * (tile.num_stages * (tile.block_m * tile.block_k + tile.block_k * tile.block_n)
-                       + tile.block_m * tile.block_n)
+def smem_bytes(config: ProductConfig, itemsize: int = 2) -> int:
+    """Pipeline stages of both operand blocks plus the output staging blocks (one per consumer warpgroup)."""
+    tile, columns = config.tile, gt.CTA_COLUMNS[config.kernel]
+    return itemsize * (tile.num_stages * (tile.block_m * tile.block_k + tile.block_k * tile.block_n * columns)
+                       + columns * tile.block_m * tile.block_n)
 
 
 def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
     """A larger grid for users with time to spare (several hundred candidates over all products)."""
     out = []
-    kernels = ("tokamax", "dropless")
+    kernels = ("tokamax", "dropless") + (("dropless_ws",) if product != "drhs" else ())
     for kernel in kernels:
         for bm, bn, bk in ((128, 64, 128), (128, 128, 64), (64, 128, 128), (256, 64, 64), (128, 64, 64), (64, 64, 128),
                            (64, 256, 64)):
@@ -75,7 +82,7 @@ def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
                         if kernel == "tokamax" and product == "drhs" and (persistent or (minor, width) != ("n", 4)):
                             continue  # tokamax's weight-gradient kernel has a fixed grid
                         c = _pc(kernel, bm, bn, bk, stages, persistent, minor, width)
-                        if smem_bytes(c.tile) <= SMEM_BYTES:
+                        if smem_bytes(c) <= SMEM_BYTES:
                             out.append(c)
     return tuple(dict.fromkeys(out))
 

@@ -8,8 +8,8 @@ an `AutotuningResult` used as a context never matches at all: the overlay is key
 loaded from JSON is never found (see tests/test_gmm_tuning.py). Passing `config=` per product, at trace
 time, is the one mechanism that always takes effect, so that is what this module does, for all three:
 
-  fwd   y  = x · W[g]             tokamax ragged_dot, or dropless grouped_matmul
-  dlhs  dx = dy · W[g]ᵀ           dropless grouped_matmul(transpose_rhs) reads W in place; tokamax copies Wᵀ
+  fwd   y  = x · W[g]             tokamax ragged_dot, or dropless grouped_matmul (or its warp-specialised _ws)
+  dlhs  dx = dy · W[g]ᵀ           dropless grouped_matmul(_ws)(transpose_rhs) reads W in place; tokamax copies Wᵀ
   drhs  dW = x[rows of g]ᵀ · dy   dropless grouped_matmul_tn reads x in place; tokamax copies xᵀ
 
 Rows past sum(group_sizes) are padding: their outputs and input gradients are zero, and the weight
@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dropless.moe.gmm_tuning import GmmPlan, ProductConfig
+from dropless.moe.gmm_tuning import GmmConfigError, GmmPlan, ProductConfig
 
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
@@ -43,6 +43,11 @@ def _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, config: ProductConfig, *, trans
 
         return grouped_matmul(lhs_MK, rhs_GKN, group_sizes_G, config.tile, transpose_rhs=transpose_rhs,
                               out_dtype=out_dtype)
+    if config.kernel == "dropless_ws":
+        from dropless.moe.gmm_mosaic_ws import grouped_matmul_ws
+
+        return grouped_matmul_ws(lhs_MK, rhs_GKN, group_sizes_G, config.tile, transpose_rhs=transpose_rhs,
+                                 out_dtype=out_dtype)
     if transpose_rhs:  # tokamax 0.0.17 materialises this transpose itself; doing it here makes the cost visible
         rhs_GKN = jnp.swapaxes(rhs_GKN, 1, 2)
     return _tokamax_op(config)(lhs_MK, rhs_GKN, group_sizes=group_sizes_G, preferred_element_type=out_dtype)
@@ -54,6 +59,8 @@ def ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out
         from dropless.moe.gmm_mosaic import grouped_matmul_tn
 
         return grouped_matmul_tn(lhs_MK, rhs_MN, group_sizes_G, config.tile, out_dtype=out_dtype)
+    if config.kernel == "dropless_ws":
+        raise GmmConfigError("kernel 'dropless_ws' has no weight-gradient (drhs) product; use 'dropless' there.")
     return _tokamax_op(config)(lhs_MK, rhs_MN, group_sizes=group_sizes_G,
                                ragged_dot_dimension_numbers=_RAGGED_CONTRACTING, preferred_element_type=out_dtype)
 

@@ -11,7 +11,9 @@ H200's table), and anything else gets `DEFAULT_PLAN`. This module is pure Python
 jax or tokamax, so the lookup is testable anywhere.
 
 Kernels: "tokamax" is tokamax's Mosaic GPU ragged_dot (for dlhs/drhs it copies Wᵀ / xᵀ first);
-"dropless" is `dropless.moe.gmm_mosaic`, which reads W and x in place.
+"dropless" is `dropless.moe.gmm_mosaic`, which reads W and x in place; "dropless_ws" is
+`dropless.moe.gmm_mosaic_ws`, its warp-specialised variant for fwd and dlhs (two consumer warpgroups side by
+side: a CTA's output tile is block_m x 2*block_n).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from typing import Any
 from dropless.moe.errors import MoEError
 
 PRODUCTS = ("fwd", "dlhs", "drhs")
-KERNELS = ("tokamax", "dropless")
+KERNELS = ("tokamax", "dropless", "dropless_ws")
+# Output columns per CTA, in units of block_n: the warp-specialised kernel's consumers sit side by side.
+CTA_COLUMNS = {"tokamax": 1, "dropless": 1, "dropless_ws": 2}
 SCHEMA_VERSION = 1
 DATA_FILE = "gmm_configs.json"
 _MINOR_DIMS = {"m": 0, "n": 1}
@@ -90,12 +94,15 @@ class ProductConfig:
             raise GmmConfigError("chain_k is a mode of the dropless weight-gradient kernel; drop it or use kernel 'dropless'.")
 
     def fits(self, product: str, k: int, n: int) -> bool:
-        """Whether the tile divides the product's output and contraction dims (the kernels need that)."""
+        """Whether this kernel computes the product and its tile divides the output and contraction dims."""
         t = self.tile
+        cta_n = t.block_n * CTA_COLUMNS[self.kernel]
         if product == "fwd":  # out [M, N], contracts K
-            return n % t.block_n == 0 and k % t.block_k == 0
+            return n % cta_n == 0 and k % t.block_k == 0
         if product == "dlhs":  # out [M, K], contracts N
-            return k % t.block_n == 0 and n % t.block_k == 0
+            return k % cta_n == 0 and n % t.block_k == 0
+        if self.kernel == "dropless_ws":  # no warp-specialised weight-gradient kernel (yet)
+            return False
         return k % t.block_m == 0 and n % t.block_n == 0  # drhs: out [G, K, N], contracts rows
 
     def to_json(self) -> dict[str, Any]:

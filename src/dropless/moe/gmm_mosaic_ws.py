@@ -1,0 +1,118 @@
+"""A warp-specialised grouped GEMM for Hopper: one producer warpgroup feeds two consumer warpgroups.
+
+`dropless.moe.gmm_mosaic.grouped_matmul` runs one warpgroup per CTA that both issues the TMA loads and the
+wgmma instructions, and stores each output tile before it starts loading the next: its tensor cores idle
+during every epilogue and its 128x128 tile reads more shared memory per MMA than a wider one. This kernel
+splits the work the way cuBLAS's fastest sm90 kernels do (the `..._256x128_..._coopA` kernels in our
+profiles): a memory warpgroup runs ahead through the pipeline stages (`plgpu.emit_pipeline_warp_specialized`),
+and two consumer warpgroups each own a block_m x block_n accumulator side by side, so a CTA computes a
+block_m x 2*block_n tile (128x256 with the default tile) while the producer already loads the next tile's
+first stages during the consumers' epilogue.
+
+  grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
+
+The work list, the ragged store and the padding contract are those of `grouped_matmul` (same `row_tiles`):
+output rows past sum(group_sizes) are left unwritten. N (the output columns) must be a multiple of
+2 * tile.block_n and K of tile.block_k. It is a `kernel="dropless_ws"` candidate of `dropless tune-gmm` for
+the forward and input-gradient products; the tuned table decides, per shape, whether it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dropless.moe.gmm_mosaic import ROW_ALIGN, _store_rows, _swizzled, max_row_tiles, num_sms, row_tiles
+from dropless.moe.gmm_tuning import TileConfig
+
+CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
+MEMORY_REGISTERS = 40  # per thread for the producer warpgroup; the consumers get the rest (setmaxnreg)
+
+
+def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
+                      transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
+    """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
+
+    Output rows past sum(group_sizes) are left unwritten (as `gmm_mosaic.grouped_matmul`).
+    """
+    m, k = lhs_MK.shape
+    if transpose_rhs:
+        g, n, k_rhs = rhs.shape
+    else:
+        g, k_rhs, n = rhs.shape
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    cta_n = CONSUMERS * bn
+    assert k == k_rhs and n % cta_n == 0 and k % bk == 0, (lhs_MK.shape, rhs.shape, tile)
+    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+    m_tiles = max_row_tiles(m, g, bm)
+    n_tiles, k_steps = n // cta_n, k // bk
+    tables = row_tiles(group_sizes_G, bm, m_tiles)
+    lhs_block = (bm, bk)
+    rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
+
+    def kernel(lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem, out_gmem):
+        def pipeline(body, compute_context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
+                in_specs=[
+                    plgpu.BlockSpec(lhs_block, lambda ki: (0, ki), transforms=_swizzled(bk, lhs_gmem.dtype),
+                                    memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec(rhs_block, (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0)),
+                                    transforms=_swizzled(rhs_block[1], rhs_gmem.dtype), memory_space=plgpu.SMEM),
+                ],
+                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=tile.num_stages,
+                compute_context=compute_context)
+
+        def operands(start, group, ni):
+            """The gmem windows one tile's pipeline walks along K: its rows of lhs, its columns of rhs[group]."""
+            rows = lhs_gmem.at[pl.ds(start, bm), :]
+            cols = pl.ds(ni * cta_n, cta_n)
+            return rows, (rhs_gmem.at[group].at[cols, :] if transpose_rhs else rhs_gmem.at[group].at[:, cols])
+
+        ignore = lambda *_, **__: None  # the allocations depend on the block specs only
+        out_type = plgpu.SMEM((CONSUMERS, bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype, leading_tile=1))
+
+        @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
+                           out_smem=out_type, collective_axes="wg")
+        def _scope(allocations, out_smem):
+            wg = jax.lax.axis_index("wg")
+
+            @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+            def _tile(loop_info):
+                mi, ni = plgpu.planar_snake(loop_info.index[0], (m_tiles, n_tiles), tile.grid_minor_dim,
+                                            tile.grid_tile_width)
+                group, size = group_gmem[mi], size_gmem[mi]
+                start = pl.multiple_of(start_gmem[mi], ROW_ALIGN)
+
+                @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
+                def _compute():
+                    def mma(_, lhs_smem, rhs_smem, acc_ref):
+                        mine = pl.ds(wg * bn, bn)
+                        b = rhs_smem.at[mine, :].transpose((1, 0)) if transpose_rhs else rhs_smem.at[:, mine]
+                        plgpu.wgmma(acc_ref, lhs_smem, b)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    def epilogue(run_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                        def _acc(acc_ref):
+                            run_pipeline(acc_ref)
+                            out_smem[wg] = acc_ref[...].astype(out_dtype)
+                            plgpu.commit_smem()
+                            _store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
+                                        cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, m))
+
+                    pipeline(mma, epilogue)(*operands(start, group, ni), allocations=allocations)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_sms(),), grid_names=("sm",),
+        num_threads=CONSUMERS + 1, thread_name="wg",
+        kernel_name="dropless_grouped_matmul_ws" + ("_nt" if transpose_rhs else ""),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(lhs_MK, rhs, *tables)
