@@ -37,6 +37,12 @@ def test_expert_parallel_training_matches_one_device(one_device):
     _assert_same_training(expert_parallel, one_device)
 
 
+def test_unrolled_layers_with_expert_parallelism_match_the_scanned_step_on_one_device(one_device):
+    """`train.scan_layers=false` (deepseek-v3-proxy's setting) runs each layer's shard_map in straight-line code."""
+    unrolled = train_losses({"parallel.expert": 4, "parallel.data": 2, "train.scan_layers": False})
+    _assert_same_training(unrolled, one_device)
+
+
 def test_gradient_accumulation_with_expert_parallelism_matches_one_batch_on_one_device(one_device):
     """Two microbatches of 8 sequences over 8 devices (expert 4 x data 2) train as one batch of 16 on one device."""
     accumulated = train_losses({"parallel.expert": 4, "parallel.data": 2, "train.grad_accum_steps": 2})
