@@ -30,7 +30,7 @@ from dropless.moe.gmm_tuning import TileConfig
 ROW_ALIGN = 8
 
 
-def _swizzled(minor_dim: int, dtype, leading_tile: int = 8) -> tuple:
+def swizzled(minor_dim: int, dtype, leading_tile: int = 8) -> tuple:
     """Tiling + swizzle transforms for a 2-D shared-memory block whose last dim (`minor_dim` long) is contiguous."""
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor_dim * bits)
@@ -39,7 +39,7 @@ def _swizzled(minor_dim: int, dtype, leading_tile: int = 8) -> tuple:
 
 def _block(shape, dtype, index_map) -> plgpu.BlockSpec:
     # delay_release=1: a stage's buffers stay alive one step longer, so wgmma_wait(1) may keep one MMA in flight.
-    return plgpu.BlockSpec(shape, index_map, transforms=_swizzled(shape[-1], dtype), delay_release=1)
+    return plgpu.BlockSpec(shape, index_map, transforms=swizzled(shape[-1], dtype), delay_release=1)
 
 
 def num_sms() -> int:
@@ -82,7 +82,7 @@ def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
     return (num_rows + (ROW_ALIGN - 1) * num_groups) // block_m + num_groups
 
 
-def _store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -> None:
+def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -> None:
     """Copy `size` rows starting at `offset` of out_smem to out_gmem rows row0 + offset...
 
     TMA boxes have static sizes, so the dynamic row count is stored as its binary digits: one copy of 2^i
@@ -147,13 +147,13 @@ def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, 
 
                 acc = pl.run_scoped(mma, plgpu.ACC((bm, bn)))
                 # Leading tile of 1 row: the ragged store slices the staging buffer at any row.
-                out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype, leading_tile=1))
+                out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype, leading_tile=1))
 
                 @functools.partial(pl.run_scoped, out_smem=out_type)
                 def _epilogue(out_smem):
                     out_smem[...] = acc.astype(out_dtype)
                     plgpu.commit_smem()
-                    _store_rows(out_smem, out_gmem, row0=start, offset=offset_gmem[t], size=size,
+                    store_rows(out_smem, out_gmem, row0=start, offset=offset_gmem[t], size=size,
                                 cols=pl.ds(ni * bn, bn), max_rows=min(bm, m))
 
         if tile.persistent:
@@ -238,7 +238,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                 return acc_ref[...]
 
             acc = pl.run_scoped(mma, plgpu.ACC((bm, bn)))
-            out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype))
+            out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
 
             @functools.partial(pl.run_scoped, out_smem=out_type)
             def _epilogue(out_smem):
@@ -261,7 +261,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
     def chained_kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
         # Each SM takes (group, N tile) pairs; one pipeline walks (K tile, row step) for a pair, storing a K tile
         # when its last row step is done, so TMA keeps loading the next K tile while this one is stored.
-        out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype))
+        out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
 
         @functools.partial(pl.run_scoped, out_smem=out_type)
         def _scope(out_smem):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.moe.gmm_mosaic import ROW_ALIGN, _store_rows, _swizzled, max_row_tiles, num_sms, row_tiles
+from dropless.moe.gmm_mosaic import ROW_ALIGN, store_rows, swizzled, max_row_tiles, num_sms, row_tiles
 from dropless.moe.gmm_tuning import TileConfig
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
@@ -59,10 +59,10 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
                 in_specs=[
-                    plgpu.BlockSpec(lhs_block, lambda ki: (0, ki), transforms=_swizzled(bk, lhs_gmem.dtype),
+                    plgpu.BlockSpec(lhs_block, lambda ki: (0, ki), transforms=swizzled(bk, lhs_gmem.dtype),
                                     memory_space=plgpu.SMEM),
                     plgpu.BlockSpec(rhs_block, (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0)),
-                                    transforms=_swizzled(rhs_block[1], rhs_gmem.dtype), memory_space=plgpu.SMEM),
+                                    transforms=swizzled(rhs_block[1], rhs_gmem.dtype), memory_space=plgpu.SMEM),
                 ],
                 wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=tile.num_stages,
                 compute_context=compute_context)
@@ -74,7 +74,7 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
             return rows, (rhs_gmem.at[group].at[cols, :] if transpose_rhs else rhs_gmem.at[group].at[:, cols])
 
         ignore = lambda *_, **__: None  # the allocations depend on the block specs only
-        out_type = plgpu.SMEM((CONSUMERS, bm, bn), out_dtype, transforms=_swizzled(bn, out_dtype, leading_tile=1))
+        out_type = plgpu.SMEM((CONSUMERS, bm, bn), out_dtype, transforms=swizzled(bn, out_dtype, leading_tile=1))
 
         @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
                            out_smem=out_type, collective_axes="wg")
@@ -103,7 +103,7 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
                             run_pipeline(acc_ref)
                             out_smem[wg] = acc_ref[...].astype(out_dtype)
                             plgpu.commit_smem()
-                            _store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
+                            store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
                                         cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, m))
 
                     pipeline(mma, epilogue)(*operands(start, group, ni), allocations=allocations)
