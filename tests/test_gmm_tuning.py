@@ -249,7 +249,7 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
     shapes = tune_gmm.preset_shapes("deepseek-v3-671b", 65536)
     assert [s for _, s in shapes] == [ShapeKey(65536, 7168, 4096, 256), ShapeKey(65536, 2048, 7168, 256)]
     for product in gt.PRODUCTS:
-        assert all(tune_gmm.smem_bytes(c) <= tune_gmm.SMEM_BYTES for c in tune_gmm.QUICK[product])
+        assert all(gt.smem_bytes(c) <= gt.SMEM_BYTES for c in tune_gmm.QUICK[product])
         assert all(c.kernel != "dropless_ws" for c in tune_gmm.wide_candidates("drhs"))
 
 
@@ -371,3 +371,57 @@ def test_warp_specialised_kernel_fits_only_rows_products_with_two_tiles_of_colum
         {"m": 4096, "k": 512, "n": 512, "g": 4, **{p: ws.to_json() for p in gt.PRODUCTS}}]}}
     plan = gt.lookup(table, "GPU", 4096, 512, 512, 4)
     assert plan.fwd == ws and plan.dlhs == ws and plan.drhs.kernel == "dropless"
+
+
+def tune_gmm_ws_candidates():
+    from dropless.bench import tune_gmm
+
+    return [c for product in ("fwd", "dlhs") for c in tune_gmm.QUICK[product] if c.kernel == "dropless_ws"]
+
+
+def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=1024, n=2048, g=8):
+    """Lower one product's kernel for CUDA on this CPU (jax.export): Mosaic GPU's layout inference and shared-memory
+    check run here, as they would when the GPU compiles it."""
+    from jax import export
+
+    from dropless.moe.gmm_tuned import _ragged_rows, ragged_contract
+
+    bf16 = jnp.bfloat16
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+    if product == "drhs":
+        fn = lambda a, b, gs: ragged_contract(a, b, gs, config, out_dtype=out_dtype)
+        operands = (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((m, n), bf16), sizes)
+    else:
+        fn = lambda a, b, gs: _ragged_rows(a, b, gs, config, transpose_rhs=product == "dlhs", out_dtype=out_dtype)
+        a_cols = k if product == "fwd" else n
+        operands = (jax.ShapeDtypeStruct((m, a_cols), bf16), jax.ShapeDtypeStruct((g, k, n), bf16), sizes)
+    return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
+
+
+# What the layer runs (the packaged default tile, with the float32 output of the down projection) and every
+# warp-specialised candidate, whose output blocks stay in shared memory beside its pipeline stages.
+@pytest.mark.parametrize("product, kernel, tile, out_dtype", [
+    ("fwd", "dropless", TileConfig(128, 128, 64, 4), jnp.float32),
+    ("dlhs", "dropless", TileConfig(128, 128, 64, 4, grid_minor_dim=0), jnp.bfloat16),
+    ("drhs", "dropless", TileConfig(128, 128, 64, 4), jnp.bfloat16),
+    *((p, "dropless_ws", t, dtype) for p in ("fwd", "dlhs") for t in {c.tile for c in tune_gmm_ws_candidates()}
+      for dtype in (jnp.bfloat16, jnp.float32)),
+])
+def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
+    exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)
+    assert exported.platforms == ("cuda",)
+
+
+def test_lowering_for_cuda_catches_what_the_gpu_refused():
+    """A 64x256 forward tile failed Mosaic GPU's layout inference on the H200 (tune-gmm, 2026-11-30); lowering on the
+    CPU fails the same way, so the check above can fail."""
+    with pytest.raises(ValueError, match="layouts"):
+        _lower_for_cuda("fwd", ProductConfig("dropless", TileConfig(64, 256, 64, 4)), jnp.bfloat16)
+
+
+def test_warp_specialised_kernel_drops_stages_that_would_not_fit_beside_a_float32_output():
+    from dropless.moe.gmm_mosaic_ws import fitting_stages
+
+    tile = TileConfig(128, 128, 64, 3)
+    assert fitting_stages(tile, jnp.bfloat16, jnp.bfloat16) == 3
+    assert fitting_stages(tile, jnp.bfloat16, jnp.float32) == 2

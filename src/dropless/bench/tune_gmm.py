@@ -29,7 +29,6 @@ from dropless.moe import gmm_tuning as gt
 from dropless.moe.gmm_tuning import ProductConfig, ShapeKey, TileConfig
 
 PACKAGED_TABLE = Path(gt.__file__).with_name(gt.DATA_FILE)
-SMEM_BYTES = 227 * 1024  # sm90 shared memory per block
 
 
 def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4, chain_k=False) -> ProductConfig:
@@ -45,28 +44,21 @@ def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4, chain_k
 WARP_SPECIALISED = (_pc("dropless_ws", 128, 128, 64, 3), _pc("dropless_ws", 64, 128, 64, 4),
                     _pc("dropless_ws", 128, 64, 64, 6))
 # 64x256 tiles are wgmma's widest single instruction (m64n256k16): per MMA they read 17% fewer operand bytes
-# from shared memory than 128x128, and 64-row tiles waste fewer rows at group boundaries.
+# from shared memory than 128x128, and 64-row tiles waste fewer rows at group boundaries. Only the weight
+# gradient's kernel compiles them (the rows kernel's ragged store fails Mosaic GPU's layout inference: H200,
+# 2026-11-30, and tests/test_gmm_tuning.py on the CPU); they were 8-16% slower there than 128x128.
 QUICK = {
     "fwd": (_pc("tokamax", 128, 64, 128, 4, width=4), _pc("tokamax", 128, 64, 128, 4, width=8),
             _pc("tokamax", 128, 128, 64, 4), _pc("tokamax", 128, 128, 64, 4, minor="m"),
-            _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4),
-            *WARP_SPECIALISED),
+            _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 6), *WARP_SPECIALISED),
     "dlhs": (_pc("tokamax", 128, 64, 128, 4), _pc("dropless", 128, 64, 128, 4), _pc("dropless", 128, 128, 64, 4),
              _pc("dropless", 128, 128, 64, 4, minor="m"), _pc("dropless", 64, 128, 128, 4),
-             _pc("dropless", 128, 128, 64, 6, minor="m"), _pc("dropless", 64, 256, 64, 4, minor="m"),
-             *WARP_SPECIALISED),
+             _pc("dropless", 128, 128, 64, 6, minor="m"), *WARP_SPECIALISED),
     "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
              _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
              _pc("dropless", 128, 128, 64, 4, chain_k=True), _pc("dropless", 128, 128, 64, 6, chain_k=True),
              _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4)),
 }
-
-
-def smem_bytes(config: ProductConfig, itemsize: int = 2) -> int:
-    """Pipeline stages of both operand blocks plus the output staging blocks (one per consumer warpgroup)."""
-    tile, columns = config.tile, gt.CTA_COLUMNS[config.kernel]
-    return itemsize * (tile.num_stages * (tile.block_m * tile.block_k + tile.block_k * tile.block_n * columns)
-                       + columns * tile.block_m * tile.block_n)
 
 
 def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
@@ -82,7 +74,7 @@ def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
                         if kernel == "tokamax" and product == "drhs" and (persistent or (minor, width) != ("n", 4)):
                             continue  # tokamax's weight-gradient kernel has a fixed grid
                         c = _pc(kernel, bm, bn, bk, stages, persistent, minor, width)
-                        if smem_bytes(c) <= SMEM_BYTES:
+                        if gt.smem_bytes(c) <= gt.SMEM_BYTES:
                             out.append(c)
     return tuple(dict.fromkeys(out))
 

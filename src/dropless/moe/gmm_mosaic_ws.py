@@ -19,6 +19,7 @@ the forward and input-gradient products; the tuned table decides, per shape, whe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -27,10 +28,21 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.moe.gmm_mosaic import ROW_ALIGN, store_rows, swizzled, max_row_tiles, num_sms, row_tiles
-from dropless.moe.gmm_tuning import TileConfig
+from dropless.moe.gmm_tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
 MEMORY_REGISTERS = 40  # per thread for the producer warpgroup; the consumers get the rest (setmaxnreg)
+BARRIER_BYTES = 1024  # the pipeline's barriers, beside its stages and the output blocks
+
+
+def fitting_stages(tile: TileConfig, in_dtype, out_dtype) -> int:
+    """`tile.num_stages`, or fewer if the stages and the output blocks of this dtype do not fit in shared memory
+    together (a tile tuned with bf16 outputs, used for the MoE layer's float32 down projection)."""
+    stages = tile.num_stages
+    while stages > 1 and smem_bytes(ProductConfig("dropless_ws", dataclasses.replace(tile, num_stages=stages)),
+                                    jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize) > SMEM_BYTES - BARRIER_BYTES:
+        stages -= 1
+    return stages
 
 
 def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
@@ -51,6 +63,7 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
     m_tiles = max_row_tiles(m, g, bm)
     n_tiles, k_steps = n // cta_n, k // bk
     tables = row_tiles(group_sizes_G, bm, m_tiles)
+    stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)
     lhs_block = (bm, bk)
     rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
 
@@ -64,7 +77,7 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
                     plgpu.BlockSpec(rhs_block, (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0)),
                                     transforms=swizzled(rhs_block[1], rhs_gmem.dtype), memory_space=plgpu.SMEM),
                 ],
-                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=tile.num_stages,
+                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=stages,
                 compute_context=compute_context)
 
         def operands(start, group, ni):

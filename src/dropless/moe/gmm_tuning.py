@@ -38,6 +38,18 @@ DATA_FILE = "gmm_configs.json"
 _MINOR_DIMS = {"m": 0, "n": 1}
 
 
+SMEM_BYTES = 227 * 1024  # sm90 shared memory per block
+
+
+def smem_bytes(config: "ProductConfig", in_itemsize: int = 2, out_itemsize: int = 2) -> int:
+    """Shared memory a kernel holds at once: its pipeline stages of both operand blocks plus the output staging
+    blocks (one per consumer warpgroup). Exact for "dropless_ws", which keeps both for the whole kernel; the
+    single-warpgroup kernels reuse the stages' memory for the output, so this over-counts them."""
+    tile, columns = config.tile, CTA_COLUMNS[config.kernel]
+    return (in_itemsize * tile.num_stages * (tile.block_m * tile.block_k + tile.block_k * tile.block_n * columns)
+            + out_itemsize * columns * tile.block_m * tile.block_n)
+
+
 class GmmConfigError(MoEError):
     """The tuned-config data file (or a config in it) is malformed; the message names the entry and the fix."""
 
