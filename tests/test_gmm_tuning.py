@@ -169,8 +169,8 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
     assert bound.default_config == config  # chosen at trace time, before cache or heuristics
 
 
-# 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor; the warp-specialised kernel for the
-# forward and input gradient (CTA tile 64 x 2*64) beside the dropless weight gradient.
+# 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor; the warp-specialised kernels (CTA tile
+# 64 x 2*64).
 @pytest.mark.parametrize("rows_kernel, tile, k, n", [("dropless", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
                                                      ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
                                                      ("dropless_ws", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 256)])
@@ -181,8 +181,8 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
 
     from dropless.moe.gmm_tuned import tuned_gmm
 
-    plan = GmmPlan(ProductConfig(rows_kernel, tile), ProductConfig(rows_kernel, tile), ProductConfig("dropless", tile))
-    assert plan.fwd.fits("fwd", k, n) and plan.dlhs.fits("dlhs", k, n)
+    plan = GmmPlan(*(ProductConfig(rows_kernel, tile) for _ in range(3)))
+    assert all(plan.product(p).fits(p, k, n) for p in gt.PRODUCTS)
     m = 200
     sizes = jnp.array([50, 0, 93, 45], jnp.int32)  # 188 rows in groups, 12 rows of padding
     kx, kw, kc = jax.random.split(jax.random.key(1), 3)
@@ -250,7 +250,7 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
     assert [s for _, s in shapes] == [ShapeKey(65536, 7168, 4096, 256), ShapeKey(65536, 2048, 7168, 256)]
     for product in gt.PRODUCTS:
         assert all(gt.smem_bytes(c) <= gt.SMEM_BYTES for c in tune_gmm.QUICK[product])
-        assert all(c.kernel != "dropless_ws" for c in tune_gmm.wide_candidates("drhs"))
+        assert any(c.kernel == "dropless_ws" for c in tune_gmm.wide_candidates(product))
 
 
 def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch):
@@ -337,7 +337,7 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
     assert rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2
 
 
-@pytest.mark.parametrize("product, kernel", [*((p, "dropless") for p in gt.PRODUCTS), ("fwd", "dropless_ws")])
+@pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS for k in ("dropless", "dropless_ws"))])
 def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product, kernel):
     """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -362,21 +362,21 @@ def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(pro
     assert float(check(a, b, jnp.zeros_like(out), 2, int(ends[1]), int(ends[2]))) > 0.5
 
 
-def test_warp_specialised_kernel_fits_only_rows_products_with_two_tiles_of_columns():
+def test_warp_specialised_kernels_need_two_tiles_of_output_columns():
     ws = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3))
-    assert ws.fits("fwd", 7168, 4096) and ws.fits("dlhs", 7168, 4096)
+    assert all(ws.fits(p, 7168, 4096) for p in gt.PRODUCTS)
     assert not ws.fits("fwd", 7168, 128 * 3)  # 384 columns: not a multiple of the 256-wide CTA tile
-    assert not ws.fits("drhs", 7168, 4096)  # no weight-gradient kernel: the lookup falls through to another entry
+    assert not ws.fits("dlhs", 128 * 3, 4096) and not ws.fits("drhs", 7168, 128 * 3)
     table = {"schema_version": gt.SCHEMA_VERSION, "aliases": {}, "devices": {"GPU": [
-        {"m": 4096, "k": 512, "n": 512, "g": 4, **{p: ws.to_json() for p in gt.PRODUCTS}}]}}
-    plan = gt.lookup(table, "GPU", 4096, 512, 512, 4)
-    assert plan.fwd == ws and plan.dlhs == ws and plan.drhs.kernel == "dropless"
+        {"m": 4096, "k": 384, "n": 512, "g": 4, **{p: ws.to_json() for p in gt.PRODUCTS}}]}}
+    plan = gt.lookup(table, "GPU", 4096, 384, 512, 4)  # dlhs's 384 output columns: that product falls back
+    assert plan.fwd == ws and plan.drhs == ws and plan.dlhs.kernel == "dropless"
 
 
 def tune_gmm_ws_candidates():
     from dropless.bench import tune_gmm
 
-    return [c for product in ("fwd", "dlhs") for c in tune_gmm.QUICK[product] if c.kernel == "dropless_ws"]
+    return [c for product in gt.PRODUCTS for c in tune_gmm.QUICK[product] if c.kernel == "dropless_ws"]
 
 
 def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=1024, n=2048, g=8):
@@ -404,7 +404,7 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     ("fwd", "dropless", TileConfig(128, 128, 64, 4), jnp.float32),
     ("dlhs", "dropless", TileConfig(128, 128, 64, 4, grid_minor_dim=0), jnp.bfloat16),
     ("drhs", "dropless", TileConfig(128, 128, 64, 4), jnp.bfloat16),
-    *((p, "dropless_ws", t, dtype) for p in ("fwd", "dlhs") for t in {c.tile for c in tune_gmm_ws_candidates()}
+    *((p, "dropless_ws", t, dtype) for p in gt.PRODUCTS for t in {c.tile for c in tune_gmm_ws_candidates()}
       for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):

@@ -39,7 +39,7 @@ def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4, chain_k
 # n-minor walk in bands of 4-8: shared/facts/autotune_dsv3_*.json, 96 configs each). 128-wide N tiles
 # halve the shared-memory reads per MMA (tokamax's own search only tries N = 64); an m-minor walk makes the
 # row tiles of one expert reuse its weight tile from L2 (matters when experts get few rows, e.g. G = 256).
-# The warp-specialised kernel (fwd and dlhs only): CTA tiles of 128x256 (cuBLAS's shape for these GEMMs), 64x256
+# The warp-specialised kernels: CTA tiles of 128x256 (cuBLAS's shape for these GEMMs), 64x256
 # and 128x128, with as many stages as shared memory holds beside the two consumers' output blocks.
 WARP_SPECIALISED = (_pc("dropless_ws", 128, 128, 64, 3), _pc("dropless_ws", 64, 128, 64, 4),
                     _pc("dropless_ws", 128, 64, 64, 6))
@@ -57,14 +57,14 @@ QUICK = {
     "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
              _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
              _pc("dropless", 128, 128, 64, 4, chain_k=True), _pc("dropless", 128, 128, 64, 6, chain_k=True),
-             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4)),
+             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4), *WARP_SPECIALISED),
 }
 
 
 def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
     """A larger grid for users with time to spare (several hundred candidates over all products)."""
     out = []
-    kernels = ("tokamax", "dropless") + (("dropless_ws",) if product != "drhs" else ())
+    kernels = ("tokamax", "dropless", "dropless_ws")
     for kernel in kernels:
         for bm, bn, bk in ((128, 64, 128), (128, 128, 64), (64, 128, 128), (256, 64, 64), (128, 64, 64), (64, 64, 128),
                            (64, 256, 64)):

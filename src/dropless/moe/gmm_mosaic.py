@@ -177,7 +177,19 @@ def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, 
     )(lhs_MK, rhs, *tables)
 
 
-def _zero_rows_outside_group(smem_refs, first_row, start, end, when) -> None:
+def row_steps(group_sizes_G: jax.Array, block_k: int) -> tuple[jax.Array, ...]:
+    """The weight-gradient kernels' walk over each group's rows: (start, end, first row read, steps of block_k).
+
+    A group's rows are read from its first row rounded down to ROW_ALIGN (TMA boxes start sublane-aligned);
+    empty groups take no step."""
+    sizes_G = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
+    ends_G = jnp.cumsum(sizes_G)
+    starts_G = ends_G - sizes_G
+    first_G = starts_G // ROW_ALIGN * ROW_ALIGN
+    return starts_G, ends_G, first_G, jnp.where(sizes_G > 0, pl.cdiv(ends_G - first_G, block_k), 0)
+
+
+def zero_rows_outside_group(smem_refs, first_row, start, end, when) -> None:
     """Zero, in shared memory, the rows of row tiles (starting at global row `first_row`) that fall outside
     [start, end): the first and last tiles of a group overlap its neighbours, whose rows must not count."""
 
@@ -207,11 +219,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
     bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
     k_tiles, n_tiles = k // bm, n // bn
 
-    sizes_G = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
-    ends_G = jnp.cumsum(sizes_G)
-    starts_G = ends_G - sizes_G
-    first_G = starts_G // ROW_ALIGN * ROW_ALIGN
-    steps_G = jnp.where(sizes_G > 0, pl.cdiv(ends_G - first_G, bk), 0)
+    starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
 
     def kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
         def tile_body(gi, ki, ni):
@@ -222,7 +230,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                 def step(idx, lhs_smem, rhs_smem):
                     (r,) = idx
 
-                    _zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
+                    zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
                                              (r == 0) | (r == steps - 1))
 
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
@@ -288,7 +296,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                         def step(idx, lhs_smem, rhs_smem):
                             ki, r = idx
 
-                            _zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
+                            zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
                                                      (r == 0) | (r == steps - 1))
 
                             plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)

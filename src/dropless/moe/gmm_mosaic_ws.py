@@ -10,11 +10,12 @@ block_m x 2*block_n tile (128x256 with the default tile) while the producer alre
 first stages during the consumers' epilogue.
 
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
+  grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
 
-The work list, the ragged store and the padding contract are those of `grouped_matmul` (same `row_tiles`):
-output rows past sum(group_sizes) are left unwritten. N (the output columns) must be a multiple of
-2 * tile.block_n and K of tile.block_k. It is a `kernel="dropless_ws"` candidate of `dropless tune-gmm` for
-the forward and input-gradient products; the tuned table decides, per shape, whether it runs.
+The work lists, the ragged store and the padding contracts are those of `gmm_mosaic.grouped_matmul` and
+`grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. Both are
+`kernel="dropless_ws"` candidates of `dropless tune-gmm`; the tuned table decides, per shape and product,
+whether they run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.moe.gmm_mosaic import ROW_ALIGN, store_rows, swizzled, max_row_tiles, num_sms, row_tiles
+from dropless.moe.gmm_mosaic import (ROW_ALIGN, max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
+                                      zero_rows_outside_group)
 from dropless.moe.gmm_tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
@@ -129,3 +131,99 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )(lhs_MK, rhs, *tables)
+
+
+def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
+                         out_dtype=None, interpret=None) -> jax.Array:
+    """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N] (the weight gradient xᵀ·dy), warp-specialised.
+
+    As `gmm_mosaic.grouped_matmul_tn`, with the producer running ahead of the consumers across tiles: a
+    group of 256 rows (DeepSeek-V3's 256 experts) is four 64-row steps, so the single-warpgroup kernel spends
+    much of each tile filling and draining its pipeline. A CTA computes a block_m (of K) x 2*block_n (of N)
+    tile; each consumer owns one block_n half of N. In a group's first and last step each consumer zeroes, in
+    shared memory, the rows outside the group of its own half of `rhs` and of the shared `lhs` block: both
+    consumers write the same values to `lhs` (zeros outside, the loaded rows inside), so whichever finishes
+    first, its MMA reads a fully masked block, and NaN in padding rows cannot leak. Empty groups get zeros.
+    """
+    m, k = lhs_MK.shape
+    m_rhs, n = rhs_MN.shape
+    g = group_sizes_G.shape[0]
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    cta_n = CONSUMERS * bn
+    assert m == m_rhs and k % bm == 0 and n % cta_n == 0, (lhs_MK.shape, rhs_MN.shape, tile)
+    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+    k_tiles, n_tiles = k // bm, n // cta_n
+    stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)  # its blocks are the rows kernel's sizes, transposed
+    starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
+
+    def kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        def pipeline(body, compute_context, first, steps):
+            """Steps of block_k rows from row `first` (elements, not blocks: a group starts anywhere)."""
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(steps,), memory_registers=MEMORY_REGISTERS,
+                in_specs=[
+                    plgpu.BlockSpec((pl.Element(bk), bm), lambda r: (first + r * bk, 0),
+                                    transforms=swizzled(bm, lhs_gmem.dtype), memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((pl.Element(bk), cta_n), lambda r: (first + r * bk, 0),
+                                    transforms=swizzled(cta_n, rhs_gmem.dtype), memory_space=plgpu.SMEM),
+                ],
+                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=stages,
+                compute_context=compute_context)
+
+        def operands(ki, ni):
+            return lhs_gmem.at[:, pl.ds(ki * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
+
+        ignore = lambda *_, **__: None
+        out_type = plgpu.SMEM((CONSUMERS, bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
+
+        @functools.partial(pl.run_scoped,
+                           allocations=pipeline(ignore, ignore, 0, stages).get_allocations(*operands(0, 0)),
+                           out_smem=out_type, collective_axes="wg")
+        def _scope(allocations, out_smem):
+            wg = jax.lax.axis_index("wg")
+
+            def store(gi, ki, ni, value):
+                out_smem[wg] = value.astype(out_dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @plgpu.nd_loop((g * k_tiles * n_tiles,), collective_axes="sm")
+            def _tile(loop_info):
+                index = loop_info.index[0]
+                gi, kn = jax.lax.div(index, k_tiles * n_tiles), jax.lax.rem(index, k_tiles * n_tiles)
+                ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), tile.grid_minor_dim, tile.grid_tile_width)
+                start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
+                first = pl.multiple_of(first_gmem[gi], ROW_ALIGN)
+
+                @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
+                def _empty():
+                    @pl.when(wg < CONSUMERS)
+                    def _zeros():
+                        store(gi, ki, ni, plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA))
+
+                @pl.when(steps > 0)
+                def _group():
+                    def mma(idx, lhs_smem, rhs_smem, acc_ref):
+                        (r,) = idx
+                        mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+                        zero_rows_outside_group((lhs_smem, mine), first + r * bk, start, end,
+                                                (r == 0) | (r == steps - 1))
+                        plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), mine)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    def epilogue(run_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                        def _acc(acc_ref):
+                            run_pipeline(acc_ref)
+                            store(gi, ki, ni, acc_ref[...])
+
+                    pipeline(mma, epilogue, first, steps)(*operands(ki, ni), allocations=allocations)
+
+    return plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=(num_sms(),), grid_names=("sm",),
+        num_threads=CONSUMERS + 1, thread_name="wg", kernel_name="dropless_grouped_matmul_tn_ws",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)

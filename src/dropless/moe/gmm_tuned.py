@@ -10,7 +10,7 @@ time, is the one mechanism that always takes effect, so that is what this module
 
   fwd   y  = x · W[g]             tokamax ragged_dot, or dropless grouped_matmul (or its warp-specialised _ws)
   dlhs  dx = dy · W[g]ᵀ           dropless grouped_matmul(_ws)(transpose_rhs) reads W in place; tokamax copies Wᵀ
-  drhs  dW = x[rows of g]ᵀ · dy   dropless grouped_matmul_tn reads x in place; tokamax copies xᵀ
+  drhs  dW = x[rows of g]ᵀ · dy   dropless grouped_matmul_tn(_ws) reads x in place; tokamax copies xᵀ
 
 Rows past sum(group_sizes) are padding: their outputs and input gradients are zero, and the weight
 gradient never reads them.
@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dropless.moe.gmm_tuning import GmmConfigError, GmmPlan, ProductConfig
+from dropless.moe.gmm_tuning import GmmPlan, ProductConfig
 
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
@@ -60,7 +60,9 @@ def ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out
 
         return grouped_matmul_tn(lhs_MK, rhs_MN, group_sizes_G, config.tile, out_dtype=out_dtype)
     if config.kernel == "dropless_ws":
-        raise GmmConfigError("kernel 'dropless_ws' has no weight-gradient (drhs) product; use 'dropless' there.")
+        from dropless.moe.gmm_mosaic_ws import grouped_matmul_tn_ws
+
+        return grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, config.tile, out_dtype=out_dtype)
     return _tokamax_op(config)(lhs_MK, rhs_MN, group_sizes=group_sizes_G,
                                ragged_dot_dimension_numbers=_RAGGED_CONTRACTING, preferred_element_type=out_dtype)
 

@@ -12,8 +12,8 @@ jax or tokamax, so the lookup is testable anywhere.
 
 Kernels: "tokamax" is tokamax's Mosaic GPU ragged_dot (for dlhs/drhs it copies Wᵀ / xᵀ first);
 "dropless" is `dropless.moe.gmm_mosaic`, which reads W and x in place; "dropless_ws" is
-`dropless.moe.gmm_mosaic_ws`, its warp-specialised variant for fwd and dlhs (two consumer warpgroups side by
-side: a CTA's output tile is block_m x 2*block_n).
+`dropless.moe.gmm_mosaic_ws`, its warp-specialised variant (two consumer warpgroups side by side: a CTA's
+output tile is block_m x 2*block_n).
 """
 
 from __future__ import annotations
@@ -113,9 +113,7 @@ class ProductConfig:
             return n % cta_n == 0 and k % t.block_k == 0
         if product == "dlhs":  # out [M, K], contracts N
             return k % cta_n == 0 and n % t.block_k == 0
-        if self.kernel == "dropless_ws":  # no warp-specialised weight-gradient kernel (yet)
-            return False
-        return k % t.block_m == 0 and n % t.block_n == 0  # drhs: out [G, K, N], contracts rows
+        return k % t.block_m == 0 and n % cta_n == 0  # drhs: out [G, K, N], contracts rows
 
     def to_json(self) -> dict[str, Any]:
         t = self.tile
