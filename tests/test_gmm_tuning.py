@@ -425,3 +425,30 @@ def test_warp_specialised_kernel_drops_stages_that_would_not_fit_beside_a_float3
     tile = TileConfig(128, 128, 64, 3)
     assert fitting_stages(tile, jnp.bfloat16, jnp.bfloat16) == 3
     assert fitting_stages(tile, jnp.bfloat16, jnp.float32) == 2
+
+
+@pytest.mark.parametrize("kernel", ["dropless", "dropless_ws"])
+def test_kernels_when_the_last_groups_tile_runs_past_the_last_row_in_the_gpu_interpreter(kernel):
+    """A 6-row group at the end of 256 rows: its 64-row tiles start at row 248 and read past the array (TMA fills
+    zeros there); the forward and the weight gradient still match ragged_dot."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.moe.gmm_tuned import _ragged_rows, ragged_contract
+
+    config = ProductConfig(kernel, TileConfig(64, 64, 64, 2, True, 1, 2))
+    m, k, n = 256, 128, 256
+    sizes = jnp.array([100, 0, 150, 6], jnp.int32)
+    keys = jax.random.split(jax.random.key(4), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (4, k, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = _ragged_rows(x, w, sizes, config, transpose_rhs=False, out_dtype=jnp.float32)
+        dw = ragged_contract(x, dy, sizes, config, out_dtype=jnp.float32)
+    numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    want_dw = jax.lax.ragged_dot_general(x, dy, sizes, numbers, preferred_element_type=jnp.float32)
+    rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+    assert rel(out[250:], want[250:]) < 1e-5 and rel(out, want) < 1e-5
+    assert rel(dw[3], want_dw[3]) < 1e-5 and rel(dw, want_dw) < 1e-5 and bool((dw[1] == 0).all())
