@@ -185,7 +185,8 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 useful = 4 * needed / count * config.model.hidden_size * dtype_bytes
                 record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
             records.append(record)
-            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: {layer_ms:.2f} ms (efficiency "
+            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: {layer_ms:.2f} ms "
+                f"(efficiency "
                 f"{record['weak_scaling_efficiency']:.2f}), communication {comm_ms:.2f} ms = "
                 f"{100 * record['comm_share']:.1f}% of kernel time, rows sent {record['rows_sent_per_device']:.0f} "
                 f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")

@@ -398,9 +398,10 @@ def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, nois
     remat = [r for r in [reference, *(records.get(f"5:remat={p}") for p in REMAT_POLICIES), records.get("5:unrolled")]
              if r]
     best_remat = _fastest(remat)
+    chosen = best_remat and best_remat["overrides"]
     rungs.append(rung(5, best_remat, tried={r["key"]: r.get("step_ms") or r.get("status") for r in remat},
-                      chosen=best_remat and {"train.remat": best_remat["overrides"].get("train.remat", "none"),
-                                             "train.scan_layers": best_remat["overrides"].get("train.scan_layers", True)}))
+                      chosen=chosen and {"train.remat": chosen.get("train.remat", "none"),
+                                         "train.scan_layers": chosen.get("train.scan_layers", True)}))
     rungs.append(rung(6, records.get("6")))
     reference = best_remat or reference  # the flags were added to rung 5's choice
     verdicts, candidates = {}, []

@@ -40,9 +40,12 @@ BARRIER_BYTES = 1024  # the pipeline's barriers, beside its stages and the outpu
 def fitting_stages(tile: TileConfig, in_dtype, out_dtype) -> int:
     """`tile.num_stages`, or fewer if the stages and the output blocks of this dtype do not fit in shared memory
     together (a tile tuned with bf16 outputs, used for the MoE layer's float32 down projection)."""
+    def needed(stages: int) -> int:
+        config = ProductConfig("dropless_ws", dataclasses.replace(tile, num_stages=stages))
+        return smem_bytes(config, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize) + BARRIER_BYTES
+
     stages = tile.num_stages
-    while stages > 1 and smem_bytes(ProductConfig("dropless_ws", dataclasses.replace(tile, num_stages=stages)),
-                                    jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize) > SMEM_BYTES - BARRIER_BYTES:
+    while stages > 1 and needed(stages) > SMEM_BYTES:
         stages -= 1
     return stages
 
@@ -185,7 +188,8 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
             def store(gi, ki, ni, value):
                 out_smem[wg] = value.astype(out_dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+                cols = pl.ds(ni * cta_n + wg * bn, bn)
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             @plgpu.nd_loop((g * k_tiles * n_tiles,), collective_axes="sm")
