@@ -212,3 +212,23 @@ def test_rungs_6_to_8_are_rebuilt_on_rung_5s_measured_choice():
 
 def test_dense_reference_rate_is_timed_in_batches():
     assert step.dense_matmul_tflops(128, warm_s=0.0, batches=2) > 0
+
+
+def test_rungs_can_be_chosen_and_the_rest_are_not_run(capsys):
+    variants = step.ladder_variants(load_preset("tiny"), tuned_backend="t", default_backend="d",
+                                    flags={"a": {"x": 1}}, ep_devices=2, offload_names="moe_in")
+    assert {step.variant_rung(v.key) for v in variants} == set(range(1, 9))
+    assert step.variant_rung("5:unrolled") == 5 and step.variant_rung("profile") == 7
+    assert step.variant_rung("profile:ep") == 8
+    chosen = step.select_rungs(variants, {1, 4, 5})
+    assert {v.key for v in chosen} == {"1", "4", "5:remat=moe", "5:remat=full", "5:unrolled"}
+    assert step.select_rungs(variants, None) == variants
+    records = {k: r for k, r in _variants().items() if step.variant_rung(k) in {1, 4, 5}}
+    rungs = {r["rung"]: r for r in step.assemble_ladder(records, {})}
+    assert rungs[5]["status"] == "ok"
+    assert all(rungs[n]["status"] == "not run" for n in (2, 6, 7, 8))
+    skipped = {**_variants(), **{k: {"key": k, "status": "skipped: out of time"} for k in _variants() if k[0] in "78"}}
+    rungs = {r["rung"]: r for r in step.assemble_ladder(skipped, {})}
+    assert rungs[7]["status"] == "skipped: out of time" == rungs[8]["status"]
+    assert step.main(["--ladder", "--rungs", "1,9"]) == 2
+    assert "--rungs '1,9' must list rungs from 1 to 8" in capsys.readouterr().err

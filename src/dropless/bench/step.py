@@ -337,6 +337,16 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
     return variants
 
 
+def variant_rung(key: str) -> int:
+    """The rung a ladder variant's key belongs to ("5:remat=moe" -> 5; the profiles go with rungs 7 and 8)."""
+    return {"profile": 7, "profile:ep": 8}.get(key) or int(key.split(":")[0])
+
+
+def select_rungs(variants: list[Variant], rungs: set[int] | None) -> list[Variant]:
+    """The variants of the chosen rungs (all when `rungs` is None)."""
+    return variants if rungs is None else [v for v in variants if variant_rung(v.key) in rungs]
+
+
 def rung5_choice(records: dict[str, dict]) -> dict | None:
     """The overrides of rung 5's winner (rung 4 or a "5:" variant), once measured; None before."""
     best = _fastest([r for key, r in records.items() if key == "4" or key.startswith("5:")])
@@ -422,8 +432,13 @@ def assemble_ladder(records: dict[str, dict], hlo_texts: dict[str, str], *, nois
     if records.get("7:all", {}).get("status") == "ok" and all(v.get("kept") for v in verdicts.values()):
         candidates.append(records["7:all"])
     best_flags = _fastest(candidates)
-    rungs.append(rung(7, best_flags or reference, flags=verdicts,
-                      note=None if best_flags else "no flag made the step faster; rung 7 = rung 5's program"))
+    flag_records = [r for key, r in records.items() if key.startswith("7:")]
+    if not any(r.get("status") == "ok" for r in flag_records):  # not run (--rungs), skipped or failed
+        rungs.append(rung(7, None, flags=verdicts,
+                          missing=flag_records[0].get("status", "not run") if flag_records else "not run"))
+    else:
+        rungs.append(rung(7, best_flags or reference, flags=verdicts,
+                          note=None if best_flags else "no flag made the step faster; rung 7 = rung 5's program"))
     ep = [r for key, r in records.items() if key == "8" or key.startswith("8:")]
     rungs.append(rung(8, _fastest(ep) or (ep[0] if ep else None),
                       tried={r["key"]: r.get("step_ms") or r.get("status") for r in ep}))
@@ -520,11 +535,13 @@ def device_slug(device_kind: str) -> str:
 def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: str = "tokamax",
                default_backend: str | None = None, ep_devices: int,
                preset: str, traces_dir: Path | None = None, timing: dict | None = None,
-               compile_workers: int | None = None, log=print) -> dict:
+               compile_workers: int | None = None, rungs: set[int] | None = None, log=print) -> dict:
     """Compile and time every rung, phase by phase (LADDER_PHASES); writes step-<device>.json from the start and
     after every program, so a run cut short still leaves what it measured, then the PNG chart. A phase that
     would start after `budget_s` is skipped. With `traces_dir`, the profiled programs' traces and HLO texts are
-    kept there (trace-<key>.json.gz, hlo-<key>.txt.gz). `timing`: warmup/steps/seconds for `Runner`."""
+    kept there (trace-<key>.json.gz, hlo-<key>.txt.gz). `timing`: warmup/steps/seconds for `Runner`. `rungs`: run
+    only these (the others are "not run" in the table); rungs 6-8 then build on rung 4's config unless 4 or 5
+    ran."""
     import gzip
     import shutil
     import tempfile
@@ -551,7 +568,7 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     peak = metrics_lib.device_peak_tflops(env["device"])
     result = {"preset": preset, "environment": env, "dense_tflops": dense, "datasheet_peak_tflops": peak,
               "config": base_config.to_dict(), "xla_flags_env": os.environ.get("XLA_FLAGS", ""),
-              "phases": [], "variants": {}}
+              "rungs": sorted(rungs) if rungs else "all", "phases": [], "variants": {}}
 
     def save():
         json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -573,7 +590,7 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
                                        flags=flags, ep_devices=ep_devices,
                                        offload_names=",".join(transformer.ACTIVATION_NAMES),
                                        rung5=rung5_choice(result["variants"]))
-        chosen = [v for v in variants if ladder_phase(v.key) == phase]
+        chosen = [v for v in select_rungs(variants, rungs) if ladder_phase(v.key) == phase]
         if not chosen:
             continue
         if time.monotonic() > deadline:
@@ -628,6 +645,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="ladder rung 3: the moe.gmm_backend running tokamax's kernel with its default heuristics "
                              "(default on GPUs: tokamax_default; 'none' skips the rung)")
     parser.add_argument("--ep-devices", type=int, default=2, help="ladder rung 8: devices for expert parallelism")
+    parser.add_argument("--rungs", help="ladder: comma-separated rungs to run, e.g. 1,4,5 (default: all eight)")
     parser.add_argument("--traces", help="ladder: keep the profiled programs' traces and HLO texts in this directory")
     parser.add_argument("--compile-workers", type=int, help="ladder: programs compiled at once (default: all of a phase)")
     parser.add_argument("--compilation-cache", metavar="DIR",
@@ -657,11 +675,20 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(args.preset, parse_overrides(args.overrides))
     timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
+        try:
+            rungs = {int(r) for r in args.rungs.split(",")} if args.rungs else None
+        except ValueError:
+            rungs = {0}
+        if rungs is not None and not rungs <= set(RUNGS):
+            print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to 8, e.g. --rungs 1,4,5.",
+                  file=sys.stderr)
+            return 2
         default_backend = args.default_backend or ("tokamax_default" if jax.default_backend() == "gpu" else None)
         run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,
                    default_backend=None if default_backend == "none" else default_backend,
                    ep_devices=args.ep_devices, preset=args.preset, traces_dir=args.traces and Path(args.traces),
-                   timing=timing, compile_workers=args.compile_workers, log=lambda s: print(s, flush=True))
+                   timing=timing, compile_workers=args.compile_workers, rungs=rungs,
+                   log=lambda s: print(s, flush=True))
         return 0
     gpu = jax.default_backend() == "gpu"
     dense = dense_matmul_tflops() if gpu else None
