@@ -127,12 +127,11 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     `dropless.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without)."""
     import jax
 
-    from dropless.xla_flags import SCHEDULING_CANDIDATES
-
     from dropless.bench.gmm import time_calls
     from dropless.config import ParallelConfig
     from dropless.parallel.dispatch import make_strategy
     from dropless.parallel.mesh import make_mesh
+    from dropless.xla_flags import SCHEDULING_CANDIDATES
 
     count = len(devices)
     dtype_bytes = 2  # bf16 rows on the wire

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import math
 import os
@@ -576,9 +577,10 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     save()
     say(f"dense bf16 matmul {dense:.0f} TFLOP/s; datasheet peak {peak}")
     flags = xla_flags.SCHEDULING_CANDIDATES if jax.default_backend() == "gpu" else {}
-    variants = ladder_variants(base_config, tuned_backend=tuned_backend, default_backend=default_backend,
-                               flags=flags, ep_devices=ep_devices,
-                               offload_names=",".join(transformer.ACTIVATION_NAMES))
+    variants_on = functools.partial(ladder_variants, base_config, tuned_backend=tuned_backend,
+                                    default_backend=default_backend, flags=flags, ep_devices=ep_devices,
+                                    offload_names=",".join(transformer.ACTIVATION_NAMES))
+    variants = variants_on()
     # The budget decides which phases start; a compiled phase is always timed (seconds, against the minutes its
     # compilation cost: a run cut there lost six compiled programs).
     runner = Runner(dense, peak, math.inf, say, **(timing or {}))
@@ -586,10 +588,7 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     scratch = Path(tempfile.mkdtemp(prefix="dropless-traces-"))
     for phase in range(len(LADDER_PHASES)):
         if phase == REBASE_PHASE:
-            variants = ladder_variants(base_config, tuned_backend=tuned_backend, default_backend=default_backend,
-                                       flags=flags, ep_devices=ep_devices,
-                                       offload_names=",".join(transformer.ACTIVATION_NAMES),
-                                       rung5=rung5_choice(result["variants"]))
+            variants = variants_on(rung5=rung5_choice(result["variants"]))
         chosen = [v for v in select_rungs(variants, rungs) if ladder_phase(v.key) == phase]
         if not chosen:
             continue
@@ -661,6 +660,14 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.chart)
         print(f"dropless: wrote {plot_ladder(json.loads(path.read_text()), path.with_suffix('.png'))}")
         return 0
+    try:
+        rungs = {int(r) for r in args.rungs.split(",")} if args.rungs else None
+    except ValueError:
+        rungs = {0}
+    if rungs is not None and not rungs <= set(RUNGS):
+        print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to 8, e.g. --rungs 1,4,5.",
+              file=sys.stderr)
+        return 2
     from dropless import xla_flags
 
     xla_flags.apply()
@@ -675,14 +682,6 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(args.preset, parse_overrides(args.overrides))
     timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
-        try:
-            rungs = {int(r) for r in args.rungs.split(",")} if args.rungs else None
-        except ValueError:
-            rungs = {0}
-        if rungs is not None and not rungs <= set(RUNGS):
-            print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to 8, e.g. --rungs 1,4,5.",
-                  file=sys.stderr)
-            return 2
         default_backend = args.default_backend or ("tokamax_default" if jax.default_backend() == "gpu" else None)
         run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,
                    default_backend=None if default_backend == "none" else default_backend,

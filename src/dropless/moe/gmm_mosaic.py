@@ -154,7 +154,7 @@ def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, 
                     out_smem[...] = acc.astype(out_dtype)
                     plgpu.commit_smem()
                     store_rows(out_smem, out_gmem, row0=start, offset=offset_gmem[t], size=size,
-                                cols=pl.ds(ni * bn, bn), max_rows=min(bm, m))
+                               cols=pl.ds(ni * bn, bn), max_rows=min(bm, m))
 
         if tile.persistent:
             # One CTA per SM walks the tiles. The first ceil(M / block_m) tiles almost all hold rows; the rest
@@ -231,7 +231,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                     (r,) = idx
 
                     zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
-                                             (r == 0) | (r == steps - 1))
+                                            (r == 0) | (r == steps - 1))
 
                     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
                     plgpu.wgmma_wait(1)
@@ -297,7 +297,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
                             ki, r = idx
 
                             zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
-                                                     (r == 0) | (r == steps - 1))
+                                                    (r == 0) | (r == steps - 1))
 
                             plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
 

@@ -50,6 +50,16 @@ def fitting_stages(tile: TileConfig, in_dtype, out_dtype) -> int:
     return stages
 
 
+def _accumulate_then(block_m: int, block_n: int, finish):
+    """The consumers' compute context: a float32 accumulator the pipeline fills, then `finish(value)` (the store)."""
+    def context(run_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((block_m, block_n), jnp.float32))
+        def _acc(acc_ref):
+            run_pipeline(acc_ref)
+            finish(acc_ref[...])
+    return context
+
+
 def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                       transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
@@ -115,16 +125,14 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
                         plgpu.wgmma_wait(0)
                         return acc_ref
 
-                    def epilogue(run_pipeline):
-                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                        def _acc(acc_ref):
-                            run_pipeline(acc_ref)
-                            out_smem[wg] = acc_ref[...].astype(out_dtype)
-                            plgpu.commit_smem()
-                            store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
-                                        cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, m))
+                    def store(value):
+                        out_smem[wg] = value.astype(out_dtype)
+                        plgpu.commit_smem()
+                        store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
+                                   cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, m))
 
-                    pipeline(mma, epilogue)(*operands(start, group, ni), allocations=allocations)
+                    pipeline(mma, _accumulate_then(bm, bn, store))(*operands(start, group, ni),
+                                                                    allocations=allocations)
 
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_sms(),), grid_names=("sm",),
@@ -217,12 +225,7 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
                         plgpu.wgmma_wait(0)
                         return acc_ref
 
-                    def epilogue(run_pipeline):
-                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                        def _acc(acc_ref):
-                            run_pipeline(acc_ref)
-                            store(gi, ki, ni, acc_ref[...])
-
+                    epilogue = _accumulate_then(bm, bn, lambda value: store(gi, ki, ni, value))
                     pipeline(mma, epilogue, first, steps)(*operands(ki, ni), allocations=allocations)
 
     return plgpu.kernel(
