@@ -244,6 +244,8 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
     assert tune_gmm.main(["--shape", "1,2,3"]) == 2
     assert "M,K,N,G" in capsys.readouterr().err
     assert tune_gmm.main([]) == 2
+    assert tune_gmm.main(["--shape", "4096,512,1024,8", "--kernels", "dropless,cutlass"]) == 2
+    assert "--kernels" in capsys.readouterr().err
     assert tune_gmm.main(["--shape", "4096,512,1024,8"]) == 2
     assert "GPU" in capsys.readouterr().err
     shapes = tune_gmm.preset_shapes("deepseek-v3-671b", 65536)
@@ -251,6 +253,8 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
     for product in gt.PRODUCTS:
         assert all(gt.smem_bytes(c) <= gt.SMEM_BYTES for c in tune_gmm.QUICK[product])
         assert any(c.kernel == "dropless_ws" for c in tune_gmm.wide_candidates(product))
+        only_ws = tune_gmm.candidates(product, shapes[0][1], kernels=("dropless_ws",))
+        assert only_ws and {c.kernel for c in only_ws} == {"dropless_ws"}
 
 
 def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch):

@@ -79,9 +79,10 @@ def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def candidates(product: str, shape: ShapeKey, which: str = "quick") -> list[ProductConfig]:
+def candidates(product: str, shape: ShapeKey, which: str = "quick",
+               kernels: tuple[str, ...] = gt.KERNELS) -> list[ProductConfig]:
     pool = QUICK[product] if which == "quick" else wide_candidates(product)
-    return [c for c in pool if c.fits(product, shape.k, shape.n)]
+    return [c for c in pool if c.kernel in kernels and c.fits(product, shape.k, shape.n)]
 
 
 def preset_shapes(name: str, rows: int) -> list[tuple[str, ShapeKey]]:
@@ -132,7 +133,7 @@ def product_checker(product: str, rows: int = 256):
 
 
 def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, workers: int,
-               products=gt.PRODUCTS, log=print):
+               products=gt.PRODUCTS, kernels=gt.KERNELS, log=print):
     """Measure every candidate of every product; returns ({product: best}, {product: best ms}, trial log)."""
     import jax
     import jax.numpy as jnp
@@ -150,7 +151,9 @@ def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, 
     operands = {"fwd": [(x, w) for x in xs], "dlhs": [(dy, w) for dy in dys], "drhs": list(zip(xs, dys))}
     best, best_ms, trials = {}, {}, []
     for product in products:
-        pool = candidates(product, shape, which)
+        pool = candidates(product, shape, which, kernels)
+        if not pool:
+            raise RuntimeError(f"{name}: no {product} candidate of kernels {', '.join(kernels)} fits this shape.")
         args = [(*ab, gs) for ab in operands[product]]
 
         def build(config):
@@ -202,6 +205,8 @@ def parse_args(argv):
     p.add_argument("--candidates", choices=("quick", "wide"), default="quick")
     p.add_argument("--products", default=",".join(gt.PRODUCTS),
                    help="comma-separated subset of fwd,dlhs,drhs to tune; the others keep the table's configs")
+    p.add_argument("--kernels", default=",".join(gt.KERNELS),
+                   help="comma-separated subset of the kernel families to try")
     p.add_argument("--out", default=None, help=f"table to write/extend (default: the packaged {gt.DATA_FILE})")
     p.add_argument("--log", default=None, help="also write every trial as JSON here")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="parallel compilations")
@@ -233,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give --preset NAME, --shape M,K,N,G or --bench-shapes, and a --skew from "
               f"{', '.join(SKEWS)}.", file=sys.stderr)
         return 2
+    products = tuple(p for p in args.products.split(",") if p)
+    if not products or any(p not in gt.PRODUCTS for p in products):
+        print(f"error: --products must be a comma-separated subset of {', '.join(gt.PRODUCTS)}.", file=sys.stderr)
+        return 2
+    kernels = tuple(k for k in args.kernels.split(",") if k)
+    if not kernels or any(k not in gt.KERNELS for k in kernels):
+        print(f"error: --kernels must be a comma-separated subset of {', '.join(gt.KERNELS)}.", file=sys.stderr)
+        return 2
     from dropless import xla_flags
 
     xla_flags.apply()
@@ -246,14 +259,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     table = gt.load_table(out) if out.exists() else gt.empty_table()
-    products = tuple(p for p in args.products.split(",") if p)
-    if not products or any(p not in gt.PRODUCTS for p in products):
-        print(f"error: --products must be a comma-separated subset of {', '.join(gt.PRODUCTS)}.", file=sys.stderr)
-        return 2
     all_trials = []
     for name, shape in shapes:
         best, best_ms, trials = tune_shape(name, shape, skew=args.skew, seed=args.seed, which=args.candidates,
-                                           workers=args.workers, products=products)
+                                           workers=args.workers, products=products, kernels=kernels)
         if len(products) < len(gt.PRODUCTS):  # keep the current table's choice (and timing) for the others
             current = gt.lookup(gt.overlay(gt.load_table(), table), env["device"], *astuple(shape))
             previous = next((e for e in table["devices"].get(env["device"], []) + gt.load_table()["devices"].get(
