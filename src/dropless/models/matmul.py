@@ -5,7 +5,13 @@ multiplies the float32 cotangent with the bf16 operand, which promotes both back
 H200 (deepseek-v3-proxy, 8 192 tokens, vocabulary 32 768) the lm_head's input gradient took 9.6 ms and its weight
 gradient 17.4 ms against 4.9 ms for its bf16 forward (benchmarks/results/step-h200.json, the profile). Here the
 cotangent is cast to the operands' dtype first, as in mixed-precision training generally: both backward matmuls
-run at the bf16 rate and still accumulate in float32. In float32 (the CPU tests) nothing changes.
+run at the bf16 rate and still accumulate in float32 (the GPU's bf16 GEMMs accumulate in float32 and round once).
+
+The backward products are *emitted* in the operands' dtype, not computed in float32 and cast: with the batch split
+over devices, the weight gradient is a partial sum that the partitioner all-reduces right after the dot, in the
+dot's output dtype. On two H200s the lm_head's float32 partial sums were a 940 MB all-reduce per step (3.3 ms,
+benchmarks/results/step-h200-run-f.json's profile); in bf16 they are half that, like every other weight gradient.
+In float32 (the CPU tests) nothing changes.
 """
 
 from __future__ import annotations
@@ -15,21 +21,22 @@ import jax.numpy as jnp
 
 
 @jax.custom_vjp
-def matmul_f32_out(x_BSD: jax.Array, w_DV: jax.Array) -> jax.Array:
-    """x_BSD · w_DV accumulated and returned in float32 (operands of one dtype, e.g. bf16)."""
-    return jnp.einsum("bsd,dv->bsv", x_BSD, w_DV, preferred_element_type=jnp.float32)
+def matmul_f32_out(x_ND: jax.Array, w_DV: jax.Array) -> jax.Array:
+    """x_ND · w_DV over x's last axis, accumulated and returned in float32 (operands of one dtype, e.g. bf16)."""
+    return jnp.einsum("...d,dv->...v", x_ND, w_DV, preferred_element_type=jnp.float32)
 
 
-def _fwd(x_BSD, w_DV):
-    return matmul_f32_out(x_BSD, w_DV), (x_BSD, w_DV)
+def _fwd(x_ND, w_DV):
+    return matmul_f32_out(x_ND, w_DV), (x_ND, w_DV)
 
 
-def _bwd(residuals, g_BSV):
-    x_BSD, w_DV = residuals
-    g_BSV = g_BSV.astype(x_BSD.dtype)
-    dx_BSD = jnp.einsum("bsv,dv->bsd", g_BSV, w_DV, preferred_element_type=jnp.float32).astype(x_BSD.dtype)
-    dw_DV = jnp.einsum("bsd,bsv->dv", x_BSD, g_BSV, preferred_element_type=jnp.float32).astype(w_DV.dtype)
-    return dx_BSD, dw_DV
+def _bwd(residuals, g_NV):
+    x_ND, w_DV = residuals
+    g_NV = g_NV.astype(x_ND.dtype)
+    dx_ND = jnp.einsum("...v,dv->...d", g_NV, w_DV, preferred_element_type=x_ND.dtype)
+    leading = tuple(range(x_ND.ndim - 1))
+    dw_DV = jnp.tensordot(x_ND, g_NV, axes=(leading, leading), preferred_element_type=w_DV.dtype)
+    return dx_ND, dw_DV
 
 
 matmul_f32_out.defvjp(_fwd, _bwd)

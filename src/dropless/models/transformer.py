@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from dropless.config import Config, ConfigError, ModelConfig, TrainConfig
 from dropless.models.attention import attention, attention_logical_axes, init_attention, rotary_dim
+from dropless.models.embedding import embed_tokens
 from dropless.models.matmul import matmul_f32_out
 from dropless.models.mlp import MLP_LOGICAL_AXES, init_mlp, swiglu
 from dropless.models.norms import rms_norm
@@ -256,7 +257,7 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *, 
     dtype = compute_dtype(config)
     mesh = getattr(executor, "mesh", None)  # the attention kernel runs per batch shard over the same mesh
     with jax.named_scope("embed"):
-        x_BSD = jnp.take(params["embed"], tokens_BS, axis=0).astype(dtype)
+        x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)
     cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(m), m.rope_theta, m.rope_scaling)
 
     def dense_layer(x_BSD, layer):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dropless.models.matmul import matmul_f32_out
 from dropless.moe.gmm import GroupedMatmul
 
 
@@ -35,7 +36,7 @@ def dense_swiglu(x_TD: jax.Array, weights: dict) -> jax.Array:
     """The shared experts (and any dense SwiGLU MLP): [T, D] -> [T, D] float32."""
     dtype = x_TD.dtype
     h_TF2 = jnp.dot(x_TD, weights["gate_up"].astype(dtype))
-    return jnp.dot(_glu(h_TF2, dtype), weights["down"].astype(dtype), preferred_element_type=jnp.float32)
+    return matmul_f32_out(_glu(h_TF2, dtype), weights["down"].astype(dtype))
 
 
 def init_swiglu(key: jax.Array, leading: tuple[int, ...], hidden_size: int, width: int, init_std: float) -> dict:

@@ -1,0 +1,59 @@
+"""The token embedding lookup, whose gradient crosses devices as the batch's rows when they are fewer bytes than
+the table.
+
+The gradient of `take(table_VD, tokens_BS)` is a scatter-add of the output gradient into a zero table. With the
+batch split over devices, each device scatters its own tokens and the partitioner then all-reduces (for a table
+split over `fsdp`: reduce-scatters) the whole float32 table. On two H200s (deepseek-v3-proxy, V = 32,768,
+D = 7,168, 16,384 tokens) that was a 940 MB all-reduce per step, 3.3 ms (the profile in
+benchmarks/results/step-h200-run-f.json), for gradient rows that are 235 MB in bf16. So when the batch's rows are
+fewer bytes than the float32 table, the backward pass gathers the rows and their token ids onto every device and
+scatters them there, in float32; otherwise (a global batch of more tokens than the vocabulary has entries, as in
+large multi-host runs) it keeps the table's reduction. Both compute the same float32 sum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+
+def gathers_rows(mesh: Mesh | None, tokens: int, table_shape: tuple[int, int], row_dtype) -> bool:
+    """Whether gathering `tokens` gradient rows moves fewer bytes than reducing the float32 table."""
+    if mesh is None or mesh.size == 1:
+        return False
+    vocab, hidden = table_shape
+    return tokens * hidden * jnp.dtype(row_dtype).itemsize < vocab * hidden * 4
+
+
+def embed_tokens(table_VD: jax.Array, tokens_BS: jax.Array, dtype, mesh: Mesh | None = None, *,
+                 gather_rows: bool | None = None) -> jax.Array:
+    """table_VD[tokens_BS] in `dtype`. `mesh`: the mesh the batch is split over (None: one device);
+    `gather_rows`: force the backward pass's choice (None: by bytes, `gathers_rows`)."""
+    if gather_rows is None:
+        gather_rows = gathers_rows(mesh, tokens_BS.size, table_VD.shape, dtype)
+    return _lookup(table_VD, tokens_BS, jnp.dtype(dtype), mesh if gather_rows else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _lookup(table_VD, tokens_BS, dtype, gather_over):
+    return jnp.take(table_VD, tokens_BS, axis=0).astype(dtype)
+
+
+def _lookup_fwd(table_VD, tokens_BS, dtype, gather_over):
+    return _lookup(table_VD, tokens_BS, dtype, gather_over), (table_VD, tokens_BS)
+
+
+def _lookup_bwd(dtype, gather_over, residuals, g_BSD):
+    table_VD, tokens_BS = residuals
+    if gather_over is not None:  # every device gets every row (in the compute dtype) and sums them all
+        everywhere = NamedSharding(gather_over, PartitionSpec())
+        tokens_BS = jax.lax.with_sharding_constraint(tokens_BS, everywhere)
+        g_BSD = jax.lax.with_sharding_constraint(g_BSD, everywhere)
+    d_VD = jnp.zeros(table_VD.shape, jnp.float32).at[tokens_BS].add(g_BSD.astype(jnp.float32))
+    return d_VD.astype(table_VD.dtype), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
