@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -232,3 +233,14 @@ def test_rungs_can_be_chosen_and_the_rest_are_not_run(capsys):
     assert rungs[7]["status"] == "skipped: out of time" == rungs[8]["status"]
     assert step.main(["--ladder", "--rungs", "1,9"]) == 2
     assert "--rungs '1,9' must list rungs from 1 to 8" in capsys.readouterr().err
+
+
+def test_one_step_saves_its_record(tmp_path, capsys):
+    out = tmp_path / "one" / "step.json"
+    assert step.main(["--preset", "tiny", "--warmup", "1", "--steps", "3", "--seconds", "0", "--record", str(out),
+                      "model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]) == 0
+    saved = json.loads(out.read_text())
+    assert saved["record"]["status"] == "ok" and saved["record"]["steps_timed"] == 3
+    assert saved["overrides"] == ["model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]
+    assert saved["config"]["train"]["seq_len"] == 16 and saved["environment"]["platform"] == "cpu"
+    assert "step " in capsys.readouterr().out

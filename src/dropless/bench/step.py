@@ -650,6 +650,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compilation-cache", metavar="DIR",
                         help="JAX's persistent compilation cache: a second run on the same machine skips compiling")
     parser.add_argument("--chart", metavar="JSON", help="only redraw the PNG of a ladder's JSON file")
+    parser.add_argument("--record", metavar="JSON",
+                        help="one step (no --ladder): also save the measurement, the environment and the config here")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.gmm_backend=xla")
     return parser
 
@@ -698,6 +700,14 @@ def main(argv: list[str] | None = None) -> int:
     if record["status"] != "ok":
         print(f"dropless: {record['status']}", file=sys.stderr)
         return 1
+    if args.record:
+        from dropless.bench.gmm import environment
+
+        Path(args.record).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.record).write_text(json.dumps(
+            {"preset": args.preset, "overrides": args.overrides, "environment": environment(), "dense_tflops": dense,
+             "datasheet_peak_tflops": peak, "config": config.to_dict(),
+             "xla_flags_env": os.environ.get("XLA_FLAGS", ""), "record": record}, indent=1, default=str) + "\n")
     print(f"step {record['step_ms']:.1f} ms (median of {record['steps_timed']}), {record['tokens_per_s']:,.0f} tokens/s, "
           f"{record['model_tflops_per_device']:.1f} model TFLOPS per device"
           + (f", {100 * record['mfu_vs_measured_dense']:.0f}% of the measured dense rate ({dense:.0f})" if dense else "")
