@@ -170,7 +170,7 @@ def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
     assert {k for k, p in phases.items() if p == 0} == {"1", "2", "3", "4"}
     assert phases["5:remat=moe"] == phases["5:unrolled"] == 1
     assert phases["6"] == phases["7:a"] == phases["7:all"] == phases["profile"] == 2 == step.REBASE_PHASE
-    assert phases["8"] == phases["8:all_flags"] == phases["8:chunks=4"] == phases["profile:ep"] == 3
+    assert phases["8"] == phases["8:all_flags"] == phases["8:chunks=2"] == phases["profile:ep"] == 3
     with pytest.raises(KeyError):
         step.ladder_phase("9")
 
@@ -244,3 +244,8 @@ def test_one_step_saves_its_record(tmp_path, capsys):
     assert saved["overrides"] == ["model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]
     assert saved["config"]["train"]["seq_len"] == 16 and saved["environment"]["platform"] == "cpu"
     assert "step " in capsys.readouterr().out
+    (tmp_path / "file").write_text("")
+    assert step.main(["--preset", "tiny", "--warmup", "0", "--steps", "1", "--seconds", "0", "--record",
+                      str(tmp_path / "file" / "step.json"), "model.num_layers=2", "train.batch_size=8",
+                      "train.seq_len=16"]) == 2
+    assert "cannot write --record" in capsys.readouterr().err
