@@ -165,8 +165,12 @@ def test_one_real_step_is_timed_on_cpu():
 
 def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
     variants = step.ladder_variants(load_preset("tiny"), tuned_backend="t", default_backend="d",
-                                    flags={"a": {"x": 1}, "b": {"y": 2}}, ep_devices=2, offload_names="moe_in")
+                                    flags={"a": {"x": 1}, "latency_hiding_scheduler": {"y": 2}}, ep_devices=2,
+                                    offload_names="moe_in")
     phases = {v.key: step.ladder_phase(v.key) for v in variants}
+    by_key = {v.key: v for v in variants}
+    assert by_key["8:latency_hiding_scheduler"].xla == {"y": 2} and "8:a" not in by_key
+    assert by_key["8:all_flags"].xla == {"x": 1, "y": 2}
     assert {k for k, p in phases.items() if p == 0} == {"1", "2", "3", "4"}
     assert phases["5:remat=moe"] == phases["5:unrolled"] == 1
     assert phases["6"] == phases["7:a"] == phases["7:all"] == phases["profile"] == 2 == step.REBASE_PHASE

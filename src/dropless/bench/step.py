@@ -17,7 +17,7 @@ The ladder (`--ladder`), every rung on the same model and per-device batch:
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
   3 tokamax's kernel, default heuristics        7 + XLA scheduling flags, each verified to change the program
     (moe.gmm_backend=tokamax_default)          8 expert parallelism on 2 devices, the default dispatch (also
-                                                 with all flags, or in 2 chunks: the fastest)
+                                                 with all flags, the collective flags alone, or in 2 chunks)
   4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
 Rungs 5 and 7 are chosen by measurement in the same run, and rungs 6-8 are built on rung 5's choice; every
 variant tried is kept in the JSON. The ladder runs in phases (LADDER_PHASES: the anchor rungs first); each
@@ -303,6 +303,9 @@ REMAT_POLICIES = ("none", "moe", "full")
 # Four chunks lost in every run on two H200s (runs D and F: 294.8 vs 287.1 and 251.1 vs 240.6 ms) and compiled
 # slowest (86 s, which cut a ladder call); two chunks stay as the check.
 EP_CHUNKS = (2,)
+# ...and, besides all flags together, the collective-scheduling flags alone: all together also combine the
+# gradient all-reduces into 256 MiB collectives, which leaves the scheduler less to overlap.
+EP_FLAGS = ("latency_hiding_scheduler", "combine_all_reduce")
 NO_DEFAULT_BACKEND = ("not run: tokamax's own kernel (moe.gmm_backend=tokamax_default, the default of "
                       "--default-backend on GPUs) needs a GPU")
 
@@ -335,6 +338,7 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
         ep = {**best, "parallel.expert": ep_devices,
               "train.batch_size": base_config.train.batch_size * ep_devices}
         variants += [Variant("8", ep, {}, ep_devices), Variant("8:all_flags", ep, all_flags, ep_devices),
+                     *(Variant(f"8:{name}", ep, flags[name], ep_devices) for name in EP_FLAGS if name in flags),
                      *(Variant(f"8:chunks={n}", {**ep, "moe.dispatch_chunks": n}, {}, ep_devices) for n in EP_CHUNKS),
                      Variant("profile:ep", ep, dict(PROFILE_COMPILER_OPTIONS), ep_devices, profile=True)]
     return variants
