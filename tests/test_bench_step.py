@@ -171,6 +171,7 @@ def test_every_ladder_variant_has_a_phase_and_the_anchors_come_first():
     by_key = {v.key: v for v in variants}
     assert by_key["8:latency_hiding_scheduler"].xla == {"y": 2} and "8:a" not in by_key
     assert by_key["8:all_flags"].xla == {"x": 1, "y": 2}
+    assert by_key["8:pgle"].pgle and by_key["8:pgle"].xla == {} and phases["8:pgle"] == 3
     assert {k for k, p in phases.items() if p == 0} == {"1", "2", "3", "4"}
     assert phases["5:remat=moe"] == phases["5:unrolled"] == 1
     assert phases["6"] == phases["7:a"] == phases["7:all"] == phases["profile"] == 2 == step.REBASE_PHASE
@@ -253,3 +254,26 @@ def test_one_step_saves_its_record(tmp_path, capsys):
                       str(tmp_path / "file" / "step.json"), "model.num_layers=2", "train.batch_size=8",
                       "train.seq_len=16"]) == 2
     assert "cannot write --record" in capsys.readouterr().err
+
+
+def test_pgle_variant_is_profiled_recompiled_and_timed(tmp_path, capsys, monkeypatch):
+    """On the CPU there are no GPU kernel costs: the step says PGLE was not applied and times the program as it
+    was. With costs (faked here), the program is compiled again with them and the new program is timed."""
+    from dropless.bench import pgle
+
+    assert step.main(["--preset", "tiny", "--warmup", "1", "--steps", "2", "--seconds", "0", "--pgle",
+                      "--record", str(tmp_path / "a.json"), "model.num_layers=2", "train.batch_size=8",
+                      "train.seq_len=16"]) == 0
+    record = json.loads((tmp_path / "a.json").read_text())["record"]
+    assert record["status"] == "ok" and record["pgle"] == pgle.NOT_APPLIED
+    assert "PGLE not applied" in capsys.readouterr().out
+
+    monkeypatch.setattr(pgle, "instruction_costs", lambda run, directory: (run(), b"fake costs")[1])
+    config = micro_config(**{"moe.gmm_backend": "capacity"})
+    program = step.compile_variants(config, [step.Variant("p", devices=1, pgle=True)], log=lambda s: None)["p"]
+    first = program.compiled
+    runner = step.Runner(dense_tflops=None, peak_tflops=None, deadline=math.inf, log=lambda s: None,
+                         warmup=1, steps=2, seconds=0.0)
+    record = runner.run(program)
+    assert record["status"] == "ok" and record["pgle"].startswith("applied") and record["steps_timed"] == 2
+    assert program.compiled is not first

@@ -35,4 +35,14 @@ def test_ep_bench_measures_chunked_dispatch_in_the_same_run(tmp_path, capsys):
     assert ep.main(["--tokens", "32", "--chunks", "3"]) == 2
     assert "positive divisors of --tokens 32" in capsys.readouterr().err
     assert ep.main(["--tokens", "32", "--xla", "fast"]) == 2
-    assert "choose from none, latency_hiding_scheduler" in capsys.readouterr().err
+    assert "choose from none, pgle, latency_hiding_scheduler" in capsys.readouterr().err
+
+
+def test_ep_bench_pgle_says_when_it_could_not_apply(tmp_path, capsys):
+    out = tmp_path / "ep.json"
+    assert ep.main(["--preset", "tiny", "--tokens", "32", "--devices", "2", "--strategies", "allgather",
+                    "--skews", "random", "--xla", "pgle", "--iters", "1", "--profile-iters", "1", "--out", str(out),
+                    "--table"]) == 0
+    record = json.loads(out.read_text())["records"][1]
+    assert record["xla"] == "pgle" and record["pgle"].startswith("not applied") and record["tokens_dropped"] == 0
+    assert "| allgather, pgle (not applied) | random |" in capsys.readouterr().out

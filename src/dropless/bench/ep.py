@@ -124,9 +124,11 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             chunks: tuple[int, ...] = (1,), xla: tuple[str, ...] = ("none",), log=print) -> list[dict]:
     """One record per (strategy, chunks, xla, skew) on all `devices`, plus the one-device baseline per skew.
     `chunks`: the values of moe.dispatch_chunks to measure for every strategy, in the same run; `xla`: names of
-    `dropless.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without)."""
+    `dropless.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without;
+    "pgle": compiled again with its own profiled kernel costs, dropless.bench.pgle)."""
     import jax
 
+    from dropless.bench import pgle
     from dropless.bench.gmm import time_calls
     from dropless.config import ParallelConfig
     from dropless.parallel.dispatch import make_strategy
@@ -154,8 +156,15 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                                                    "moe.dispatch_chunks": chunk_count}), platform=devices[0].platform)
         inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
         program = _layer_program(config.moe, many, strategy)
-        options = {} if flags == "none" else SCHEDULING_CANDIDATES[flags]
-        compiled = program.lower(*arguments[skews[0]]).compile(compiler_options=options or None)
+        options = SCHEDULING_CANDIDATES.get(flags, {})
+        lowered = program.lower(*arguments[skews[0]])
+        compiled = lowered.compile(compiler_options=options or None)
+        pgle_status = None
+        if flags == "pgle":  # compiled again with the measured costs of this program's kernels
+            with tempfile.TemporaryDirectory() as scratch:
+                compiled, pgle_status = pgle.recompile(lowered, compiled, lambda c: [c(*arguments[skews[0]])
+                                                                                     for _ in range(3)][-1], scratch)
+            log(f"ep: {name}, {chunk_count} chunk(s): PGLE {pgle_status}")
         for skew in skews:
             args = arguments[skew]
             layer_ms = 1e3 * time_calls(compiled, [args], batches=iters)
@@ -164,7 +173,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
             needed = needed_rows(*args[:3], config.moe, count)
             record = {
-                "strategy": name, "chunks": chunk_count, "xla": flags,
+                "strategy": name, "chunks": chunk_count, "xla": flags, **({"pgle": pgle_status} if pgle_status else {}),
                 "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
                                             count, config.moe.num_experts // count)).__name__
                 if hasattr(inner, "choose") else type(inner).__name__,
@@ -203,6 +212,7 @@ def markdown_table(records: list[dict]) -> str:
         strategy = r["strategy"] + (f" ({r['chosen']})" if r["strategy"] == "auto" else "")
         strategy += f", {r['chunks']} chunks" if r.get("chunks", 1) > 1 else ""
         strategy += f", {r['xla']}" if r.get("xla", "none") != "none" else ""
+        strategy += " (not applied)" if r.get("pgle", "").startswith("not applied") else ""
         lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.2f} | "
                      f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}% | {gbps} | "
                      f"{r['rows_sent_per_device']:.0f} ({r['rows_sent_without_dedup_per_device']:.0f}) | "
@@ -220,9 +230,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated from {', '.join(SKEWS)}")
     p.add_argument("--chunks", default="1", help="comma-separated values of moe.dispatch_chunks to measure per "
                                                  "strategy in the same run, e.g. 1,2,4")
-    p.add_argument("--xla", default="none", help="comma-separated: 'none' and/or names of dropless.xla_flags."
+    p.add_argument("--xla", default="none", help="comma-separated: 'none', 'pgle' (profile-guided latency "
+                                                 "estimation) and/or names of dropless.xla_flags."
                                                  "SCHEDULING_CANDIDATES to compile each expert-parallel program with, "
-                                                 "e.g. none,latency_hiding_scheduler")
+                                                 "e.g. none,latency_hiding_scheduler,pgle")
     p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement (the median is kept)")
     p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
     p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
@@ -263,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     xla = tuple(x for x in args.xla.split(",") if x)
-    if not xla or (unknown := [x for x in xla if x != "none" and x not in xla_flags.SCHEDULING_CANDIDATES]):
-        print(f"error: --xla {args.xla!r}: choose from none, {', '.join(xla_flags.SCHEDULING_CANDIDATES)}.",
+    if not xla or (unknown := [x for x in xla if x not in ("none", "pgle", *xla_flags.SCHEDULING_CANDIDATES)]):
+        print(f"error: --xla {args.xla!r}: choose from none, pgle, {', '.join(xla_flags.SCHEDULING_CANDIDATES)}.",
               file=sys.stderr)
         return 2
     config = build_config(args.preset, parse_overrides(args.overrides))

@@ -17,7 +17,7 @@ The ladder (`--ladder`), every rung on the same model and per-device batch:
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
   3 tokamax's kernel, default heuristics        7 + XLA scheduling flags, each verified to change the program
     (moe.gmm_backend=tokamax_default)          8 expert parallelism on 2 devices, the default dispatch (also
-                                                 with all flags, the collective flags alone, or in 2 chunks)
+                                                 with all flags, the collective flags alone, with PGLE, or in 2 chunks)
   4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
 Rungs 5 and 7 are chosen by measurement in the same run, and rungs 6-8 are built on rung 5's choice; every
 variant tried is kept in the JSON. The ladder runs in phases (LADDER_PHASES: the anchor rungs first); each
@@ -136,6 +136,7 @@ class Variant:
     devices: int = 1
     profile: bool = False  # traced and broken down instead of timed
     profile_after: bool = False  # timed, then the same program traced and broken down (dropless bench scale)
+    pgle: bool = False  # before timing: profiled, then compiled again with its measured kernel costs
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Program:
     config: object = None
     setup: object = None
     compiled: object = None
+    lowering: object = None  # kept for a PGLE recompilation
     hlo_text: str = ""
     compile_s: float = 0.0
     error: str = ""
@@ -183,8 +185,8 @@ def compile_variants(base_config, variants: list[Variant], *, workers: int | Non
                 setup = harness.build(program.config, jax.devices()[:v.devices])
                 lowered[lower_key] = (setup, harness.lower(setup))
                 log(f"  lowered {v.key} in {time.perf_counter() - start:.0f} s")
-            program.setup = lowered[lower_key][0]
-            jobs.append((program, lowered[lower_key][1]))
+            program.setup, program.lowering = lowered[lower_key]
+            jobs.append((program, program.lowering))
         except Exception as error:  # noqa: BLE001 - one broken rung must not stop the ladder
             program.error = _short_error(error)
             log(f"  {v.key}: cannot be built: {program.error}")
@@ -254,6 +256,8 @@ class Runner:
         try:
             state, batches = self._inputs(program)
             self._state = None
+            if v.pgle:
+                state, record["pgle"] = self._recompile_with_costs(program, state, batches)
             if v.profile:
                 from dropless.bench import profile
 
@@ -284,6 +288,37 @@ class Runner:
             record["status"] = f"error: {_short_error(error)}"
             self.log(traceback.format_exc(limit=3))
         return record
+
+
+    def _recompile_with_costs(self, program: Program, state, batches):
+        """PGLE (dropless.bench.pgle): profile three steps, compile again with their kernel costs (replacing
+        `program.compiled`), and check the new program still fits. Returns (state, status)."""
+        import tempfile
+
+        import jax
+
+        from dropless.bench import pgle
+
+        state, _, _ = time_steps(program.compiled, state, batches, warmup=1, steps=0)
+        holder = [state]
+
+        def three_steps(compiled):
+            for i in range(3):
+                holder[0], metrics = compiled(holder[0], batches[i % len(batches)])
+            return holder[0], metrics
+
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as scratch:
+            compiled, status = pgle.recompile(program.lowering, program.compiled, three_steps, scratch,
+                                              program.variant.xla)
+        if compiled is not program.compiled:
+            program.compiled, program.hlo_text = compiled, compiled.as_text()
+            peak, limit = peak_bytes(compiled), (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+            if peak is not None and limit and peak > limit:
+                raise RuntimeError(f"with PGLE the program needs {peak / GIB:.1f} GiB of {limit / GIB:.1f}")
+            status += f", recompiled in {time.perf_counter() - start:.0f} s"
+        self.log(f"  {program.variant.key}: PGLE {status}")
+        return holder[0], status
 
 
 # ------------------------------------------------------------------------------------------------ the ladder
@@ -339,6 +374,7 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
               "train.batch_size": base_config.train.batch_size * ep_devices}
         variants += [Variant("8", ep, {}, ep_devices), Variant("8:all_flags", ep, all_flags, ep_devices),
                      *(Variant(f"8:{name}", ep, flags[name], ep_devices) for name in EP_FLAGS if name in flags),
+                     Variant("8:pgle", ep, {}, ep_devices, pgle=True),
                      *(Variant(f"8:chunks={n}", {**ep, "moe.dispatch_chunks": n}, {}, ep_devices) for n in EP_CHUNKS),
                      Variant("profile:ep", ep, dict(PROFILE_COMPILER_OPTIONS), ep_devices, profile=True)]
     return variants
@@ -656,6 +692,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--compilation-cache", metavar="DIR",
                         help="JAX's persistent compilation cache: a second run on the same machine skips compiling")
     parser.add_argument("--chart", metavar="JSON", help="only redraw the PNG of a ladder's JSON file")
+    parser.add_argument("--pgle", action="store_true",
+                        help="one step (no --ladder): profile three steps, then compile again with their measured "
+                             "kernel costs (profile-guided latency estimation) before timing")
     parser.add_argument("--record", metavar="JSON",
                         help="one step (no --ladder): also save the measurement, the environment and the config here")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.gmm_backend=xla")
@@ -700,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = jax.default_backend() == "gpu"
     dense = dense_matmul_tflops() if gpu else None
     peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
-    programs = compile_variants(config, [Variant("step", devices=jax.device_count())], log=lambda s: None)
+    programs = compile_variants(config, [Variant("step", devices=jax.device_count(), pgle=args.pgle)],
+                                log=lambda s: None)
     runner = Runner(dense, peak, math.inf, **timing)
     record = runner.run(programs["step"])
     if record["status"] != "ok":
@@ -710,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{record['model_tflops_per_device']:.1f} model TFLOPS per device"
           + (f", {100 * record['mfu_vs_measured_dense']:.0f}% of the measured dense rate ({dense:.0f})" if dense else "")
           + (f", MFU {100 * record['mfu_vs_datasheet_peak']:.0f}% of the datasheet peak" if record["mfu_vs_datasheet_peak"] else "")
-          + f"; peak memory {record['peak_device_gib']:.2f} GiB; tokens dropped {record['tokens_dropped']}")
+          + f"; peak memory {record['peak_device_gib']:.2f} GiB; tokens dropped {record['tokens_dropped']}"
+          + (f"; PGLE {record['pgle']}" if "pgle" in record else ""))
     if args.record:
         from dropless.bench.gmm import environment
 

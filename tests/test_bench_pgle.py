@@ -1,0 +1,36 @@
+"""dropless.bench.pgle: the profile-guided recompilation's plumbing (the costs themselves need an NVIDIA GPU)."""
+
+import jax
+import jax.numpy as jnp
+
+from dropless.bench import pgle
+
+
+class _Lowered:
+    def __init__(self):
+        self.options = None
+
+    def compile(self, compiler_options=None):
+        self.options = compiler_options
+        return "recompiled"
+
+
+def test_costs_are_saved_and_handed_to_the_scheduler(tmp_path, monkeypatch):
+    monkeypatch.setattr(pgle, "instruction_costs", lambda run, directory: (run(), b"costs")[1])
+    lowered, calls = _Lowered(), []
+    program, status = pgle.recompile(lowered, "first", lambda p: calls.append(p), tmp_path, {"x": 1})
+    assert program == "recompiled" and status.startswith("applied") and calls == ["first"]
+    path = tmp_path / "pgle_profile.pb"
+    assert path.read_bytes() == b"costs"
+    assert lowered.options == {"x": 1, "xla_gpu_enable_latency_hiding_scheduler": True,
+                               "xla_gpu_pgle_profile_file_or_directory_path": str(path)}
+
+
+def test_without_costs_the_first_program_is_kept(tmp_path):
+    f = jax.jit(lambda x: jnp.sum(x @ x))
+    x = jnp.ones((32, 32))
+    lowered = f.lower(x)
+    compiled = lowered.compile()
+    program, status = pgle.recompile(lowered, compiled, lambda c: [c(x) for _ in range(2)][-1], tmp_path)
+    assert program is compiled and status == pgle.NOT_APPLIED  # XLA:CPU's trace has no GPU kernels to cost
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # it did trace
