@@ -99,7 +99,6 @@ def test_per_batch_shard_runs_an_unpartitionable_kernel_on_each_devices_slice():
     """A host callback stands in for a Pallas kernel: XLA cannot split it, so under plain jit every call sees the
     whole batch; through per_batch_shard each device's call sees its own slice and the result is unchanged."""
     import jax
-    import jax.numpy as jnp
 
     from dropless.parallel.mesh import per_batch_shard
 

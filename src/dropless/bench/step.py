@@ -208,6 +208,17 @@ def compile_variants(base_config, variants: list[Variant], *, workers: int | Non
     return programs
 
 
+def _fit(compiled) -> tuple[int | None, str | None]:
+    """(the compiled program's peak device bytes, why it does not fit on this device or None)."""
+    import jax
+
+    peak = peak_bytes(compiled)
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if peak is not None and limit and peak > limit:
+        return peak, f"needs {peak / GIB:.1f} GiB of {limit / GIB:.1f}"
+    return peak, None
+
+
 class Runner:
     """Times compiled programs one after another, keeping one live TrainState per device count.
 
@@ -239,8 +250,6 @@ class Runner:
 
     def run(self, program: Program, trace_dir: Path | None = None) -> dict:
         """Time (or, for a profile variant, trace) one program; returns its record."""
-        import jax
-
         v = program.variant
         record = {"key": v.key, "overrides": v.overrides, "xla_options": v.xla, "devices": v.devices,
                   "compile_s": round(program.compile_s, 1)}
@@ -248,11 +257,10 @@ class Runner:
             return {**record, "status": f"error: {program.error}"}
         if time.monotonic() > self.deadline:
             return {**record, "status": "skipped: out of time"}
-        peak = peak_bytes(program.compiled)
-        limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+        peak, too_big = _fit(program.compiled)
         record["peak_device_gib"] = peak / GIB if peak is not None else None
-        if peak is not None and limit and peak > limit:
-            return {**record, "status": f"does not fit: needs {peak / GIB:.1f} GiB of {limit / GIB:.1f}"}
+        if too_big:
+            return {**record, "status": f"does not fit: {too_big}"}
         try:
             state, batches = self._inputs(program)
             self._state = None
@@ -289,13 +297,10 @@ class Runner:
             self.log(traceback.format_exc(limit=3))
         return record
 
-
     def _recompile_with_costs(self, program: Program, state, batches):
         """PGLE (dropless.bench.pgle): profile three steps, compile again with their kernel costs (replacing
         `program.compiled`), and check the new program still fits. Returns (state, status)."""
         import tempfile
-
-        import jax
 
         from dropless.bench import pgle
 
@@ -313,9 +318,8 @@ class Runner:
                                               program.variant.xla)
         if compiled is not program.compiled:
             program.compiled, program.hlo_text = compiled, compiled.as_text()
-            peak, limit = peak_bytes(compiled), (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-            if peak is not None and limit and peak > limit:
-                raise RuntimeError(f"with PGLE the program needs {peak / GIB:.1f} GiB of {limit / GIB:.1f}")
+            if too_big := _fit(compiled)[1]:
+                raise RuntimeError(f"with PGLE the program does not fit: {too_big}")
             status += f", recompiled in {time.perf_counter() - start:.0f} s"
         self.log(f"  {program.variant.key}: PGLE {status}")
         return holder[0], status
