@@ -17,6 +17,10 @@ def test_ep_bench_writes_consistent_records(tmp_path, capsys):
     sent, needed = record["rows_sent_per_device"], record["rows_needed_per_device"]
     assert sent == needed <= record["rows_sent_without_dedup_per_device"]
     assert 0 < record["comm_share"] < 1 and record["weak_scaling_efficiency"] > 0
+    for r in (baseline, record):  # both programs' kernel time, by category and costliest instruction
+        assert r["kernel_ms"] > 0 and abs(sum(r["kernel_ms_by_category"].values()) - r["kernel_ms"]) < 1e-6
+        assert r["top_ops"] and all(op["ms"] > 0 and op["op_name"] for op in r["top_ops"])
+    assert baseline["kernel_ms_by_category"]["communication"] == 0 < record["kernel_ms_by_category"]["communication"]
     assert "| alltoall | skewed |" in capsys.readouterr().out
 
 

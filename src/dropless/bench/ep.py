@@ -74,6 +74,15 @@ def _profile(compiled, args, iters: int) -> dict:
     return profile.breakdown(events, profile.parse_hlo(text), module=profile.hlo_module_name(text), steps=iters)
 
 
+def _kernel_time(breakdown: dict, top: int = 12) -> dict:
+    """The part of a profile breakdown a record keeps: where the kernel time went, by category and costliest
+    instruction (so that the N-device program's extra time can be attributed against the one-device one)."""
+    return {"kernel_ms": breakdown["kernel_ms_per_step_per_device"],
+            "kernel_ms_by_category": breakdown["ms_per_step_per_device"],
+            "top_ops": [{"op_name": op["op_name"] or op["op"], "category": op["category"],
+                         "ms": op["ms_per_step_per_device"]} for op in breakdown["top_ops"][:top]]}
+
+
 def _inputs(config, devices: int, tokens_per_device: int, seed: int = 0):
     """(params, x_BSD, cotangent_BSD) in bf16 activations for `devices` x `tokens_per_device` tokens."""
     import jax
@@ -148,7 +157,8 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     for skew in skews:
         args = arguments[skew]
         baseline_ms[skew] = 1e3 * time_calls(baseline, [args], batches=iters)
-        records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew]})
+        records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew],
+                        **_kernel_time(_profile(baseline, args, profile_iters))})
         log(f"ep: 1 device, {skew}: {baseline_ms[skew]:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
     for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
@@ -182,7 +192,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 "weak_scaling_efficiency": baseline_ms[skew] / layer_ms,
                 "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
                 "comm_ms_by_kind": {k: v for k, v in breakdown["communication_ms_per_step_per_device"].items() if v},
-                "kernel_ms": breakdown["kernel_ms_per_step_per_device"],
+                **_kernel_time(breakdown),
                 "rows_needed_per_device": needed / count,
                 "rows_sent_per_device": int(stats.rows_sent) / count,
                 "rows_sent_without_dedup_per_device": int(stats.rows_sent_without_dedup) / count,
