@@ -171,9 +171,11 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         compiled = lowered.compile(compiler_options=options or None)
         pgle_status = None
         if flags == "pgle":  # compiled again with the measured costs of this program's kernels
+            def three_calls(fn, args=arguments[skews[0]]):
+                return [fn(*args) for _ in range(3)][-1]
+
             with tempfile.TemporaryDirectory() as scratch:
-                compiled, pgle_status = pgle.recompile(lowered, compiled, lambda c: [c(*arguments[skews[0]])
-                                                                                     for _ in range(3)][-1], scratch)
+                compiled, pgle_status = pgle.recompile(lowered, compiled, three_calls, scratch)
             log(f"ep: {name}, {chunk_count} chunk(s): PGLE {pgle_status}")
         for skew in skews:
             args = arguments[skew]
@@ -183,7 +185,8 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
             needed = needed_rows(*args[:3], config.moe, count)
             record = {
-                "strategy": name, "chunks": chunk_count, "xla": flags, **({"pgle": pgle_status} if pgle_status else {}),
+                "strategy": name, "chunks": chunk_count, "xla": flags,
+                **({"pgle": pgle_status} if pgle_status else {}),
                 "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
                                             count, config.moe.num_experts // count)).__name__
                 if hasattr(inner, "choose") else type(inner).__name__,
