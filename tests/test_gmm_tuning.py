@@ -246,6 +246,8 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
     assert tune_gmm.main([]) == 2
     assert tune_gmm.main(["--shape", "4096,512,1024,8", "--kernels", "dropless,cutlass"]) == 2
     assert "--kernels" in capsys.readouterr().err
+    assert tune_gmm.main(["--shape", "4096,512,1024,8", "--products", "fwd,dW"]) == 2
+    assert "--products must be a comma-separated subset of fwd, dlhs, drhs" in capsys.readouterr().err
     assert tune_gmm.main(["--shape", "4096,512,1024,8"]) == 2
     assert "GPU" in capsys.readouterr().err
     shapes = tune_gmm.preset_shapes("deepseek-v3-671b", 65536)

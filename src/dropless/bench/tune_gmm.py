@@ -64,8 +64,7 @@ QUICK = {
 def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
     """A larger grid for users with time to spare (several hundred candidates over all products)."""
     out = []
-    kernels = ("tokamax", "dropless", "dropless_ws")
-    for kernel in kernels:
+    for kernel in gt.KERNELS:
         for bm, bn, bk in ((128, 64, 128), (128, 128, 64), (64, 128, 128), (256, 64, 64), (128, 64, 64), (64, 64, 128),
                            (64, 256, 64)):
             for stages in (2, 3, 4, 6):
@@ -195,6 +194,12 @@ def _try(build, config):
         return None, str(e).split("\n")[0][:300]
 
 
+def _subset(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The comma-separated names of `text` if they are a non-empty subset of `allowed`, else ()."""
+    chosen = tuple(name for name in text.split(",") if name)
+    return chosen if chosen and all(name in allowed for name in chosen) else ()
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="dropless tune-gmm", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", action="append", default=[], help="a preset name; repeatable")
@@ -238,14 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: give --preset NAME, --shape M,K,N,G or --bench-shapes, and a --skew from "
               f"{', '.join(SKEWS)}.", file=sys.stderr)
         return 2
-    products = tuple(p for p in args.products.split(",") if p)
-    if not products or any(p not in gt.PRODUCTS for p in products):
-        print(f"error: --products must be a comma-separated subset of {', '.join(gt.PRODUCTS)}.", file=sys.stderr)
-        return 2
-    kernels = tuple(k for k in args.kernels.split(",") if k)
-    if not kernels or any(k not in gt.KERNELS for k in kernels):
-        print(f"error: --kernels must be a comma-separated subset of {', '.join(gt.KERNELS)}.", file=sys.stderr)
-        return 2
+    products, kernels = _subset(args.products, gt.PRODUCTS), _subset(args.kernels, gt.KERNELS)
+    for flag, chosen, allowed in (("--products", products, gt.PRODUCTS), ("--kernels", kernels, gt.KERNELS)):
+        if not chosen:
+            print(f"error: {flag} must be a comma-separated subset of {', '.join(allowed)}.", file=sys.stderr)
+            return 2
     from dropless import xla_flags
 
     xla_flags.apply()
