@@ -277,3 +277,4 @@ def test_pgle_variant_is_profiled_recompiled_and_timed(tmp_path, capsys, monkeyp
     record = runner.run(program)
     assert record["status"] == "ok" and record["pgle"].startswith("applied") and record["steps_timed"] == 2
     assert program.compiled is not first
+    assert record["peak_device_gib"] == step.peak_bytes(program.compiled) / step.GIB  # the recompiled program's

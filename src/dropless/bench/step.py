@@ -264,8 +264,9 @@ class Runner:
         try:
             state, batches = self._inputs(program)
             self._state = None
-            if v.pgle:
-                state, record["pgle"] = self._recompile_with_costs(program, state, batches)
+            if v.pgle:  # the program timed below is the recompiled one: its own peak memory
+                state, record["pgle"], peak = self._recompile_with_costs(program, state, batches)
+                record["peak_device_gib"] = peak / GIB if peak is not None else None
             if v.profile:
                 from dropless.bench import profile
 
@@ -299,7 +300,7 @@ class Runner:
 
     def _recompile_with_costs(self, program: Program, state, batches):
         """PGLE (dropless.bench.pgle): profile three steps, compile again with their kernel costs (replacing
-        `program.compiled`), and check the new program still fits. Returns (state, status)."""
+        `program.compiled`), and check the new program still fits. Returns (state, status, peak bytes)."""
         import tempfile
 
         from dropless.bench import pgle
@@ -318,11 +319,12 @@ class Runner:
                                               program.variant.xla)
         if compiled is not program.compiled:
             program.compiled, program.hlo_text = compiled, compiled.as_text()
-            if too_big := _fit(compiled)[1]:
-                raise RuntimeError(f"with PGLE the program does not fit: {too_big}")
             status += f", recompiled in {time.perf_counter() - start:.0f} s"
+        peak, too_big = _fit(program.compiled)
+        if too_big:
+            raise RuntimeError(f"with PGLE the program does not fit: {too_big}")
         self.log(f"  {program.variant.key}: PGLE {status}")
-        return holder[0], status
+        return holder[0], status, peak
 
 
 # ------------------------------------------------------------------------------------------------ the ladder
