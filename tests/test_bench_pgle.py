@@ -8,22 +8,24 @@ from dropless.bench import pgle
 
 class _Lowered:
     def __init__(self):
-        self.options = None
+        self.options = []
 
     def compile(self, compiler_options=None):
-        self.options = compiler_options
-        return "recompiled"
+        self.options.append(compiler_options)
+        return f"compiled {len(self.options)}"
 
 
 def test_costs_are_saved_and_handed_to_the_scheduler(tmp_path, monkeypatch):
     monkeypatch.setattr(pgle, "instruction_costs", lambda run, directory: (run(), b"costs")[1])
     lowered, calls = _Lowered(), []
     program, status = pgle.recompile(lowered, "first", lambda p: calls.append(p), tmp_path, {"x": 1})
-    assert program == "recompiled" and status.startswith("applied") and calls == ["first"]
+    # the costs are traced on the lowering compiled without CUDA graphs (their kernels name no instruction)
+    assert calls == ["compiled 1"] and lowered.options[0] == {"x": 1, "xla_gpu_enable_command_buffer": ""}
+    assert program == "compiled 2" and status.startswith("applied")
     path = tmp_path / "pgle_profile.pb"
     assert path.read_bytes() == b"costs"
-    assert lowered.options == {"x": 1, "xla_gpu_enable_latency_hiding_scheduler": True,
-                               "xla_gpu_pgle_profile_file_or_directory_path": str(path)}
+    assert lowered.options[1] == {"x": 1, "xla_gpu_enable_latency_hiding_scheduler": True,
+                                  "xla_gpu_pgle_profile_file_or_directory_path": str(path)}
 
 
 def test_without_costs_the_first_program_is_kept(tmp_path):

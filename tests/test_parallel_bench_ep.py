@@ -8,8 +8,12 @@ from dropless.bench import ep
 def test_ep_bench_writes_consistent_records(tmp_path, capsys):
     out = tmp_path / "ep-{device}.json"
     assert ep.main(["--preset", "tiny", "--tokens", "32", "--devices", "2", "--strategies", "alltoall",
-                    "--skews", "skewed", "--iters", "1", "--profile-iters", "1", "--out", str(out), "--table"]) == 0
+                    "--skews", "skewed", "--iters", "1", "--profile-iters", "1", "--out", str(out), "--table",
+                    "--traces", str(tmp_path / "traces")]) == 0
     result = json.loads((tmp_path / "ep-cpu.json").read_text())
+    kept = sorted(path.name for path in (tmp_path / "traces").iterdir())
+    assert kept == ["alltoall-1-none-skewed.hlo.txt.gz", "alltoall-1-none-skewed.trace.json.gz",
+                    "single-device-skewed.hlo.txt.gz", "single-device-skewed.trace.json.gz"]
     baseline, record = result["records"]
     assert baseline["strategy"] == "single-device" and record["strategy"] == "alltoall"
     assert record["tokens_dropped"] == 0 and record["devices"] == 2
@@ -50,3 +54,16 @@ def test_ep_bench_pgle_says_when_it_could_not_apply(tmp_path, capsys):
     record = json.loads(out.read_text())["records"][1]
     assert record["xla"] == "pgle" and record["pgle"].startswith("not applied") and record["tokens_dropped"] == 0
     assert "| allgather, pgle (not applied) | random |" in capsys.readouterr().out
+
+
+def test_inputs_are_placed_where_the_program_takes_them():
+    """A timed call must not start by copying the input to the other devices (that copy is not the layer)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("expert",), devices=jax.devices()[:2])
+    split = NamedSharding(mesh, P("expert"))
+    compiled = jax.jit(lambda x: x * 2, in_shardings=split, out_shardings=split).lower(jnp.ones(8)).compile()
+    (placed,) = ep._placed(compiled, (jnp.ones(8),))
+    assert placed.sharding.is_equivalent_to(split, 1)

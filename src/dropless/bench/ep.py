@@ -17,7 +17,9 @@ Results: benchmarks/results/ep-<device>.json; `--table` prints the BENCHMARKS.md
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -58,19 +60,38 @@ def _layer_program(moe_cfg, mesh, strategy):
                    out_shardings=((params["experts"], tokens), replicated))
 
 
-def _profile(compiled, args, iters: int) -> dict:
-    """Kernel-time breakdown of `iters` calls (dropless.bench.profile)."""
+def _placed(compiled, args):
+    """`args` moved to the shardings `compiled` takes, once: otherwise every timed call would first copy the
+    other devices' share of the input there (on two H200s a 4.6 ms peer copy, timed as part of the layer)."""
+    import jax
+
+    return jax.device_put(args, compiled.input_shardings[0])
+
+
+def _profile(lowered, options: dict, args, iters: int, keep: Path | None = None) -> dict:
+    """Kernel-time breakdown of `iters` calls of `lowered` compiled with `options` and without command
+    buffers (dropless.bench.profile: kernels inside CUDA graphs name no HLO instruction). With `keep`, the
+    trace and the HLO text are saved there as <keep>.trace.json.gz and <keep>.hlo.txt.gz."""
     import jax
 
     from dropless.bench import profile
 
+    compiled = lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS})
+    args = _placed(compiled, args)
+    jax.block_until_ready(compiled(*args))  # first-run allocations stay out of the trace
     text = compiled.as_text()
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             for _ in range(iters):
                 out = compiled(*args)
             jax.block_until_ready(out)
-        events = profile.read_trace(profile.find_trace(Path(trace_dir)))
+        trace = profile.find_trace(Path(trace_dir))
+        events = profile.read_trace(trace)
+        if keep:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(trace, keep.with_name(keep.name + ".trace.json.gz"))
+            with gzip.open(keep.with_name(keep.name + ".hlo.txt.gz"), "wt") as stream:
+                stream.write(text)
     return profile.breakdown(events, profile.parse_hlo(text), module=profile.hlo_module_name(text), steps=iters)
 
 
@@ -130,11 +151,13 @@ def needed_rows(params, bias_E, x_BSD, moe_cfg, devices: int) -> int:
 
 
 def measure(config, strategies, skews, *, tokens_per_device: int, devices: list, iters: int, profile_iters: int,
-            chunks: tuple[int, ...] = (1,), xla: tuple[str, ...] = ("none",), log=print) -> list[dict]:
+            chunks: tuple[int, ...] = (1,), xla: tuple[str, ...] = ("none",), traces: Path | None = None,
+            log=print) -> list[dict]:
     """One record per (strategy, chunks, xla, skew) on all `devices`, plus the one-device baseline per skew.
     `chunks`: the values of moe.dispatch_chunks to measure for every strategy, in the same run; `xla`: names of
     `dropless.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without;
-    "pgle": compiled again with its own profiled kernel costs, dropless.bench.pgle)."""
+    "pgle": compiled again with its own profiled kernel costs, dropless.bench.pgle). With `traces`, every profiled
+    program's trace and HLO text are kept there."""
     import jax
 
     from dropless.bench import pgle
@@ -152,36 +175,44 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     params, x_BSD, cotangent_BSD = _inputs(config, count, tokens_per_device)
     rows = x_BSD.shape[0] // count  # one device's share: the first device's tokens of the N-device runs
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD[:rows], cotangent_BSD[:rows]) for skew in skews}
-    baseline = _layer_program(config.moe, one, None).lower(*arguments[skews[0]]).compile()
+    baseline_lowered = _layer_program(config.moe, one, None).lower(*arguments[skews[0]])
+    baseline = baseline_lowered.compile()
     baseline_ms = {}
     for skew in skews:
-        args = arguments[skew]
+        args = _placed(baseline, arguments[skew])
         baseline_ms[skew] = 1e3 * time_calls(baseline, [args], batches=iters)
+        keep = traces and traces / f"single-device-{skew}"
         records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew],
-                        **_kernel_time(_profile(baseline, args, profile_iters))})
+                        **_kernel_time(_profile(baseline_lowered, {}, args, profile_iters, keep))})
         log(f"ep: 1 device, {skew}: {baseline_ms[skew]:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
+    scratch = Path(tempfile.mkdtemp(prefix="dropless-pgle-"))  # PGLE's cost files, read at each compilation
     for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
         strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count,
                                                    "moe.dispatch_chunks": chunk_count}), platform=devices[0].platform)
         inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
         program = _layer_program(config.moe, many, strategy)
-        options = SCHEDULING_CANDIDATES.get(flags, {})
+        options = dict(SCHEDULING_CANDIDATES.get(flags, {}))
         lowered = program.lower(*arguments[skews[0]])
-        compiled = lowered.compile(compiler_options=options or None)
         pgle_status = None
-        if flags == "pgle":  # compiled again with the measured costs of this program's kernels
-            def three_calls(fn, args=arguments[skews[0]]):
-                return [fn(*args) for _ in range(3)][-1]
+        if flags == "pgle":  # compiled with the measured costs of this program's kernels
+            first = _placed(lowered.compile(), arguments[skews[0]])
 
-            with tempfile.TemporaryDirectory() as scratch:
-                compiled, pgle_status = pgle.recompile(lowered, compiled, three_calls, scratch)
+            def three_calls(fn):
+                return [fn(*first) for _ in range(3)][-1]
+
+            directory = scratch / f"{name}-{chunk_count}"
+            directory.mkdir()
+            options, pgle_status = pgle.profiled_options(lowered, three_calls, directory)
+            options = options or {}
             log(f"ep: {name}, {chunk_count} chunk(s): PGLE {pgle_status}")
+        compiled = lowered.compile(compiler_options=options or None)
         for skew in skews:
-            args = arguments[skew]
+            args = _placed(compiled, arguments[skew])
             layer_ms = 1e3 * time_calls(compiled, [args], batches=iters)
             _, stats = jax.device_get(compiled(*args))
-            breakdown = _profile(compiled, args, profile_iters)
+            keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
+            breakdown = _profile(lowered, options, args, profile_iters, keep)
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
             needed = needed_rows(*args[:3], config.moe, count)
             record = {
@@ -251,6 +282,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
     p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
     p.add_argument("--table", action="store_true", help="print the markdown table at the end")
+    p.add_argument("--traces", metavar="DIR", help="keep each profiled program's trace and HLO text in DIR")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.dedup=false")
     return p
 
@@ -295,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out.format(device=device_slug(devices[0].device_kind)))
     out.parent.mkdir(parents=True, exist_ok=True)
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,
-                      profile_iters=args.profile_iters, chunks=chunks, xla=xla)
+                      profile_iters=args.profile_iters, chunks=chunks, xla=xla,
+                      traces=Path(args.traces) if args.traces else None)
     result = {"preset": args.preset, "tokens_per_device": args.tokens, "overrides": args.overrides,
               "environment": environment(), "records": records}
     out.write_text(json.dumps(result, indent=1) + "\n")

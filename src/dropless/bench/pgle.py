@@ -9,12 +9,18 @@ lowering again with that file (`xla_gpu_pgle_profile_file_or_directory_path`) an
 manual PGLE workflow (docs.jax.dev, "GPU performance tips") for programs compiled with `Lowered.compile`;
 `jax_enable_pgle` does the same for `jax.jit` calls. Only NVIDIA GPUs produce the costs; elsewhere the program
 is kept as it was and the status says so.
+
+The trace comes from the same lowering compiled without command buffers: kernels replayed inside a CUDA graph
+carry no HLO instruction in the trace, and XLA reported exactly our grouped GEMMs (custom calls) missing from
+the profile of the program with graphs. The recompiled program has command buffers as usual.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable
+
+from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": True}
@@ -33,16 +39,23 @@ def instruction_costs(run: Callable[[], object], directory: Path) -> bytes:
     return get_profiled_instructions_proto(str(runs[-1])) if runs else b""
 
 
-def compile_with_costs(lowered, costs: bytes, directory: Path, options: dict | None = None):
-    """`lowered` compiled again with the latency-hiding scheduler reading `costs` (saved under `directory`)."""
+def profiled_options(lowered, run: Callable[[object], object], directory: Path, options: dict | None = None
+                     ) -> tuple[dict | None, str]:
+    """-> (compiler options that schedule `lowered` by its own measured kernel costs, or None; a one-line status).
+
+    `run(program)` runs a program of `lowered` a few times and returns its outputs. The costs file is written
+    under `directory`, which must outlive every compilation with the options."""
+    traced = lowered.compile(compiler_options={**(options or {}), **PROFILE_COMPILER_OPTIONS})
+    costs = instruction_costs(lambda: run(traced), directory)
+    if not costs:
+        return None, NOT_APPLIED
     path = Path(directory) / "pgle_profile.pb"
     path.write_bytes(costs)
-    return lowered.compile(compiler_options={**(options or {}), **OPTIONS, PROFILE_OPTION: str(path)})
+    return {**(options or {}), **OPTIONS, PROFILE_OPTION: str(path)}, f"applied: {len(costs):,} bytes of instruction costs"
 
 
 def recompile(lowered, compiled, run: Callable[[object], object], directory: Path, options: dict | None = None):
-    """-> (the program to time, a one-line status). `run(program)` runs it a few times and returns its outputs."""
-    costs = instruction_costs(lambda: run(compiled), directory)
-    if not costs:
-        return compiled, NOT_APPLIED
-    return compile_with_costs(lowered, costs, directory, options), f"applied: {len(costs):,} bytes of instruction costs"
+    """-> (the program to time, a one-line status): `lowered` compiled with `profiled_options`, or `compiled`
+    (`lowered` compiled with `options`) when there are no costs."""
+    with_costs, status = profiled_options(lowered, run, directory, options)
+    return (compiled if with_costs is None else lowered.compile(compiler_options=with_costs)), status
