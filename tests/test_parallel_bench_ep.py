@@ -13,7 +13,7 @@ def test_ep_bench_writes_consistent_records(tmp_path, capsys):
     result = json.loads((tmp_path / "ep-cpu.json").read_text())
     kept = sorted(path.name for path in (tmp_path / "traces").iterdir())
     assert kept == ["alltoall-1-none-skewed.hlo.txt.gz", "alltoall-1-none-skewed.trace.json.gz",
-                    "single-device-skewed.hlo.txt.gz", "single-device-skewed.trace.json.gz"]
+                    "single-device-none-skewed.hlo.txt.gz", "single-device-none-skewed.trace.json.gz"]
     baseline, record = result["records"]
     assert baseline["strategy"] == "single-device" and record["strategy"] == "alltoall"
     assert record["tokens_dropped"] == 0 and record["devices"] == 2
@@ -35,10 +35,14 @@ def test_ep_bench_measures_chunked_dispatch_in_the_same_run(tmp_path, capsys):
                     "--profile-iters", "1", "--out", str(out), "--table"]) == 0
     records = json.loads(out.read_text())["records"]
     assert [(r["strategy"], r.get("chunks"), r.get("xla")) for r in records] == [
-        ("single-device", None, None), ("allgather", 1, "none"), ("allgather", 1, "latency_hiding_scheduler"),
+        ("single-device", None, "none"), ("single-device", None, "latency_hiding_scheduler"),
+        ("allgather", 1, "none"), ("allgather", 1, "latency_hiding_scheduler"),
         ("allgather", 2, "none"), ("allgather", 2, "latency_hiding_scheduler")]
-    assert records[1]["rows_sent_per_device"] == records[3]["rows_sent_per_device"]  # the same rows, in two trips
+    # each efficiency is against the one-device program compiled with the same options
+    assert records[3]["single_device_ms"] == records[1]["layer_ms"] != records[2]["single_device_ms"]
+    assert records[2]["rows_sent_per_device"] == records[4]["rows_sent_per_device"]  # the same rows, in two trips
     table = capsys.readouterr().out
+    assert "| 1 device, latency_hiding_scheduler | random |" in table
     assert "| allgather, 2 chunks | random |" in table and "| allgather, 2 chunks, latency_hiding_scheduler |" in table
     assert ep.main(["--tokens", "32", "--chunks", "3"]) == 2
     assert "positive divisors of --tokens 32" in capsys.readouterr().err

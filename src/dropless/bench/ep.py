@@ -4,7 +4,8 @@ For one MoE layer of a preset (default: the DeepSeek-V3 proxy, 32 experts, top-8
 number of tokens per device, in bf16, forward + backward (gradients w.r.t. the input and the routed experts):
 
 - the layer's time on ONE device (all experts there) and on N devices (`parallel.expert = N`, N x the
-  tokens) for each dispatch strategy; weak-scaling efficiency = one-device time / N-device time;
+  tokens) for each dispatch strategy; weak-scaling efficiency = one-device time / N-device time, both compiled
+  with the same XLA options (`--xla`; PGLE programs against the plain one-device program);
 - from a `jax.profiler` trace of the N-device program: communication kernel time (the dispatch/combine
   collectives) and its share of all kernel time (dropless.bench.profile's breakdown);
 - the useful bandwidth: bytes of the rows that must cross devices (one per remote (token, device) pair,
@@ -47,8 +48,9 @@ def _layer_program(moe_cfg, mesh, strategy):
             y_BSD, stats = moe_layer({**params, "experts": experts}, bias_E, x_BSD, moe_cfg,
                                      compute_dtype=jnp.bfloat16, executor=executor)
             return jnp.sum(y_BSD.astype(jnp.float32) * cotangent_BSD), stats
-        (_, stats), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params["experts"], x_BSD)
-        return grads, stats
+        # The loss is returned too: otherwise XLA drops the forward combine (nothing would read y_BSD).
+        (value, stats), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params["experts"], x_BSD)
+        return grads, (value, stats)
 
     replicated = NamedSharding(mesh, P())
     experts = NamedSharding(mesh, P("expert"))
@@ -176,15 +178,18 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     rows = x_BSD.shape[0] // count  # one device's share: the first device's tokens of the N-device runs
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD[:rows], cotangent_BSD[:rows]) for skew in skews}
     baseline_lowered = _layer_program(config.moe, one, None).lower(*arguments[skews[0]])
-    baseline = baseline_lowered.compile()
-    baseline_ms = {}
-    for skew in skews:
-        args = _placed(baseline, arguments[skew])
-        baseline_ms[skew] = 1e3 * time_calls(baseline, [args], batches=iters)
-        keep = traces and traces / f"single-device-{skew}"
-        records.append({"strategy": "single-device", "skew": skew, "devices": 1, "layer_ms": baseline_ms[skew],
-                        **_kernel_time(_profile(baseline_lowered, {}, args, profile_iters, keep))})
-        log(f"ep: 1 device, {skew}: {baseline_ms[skew]:.2f} ms")
+    baseline_ms = {}  # (skew, flags) -> ms; the one-device program compiled with the same XLA options
+    for flags in dict.fromkeys(["none", *(f for f in xla if f in SCHEDULING_CANDIDATES)]):
+        options = dict(SCHEDULING_CANDIDATES.get(flags, {}))
+        baseline = baseline_lowered.compile(compiler_options=options or None)
+        for skew in skews:
+            args = _placed(baseline, arguments[skew])
+            baseline_ms[skew, flags] = 1e3 * time_calls(baseline, [args], batches=iters)
+            keep = traces and traces / f"single-device-{flags}-{skew}"
+            records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
+                            "layer_ms": baseline_ms[skew, flags],
+                            **_kernel_time(_profile(baseline_lowered, options, args, profile_iters, keep))})
+            log(f"ep: 1 device, xla {flags}, {skew}: {baseline_ms[skew, flags]:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
     scratch = Path(tempfile.mkdtemp(prefix="dropless-pgle-"))  # PGLE's cost files, read at each compilation
     for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
@@ -207,10 +212,11 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             options = options or {}
             log(f"ep: {name}, {chunk_count} chunk(s): PGLE {pgle_status}")
         compiled = lowered.compile(compiler_options=options or None)
+        same = flags if flags in SCHEDULING_CANDIDATES else "none"  # the baseline compiled alike
         for skew in skews:
             args = _placed(compiled, arguments[skew])
             layer_ms = 1e3 * time_calls(compiled, [args], batches=iters)
-            _, stats = jax.device_get(compiled(*args))
+            _, (_, stats) = jax.device_get(compiled(*args))
             keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
             breakdown = _profile(lowered, options, args, profile_iters, keep)
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
@@ -222,8 +228,8 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                                             count, config.moe.num_experts // count)).__name__
                 if hasattr(inner, "choose") else type(inner).__name__,
                 "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
-                "layer_ms": layer_ms, "single_device_ms": baseline_ms[skew],
-                "weak_scaling_efficiency": baseline_ms[skew] / layer_ms,
+                "layer_ms": layer_ms, "single_device_ms": baseline_ms[skew, same],
+                "weak_scaling_efficiency": baseline_ms[skew, same] / layer_ms,
                 "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
                 "comm_ms_by_kind": {k: v for k, v in breakdown["communication_ms_per_step_per_device"].items() if v},
                 **_kernel_time(breakdown),
@@ -250,7 +256,8 @@ def markdown_table(records: list[dict]) -> str:
              "useful GB/s per device | rows sent per device (without dedup) | overflowed |", "|" + " --- |" * 8]
     for r in records:
         if r["strategy"] == "single-device":
-            lines.append(f"| 1 device | {r['skew']} | {r['layer_ms']:.2f} | 1.00 | - | - | - | - |")
+            device = "1 device" + (f", {r['xla']}" if r.get("xla", "none") != "none" else "")
+            lines.append(f"| {device} | {r['skew']} | {r['layer_ms']:.2f} | 1.00 | - | - | - | - |")
             continue
         gbps = f"{r['useful_GBps_per_device']:.0f}" if "useful_GBps_per_device" in r else "-"
         strategy = r["strategy"] + (f" ({r['chosen']})" if r["strategy"] == "auto" else "")

@@ -3,8 +3,11 @@
 SwiGLU(x) = (silu(x @ gate) * (x @ up)) @ down, with gate and up fused into one `gate_up` weight
 (`gate_up[..., :F]` = gate, `gate_up[..., F:]` = up) so one GEMM computes both.
 Shapes: M permuted rows, D hidden, E experts, F expert width.
-Matmuls run in the dtype of their inputs with float32 accumulation; the activation is computed in float32,
-and the down projection returns float32 so the combine that follows loses nothing.
+Matmuls run in the dtype of their inputs with float32 accumulation; the activation is computed in float32.
+The routed down projection returns the compute dtype, like every other layer's output: the combine that
+follows sums each token's K weighted rows in float32, and at bf16 a float32 [M, D] here would double the
+bytes of the largest activation and of its cotangent, which the backward then had to cast back to bf16
+(3 ms of an H200's 76 ms two-GPU layer). The shared experts' output stays float32 (one [T, D] row each).
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ def _glu(h_MF2: jax.Array, dtype) -> jax.Array:
 
 def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: dict,
                    gmm: GroupedMatmul) -> jax.Array:
-    """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] float32."""
+    """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] in x_sorted's dtype."""
     dtype = x_sorted_MD.dtype
     with jax.named_scope("gmm_up"):
         h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E)
     a_MF = _glu(h_MF2, dtype)
     with jax.named_scope("gmm_down"):
-        return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E, preferred_element_type=jnp.float32)
+        return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E)
 
 
 def dense_swiglu(x_TD: jax.Array, weights: dict) -> jax.Array:

@@ -5,7 +5,7 @@ A *slot* is one (token, k) pair, numbered t*K + k. `permute` sorts the slots by 
 sort (so inside an expert the rows stay in token order) and gathers the token rows; `unpermute` gathers
 them back and combines the K expert outputs of each token with the routing weights, in float32.
 
-Both gathers have custom VJPs that are gathers too: the transpose of a gather is a scatter(-add), which on
+Both directions have custom VJPs that are gathers too: the transpose of a gather is a scatter(-add), which on
 accelerators is slower and, with duplicate indices, non-deterministic. Because the sort is a permutation we
 know its inverse, so each backward pass is one more gather (plus a sum over K for the token rows).
 """
@@ -45,26 +45,6 @@ def _gather_token_rows_bwd(res, g_MD):
 _gather_token_rows.defvjp(_gather_token_rows_fwd, _gather_token_rows_bwd)
 
 
-@jax.custom_vjp
-def _gather_slots(y_RD, row_of_slot_M, slot_of_row_M):
-    return y_RD[row_of_slot_M]
-
-
-def _gather_slots_fwd(y_RD, row_of_slot_M, slot_of_row_M):
-    return _gather_slots(y_RD, row_of_slot_M, slot_of_row_M), (slot_of_row_M, y_RD.shape[0])
-
-
-def _gather_slots_bwd(res, g_MD):
-    slot_of_row_M, num_rows = res
-    g_sorted_MD = g_MD[slot_of_row_M]
-    # y may carry padding rows past the T*K real ones (an expert-parallel buffer); they get no gradient.
-    pad = num_rows - g_sorted_MD.shape[0]
-    return jnp.pad(g_sorted_MD, ((0, pad), (0, 0))), None, None
-
-
-_gather_slots.defvjp(_gather_slots_fwd, _gather_slots_bwd)
-
-
 def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int
             ) -> tuple[jax.Array, jax.Array, PermuteInfo]:
     """Sort token copies by expert: returns (x_sorted_MD, group_sizes_E int32, info), all on device.
@@ -87,13 +67,36 @@ def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int
     return x_sorted_MD, group_sizes_E, info
 
 
+@jax.custom_vjp
 def unpermute(y_sorted_MD: jax.Array, info: PermuteInfo, weights_TK: jax.Array) -> jax.Array:
     """Undo `permute` and combine: y_TD[t] = sum_k weights[t, k] * y_sorted[row_of_slot[t, k]], in float32.
 
-    `y_sorted` may have extra padding rows after the first T*K; they are ignored.
+    `y_sorted` may have extra padding rows after the first T*K; they are ignored (and get zero gradient).
+    One fused pass each way: the forward reads each slot's row once and writes y_TD; the backward writes each
+    sorted row's cotangent, weight times its token's cotangent, directly in y_sorted's dtype (no [T, K, D]
+    float32 intermediate, no separate cast), and reads y_sorted once for the weights' gradient.
     """
+    rows_TKD = y_sorted_MD[info.row_of_slot_TK].astype(jnp.float32)
+    return jnp.sum(weights_TK.astype(jnp.float32)[..., None] * rows_TKD, axis=1)
+
+
+def _unpermute_fwd(y_sorted_MD, info, weights_TK):
+    return unpermute(y_sorted_MD, info, weights_TK), (y_sorted_MD, info, weights_TK)
+
+
+def _unpermute_bwd(residuals, g_TD):
+    y_sorted_MD, info, weights_TK = residuals
     num_tokens, top_k = info.row_of_slot_TK.shape
-    y_slots_MD = _gather_slots(y_sorted_MD, info.row_of_slot_TK.reshape(-1), info.slot_of_row_M)
-    y_TKD = y_slots_MD.reshape(num_tokens, top_k, -1).astype(jnp.float32)
-    return jnp.einsum("tk,tkd->td", weights_TK.astype(jnp.float32), y_TKD,
-                      precision=jax.lax.Precision.HIGHEST)
+    # Sorted row m holds slot s = slot_of_row[m], i.e. token s // K with weight weights[s].
+    g_rows_MD = g_TD.astype(y_sorted_MD.dtype)[info.slot_of_row_M // top_k].astype(jnp.float32)
+    weight_M = weights_TK.astype(jnp.float32).reshape(-1)[info.slot_of_row_M]
+    g_sorted_MD = (weight_M[:, None] * g_rows_MD).astype(y_sorted_MD.dtype)
+    pad = y_sorted_MD.shape[0] - g_sorted_MD.shape[0]  # an expert-parallel buffer's padding rows
+    g_sorted_MD = jnp.pad(g_sorted_MD, ((0, pad), (0, 0)))
+    rows_TKD = y_sorted_MD[info.row_of_slot_TK].astype(jnp.float32)
+    g_weights_TK = jnp.einsum("td,tkd->tk", g_TD.astype(jnp.float32), rows_TKD,
+                              precision=jax.lax.Precision.HIGHEST).astype(weights_TK.dtype)
+    return g_sorted_MD, None, g_weights_TK
+
+
+unpermute.defvjp(_unpermute_fwd, _unpermute_bwd)
