@@ -86,9 +86,9 @@ def _expected_rows(problem, expert_parallel, dedup):
     return sent
 
 
-def _assert_matches_single_device(strategy, expert_parallel, problem, moe_cfg=MOE):
+def _assert_matches_single_device(strategy, expert_parallel, problem, moe_cfg=MOE, local_buffer_factor=0.0):
     y_want, grads_want, stats_want = _layer(None, moe_cfg, *problem)
-    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[expert_parallel]), strategy)
+    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[expert_parallel]), strategy, local_buffer_factor)
     y_got, grads_got, stats = _layer(executor, moe_cfg, *problem)
     np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads_got), jax.tree.leaves(grads_want)):
@@ -108,6 +108,59 @@ def test_layer_matches_single_device(name, expert_parallel):
         assert int(stats.rows_sent) == BATCH * SEQ * (expert_parallel - 1)
     else:
         assert int(stats.rows_sent) == _expected_rows(problem, expert_parallel, dedup=True)
+
+
+@pytest.mark.parametrize("expert_parallel", [2, 8])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_bounded_local_buffers_equal_single_device_whichever_branch_each_device_takes(name, expert_parallel):
+    """Local buffers of exactly the balanced load: random routing overflows some devices and not others (each
+    decides alone), heavy skew overflows some; either way the result is the single-device one."""
+    for problem in (_problem(seed=expert_parallel), _problem(seed=9, bias_E=[10.0, 10.0, 10.0, 0, 0, 0, 0, 0])):
+        stats = _assert_matches_single_device(STRATEGIES[name], expert_parallel, problem, local_buffer_factor=1.0)
+        assert int(stats.dispatch_overflowed) == 1  # reported: some device's pairs did not fit
+
+
+def test_bounded_local_buffer_that_fits_is_taken_and_keeps_only_its_rows():
+    """Balanced routing fits a buffer of 1.0 x the balanced load: no overflow, same result; and the forward keeps
+    residuals of the bounded buffer's size only (the worst-case branch is rematerialised, not stored)."""
+    tokens, top_k = BATCH * SEQ, 2
+    rng = np.random.default_rng(0)
+    x_TD = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
+    ids_TK = jnp.asarray(np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], 1), jnp.int32)
+    weights_TK = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
+    experts = init_moe(jax.random.key(0), HIDDEN, MOE, init_std=0.5)["experts"]
+
+    def loss(executor, x_TD, weights_TK, experts):
+        y_TD, stats = executor(x_TD, ids_TK, weights_TK, experts, XlaGmm())
+        return jnp.sum(y_TD ** 2), (y_TD, stats)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0,
+                  compiler_options=FAST_COMPILE)
+    (_, (y_want, _)), grads_want = run(LocalExecutor(), x_TD, weights_TK, experts)
+    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[2]), AllGather(), local_buffer_factor=1.0)
+    (_, (y_got, stats)), grads_got = run(executor, x_TD, weights_TK, experts)
+    assert int(stats.dispatch_overflowed) == 0
+    np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Per device (8 tokens; 2 on the expert axis): R = 16 gathered tokens x J = 2 columns = 32 worst-case rows;
+    # the bounded buffer holds T*K = 16.
+    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(functools.partial(loss, executor), *a))(x_TD, weights_TK, experts)
+    conds = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "cond"]
+    assert conds, "the bounded buffer's overflow branch is a lax.cond"
+    residual_rows = {v.aval.shape[0] for e in conds for v in e.outvars if getattr(v.aval, "ndim", 0) == 2}
+    assert 16 in residual_rows and 32 not in residual_rows
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr, nested ones (shard_map, pjit, custom_vjp bodies) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 def test_alltoall_slot_sizes_and_the_auto_choice():

@@ -119,6 +119,9 @@ class MoEConfig:
     # Expert-parallel dispatch (used when parallel.expert > 1).
     dispatch: Literal["auto", "allgather", "alltoall", "ragged"] = "auto"
     alltoall_buffer_factor: float = 2.0
+    # Rows of each device's local-expert buffer as a multiple of the balanced load (T*K pairs per device); a
+    # device whose pairs do not fit takes a worst-case-sized buffer for that layer (reported). 0 = always that.
+    local_buffer_factor: float = 1.25
     dedup: bool = True
     # Split each device's tokens into this many chunks, dispatched and computed one after another, so that one
     # chunk's exchange can overlap the previous chunk's grouped GEMMs. 1 = one exchange (measured default).
@@ -148,6 +151,9 @@ class MoEConfig:
         _in_choices("moe.dispatch", self.dispatch, ("auto", "allgather", "alltoall", "ragged"))
         _require(self.alltoall_buffer_factor >= 1.0,
                  f"moe.alltoall_buffer_factor={self.alltoall_buffer_factor} must be >= 1.0.")
+        _require(self.local_buffer_factor == 0 or self.local_buffer_factor >= 1.0,
+                 f"moe.local_buffer_factor={self.local_buffer_factor} must be 0 (always the worst-case buffer) "
+                 f"or >= 1.0.")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ STRATEGIES = ("auto", "allgather", "alltoall", "ragged")
 SKEWS = ("random", "skewed")
 # Router bias for `skewed`: a ramp from +SKEW to -SKEW over the experts (selection only; sigmoid scores ~0.5).
 SKEW = 0.05
+# Seconds of back-to-back calls per timed batch: several calls, so that the figure is the device's throughput
+# (as in training, where steps are dispatched ahead) and not one call's latency with its dispatch and sync.
+CALLS_SECONDS = 0.5
 
 
 def _layer_program(moe_cfg, mesh, strategy):
@@ -41,7 +44,7 @@ def _layer_program(moe_cfg, mesh, strategy):
     from dropless.parallel.dispatch import ExpertParallelExecutor
     from dropless.parallel.mesh import batch_sharding
 
-    executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy)
+    executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy, moe_cfg.local_buffer_factor)
 
     def forward_backward(params, bias_E, x_BSD, cotangent_BSD):
         def loss(experts, x_BSD):
@@ -184,7 +187,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         baseline = baseline_lowered.compile(compiler_options=options or None)
         for skew in skews:
             args = _placed(baseline, arguments[skew])
-            baseline_ms[skew, flags] = 1e3 * time_calls(baseline, [args], batches=iters)
+            baseline_ms[skew, flags] = 1e3 * time_calls(baseline, [args], batches=iters, target_s=CALLS_SECONDS)
             keep = traces and traces / f"single-device-{flags}-{skew}"
             records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
                             "layer_ms": baseline_ms[skew, flags],
@@ -215,7 +218,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         same = flags if flags in SCHEDULING_CANDIDATES else "none"  # the baseline compiled alike
         for skew in skews:
             args = _placed(compiled, arguments[skew])
-            layer_ms = 1e3 * time_calls(compiled, [args], batches=iters)
+            layer_ms = 1e3 * time_calls(compiled, [args], batches=iters, target_s=CALLS_SECONDS)
             _, (_, stats) = jax.device_get(compiled(*args))
             keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
             breakdown = _profile(lowered, options, args, profile_iters, keep)

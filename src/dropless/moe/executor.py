@@ -42,12 +42,18 @@ class ExpertExecutor(Protocol):
 
 @dataclass(frozen=True)
 class LocalExecutor:
-    """Single device: permute -> grouped GEMM (SwiGLU) -> unpermute and weighted combine in float32."""
+    """Single device: permute -> grouped GEMM (SwiGLU) -> unpermute and weighted combine in float32.
+
+    `rows`: keep only this many sorted rows (a bounded buffer; default all T*K). Exact only when at most `rows`
+    (token, expert) pairs name an expert here (ids >= E are "none"); the caller checks that on the device.
+    """
+
+    rows: int | None = None
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts, gmm):
         num_experts = experts["gate_up"].shape[0]
         with jax.named_scope("permute"):
-            x_sorted_MD, group_sizes_E, info = permute(x_TD, expert_ids_TK, num_experts)
+            x_sorted_MD, group_sizes_E, info = permute(x_TD, expert_ids_TK, num_experts, self.rows)
         y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, gmm)
         with jax.named_scope("unpermute"):
             y_TD = unpermute(y_sorted_MD, info, weights_TK)

@@ -25,6 +25,11 @@ class PermuteInfo(NamedTuple):
     row_of_slot_TK: jax.Array  # slot (t, k) -> sorted row (the inverse permutation)
 
 
+def _rows(y_MD: jax.Array, rows_TK: jax.Array) -> jax.Array:
+    """y_MD[rows_TK], with zeros for rows past the end (the rows a bounded buffer did not keep)."""
+    return jnp.take(y_MD, rows_TK, axis=0, mode="fill", fill_value=0)
+
+
 @jax.custom_vjp
 def _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK):
     top_k = row_of_slot_TK.shape[1]
@@ -37,21 +42,23 @@ def _gather_token_rows_fwd(x_TD, slot_of_row_M, row_of_slot_TK):
 
 def _gather_token_rows_bwd(res, g_MD):
     (row_of_slot_TK,) = res
-    # Token t was copied to the K rows row_of_slot[t]; its gradient is the sum of theirs.
-    g_TD = jnp.sum(g_MD[row_of_slot_TK].astype(jnp.float32), axis=1).astype(g_MD.dtype)
+    # Token t was copied to the K rows row_of_slot[t]; its gradient is the sum of theirs. A slot whose row was
+    # not kept (a bounded buffer: it is "no expert here") contributes nothing.
+    g_TD = jnp.sum(_rows(g_MD, row_of_slot_TK).astype(jnp.float32), axis=1).astype(g_MD.dtype)
     return g_TD, None, None
 
 
 _gather_token_rows.defvjp(_gather_token_rows_fwd, _gather_token_rows_bwd)
 
 
-def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int
+def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int, rows: int | None = None
             ) -> tuple[jax.Array, jax.Array, PermuteInfo]:
     """Sort token copies by expert: returns (x_sorted_MD, group_sizes_E int32, info), all on device.
 
     Row r of x_sorted is token slot_of_row[r] // K; rows of expert e are contiguous and in token order.
     Ids >= num_experts (e.g. a sentinel for "not on this device") sort last and are left out of
-    group_sizes, so a grouped GEMM treats those rows as padding.
+    group_sizes, so a grouped GEMM treats those rows as padding. `rows` keeps only the first `rows` sorted
+    rows (a bounded buffer, default all T*K): correct when sum(group_sizes) <= rows, which the caller checks.
     """
     num_tokens, top_k = expert_ids_TK.shape
     flat_ids_M = expert_ids_TK.reshape(-1).astype(jnp.int32)
@@ -63,7 +70,7 @@ def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int
     # Boundaries of each expert's run in the sorted ids: a binary search, no scatter-add and no host sync.
     bounds = jnp.searchsorted(sorted_ids_M, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
     group_sizes_E = jnp.diff(bounds).astype(jnp.int32)
-    x_sorted_MD = _gather_token_rows(x_TD, info.slot_of_row_M, info.row_of_slot_TK)
+    x_sorted_MD = _gather_token_rows(x_TD, info.slot_of_row_M[:rows], info.row_of_slot_TK)
     return x_sorted_MD, group_sizes_E, info
 
 
@@ -71,12 +78,13 @@ def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int
 def unpermute(y_sorted_MD: jax.Array, info: PermuteInfo, weights_TK: jax.Array) -> jax.Array:
     """Undo `permute` and combine: y_TD[t] = sum_k weights[t, k] * y_sorted[row_of_slot[t, k]], in float32.
 
-    `y_sorted` may have extra padding rows after the first T*K; they are ignored (and get zero gradient).
+    `y_sorted` may have extra padding rows after the first T*K; they are ignored (and get zero gradient). It may
+    also have fewer (a bounded buffer, `permute(..., rows=...)`): slots past its end read as zero.
     One fused pass each way: the forward reads each slot's row once and writes y_TD; the backward writes each
     sorted row's cotangent, weight times its token's cotangent, directly in y_sorted's dtype (no [T, K, D]
     float32 intermediate, no separate cast), and reads y_sorted once for the weights' gradient.
     """
-    rows_TKD = y_sorted_MD[info.row_of_slot_TK].astype(jnp.float32)
+    rows_TKD = _rows(y_sorted_MD, info.row_of_slot_TK).astype(jnp.float32)
     return jnp.sum(weights_TK.astype(jnp.float32)[..., None] * rows_TKD, axis=1)
 
 
@@ -88,12 +96,13 @@ def _unpermute_bwd(residuals, g_TD):
     y_sorted_MD, info, weights_TK = residuals
     num_tokens, top_k = info.row_of_slot_TK.shape
     # Sorted row m holds slot s = slot_of_row[m], i.e. token s // K with weight weights[s].
-    g_rows_MD = g_TD.astype(y_sorted_MD.dtype)[info.slot_of_row_M // top_k].astype(jnp.float32)
-    weight_M = weights_TK.astype(jnp.float32).reshape(-1)[info.slot_of_row_M]
+    slot_of_row_M = info.slot_of_row_M[:y_sorted_MD.shape[0]]  # a bounded buffer's rows
+    g_rows_MD = g_TD.astype(y_sorted_MD.dtype)[slot_of_row_M // top_k].astype(jnp.float32)
+    weight_M = weights_TK.astype(jnp.float32).reshape(-1)[slot_of_row_M]
     g_sorted_MD = (weight_M[:, None] * g_rows_MD).astype(y_sorted_MD.dtype)
     pad = y_sorted_MD.shape[0] - g_sorted_MD.shape[0]  # an expert-parallel buffer's padding rows
     g_sorted_MD = jnp.pad(g_sorted_MD, ((0, pad), (0, 0)))
-    rows_TKD = y_sorted_MD[info.row_of_slot_TK].astype(jnp.float32)
+    rows_TKD = _rows(y_sorted_MD, info.row_of_slot_TK).astype(jnp.float32)
     g_weights_TK = jnp.einsum("td,tkd->tk", g_TD.astype(jnp.float32), rows_TKD,
                               precision=jax.lax.Precision.HIGHEST).astype(weights_TK.dtype)
     return g_sorted_MD, None, g_weights_TK

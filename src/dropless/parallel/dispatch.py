@@ -42,6 +42,7 @@ from dropless.moe.permute import PermuteInfo, permute, unpermute
 from dropless.parallel.mesh import BATCH_AXES, MESH_AXES
 
 EXPERT_AXIS = "expert"
+ROW_ALIGN = 8  # bounded local buffers hold a multiple of this many rows (the grouped GEMMs' row alignment)
 
 
 class Received(NamedTuple):
@@ -54,19 +55,51 @@ class Received(NamedTuple):
 
 @dataclass(frozen=True)
 class LocalExperts:
-    """This device's G experts applied to received rows: the single-device permute -> gmm -> unpermute."""
+    """This device's G experts applied to received rows: the single-device permute -> gmm -> unpermute.
+
+    The received rows carry up to J experts each, so the permuted buffer has R*J rows, while on average only
+    the balanced load of T*K (token, expert) pairs names an expert here (T tokens per device; at two devices
+    and DeepSeek-V3's top-8 that is half the buffer). With `buffer_factor` > 0 the layer keeps
+    ceil(buffer_factor x T*K) rows. A device whose pairs do not fit, counted on the device, takes the
+    worst-case R*J buffer instead (`lax.cond`; each device decides for itself, no collective inside). That
+    branch is rematerialised (`jax.checkpoint`): its residuals are the branch's inputs, so the bounded branch
+    pays nothing for it. Never a drop; the overflow is reported.
+    """
 
     experts: dict  # {"gate_up": [G, D, 2F], "down": [G, F, D]}, this device's shard
     gmm: GroupedMatmul
+    buffer_factor: float = 0.0  # 0: always the worst-case buffer
 
     @property
     def num_local(self) -> int:
         return self.experts["gate_up"].shape[0]
 
-    def __call__(self, received: Received) -> tuple[jax.Array, jax.Array]:
-        """-> (partial_RD float32: each row's weighted sum over its local experts, rows dropped)."""
-        y_RD, stats = LocalExecutor()(received.x_RD, received.local_ids_RJ, received.weights_RJ, self.experts, self.gmm)
-        return y_RD, stats.tokens_dropped
+    def buffer_rows(self, balanced_pairs: int, worst_rows: int) -> int:
+        """Rows of the bounded buffer: buffer_factor x the balanced load, rounded up to ROW_ALIGN, capped."""
+        if self.buffer_factor <= 0:
+            return worst_rows
+        return min(worst_rows, ROW_ALIGN * math.ceil(self.buffer_factor * balanced_pairs / ROW_ALIGN))
+
+    def __call__(self, received: Received, balanced_pairs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """-> (partial_RD float32: each row's weighted sum over its local experts, rows dropped, overflowed).
+
+        `balanced_pairs`: the (token, expert) pairs one device holds when the routing is balanced, T*K."""
+        operands = (received.x_RD, received.local_ids_RJ, received.weights_RJ, self.experts)
+        worst = received.local_ids_RJ.size
+        bound = self.buffer_rows(balanced_pairs, worst)
+
+        def run(rows):
+            def executor(x_RD, ids_RJ, weights_RJ, experts):
+                y_RD, stats = LocalExecutor(rows)(x_RD, ids_RJ, weights_RJ, experts, self.gmm)
+                return y_RD, stats.tokens_dropped
+            return executor
+
+        if bound >= worst:
+            y_RD, dropped = run(None)(*operands)
+            return y_RD, dropped, jnp.zeros((), jnp.int32)
+        overflowed = jnp.sum(received.local_ids_RJ < self.num_local) > bound
+        y_RD, dropped = jax.lax.cond(overflowed, jax.checkpoint(run(None)), run(bound), *operands)
+        return y_RD, dropped, overflowed.astype(jnp.int32)
 
 
 class Strategy(Protocol):
@@ -185,11 +218,11 @@ class AllGather:
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
         with jax.named_scope("dispatch"):
             received = self.dispatch(x_TD, expert_ids_TK, weights_TK, local.num_local)
-        partial_RD, dropped = local(received)
+        partial_RD, dropped, overflowed = local(received, expert_ids_TK.size)
         with jax.named_scope("combine"):
             y_TD = self.combine(partial_RD, x_TD.dtype)
         sent = x_TD.shape[0] * (jax.lax.axis_size(EXPERT_AXIS) - 1)
-        stats = ExecutorStats(dropped, jnp.zeros((), jnp.int32), jnp.asarray(sent, jnp.int32),
+        stats = ExecutorStats(dropped, overflowed, jnp.asarray(sent, jnp.int32),
                               _remote_pairs(expert_ids_TK, local.num_local))
         return y_TD, stats
 
@@ -258,18 +291,18 @@ class AllToAll:
             def run():
                 with jax.named_scope("dispatch"):
                     received = self.dispatch(plan, capacity, num_local)
-                partial_RD, dropped = local(received)
+                partial_RD, dropped, local_overflowed = local(received, expert_ids_TK.size)
                 with jax.named_scope("combine"):
-                    return self.combine(partial_RD, plan, capacity, x_TD.dtype), dropped
+                    return self.combine(partial_RD, plan, capacity, x_TD.dtype), dropped, local_overflowed
             return run
 
         # Decided on the device, identically everywhere (the branches run different collectives).
         overflowed = jax.lax.pmax(jnp.max(plan.sends_P) > normal, MESH_AXES)
         if normal == worst:
-            y_TD, dropped = exchange(worst)()
+            y_TD, dropped, local_overflowed = exchange(worst)()
         else:
-            y_TD, dropped = jax.lax.cond(overflowed, exchange(worst), exchange(normal))
-        stats = ExecutorStats(dropped, overflowed.astype(jnp.int32), _rows_sent(plan),
+            y_TD, dropped, local_overflowed = jax.lax.cond(overflowed, exchange(worst), exchange(normal))
+        stats = ExecutorStats(dropped, jnp.maximum(overflowed.astype(jnp.int32), local_overflowed), _rows_sent(plan),
                               _remote_pairs(expert_ids_TK, num_local))
         return y_TD, stats
 
@@ -324,11 +357,10 @@ class Ragged:
         buffer_rows = num_devices * worst_case_rows(num_tokens, top_k, num_local, self.dedup)
         with jax.named_scope("dispatch"):
             received = self.dispatch(plan, offsets, buffer_rows, num_local)
-        partial_RD, dropped = local(received)
+        partial_RD, dropped, overflowed = local(received, expert_ids_TK.size)
         with jax.named_scope("combine"):
             y_TD = self.combine(partial_RD, plan, offsets, x_TD.dtype)
-        stats = ExecutorStats(dropped, jnp.zeros((), jnp.int32), _rows_sent(plan),
-                              _remote_pairs(expert_ids_TK, num_local))
+        stats = ExecutorStats(dropped, overflowed, _rows_sent(plan), _remote_pairs(expert_ids_TK, num_local))
         return y_TD, stats
 
 
@@ -372,6 +404,7 @@ class ExpertParallelExecutor:
 
     mesh: Mesh
     strategy: Strategy
+    local_buffer_factor: float = 0.0  # LocalExperts.buffer_factor
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts, gmm):
         num_tokens, num_devices = x_TD.shape[0], self.mesh.size
@@ -381,7 +414,8 @@ class ExpertParallelExecutor:
         tokens, experts_spec = P(BATCH_AXES), P(EXPERT_AXIS)
 
         def per_device(x_TD, expert_ids_TK, weights_TK, experts):
-            y_TD, stats = self.strategy(x_TD, expert_ids_TK, weights_TK, LocalExperts(experts, gmm))
+            y_TD, stats = self.strategy(x_TD, expert_ids_TK, weights_TK, LocalExperts(experts, gmm,
+                                                                                    self.local_buffer_factor))
             totals = jax.tree.map(lambda s: jax.lax.psum(s, MESH_AXES), stats)
             # Every device took the same branch: the layer overflowed once, not once per device.
             return y_TD, totals._replace(dispatch_overflowed=jax.lax.pmax(stats.dispatch_overflowed, MESH_AXES))
@@ -455,4 +489,4 @@ def make_executor(config: Config, mesh: Mesh) -> ExpertParallelExecutor | None:
     if config.moe.num_experts % mesh.shape[EXPERT_AXIS]:
         raise ConfigError(f"moe.num_experts={config.moe.num_experts} is not divisible by parallel.expert="
                           f"{mesh.shape[EXPERT_AXIS]}; choose an expert-parallel size that divides it.")
-    return ExpertParallelExecutor(mesh, make_strategy(config))
+    return ExpertParallelExecutor(mesh, make_strategy(config), config.moe.local_buffer_factor)
