@@ -30,7 +30,10 @@ def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: di
     dtype = x_sorted_MD.dtype
     with jax.named_scope("gmm_up"):
         h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E)
-    a_MF = _glu(h_MF2, dtype)
+    # Rematerialised: the backward keeps only h (compute dtype) and recomputes the activation inside its own
+    # fusion. Without it, a lax.cond around the experts (expert parallelism's bounded buffer) would store the
+    # activation's float32 intermediates as residuals ([M, F] each), costing more than the branch saves.
+    a_MF = jax.checkpoint(_glu, static_argnums=(1,))(h_MF2, dtype)
     with jax.named_scope("gmm_down"):
         return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E)
 
