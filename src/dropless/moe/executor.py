@@ -46,15 +46,17 @@ class LocalExecutor:
 
     `rows`: keep only this many sorted rows (a bounded buffer; default all T*K). Exact only when at most `rows`
     (token, expert) pairs name an expert here (ids >= E are "none"); the caller checks that on the device.
+    `remat_activation`: see dropless.moe.experts.routed_experts.
     """
 
     rows: int | None = None
+    remat_activation: bool = False
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts, gmm):
         num_experts = experts["gate_up"].shape[0]
         with jax.named_scope("permute"):
             x_sorted_MD, group_sizes_E, info = permute(x_TD, expert_ids_TK, num_experts, self.rows)
-        y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, gmm)
+        y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, gmm, remat_activation=self.remat_activation)
         with jax.named_scope("unpermute"):
             y_TD = unpermute(y_sorted_MD, info, weights_TK)
         return y_TD, ExecutorStats.single_device(gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0]))

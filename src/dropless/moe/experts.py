@@ -25,15 +25,19 @@ def _glu(h_MF2: jax.Array, dtype) -> jax.Array:
 
 
 def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: dict,
-                   gmm: GroupedMatmul) -> jax.Array:
-    """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] in x_sorted's dtype."""
+                   gmm: GroupedMatmul, *, remat_activation: bool = False) -> jax.Array:
+    """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] in x_sorted's dtype.
+
+    `remat_activation`: the backward keeps only h and recomputes the activation. For code inside a lax.cond
+    (expert parallelism's bounded buffer), whose residuals are materialised at the cond's boundary: there the
+    activation's float32 intermediates ([M, F] each) cost more than recomputing them (2 ms of a two-H200
+    layer). Elsewhere XLA fuses them away, and the remat would cost an extra pass over h (0.6 ms on one H200).
+    """
     dtype = x_sorted_MD.dtype
     with jax.named_scope("gmm_up"):
         h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E)
-    # Rematerialised: the backward keeps only h (compute dtype) and recomputes the activation inside its own
-    # fusion. Without it, a lax.cond around the experts (expert parallelism's bounded buffer) would store the
-    # activation's float32 intermediates as residuals ([M, F] each), costing more than the branch saves.
-    a_MF = jax.checkpoint(_glu, static_argnums=(1,))(h_MF2, dtype)
+    glu = jax.checkpoint(_glu, static_argnums=(1,)) if remat_activation else _glu
+    a_MF = glu(h_MF2, dtype)
     with jax.named_scope("gmm_down"):
         return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E)
 

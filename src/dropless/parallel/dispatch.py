@@ -88,14 +88,14 @@ class LocalExperts:
         worst = received.local_ids_RJ.size
         bound = self.buffer_rows(balanced_pairs, worst)
 
-        def run(rows):
+        def run(rows, in_cond=True):
             def executor(x_RD, ids_RJ, weights_RJ, experts):
-                y_RD, stats = LocalExecutor(rows)(x_RD, ids_RJ, weights_RJ, experts, self.gmm)
+                y_RD, stats = LocalExecutor(rows, in_cond)(x_RD, ids_RJ, weights_RJ, experts, self.gmm)
                 return y_RD, stats.tokens_dropped
             return executor
 
         if bound >= worst:
-            y_RD, dropped = run(None)(*operands)
+            y_RD, dropped = run(None, in_cond=False)(*operands)
             return y_RD, dropped, jnp.zeros((), jnp.int32)
         overflowed = jnp.sum(received.local_ids_RJ < self.num_local) > bound
         y_RD, dropped = jax.lax.cond(overflowed, jax.checkpoint(run(None)), run(bound), *operands)
