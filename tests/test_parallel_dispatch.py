@@ -15,6 +15,7 @@ import pytest
 
 from dropless.config import Config, ConfigError, MoEConfig, ParallelConfig
 from dropless.moe import LocalExecutor, XlaGmm, init_moe, moe_layer, route
+from dropless.moe.varying import varying_like
 from dropless.parallel import dispatch
 from dropless.parallel.dispatch import AllGather, AllToAll, Auto, NoDispatch, Ragged, ragged_offsets
 from dropless.parallel.mesh import make_mesh
@@ -28,6 +29,8 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
                                axis_name):
     """`jax.lax.ragged_all_to_all`'s documented semantics built from all_gather (XLA:CPU lacks the primitive)."""
     del recv_sizes  # implied by the senders' sizes; `test_ragged_offsets_are_consistent` checks they agree
+    # The real primitive's result has its output buffer's mesh-axis type: that buffer must vary like the rows.
+    assert jax.typeof(output).mat.varying == jax.typeof(operand).mat.varying, "mark the output buffer varying"
     me = jax.lax.axis_index(axis_name)
     gather = lambda a: jax.lax.all_gather(a, axis_name, axis=0, tiled=False)
     operand_SN = gather(operand)
@@ -233,8 +236,9 @@ def test_emulated_ragged_all_to_all_follows_jax_documentation():
     args = [np.array(a, np.int32) for a in ([0, 1, 0, 1], [1, 2, 1, 1], [0, 0, 1, 2], [1, 1, 2, 1])]
 
     def per_device(operand, input_offsets, send_sizes, output_offsets, recv_sizes):
-        return emulated_ragged_all_to_all(operand, jnp.zeros(4, jnp.float32), input_offsets, send_sizes,
-                                          output_offsets, recv_sizes, axis_name="expert")
+        output = varying_like(jnp.zeros(4, jnp.float32), operand)
+        return emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                          axis_name="expert")
 
     spec = jax.sharding.PartitionSpec("expert")
     out = jax.shard_map(per_device, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)(operand, *args)

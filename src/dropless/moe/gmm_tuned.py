@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.moe.gmm_tuning import GmmPlan, ProductConfig
+from dropless.moe.varying import varying_like
 
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
@@ -72,15 +73,6 @@ def _zero_padding_rows(out_MX: jax.Array, group_sizes_G: jax.Array) -> jax.Array
     return jnp.where(rows_M[:, None], out_MX, jnp.zeros((), out_MX.dtype))
 
 
-def _varying_like(out: jax.Array, like: jax.Array) -> jax.Array:
-    """`out` marked as varying over every mesh axis `like` varies over. Inside jax.shard_map (expert parallelism)
-    a Pallas kernel's output varies over no axis, but a custom_vjp's cotangent must have its primal's type, axes
-    included: the weight gradient of experts sharded over `expert` must vary over `expert`."""
-    have, want = (jax.typeof(a).mat.varying for a in (out, like))
-    missing = tuple(sorted(want - have))
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan: GmmPlan, out_dtype=None):
     """out_MN[m] = lhs_MK[m] · rhs_GKN[g(m)], differentiable in lhs and rhs, each product with the plan's kernel."""
@@ -96,9 +88,11 @@ def _fwd(lhs_MK, rhs_GKN, group_sizes_G, plan, out_dtype):
 def _bwd(plan, out_dtype, residuals, dout_MN):
     lhs_MK, rhs_GKN, group_sizes_G = residuals
     dout_MN = dout_MN.astype(lhs_MK.dtype)  # the kernels take one input dtype; an f32 output's cotangent is f32
+    # Inside jax.shard_map a Pallas kernel's output varies over no mesh axis, but a cotangent must have its
+    # primal's type: the weight gradient of experts sharded over `expert` must vary over `expert`.
     dlhs_MK = _ragged_rows(dout_MN, rhs_GKN, group_sizes_G, plan.dlhs, transpose_rhs=True, out_dtype=lhs_MK.dtype)
     drhs_GKN = ragged_contract(lhs_MK, dout_MN, group_sizes_G, plan.drhs, out_dtype=rhs_GKN.dtype)
-    return (_varying_like(_zero_padding_rows(dlhs_MK, group_sizes_G), lhs_MK), _varying_like(drhs_GKN, rhs_GKN),
+    return (varying_like(_zero_padding_rows(dlhs_MK, group_sizes_G), lhs_MK), varying_like(drhs_GKN, rhs_GKN),
             None)
 
 

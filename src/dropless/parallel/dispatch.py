@@ -39,6 +39,7 @@ from dropless.config import Config, ConfigError
 from dropless.moe.executor import ExecutorStats, LocalExecutor
 from dropless.moe.gmm import GroupedMatmul
 from dropless.moe.permute import PermuteInfo, permute, unpermute
+from dropless.moe.varying import varying_like
 from dropless.parallel.mesh import BATCH_AXES, MESH_AXES
 
 EXPERT_AXIS = "expert"
@@ -337,13 +338,14 @@ class Ragged:
     def dispatch(self, plan: SendPlan, offsets: dict, buffer_rows: int, num_local: int) -> Received:
         def send(operand, empty_row):
             output = jnp.broadcast_to(jnp.asarray(empty_row, operand.dtype), (buffer_rows, *operand.shape[1:]))
+            output = varying_like(output, operand)  # the result's mesh-axis type is its output buffer's
             return self.collective(operand, output, offsets["input_offsets"], offsets["send_sizes"],
                                    offsets["output_offsets"], offsets["recv_sizes"], axis_name=EXPERT_AXIS)
         meta_RJ2 = send(plan.meta_UJ2, jnp.asarray([0.0, num_local]))  # unfilled rows: weight 0, id G
         return _received(send(plan.x_UD, 0), meta_RJ2)
 
     def combine(self, partial_RD, plan: SendPlan, offsets: dict, dtype) -> jax.Array:
-        output_UD = jnp.zeros((plan.x_UD.shape[0], partial_RD.shape[1]), dtype)
+        output_UD = varying_like(jnp.zeros((plan.x_UD.shape[0], partial_RD.shape[1]), dtype), partial_RD)
         y_UD = self.collective(partial_RD.astype(dtype), output_UD, offsets["recv_offsets"], offsets["recv_sizes"],
                                offsets["back_offsets"], offsets["send_sizes"], axis_name=EXPERT_AXIS)
         return _sum_units(y_UD, plan)
