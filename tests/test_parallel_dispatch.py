@@ -126,29 +126,15 @@ def test_bounded_local_buffers_equal_single_device_whichever_branch_each_device_
 def test_bounded_local_buffer_that_fits_is_taken_and_keeps_only_its_rows():
     """Balanced routing fits a buffer of 1.0 x the balanced load: no overflow, same result; and the forward keeps
     residuals of the bounded buffer's size only (the worst-case branch is rematerialised, not stored)."""
-    tokens, top_k = BATCH * SEQ, 2
-    rng = np.random.default_rng(0)
-    x_TD = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
-    ids_TK = jnp.asarray(np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], 1), jnp.int32)
-    weights_TK = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
-    experts = init_moe(jax.random.key(0), HIDDEN, MOE, init_std=0.5)["experts"]
-
-    def loss(executor, x_TD, weights_TK, experts):
-        y_TD, stats = executor(x_TD, ids_TK, weights_TK, experts, XlaGmm())
-        return jnp.sum(y_TD ** 2), (y_TD, stats)
-
-    run = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0,
-                  compiler_options=FAST_COMPILE)
-    (_, (y_want, _)), grads_want = run(LocalExecutor(), x_TD, weights_TK, experts)
+    inputs = _balanced_inputs()
     executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[2]), AllGather(), local_buffer_factor=1.0)
-    (_, (y_got, stats)), grads_got = run(executor, x_TD, weights_TK, experts)
+    stats = _assert_executor_matches_local(executor, *inputs)
     assert int(stats.dispatch_overflowed) == 0
-    np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # Per device (8 tokens; 2 on the expert axis): R = 16 gathered tokens x J = 2 columns = 32 worst-case rows;
     # the bounded buffer holds T*K = 16.
-    jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(functools.partial(loss, executor), *a))(x_TD, weights_TK, experts)
+    ids_TK, *differentiated = inputs
+    loss = functools.partial(_executor_loss, executor, ids_TK)
+    jaxpr = jax.make_jaxpr(lambda *args: jax.vjp(loss, *args))(*differentiated)
     conds = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "cond"]
     assert conds, "the bounded buffer's overflow branch is a lax.cond"
     residual_rows = {v.aval.shape[0] for e in conds for v in e.outvars if getattr(v.aval, "ndim", 0) == 2}
@@ -204,29 +190,45 @@ def test_alltoall_overflow_takes_the_worst_case_path_and_drops_nothing(expert_pa
     assert int(_assert_matches_single_device(strategy, expert_parallel, skewed).dispatch_overflowed) == 1
 
 
-def test_alltoall_routing_that_fits_takes_the_slots():
-    """Perfectly balanced routing at buffer factor 1 fills every slot exactly: no overflow, same result."""
-    tokens, top_k = BATCH * SEQ, 2
+def _balanced_inputs():
+    """(ids_TK, x_TD, weights_TK, experts): 64 tokens whose two experts are spread evenly over the 8 experts, so
+    every device, slot and local buffer gets exactly the balanced load."""
+    tokens = BATCH * SEQ
     rng = np.random.default_rng(0)
-    x_TD = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
     ids_TK = jnp.asarray(np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], 1), jnp.int32)
-    weights_TK = jnp.asarray(rng.uniform(size=(tokens, top_k)), jnp.float32)
-    experts = init_moe(jax.random.key(0), HIDDEN, MOE, init_std=0.5)["experts"]
+    x_TD = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
+    weights_TK = jnp.asarray(rng.uniform(size=ids_TK.shape), jnp.float32)
+    return ids_TK, x_TD, weights_TK, init_moe(jax.random.key(0), HIDDEN, MOE, init_std=0.5)["experts"]
 
-    @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-    def run(executor, x_TD, weights_TK, experts):
-        def loss(x_TD, weights_TK, experts):
-            y_TD, stats = executor(x_TD, ids_TK, weights_TK, experts, XlaGmm())
-            return jnp.sum(y_TD ** 2), (y_TD, stats)
-        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x_TD, weights_TK, experts)
 
-    (_, (y_want, _)), grads_want = run(LocalExecutor(), x_TD, weights_TK, experts)
-    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[8]), AllToAll(buffer_factor=1.0))
-    (_, (y_got, stats)), grads_got = run(executor, x_TD, weights_TK, experts)
-    assert int(stats.dispatch_overflowed) == 0 and int(stats.rows_sent) == tokens * top_k * 7 // 8
+def _executor_loss(executor, ids_TK, x_TD, weights_TK, experts):
+    y_TD, stats = executor(x_TD, ids_TK, weights_TK, experts, XlaGmm())
+    return jnp.sum(y_TD ** 2), (y_TD, stats)
+
+
+@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+def _executor_grads(executor, ids_TK, x_TD, weights_TK, experts):
+    loss = functools.partial(_executor_loss, executor, ids_TK)
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x_TD, weights_TK, experts)
+
+
+def _assert_executor_matches_local(executor, *inputs):
+    """The executor's output and its gradients w.r.t. x, weights and experts equal LocalExecutor's; its stats."""
+    (_, (y_want, _)), grads_want = _executor_grads(LocalExecutor(), *inputs)
+    (_, (y_got, stats)), grads_got = _executor_grads(executor, *inputs)
     np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    return stats
+
+
+def test_alltoall_routing_that_fits_takes_the_slots():
+    """Perfectly balanced routing at buffer factor 1 fills every slot exactly: no overflow, same result."""
+    inputs = _balanced_inputs()
+    ids_TK = inputs[0]
+    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[8]), AllToAll(buffer_factor=1.0))
+    stats = _assert_executor_matches_local(executor, *inputs)
+    assert int(stats.dispatch_overflowed) == 0 and int(stats.rows_sent) == ids_TK.size * 7 // 8
 
 
 def test_emulated_ragged_all_to_all_follows_jax_documentation():

@@ -13,6 +13,10 @@ is kept as it was and the status says so.
 The trace comes from the same lowering compiled without command buffers: kernels replayed inside a CUDA graph
 carry no HLO instruction in the trace, and XLA reported exactly our grouped GEMMs (custom calls) missing from
 the profile of the program with graphs. The recompiled program has command buffers as usual.
+
+Measured (BENCHMARKS.md, expert parallelism): on two H200s the MoE layer compiled this way was 2-4% slower than
+with XLA's default schedule, so nothing uses it by default; it stays a benchmark variant (`bench ep --xla pgle`,
+`bench step --pgle`, ladder variant `8:pgle`).
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def profiled_options(lowered, run: Callable[[object], object], directory: Path, 
         return None, NOT_APPLIED
     path = Path(directory) / "pgle_profile.pb"
     path.write_bytes(costs)
-    return {**(options or {}), **OPTIONS, PROFILE_OPTION: str(path)}, f"applied: {len(costs):,} bytes of instruction costs"
+    with_costs = {**(options or {}), **OPTIONS, PROFILE_OPTION: str(path)}
+    return with_costs, f"applied: {len(costs):,} bytes of instruction costs"
 
 
 def recompile(lowered, compiled, run: Callable[[object], object], directory: Path, options: dict | None = None):
