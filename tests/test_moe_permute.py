@@ -67,7 +67,33 @@ def test_sentinel_ids_sort_last_and_padding_rows_get_no_gradient():
     x_sorted_MD, group_sizes_E, info = permute(x_TD, ids_TK, 3)
     np.testing.assert_array_equal(group_sizes_E, [2, 3, 0])
     np.testing.assert_array_equal(np.asarray(x_sorted_MD)[5:], np.asarray(x_TD)[[0, 1, 2]])  # token order
-    # unpermute accepts a padded buffer (rows past T*K) and gives those rows zero gradient.
+    # unpermute accepts a padded buffer (rows past T*K); only the 5 rows that hold a pair are read, whatever the
+    # weights of the sentinels' slots, so only they get a gradient.
     padded_RD = jnp.concatenate([x_sorted_MD, jnp.full((3, 2), 7.0)])
     grad_RD = jax.grad(lambda y: jnp.sum(unpermute(y, info, jnp.ones((4, 2)))))(padded_RD)
-    np.testing.assert_array_equal(grad_RD, np.r_[np.ones((8, 2)), np.zeros((3, 2))])
+    np.testing.assert_array_equal(grad_RD, np.r_[np.ones((5, 2)), np.zeros((6, 2))])
+
+
+def test_rows_that_hold_no_pair_are_never_read():
+    """A grouped GEMM may leave the sentinels' rows (and a buffer's padding) unwritten: NaN there must not reach
+    the combine, its weights' gradient, or the token gradient of `permute`."""
+    x_TD = jnp.arange(8.0).reshape(4, 2)
+    ids_TK = jnp.array([[1, 3], [0, 3], [3, 1], [1, 0]], jnp.int32)  # 3 = "not on this device" for E = 3
+    weights_TK = jnp.array([[0.5, 0.0], [0.25, 0.0], [0.0, 1.0], [2.0, 3.0]])
+    _, _, info = permute(x_TD, ids_TK, 3)
+    assert int(info.num_valid) == 5
+
+    def combine(x_TD, weights_TK):
+        x_sorted_MD, _, info = permute(x_TD, ids_TK, 3)
+        poisoned_MD = jnp.where(jnp.arange(8)[:, None] < info.num_valid, x_sorted_MD, jnp.nan)
+        return jnp.sum(unpermute(poisoned_MD, info, weights_TK) ** 2)
+
+    def clean(x_TD, weights_TK):  # the same sum over the five real pairs only
+        keep_TK = ids_TK < 3
+        rows_TKD = jnp.where(keep_TK[..., None], x_TD[:, None, :], 0)
+        return jnp.sum(jnp.einsum("tk,tkd->td", jnp.where(keep_TK, weights_TK, 0), rows_TKD) ** 2)
+
+    got = jax.value_and_grad(combine, argnums=(0, 1))(x_TD, weights_TK)
+    want = jax.value_and_grad(clean, argnums=(0, 1))(x_TD, weights_TK)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-6)  # finite, and a sentinel's weight gets no gradient

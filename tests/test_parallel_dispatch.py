@@ -15,6 +15,7 @@ import pytest
 
 from dropless.config import Config, ConfigError, MoEConfig, ParallelConfig
 from dropless.moe import LocalExecutor, XlaGmm, init_moe, moe_layer, route
+from dropless.moe.gmm import row_mask
 from dropless.moe.varying import varying_like
 from dropless.parallel import dispatch
 from dropless.parallel.dispatch import AllGather, AllToAll, Auto, NoDispatch, Ragged, ragged_offsets
@@ -190,36 +191,60 @@ def test_alltoall_overflow_takes_the_worst_case_path_and_drops_nothing(expert_pa
     assert int(_assert_matches_single_device(strategy, expert_parallel, skewed).dispatch_overflowed) == 1
 
 
-def _balanced_inputs():
+def _balanced_inputs(ids_TK=None):
     """(ids_TK, x_TD, weights_TK, experts): 64 tokens whose two experts are spread evenly over the 8 experts, so
-    every device, slot and local buffer gets exactly the balanced load."""
+    every device, slot and local buffer gets exactly the balanced load (or the given `ids_TK`)."""
     tokens = BATCH * SEQ
     rng = np.random.default_rng(0)
-    ids_TK = jnp.asarray(np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], 1), jnp.int32)
+    if ids_TK is None:
+        ids_TK = np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], 1)
+    ids_TK = jnp.asarray(ids_TK, jnp.int32)
     x_TD = jnp.asarray(rng.normal(size=(tokens, HIDDEN)), jnp.float32)
     weights_TK = jnp.asarray(rng.uniform(size=ids_TK.shape), jnp.float32)
     return ids_TK, x_TD, weights_TK, init_moe(jax.random.key(0), HIDDEN, MOE, init_std=0.5)["experts"]
 
 
-def _executor_loss(executor, ids_TK, x_TD, weights_TK, experts):
-    y_TD, stats = executor(x_TD, ids_TK, weights_TK, experts, XlaGmm())
+def _executor_loss(executor, ids_TK, x_TD, weights_TK, experts, gmm=XlaGmm()):
+    y_TD, stats = executor(x_TD, ids_TK, weights_TK, experts, gmm)
     return jnp.sum(y_TD ** 2), (y_TD, stats)
 
 
-@functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-def _executor_grads(executor, ids_TK, x_TD, weights_TK, experts):
-    loss = functools.partial(_executor_loss, executor, ids_TK)
+@functools.partial(jax.jit, static_argnums=(0, 1), compiler_options=FAST_COMPILE)
+def _executor_grads(executor, gmm, ids_TK, x_TD, weights_TK, experts):
+    loss = functools.partial(_executor_loss, executor, ids_TK, gmm=gmm)
     return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x_TD, weights_TK, experts)
 
 
-def _assert_executor_matches_local(executor, *inputs):
+@dataclasses.dataclass(frozen=True)
+class NanPaddingGmm(XlaGmm):
+    """XlaGmm whose output padding rows hold NaN wherever the caller lets them be anything (zero_padding=False),
+    as the GPU kernels leave them unwritten."""
+
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+        out_MN = super().__call__(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type)
+        return out_MN if zero_padding else jnp.where(row_mask(lhs_MK.shape[0], group_sizes_G)[:, None], out_MN,
+                                                     jnp.nan)
+
+
+def _assert_executor_matches_local(executor, *inputs, gmm=XlaGmm()):
     """The executor's output and its gradients w.r.t. x, weights and experts equal LocalExecutor's; its stats."""
-    (_, (y_want, _)), grads_want = _executor_grads(LocalExecutor(), *inputs)
-    (_, (y_got, stats)), grads_got = _executor_grads(executor, *inputs)
+    (_, (y_want, _)), grads_want = _executor_grads(LocalExecutor(), XlaGmm(), *inputs)
+    (_, (y_got, stats)), grads_got = _executor_grads(executor, gmm, *inputs)
     np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
     for got, want in zip(jax.tree.leaves(grads_got), jax.tree.leaves(grads_want)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     return stats
+
+
+@pytest.mark.parametrize("local_buffer_factor", [0.0, 1.25])
+@pytest.mark.parametrize("name", ["allgather", "alltoall"])
+def test_padding_rows_of_the_grouped_gemms_never_reach_the_result(name, local_buffer_factor):
+    """The experts' GEMMs may leave their padding rows unwritten (NaN here): the worst-case and the bounded local
+    buffers both have such rows, and the output and every gradient still equal the single-device ones."""
+    rng = np.random.default_rng(3)
+    ids_TK = np.stack([rng.choice(EXPERTS, 2, replace=False) for _ in range(BATCH * SEQ)])
+    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[2]), STRATEGIES[name], local_buffer_factor)
+    _assert_executor_matches_local(executor, *_balanced_inputs(ids_TK), gmm=NanPaddingGmm())
 
 
 def test_alltoall_routing_that_fits_takes_the_slots():

@@ -26,7 +26,8 @@ def _glu(h_MF2: jax.Array, dtype) -> jax.Array:
 
 def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: dict,
                    gmm: GroupedMatmul, *, remat_activation: bool = False) -> jax.Array:
-    """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] in x_sorted's dtype.
+    """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] in x_sorted's dtype; the rows past
+    sum(group_sizes) are unspecified (read them through `unpermute`, which ignores them).
 
     `remat_activation`: the backward keeps only h and recomputes the activation. For code inside a lax.cond
     (expert parallelism's bounded buffer), whose residuals are materialised at the cond's boundary: there the
@@ -34,12 +35,16 @@ def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: di
     layer). Elsewhere XLA fuses them away, and the remat would cost an extra pass over h (0.6 ms on one H200).
     """
     dtype = x_sorted_MD.dtype
+    # Padding rows (past sum(group_sizes): a bounded or worst-case buffer's spare rows) are left unwritten by both
+    # GEMMs: the activation is row by row, the down projection reads only rows of a group, and `unpermute` reads
+    # only rows that hold a pair. Zeroing them was a pass of its own over h and y inside expert parallelism's
+    # lax.cond (2.2 ms of a two-H200 layer), where XLA cannot fuse it into the reader.
     with jax.named_scope("gmm_up"):
-        h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E)
+        h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E, zero_padding=False)
     glu = jax.checkpoint(_glu, static_argnums=(1,)) if remat_activation else _glu
     a_MF = glu(h_MF2, dtype)
     with jax.named_scope("gmm_down"):
-        return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E)
+        return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E, zero_padding=False)
 
 
 def dense_swiglu(x_TD: jax.Array, weights: dict) -> jax.Array:

@@ -3,8 +3,11 @@
 A backend is called as `gmm(lhs_MK, rhs_GKN, group_sizes_G) -> out_MN`: rows
 `[offset_g, offset_g + group_sizes_G[g])` of `lhs` are multiplied by `rhs[g]`, where the offsets are the
 exclusive cumulative sum of `group_sizes_G`. Rows past `sum(group_sizes_G)` are padding: they are never read
-as data (NaN there must not leak) and their outputs are zero. `dropped_rows(group_sizes_G, num_rows)`
-counts the rows a backend did not compute (always 0 except for `capacity`).
+as data (NaN there must not leak) and their outputs are zero, unless the caller passes `zero_padding=False`,
+which lets a backend leave them unwritten (anything, NaN included) when no reader looks at them: on a GPU the
+zeroing is a pass of its own over the output wherever XLA cannot fuse it into the reader. The padding rows'
+input gradients are zero either way. `dropped_rows(group_sizes_G, num_rows)` counts the rows a backend did not
+compute (always 0 except for `capacity`).
 
 Backends: `xla` (jax.lax.ragged_dot, everywhere), `tokamax` (Mosaic GPU kernel, in gmm_tokamax.py) and
 `capacity` (the GShard/Switch baseline that drops rows over a fixed per-group capacity).
@@ -29,7 +32,7 @@ class GroupedMatmul:
     name: ClassVar[str] = "abstract"
 
     def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
-                 preferred_element_type=None) -> jax.Array:
+                 preferred_element_type=None, zero_padding: bool = True) -> jax.Array:
         raise NotImplementedError
 
     def dropped_rows(self, group_sizes_G: jax.Array, num_rows: int | None = None) -> jax.Array:
@@ -49,7 +52,8 @@ class XlaGmm(GroupedMatmul):
 
     name: ClassVar[str] = "xla"
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+        del zero_padding  # XLA's padding rows are zero anyway
         return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
                                   preferred_element_type=preferred_element_type)
 
@@ -70,7 +74,8 @@ class CapacityGmm(GroupedMatmul):
     def capacity(self, num_rows: int, num_groups: int) -> int:
         return max(1, math.ceil(self.capacity_factor * num_rows / num_groups))
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+        del zero_padding  # its padding rows are zero anyway
         num_rows, num_groups = lhs_MK.shape[0], rhs_GKN.shape[0]
         cap = self.capacity(num_rows, num_groups)
         group_sizes_G = group_sizes_G.astype(jnp.int32)

@@ -95,13 +95,13 @@ class TokamaxGmm(GroupedMatmul):
     weight_grad: Literal["xla", "tokamax", "dropless"] = "xla"
     name: ClassVar[str] = "tokamax"
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None):
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
         if self.implementation != "xla" and jax.default_backend() != "gpu":
             raise MoEError(f"moe.gmm_backend=tokamax needs an NVIDIA GPU (tokamax's Mosaic GPU kernel) but the "
                            f"JAX backend is {jax.default_backend()!r}; use moe.gmm_backend=xla or auto.")
         group_sizes_G = group_sizes_G.astype(jnp.int32)
         if self.implementation == "mosaic_gpu":
-            return _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type)
+            return _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding)
         num_rows = lhs_MK.shape[0]
         valid_M1 = row_mask(num_rows, group_sizes_G)[:, None]
         # Zero the padding rows (they may hold NaN) and pad to the kernel's row tile; extra rows are padding.
@@ -111,7 +111,7 @@ class TokamaxGmm(GroupedMatmul):
         return jnp.where(valid_M1, out_PN[:num_rows], 0)
 
 
-def _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type):
+def _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding=True):
     """The tuned three-product path; the plan is looked up while tracing (shapes are static)."""
     from dropless.moe.gmm_tuned import tuned_gmm
     from dropless.moe.gmm_tuning import plan_for
@@ -125,5 +125,5 @@ def _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type):
     # which every kernel here leaves out of dW and whose outputs tuned_gmm zeroes.
     lhs_PK = jnp.pad(lhs_MK, ((0, -num_rows % ROW_ALIGNMENT), (0, 0)))
     out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    out_PN = tuned_gmm(lhs_PK, rhs_GKN, group_sizes_G, plan_for(lhs_PK.shape[0], k, n, g), out_dtype)
+    out_PN = tuned_gmm(lhs_PK, rhs_GKN, group_sizes_G, plan_for(lhs_PK.shape[0], k, n, g), out_dtype, zero_padding)
     return out_PN[:num_rows]

@@ -73,19 +73,23 @@ def _zero_padding_rows(out_MX: jax.Array, group_sizes_G: jax.Array) -> jax.Array
     return jnp.where(rows_M[:, None], out_MX, jnp.zeros((), out_MX.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan: GmmPlan, out_dtype=None):
-    """out_MN[m] = lhs_MK[m] · rhs_GKN[g(m)], differentiable in lhs and rhs, each product with the plan's kernel."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan: GmmPlan, out_dtype=None, zero_padding: bool = True):
+    """out_MN[m] = lhs_MK[m] · rhs_GKN[g(m)], differentiable in lhs and rhs, each product with the plan's kernel.
+
+    zero_padding=False leaves the output's padding rows unwritten (dropless.moe.gmm); the input gradient's padding
+    rows are zero either way."""
     out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
     out_MN = _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, plan.fwd, transpose_rhs=False, out_dtype=out_dtype)
-    return _zero_padding_rows(out_MN, group_sizes_G)
+    return _zero_padding_rows(out_MN, group_sizes_G) if zero_padding else out_MN
 
 
-def _fwd(lhs_MK, rhs_GKN, group_sizes_G, plan, out_dtype):
-    return tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan, out_dtype), (lhs_MK, rhs_GKN, group_sizes_G)
+def _fwd(lhs_MK, rhs_GKN, group_sizes_G, plan, out_dtype, zero_padding):
+    out_MN = tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan, out_dtype, zero_padding)
+    return out_MN, (lhs_MK, rhs_GKN, group_sizes_G)
 
 
-def _bwd(plan, out_dtype, residuals, dout_MN):
+def _bwd(plan, out_dtype, zero_padding, residuals, dout_MN):
     lhs_MK, rhs_GKN, group_sizes_G = residuals
     dout_MN = dout_MN.astype(lhs_MK.dtype)  # the kernels take one input dtype; an f32 output's cotangent is f32
     # Inside jax.shard_map a Pallas kernel's output varies over no mesh axis, but a cotangent must have its

@@ -23,29 +23,32 @@ class PermuteInfo(NamedTuple):
 
     slot_of_row_M: jax.Array  # sorted row -> slot t*K + k
     row_of_slot_TK: jax.Array  # slot (t, k) -> sorted row (the inverse permutation)
+    num_valid: jax.Array  # int32 scalar: sorted rows that hold a (token, expert) pair; sentinel ids sort after
 
 
-def _rows(y_MD: jax.Array, rows_TK: jax.Array) -> jax.Array:
-    """y_MD[rows_TK], with zeros for rows past the end (the rows a bounded buffer did not keep)."""
-    return jnp.take(y_MD, rows_TK, axis=0, mode="fill", fill_value=0)
+def _rows(y_MD: jax.Array, rows_TK: jax.Array, num_valid: jax.Array) -> jax.Array:
+    """y_MD[rows_TK] where the row holds a pair, zero elsewhere: a sentinel's row (past num_valid) and a row past
+    the end of a bounded buffer are never read. So the grouped GEMMs' padding rows may hold anything (NaN too)."""
+    picked = jnp.take(y_MD, rows_TK, axis=0, mode="fill", fill_value=0)
+    return jnp.where((rows_TK < num_valid)[..., None], picked, jnp.zeros((), y_MD.dtype))
 
 
 @jax.custom_vjp
-def _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK):
+def _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK, num_valid):
     top_k = row_of_slot_TK.shape[1]
     return x_TD[slot_of_row_M // top_k]
 
 
-def _gather_token_rows_fwd(x_TD, slot_of_row_M, row_of_slot_TK):
-    return _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK), (row_of_slot_TK,)
+def _gather_token_rows_fwd(x_TD, slot_of_row_M, row_of_slot_TK, num_valid):
+    return _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK, num_valid), (row_of_slot_TK, num_valid)
 
 
 def _gather_token_rows_bwd(res, g_MD):
-    (row_of_slot_TK,) = res
-    # Token t was copied to the K rows row_of_slot[t]; its gradient is the sum of theirs. A slot whose row was
-    # not kept (a bounded buffer: it is "no expert here") contributes nothing.
-    g_TD = jnp.sum(_rows(g_MD, row_of_slot_TK).astype(jnp.float32), axis=1).astype(g_MD.dtype)
-    return g_TD, None, None
+    row_of_slot_TK, num_valid = res
+    # Token t was copied to the K rows row_of_slot[t]; its gradient is the sum of theirs. A slot whose row holds
+    # no pair (a sentinel, or a row a bounded buffer did not keep) contributes nothing.
+    g_TD = jnp.sum(_rows(g_MD, row_of_slot_TK, num_valid).astype(jnp.float32), axis=1).astype(g_MD.dtype)
+    return g_TD, None, None, None
 
 
 _gather_token_rows.defvjp(_gather_token_rows_fwd, _gather_token_rows_bwd)
@@ -65,12 +68,12 @@ def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int, rows: i
     slot_of_row_M = jnp.argsort(flat_ids_M, stable=True).astype(jnp.int32)
     row_of_slot_M = jnp.zeros_like(slot_of_row_M).at[slot_of_row_M].set(
         jnp.arange(num_tokens * top_k, dtype=jnp.int32), unique_indices=True)
-    info = PermuteInfo(slot_of_row_M, row_of_slot_M.reshape(num_tokens, top_k))
     sorted_ids_M = flat_ids_M[slot_of_row_M]
     # Boundaries of each expert's run in the sorted ids: a binary search, no scatter-add and no host sync.
     bounds = jnp.searchsorted(sorted_ids_M, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
     group_sizes_E = jnp.diff(bounds).astype(jnp.int32)
-    x_sorted_MD = _gather_token_rows(x_TD, info.slot_of_row_M[:rows], info.row_of_slot_TK)
+    info = PermuteInfo(slot_of_row_M, row_of_slot_M.reshape(num_tokens, top_k), bounds[-1].astype(jnp.int32))
+    x_sorted_MD = _gather_token_rows(x_TD, info.slot_of_row_M[:rows], info.row_of_slot_TK, info.num_valid)
     return x_sorted_MD, group_sizes_E, info
 
 
@@ -78,13 +81,14 @@ def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int, rows: i
 def unpermute(y_sorted_MD: jax.Array, info: PermuteInfo, weights_TK: jax.Array) -> jax.Array:
     """Undo `permute` and combine: y_TD[t] = sum_k weights[t, k] * y_sorted[row_of_slot[t, k]], in float32.
 
-    `y_sorted` may have extra padding rows after the first T*K; they are ignored (and get zero gradient). It may
-    also have fewer (a bounded buffer, `permute(..., rows=...)`): slots past its end read as zero.
+    Only rows that hold a (token, expert) pair are read (the first `info.num_valid`): padding rows, a sentinel's
+    rows and rows past T*K are ignored whatever they hold, and get zero gradient. `y_sorted` may also have fewer
+    rows than T*K (a bounded buffer, `permute(..., rows=...)`).
     One fused pass each way: the forward reads each slot's row once and writes y_TD; the backward writes each
     sorted row's cotangent, weight times its token's cotangent, directly in y_sorted's dtype (no [T, K, D]
     float32 intermediate, no separate cast), and reads y_sorted once for the weights' gradient.
     """
-    rows_TKD = _rows(y_sorted_MD, info.row_of_slot_TK).astype(jnp.float32)
+    rows_TKD = _rows(y_sorted_MD, info.row_of_slot_TK, info.num_valid).astype(jnp.float32)
     return jnp.sum(weights_TK.astype(jnp.float32)[..., None] * rows_TKD, axis=1)
 
 
@@ -99,10 +103,11 @@ def _unpermute_bwd(residuals, g_TD):
     slot_of_row_M = info.slot_of_row_M[:y_sorted_MD.shape[0]]  # a bounded buffer's rows
     g_rows_MD = g_TD.astype(y_sorted_MD.dtype)[slot_of_row_M // top_k].astype(jnp.float32)
     weight_M = weights_TK.astype(jnp.float32).reshape(-1)[slot_of_row_M]
-    g_sorted_MD = (weight_M[:, None] * g_rows_MD).astype(y_sorted_MD.dtype)
+    holds_pair_M = jnp.arange(slot_of_row_M.shape[0], dtype=jnp.int32) < info.num_valid
+    g_sorted_MD = jnp.where(holds_pair_M[:, None], weight_M[:, None] * g_rows_MD, 0).astype(y_sorted_MD.dtype)
     pad = y_sorted_MD.shape[0] - g_sorted_MD.shape[0]  # an expert-parallel buffer's padding rows
     g_sorted_MD = jnp.pad(g_sorted_MD, ((0, pad), (0, 0)))
-    rows_TKD = _rows(y_sorted_MD, info.row_of_slot_TK).astype(jnp.float32)
+    rows_TKD = _rows(y_sorted_MD, info.row_of_slot_TK, info.num_valid).astype(jnp.float32)
     g_weights_TK = jnp.einsum("td,tkd->tk", g_TD.astype(jnp.float32), rows_TKD,
                               precision=jax.lax.Precision.HIGHEST).astype(weights_TK.dtype)
     return g_sorted_MD, None, g_weights_TK
