@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200-x2), after the bounded local buffer and the fused combine:
+# One device call (nvidia-h200-x2), run at commit 7d9def7 (BENCHMARKS.md), after the bounded local buffer and
+# the fused combine:
 # 1. bench ep: allgather, one chunk, the bounded local buffer (default) and the worst-case one, random routing;
 # 2. the training step at 4 x 4,096 tokens per GPU on one GPU, then two (step_one_and_two_gpus.sh).
 set -u
