@@ -25,7 +25,7 @@ class ExecutorStats(NamedTuple):
     """What an executor reports per call: int32 scalars, totals over all devices."""
 
     tokens_dropped: jax.Array  # (token, expert) assignments not computed; 0 unless gmm_backend=capacity
-    dispatch_overflowed: jax.Array  # 1 if expert-parallel alltoall slots overflowed (a worst-case exchange ran)
+    dispatch_overflowed: jax.Array  # 1 if alltoall slots or a local expert buffer overflowed (a worst-case path ran)
     rows_sent: jax.Array  # token rows that crossed between devices in dispatch (combine returns as many)
     rows_sent_without_dedup: jax.Array  # rows needed with one copy per remote (token, expert) pair
 

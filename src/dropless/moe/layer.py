@@ -35,7 +35,7 @@ class MoEStats(NamedTuple):
     z_loss: jax.Array
     balance_loss: jax.Array  # aux_loss_weight*aux + seq_aux_loss_weight*seq_aux + z_loss_weight*z
     # Expert-parallel traffic (dropless.parallel.dispatch); 0 on one device.
-    dispatch_overflowed: jax.Array  # int32 1 if the alltoall slots overflowed and the worst-case exchange ran
+    dispatch_overflowed: jax.Array  # int32 1 if alltoall slots or a local expert buffer overflowed (worst case ran)
     rows_sent: jax.Array  # int32 token rows sent between devices (dispatch; combine returns as many)
     rows_sent_without_dedup: jax.Array  # int32 rows one copy per remote (token, expert) pair would need
 

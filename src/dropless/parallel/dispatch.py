@@ -90,10 +90,11 @@ class LocalExperts:
         bound = self.buffer_rows(balanced_pairs, worst)
 
         def run(rows, in_cond=True):
-            def executor(x_RD, ids_RJ, weights_RJ, experts):
-                y_RD, stats = LocalExecutor(rows, in_cond)(x_RD, ids_RJ, weights_RJ, experts, self.gmm)
+            def local(x_RD, ids_RJ, weights_RJ, experts):
+                executor = LocalExecutor(rows, remat_activation=in_cond)
+                y_RD, stats = executor(x_RD, ids_RJ, weights_RJ, experts, self.gmm)
                 return y_RD, stats.tokens_dropped
-            return executor
+            return local
 
         if bound >= worst:
             y_RD, dropped = run(None, in_cond=False)(*operands)
