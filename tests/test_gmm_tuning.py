@@ -268,8 +268,8 @@ def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch
 
     seen = {}
 
-    def fake_tuned_gmm(lhs, rhs, group_sizes, plan, out_dtype):
-        seen.update(rows=lhs.shape[0], plan=plan, out_dtype=out_dtype)
+    def fake_tuned_gmm(lhs, rhs, group_sizes, plan, out_dtype, zero_padding):
+        seen.update(rows=lhs.shape[0], plan=plan, out_dtype=out_dtype, zero_padding=zero_padding)
         return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype or lhs.dtype)
 
     monkeypatch.setattr(gmm_tuned, "tuned_gmm", fake_tuned_gmm)
@@ -278,7 +278,9 @@ def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch
     out = gmm_tokamax._tuned(x, w, jnp.array([50, 0, 93, 45], jnp.int32), jnp.float32)
     assert out.shape == (200, 256) and out.dtype == jnp.float32
     assert seen["rows"] == 256 and seen["out_dtype"] == jnp.float32  # padded to the 128-row tile
-    assert seen["plan"] == gt.plan_for(256, 128, 256, 4)
+    assert seen["plan"] == gt.plan_for(256, 128, 256, 4) and seen["zero_padding"] is True
+    gmm_tokamax._tuned(x, w, jnp.array([50, 0, 93, 45], jnp.int32), None, zero_padding=False)
+    assert seen["zero_padding"] is False  # the caller's choice reaches the kernels' wrapper
     with pytest.raises(MoEError, match="bf16 or f16"):
         gmm_tokamax._tuned(x.astype(jnp.float32), w.astype(jnp.float32), jnp.array([1, 0, 0, 0]), None)
 
