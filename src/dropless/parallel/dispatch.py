@@ -420,8 +420,9 @@ class ExpertParallelExecutor:
             y_TD, stats = self.strategy(x_TD, expert_ids_TK, weights_TK, LocalExperts(experts, gmm,
                                                                                     self.local_buffer_factor))
             totals = jax.tree.map(lambda s: jax.lax.psum(s, MESH_AXES), stats)
-            # Every device took the same branch: the layer overflowed once, not once per device.
-            return y_TD, totals._replace(dispatch_overflowed=jax.lax.pmax(stats.dispatch_overflowed, MESH_AXES))
+            # The layer overflowed once, however many devices did (alltoall's slots: all of them), and within the
+            # one all-reduce of the stats: a pmax of its own was a separate, synchronising collective.
+            return y_TD, totals._replace(dispatch_overflowed=jnp.minimum(totals.dispatch_overflowed, 1))
 
         run = jax.shard_map(per_device, mesh=self.mesh, out_specs=(tokens, P()),
                             in_specs=(tokens, tokens, tokens, jax.tree.map(lambda _: experts_spec, experts)))
