@@ -73,16 +73,24 @@ def _placed(compiled, args):
     return jax.device_put(args, compiled.input_shardings[0])
 
 
-def _profile(lowered, options: dict, args, iters: int, keep: Path | None = None) -> dict:
-    """Kernel-time breakdown of `iters` calls of `lowered` compiled with `options` and without command
-    buffers (dropless.bench.profile: kernels inside CUDA graphs name no HLO instruction). With `keep`, the
-    trace and the HLO text are saved there as <keep>.trace.json.gz and <keep>.hlo.txt.gz."""
+def _compiled(lowered, options: dict):
+    """(`lowered` compiled with `options` to be timed, and again without command buffers to be profiled:
+    kernels inside CUDA graphs name no HLO instruction, dropless.bench.profile). Once per program, for every
+    routing it is run with."""
+    from dropless.bench import profile
+
+    return (lowered.compile(compiler_options=options or None),
+            lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS}))
+
+
+def _profile(compiled, args, iters: int, keep: Path | None = None) -> dict:
+    """Kernel-time breakdown of `iters` calls of `compiled` (the graph-free program of `_compiled`) on `args`,
+    placed for it. With `keep`, the trace and the HLO text are saved there as <keep>.trace.json.gz and
+    <keep>.hlo.txt.gz."""
     import jax
 
     from dropless.bench import profile
 
-    compiled = lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS})
-    args = _placed(compiled, args)
     jax.block_until_ready(compiled(*args))  # first-run allocations stay out of the trace
     text = compiled.as_text()
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -183,18 +191,16 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     baseline_lowered = _layer_program(config.moe, one, None).lower(*arguments[skews[0]])
     baseline_ms = {}  # (skew, flags) -> ms; the one-device program compiled with the same XLA options
     for flags in dict.fromkeys(["none", *(f for f in xla if f in SCHEDULING_CANDIDATES)]):
-        options = dict(SCHEDULING_CANDIDATES.get(flags, {}))
-        baseline = baseline_lowered.compile(compiler_options=options or None)
+        baseline, profiled = _compiled(baseline_lowered, dict(SCHEDULING_CANDIDATES.get(flags, {})))
         for skew in skews:
             args = _placed(baseline, arguments[skew])
             baseline_ms[skew, flags] = 1e3 * time_calls(baseline, [args], batches=iters, target_s=CALLS_SECONDS)
             keep = traces and traces / f"single-device-{flags}-{skew}"
             records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
                             "layer_ms": baseline_ms[skew, flags],
-                            **_kernel_time(_profile(baseline_lowered, options, args, profile_iters, keep))})
+                            **_kernel_time(_profile(profiled, args, profile_iters, keep))})
             log(f"ep: 1 device, xla {flags}, {skew}: {baseline_ms[skew, flags]:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
-    scratch = Path(tempfile.mkdtemp(prefix="dropless-pgle-"))  # PGLE's cost files, read at each compilation
     for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
         strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count,
                                                    "moe.dispatch_chunks": chunk_count}), platform=devices[0].platform)
@@ -203,25 +209,23 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         options = dict(SCHEDULING_CANDIDATES.get(flags, {}))
         lowered = program.lower(*arguments[skews[0]])
         pgle_status = None
-        if flags == "pgle":  # compiled with the measured costs of this program's kernels
-            first = _placed(lowered.compile(), arguments[skews[0]])
+        with tempfile.TemporaryDirectory(prefix="dropless-pgle-") as scratch:  # PGLE's costs, read when compiling
+            if flags == "pgle":  # compiled with the measured costs of this program's kernels
+                def three_calls(fn):
+                    args = _placed(fn, arguments[skews[0]])
+                    return [fn(*args) for _ in range(3)][-1]
 
-            def three_calls(fn):
-                return [fn(*first) for _ in range(3)][-1]
-
-            directory = scratch / f"{name}-{chunk_count}"
-            directory.mkdir()
-            options, pgle_status = pgle.profiled_options(lowered, three_calls, directory)
-            options = options or {}
-            log(f"ep: {name}, {chunk_count} chunk(s): PGLE {pgle_status}")
-        compiled = lowered.compile(compiler_options=options or None)
+                with_costs, pgle_status = pgle.profiled_options(lowered, three_calls, Path(scratch))
+                options = with_costs or {}
+                log(f"ep: {name}, {chunk_count} chunk(s): PGLE {pgle_status}")
+            compiled, profiled = _compiled(lowered, options)
         same = flags if flags in SCHEDULING_CANDIDATES else "none"  # the baseline compiled alike
         for skew in skews:
             args = _placed(compiled, arguments[skew])
             layer_ms = 1e3 * time_calls(compiled, [args], batches=iters, target_s=CALLS_SECONDS)
             _, (_, stats) = jax.device_get(compiled(*args))
             keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
-            breakdown = _profile(lowered, options, args, profile_iters, keep)
+            breakdown = _profile(profiled, args, profile_iters, keep)
             comm_ms = breakdown["ms_per_step_per_device"]["communication"]
             needed = needed_rows(*args[:3], config.moe, count)
             record = {

@@ -299,13 +299,13 @@ class Runner:
         return record
 
     def _recompile_with_costs(self, program: Program, state, batches):
-        """PGLE (dropless.bench.pgle): profile three steps, compile again with their kernel costs (replacing
-        `program.compiled`), and check the new program still fits. Returns (state, status, peak bytes)."""
+        """PGLE (dropless.bench.pgle): profile three steps (of the graph-free program pgle compiles), compile again
+        with their kernel costs (replacing `program.compiled`), and check the new program still fits.
+        Returns (state, status, peak bytes)."""
         import tempfile
 
         from dropless.bench import pgle
 
-        state, _, _ = time_steps(program.compiled, state, batches, warmup=1, steps=0)
         holder = [state]
 
         def three_steps(compiled):

@@ -8,8 +8,9 @@ D = 7,168, 16,384 tokens) that was a 940 MB all-reduce per step, 3.3 ms (the pro
 benchmarks/results/step-h200-run-f.json), for gradient rows that are 235 MB in bf16. So when the batch's rows are
 fewer bytes than the float32 table, the backward pass gathers the rows and their token ids onto every device and
 scatters them there, in float32; otherwise (in bf16: a global batch of at least twice as many tokens as the
-vocabulary has entries, as in large multi-host runs) it keeps the table's reduction. Both compute the same float32 sum. The gathered rows are a
-temporary on every device of at most the float32 table's size, which both paths also allocate for the sum.
+vocabulary has entries, as in large multi-host runs) it keeps the table's reduction. Both compute the same
+float32 sum. The gathered rows are a temporary on every device of at most the float32 table's size, which both
+paths also allocate for the sum.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding=
     num_rows, k = lhs_MK.shape
     g, _, n = rhs_GKN.shape
     # tokamax's kernel (if a table entry names it) rejects row counts off its row tile; the extra rows are padding,
-    # which every kernel here leaves out of dW and whose outputs tuned_gmm zeroes.
+    # which every kernel here leaves out of dW and whose outputs tuned_gmm zeroes (unless zero_padding=False).
     lhs_PK = jnp.pad(lhs_MK, ((0, -num_rows % ROW_ALIGNMENT), (0, 0)))
     out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
     out_PN = tuned_gmm(lhs_PK, rhs_GKN, group_sizes_G, plan_for(lhs_PK.shape[0], k, n, g), out_dtype, zero_padding)
