@@ -347,6 +347,35 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
     assert rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2
 
 
+@pytest.mark.parametrize("zero_padding", [True, False])
+def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_padding):
+    """The kernel's output must vary over the axes its operands vary over, whether or not its padding rows are
+    zeroed: without the zeroing `where`, a custom_vjp downstream (unpermute) got a cotangent typed unlike its primal
+    ("the manual axis types do not match", `dropless bench ep` on two H200s at 3e04eab)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.sharding import PartitionSpec as P
+
+    from dropless.moe.gmm_tuned import tuned_gmm
+
+    tile = TileConfig(64, 64, 64, 2, True, 1, 2)
+    plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("expert",))
+    x = jnp.zeros((2, 128, 128), jnp.bfloat16)
+    w = jnp.zeros((4, 128, 64), jnp.bfloat16)
+    sizes = jnp.array([[70, 58], [0, 101]], jnp.int32)
+    seen = {}
+
+    def per_device(x, w, sizes):
+        out = tuned_gmm(x[0], w, sizes[0], plan, None, zero_padding)
+        seen["varying"] = jax.typeof(out).mat.varying
+        return out[None]
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"))).trace(
+            x, w, sizes)
+    assert seen["varying"] == {"expert"}
+
+
 @pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS for k in ("dropless", "dropless_ws"))])
 def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product, kernel):
     """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""

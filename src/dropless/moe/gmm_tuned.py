@@ -81,6 +81,10 @@ def tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan: GmmPlan, out_dtype=None, zer
     rows are zero either way."""
     out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
     out_MN = _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, plan.fwd, transpose_rhs=False, out_dtype=out_dtype)
+    # Inside jax.shard_map the kernel's output varies over no mesh axis; it varies over its operands' axes (with
+    # zero_padding the mask's `where` did this by accident; without it a custom_vjp downstream, unpermute, got a
+    # cotangent typed unlike its primal: `bench ep` on two H200s at 3e04eab).
+    out_MN = varying_like(out_MN, lhs_MK, rhs_GKN, group_sizes_G)
     return _zero_padding_rows(out_MN, group_sizes_G) if zero_padding else out_MN
 
 

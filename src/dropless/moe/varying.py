@@ -10,8 +10,9 @@ from __future__ import annotations
 import jax
 
 
-def varying_like(out: jax.Array, like: jax.Array) -> jax.Array:
-    """`out` marked as varying over every mesh axis `like` varies over (unchanged outside a shard_map)."""
-    have, want = (jax.typeof(a).mat.varying for a in (out, like))
+def varying_like(out: jax.Array, *like: jax.Array) -> jax.Array:
+    """`out` marked as varying over every mesh axis any of `like` varies over (unchanged outside a shard_map)."""
+    have = jax.typeof(out).mat.varying
+    want = frozenset().union(*(jax.typeof(a).mat.varying for a in like))
     missing = tuple(sorted(want - have))
     return jax.lax.pcast(out, missing, to="varying") if missing else out
