@@ -99,17 +99,22 @@ def _unpermute_fwd(y_sorted_MD, info, weights_TK):
 def _unpermute_bwd(residuals, g_TD):
     y_sorted_MD, info, weights_TK = residuals
     num_tokens, top_k = info.row_of_slot_TK.shape
-    # Sorted row m holds slot s = slot_of_row[m], i.e. token s // K with weight weights[s].
-    slot_of_row_M = info.slot_of_row_M[:y_sorted_MD.shape[0]]  # a bounded buffer's rows
-    g_rows_MD = g_TD.astype(y_sorted_MD.dtype)[slot_of_row_M // top_k].astype(jnp.float32)
-    weight_M = weights_TK.astype(jnp.float32).reshape(-1)[slot_of_row_M]
-    holds_pair_M = jnp.arange(slot_of_row_M.shape[0], dtype=jnp.int32) < info.num_valid
-    g_sorted_MD = jnp.where(holds_pair_M[:, None], weight_M[:, None] * g_rows_MD, 0).astype(y_sorted_MD.dtype)
-    pad = y_sorted_MD.shape[0] - g_sorted_MD.shape[0]  # an expert-parallel buffer's padding rows
-    g_sorted_MD = jnp.pad(g_sorted_MD, ((0, pad), (0, 0)))
-    rows_TKD = _rows(y_sorted_MD, info.row_of_slot_TK, info.num_valid).astype(jnp.float32)
-    g_weights_TK = jnp.einsum("td,tkd->tk", g_TD.astype(jnp.float32), rows_TKD,
-                              precision=jax.lax.Precision.HIGHEST).astype(weights_TK.dtype)
+    num_rows = y_sorted_MD.shape[0]  # fewer than T*K (a bounded buffer) or more (an expert-parallel one's padding)
+    # Everything in sorted-row order, one pass over [rows, D]: sorted row m holds slot s = slot_of_row[m], i.e.
+    # token s // K with weight weights[s]. Its cotangent is weight times the token's (in y_sorted's dtype), and
+    # the weight's gradient is <token cotangent, y_sorted[m]>, a row sum of the same pass (XLA fuses the two; a
+    # weight gradient in slot order read y_sorted through a second gather and, beside a padded buffer, did not fuse).
+    slot_of_row_M = info.slot_of_row_M[:num_rows]
+    slot_of_row_M = jnp.pad(slot_of_row_M, (0, num_rows - slot_of_row_M.shape[0]))  # padding rows: masked below
+    holds_pair_M1 = (jnp.arange(num_rows, dtype=jnp.int32) < info.num_valid)[:, None]
+    g_rows_MD = g_TD[slot_of_row_M // top_k].astype(jnp.float32)
+    weight_M1 = weights_TK.astype(jnp.float32).reshape(-1)[slot_of_row_M][:, None]
+    g_sorted_MD = (weight_M1 * g_rows_MD.astype(y_sorted_MD.dtype).astype(jnp.float32)).astype(y_sorted_MD.dtype)
+    g_sorted_MD = jnp.where(holds_pair_M1, g_sorted_MD, jnp.zeros((), y_sorted_MD.dtype))
+    products_MD = jnp.where(holds_pair_M1, g_rows_MD * y_sorted_MD.astype(jnp.float32), 0)
+    g_weight_M = jnp.sum(products_MD, axis=1)
+    # Back to slot order: slot (t, k)'s gradient is its row's; a slot whose row holds no pair gets zero.
+    g_weights_TK = _rows(g_weight_M[:, None], info.row_of_slot_TK, info.num_valid)[..., 0].astype(weights_TK.dtype)
     return g_sorted_MD, None, g_weights_TK
 
 

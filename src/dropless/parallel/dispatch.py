@@ -82,7 +82,11 @@ class LocalExperts:
         return min(worst_rows, ROW_ALIGN * math.ceil(self.buffer_factor * balanced_pairs / ROW_ALIGN))
 
     def __call__(self, received: Received, balanced_pairs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """-> (partial_RD float32: each row's weighted sum over its local experts, rows dropped, overflowed).
+        """-> (partial_RD: each row's weighted sum over its local experts, in x_RD's dtype; rows dropped, overflowed).
+
+        The sum is taken in float32 and rounded to the compute dtype inside the branch, where XLA fuses the cast
+        into the combine's pass (at the branch's boundary it was a pass of its own each way, and the combine sends
+        the compute dtype anyway).
 
         `balanced_pairs`: the (token, expert) pairs one device holds when the routing is balanced, T*K."""
         operands = (received.x_RD, received.local_ids_RJ, received.weights_RJ, self.experts)
@@ -93,7 +97,7 @@ class LocalExperts:
             def local(x_RD, ids_RJ, weights_RJ, experts):
                 executor = LocalExecutor(rows, remat_activation=in_cond)
                 y_RD, stats = executor(x_RD, ids_RJ, weights_RJ, experts, self.gmm)
-                return y_RD, stats.tokens_dropped
+                return y_RD.astype(x_RD.dtype), stats.tokens_dropped
             return local
 
         if bound >= worst:
@@ -213,16 +217,15 @@ class AllGather:
         ids_RJ, weights_RJ = _carry_to_columns(here_RK, ids_RK, weights_RK, num_local, min(ids_RK.shape[1], num_local))
         return Received(gather(x_TD), ids_RJ, weights_RJ)
 
-    def combine(self, partial_RD, dtype) -> jax.Array:
-        return jax.lax.psum_scatter(partial_RD.astype(dtype), EXPERT_AXIS, scatter_dimension=0,
-                                    tiled=True).astype(jnp.float32)
+    def combine(self, partial_RD) -> jax.Array:
+        return jax.lax.psum_scatter(partial_RD, EXPERT_AXIS, scatter_dimension=0, tiled=True).astype(jnp.float32)
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
         with jax.named_scope("dispatch"):
             received = self.dispatch(x_TD, expert_ids_TK, weights_TK, local.num_local)
         partial_RD, dropped, overflowed = local(received, expert_ids_TK.size)
         with jax.named_scope("combine"):
-            y_TD = self.combine(partial_RD, x_TD.dtype)
+            y_TD = self.combine(partial_RD)
         sent = x_TD.shape[0] * (jax.lax.axis_size(EXPERT_AXIS) - 1)
         stats = ExecutorStats(dropped, overflowed, jnp.asarray(sent, jnp.int32),
                               _remote_pairs(expert_ids_TK, local.num_local))
@@ -278,9 +281,9 @@ class AllToAll:
         meta_PCJ2 = a2a(_to_slots(plan.meta_UJ2, plan.sends_P, capacity, empty))
         return _received(x_PCD.reshape(-1, x_PCD.shape[-1]), meta_PCJ2.reshape(-1, *meta_PCJ2.shape[2:]))
 
-    def combine(self, partial_RD, plan: SendPlan, capacity: int, dtype) -> jax.Array:
+    def combine(self, partial_RD, plan: SendPlan, capacity: int) -> jax.Array:
         num_devices = plan.sends_P.shape[0]
-        back_PCD = jax.lax.all_to_all(partial_RD.astype(dtype).reshape(num_devices, capacity, -1),
+        back_PCD = jax.lax.all_to_all(partial_RD.reshape(num_devices, capacity, -1),
                                       EXPERT_AXIS, 0, 0, tiled=True)
         return _sum_units(_from_slots(back_PCD, plan.sends_P, plan.x_UD.shape[0]), plan)
 
@@ -295,7 +298,7 @@ class AllToAll:
                     received = self.dispatch(plan, capacity, num_local)
                 partial_RD, dropped, local_overflowed = local(received, expert_ids_TK.size)
                 with jax.named_scope("combine"):
-                    return self.combine(partial_RD, plan, capacity, x_TD.dtype), dropped, local_overflowed
+                    return self.combine(partial_RD, plan, capacity), dropped, local_overflowed
             return run
 
         # Decided on the device, identically everywhere (the branches run different collectives).
@@ -345,9 +348,9 @@ class Ragged:
         meta_RJ2 = send(plan.meta_UJ2, jnp.asarray([0.0, num_local]))  # unfilled rows: weight 0, id G
         return _received(send(plan.x_UD, 0), meta_RJ2)
 
-    def combine(self, partial_RD, plan: SendPlan, offsets: dict, dtype) -> jax.Array:
-        output_UD = varying_like(jnp.zeros((plan.x_UD.shape[0], partial_RD.shape[1]), dtype), partial_RD)
-        y_UD = self.collective(partial_RD.astype(dtype), output_UD, offsets["recv_offsets"], offsets["recv_sizes"],
+    def combine(self, partial_RD, plan: SendPlan, offsets: dict) -> jax.Array:
+        output_UD = varying_like(jnp.zeros((plan.x_UD.shape[0], partial_RD.shape[1]), partial_RD.dtype), partial_RD)
+        y_UD = self.collective(partial_RD, output_UD, offsets["recv_offsets"], offsets["recv_sizes"],
                                offsets["back_offsets"], offsets["send_sizes"], axis_name=EXPERT_AXIS)
         return _sum_units(y_UD, plan)
 
@@ -362,7 +365,7 @@ class Ragged:
             received = self.dispatch(plan, offsets, buffer_rows, num_local)
         partial_RD, dropped, overflowed = local(received, expert_ids_TK.size)
         with jax.named_scope("combine"):
-            y_TD = self.combine(partial_RD, plan, offsets, x_TD.dtype)
+            y_TD = self.combine(partial_RD, plan, offsets)
         stats = ExecutorStats(dropped, overflowed, _rows_sent(plan), _remote_pairs(expert_ids_TK, num_local))
         return y_TD, stats
 
