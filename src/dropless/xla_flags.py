@@ -42,6 +42,11 @@ SCHEDULING_CANDIDATES: dict[str, dict[str, bool | int | str]] = {
     "no_command_buffers": {"xla_gpu_enable_command_buffer": ""},
     # Combines gradient all-reduces up to 256 MiB into one collective (multi-GPU only).
     "combine_all_reduce": {"xla_gpu_all_reduce_combine_threshold_bytes": 256 * 1024 * 1024},
+    # Lets the scheduler keep two asynchronous collectives in flight at once (default one): the expert-parallel
+    # layer's dispatch all-gather waited for nothing to overlap it while the next collective queued behind it.
+    "parallel_collective_overlap": {"xla_gpu_experimental_parallel_collective_overlap_limit": 2},
+    # The scheduler's cost of a collective from a speed-of-light model of the links instead of a fixed guess.
+    "sol_latency_estimator": {"xla_gpu_enable_analytical_sol_latency_estimator": True},
 }
 
 

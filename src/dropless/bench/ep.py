@@ -5,7 +5,10 @@ number of tokens per device, in bf16, forward + backward (gradients w.r.t. the i
 
 - the layer's time on ONE device (all experts there) and on N devices (`parallel.expert = N`, N x the
   tokens) for each dispatch strategy; weak-scaling efficiency = one-device time / N-device time, both compiled
-  with the same XLA options (`--xla`; PGLE programs against the plain one-device program);
+  with the same XLA options (`--xla`; PGLE programs against the plain one-device program), timed in alternating
+  rounds (one-device batch, N-device batch, `--iters` times): the median of the rounds' ratios, and their range,
+  so that a drift of the GPUs' clocks over the run (seen: 2% between two timings of one program) does not
+  decide it;
 - from a `jax.profiler` trace of the N-device program: communication kernel time (the dispatch/combine
   collectives) and its share of all kernel time (dropless.bench.profile's breakdown);
 - the useful bandwidth: bytes of the rows that must cross devices (one per remote (token, device) pair,
@@ -71,6 +74,22 @@ def _placed(compiled, args):
     import jax
 
     return jax.device_put(args, compiled.input_shardings[0])
+
+
+def paired_rounds(baseline, baseline_args, program, args, rounds: int, target_s: float = CALLS_SECONDS) -> dict:
+    """Time `baseline` and `program` in alternating batches, `rounds` times: each round's ratio baseline/program
+    is taken from timings a second apart. -> medians of both, the median ratio and the ratios' range."""
+    import statistics
+
+    from dropless.bench.gmm import time_calls
+
+    pairs = [(time_calls(baseline, [baseline_args], batches=1, target_s=target_s),
+              time_calls(program, [args], batches=1, target_s=target_s)) for _ in range(rounds)]
+    ratios = [b / p for b, p in pairs]
+    return {"layer_ms": 1e3 * statistics.median(p for _, p in pairs),
+            "single_device_ms": 1e3 * statistics.median(b for b, _ in pairs),
+            "weak_scaling_efficiency": statistics.median(ratios),
+            "efficiency_range": [min(ratios), max(ratios)], "rounds": rounds}
 
 
 def _compiled(lowered, options: dict):
@@ -190,11 +209,13 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD[:rows], cotangent_BSD[:rows]) for skew in skews}
     baseline_lowered = _layer_program(config.moe, one, None).lower(*arguments[skews[0]])
     baseline_ms = {}  # (skew, flags) -> ms; the one-device program compiled with the same XLA options
+    baselines = {}  # (skew, flags) -> (that program, its placed arguments), timed again beside each N-device one
     for flags in dict.fromkeys(["none", *(f for f in xla if f in SCHEDULING_CANDIDATES)]):
         baseline, profiled = _compiled(baseline_lowered, dict(SCHEDULING_CANDIDATES.get(flags, {})))
         for skew in skews:
             args = _placed(baseline, arguments[skew])
             baseline_ms[skew, flags] = 1e3 * time_calls(baseline, [args], batches=iters, target_s=CALLS_SECONDS)
+            baselines[skew, flags] = baseline, args
             keep = traces and traces / f"single-device-{flags}-{skew}"
             records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
                             "layer_ms": baseline_ms[skew, flags],
@@ -222,7 +243,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
         same = flags if flags in SCHEDULING_CANDIDATES else "none"  # the baseline compiled alike
         for skew in skews:
             args = _placed(compiled, arguments[skew])
-            layer_ms = 1e3 * time_calls(compiled, [args], batches=iters, target_s=CALLS_SECONDS)
+            timing = paired_rounds(*baselines[skew, same], compiled, args, iters)
             _, (_, stats) = jax.device_get(compiled(*args))
             keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
             breakdown = _profile(profiled, args, profile_iters, keep)
@@ -235,8 +256,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                                             count, config.moe.num_experts // count)).__name__
                 if hasattr(inner, "choose") else type(inner).__name__,
                 "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
-                "layer_ms": layer_ms, "single_device_ms": baseline_ms[skew, same],
-                "weak_scaling_efficiency": baseline_ms[skew, same] / layer_ms,
+                **timing, "single_device_xla": same,
                 "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
                 "comm_ms_by_kind": {k: v for k, v in breakdown["communication_ms_per_step_per_device"].items() if v},
                 **_kernel_time(breakdown),
@@ -250,16 +270,17 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 useful = 4 * needed / count * config.model.hidden_size * dtype_bytes
                 record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
             records.append(record)
-            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: {layer_ms:.2f} ms "
-                f"(efficiency "
-                f"{record['weak_scaling_efficiency']:.2f}), communication {comm_ms:.2f} ms = "
+            low, high = record["efficiency_range"]
+            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: {record['layer_ms']:.2f} ms "
+                f"against {record['single_device_ms']:.2f} ms on one device in the same rounds (efficiency "
+                f"{record['weak_scaling_efficiency']:.3f}, rounds {low:.3f}-{high:.3f}), communication {comm_ms:.2f} ms = "
                 f"{100 * record['comm_share']:.1f}% of kernel time, rows sent {record['rows_sent_per_device']:.0f} "
                 f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")
     return records
 
 
 def markdown_table(records: list[dict]) -> str:
-    lines = ["| strategy | routing | layer fwd+bwd (ms) | weak-scaling efficiency | communication (ms, share) | "
+    lines = ["| strategy | routing | layer fwd+bwd (ms) | weak-scaling efficiency (rounds) | communication (ms, share) | "
              "useful GB/s per device | rows sent per device (without dedup) | overflowed |", "|" + " --- |" * 8]
     for r in records:
         if r["strategy"] == "single-device":
@@ -271,7 +292,9 @@ def markdown_table(records: list[dict]) -> str:
         strategy += f", {r['chunks']} chunks" if r.get("chunks", 1) > 1 else ""
         strategy += f", {r['xla']}" if r.get("xla", "none") != "none" else ""
         strategy += " (not applied)" if r.get("pgle", "").startswith("not applied") else ""
-        lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.2f} | "
+        low, high = r["efficiency_range"]
+        lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.3f} "
+                     f"({low:.3f}-{high:.3f}) | "
                      f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}% | {gbps} | "
                      f"{r['rows_sent_per_device']:.0f} ({r['rows_sent_without_dedup_per_device']:.0f}) | "
                      f"{r['overflowed']} |")
