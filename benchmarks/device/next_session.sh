@@ -6,6 +6,6 @@
 # 2. the training step at 4 x 4,096 tokens per GPU on one GPU, then two (step_one_and_two_gpus.sh).
 set -u
 here=$(dirname "$0")
-timeout 330 python3 -m dropless.bench ep --table --iters 3 --out "$OUT/ep-h200.json" > "$OUT/ep.log" 2>&1
+timeout 560 python3 -m dropless.bench ep --table --iters 11 --traces /tmp/tr --out "$OUT/ep-h200.json" > "$OUT/ep.log" 2>&1
 echo "ep rc $? (${SECONDS}s)"; grep "^|" "$OUT/ep.log"
 bash "$here/step_one_and_two_gpus.sh"

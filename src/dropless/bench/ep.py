@@ -89,7 +89,8 @@ def paired_rounds(baseline, baseline_args, program, args, rounds: int, target_s:
     return {"layer_ms": 1e3 * statistics.median(p for _, p in pairs),
             "single_device_ms": 1e3 * statistics.median(b for b, _ in pairs),
             "weak_scaling_efficiency": statistics.median(ratios),
-            "efficiency_range": [min(ratios), max(ratios)], "rounds": rounds}
+            "efficiency_range": [min(ratios), max(ratios)], "rounds": rounds,
+            "rounds_ms": [[1e3 * b, 1e3 * p] for b, p in pairs]}  # [one device, N devices] per round
 
 
 def _compiled(lowered, options: dict):
