@@ -123,6 +123,26 @@ def test_read_trace_keeps_stream_kernels_only_and_breakdown_shares(tmp_path):
     assert "communication share 20.0%" in profile.format_breakdown(result)
 
 
+def test_collective_waiting_is_what_a_device_ran_beyond_the_shortest_kernel_of_each_instance():
+    """A device that reaches a collective first runs its kernel longer (it waits for the other): per instance the
+    shortest kernel is the collective, the rest of the others' is waiting. Compute kernels never count."""
+    ops = profile.parse_hlo(HLO)
+
+    def kernel(device, hlo_op, start, duration):
+        return profile.KernelEvent("k", duration, hlo_op, "jit_train_step", device, start)
+
+    gpu0, gpu1, exchange = "/device:GPU:0", "/device:GPU:1", "all-to-all-start"
+    events = [kernel(gpu0, exchange, 0, 300.0), kernel(gpu1, exchange, 0, 100.0),
+              kernel(gpu0, exchange, 50, 200.0), kernel(gpu1, exchange, 50, 250.0),
+              kernel(gpu0, "gemm_fusion", 10, 900.0), kernel(gpu1, "gemm_fusion", 10, 10.0)]
+    assert profile.collective_waiting_us(events, ops) == pytest.approx(200.0 + 50.0)
+    # instances are matched by order: a collective seen a different number of times per device is left out
+    assert profile.collective_waiting_us(events[:3], ops) == 0.0
+    result = profile.breakdown(events, ops, steps=1)
+    assert result["communication_waiting_ms_per_step_per_device"] == pytest.approx(0.125)  # 250 us over 2 devices
+    assert "of which waiting for another device 0.12 ms" in profile.format_breakdown(result)
+
+
 def test_find_trace_explains_a_missing_trace(tmp_path):
     with pytest.raises(FileNotFoundError, match="no \\*.trace.json.gz"):
         profile.find_trace(tmp_path)

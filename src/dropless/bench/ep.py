@@ -259,6 +259,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
                 **timing, "single_device_xla": same,
                 "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
+                "comm_waiting_ms": breakdown["communication_waiting_ms_per_step_per_device"],
                 "comm_ms_by_kind": {k: v for k, v in breakdown["communication_ms_per_step_per_device"].items() if v},
                 **_kernel_time(breakdown),
                 "rows_needed_per_device": needed / count,
@@ -272,16 +273,19 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
             records.append(record)
             low, high = record["efficiency_range"]
-            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: {record['layer_ms']:.2f} ms "
-                f"against {record['single_device_ms']:.2f} ms on one device in the same rounds (efficiency "
-                f"{record['weak_scaling_efficiency']:.3f}, rounds {low:.3f}-{high:.3f}), communication {comm_ms:.2f} ms = "
-                f"{100 * record['comm_share']:.1f}% of kernel time, rows sent {record['rows_sent_per_device']:.0f} "
+            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: "
+                f"{record['layer_ms']:.2f} ms against {record['single_device_ms']:.2f} ms on one device in the same "
+                f"rounds (efficiency {record['weak_scaling_efficiency']:.3f}, rounds {low:.3f}-{high:.3f}), "
+                f"communication {comm_ms:.2f} ms = "
+                f"{100 * record['comm_share']:.1f}% of kernel time ({record['comm_waiting_ms']:.2f} ms of it waiting "
+                f"for another device), rows sent {record['rows_sent_per_device']:.0f} "
                 f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")
     return records
 
 
 def markdown_table(records: list[dict]) -> str:
-    lines = ["| strategy | routing | layer fwd+bwd (ms) | weak-scaling efficiency (rounds) | communication (ms, share) | "
+    lines = ["| strategy | routing | layer fwd+bwd (ms) | weak-scaling efficiency (rounds) | communication (ms, share; "
+             "of it waiting for the other GPU) | "
              "useful GB/s per device | rows sent per device (without dedup) | overflowed |", "|" + " --- |" * 8]
     for r in records:
         if r["strategy"] == "single-device":
@@ -294,9 +298,10 @@ def markdown_table(records: list[dict]) -> str:
         strategy += f", {r['xla']}" if r.get("xla", "none") != "none" else ""
         strategy += " (not applied)" if r.get("pgle", "").startswith("not applied") else ""
         low, high = r["efficiency_range"]
+        waiting = f" ({r['comm_waiting_ms']:.2f} waiting)" if r.get("comm_waiting_ms") else ""
         lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.3f} "
                      f"({low:.3f}-{high:.3f}) | "
-                     f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}% | {gbps} | "
+                     f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}%{waiting} | {gbps} | "
                      f"{r['rows_sent_per_device']:.0f} ({r['rows_sent_without_dedup_per_device']:.0f}) | "
                      f"{r['overflowed']} |")
     return "\n".join(lines)

@@ -154,6 +154,7 @@ class KernelEvent:
     hlo_op: str
     hlo_module: str
     device: str
+    start_us: float = 0.0
 
 
 def find_trace(directory: Path) -> Path:
@@ -194,7 +195,7 @@ def read_trace(path: Path) -> list[KernelEvent]:
             continue
         device = processes.get(pid, str(pid)) + (f":{args['device_ordinal']}" if "device_ordinal" in args else "")
         kernels.append(KernelEvent(event.get("name", ""), float(event["dur"]), str(args.get("hlo_op", "")),
-                                   str(args.get("hlo_module", "")), device))
+                                   str(args.get("hlo_module", "")), device, float(event.get("ts", 0.0))))
     return kernels
 
 
@@ -255,6 +256,7 @@ def breakdown(events: list[KernelEvent], ops: dict[str, HloOp], *, module: str =
     total = sum(totals.values())
     devices = max(1, len({e.device for e in kept}))
     per_step_ms = 1e-3 / (max(1, steps) * devices)
+    waiting = collective_waiting_us(kept, ops)
 
     def share(value: float) -> float:
         return value / total if total else 0.0
@@ -269,11 +271,33 @@ def breakdown(events: list[KernelEvent], ops: dict[str, HloOp], *, module: str =
         "share": {k: share(v) for k, v in totals.items()},
         "communication_share": share(totals["communication"]),
         "communication_ms_per_step_per_device": {k: v * per_step_ms for k, v in collectives.items()},
+        "communication_waiting_ms_per_step_per_device": waiting * per_step_ms,
         "unattributed_share": share(unattributed),
         "top_ops": [{"category": c, "op": name, "op_name": ops[name].op_name if name in ops else "",
                      "ms_per_step_per_device": us * per_step_ms, "share": share(us)}
                     for (c, name), us in costliest],
     }
+
+
+def collective_waiting_us(events: list[KernelEvent], ops: dict[str, HloOp]) -> float:
+    """Microseconds that collective kernels spent waiting for another device, summed over devices.
+
+    A collective ends on every device together, so a device that reaches it early runs its kernel longer, waiting
+    for the last one. Per instance (the i-th kernel of one HLO collective on each device) the shortest of the
+    devices' kernels is the collective itself; what any device ran beyond that is waiting. Instances are matched
+    by order per device; a collective whose devices ran different numbers of kernels is left out."""
+    runs: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for event in sorted(events, key=lambda e: e.start_us):
+        if classify(event, ops)[0] == "communication":
+            runs[event.hlo_op or event.name][event.device].append(event.duration_us)
+    waiting = 0.0
+    for per_device in runs.values():
+        lists = list(per_device.values())
+        if len(lists) < 2 or len({len(durations) for durations in lists}) != 1:
+            continue
+        for durations in zip(*lists):
+            waiting += sum(durations) - len(durations) * min(durations)
+    return waiting
 
 
 def format_breakdown(result: dict) -> str:
@@ -284,6 +308,9 @@ def format_breakdown(result: dict) -> str:
                      f"{100 * result['share'][category]:5.1f}%")
     kinds = ", ".join(f"{k} {v:.2f} ms" for k, v in result["communication_ms_per_step_per_device"].items() if v)
     lines.append(f"  communication share {100 * result['communication_share']:.1f}%" + (f" ({kinds})" if kinds else ""))
+    if result.get("communication_waiting_ms_per_step_per_device"):
+        lines.append(f"  of which waiting for another device "
+                     f"{result['communication_waiting_ms_per_step_per_device']:.2f} ms")
     if result["unattributed_share"] > 0.01:
         lines.append(f"  {100 * result['unattributed_share']:.1f}% of the time had no HLO instruction "
                      "(classified by kernel name)")
