@@ -103,7 +103,7 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     batch, seq, hidden = x_BSD.shape
     x_TD = x_BSD.reshape(batch * seq, hidden)
     with jax.named_scope("route"):
-        routing = route(params["router"]["kernel"], router_bias_E, x_TD, moe_cfg)
+        routing = route(params["router"]["kernel"], router_bias_E, x_TD, moe_cfg, mesh=getattr(executor, "mesh", None))
     x_TD = x_TD.astype(compute_dtype)
     experts = jax.tree.map(lambda w: w.astype(compute_dtype), params["experts"])
     executor = LocalExecutor() if executor is None else executor

@@ -11,10 +11,13 @@ G expert groups (n_group). Semantics follow Hugging Face transformers exactly:
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from dropless.parallel.mesh import per_batch_shard
 
 
 class Routing(NamedTuple):
@@ -51,14 +54,22 @@ def select_experts(choice_TE: jax.Array, top_k: int, n_group: int, topk_group: i
     return expert_ids_TK.astype(jnp.int32)
 
 
-def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg) -> Routing:
-    """Choose K experts per token and their combine weights. The bias steers selection only."""
+def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg, mesh=None) -> Routing:
+    """Choose K experts per token and their combine weights. The bias steers selection only.
+
+    With a `mesh` whose devices split the tokens, the selection runs on each device's own tokens
+    (`dropless.parallel.mesh.per_batch_shard`): XLA's partitioner gathered the group-limited top-k's group scores
+    of every token onto every device (a blocking all-gather per layer) and selected for all tokens on each."""
     logits_TE = router_logits(kernel_DE, x_TD)
     scores_TE = scores_from_logits(logits_TE, moe_cfg.score_func)
     choice_TE = jax.lax.stop_gradient(scores_TE)
     if bias_E is not None:
         choice_TE = choice_TE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))
-    expert_ids_TK = select_experts(choice_TE, moe_cfg.num_experts_per_tok, moe_cfg.n_group, moe_cfg.topk_group)
+    select = functools.partial(select_experts, top_k=moe_cfg.num_experts_per_tok, n_group=moe_cfg.n_group,
+                               topk_group=moe_cfg.topk_group)
+    if mesh is not None and x_TD.shape[0] % mesh.size == 0:  # else the executor names the problem
+        select = per_batch_shard(select, mesh)
+    expert_ids_TK = select(choice_TE)
     weights_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=-1)
     if moe_cfg.norm_topk_prob:
         weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
