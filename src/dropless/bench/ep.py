@@ -321,7 +321,9 @@ def _parser() -> argparse.ArgumentParser:
                                                  "estimation) and/or names of dropless.xla_flags."
                                                  "SCHEDULING_CANDIDATES to compile each expert-parallel program with, "
                                                  "e.g. none,latency_hiding_scheduler,pgle")
-    p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement (the median is kept)")
+    p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement: each N-device "
+                                                        "program runs this many rounds alternating with the "
+                                                        "one-device program (the median ratio is kept)")
     p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
     p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
     p.add_argument("--table", action="store_true", help="print the markdown table at the end")
