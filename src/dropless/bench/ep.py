@@ -209,19 +209,19 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     rows = x_BSD.shape[0] // count  # one device's share: the first device's tokens of the N-device runs
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD[:rows], cotangent_BSD[:rows]) for skew in skews}
     baseline_lowered = _layer_program(config.moe, one, None).lower(*arguments[skews[0]])
-    baseline_ms = {}  # (skew, flags) -> ms; the one-device program compiled with the same XLA options
-    baselines = {}  # (skew, flags) -> (that program, its placed arguments), timed again beside each N-device one
+    # (skew, flags) -> (the one-device program compiled with the same XLA options, its placed arguments), timed
+    # again beside each N-device program
+    baselines = {}
     for flags in dict.fromkeys(["none", *(f for f in xla if f in SCHEDULING_CANDIDATES)]):
         baseline, profiled = _compiled(baseline_lowered, dict(SCHEDULING_CANDIDATES.get(flags, {})))
         for skew in skews:
             args = _placed(baseline, arguments[skew])
-            baseline_ms[skew, flags] = 1e3 * time_calls(baseline, [args], batches=iters, target_s=CALLS_SECONDS)
+            layer_ms = 1e3 * time_calls(baseline, [args], batches=iters, target_s=CALLS_SECONDS)
             baselines[skew, flags] = baseline, args
             keep = traces and traces / f"single-device-{flags}-{skew}"
             records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
-                            "layer_ms": baseline_ms[skew, flags],
-                            **_kernel_time(_profile(profiled, args, profile_iters, keep))})
-            log(f"ep: 1 device, xla {flags}, {skew}: {baseline_ms[skew, flags]:.2f} ms")
+                            "layer_ms": layer_ms, **_kernel_time(_profile(profiled, args, profile_iters, keep))})
+            log(f"ep: 1 device, xla {flags}, {skew}: {layer_ms:.2f} ms")
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
     for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
         strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count,

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dropless.moe.gmm import row_mask
 from dropless.moe.gmm_tuning import GmmPlan, ProductConfig
 from dropless.moe.varying import varying_like
 
@@ -69,8 +70,7 @@ def ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out
 
 
 def _zero_padding_rows(out_MX: jax.Array, group_sizes_G: jax.Array) -> jax.Array:
-    rows_M = jnp.arange(out_MX.shape[0], dtype=jnp.int32) < jnp.sum(group_sizes_G)
-    return jnp.where(rows_M[:, None], out_MX, jnp.zeros((), out_MX.dtype))
+    return jnp.where(row_mask(out_MX.shape[0], group_sizes_G)[:, None], out_MX, jnp.zeros((), out_MX.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

@@ -98,7 +98,7 @@ def _unpermute_fwd(y_sorted_MD, info, weights_TK):
 
 def _unpermute_bwd(residuals, g_TD):
     y_sorted_MD, info, weights_TK = residuals
-    num_tokens, top_k = info.row_of_slot_TK.shape
+    top_k = info.row_of_slot_TK.shape[1]
     num_rows = y_sorted_MD.shape[0]  # fewer than T*K (a bounded buffer) or more (an expert-parallel one's padding)
     # Everything in sorted-row order, one pass over [rows, D]: sorted row m holds slot s = slot_of_row[m], i.e.
     # token s // K with weight weights[s]. Its cotangent is weight times the token's (in y_sorted's dtype), and
