@@ -126,6 +126,10 @@ class MoEConfig:
     # Split each device's tokens into this many chunks, dispatched and computed one after another, so that one
     # chunk's exchange can overlap the previous chunk's grouped GEMMs. 1 = one exchange (measured default).
     dispatch_chunks: int = 1
+    # The dtype of the rows sent to other devices' experts (the tokens, and in the backward the output's gradient):
+    # "compute" (the training dtype) or "float8" (e4m3 with a scale per 128 values, half of bf16's bytes; the
+    # rows coming back stay in the compute dtype). dropless.parallel.wire.
+    dispatch_dtype: Literal["compute", "float8"] = "compute"
 
     def __post_init__(self):
         _positive("moe.num_experts", self.num_experts)
@@ -149,6 +153,7 @@ class MoEConfig:
         _in_choices("moe.gmm_backend", self.gmm_backend, ("auto", "xla", "tokamax", "tokamax_default", "capacity"))
         _positive("moe.capacity_factor", self.capacity_factor)
         _in_choices("moe.dispatch", self.dispatch, ("auto", "allgather", "alltoall", "ragged"))
+        _in_choices("moe.dispatch_dtype", self.dispatch_dtype, ("compute", "float8"))
         _require(self.alltoall_buffer_factor >= 1.0,
                  f"moe.alltoall_buffer_factor={self.alltoall_buffer_factor} must be >= 1.0.")
         _require(self.local_buffer_factor == 0 or self.local_buffer_factor >= 1.0,

@@ -12,7 +12,8 @@ number of tokens per device, in bf16, forward + backward (gradients w.r.t. the i
 - from a `jax.profiler` trace of the N-device program: communication kernel time (the dispatch/combine
   collectives) and its share of all kernel time (dropless.bench.profile's breakdown);
 - the useful bandwidth: bytes of the rows that must cross devices (one per remote (token, device) pair,
-  four trips in forward + backward) per second of communication kernel time, per device;
+  four trips in forward + backward, two of them towards the experts in `moe.dispatch_dtype`) per second of
+  communication kernel time, per device;
 - rows sent with and without deduplication, alltoall overflow, and the routing's max/mean expert load;
 each under `random` routing (a random router) and `skewed` routing (a router bias favouring low expert ids).
 Results: benchmarks/results/ep-<device>.json; `--table` prints the BENCHMARKS.md table.
@@ -198,10 +199,13 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     from dropless.config import ParallelConfig
     from dropless.parallel.dispatch import make_strategy
     from dropless.parallel.mesh import make_mesh
+    from dropless.parallel.wire import Wire
     from dropless.xla_flags import SCHEDULING_CANDIDATES
 
     count = len(devices)
-    dtype_bytes = 2  # bf16 rows on the wire
+    hidden = config.model.hidden_size
+    # bf16 rows on the wire: towards the experts (dispatch, the combine's backward) in moe.dispatch_dtype
+    trip_bytes = 2 * 2 + 2 * Wire.from_config(config.moe.dispatch_dtype).bytes_per_value(2, hidden)
     records = []
     one = make_mesh(ParallelConfig(data=1), devices[:1])
     many = make_mesh(ParallelConfig(data=1, expert=count), devices, num_experts=config.moe.num_experts)
@@ -257,6 +261,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                                             count, config.moe.num_experts // count)).__name__
                 if hasattr(inner, "choose") else type(inner).__name__,
                 "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
+                "dispatch_dtype": config.moe.dispatch_dtype,
                 **timing, "single_device_xla": same,
                 "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
                 "comm_waiting_ms": breakdown["communication_waiting_ms_per_step_per_device"],
@@ -269,7 +274,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
                 "max_load_ratio": float(stats.max_load_ratio),
             }
             if comm_ms > 0:  # forward: dispatch + combine; backward: their transposes
-                useful = 4 * needed / count * config.model.hidden_size * dtype_bytes
+                useful = needed / count * hidden * trip_bytes
                 record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
             records.append(record)
             low, high = record["efficiency_range"]
@@ -295,6 +300,7 @@ def markdown_table(records: list[dict]) -> str:
         gbps = f"{r['useful_GBps_per_device']:.0f}" if "useful_GBps_per_device" in r else "-"
         strategy = r["strategy"] + (f" ({r['chosen']})" if r["strategy"] == "auto" else "")
         strategy += f", {r['chunks']} chunks" if r.get("chunks", 1) > 1 else ""
+        strategy += f", {r['dispatch_dtype']} dispatch" if r.get("dispatch_dtype", "compute") != "compute" else ""
         strategy += f", {r['xla']}" if r.get("xla", "none") != "none" else ""
         strategy += " (not applied)" if r.get("pgle", "").startswith("not applied") else ""
         low, high = r["efficiency_range"]

@@ -16,7 +16,8 @@ Strategies (`moe.dispatch`):
 
 Deduplication (`moe.dedup`, alltoall and ragged): a token whose top-k experts include several on one
 device is sent there once, with the list of its experts on that device; the receiver expands it to
-those experts and sends back ONE row, their weighted sum. Combine rows travel in the compute dtype.
+those experts and sends back ONE row, their weighted sum. Combine rows travel in the compute dtype; rows
+towards the experts may travel in FP8 (`moe.dispatch_dtype=float8`, every strategy: dropless.parallel.wire).
 
 Legend, per device: T tokens, K top-k, D hidden, P devices on the `expert` axis, G = E / P local
 experts, J = experts one sent row carries (min(K, G) with dedup, else 1), U = T*K send units
@@ -41,6 +42,7 @@ from dropless.moe.gmm import GroupedMatmul
 from dropless.moe.permute import PermuteInfo, permute, unpermute
 from dropless.moe.varying import varying_like
 from dropless.parallel.mesh import BATCH_AXES, MESH_AXES
+from dropless.parallel.wire import Wire
 
 EXPERT_AXIS = "expert"
 ROW_ALIGN = 8  # bounded local buffers hold a multiple of this many rows (the grouped GEMMs' row alignment)
@@ -208,6 +210,7 @@ class AllGather:
     The reduce-scatter adds the P partial rows of a token in the compute dtype (bf16 in training).
     """
 
+    wire: Wire = Wire()
     name: str = "allgather"
 
     def dispatch(self, x_TD, expert_ids_TK, weights_TK, num_local: int) -> Received:
@@ -215,10 +218,11 @@ class AllGather:
         ids_RK, weights_RK = gather(expert_ids_TK), gather(weights_TK)
         here_RK = ids_RK // num_local == jax.lax.axis_index(EXPERT_AXIS)
         ids_RJ, weights_RJ = _carry_to_columns(here_RK, ids_RK, weights_RK, num_local, min(ids_RK.shape[1], num_local))
-        return Received(gather(x_TD), ids_RJ, weights_RJ)
+        return Received(self.wire.to_experts(gather, x_TD), ids_RJ, weights_RJ)
 
     def combine(self, partial_RD) -> jax.Array:
-        return jax.lax.psum_scatter(partial_RD, EXPERT_AXIS, scatter_dimension=0, tiled=True).astype(jnp.float32)
+        scatter = lambda a: jax.lax.psum_scatter(a, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        return self.wire.from_experts(scatter, partial_RD).astype(jnp.float32)
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
         with jax.named_scope("dispatch"):
@@ -266,6 +270,7 @@ class AllToAll:
 
     buffer_factor: float = 2.0
     dedup: bool = True
+    wire: Wire = Wire()
     name: str = "alltoall"
 
     def slot_sizes(self, num_tokens: int, top_k: int, num_devices: int, num_local: int) -> tuple[int, int]:
@@ -276,15 +281,15 @@ class AllToAll:
 
     def dispatch(self, plan: SendPlan, capacity: int, num_local: int) -> Received:
         a2a = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
-        x_PCD = a2a(_to_slots(plan.x_UD, plan.sends_P, capacity, 0))
+        x_PCD = self.wire.to_experts(a2a, _to_slots(plan.x_UD, plan.sends_P, capacity, 0))
         empty = jnp.asarray([0.0, num_local], jnp.float32)  # weight 0, id G: "no expert"
         meta_PCJ2 = a2a(_to_slots(plan.meta_UJ2, plan.sends_P, capacity, empty))
         return _received(x_PCD.reshape(-1, x_PCD.shape[-1]), meta_PCJ2.reshape(-1, *meta_PCJ2.shape[2:]))
 
     def combine(self, partial_RD, plan: SendPlan, capacity: int) -> jax.Array:
         num_devices = plan.sends_P.shape[0]
-        back_PCD = jax.lax.all_to_all(partial_RD.reshape(num_devices, capacity, -1),
-                                      EXPERT_AXIS, 0, 0, tiled=True)
+        back = lambda a: jax.lax.all_to_all(a.reshape(num_devices, capacity, -1), EXPERT_AXIS, 0, 0, tiled=True)
+        back_PCD = self.wire.from_experts(back, partial_RD)
         return _sum_units(_from_slots(back_PCD, plan.sends_P, plan.x_UD.shape[0]), plan)
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
@@ -337,22 +342,24 @@ class Ragged:
 
     dedup: bool = True
     collective: Callable = jax.lax.ragged_all_to_all
+    wire: Wire = Wire()
     name: str = "ragged"
 
     def dispatch(self, plan: SendPlan, offsets: dict, buffer_rows: int, num_local: int) -> Received:
-        def send(operand, empty_row):
+        def send(operand, offsets, empty_row=0):
             output = jnp.broadcast_to(jnp.asarray(empty_row, operand.dtype), (buffer_rows, *operand.shape[1:]))
             output = varying_like(output, operand)  # the result's mesh-axis type is its output buffer's
             return self.collective(operand, output, offsets["input_offsets"], offsets["send_sizes"],
                                    offsets["output_offsets"], offsets["recv_sizes"], axis_name=EXPERT_AXIS)
-        meta_RJ2 = send(plan.meta_UJ2, jnp.asarray([0.0, num_local]))  # unfilled rows: weight 0, id G
-        return _received(send(plan.x_UD, 0), meta_RJ2)
+        meta_RJ2 = send(plan.meta_UJ2, offsets, jnp.asarray([0.0, num_local]))  # unfilled rows: weight 0, id G
+        return _received(self.wire.to_experts(send, plan.x_UD, offsets), meta_RJ2)
 
     def combine(self, partial_RD, plan: SendPlan, offsets: dict) -> jax.Array:
-        output_UD = varying_like(jnp.zeros((plan.x_UD.shape[0], partial_RD.shape[1]), partial_RD.dtype), partial_RD)
-        y_UD = self.collective(partial_RD, output_UD, offsets["recv_offsets"], offsets["recv_sizes"],
-                               offsets["back_offsets"], offsets["send_sizes"], axis_name=EXPERT_AXIS)
-        return _sum_units(y_UD, plan)
+        def back(operand, offsets):
+            output = varying_like(jnp.zeros((plan.x_UD.shape[0], *operand.shape[1:]), operand.dtype), operand)
+            return self.collective(operand, output, offsets["recv_offsets"], offsets["recv_sizes"],
+                                   offsets["back_offsets"], offsets["send_sizes"], axis_name=EXPERT_AXIS)
+        return _sum_units(self.wire.from_experts(back, partial_RD, offsets), plan)
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
         num_devices, num_local = jax.lax.axis_size(EXPERT_AXIS), local.num_local
@@ -392,12 +399,13 @@ class Auto:
 
     buffer_factor: float = 2.0
     dedup: bool = True
+    wire: Wire = Wire()
     name: str = "auto"
 
     def choose(self, num_tokens: int, top_k: int, num_devices: int, num_local: int) -> Strategy:
-        alltoall = AllToAll(self.buffer_factor, self.dedup)
+        alltoall = AllToAll(self.buffer_factor, self.dedup, self.wire)
         normal, _ = alltoall.slot_sizes(num_tokens, top_k, num_devices, num_local)
-        return AllGather() if normal >= num_tokens else alltoall
+        return AllGather(self.wire) if normal >= num_tokens else alltoall
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
         chosen = self.choose(*expert_ids_TK.shape, jax.lax.axis_size(EXPERT_AXIS), local.num_local)
@@ -477,16 +485,17 @@ def _named_strategy(config: Config, platform: str | None = None) -> Strategy:
     moe = config.moe
     name = moe.dispatch
     platform = platform or jax.default_backend()
+    wire = Wire.from_config(moe.dispatch_dtype)
     if name == "auto":
-        return Auto(moe.alltoall_buffer_factor, moe.dedup)
+        return Auto(moe.alltoall_buffer_factor, moe.dedup, wire)
     if name == "ragged" and platform != "gpu":
         raise ConfigError(f"moe.dispatch=ragged needs GPUs (XLA:{platform.upper()} has no ragged_all_to_all); "
                           f"use moe.dispatch=alltoall or allgather.")
     if name == "allgather":
-        return AllGather()
+        return AllGather(wire)
     if name == "alltoall":
-        return AllToAll(moe.alltoall_buffer_factor, moe.dedup)
-    return Ragged(moe.dedup)
+        return AllToAll(moe.alltoall_buffer_factor, moe.dedup, wire)
+    return Ragged(moe.dedup, wire=wire)
 
 
 def make_executor(config: Config, mesh: Mesh) -> ExpertParallelExecutor | None:
