@@ -393,8 +393,9 @@ class Auto:
 
     When every slot must hold all T tokens (few devices and a large top-k: at 2 devices with DeepSeek-V3's
     top-8, nearly every token has an expert on the other device), all_to_all moves the same rows as
-    all_gather, and all_gather moved 15% more bytes per second between two H200s (170 vs 150 GB/s,
-    shared/facts/h200-measurements.md) with no packing. Decided per shape, at trace time.
+    all_gather at about the same rate (271 vs 251 GB/s per GPU between two H200s), while alltoall also packs
+    and unpacks its slots: the layer took 86.9 ms with alltoall, 71.9 with allgather (BENCHMARKS.md). Decided
+    per shape, at trace time.
     """
 
     buffer_factor: float = 2.0
