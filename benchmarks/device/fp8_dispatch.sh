@@ -7,7 +7,7 @@ set -u
 timeout 150 python3 benchmarks/fp8_dispatch_check.py --out "$OUT/fp8-check.json" 2>&1 | grep -v cuda_timer | tail -4
 echo "(${SECONDS}s)"
 run() { local label=$1; shift
-  timeout 200 python3 -m dropless.bench ep --table --iters 11 --profile-iters 4 --strategies auto --skews random \
+  timeout 200 python3 -m dropless.bench ep --table --iters 11 --strategies auto --skews random \
     --out "$OUT/ep-h200-$label.json" "$@" > "$OUT/ep-$label.log" 2>&1
   echo "$label: rc $? (${SECONDS}s)"; grep "^ep: 2\|^| auto" "$OUT/ep-$label.log"; tail -2 "$OUT/ep-$label.log"; }
 run bf16

@@ -330,7 +330,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement: each N-device "
                                                         "program runs this many rounds alternating with the "
                                                         "one-device program (the median ratio is kept)")
-    p.add_argument("--profile-iters", type=int, default=2, help="calls traced for the kernel-time breakdown")
+    p.add_argument("--profile-iters", type=int, default=8, help="calls traced for the kernel-time breakdown (the "
+                                                                "waiting for another device varies from call to call)")
     p.add_argument("--out", default="benchmarks/results/ep-{device}.json", help="results JSON ({device} filled in)")
     p.add_argument("--table", action="store_true", help="print the markdown table at the end")
     p.add_argument("--traces", metavar="DIR", help="keep each profiled program's trace and HLO text in DIR")
