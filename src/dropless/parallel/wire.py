@@ -10,12 +10,13 @@ the combine, the input's gradient in the backward of the dispatch) are sums and 
 Both directions are one `Wire` method around the strategy's collective (any collective that moves whole rows
 along the leading axes, so that a row's scales can travel beside it by the same collective):
 
-- `to_experts(collective, x)`: forward quantizes, moves the FP8 rows and their scales, dequantizes; the backward
-  is the collective's transpose on the cotangent in its own dtype (the rounding is not differentiated:
-  straight-through).
-- `from_experts(collective, y)`: forward moves y as it is; the backward quantizes the cotangent and moves it
-  through the transpose in FP8.
-With `dtype=None` both are the collective itself.
+- `to_experts(collective, x, *operands)`: forward quantizes, moves the FP8 rows and their scales, dequantizes;
+  the backward is the collective's transpose on the cotangent in its own dtype (the rounding is not
+  differentiated: straight-through).
+- `from_experts(collective, y, *operands)`: forward moves y as it is; the backward quantizes the cotangent and
+  moves it through the transpose in FP8.
+With `dtype=None` both are the collective itself. Values beyond FP8's range cannot occur (each tile is scaled
+to fit); a non-finite value makes its tile non-finite, as it would make the layer's output.
 """
 
 from __future__ import annotations
