@@ -44,10 +44,10 @@ def test_quantize_rounds_within_e4m3_precision_tile_by_tile():
     assert tile_size(7168) == TILE and tile_size(8) == 8  # a row that 128 does not divide: one scale per row
 
 
-def _fp8_exact_problem(seed):
+def _fp8_exact_problem(seed, bias_E=None):
     """A _problem whose input and output cotangent FP8 holds exactly: e4m3 values times 2**-8, each row with one
     +-448 (so every row's scale is 448 * 2**-8 / 448, a power of two, and quantizing changes nothing)."""
-    params, bias_E, x_BSD, cotangent_BSD = _problem(seed)
+    params, bias_E, x_BSD, cotangent_BSD = _problem(seed, bias_E)
 
     def representable(a):
         values = np.array(jnp.asarray(np.clip(a * 100.0, -440, 440), jnp.float32).astype(FP8).astype(jnp.float32))
@@ -61,6 +61,14 @@ def _fp8_exact_problem(seed):
 def test_fp8_wire_equals_single_device_where_fp8_holds_the_values(name, expert_parallel):
     problem = _fp8_exact_problem(seed=expert_parallel)
     _assert_matches_single_device(_fp8_strategy(name), expert_parallel, problem)
+
+
+def test_fp8_wire_through_overflowing_alltoall_slots_and_chunks_equals_single_device():
+    """The worst-case exchange that alltoall takes on overflow (a lax.cond), and the dispatch in chunks."""
+    skewed = _fp8_exact_problem(seed=7, bias_E=[10.0, 10.0, 10.0, 0, 0, 0, 0, 0])
+    strategy = dispatch.AllToAll(buffer_factor=1.0, wire=FLOAT8)
+    assert int(_assert_matches_single_device(strategy, 4, skewed).dispatch_overflowed) == 1
+    _assert_matches_single_device(dispatch.Chunked(_fp8_strategy("allgather"), 2), 2, _fp8_exact_problem(seed=3))
 
 
 def _wire_collectives(lowered_text: str) -> list[tuple[str, str]]:
