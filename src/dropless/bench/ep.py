@@ -204,7 +204,8 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
 
     count = len(devices)
     hidden = config.model.hidden_size
-    # bf16 rows on the wire: towards the experts (dispatch, the combine's backward) in moe.dispatch_dtype
+    # bytes per value over the four trips: the two back from the experts in bf16, the two towards them (the
+    # dispatch, the combine's backward) in moe.dispatch_dtype
     trip_bytes = 2 * 2 + 2 * Wire.from_config(config.moe.dispatch_dtype).bytes_per_value(2, hidden)
     records = []
     one = make_mesh(ParallelConfig(data=1), devices[:1])
