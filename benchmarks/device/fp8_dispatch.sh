@@ -4,10 +4,10 @@
 # (benchmarks/fp8_dispatch_check.py); then the layer benchmark (default strategy, random routing, 11 alternating
 # rounds) with bf16 and with float8 rows, one process each. Writes $OUT/fp8-check.json, $OUT/ep-h200-*.json, logs.
 set -u
-timeout 150 python3 benchmarks/fp8_dispatch_check.py --out "$OUT/fp8-check.json" 2>&1 | grep -v cuda_timer | tail -4
+timeout 230 python3 benchmarks/fp8_dispatch_check.py --out "$OUT/fp8-check.json" 2>&1 | grep -v cuda_timer | tail -4
 echo "(${SECONDS}s)"
 run() { local label=$1; shift
-  timeout 200 python3 -m dropless.bench ep --table --iters 11 --strategies auto --skews random \
+  timeout 170 python3 -m dropless.bench ep --table --iters 11 --strategies auto --skews random \
     --out "$OUT/ep-h200-$label.json" "$@" > "$OUT/ep-$label.log" 2>&1
   echo "$label: rc $? (${SECONDS}s)"; grep "^ep: 2\|^| auto" "$OUT/ep-$label.log"; tail -2 "$OUT/ep-$label.log"; }
 run bf16
