@@ -66,6 +66,23 @@ def _transpose(collective: Callable, shape, dtype, varying: frozenset) -> Callab
     return lambda cotangent: transposed(cotangent)[0]
 
 
+def _through_fp8(move: Callable, rows: jax.Array, dtype) -> jax.Array:
+    """`rows` quantized, moved (the FP8 rows and their scales by the same collective), dequantized to `dtype`."""
+    q, scale = quantize(rows)
+    return dequantize(move(q), move(scale), dtype)
+
+
+def _with_backward(forward: Callable, backward: Callable, x: jax.Array, operands: tuple) -> jax.Array:
+    """forward(x, operands) differentiated by backward(cotangent, operands) -> x's cotangent (operands: none)."""
+    @jax.custom_vjp
+    def move(x, operands):
+        return forward(x, operands)
+
+    move.defvjp(lambda x, operands: (move(x, operands), operands),
+                lambda operands, cotangent: (backward(cotangent, operands), None))
+    return move(x, operands)
+
+
 @dataclass(frozen=True)
 class Wire:
     """The dtype rows travel in towards the experts: None = as they are, or "float8" (see the module).
@@ -89,35 +106,23 @@ class Wire:
             return collective(x, *operands)
         varying = jax.typeof(x).mat.varying
 
-        @jax.custom_vjp
-        def send(x, operands):
-            move = lambda rows: collective(rows, *operands)
-            q, scale = quantize(x)
-            return dequantize(move(q), move(scale), x.dtype)
+        def forward(x, operands):
+            return _through_fp8(lambda rows: collective(rows, *operands), x, x.dtype)
 
-        def backward(operands, cotangent):
-            move = lambda rows: collective(rows, *operands)
-            return _transpose(move, x.shape, x.dtype, varying)(cotangent), None
+        def backward(cotangent, operands):  # the rounding is not differentiated: the transpose, as it is
+            return _transpose(lambda rows: collective(rows, *operands), x.shape, x.dtype, varying)(cotangent)
 
-        send.defvjp(lambda x, operands: (send(x, operands), operands), backward)
-        return send(x, operands)
+        return _with_backward(forward, backward, x, operands)
 
     def from_experts(self, collective: Callable, y: jax.Array, *operands) -> jax.Array:
         if self.dtype is None:
             return collective(y, *operands)
         varying = jax.typeof(y).mat.varying
+        scale_shape = y.shape[:-1] + (y.shape[-1] // tile_size(y.shape[-1]),)
 
-        @jax.custom_vjp
-        def send(y, operands):
-            return collective(y, *operands)
+        def backward(cotangent, operands):  # the transpose, on FP8 rows and their scales
+            transpose = {jnp.dtype(dtype): _transpose(lambda rows: collective(rows, *operands), shape, dtype, varying)
+                         for dtype, shape in ((FP8, y.shape), (jnp.float32, scale_shape))}
+            return _through_fp8(lambda rows: transpose[rows.dtype](rows), cotangent, y.dtype)
 
-        def backward(operands, cotangent):
-            move = lambda rows: collective(rows, *operands)
-            scale_shape = y.shape[:-1] + (y.shape[-1] // tile_size(y.shape[-1]),)
-            q, scale = quantize(cotangent)
-            rows = _transpose(move, y.shape, FP8, varying)(q)
-            scales = _transpose(move, scale_shape, jnp.float32, varying)(scale)
-            return dequantize(rows, scales, y.dtype), None
-
-        send.defvjp(lambda y, operands: (send(y, operands), operands), backward)
-        return send(y, operands)
+        return _with_backward(lambda y, operands: collective(y, *operands), backward, y, operands)
