@@ -33,7 +33,8 @@ def main(out: Path) -> int:
     params, x_BSD, cotangent_BSD = _inputs(config, 1, 16384)
     arguments = (params, _router_bias(config.moe, "random"), x_BSD, cotangent_BSD)
     for name in ("compute", "float8"):
-        _, profiled = _compiled(_layer_program(config.moe, mesh, AllGather(Wire.from_config(name))).lower(*arguments), {})
+        program = _layer_program(config.moe, mesh, AllGather(Wire.from_config(name)))
+        _, profiled = _compiled(program.lower(*arguments), {})
         keep = out / f"one-gpu-{name}"
         _profile(profiled, _placed(profiled, arguments), CALLS, keep=keep)
         with gzip.open(keep.with_name(keep.name + ".hlo.txt.gz"), "rt") as stream:
