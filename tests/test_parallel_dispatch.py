@@ -322,3 +322,29 @@ def test_chunked_dispatch_config_and_errors():
     problem = _problem(seed=1)
     with pytest.raises(ConfigError, match="moe.dispatch_chunks=3 does not divide the 8 tokens"):
         _assert_matches_single_device(dispatch.Chunked(AllGather(), 3), 2, problem)
+
+
+@pytest.mark.parametrize("which", ["to_slots", "from_slots"])
+def test_slot_packing_backward_is_a_gather_that_equals_the_scatter_add(which):
+    """alltoall's slot packing and unpacking differentiate as the inverse pick (a gather; JAX's own transpose of a
+    gather is a scatter-add, 16 ms of a two-H200 layer's backward), with the same gradient as that scatter-add."""
+    rng = np.random.default_rng(0)
+    sends_P, capacity, num_units, hidden = jnp.asarray([3, 0, 5, 2], jnp.int32), 6, 12, 5  # 10 of 12 units sent
+    if which == "to_slots":
+        args = (jnp.asarray(rng.normal(size=(num_units, hidden)), jnp.float32),)
+        fast = lambda rows: dispatch._to_slots(rows, sends_P, capacity, 0.0)
+        sources = dispatch._slot_sources(sends_P, capacity)
+        plain = lambda rows: dispatch._pick(rows, *sources).reshape(4, capacity, hidden)
+    else:
+        args = (jnp.asarray(rng.normal(size=(4, capacity, hidden)), jnp.float32),)
+        fast = lambda slots: dispatch._from_slots(slots, sends_P, num_units)
+        units = dispatch._unit_slots(sends_P, capacity, num_units)
+        plain = lambda slots: dispatch._pick(slots.reshape(-1, hidden), *units)
+    out, vjp = jax.vjp(fast, *args)
+    want_out, want_vjp = jax.vjp(plain, *args)
+    cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(vjp(cotangent)[0], want_vjp(cotangent)[0])
+    primitives = {e.primitive.name for e in _equations(jax.make_jaxpr(vjp)(cotangent).jaxpr)}
+    assert "scatter-add" not in primitives and "gather" in primitives
+    assert "scatter-add" in {e.primitive.name for e in _equations(jax.make_jaxpr(want_vjp)(cotangent).jaxpr)}
