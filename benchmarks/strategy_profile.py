@@ -1,8 +1,9 @@
-"""Where FP8 rows' extra time goes on one GPU: the DeepSeek-V3-proxy layer (allgather on a one-GPU expert axis, so
-its collectives do nothing) with bf16 and with float8 rows, each traced for 4 calls; prints the kernel time by
-category and every memory-bound kernel ("other") over 0.04 ms, and keeps the traces and HLO text in OUTDIR.
+"""Where a dispatch strategy's extra time goes on one GPU (benchmarks/strategy_cost.py measures how much): the
+DeepSeek-V3-proxy layer with each variant's strategy on a one-GPU `expert` axis (its collectives do nothing), each
+traced for 4 calls; prints the kernel time by category and every memory-bound kernel ("other") over 0.04 ms, and
+keeps the traces and HLO text in OUTDIR. Variants as in strategy_cost.py: a strategy name, ":float8" for FP8 rows.
 
-  python3 benchmarks/fp8_wire_profile.py OUTDIR
+  python3 benchmarks/strategy_profile.py OUTDIR allgather,allgather:float8,ragged
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dropless import xla_flags
 CALLS = 4
 
 
-def main(out: Path) -> int:
+def main(out: Path, variants: list[str]) -> int:
     xla_flags.apply()
     import jax
 
@@ -24,25 +25,26 @@ def main(out: Path) -> int:
     from dropless.bench.ep import _compiled, _inputs, _layer_program, _placed, _profile, _router_bias
     from dropless.cli import build_config
     from dropless.config import ParallelConfig
-    from dropless.parallel.dispatch import AllGather
+    from dropless.parallel.dispatch import _named_strategy
     from dropless.parallel.mesh import make_mesh
-    from dropless.parallel.wire import Wire
 
     config = build_config("deepseek-v3-proxy", {})
     mesh = make_mesh(ParallelConfig(data=1, expert=1), jax.devices()[:1], num_experts=config.moe.num_experts)
     params, x_BSD, cotangent_BSD = _inputs(config, 1, 16384)
     arguments = (params, _router_bias(config.moe, "random"), x_BSD, cotangent_BSD)
-    for name in ("compute", "float8"):
-        program = _layer_program(config.moe, mesh, AllGather(Wire.from_config(name)))
+    for variant in variants:
+        name, _, dtype = variant.partition(":")
+        variant_config = config.replace(**{"moe.dispatch": name, "moe.dispatch_dtype": dtype or "compute"})
+        program = _layer_program(config.moe, mesh, _named_strategy(variant_config, jax.devices()[0].platform))
         _, profiled = _compiled(program.lower(*arguments), {})
-        keep = out / f"one-gpu-{name}"
+        keep = out / f"one-gpu-{variant.replace(':', '-')}"
         _profile(profiled, _placed(profiled, arguments), CALLS, keep=keep)
         with gzip.open(keep.with_name(keep.name + ".hlo.txt.gz"), "rt") as stream:
             text = stream.read()
         result = profile.breakdown(profile.read_trace(keep.with_name(keep.name + ".trace.json.gz")),
                                    profile.parse_hlo(text), module=profile.hlo_module_name(text), steps=CALLS, top=200)
         by_category = {k: round(v, 2) for k, v in result["ms_per_step_per_device"].items()}
-        print(f"{name} rows: {result['kernel_ms_per_step_per_device']:.2f} ms of kernels, {by_category}")
+        print(f"{variant}: {result['kernel_ms_per_step_per_device']:.2f} ms of kernels, {by_category}")
         for op in result["top_ops"]:
             if op["category"] == "other" and op["ms_per_step_per_device"] > 0.04:
                 print(f"    {op['ms_per_step_per_device']:.3f} ms {op['op']} {op['op_name'][-90:]}")
@@ -50,4 +52,4 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2].split(",")))
