@@ -437,8 +437,8 @@ class Auto:
     When every slot must hold all T tokens (few devices and a large top-k: at 2 devices with DeepSeek-V3's
     top-8, nearly every token has an expert on the other device), all_to_all moves the same rows as
     all_gather at about the same rate (271 vs 251 GB/s per GPU between two H200s), while alltoall also packs
-    and unpacks its slots: the layer took 86.9 ms with alltoall, 71.9 with allgather (BENCHMARKS.md). Decided
-    per shape, at trace time.
+    and unpacks its slots: the layer took 74.6 ms with alltoall, 73.1 with allgather in one run (BENCHMARKS.md).
+    Decided per shape, at trace time.
     """
 
     buffer_factor: float = 2.0
