@@ -330,16 +330,15 @@ def test_slot_packing_backward_is_a_gather_that_equals_the_scatter_add(which):
     gather is a scatter-add, 16 ms of a two-H200 layer's backward), with the same gradient as that scatter-add."""
     rng = np.random.default_rng(0)
     sends_P, capacity, num_units, hidden = jnp.asarray([3, 0, 5, 2], jnp.int32), 6, 12, 5  # 10 of 12 units sent
+    slots = dispatch.slot_map(sends_P, capacity, num_units)
     if which == "to_slots":
         args = (jnp.asarray(rng.normal(size=(num_units, hidden)), jnp.float32),)
-        fast = lambda rows: dispatch._to_slots(rows, sends_P, capacity, 0.0)
-        sources = dispatch._slot_sources(sends_P, capacity)
-        plain = lambda rows: dispatch._pick(rows, *sources).reshape(4, capacity, hidden)
+        fast = lambda rows: dispatch._to_slots(rows, slots, 0.0)
+        plain = lambda rows: dispatch._pick(rows, slots.source_S, slots.filled_S).reshape(4, capacity, hidden)
     else:
         args = (jnp.asarray(rng.normal(size=(4, capacity, hidden)), jnp.float32),)
-        fast = lambda slots: dispatch._from_slots(slots, sends_P, num_units)
-        units = dispatch._unit_slots(sends_P, capacity, num_units)
-        plain = lambda slots: dispatch._pick(slots.reshape(-1, hidden), *units)
+        fast = lambda packed: dispatch._from_slots(packed, slots)
+        plain = lambda packed: dispatch._pick(packed.reshape(-1, hidden), slots.slot_U, slots.sent_U)
     out, vjp = jax.vjp(fast, *args)
     want_out, want_vjp = jax.vjp(plain, *args)
     cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)

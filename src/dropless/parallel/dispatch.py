@@ -236,24 +236,31 @@ class AllGather:
         return y_TD, stats
 
 
-def _slot_sources(sends_P, capacity: int):
-    """Slot (p, c) holds destination p's c-th unit row: (its row index in the destination-major units, filled)."""
+class SlotMap(NamedTuple):
+    """Where alltoall's unit rows travel in its [P, C] slots, both ways; built once per exchange (`slot_map`)."""
+
+    source_S: jax.Array  # int32 [P*C]: the destination-major unit row slot p*C + c holds (0 where unfilled)
+    filled_S: jax.Array  # bool [P*C]
+    slot_U: jax.Array  # int32 [U]: the slot unit row u travels in (0 where unsent)
+    sent_U: jax.Array  # bool [U]
+    capacity: int
+
+
+def slot_map(sends_P, capacity: int, num_units: int) -> SlotMap:
+    """Slot (p, c) holds destination p's c-th unit row; unit row u travels in slot p*C + c.
+
+    Each map inverts the other only for sends_P <= capacity, the only case in which the slot exchange runs."""
+    num_devices = sends_P.shape[0]
     starts_P = jnp.cumsum(sends_P) - sends_P
     pos_C = jnp.arange(capacity, dtype=jnp.int32)
     filled_PC = pos_C[None, :] < sends_P[:, None]
-    return jnp.where(filled_PC, starts_P[:, None] + pos_C[None, :], 0).reshape(-1), filled_PC.reshape(-1)
-
-
-def _unit_slots(sends_P, capacity: int, num_units: int):
-    """Unit row u (destination-major) travels in slot p*C + c: (that flat slot index, whether u is sent)."""
-    num_devices = sends_P.shape[0]
+    source_S = jnp.where(filled_PC, starts_P[:, None] + pos_C[None, :], 0).reshape(-1)
     unit_U = jnp.arange(num_units, dtype=jnp.int32)
-    ends_P = jnp.cumsum(sends_P)
-    dest_U = jnp.searchsorted(ends_P, unit_U, side="right").astype(jnp.int32)
+    dest_U = jnp.searchsorted(starts_P + sends_P, unit_U, side="right").astype(jnp.int32)
     sent_U = dest_U < num_devices
     dest_U = jnp.minimum(dest_U, num_devices - 1)
-    slot_U = dest_U * capacity + unit_U - (ends_P - sends_P)[dest_U]
-    return jnp.where(sent_U, slot_U, 0), sent_U
+    slot_U = dest_U * capacity + unit_U - starts_P[dest_U]
+    return SlotMap(source_S, filled_PC.reshape(-1), jnp.where(sent_U, slot_U, 0), sent_U, capacity)
 
 
 def _pick(rows_NX, index_M, valid_M):
@@ -282,24 +289,18 @@ def _pick_one_to_one_bwd(residuals, cotangent_MX):
 _pick_one_to_one.defvjp(_pick_one_to_one_fwd, _pick_one_to_one_bwd)
 
 
-def _to_slots(rows_UX, sends_P, capacity: int, fill) -> jax.Array:
-    """[U, ...] destination-major rows -> [P, C, ...]: slot (p, c) holds p's c-th row, or `fill`.
-
-    Only for sends_P <= capacity (alltoall's slot exchange runs only then): each row is in at most one slot."""
-    num_devices, num_units = sends_P.shape[0], rows_UX.shape[0]
-    source_S, filled_S = _slot_sources(sends_P, capacity)
-    picked = _pick_one_to_one(rows_UX, source_S, filled_S, *_unit_slots(sends_P, capacity, num_units))
-    filled = filled_S.reshape(filled_S.shape + (1,) * (rows_UX.ndim - 1))
-    slots = jnp.where(filled, picked, jnp.asarray(fill, rows_UX.dtype))
-    return slots.reshape(num_devices, capacity, *rows_UX.shape[1:])
+def _to_slots(rows_UX, slots: SlotMap, fill) -> jax.Array:
+    """[U, ...] destination-major rows -> [P, C, ...]: slot (p, c) holds p's c-th row, or `fill`."""
+    picked = _pick_one_to_one(rows_UX, slots.source_S, slots.filled_S, slots.slot_U, slots.sent_U)
+    filled = slots.filled_S.reshape(slots.filled_S.shape + (1,) * (rows_UX.ndim - 1))
+    packed = jnp.where(filled, picked, jnp.asarray(fill, rows_UX.dtype))
+    return packed.reshape(-1, slots.capacity, *rows_UX.shape[1:])
 
 
-def _from_slots(slots_PCD, sends_P, num_units: int) -> jax.Array:
+def _from_slots(slots_PCD, slots: SlotMap) -> jax.Array:
     """The returning rows: [P, C, D] slots -> [U, D] destination-major units (unused units zero)."""
-    num_devices, capacity, hidden = slots_PCD.shape
-    slot_U, sent_U = _unit_slots(sends_P, capacity, num_units)
-    return _pick_one_to_one(slots_PCD.reshape(num_devices * capacity, hidden), slot_U, sent_U,
-                            *_slot_sources(sends_P, capacity))
+    return _pick_one_to_one(slots_PCD.reshape(-1, slots_PCD.shape[-1]), slots.slot_U, slots.sent_U,
+                            slots.source_S, slots.filled_S)
 
 
 @dataclass(frozen=True)
@@ -322,18 +323,19 @@ class AllToAll:
         return min(worst, math.ceil(self.buffer_factor * balanced_rows(num_tokens, top_k, num_devices, num_local,
                                                                          self.dedup))), worst
 
-    def dispatch(self, plan: SendPlan, capacity: int, num_local: int) -> Received:
+    def dispatch(self, plan: SendPlan, slots: SlotMap, num_local: int) -> Received:
         a2a = lambda a: jax.lax.all_to_all(a, EXPERT_AXIS, 0, 0, tiled=True)
-        x_PCD = self.wire.to_experts(a2a, _to_slots(plan.x_UD, plan.sends_P, capacity, 0))
+        x_PCD = self.wire.to_experts(a2a, _to_slots(plan.x_UD, slots, 0))
         empty = jnp.asarray([0.0, num_local], jnp.float32)  # weight 0, id G: "no expert"
-        meta_PCJ2 = a2a(_to_slots(plan.meta_UJ2, plan.sends_P, capacity, empty))
+        meta_PCJ2 = a2a(_to_slots(plan.meta_UJ2, slots, empty))
         return _received(x_PCD.reshape(-1, x_PCD.shape[-1]), meta_PCJ2.reshape(-1, *meta_PCJ2.shape[2:]))
 
-    def combine(self, partial_RD, plan: SendPlan, capacity: int) -> jax.Array:
+    def combine(self, partial_RD, plan: SendPlan, slots: SlotMap) -> jax.Array:
         num_devices = plan.sends_P.shape[0]
-        back = lambda a: jax.lax.all_to_all(a.reshape(num_devices, capacity, -1), EXPERT_AXIS, 0, 0, tiled=True)
+        back = lambda a: jax.lax.all_to_all(a.reshape(num_devices, slots.capacity, -1), EXPERT_AXIS, 0, 0,
+                                            tiled=True)
         back_PCD = self.wire.from_experts(back, partial_RD)
-        return _sum_units(_from_slots(back_PCD, plan.sends_P, plan.x_UD.shape[0]), plan)
+        return _sum_units(_from_slots(back_PCD, slots), plan)
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local):
         num_devices, num_local = jax.lax.axis_size(EXPERT_AXIS), local.num_local
@@ -342,11 +344,12 @@ class AllToAll:
 
         def exchange(capacity):
             def run():
+                slots = slot_map(plan.sends_P, capacity, plan.x_UD.shape[0])  # both ways, built once
                 with jax.named_scope("dispatch"):
-                    received = self.dispatch(plan, capacity, num_local)
+                    received = self.dispatch(plan, slots, num_local)
                 partial_RD, dropped, local_overflowed = local(received, expert_ids_TK.size)
                 with jax.named_scope("combine"):
-                    return self.combine(partial_RD, plan, capacity), dropped, local_overflowed
+                    return self.combine(partial_RD, plan, slots), dropped, local_overflowed
             return run
 
         # Decided on the device, identically everywhere (the branches run different collectives).
