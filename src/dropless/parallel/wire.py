@@ -121,8 +121,10 @@ class Wire:
         scale_shape = y.shape[:-1] + (y.shape[-1] // tile_size(y.shape[-1]),)
 
         def backward(cotangent, operands):  # the transpose, on FP8 rows and their scales
-            transpose = {jnp.dtype(dtype): _transpose(lambda rows: collective(rows, *operands), shape, dtype, varying)
-                         for dtype, shape in ((FP8, y.shape), (jnp.float32, scale_shape))}
-            return _through_fp8(lambda rows: transpose[rows.dtype](rows), cotangent, y.dtype)
+            move = lambda rows: collective(rows, *operands)
+            q, scale = quantize(cotangent)
+            rows = _transpose(move, y.shape, FP8, varying)(q)
+            scales = _transpose(move, scale_shape, jnp.float32, varying)(scale)
+            return dequantize(rows, scales, y.dtype)
 
         return _with_backward(lambda y, operands: collective(y, *operands), backward, y, operands)
