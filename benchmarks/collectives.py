@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from dropless import xla_flags
+from dropless.core import xla_flags
 
 WATCHED = ("NCCL_", "XLA_FLAGS")
 

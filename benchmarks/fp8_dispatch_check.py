@@ -14,7 +14,7 @@ import json
 import re
 import sys
 
-from dropless import xla_flags
+from dropless.core import xla_flags
 
 
 def main() -> int:
@@ -30,10 +30,10 @@ def main() -> int:
 
     from dropless.bench.ep import _inputs, _layer_program, _placed, _router_bias
     from dropless.bench.gmm import environment
-    from dropless.cli import build_config
-    from dropless.config import ParallelConfig
-    from dropless.parallel.dispatch import make_strategy
-    from dropless.parallel.mesh import make_mesh
+    from dropless.core.config import build_config
+    from dropless.core.config import ParallelConfig
+    from dropless.ep.dispatch import make_strategy
+    from dropless.core.mesh import make_mesh
 
     devices = jax.devices()[:2]
     config = build_config(args.preset, {})

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.config import MoEConfig
+from dropless.core.config import MoEConfig
 from dropless.moe import init_moe, moe_layer
 
 CASES = {
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="", help="write the records as JSON here")
     args = parser.parse_args(argv)
-    from dropless.moe.gmm import make_gmm
+    from dropless.gmm.api import make_gmm
 
     backend = type(make_gmm(MoEConfig(gmm_backend="auto"))).__name__
     print(f"device {jax.devices()[0].device_kind}; moe.gmm_backend=auto is {backend}")

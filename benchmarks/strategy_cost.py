@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from dropless import xla_flags
+from dropless.core import xla_flags
 
 
 def main() -> int:
@@ -29,10 +29,10 @@ def main() -> int:
 
     from dropless.bench.ep import _inputs, _layer_program, _placed, _router_bias, paired_rounds
     from dropless.bench.gmm import environment
-    from dropless.cli import build_config
-    from dropless.config import ParallelConfig
-    from dropless.parallel.dispatch import _named_strategy
-    from dropless.parallel.mesh import make_mesh
+    from dropless.core.config import build_config
+    from dropless.core.config import ParallelConfig
+    from dropless.ep.dispatch import _named_strategy
+    from dropless.core.mesh import make_mesh
 
     config = build_config(args.preset, {})
     mesh = make_mesh(ParallelConfig(data=1, expert=1), jax.devices()[:1], num_experts=config.moe.num_experts)

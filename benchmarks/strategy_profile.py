@@ -12,7 +12,7 @@ import gzip
 import sys
 from pathlib import Path
 
-from dropless import xla_flags
+from dropless.core import xla_flags
 
 CALLS = 4
 
@@ -23,10 +23,10 @@ def main(out: Path, variants: list[str]) -> int:
 
     from dropless.bench import profile
     from dropless.bench.ep import _compiled, _inputs, _layer_program, _placed, _profile, _router_bias
-    from dropless.cli import build_config
-    from dropless.config import ParallelConfig
-    from dropless.parallel.dispatch import _named_strategy
-    from dropless.parallel.mesh import make_mesh
+    from dropless.core.config import build_config
+    from dropless.core.config import ParallelConfig
+    from dropless.ep.dispatch import _named_strategy
+    from dropless.core.mesh import make_mesh
 
     config = build_config("deepseek-v3-proxy", {})
     mesh = make_mesh(ParallelConfig(data=1, expert=1), jax.devices()[:1], num_experts=config.moe.num_experts)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dropless.config import Config, load_preset
+from dropless.core.config import Config, load_preset
 
 MICRO = {
     "model.num_layers": 2, "model.hidden_size": 32, "model.vocab_size": 64, "model.num_heads": 2,

@@ -1,7 +1,7 @@
-"""A few float32 training steps on random tokens, for tests/test_parallel_train.py; prints the losses as JSON.
+"""A few float32 training steps on random tokens, for tests/test_train_parallel.py; prints the losses as JSON.
 
 Run once per process as `python -m tests.parallel_train_worker '<json config overrides>'`. With the DROPLESS_*
-variables set, the process joins a multi-process run first (`dropless.parallel.distributed.initialize`), the
+variables set, the process joins a multi-process run first (`dropless.core.distributed.initialize`), the
 mesh spans every process's devices, and each process feeds its own rows of the global batch.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-from dropless.parallel import distributed
+from dropless.core import distributed
 
 # Tiny preset, shorter sequences: the same model on the same batch, compiled and run in seconds on a CPU.
 OVERRIDES = {"train.dtype": "float32", "train.seq_len": 32, "train.warmup_steps": 1, "train.learning_rate": 1e-2}
@@ -23,7 +23,7 @@ def train_losses(overrides: dict, devices=None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from dropless import config as config_lib
+    from dropless.core import config as config_lib
     from dropless.train import setup as setup_lib
 
     config = config_lib.load_preset("tiny").replace(**{**OVERRIDES, **overrides})

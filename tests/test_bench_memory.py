@@ -66,7 +66,7 @@ def test_sharding_memory_features_and_meshes_without_compiling():
 
 
 def test_cli_memory_rejects_devices_after_jax_started():
-    from dropless.config import ConfigError
+    from dropless.core.config import ConfigError
 
     jax.devices()  # the backend is up in this process
     with pytest.raises(ConfigError, match="--devices must be set before JAX starts"):

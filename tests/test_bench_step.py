@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from dropless.bench import step
-from dropless.config import load_preset
+from dropless.core.config import load_preset
 from dropless.models import flops as flops_lib
 from tests.micro_config import micro_config
 

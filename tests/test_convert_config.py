@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from dropless.config import load_preset
+from dropless.core.config import load_preset
 from dropless.convert import ConvertError, config_from_hf, config_to_hf
 
 # The config.json files published with the models (abridged only by dropping keys irrelevant to the function).

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dropless.config import load_preset
+from dropless.core.config import load_preset
 from dropless.convert import ConvertError, convert_to_hf, load_hf
 from dropless.convert.api import HF_SOURCE
 from dropless.convert.run_store import RunReader, RunWriter, model_leaf_shapes

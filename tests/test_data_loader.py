@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dropless.config import DataConfig
+from dropless.core.config import DataConfig
 from dropless.data import DataError, TokenStream, document_order, load_token_dataset, reorder, split_point
 from dropless.data import loader as loader_lib
 from dropless.data import tokenizer as tokenizer_lib

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dropless.moe import gmm_tuning as gt
-from dropless.moe.gmm_tuning import GmmConfigError, GmmPlan, ProductConfig, ShapeKey, TileConfig
+from dropless.gmm import tuning as gt
+from dropless.gmm.tuning import GmmConfigError, GmmPlan, ProductConfig, ShapeKey, TileConfig
 
 H200 = "NVIDIA H200"
 DSV3 = {"dsv3-gate-up-e32": (65536, 7168, 4096, 32), "dsv3-down-e32": (65536, 2048, 7168, 32),
@@ -132,7 +132,7 @@ _MAX_GROUPS, _MAX_SIZE = 9, 70
 @given(sizes=st.lists(st.integers(0, _MAX_SIZE), min_size=1, max_size=_MAX_GROUPS),
        block_m=st.sampled_from([8, 16, 64]), padding=st.integers(0, 20))
 def test_row_tiles_store_every_row_of_every_group_exactly_once(sizes, block_m, padding):
-    from dropless.moe.gmm_mosaic import max_row_tiles, row_tiles
+    from dropless.gmm.mosaic import max_row_tiles, row_tiles
 
     # Trailing empty groups pad every example to one shape (one compilation per block_m); the tile count is
     # the bound for the largest possible example, so it also checks that the bound leaves no row behind.
@@ -179,7 +179,7 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dropless.moe.gmm_tuned import tuned_gmm
+    from dropless.gmm.tuned import tuned_gmm
 
     plan = GmmPlan(*(ProductConfig(rows_kernel, tile) for _ in range(3)))
     assert all(plan.product(p).fits(p, k, n) for p in gt.PRODUCTS)
@@ -263,8 +263,8 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
 
 def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch):
     """TokamaxGmm's default path (checked here without a GPU: the kernels are replaced by a recorder)."""
-    from dropless.moe import gmm_tokamax, gmm_tuned
-    from dropless.moe.errors import MoEError
+    from dropless.gmm import tokamax as gmm_tokamax, tuned as gmm_tuned
+    from dropless.core.errors import MoEError
 
     seen = {}
 
@@ -291,7 +291,7 @@ def test_weight_gradient_kernel_matches_a_per_group_loop_in_the_gpu_interpreter(
     every candidate against a reference on the GPU before it can be chosen.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dropless.moe.gmm_mosaic import grouped_matmul_tn
+    from dropless.gmm.mosaic import grouped_matmul_tn
 
     tile = TileConfig(64, 64, 64, 2, True, 1, 1)
     sizes = np.array([37, 0, 60, 51], np.int32)  # 148 rows in groups (none aligned), 12 rows of padding
@@ -317,7 +317,7 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from dropless.moe.gmm_tuned import tuned_gmm
+    from dropless.gmm.tuned import tuned_gmm
 
     tile = TileConfig(64, 64, 64, 2, True, 1, 2)
     plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
@@ -355,7 +355,7 @@ def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_pa
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from jax.sharding import PartitionSpec as P
 
-    from dropless.moe.gmm_tuned import tuned_gmm
+    from dropless.gmm.tuned import tuned_gmm
 
     tile = TileConfig(64, 64, 64, 2, True, 1, 2)
     plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
@@ -423,7 +423,7 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     check run here, as they would when the GPU compiles it."""
     from jax import export
 
-    from dropless.moe.gmm_tuned import _ragged_rows, ragged_contract
+    from dropless.gmm.tuned import _ragged_rows, ragged_contract
 
     bf16 = jnp.bfloat16
     sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
@@ -459,7 +459,7 @@ def test_lowering_for_cuda_catches_what_the_gpu_refused():
 
 
 def test_warp_specialised_kernel_drops_stages_that_would_not_fit_beside_a_float32_output():
-    from dropless.moe.gmm_mosaic_ws import fitting_stages
+    from dropless.gmm.mosaic_ws import fitting_stages
 
     tile = TileConfig(128, 128, 64, 3)
     assert fitting_stages(tile, jnp.bfloat16, jnp.bfloat16) == 3
@@ -472,7 +472,7 @@ def test_kernels_when_the_last_groups_tile_runs_past_the_last_row_in_the_gpu_int
     zeros there); the forward and the weight gradient still match ragged_dot."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dropless.moe.gmm_tuned import _ragged_rows, ragged_contract
+    from dropless.gmm.tuned import _ragged_rows, ragged_contract
 
     config = ProductConfig(kernel, TileConfig(64, 64, 64, 2, True, 1, 2))
     m, k, n = 256, 128, 256

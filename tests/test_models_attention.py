@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import ModelConfig
+from dropless.core.config import ModelConfig
 from dropless.models import attention as attn_lib
-from dropless.models import rope
+from dropless.ops import rope
 
 S = 6
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 4, "beta_slow": 1,

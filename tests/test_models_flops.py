@@ -7,7 +7,7 @@ import math
 import jax
 import pytest
 
-from dropless.config import load_preset
+from dropless.core.config import load_preset
 from dropless.models import flops, transformer
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import Config, ConfigError, ModelConfig, MoEConfig, TrainConfig, load_preset, preset_names
+from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig, TrainConfig, load_preset, preset_names
 from dropless.models import transformer
 from dropless.moe.reference import reference_moe, reference_route
 from tests.test_models_attention import naive_gqa, naive_mla

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax import enable_x64
 
-from dropless.config import MoEConfig
+from dropless.core.config import MoEConfig
 from dropless.moe import MoEError, init_moe, moe_layer
 from dropless.moe.reference import reference_moe, reference_route
 

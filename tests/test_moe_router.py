@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import ConfigError, MoEConfig
+from dropless.core.config import ConfigError, MoEConfig
 from dropless.moe import route, update_router_bias
 from dropless.moe.balance import max_load_ratio, tokens_per_expert
 from dropless.moe.reference import reference_route
@@ -106,8 +106,8 @@ def test_routing_on_a_mesh_selects_per_device_without_collectives():
     in two-H200 traces). Same choices as unsharded; the optimised program has no collective."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from dropless.config import ParallelConfig
-    from dropless.parallel.mesh import BATCH_AXES, make_mesh
+    from dropless.core.config import ParallelConfig
+    from dropless.core.mesh import BATCH_AXES, make_mesh
 
     cfg = MoEConfig(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, score_func="sigmoid")
     k_kernel, k_x = jax.random.split(jax.random.key(5))

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dropless import config as config_lib
+from dropless.core import config as config_lib
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
 from dropless.train.metrics import read_metrics

@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from dropless.config import ConfigError, TrainConfig
+from dropless.core.config import ConfigError, TrainConfig
 from dropless.train import offload
 from dropless.train.optimizer import make_optimizer
 from dropless.train.step import TrainState

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import ConfigError, load_preset
-from dropless.parallel.mesh import make_mesh
+from dropless.core.config import ConfigError, load_preset
+from dropless.core.mesh import make_mesh
 from dropless.train.step import accumulated_value_and_grad, make_eval_step, microbatches
 
 CONFIG = load_preset("tiny").replace(**{"train.dtype": "float32", "train.batch_size": 8, "train.seq_len": 16})

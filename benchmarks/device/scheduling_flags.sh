@@ -5,7 +5,7 @@
 set -u
 known=$(python3 - <<'PY'
 import jax, jax.numpy as jnp
-from dropless.xla_flags import SCHEDULING_CANDIDATES
+from dropless.core.xla_flags import SCHEDULING_CANDIDATES
 lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(4))
 names = ["none"]
 for name, options in SCHEDULING_CANDIDATES.items():

@@ -13,8 +13,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from dropless import config as config_lib
-from dropless.config import ConfigError
+from dropless.core import config as config_lib
+from dropless.core.config import ConfigError, build_config, parse_overrides
 
 OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
@@ -24,30 +24,6 @@ BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "d
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not argparse's usage block
         self.exit(2, f"dropless: error: {message} (see 'dropless {self.prog.split()[-1]} --help').\n")
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, str]:
-    """['group.key=value', ...] -> {'group.key': 'value'}; anything else is a ConfigError."""
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"'{pair}' is not a key=value override; write it like moe.gmm_backend=xla.")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def build_config(preset: str, overrides: dict[str, str], *, steps: int | None = None, data: str | None = None,
-                 tokenizer: str | None = None) -> config_lib.Config:
-    config = config_lib.load_preset(preset)
-    flags = {}
-    if steps is not None:
-        flags["train.steps"] = steps
-    if data is not None:
-        flags["data.source"] = data
-    if tokenizer is not None:
-        flags["data.tokenizer"] = tokenizer
-    return config_lib.apply_overrides(config, {**overrides, **flags})
 
 
 def _default_run_dir(preset: str, resume: bool) -> Path:
@@ -124,7 +100,7 @@ def _load_for_inference(args):
 
 
 def cmd_generate(args) -> int:
-    from dropless.generate import generate
+    from dropless.models.generate import generate
 
     config, params, state, tokenizer_path, tokenizer_cls = _load_for_inference(args)
     if not tokenizer_path.is_file():
@@ -294,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             return _delegate(*delegated)
         args = make_parser().parse_args(argv)
         # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
-        from dropless.parallel import distributed
+        from dropless.core import distributed
         distributed.initialize()
         return args.func(args)
     except (ValueError, *OS_ERRORS) as err:

@@ -45,8 +45,8 @@ def _layer_program(moe_cfg, mesh, strategy):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from dropless.moe import moe_layer
-    from dropless.parallel.dispatch import ExpertParallelExecutor
-    from dropless.parallel.mesh import batch_sharding
+    from dropless.ep.dispatch import ExpertParallelExecutor
+    from dropless.core.mesh import batch_sharding
 
     executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy, moe_cfg.local_buffer_factor)
 
@@ -189,18 +189,18 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             log=print) -> list[dict]:
     """One record per (strategy, chunks, xla, skew) on all `devices`, plus the one-device baseline per skew.
     `chunks`: the values of moe.dispatch_chunks to measure for every strategy, in the same run; `xla`: names of
-    `dropless.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without;
+    `dropless.core.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without;
     "pgle": compiled again with its own profiled kernel costs, dropless.bench.pgle). With `traces`, every profiled
     program's trace and HLO text are kept there."""
     import jax
 
     from dropless.bench import pgle
     from dropless.bench.gmm import time_calls
-    from dropless.config import ParallelConfig
-    from dropless.parallel.dispatch import make_strategy
-    from dropless.parallel.mesh import make_mesh
-    from dropless.parallel.wire import Wire
-    from dropless.xla_flags import SCHEDULING_CANDIDATES
+    from dropless.core.config import ParallelConfig
+    from dropless.ep.dispatch import make_strategy
+    from dropless.core.mesh import make_mesh
+    from dropless.ep.wire import Wire
+    from dropless.core.xla_flags import SCHEDULING_CANDIDATES
 
     count = len(devices)
     hidden = config.model.hidden_size
@@ -325,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", default="1", help="comma-separated values of moe.dispatch_chunks to measure per "
                                                  "strategy in the same run, e.g. 1,2,4")
     p.add_argument("--xla", default="none", help="comma-separated: 'none', 'pgle' (profile-guided latency "
-                                                 "estimation) and/or names of dropless.xla_flags."
+                                                 "estimation) and/or names of dropless.core.xla_flags."
                                                  "SCHEDULING_CANDIDATES to compile each expert-parallel program with, "
                                                  "e.g. none,latency_hiding_scheduler,pgle")
     p.add_argument("--iters", type=int, default=5, help="timed batches of calls per measurement: each N-device "
@@ -342,14 +342,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from dropless import xla_flags
+    from dropless.core import xla_flags
 
     xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag
     import jax
 
     from dropless.bench.gmm import environment
     from dropless.bench.step import device_slug
-    from dropless.cli import build_config, parse_overrides
+    from dropless.core.config import build_config, parse_overrides
 
     devices = jax.devices()[:args.devices]
     if len(devices) < args.devices:

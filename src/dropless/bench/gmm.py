@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dropless.moe.gmm_tuning import TileConfig
+from dropless.gmm.tuning import TileConfig
 
 
 @dataclass(frozen=True)
@@ -130,11 +130,11 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
         op = PallasMosaicGpuRaggedDot(config=TOKAMAX_AUTOTUNED_FWD.to_tokamax())
         return lambda x, w, gs: op(x, w, group_sizes=gs)
     if name == "dropless":
-        from dropless.moe.gmm_tuned import tuned_gmm
+        from dropless.gmm.tuned import tuned_gmm
 
         return lambda x, w, gs: tuned_gmm(x, w, gs, plan)
     if name == "capacity":
-        from dropless.moe.gmm import CapacityGmm
+        from dropless.gmm.api import CapacityGmm
 
         return CapacityGmm(capacity_factor)
     raise ValueError(f"backend={name!r} is not valid; choose one of {', '.join(BACKENDS)}.")
@@ -258,7 +258,7 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
     import jax
     import jax.numpy as jnp
 
-    from dropless.moe import gmm_tuning
+    from dropless.gmm import tuning as gmm_tuning
 
     env = environment()
     plan = gmm_tuning.plan_for(shape.m, shape.k, shape.n, shape.g, kind=env["device"], path=plan_path) \
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"error: {', '.join(bad)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
             return 2
-    from dropless import xla_flags
+    from dropless.core import xla_flags
 
     xla_flags.apply()
     import jax

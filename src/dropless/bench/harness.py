@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.config import Config
-from dropless.parallel import mesh as mesh_lib
+from dropless.core.config import Config
+from dropless.core import mesh as mesh_lib
 from dropless.train.setup import StepSetup, build, init_state  # noqa: F401  (the benchmarks' entry points)
 from dropless.train.step import TrainState
 

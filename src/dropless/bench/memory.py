@@ -95,7 +95,7 @@ def memory_report(config, devices=None, *, compiled=None) -> dict:
     """Per-device bytes of a training step: parameters, gradients, optimizer state, activations, temporaries,
     the compiled program's own figures, and the peak estimate. Nothing is allocated."""
     from dropless.bench import harness
-    from dropless.parallel import dispatch
+    from dropless.ep import dispatch
 
     setup = harness.build(config, devices)
     compiled = compiled or harness.lower(setup).compile()
@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from dropless.config import ConfigError
+    from dropless.core.config import ConfigError
 
     if args.devices is not None:
         if args.devices < 1:
@@ -193,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
     else:
-        from dropless import xla_flags
+        from dropless.core import xla_flags
 
         xla_flags.apply()
-    from dropless.cli import build_config, parse_overrides
+    from dropless.core.config import build_config, parse_overrides
 
     config = build_config(args.preset, parse_overrides(args.overrides))
     report = memory_report(config)

@@ -351,14 +351,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from dropless import xla_flags
+    from dropless.core import xla_flags
 
     xla_flags.apply()
     import jax
 
     from dropless.bench import harness
-    from dropless.cli import build_config, parse_overrides
-    from dropless.config import ConfigError
+    from dropless.core.config import build_config, parse_overrides
+    from dropless.core.config import ConfigError
 
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1.")

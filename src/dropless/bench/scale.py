@@ -116,14 +116,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from dropless import xla_flags
+    from dropless.core import xla_flags
 
     xla_flags.apply()
     import jax
 
     from dropless.bench.gmm import environment
     from dropless.bench.step import device_slug
-    from dropless.cli import build_config, parse_overrides
+    from dropless.core.config import build_config, parse_overrides
     from dropless.train import metrics as metrics_lib
 
     try:

@@ -597,7 +597,7 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
 
     import jax
 
-    from dropless import xla_flags
+    from dropless.core import xla_flags
     from dropless.bench.gmm import environment
     from dropless.models import transformer
     from dropless.train import metrics as metrics_lib
@@ -721,12 +721,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to 8, e.g. --rungs 1,4,5.",
               file=sys.stderr)
         return 2
-    from dropless import xla_flags
+    from dropless.core import xla_flags
 
     xla_flags.apply()
     import jax
 
-    from dropless.cli import build_config, parse_overrides
+    from dropless.core.config import build_config, parse_overrides
     from dropless.train import metrics as metrics_lib
 
     if args.compilation_cache:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dropless.moe import gmm_tuning as gt
-from dropless.moe.gmm_tuning import ProductConfig, ShapeKey, TileConfig
+from dropless.gmm import tuning as gt
+from dropless.gmm.tuning import ProductConfig, ShapeKey, TileConfig
 
 PACKAGED_TABLE = Path(gt.__file__).with_name(gt.DATA_FILE)
 
@@ -86,7 +86,7 @@ def candidates(product: str, shape: ShapeKey, which: str = "quick",
 
 def preset_shapes(name: str, rows: int) -> list[tuple[str, ShapeKey]]:
     """The two routed-expert GEMMs of a preset, with G = local experts."""
-    from dropless.config import load_preset
+    from dropless.core.config import load_preset
 
     cfg = load_preset(name)
     d, f = cfg.model.hidden_size, cfg.moe.expert_intermediate_size
@@ -98,7 +98,7 @@ def product_fn(product: str, config: ProductConfig):
     """The product as a function of its two operands and the group sizes."""
     import jax.numpy as jnp
 
-    from dropless.moe.gmm_tuned import _ragged_rows, ragged_contract
+    from dropless.gmm.tuned import _ragged_rows, ragged_contract
 
     if product == "fwd":
         return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=False, out_dtype=jnp.bfloat16)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if not chosen:
             print(f"error: {flag} must be a comma-separated subset of {', '.join(allowed)}.", file=sys.stderr)
             return 2
-    from dropless import xla_flags
+    from dropless.core import xla_flags
 
     xla_flags.apply()
     env = environment()

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless import config as config_lib
-from dropless.config import Config
+from dropless.core import config as config_lib
+from dropless.core.config import Config
 from dropless.convert.hf_config import ConvertError, config_from_hf, config_to_hf
 from dropless.convert.hf_weights import (FP8_DTYPES, Slab, check_checkpoint, check_coverage, fp8_block_size,
                                          hf_shapes, name_pattern, plan, read_hf_tensor, to_hf, to_ours)

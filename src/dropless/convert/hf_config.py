@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any
 
-from dropless.config import Config, ConfigError, ModelConfig
+from dropless.core.config import Config, ConfigError, ModelConfig
 
 ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",

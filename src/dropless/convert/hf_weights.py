@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from dropless.config import Config
+from dropless.core.config import Config
 from dropless.convert.hf_config import ConvertError
 from dropless.convert.safetensors_io import CheckpointReader
 

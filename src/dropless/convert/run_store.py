@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
-from dropless.config import Config
+from dropless.core.config import Config
 from dropless.train import checkpoint as ckpt
 
 LeafPath = tuple[str, ...]

@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from dropless.config import DataConfig
+from dropless.core.config import DataConfig
 from dropless.data import corpus as corpus_lib
 from dropless.data.corpus import Corpus, DataError
 from dropless.data.prefetch import Prefetcher

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from dropless.config import ConfigError, ModelConfig
-from dropless.models.norms import rms_norm
-from dropless.models.rope import apply_rope, mla_softmax_scale
-from dropless.parallel.mesh import per_batch_shard
+from dropless.core.config import ConfigError, ModelConfig
+from dropless.ops.norms import rms_norm
+from dropless.ops.rope import apply_rope, mla_softmax_scale
+from dropless.core.mesh import per_batch_shard
 
 # Hugging Face's DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm without passing
 # config.rms_norm_eps, so the latent norms always use the RMSNorm default.

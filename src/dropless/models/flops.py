@@ -19,7 +19,7 @@ configurations fairly.
 
 from __future__ import annotations
 
-from dropless.config import Config
+from dropless.core.config import Config
 from dropless.models.transformer import param_breakdown, param_counts
 
 

@@ -26,13 +26,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from dropless.config import Config, ConfigError, ModelConfig, TrainConfig
+from dropless.core.config import Config, ConfigError, ModelConfig, TrainConfig
 from dropless.models.attention import attention, attention_logical_axes, init_attention, rotary_dim
 from dropless.models.embedding import embed_tokens
-from dropless.models.matmul import matmul_f32_out
+from dropless.ops.matmul import matmul_f32_out
 from dropless.models.mlp import MLP_LOGICAL_AXES, init_mlp, swiglu
-from dropless.models.norms import rms_norm
-from dropless.models.rope import rope_tables
+from dropless.ops.norms import rms_norm
+from dropless.ops.rope import rope_tables
 from dropless.moe.layer import init_moe, moe_layer
 
 # Activations tagged with `checkpoint_name` in every layer (all [B, S, D] in the compute dtype).

@@ -3,8 +3,8 @@
 An executor is any callable
     executor(x_TD, expert_ids_TK int32, weights_TK float32, experts, gmm) -> (y_TD float32, ExecutorStats)
 where `experts` = {"gate_up": [E, D, 2F], "down": [E, F, D]} (already in the compute dtype) and `gmm` is a
-grouped-GEMM backend (dropless.moe.gmm). `LocalExecutor` runs everything on one device; the
-expert-parallel executors (dropless.parallel.dispatch) add dispatch/combine collectives around the same
+grouped-GEMM backend (dropless.gmm.api). `LocalExecutor` runs everything on one device; the
+expert-parallel executors (dropless.ep.dispatch) add dispatch/combine collectives around the same
 permute / routed_experts / unpermute stages.
 """
 
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.moe.experts import routed_experts
-from dropless.moe.gmm import GroupedMatmul
+from dropless.gmm.api import GroupedMatmul
 from dropless.moe.permute import permute, unpermute
 
 

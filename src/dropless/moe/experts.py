@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dropless.models.matmul import matmul_f32_out
-from dropless.moe.gmm import GroupedMatmul
+from dropless.ops.matmul import matmul_f32_out
+from dropless.gmm.api import GroupedMatmul
 
 
 def _glu(h_MF2: jax.Array, dtype) -> jax.Array:

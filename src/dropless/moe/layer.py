@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 
 from dropless.moe import balance
-from dropless.moe.errors import MoEError
+from dropless.core.errors import MoEError
 from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, init_swiglu
-from dropless.moe.gmm import make_gmm
+from dropless.gmm.api import make_gmm
 from dropless.moe.router import Routing, route
 
 
@@ -34,7 +34,7 @@ class MoEStats(NamedTuple):
     seq_aux_loss: jax.Array
     z_loss: jax.Array
     balance_loss: jax.Array  # aux_loss_weight*aux + seq_aux_loss_weight*seq_aux + z_loss_weight*z
-    # Expert-parallel traffic (dropless.parallel.dispatch); 0 on one device.
+    # Expert-parallel traffic (dropless.ep.dispatch); 0 on one device.
     dispatch_overflowed: jax.Array  # int32 1 if alltoall slots or a local expert buffer overflowed (worst case ran)
     rows_sent: jax.Array  # int32 token rows sent between devices (dispatch; combine returns as many)
     rows_sent_without_dedup: jax.Array  # int32 rows one copy per remote (token, expert) pair would need

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dropless.parallel.mesh import per_batch_shard
+from dropless.core.mesh import per_batch_shard
 
 
 class Routing(NamedTuple):
@@ -58,7 +58,7 @@ def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_c
     """Choose K experts per token and their combine weights. The bias steers selection only.
 
     With a `mesh` whose devices split the tokens, the selection runs on each device's own tokens
-    (`dropless.parallel.mesh.per_batch_shard`): XLA's partitioner gathered the group-limited top-k's group scores
+    (`dropless.core.mesh.per_batch_shard`): XLA's partitioner gathered the group-limited top-k's group scores
     of every token onto every device (a blocking all-gather per layer) and selected for all tokens on each."""
     logits_TE = router_logits(kernel_DE, x_TD)
     scores_TE = scores_from_logits(logits_TE, moe_cfg.score_func)

@@ -1,7 +1,7 @@
 """Checkpoints with orbax: atomic, the last few kept, restored with the shardings the caller asks for.
 
 A run directory looks like
-    RUN_DIR/config.json            the full Config of the run (dropless.config.save)
+    RUN_DIR/config.json            the full Config of the run (dropless.core.config.save)
     RUN_DIR/tokenizer.json         the tokenizer (written by dropless.data)
     RUN_DIR/checkpoints/<step>/    one orbax checkpoint per saved step, with two items:
         model       {"params": ..., "state": ...}   what inference, export and fine-tuning need
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dropless import config as config_lib
+from dropless.core import config as config_lib
 
 
 class CheckpointError(ValueError):

@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless import config as config_lib
-from dropless.config import Config, ConfigError
+from dropless.core import config as config_lib
+from dropless.core.config import Config, ConfigError
 from dropless.data import load_token_dataset
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
-from dropless.moe.gmm import resolve_backend_name
+from dropless.gmm.api import resolve_backend_name
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
 from dropless.train import setup as setup_lib

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dropless.config import ConfigError, TrainConfig
+from dropless.core.config import ConfigError, TrainConfig
 
 HOST_MEMORY_KIND = "pinned_host"
 

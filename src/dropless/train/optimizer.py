@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from dropless.config import TrainConfig
+from dropless.core.config import TrainConfig
 from dropless.train.offload import apply_memory_features
 
 

@@ -12,10 +12,10 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from dropless.config import Config
+from dropless.core.config import Config
 from dropless.models import transformer
-from dropless.parallel import dispatch
-from dropless.parallel import mesh as mesh_lib
+from dropless.ep import dispatch
+from dropless.core import mesh as mesh_lib
 from dropless.train import offload
 from dropless.train.optimizer import make_optimizer
 from dropless.train.step import TrainState, init_train_state, make_train_step
@@ -35,7 +35,7 @@ class StepSetup:
 
 def train_state_shardings(config: Config, mesh: Mesh, optimizer: optax.GradientTransformation) -> TrainState:
     """Shardings of every TrainState leaf: parameters by their logical axes (the one rule table in
-    dropless.parallel.mesh), optimizer moments like the parameters they track, the rest replicated."""
+    dropless.core.mesh), optimizer moments like the parameters they track, the rest replicated."""
     replicated = mesh_lib.replicated(mesh)
     param_shapes = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config))
     params = mesh_lib.param_shardings(mesh, transformer.logical_axes(config), param_shapes)

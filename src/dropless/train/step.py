@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dropless.config import Config
+from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
 from dropless.moe.balance import max_load_ratio

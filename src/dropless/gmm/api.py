@@ -23,7 +23,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from dropless.moe.errors import MoEError
+from dropless.core.errors import MoEError
 
 
 class GroupedMatmul:
@@ -118,11 +118,11 @@ def _make(backend: str, capacity_factor: float) -> GroupedMatmul:
     if backend == "capacity":
         return CapacityGmm(capacity_factor)
     if backend == "tokamax":
-        from dropless.moe.gmm_tokamax import TokamaxGmm  # imports tokamax only when asked for
+        from dropless.gmm.tokamax import TokamaxGmm  # imports tokamax only when asked for
 
         return TokamaxGmm()
     if backend == "tokamax_default":
-        from dropless.moe.gmm_tokamax import TokamaxGmm
+        from dropless.gmm.tokamax import TokamaxGmm
 
         return TokamaxGmm(implementation="mosaic", weight_grad="dropless")
     raise MoEError(f"moe.gmm_backend={backend!r} is not valid; choose one of auto, xla, tokamax, tokamax_default, "

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import MoEConfig
-from dropless.moe import CapacityGmm, MoEError, XlaGmm, init_moe, make_gmm, moe_layer
-from dropless.moe.gmm_tokamax import TokamaxGmm
+from dropless.core.config import MoEConfig
+from dropless.gmm import CapacityGmm, XlaGmm, make_gmm
+from dropless.moe import MoEError, init_moe, moe_layer
+from dropless.gmm.tokamax import TokamaxGmm
 from dropless.moe.reference import reference_capacity_keep, reference_moe, reference_route
 
 ROWS, K_DIM, N_DIM = 13, 5, 6

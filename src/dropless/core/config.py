@@ -128,7 +128,7 @@ class MoEConfig:
     dispatch_chunks: int = 1
     # The dtype of the rows sent to other devices' experts (the tokens, and in the backward the output's gradient):
     # "compute" (the training dtype) or "float8" (e4m3 with a scale per 128 values, half of bf16's bytes; the
-    # rows coming back stay in the compute dtype). dropless.parallel.wire.
+    # rows coming back stay in the compute dtype). dropless.ep.wire.
     dispatch_dtype: Literal["compute", "float8"] = "compute"
 
     def __post_init__(self):
@@ -374,3 +374,27 @@ def save(config: Config, path: Path) -> None:
 
 def load(path: Path) -> Config:
     return from_dict(json.loads(Path(path).read_text()))
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, str]:
+    """['group.key=value', ...] -> {'group.key': 'value'}; anything else is a ConfigError."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"'{pair}' is not a key=value override; write it like moe.gmm_backend=xla.")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def build_config(preset: str, overrides: dict[str, str], *, steps: int | None = None, data: str | None = None,
+                 tokenizer: str | None = None) -> Config:
+    config = load_preset(preset)
+    flags = {}
+    if steps is not None:
+        flags["train.steps"] = steps
+    if data is not None:
+        flags["data.source"] = data
+    if tokenizer is not None:
+        flags["data.tokenizer"] = tokenizer
+    return apply_overrides(config, {**overrides, **flags})

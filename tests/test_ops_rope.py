@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import ConfigError
-from dropless.models import rope
+from dropless.core.config import ConfigError
+from dropless.ops import rope
 from dropless.models.mlp import init_mlp, swiglu
-from dropless.models.norms import rms_norm
+from dropless.ops.norms import rms_norm
 
 # DeepSeek-V3's published rope_scaling (config.json of deepseek-ai/DeepSeek-V3).
 DEEPSEEK_YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.models.matmul import matmul_f32_out
+from dropless.ops.matmul import matmul_f32_out
 
 
 def _inputs(dtype):

@@ -12,12 +12,12 @@ Strategies (`moe.dispatch`):
 - `alltoall`: rows packed into fixed slots per destination (`moe.alltoall_buffer_factor` x the balanced
   load) and exchanged with `all_to_all`. If any device's rows for any destination do not fit, checked on
   the device, the layer takes a second, worst-case-sized exchange instead (`lax.cond`): never a drop.
-- `ragged`: `jax.lax.ragged_all_to_all` moves exactly the rows needed (GPU only; see dropless.xla_flags).
+- `ragged`: `jax.lax.ragged_all_to_all` moves exactly the rows needed (GPU only; see dropless.core.xla_flags).
 
 Deduplication (`moe.dedup`, alltoall and ragged): a token whose top-k experts include several on one
 device is sent there once, with the list of its experts on that device; the receiver expands it to
 those experts and sends back ONE row, their weighted sum. Combine rows travel in the compute dtype; rows
-towards the experts may travel in FP8 (`moe.dispatch_dtype=float8`, every strategy: dropless.parallel.wire).
+towards the experts may travel in FP8 (`moe.dispatch_dtype=float8`, every strategy: dropless.ep.wire).
 
 Legend, per device: T tokens, K top-k, D hidden, P devices on the `expert` axis, G = E / P local
 experts, J = experts one sent row carries (min(K, G) with dedup, else 1), U = T*K send units
@@ -36,13 +36,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from dropless.config import Config, ConfigError
+from dropless.core.config import Config, ConfigError
 from dropless.moe.executor import ExecutorStats, LocalExecutor
-from dropless.moe.gmm import GroupedMatmul
+from dropless.gmm.api import GroupedMatmul
 from dropless.moe.permute import PermuteInfo, permute, unpermute
-from dropless.moe.varying import varying_like
-from dropless.parallel.mesh import BATCH_AXES, MESH_AXES
-from dropless.parallel.wire import Wire
+from dropless.core.varying import varying_like
+from dropless.core.mesh import BATCH_AXES, MESH_AXES
+from dropless.ep.wire import Wire
 
 EXPERT_AXIS = "expert"
 ROW_ALIGN = 8  # bounded local buffers hold a multiple of this many rows (the grouped GEMMs' row alignment)

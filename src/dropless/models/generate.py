@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.config import Config, ConfigError
+from dropless.core.config import Config, ConfigError
 from dropless.models import transformer
 
 

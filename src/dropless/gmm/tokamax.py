@@ -30,8 +30,8 @@ from typing import ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from dropless.moe.errors import MoEError
-from dropless.moe.gmm import GroupedMatmul, row_mask
+from dropless.core.errors import MoEError
+from dropless.gmm.api import GroupedMatmul, row_mask
 
 ROW_ALIGNMENT = 128  # the kernel rejects row counts that are not a multiple of its row tile (seen: 64)
 
@@ -69,8 +69,8 @@ def _gmm_bwd(implementation, out_dtype, weight_grad, residuals, g_MN):
                                                preferred_element_type=rhs_GKN.dtype, implementation=implementation)
     elif weight_grad == "dropless":
         # Our weight-gradient kernel with the tuned tile for this shape (gmm_tuned.py): correct where tokamax's is not.
-        from dropless.moe.gmm_tuned import ragged_contract
-        from dropless.moe.gmm_tuning import plan_for
+        from dropless.gmm.tuned import ragged_contract
+        from dropless.gmm.tuning import plan_for
 
         (m, k), (g, _, n) = lhs_MK.shape, rhs_GKN.shape
         g_rhs_GKN = ragged_contract(lhs_MK, g_MN, group_sizes_G, plan_for(m, k, n, g).drhs, out_dtype=rhs_GKN.dtype)
@@ -113,8 +113,8 @@ class TokamaxGmm(GroupedMatmul):
 
 def _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding=True):
     """The tuned three-product path; the plan is looked up while tracing (shapes are static)."""
-    from dropless.moe.gmm_tuned import tuned_gmm
-    from dropless.moe.gmm_tuning import plan_for
+    from dropless.gmm.tuned import tuned_gmm
+    from dropless.gmm.tuning import plan_for
 
     if lhs_MK.dtype != rhs_GKN.dtype or lhs_MK.dtype not in (jnp.bfloat16, jnp.float16):
         raise MoEError(f"moe.gmm_backend=tokamax multiplies bf16 or f16 operands of one dtype, got {lhs_MK.dtype} x "

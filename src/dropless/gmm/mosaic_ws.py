@@ -1,6 +1,6 @@
 """A warp-specialised grouped GEMM for Hopper: one producer warpgroup feeds two consumer warpgroups.
 
-`dropless.moe.gmm_mosaic.grouped_matmul` runs one warpgroup per CTA that both issues the TMA loads and the
+`dropless.gmm.mosaic.grouped_matmul` runs one warpgroup per CTA that both issues the TMA loads and the
 wgmma instructions, and stores each output tile before it starts loading the next: its tensor cores idle
 during every epilogue and its 128x128 tile reads more shared memory per MMA than a wider one. This kernel
 splits the work the way cuBLAS's fastest sm90 kernels do (the `..._256x128_..._coopA` kernels in our
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.moe.gmm_mosaic import (ROW_ALIGN, max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
+from dropless.gmm.mosaic import (ROW_ALIGN, max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
                                       zero_rows_outside_group)
-from dropless.moe.gmm_tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
+from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
 MEMORY_REGISTERS = 40  # per thread for the producer warpgroup; the consumers get the rest (setmaxnreg)

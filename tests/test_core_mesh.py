@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dropless import xla_flags
-from dropless.config import ConfigError, ParallelConfig
-from dropless.parallel import distributed
-from dropless.parallel.mesh import batch_sharding, logical_to_spec, make_mesh, param_shardings, place
+from dropless.core import xla_flags
+from dropless.core.config import ConfigError, ParallelConfig
+from dropless.core import distributed
+from dropless.core.mesh import batch_sharding, logical_to_spec, make_mesh, param_shardings, place
 
 
 @pytest.mark.parametrize("data,fsdp,expert,shape", [(-1, 1, 1, (8, 1, 1)), (-1, 2, 2, (2, 2, 2)),
@@ -100,7 +100,7 @@ def test_per_batch_shard_runs_an_unpartitionable_kernel_on_each_devices_slice():
     whole batch; through per_batch_shard each device's call sees its own slice and the result is unchanged."""
     import jax
 
-    from dropless.parallel.mesh import per_batch_shard
+    from dropless.core.mesh import per_batch_shard
 
     seen = []
 
@@ -126,7 +126,7 @@ def test_the_model_runs_attention_per_batch_shard_on_a_mesh(monkeypatch):
     import jax
 
     from dropless.models import attention, transformer
-    from dropless.parallel.dispatch import make_executor
+    from dropless.ep.dispatch import make_executor
     from tests.micro_config import micro_config
 
     config = micro_config(**{"train.batch_size": 8, "parallel.data": 2, "parallel.expert": 4})

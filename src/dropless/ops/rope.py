@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.config import ConfigError
+from dropless.core.config import ConfigError
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -23,9 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dropless.moe.gmm import row_mask
-from dropless.moe.gmm_tuning import GmmPlan, ProductConfig
-from dropless.moe.varying import varying_like
+from dropless.gmm.api import row_mask
+from dropless.gmm.tuning import GmmPlan, ProductConfig
+from dropless.core.varying import varying_like
 
 _RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
@@ -41,12 +41,12 @@ def _tokamax_op(config: ProductConfig):
 def _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, config: ProductConfig, *, transpose_rhs: bool, out_dtype):
     """out[m] = lhs[m] · rhs[g(m)] (or rhs[g(m)]ᵀ); rows past sum(group_sizes) unwritten."""
     if config.kernel == "dropless":
-        from dropless.moe.gmm_mosaic import grouped_matmul
+        from dropless.gmm.mosaic import grouped_matmul
 
         return grouped_matmul(lhs_MK, rhs_GKN, group_sizes_G, config.tile, transpose_rhs=transpose_rhs,
                               out_dtype=out_dtype)
     if config.kernel == "dropless_ws":
-        from dropless.moe.gmm_mosaic_ws import grouped_matmul_ws
+        from dropless.gmm.mosaic_ws import grouped_matmul_ws
 
         return grouped_matmul_ws(lhs_MK, rhs_GKN, group_sizes_G, config.tile, transpose_rhs=transpose_rhs,
                                  out_dtype=out_dtype)
@@ -58,11 +58,11 @@ def _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, config: ProductConfig, *, trans
 def ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out_dtype):
     """out[g] = lhs[rows of g]ᵀ · rhs[rows of g], [G, K, N]."""
     if config.kernel == "dropless":
-        from dropless.moe.gmm_mosaic import grouped_matmul_tn
+        from dropless.gmm.mosaic import grouped_matmul_tn
 
         return grouped_matmul_tn(lhs_MK, rhs_MN, group_sizes_G, config.tile, out_dtype=out_dtype)
     if config.kernel == "dropless_ws":
-        from dropless.moe.gmm_mosaic_ws import grouped_matmul_tn_ws
+        from dropless.gmm.mosaic_ws import grouped_matmul_tn_ws
 
         return grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, config.tile, out_dtype=out_dtype)
     return _tokamax_op(config)(lhs_MK, rhs_MN, group_sizes=group_sizes_G,
@@ -77,7 +77,7 @@ def _zero_padding_rows(out_MX: jax.Array, group_sizes_G: jax.Array) -> jax.Array
 def tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, plan: GmmPlan, out_dtype=None, zero_padding: bool = True):
     """out_MN[m] = lhs_MK[m] · rhs_GKN[g(m)], differentiable in lhs and rhs, each product with the plan's kernel.
 
-    zero_padding=False leaves the output's padding rows unwritten (dropless.moe.gmm); the input gradient's padding
+    zero_padding=False leaves the output's padding rows unwritten (dropless.gmm.api); the input gradient's padding
     rows are zero either way."""
     out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
     out_MN = _ragged_rows(lhs_MK, rhs_GKN, group_sizes_G, plan.fwd, transpose_rhs=False, out_dtype=out_dtype)

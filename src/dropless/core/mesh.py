@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from dropless.config import ConfigError, ParallelConfig
+from dropless.core.config import ConfigError, ParallelConfig
 
 MESH_AXES = ("data", "fsdp", "expert")
 # Tokens are split over every device: the batch dimension is sharded over all three axes jointly.

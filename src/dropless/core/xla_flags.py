@@ -4,7 +4,7 @@
 the flag, and sets each variable of GPU_ENV_DEFAULTS that is not set: a value you set yourself always wins
 (e.g. `XLA_FLAGS=--xla_gpu_..._decomposer=false`, `XLA_PYTHON_CLIENT_MEM_FRACTION=0.75`). XLA and JAX read
 them once, when JAX first starts a backend, so `apply()` must run before anything touches devices:
-`dropless.parallel.distributed.initialize()` and the benchmarks call it first thing. Set
+`dropless.core.distributed.initialize()` and the benchmarks call it first thing. Set
 `DROPLESS_XLA_FLAGS=0` to skip it entirely. The settings only concern GPUs; other backends ignore them.
 """
 

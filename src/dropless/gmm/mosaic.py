@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.moe.gmm_tuning import TileConfig
+from dropless.gmm.tuning import TileConfig
 
 # Row tiles of a group start at its first row rounded down to this many rows, so the TMA box starts on a
 # sublane-aligned row (tokamax does the same); the few rows before the group are computed and not stored.

@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import Config, ConfigError, MoEConfig, ParallelConfig
-from dropless.moe import LocalExecutor, XlaGmm, init_moe, moe_layer, route
-from dropless.moe.gmm import row_mask
-from dropless.moe.varying import varying_like
-from dropless.parallel import dispatch
-from dropless.parallel.dispatch import AllGather, AllToAll, Auto, NoDispatch, Ragged, ragged_offsets
-from dropless.parallel.mesh import make_mesh
+from dropless.core.config import Config, ConfigError, MoEConfig, ParallelConfig
+from dropless.gmm import XlaGmm
+from dropless.moe import LocalExecutor, init_moe, moe_layer, route
+from dropless.gmm.api import row_mask
+from dropless.core.varying import varying_like
+from dropless.ep import dispatch
+from dropless.ep.dispatch import AllGather, AllToAll, Auto, NoDispatch, Ragged, ragged_offsets
+from dropless.core.mesh import make_mesh
 
 HIDDEN, WIDTH, EXPERTS = 8, 4, 8
 # Tiny programs, many compilations: XLA:CPU's LLVM optimisation is most of the time and buys nothing here.

@@ -11,8 +11,8 @@ H200's table), and anything else gets `DEFAULT_PLAN`. This module is pure Python
 jax or tokamax, so the lookup is testable anywhere.
 
 Kernels: "tokamax" is tokamax's Mosaic GPU ragged_dot (for dlhs/drhs it copies Wᵀ / xᵀ first);
-"dropless" is `dropless.moe.gmm_mosaic`, which reads W and x in place; "dropless_ws" is
-`dropless.moe.gmm_mosaic_ws`, its warp-specialised variant (two consumer warpgroups side by side: a CTA's
+"dropless" is `dropless.gmm.mosaic`, which reads W and x in place; "dropless_ws" is
+`dropless.gmm.mosaic_ws`, its warp-specialised variant (two consumer warpgroups side by side: a CTA's
 output tile is block_m x 2*block_n).
 """
 
@@ -27,14 +27,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dropless.moe.errors import MoEError
+from dropless.core.errors import MoEError
 
 PRODUCTS = ("fwd", "dlhs", "drhs")
 KERNELS = ("tokamax", "dropless", "dropless_ws")
 # Output columns per CTA, in units of block_n: the warp-specialised kernel's consumers sit side by side.
 CTA_COLUMNS = {"tokamax": 1, "dropless": 1, "dropless_ws": 2}
 SCHEMA_VERSION = 1
-DATA_FILE = "gmm_configs.json"
+DATA_FILE = "configs.json"
 _MINOR_DIMS = {"m": 0, "n": 1}
 
 
@@ -203,8 +203,8 @@ def device_kind() -> str | None:
 def load_table(path: str | Path | None = None) -> dict[str, Any]:
     """The tuned-config table: the packaged gmm_configs.json, or `path`. Raises GmmConfigError if malformed."""
     if path is None:
-        text = resources.files("dropless.moe").joinpath(DATA_FILE).read_text()
-        where = f"dropless/moe/{DATA_FILE}"
+        text = resources.files("dropless.gmm").joinpath(DATA_FILE).read_text()
+        where = f"dropless/gmm/{DATA_FILE}"
     else:
         path = Path(path)
         if not path.exists():

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.config import Config, ConfigError, MoEConfig, ParallelConfig
-from dropless.parallel import dispatch
-from dropless.parallel.mesh import make_mesh
-from dropless.parallel.wire import FP8, FP8_MAX, TILE, Wire, dequantize, quantize, tile_size
-from tests.test_parallel_dispatch import MESHES, MOE, STRATEGIES, _assert_matches_single_device, _layer, _problem
+from dropless.core.config import Config, ConfigError, MoEConfig, ParallelConfig
+from dropless.ep import dispatch
+from dropless.core.mesh import make_mesh
+from dropless.ep.wire import FP8, FP8_MAX, TILE, Wire, dequantize, quantize, tile_size
+from tests.test_ep_dispatch import MESHES, MOE, STRATEGIES, _assert_matches_single_device, _layer, _problem
 
 FLOAT8 = Wire("float8")
 

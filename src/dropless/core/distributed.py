@@ -17,8 +17,8 @@ import os
 
 import jax
 
-from dropless import xla_flags
-from dropless.config import ConfigError
+from dropless.core import xla_flags
+from dropless.core.config import ConfigError
 
 _OWN_KEYS = ("DROPLESS_COORDINATOR", "DROPLESS_NUM_PROCESSES", "DROPLESS_PROCESS_ID")
 _SLURM_KEYS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
