@@ -9,12 +9,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import logging
 import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
+from tokenizers import Tokenizer
+
+from dropless import convert
+from dropless.convert import compute_logits, load_hf
 from dropless.core import config as config_lib
+from dropless.core import distributed
 from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.models.generate import generate
+from dropless.train import checkpoint as ckpt
+from dropless.train.loop import train
 
 OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
@@ -37,9 +47,6 @@ def _default_run_dir(preset: str, resume: bool) -> Path:
 
 
 def cmd_train(args) -> int:
-    from dropless.train import checkpoint as ckpt
-    from dropless.train.loop import train
-
     overrides = parse_overrides(args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(args.preset, args.resume)
     init_weights = None
@@ -48,7 +55,6 @@ def cmd_train(args) -> int:
         base = ckpt.load_run_config(run_dir)
         config = config_lib.apply_overrides(base, {**overrides, **_flag_overrides(args)})
     elif args.init_from_hf:
-        from dropless.convert import load_hf
         hf_config, params, state = load_hf(Path(args.init_from_hf))
         merged = {k: v for k, v in _flat_dict(config_lib.load_preset(args.preset)).items()
                   if k.split(".")[0] in ("train", "data", "parallel")}
@@ -85,27 +91,21 @@ def _flat_dict(config: config_lib.Config) -> dict:
 
 
 def _load_for_inference(args):
-    """(config, params, state, tokenizer) from --run-dir or --hf-dir."""
-    from tokenizers import Tokenizer
-
+    """(config, params, state, tokenizer path) from --run-dir or --hf-dir."""
     if args.hf_dir:
-        from dropless.convert import load_hf
         config, params, state = load_hf(Path(args.hf_dir))
         tokenizer_path = Path(args.hf_dir) / "tokenizer.json"
     else:
-        from dropless.train import checkpoint as ckpt
         config, params, state = ckpt.load_model(Path(args.run_dir))
         tokenizer_path = Path(args.run_dir) / "tokenizer.json"
-    return config, params, state, tokenizer_path, Tokenizer
+    return config, params, state, tokenizer_path
 
 
 def cmd_generate(args) -> int:
-    from dropless.models.generate import generate
-
-    config, params, state, tokenizer_path, tokenizer_cls = _load_for_inference(args)
+    config, params, state, tokenizer_path = _load_for_inference(args)
     if not tokenizer_path.is_file():
         raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
-    tokenizer = tokenizer_cls.from_file(str(tokenizer_path))
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
     stop_id = tokenizer.token_to_id("<|endoftext|>")
     ids = generate(config, params, state, tokenizer.encode(args.prompt).ids, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id)
@@ -114,10 +114,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_logits(args) -> int:
-    import numpy as np
-
-    from dropless.convert import compute_logits
-
     tokens_path = Path(args.tokens)
     if not tokens_path.is_file():
         raise ConfigError(f"--tokens {tokens_path} does not exist; give an .npy file of int token ids [batch, seq].")
@@ -125,7 +121,7 @@ def cmd_logits(args) -> int:
     if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise ConfigError(f"--tokens must hold an integer array [batch, seq]; {tokens_path} has "
                           f"{tokens.dtype} of shape {tokens.shape}.")
-    config, params, state, _, _ = _load_for_inference(args)
+    config, params, state, _ = _load_for_inference(args)
     if tokens.min() < 0 or tokens.max() >= config.model.vocab_size:
         raise ConfigError(f"--tokens holds ids outside [0, {config.model.vocab_size}); the model's vocabulary "
                           f"has {config.model.vocab_size} entries.")
@@ -136,8 +132,6 @@ def cmd_logits(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from dropless import convert
-
     if args.from_hf and args.to:
         convert.convert_from_hf(Path(args.from_hf), Path(args.to))
         print(f"dropless: imported {args.from_hf} into run directory {args.to}")
@@ -255,8 +249,6 @@ def _one_line_warnings() -> None:
 
 def _quiet_library_logs() -> None:
     """orbax logs routine notes (e.g. on read-only checkpoint access) as absl warnings: keep errors only."""
-    import logging
-
     logging.getLogger("absl").setLevel(logging.ERROR)
 
 
@@ -270,7 +262,6 @@ def main(argv: list[str] | None = None) -> int:
             return _delegate(*delegated)
         args = make_parser().parse_args(argv)
         # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
-        from dropless.core import distributed
         distributed.initialize()
         return args.func(args)
     except (ValueError, *OS_ERRORS) as err:

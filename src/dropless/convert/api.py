@@ -26,6 +26,7 @@ from dropless.convert.hf_weights import (FP8_DTYPES, Slab, check_checkpoint, che
                                          hf_shapes, name_pattern, plan, read_hf_tensor, to_hf, to_ours)
 from dropless.convert.run_store import LeafPath, RunReader, RunWriter, model_leaf_shapes
 from dropless.convert.safetensors_io import DTYPES, CheckpointReader, write_sharded
+from dropless.models import transformer
 from dropless.train import checkpoint as ckpt
 
 HF_SOURCE = "hf_source.json"
@@ -192,8 +193,6 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
 @functools.lru_cache(maxsize=8)
 def _jitted_forward(config_json: str):
     """One compiled forward per distinct config (Config holds a dict, so it is keyed by its JSON)."""
-    from dropless.models import transformer
-
     config = config_lib.from_dict(json.loads(config_json))
     return jax.jit(lambda params, state, tokens_BS: transformer.forward(params, state, tokens_BS, config)[0])
 

@@ -25,12 +25,13 @@ import numpy as np
 import tensorstore as ts
 
 from dropless.core.config import Config
+from dropless.models import transformer
 from dropless.train import checkpoint as ckpt
 
 LeafPath = tuple[str, ...]
 _CHUNK_BYTES = 64 * 2**20  # unstacked leaves (the embedding) are split into chunks of at most this size
 # Slab writes are grouped into transactions of about this many bytes: committing each slab on its own costs
-# ~10 ms and a file in the store (31k expert slabs in DeepSeek-V3); a transaction holds its data until commit.
+# a commit and a file in the store per slab (31k expert slabs in DeepSeek-V3); a transaction holds its data until commit.
 _COMMIT_BYTES = 64 * 2**20
 
 
@@ -193,8 +194,6 @@ class RunReader:
 
 def model_leaf_shapes(config: Config) -> dict[LeafPath, tuple[int, ...]]:
     """Shapes of every leaf of {"params", "state"} for `config`, from the model's own init (nothing allocated)."""
-    from dropless.models import transformer
-
     tree = jax.eval_shape(lambda: {"params": transformer.init_params(jax.random.key(0), config),
                                    "state": transformer.init_state(config)})
     out = {}

@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Iterator, Literal
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 STDLIB = "stdlib"
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -189,9 +191,6 @@ def _parse_jsonl(path: Path, text: str) -> Iterator[str]:
 
 
 def _read_parquet(path: Path) -> Iterator[str]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:

@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dropless.core import config as config_lib
+from dropless.models import transformer
 
 
 class CheckpointError(ValueError):
@@ -107,8 +108,6 @@ def save_model(run_dir: Path, config: config_lib.Config, params, state, step: in
 
 def load_model(run_dir: Path, step: int | None = None):
     """(config, params, state) from a run directory's latest (or given) checkpoint, on the default device."""
-    from dropless.models import transformer  # imported here: the model package is heavier than this module
-
     config = load_run_config(run_dir)
     step = latest_step(run_dir) if step is None else step
     if step is None:

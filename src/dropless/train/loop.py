@@ -18,13 +18,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from tqdm import tqdm
 
 from dropless.core import config as config_lib
 from dropless.core.config import Config, ConfigError
 from dropless.data import load_token_dataset
+from dropless.gmm.api import resolve_backend_name
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
-from dropless.gmm.api import resolve_backend_name
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
 from dropless.train import setup as setup_lib
@@ -187,7 +189,6 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
 
 def _sync_processes(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 
@@ -213,5 +214,4 @@ class _NoBar:
 def _progress_bar(start: int, total: int, enabled: bool):
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)

@@ -13,6 +13,9 @@ import json
 import math
 from pathlib import Path
 
+from matplotlib.figure import Figure
+from tensorboardX import SummaryWriter
+
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by jax `device_kind`.
 PEAK_BF16_TFLOPS = {
     "NVIDIA H200": 989.5,
@@ -48,7 +51,6 @@ class MetricsWriter:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = self.path.open("a")
-        from tensorboardX import SummaryWriter  # imported lazily: TensorBoard is only a sink
         self._tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, record: dict) -> None:
@@ -87,11 +89,9 @@ def plot_run(run_dir: Path) -> Path | None:
     evals = [r for r in records if r.get("eval_loss") is not None]
     if not train and not evals:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_load) = plt.subplots(1, 2, figsize=(10, 3.6))
+    # matplotlib's object API renders without pyplot, so no global backend is chosen for the caller.
+    fig = Figure(figsize=(10, 3.6))
+    ax_loss, ax_load = fig.subplots(1, 2)
     if train:
         ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
@@ -106,5 +106,4 @@ def plot_run(run_dir: Path) -> Path | None:
     fig.tight_layout()
     out = Path(run_dir) / "training.png"
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out
