@@ -98,49 +98,12 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     # metrics); the others wait for it, then read. Checkpoints are written by all (orbax coordinates them).
     primary = jax.process_index() == 0
     log = log if primary else (lambda message: None)
-    if primary:
-        config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite)
-        dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir, log=log)
-    _sync_processes("dropless: run directory ready")
-    if not primary:
-        dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir)
+    config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log)
     tc = config.train
     setup = setup_lib.build(config)
-    mesh, executor, state_shardings, batch_sharding = (setup.mesh, setup.executor, setup.state_shardings,
-                                                       setup.batch_sharding)
-    state = setup_lib.init_state(setup, init_weights)
-    start = 0
-    if resume:
-        start = ckpt.latest_step(run_dir) or 0
-        if start:
-            restored = ckpt.restore(run_dir, start,
-                                    {"params": state.params, "state": state.model_state},
-                                    {"opt_state": state.opt_state, "step": 0})
-            state = TrainState(jax.device_put(jnp.asarray(start, jnp.int32), state_shardings.step),
-                               restored["model"]["params"], restored["optimizer"]["opt_state"],
-                               restored["model"]["state"])
-    total, active = transformer.param_counts(config)
-    flops_per_token = flops_lib.model_flops_per_token(config, tc.seq_len)
-    peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
-    log(f"dropless: run directory {run_dir.resolve()}")
-    log(f"dropless: {total / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active per token; "
-        f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}; "
-        f"gmm={resolve_backend_name(config.moe.gmm_backend)}, "
-        f"dispatch={type(executor.strategy).__name__ if executor else 'none'}"
-        + (", float8 rows towards the experts" if executor and config.moe.dispatch_dtype == "float8" else ""))
-    if start >= tc.steps:
-        log(f"dropless: the run is already at step {start} of {tc.steps}; raise --steps to train further.")
-
-    eval_step = jax.jit(make_eval_step(config, executor),
-                        in_shardings=(state_shardings.params, state_shardings.model_state, batch_sharding))
-    process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-    eval_data = [_global_batch(b, batch_sharding, tc.batch_size)
-                 for b in dataset.eval_batches(tc.eval_batches, tc.batch_size, **process)]
-
-    def evaluate(state: TrainState) -> float:
-        losses = [eval_step(state.params, state.model_state, b) for b in eval_data]
-        return float(np.mean(jax.device_get(losses)))
-
+    state, start = _restore(setup, run_dir, setup_lib.init_state(setup, init_weights), resume)
+    _describe(config, setup, run_dir, start, log)
+    evaluate = _evaluator(config, setup, dataset)
     writer = metrics_lib.MetricsWriter(run_dir) if primary else None
     eval_losses: list[tuple[int, float]] = []
     tokens_dropped_total = 0
@@ -150,28 +113,21 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
         log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
 
     bar = _progress_bar(start, tc.steps, progress and primary)
-    window_start, window_tokens = time.perf_counter(), 0
+    throughput = _Throughput(config)
     wall_start = time.perf_counter()
+    to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
     with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
-            start, tc.batch_size, tc.steps, transform=lambda b: _global_batch(b, batch_sharding, tc.batch_size),
-            **process) as batches:
+            start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
         for step in range(start, tc.steps):
             state, step_metrics = setup.step(state, next(batches))
-            window_tokens += tc.batch_size * tc.seq_len
+            throughput.add(tc.batch_size * tc.seq_len)
             done = step + 1
             if done % tc.log_every == 0 or done == tc.steps:
-                step_metrics = jax.device_get(step_metrics)
-                elapsed = time.perf_counter() - window_start
-                record = {"step": done, **{k: float(v) for k, v in step_metrics.items()},
-                          **metrics_lib.throughput(window_tokens, elapsed, flops_per_token, jax.device_count(), peak)}
-                for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup"):
-                    record[key] = int(step_metrics[key])
+                record = _step_record(config, done, jax.device_get(step_metrics), throughput.take())
                 tokens_dropped_total += record["tokens_dropped"]
-                _check_nothing_dropped(config, record)
                 _write(writer, record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                                 load=f"{record['max_expert_load']:.2f}")
-                window_start, window_tokens = time.perf_counter(), 0
             bar.update(1)
             if done % tc.eval_every == 0 or done == tc.steps:
                 eval_losses.append((done, evaluate(state)))
@@ -185,6 +141,89 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
         metrics_lib.plot_run(run_dir)
     return RunSummary(run_dir, start, max(start, tc.steps), eval_losses, time.perf_counter() - wall_start,
                       tokens_dropped_total)
+
+
+def _process() -> dict:
+    return {"process_index": jax.process_index(), "process_count": jax.process_count()}
+
+
+def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, overwrite: bool, log):
+    """(the run's config, its token dataset): process 0 prepares the directory, the others read it after."""
+    if primary:
+        config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite)
+        dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir, log=log)
+    _sync_processes("dropless: run directory ready")
+    if not primary:
+        dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir)
+    return config, dataset
+
+
+def _restore(setup, run_dir: Path, state: TrainState, resume: bool) -> tuple[TrainState, int]:
+    """(state, first step): the latest checkpoint's when resuming a run that has one, else `state` at step 0."""
+    start = (ckpt.latest_step(run_dir) or 0) if resume else 0
+    if not start:
+        return state, 0
+    restored = ckpt.restore(run_dir, start, {"params": state.params, "state": state.model_state},
+                            {"opt_state": state.opt_state, "step": 0})
+    step = jax.device_put(jnp.asarray(start, jnp.int32), setup.state_shardings.step)
+    return TrainState(step, restored["model"]["params"], restored["optimizer"]["opt_state"],
+                      restored["model"]["state"]), start
+
+
+def _describe(config: Config, setup, run_dir: Path, start: int, log) -> None:
+    """The run's opening lines: where, how large, on what, with which kernels and dispatch."""
+    executor = setup.executor
+    total, active = transformer.param_counts(config)
+    log(f"dropless: run directory {run_dir.resolve()}")
+    log(f"dropless: {total / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active per token; "
+        f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {dict(setup.mesh.shape)}; "
+        f"gmm={resolve_backend_name(config.moe.gmm_backend)}, "
+        f"dispatch={type(executor.strategy).__name__ if executor else 'none'}"
+        + (", float8 rows towards the experts" if executor and config.moe.dispatch_dtype == "float8" else ""))
+    if start >= config.train.steps:
+        log(f"dropless: the run is already at step {start} of {config.train.steps}; raise --steps to train further.")
+
+
+def _evaluator(config: Config, setup, dataset) -> Callable[[TrainState], float]:
+    """The held-out loss: the mean over the dataset's fixed evaluation batches."""
+    tc = config.train
+    eval_step = jax.jit(make_eval_step(config, setup.executor),
+                        in_shardings=(setup.state_shardings.params, setup.state_shardings.model_state,
+                                      setup.batch_sharding))
+    eval_data = [_global_batch(b, setup.batch_sharding, tc.batch_size)
+                 for b in dataset.eval_batches(tc.eval_batches, tc.batch_size, **_process())]
+
+    def evaluate(state: TrainState) -> float:
+        losses = [eval_step(state.params, state.model_state, b) for b in eval_data]
+        return float(np.mean(jax.device_get(losses)))
+    return evaluate
+
+
+class _Throughput:
+    """Tokens and wall time since the last logged step, as the metrics' throughput fields."""
+
+    def __init__(self, config: Config):
+        self.flops_per_token = flops_lib.model_flops_per_token(config, config.train.seq_len)
+        self.peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def take(self) -> dict:
+        fields = metrics_lib.throughput(self.tokens, time.perf_counter() - self.start, self.flops_per_token,
+                                        jax.device_count(), self.peak)
+        self.start, self.tokens = time.perf_counter(), 0
+        return fields
+
+
+def _step_record(config: Config, step: int, step_metrics: dict, throughput: dict) -> dict:
+    """One metrics.jsonl line for a logged step; checks the dropless invariant on it."""
+    record = {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **throughput}
+    for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup"):
+        record[key] = int(step_metrics[key])
+    _check_nothing_dropped(config, record)
+    return record
 
 
 def _sync_processes(name: str) -> None:
