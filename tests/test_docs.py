@@ -1,0 +1,45 @@
+"""The docs state what the code is: the architecture page's layers are the import contract's, and the
+configuration page's key table is what `dropless.core.config` declares."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _contract_layers() -> list[list[str]]:
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    return [[name.strip().removeprefix("dropless.") for name in layer.split("|")] for layer in layers]
+
+
+def _page_layers() -> list[list[str]]:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    block = page.split("## Layers", 1)[1].split("```", 2)[1]
+    rows = []
+    for line in block.splitlines():
+        # A layer's row starts with its package names ("models  |  data"), then two or more spaces and a note.
+        head = re.split(r"\s{3,}", line.strip(), maxsplit=1)[0] if line.startswith("  ") and line[2] != " " else ""
+        if head:
+            rows.append([name.strip() for name in head.split("|")])
+    return rows
+
+
+def test_architecture_page_draws_the_contract_layers():
+    assert _page_layers() == _contract_layers()
+
+
+def test_every_package_is_in_a_layer():
+    packages = {p.name for p in (ROOT / "src" / "dropless").iterdir()
+                if p.is_dir() and (p / "__init__.py").exists() and p.name != "presets"}
+    packages |= {p.stem for p in (ROOT / "src" / "dropless").glob("*.py") if p.stem != "__init__"}
+    assert packages == {name for layer in _contract_layers() for name in layer}
+
+
+def test_configuration_page_lists_every_key_as_the_code_declares_it():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_config_docs.py"), "--check"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
