@@ -65,6 +65,7 @@ bench-needs-gpu:
 # 1 GPU: our grouped GEMM against XLA's dense GEMM of equal FLOPs, DeepSeek-V3's four shapes, Dirichlet groups.
 # (Its chart stays in the scratch folder: the backend comparison's is the one kept.)
 bench-gmm: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
 	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES) --skews dirichlet --backends dense,dropless --table \
 	  --out $(RESULTS)/gmm-$(GPU).json --chart $(BENCH_SCRATCH)/gmm-$(GPU).png
 
