@@ -13,7 +13,7 @@ comma := ,
 VENV := .venv
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: setup train test bench-gmm clean
+.PHONY: setup train test clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -33,3 +33,119 @@ test: setup
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .jax_cache
+
+# Device benchmarks (BENCHMARKS.md): each target measures on NVIDIA GPUs and writes its record, the commit and date
+# inside, to benchmarks/results/<benchmark>[-<variant>]-<device>.json. Parsing them needs no GPU; running them
+# does, one or two of one host as each says. They run in the project's environment (made by `make setup`); where
+# dropless is importable already (a device machine without network), pass BENCH_PYTHON=python3.
+ifeq ($(origin BENCH_PYTHON),undefined)
+BENCH_PYTHON := $(VENV)/bin/python
+BENCH_SETUP := setup
+endif
+BENCH_DEPS := bench-needs-gpu $(BENCH_SETUP)
+DROPLESS := $(BENCH_PYTHON) -m dropless.cli
+RESULTS := benchmarks/results
+BENCH_SCRATCH := build/bench
+# The device part of a record's name, read when a target runs: "NVIDIA H200" -> h200; two GPUs -> h200x2.
+GPU = $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
+DSV3_SHAPES := dsv3-gate-up-e32,dsv3-down-e32,dsv3-gate-up-e256,dsv3-down-e256
+LADDER_RUNGS ?= 2,3,4,5,8
+# label:VARIABLE=value+VARIABLE=value, one process each (NCCL reads its variables once per process).
+COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL_MIN_NCHANNELS=32 \
+  ctas32:NCCL_MIN_CTAS=32+NCCL_MAX_CTAS=32 proto_simple:NCCL_PROTO=Simple buffsize16M:NCCL_BUFFSIZE=16777216 \
+  nthreads512:NCCL_NTHREADS=512 user_buffers:XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true
+
+BENCH_TARGETS := bench-gmm bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
+  bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
+  bench-fp8-check bench-strategy-cost bench-collectives
+.PHONY: $(BENCH_TARGETS) bench-needs-gpu
+bench-needs-gpu:
+	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
+
+# 1 GPU: our grouped GEMM against XLA's dense GEMM of equal FLOPs, DeepSeek-V3's four shapes, Dirichlet groups.
+# (Its chart stays in the scratch folder: the backend comparison's is the one kept.)
+bench-gmm: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES) --skews dirichlet --backends dense,dropless --table \
+	  --out $(RESULTS)/gmm-$(GPU).json --chart $(BENCH_SCRATCH)/gmm-$(GPU).png
+
+# 1 GPU: every grouped-GEMM backend, shape and group-size skew (the default `bench gmm`), with its chart.
+bench-gmm-backends: $(BENCH_DEPS)
+	$(DROPLESS) bench gmm --table --out $(RESULTS)/gmm-backends-$(GPU).json
+
+# 1 GPU: the bf16 MoE layer through the GPU default against the float32 layer, beside plain JAX's bf16 error.
+bench-layer-check: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/gpu_layer_check.py --out $(RESULTS)/layer-check-$(GPU).json
+
+# 2 GPUs: the training-step ladder of deepseek-v3-proxy at 4 x 2,048 tokens per GPU (rung 1 does not fit this
+# batch: bench-step-batch1 measures it; rungs 6-7: bench-step-offload-flags). Writes step-<device>.json and .png.
+bench-step: $(BENCH_DEPS)
+	$(DROPLESS) bench step --ladder --preset deepseek-v3-proxy --rungs $(LADDER_RUNGS) --steps 8 --seconds 2.5 \
+	  --out $(RESULTS) train.batch_size=4 train.seq_len=2048
+
+# 1 GPU: ladder rungs 1-5 at one sequence of 2,048 tokens, the batch at which rung 1 (jax.lax.ragged_dot) fits.
+bench-step-batch1: $(BENCH_DEPS)
+	rm -rf $(BENCH_SCRATCH)/step-batch1
+	$(DROPLESS) bench step --ladder --preset deepseek-v3-proxy --rungs 1,2,3,4,5 --steps 5 --seconds 1.5 \
+	  --out $(BENCH_SCRATCH)/step-batch1 train.batch_size=1 train.seq_len=2048
+	mv $(BENCH_SCRATCH)/step-batch1/step-*.json $(RESULTS)/step-batch1-$(GPU).json
+
+# 1 GPU: ladder rungs 4-7 (activation offloading, XLA scheduling flags) at 4 x 2,048 tokens.
+bench-step-offload-flags: $(BENCH_DEPS)
+	rm -rf $(BENCH_SCRATCH)/step-offload-flags
+	$(DROPLESS) bench step --ladder --preset deepseek-v3-proxy --rungs 4,5,6,7 --steps 5 --seconds 1.5 \
+	  --out $(BENCH_SCRATCH)/step-offload-flags train.batch_size=4 train.seq_len=2048
+	mv $(BENCH_SCRATCH)/step-offload-flags/step-*.json $(RESULTS)/step-offload-flags-$(GPU).json
+
+# 2 GPUs: the step at 4 x 4,096 tokens per GPU with rung 5's settings, on one GPU, then on two with expert
+# parallelism (8 sequences), back to back.
+bench-step-4x4096: $(BENCH_DEPS)
+	CUDA_VISIBLE_DEVICES=0 $(DROPLESS) bench step --preset deepseek-v3-proxy --warmup 2 --steps 8 --seconds 2.5 \
+	  --record $(RESULTS)/step-4x4096-$(GPU).json train.remat=none train.scan_layers=false train.batch_size=4
+	$(DROPLESS) bench step --preset deepseek-v3-proxy --warmup 2 --steps 8 --seconds 2.5 \
+	  --record $(RESULTS)/step-4x4096-$(GPU)x2.json train.remat=none train.scan_layers=false train.batch_size=8 \
+	  parallel.expert=2
+
+# 2 GPUs: the MoE layer with the default dispatch (auto), random routing, against the one-GPU layer.
+bench-ep: $(BENCH_DEPS)
+	$(DROPLESS) bench ep --iters 11 --strategies auto --skews random --table --out $(RESULTS)/ep-$(GPU)x2.json
+
+# 2 GPUs: every dispatch strategy under random and skewed routing (the default `bench ep`).
+bench-ep-strategies: $(BENCH_DEPS)
+	$(DROPLESS) bench ep --iters 11 --table --out $(RESULTS)/ep-strategies-$(GPU)x2.json
+
+# 2 GPUs: the default dispatch with FP8 rows on the link.
+bench-ep-float8: $(BENCH_DEPS)
+	$(DROPLESS) bench ep --iters 11 --strategies auto --skews random --table --out $(RESULTS)/ep-float8-$(GPU)x2.json \
+	  moe.dispatch_dtype=float8
+
+# 2 GPUs: the default dispatch with 32 NCCL channels (the fastest setting of bench-collectives).
+bench-ep-nccl-channels32: $(BENCH_DEPS)
+	NCCL_MIN_NCHANNELS=32 $(DROPLESS) bench ep --iters 11 --strategies auto --skews random --table \
+	  --out $(RESULTS)/ep-nccl-channels32-$(GPU)x2.json
+
+# 2 GPUs: the default dispatch compiled with each XLA scheduling candidate the layer has collectives for.
+bench-ep-xla-flags: $(BENCH_DEPS)
+	$(DROPLESS) bench ep --iters 5 --strategies auto --skews random --table \
+	  --xla none,latency_hiding_scheduler,sol_latency_estimator,parallel_collective_overlap \
+	  --out $(RESULTS)/ep-xla-flags-$(GPU)x2.json
+
+# 2 GPUs: FP8 rows against bf16 rows: gradient error, and which collectives carry float8.
+bench-fp8-check: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/fp8_dispatch_check.py --strategies allgather,ragged --out $(RESULTS)/fp8-check-$(GPU)x2.json
+
+# 1 GPU: what each dispatch strategy costs in compute, its collectives doing nothing on a one-GPU expert axis.
+bench-strategy-cost: $(BENCH_DEPS)
+	CUDA_VISIBLE_DEVICES=0 $(BENCH_PYTHON) benchmarks/strategy_cost.py --variants allgather,alltoall,allgather:float8,ragged \
+	  --rounds 7 --out $(RESULTS)/strategy-cost-$(GPU).json
+
+# 2 GPUs: the layer's collectives alone at its size under each NCCL/XLA setting, then through PyTorch's NCCL
+# with a plain peer copy (where PyTorch is installed; it is no dependency of dropless).
+bench-collectives: $(BENCH_DEPS)
+	out=$(RESULTS)/collectives-$(GPU)x2.jsonl; rm -f $$out; set -e; \
+	for setting in $(COLLECTIVE_SETTINGS); do vars=$${setting#*:}; \
+	  env $${vars//+/ } $(BENCH_PYTHON) benchmarks/collectives.py --label $${setting%%:*} --out $$out; done; \
+	if $(BENCH_PYTHON) -c 'import torch' 2>/dev/null; then \
+	  $(BENCH_PYTHON) benchmarks/collectives_torch.py --out $$out; \
+	  NCCL_MIN_NCHANNELS=32 $(BENCH_PYTHON) benchmarks/collectives_torch.py --out $$out; \
+	else echo "PyTorch is not installed: its comparison is skipped."; fi

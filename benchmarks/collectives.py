@@ -8,8 +8,8 @@ throughput of back-to-back calls (dropless.bench.gmm.time_calls), and appends on
 {"label", "env", "ops": {op: {"ms", "GBps_per_device"}}}. GB/s per device = bytes each GPU receives / time
 (for two GPUs: the block; (n-1)/n of it for all_to_all).
 
-  python benchmarks/collectives.py --label default --out $OUT/collectives.jsonl
-  (benchmarks/device/nccl_settings.sh runs it once per setting)
+  python benchmarks/collectives.py --label default --out collectives.jsonl
+  (`make bench-collectives` runs it once per NCCL/XLA setting)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 peer copy between the two GPUs: what the link and NCCL give outside XLA, as a ceiling for the JAX figures.
 Only for the device machines (PyTorch is not a dropless dependency). Appends one JSON line to --out.
 
-  python3 benchmarks/collectives_torch.py --out $OUT/collectives.jsonl
+  python3 benchmarks/collectives_torch.py --out collectives.jsonl      (make bench-collectives runs it)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ experts: they see the rounding of both trips towards the experts), and which col
 program carry float8. Prints one line per strategy and writes --out (JSON). The layer benchmark
 (`dropless bench ep moe.dispatch_dtype=float8`) measures the speed.
 
-  python3 benchmarks/fp8_dispatch_check.py --out $OUT/fp8-check.json
+  python3 benchmarks/fp8_dispatch_check.py --out fp8-check.json      (make bench-fp8-check)
 """
 
 from __future__ import annotations

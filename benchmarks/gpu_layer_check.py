@@ -1,6 +1,6 @@
 """The MoE layer through the GPU default (moe.gmm_backend=auto -> our tuned Mosaic GPU kernels) against references.
 
-    python benchmarks/gpu_layer_check.py [--out results.json]
+    python benchmarks/gpu_layer_check.py [--out results.json]      (make bench-layer-check)
 
 On a GPU, for several routings (balanced, Dirichlet-like skew, every token on one expert, most experts empty)
 and token counts that are not multiples of the kernels' 128-row tile, it runs the bf16 MoE layer forward and
@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dropless.bench.gmm import environment
 from dropless.core.config import MoEConfig
+from dropless.gmm.api import make_gmm
 from dropless.moe import init_moe, moe_layer
 
 CASES = {
@@ -91,7 +93,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="", help="write the records as JSON here")
     args = parser.parse_args(argv)
-    from dropless.gmm.api import make_gmm
 
     backend = type(make_gmm(MoEConfig(gmm_backend="auto"))).__name__
     print(f"device {jax.devices()[0].device_kind}; moe.gmm_backend=auto is {backend}")
@@ -105,8 +106,8 @@ def main(argv=None) -> int:
               f"rel. err auto/xla vs f32: {errs}")
     if args.out:
         with open(args.out, "w") as stream:
-            json.dump({"device": jax.devices()[0].device_kind, "auto_backend": backend, "records": records},
-                      stream, indent=1)
+            json.dump({"environment": environment(), "device": jax.devices()[0].device_kind, "auto_backend": backend,
+                       "records": records}, stream, indent=1)
     return 0 if all(r["ok"] for r in records) else 1
 
 

@@ -4,7 +4,8 @@ nothing; what remains is its packing, unpacking and, for float8 rows, the quanti
 timed in alternating rounds against the plain one-GPU layer (dropless.bench.ep.paired_rounds). Variants:
 a strategy name, with ":float8" for FP8 rows. Prints one line per variant and writes --out (JSON).
 
-  python3 benchmarks/strategy_cost.py --variants allgather,allgather:float8,alltoall --out $OUT/strategy-cost.json
+  python3 benchmarks/strategy_cost.py --variants allgather,allgather:float8,alltoall --out strategy-cost.json
+  (make bench-strategy-cost)
 """
 
 from __future__ import annotations
