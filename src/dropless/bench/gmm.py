@@ -5,7 +5,7 @@ reference), `jax.lax.ragged_dot`, tokamax's default path, tokamax with its forwa
 (`dropless`: the tuned plan for all three products) and the capacity-factor batched GEMM (drops rows),
 forward and forward+backward. Each path is checked against an f32 reference before it is timed. Timing:
 warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
-input sets, each batch ended by one device sync. Results: a list of records in JSON (see `record_schema`).
+input sets, each batch ended by one device sync. Results: a list of records in JSON (see `RECORD_KEYS`).
 
 Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows inside groups.
 """

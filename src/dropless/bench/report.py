@@ -1,9 +1,10 @@
 """The benchmarks' tables and charts: the Markdown tables BENCHMARKS.md shows and the PNG charts beside them.
 
-Each function reads the records a benchmark wrote (the JSON's own keys) and draws nothing else, so a table can be
-made again from a results file. matplotlib is imported when a chart is drawn, not with this module: the tables
-are printed by every benchmark, and a bare GPU machine without matplotlib still gets its JSON and its table
-(`dropless bench step --chart` redraws the ladder's PNG elsewhere).
+Each function reads only the records a benchmark wrote (the JSON's own keys), so a table or chart can be made
+again from a results file. matplotlib is imported when a chart is drawn, not with this module: `bench ep` and
+`bench scale` print tables and draw nothing, and a bare GPU machine without matplotlib still gets the ladder's
+JSON and table (`dropless bench step --chart` redraws its PNG elsewhere). The console summaries of `bench memory`
+and `dropless profile` stay with their measurements.
 """
 
 from __future__ import annotations
