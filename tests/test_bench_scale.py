@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dropless.bench import scale
+from dropless.bench import report, scale
 from tests.micro_config import MICRO
 
 
@@ -28,7 +28,7 @@ def test_scaling_records_divide_by_the_one_device_rate():
     assert rows["2:fsdp=1,expert=2:allgather"]["efficiency"] == pytest.approx(0.9)
     assert rows["2:fsdp=1,expert=2:allgather"]["rows_sent_per_device"] == 20
     assert rows["2:fsdp=1,expert=2:allgather"]["comm_ms_by_kind"] == {"all-gather": 1.0}
-    table = scale.markdown_table(list(rows.values()))
+    table = report.scale_markdown(list(rows.values()))
     assert "| 2 | fsdp=1,expert=2 | allgather | 10.0 |" in table and "error: x" in table
 
 

@@ -203,7 +203,7 @@ def make_parser() -> argparse.ArgumentParser:
     presets.set_defaults(func=cmd_presets)
 
     # These hand their arguments, untouched, to their own parsers (see PASS_THROUGH in main).
-    sub.add_parser("bench", help="benchmarks: gmm, ep, step, memory, scale (see 'dropless bench NAME --help')")
+    sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (see 'dropless bench NAME --help')")
     sub.add_parser("tune-gmm", help="autotune the grouped GEMM on this GPU (see 'dropless tune-gmm --help')")
     sub.add_parser("profile", help="trace training steps and break down device time (see 'dropless profile --help')")
     return parser

@@ -7,7 +7,7 @@ number of tokens per device, in bf16, forward + backward (gradients w.r.t. the i
   tokens) for each dispatch strategy; weak-scaling efficiency = one-device time / N-device time, both compiled
   with the same XLA options (`--xla`; PGLE programs against the plain one-device program), timed in alternating
   rounds (one-device batch, N-device batch, `--iters` times): the median of the rounds' ratios, and their range,
-  so that a drift of the GPUs' clocks over the run (seen: 2% between two timings of one program) does not
+  so that a drift of the GPUs' clocks over the run (a few percent between two timings of one program) does not
   decide it;
 - from a `jax.profiler` trace of the N-device program: communication kernel time (the dispatch/combine
   collectives) and its share of all kernel time (dropless.bench.profile's breakdown);
@@ -23,11 +23,27 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import json
 import shutil
+import statistics
 import sys
 import tempfile
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dropless.bench import pgle, profile, report
+from dropless.bench.harness import time_calls
+from dropless.bench.records import environment, results_path, write_json
+from dropless.core import xla_flags
+from dropless.core.config import ParallelConfig, build_config, parse_overrides
+from dropless.core.mesh import batch_sharding, make_mesh
+from dropless.core.xla_flags import SCHEDULING_CANDIDATES
+from dropless.ep.dispatch import ExpertParallelExecutor, make_strategy
+from dropless.ep.wire import Wire
+from dropless.moe import init_moe, moe_layer, route
 
 STRATEGIES = ("auto", "allgather", "alltoall", "ragged")
 SKEWS = ("random", "skewed")
@@ -40,14 +56,6 @@ CALLS_SECONDS = 0.5
 
 def _layer_program(moe_cfg, mesh, strategy):
     """jit(forward + backward of one bf16 MoE layer) on `mesh`; strategy None = the single-device executor."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from dropless.moe import moe_layer
-    from dropless.ep.dispatch import ExpertParallelExecutor
-    from dropless.core.mesh import batch_sharding
-
     executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy, moe_cfg.local_buffer_factor)
 
     def forward_backward(params, bias_E, x_BSD, cotangent_BSD):
@@ -71,19 +79,13 @@ def _layer_program(moe_cfg, mesh, strategy):
 
 def _placed(compiled, args):
     """`args` moved to the shardings `compiled` takes, once: otherwise every timed call would first copy the
-    other devices' share of the input there (on two H200s a 4.6 ms peer copy, timed as part of the layer)."""
-    import jax
-
+    other devices' share of the input there (a peer copy over the link, timed as part of the layer)."""
     return jax.device_put(args, compiled.input_shardings[0])
 
 
 def paired_rounds(baseline, baseline_args, program, args, rounds: int, target_s: float = CALLS_SECONDS) -> dict:
     """Time `baseline` and `program` in alternating batches, `rounds` times: each round's ratio baseline/program
     is taken from timings a second apart. -> medians of both, the median ratio and the ratios' range."""
-    import statistics
-
-    from dropless.bench.gmm import time_calls
-
     pairs = [(time_calls(baseline, [baseline_args], batches=1, target_s=target_s),
               time_calls(program, [args], batches=1, target_s=target_s)) for _ in range(rounds)]
     ratios = [b / p for b, p in pairs]
@@ -98,8 +100,6 @@ def _compiled(lowered, options: dict):
     """(`lowered` compiled with `options` to be timed, and again without command buffers to be profiled:
     kernels inside CUDA graphs name no HLO instruction, dropless.bench.profile). Once per program, for every
     routing it is run with."""
-    from dropless.bench import profile
-
     return (lowered.compile(compiler_options=options or None),
             lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS}))
 
@@ -108,10 +108,6 @@ def _profile(compiled, args, iters: int, keep: Path | None = None) -> dict:
     """Kernel-time breakdown of `iters` calls of `compiled` (the graph-free program of `_compiled`) on `args`,
     placed for it. With `keep`, the trace and the HLO text are saved there as <keep>.trace.json.gz and
     <keep>.hlo.txt.gz."""
-    import jax
-
-    from dropless.bench import profile
-
     jax.block_until_ready(compiled(*args))  # first-run allocations stay out of the trace
     text = compiled.as_text()
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -140,11 +136,6 @@ def _kernel_time(breakdown: dict, top: int = 12) -> dict:
 
 def _inputs(config, devices: int, tokens_per_device: int, seed: int = 0):
     """(params, x_BSD, cotangent_BSD) in bf16 activations for `devices` x `tokens_per_device` tokens."""
-    import jax
-    import jax.numpy as jnp
-
-    from dropless.moe import init_moe
-
     hidden, seq = config.model.hidden_size, min(config.train.seq_len, tokens_per_device)
     shape = (devices * tokens_per_device // seq, seq, hidden)
 
@@ -158,8 +149,6 @@ def _inputs(config, devices: int, tokens_per_device: int, seed: int = 0):
 
 
 def _router_bias(moe_cfg, skew: str):
-    import jax.numpy as jnp
-
     ramp = jnp.linspace(SKEW, -SKEW, moe_cfg.num_experts) if skew == "skewed" else jnp.zeros(moe_cfg.num_experts)
     return ramp.astype(jnp.float32)
 
@@ -169,11 +158,6 @@ def needed_rows(params, bias_E, x_BSD, moe_cfg, devices: int) -> int:
 
     Tokens are split evenly and in order over the devices of the (1, 1, devices) mesh.
     """
-    import jax
-    import numpy as np
-
-    from dropless.moe import route
-
     x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
     ids_TK = np.asarray(jax.jit(lambda k, b, x: route(k, b, x, moe_cfg).expert_ids_TK)(
         params["router"]["kernel"], bias_E, x_TD))
@@ -192,46 +176,18 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     `dropless.core.xla_flags.SCHEDULING_CANDIDATES` to compile each expert-parallel program with ("none": without;
     "pgle": compiled again with its own profiled kernel costs, dropless.bench.pgle). With `traces`, every profiled
     program's trace and HLO text are kept there."""
-    import jax
-
-    from dropless.bench import pgle
-    from dropless.bench.gmm import time_calls
-    from dropless.core.config import ParallelConfig
-    from dropless.ep.dispatch import make_strategy
-    from dropless.core.mesh import make_mesh
-    from dropless.ep.wire import Wire
-    from dropless.core.xla_flags import SCHEDULING_CANDIDATES
-
     count = len(devices)
-    hidden = config.model.hidden_size
-    # bytes per value over the four trips: the two back from the experts in bf16, the two towards them (the
-    # dispatch, the combine's backward) in moe.dispatch_dtype
-    trip_bytes = 2 * 2 + 2 * Wire.from_config(config.moe.dispatch_dtype).bytes_per_value(2, hidden)
-    records = []
     one = make_mesh(ParallelConfig(data=1), devices[:1])
     many = make_mesh(ParallelConfig(data=1, expert=count), devices, num_experts=config.moe.num_experts)
     params, x_BSD, cotangent_BSD = _inputs(config, count, tokens_per_device)
     rows = x_BSD.shape[0] // count  # one device's share: the first device's tokens of the N-device runs
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD[:rows], cotangent_BSD[:rows]) for skew in skews}
-    baseline_lowered = _layer_program(config.moe, one, None).lower(*arguments[skews[0]])
-    # (skew, flags) -> (the one-device program compiled with the same XLA options, its placed arguments), timed
-    # again beside each N-device program
-    baselines = {}
-    for flags in dict.fromkeys(["none", *(f for f in xla if f in SCHEDULING_CANDIDATES)]):
-        baseline, profiled = _compiled(baseline_lowered, dict(SCHEDULING_CANDIDATES.get(flags, {})))
-        for skew in skews:
-            args = _placed(baseline, arguments[skew])
-            layer_ms = 1e3 * time_calls(baseline, [args], batches=iters, target_s=CALLS_SECONDS)
-            baselines[skew, flags] = baseline, args
-            keep = traces and traces / f"single-device-{flags}-{skew}"
-            records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
-                            "layer_ms": layer_ms, **_kernel_time(_profile(profiled, args, profile_iters, keep))})
-            log(f"ep: 1 device, xla {flags}, {skew}: {layer_ms:.2f} ms")
+    baselines, records = _baselines(config, one, arguments, skews, xla, iters=iters, profile_iters=profile_iters,
+                                    traces=traces, log=log)
     arguments = {skew: (params, _router_bias(config.moe, skew), x_BSD, cotangent_BSD) for skew in skews}
     for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
         strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count,
                                                    "moe.dispatch_chunks": chunk_count}), platform=devices[0].platform)
-        inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
         program = _layer_program(config.moe, many, strategy)
         options = dict(SCHEDULING_CANDIDATES.get(flags, {}))
         lowered = program.lower(*arguments[skews[0]])
@@ -248,70 +204,87 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             compiled, profiled = _compiled(lowered, options)
         same = flags if flags in SCHEDULING_CANDIDATES else "none"  # the baseline compiled alike
         for skew in skews:
-            args = _placed(compiled, arguments[skew])
-            timing = paired_rounds(*baselines[skew, same], compiled, args, iters)
-            _, (_, stats) = jax.device_get(compiled(*args))
-            keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
-            breakdown = _profile(profiled, args, profile_iters, keep)
-            comm_ms = breakdown["ms_per_step_per_device"]["communication"]
-            needed = needed_rows(*args[:3], config.moe, count)
-            record = {
-                "strategy": name, "chunks": chunk_count, "xla": flags,
-                **({"pgle": pgle_status} if pgle_status else {}),
-                "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
-                                            count, config.moe.num_experts // count)).__name__
-                if hasattr(inner, "choose") else type(inner).__name__,
-                "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
-                "dispatch_dtype": config.moe.dispatch_dtype,
-                **timing, "single_device_xla": same,
-                "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
-                "comm_waiting_ms": breakdown["communication_waiting_ms_per_step_per_device"],
-                "comm_ms_by_kind": {k: v for k, v in breakdown["communication_ms_per_step_per_device"].items() if v},
-                **_kernel_time(breakdown),
-                "rows_needed_per_device": needed / count,
-                "rows_sent_per_device": int(stats.rows_sent) / count,
-                "rows_sent_without_dedup_per_device": int(stats.rows_sent_without_dedup) / count,
-                "overflowed": int(stats.dispatch_overflowed), "tokens_dropped": int(stats.tokens_dropped),
-                "max_load_ratio": float(stats.max_load_ratio),
-            }
-            if comm_ms > 0:  # forward: dispatch + combine; backward: their transposes
-                useful = needed / count * hidden * trip_bytes
-                record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
+            record = _record(config, strategy, (compiled, profiled), arguments[skew], baselines[skew, same],
+                             name=name, chunk_count=chunk_count, flags=flags, skew=skew, same=same,
+                             pgle_status=pgle_status, devices=count, tokens_per_device=tokens_per_device,
+                             iters=iters, profile_iters=profile_iters, traces=traces)
             records.append(record)
-            low, high = record["efficiency_range"]
-            log(f"ep: {count} devices, {name} in {chunk_count} chunk(s), xla {flags}, {skew}: "
-                f"{record['layer_ms']:.2f} ms against {record['single_device_ms']:.2f} ms on one device in the same "
-                f"rounds (efficiency {record['weak_scaling_efficiency']:.3f}, rounds {low:.3f}-{high:.3f}), "
-                f"communication {comm_ms:.2f} ms = "
-                f"{100 * record['comm_share']:.1f}% of kernel time ({record['comm_waiting_ms']:.2f} ms of it waiting "
-                f"for another device), rows sent {record['rows_sent_per_device']:.0f} "
-                f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")
+            _log_record(record, log)
     return records
 
 
-def markdown_table(records: list[dict]) -> str:
-    lines = ["| strategy | routing | layer fwd+bwd (ms) | weak-scaling efficiency (rounds) | communication (ms, share; "
-             "of it waiting for the other GPU) | "
-             "useful GB/s per device | rows sent per device (without dedup) | overflowed |", "|" + " --- |" * 8]
-    for r in records:
-        if r["strategy"] == "single-device":
-            device = "1 device" + (f", {r['xla']}" if r.get("xla", "none") != "none" else "")
-            lines.append(f"| {device} | {r['skew']} | {r['layer_ms']:.2f} | 1.00 | - | - | - | - |")
-            continue
-        gbps = f"{r['useful_GBps_per_device']:.0f}" if "useful_GBps_per_device" in r else "-"
-        strategy = r["strategy"] + (f" ({r['chosen']})" if r["strategy"] == "auto" else "")
-        strategy += f", {r['chunks']} chunks" if r.get("chunks", 1) > 1 else ""
-        strategy += f", {r['dispatch_dtype']} dispatch" if r.get("dispatch_dtype", "compute") != "compute" else ""
-        strategy += f", {r['xla']}" if r.get("xla", "none") != "none" else ""
-        strategy += " (not applied)" if r.get("pgle", "").startswith("not applied") else ""
-        low, high = r["efficiency_range"]
-        waiting = f" ({r['comm_waiting_ms']:.2f} waiting)" if r.get("comm_waiting_ms") else ""
-        lines.append(f"| {strategy} | {r['skew']} | {r['layer_ms']:.2f} | {r['weak_scaling_efficiency']:.3f} "
-                     f"({low:.3f}-{high:.3f}) | "
-                     f"{r['comm_ms']:.2f}, {100 * r['comm_share']:.1f}%{waiting} | {gbps} | "
-                     f"{r['rows_sent_per_device']:.0f} ({r['rows_sent_without_dedup_per_device']:.0f}) | "
-                     f"{r['overflowed']} |")
-    return "\n".join(lines)
+def _baselines(config, one, arguments: dict, skews, xla, *, iters: int, profile_iters: int, traces: Path | None,
+               log) -> tuple[dict, list[dict]]:
+    """The one-device program, compiled with each set of XLA options the N-device programs get: ({(skew, flags):
+    (the compiled program, its placed arguments)}, timed again beside each N-device program; their records)."""
+    baseline_lowered = _layer_program(config.moe, one, None).lower(*arguments[skews[0]])
+    baselines, records = {}, []
+    for flags in dict.fromkeys(["none", *(f for f in xla if f in SCHEDULING_CANDIDATES)]):
+        baseline, profiled = _compiled(baseline_lowered, dict(SCHEDULING_CANDIDATES.get(flags, {})))
+        for skew in skews:
+            args = _placed(baseline, arguments[skew])
+            layer_ms = 1e3 * time_calls(baseline, [args], batches=iters, target_s=CALLS_SECONDS)
+            baselines[skew, flags] = baseline, args
+            keep = traces and traces / f"single-device-{flags}-{skew}"
+            records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
+                            "layer_ms": layer_ms, **_kernel_time(_profile(profiled, args, profile_iters, keep))})
+            log(f"ep: 1 device, xla {flags}, {skew}: {layer_ms:.2f} ms")
+    return baselines, records
+
+
+def _record(config, strategy, programs, arguments, baseline, *, name: str, chunk_count: int, flags: str, skew: str,
+            same: str, pgle_status: str | None, devices: int, tokens_per_device: int, iters: int,
+            profile_iters: int, traces: Path | None) -> dict:
+    """One N-device program under one routing: timed against `baseline` in alternating rounds, profiled, and
+    its rows counted."""
+    compiled, profiled = programs
+    count, hidden = devices, config.model.hidden_size
+    inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
+    args = _placed(compiled, arguments)
+    timing = paired_rounds(*baseline, compiled, args, iters)
+    _, (_, stats) = jax.device_get(compiled(*args))
+    keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
+    breakdown = _profile(profiled, args, profile_iters, keep)
+    comm_ms = breakdown["ms_per_step_per_device"]["communication"]
+    needed = needed_rows(*args[:3], config.moe, count)
+    record = {
+        "strategy": name, "chunks": chunk_count, "xla": flags,
+        **({"pgle": pgle_status} if pgle_status else {}),
+        "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
+                                    count, config.moe.num_experts // count)).__name__
+        if hasattr(inner, "choose") else type(inner).__name__,
+        "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
+        "dispatch_dtype": config.moe.dispatch_dtype,
+        **timing, "single_device_xla": same,
+        "comm_ms": comm_ms, "comm_share": breakdown["communication_share"],
+        "comm_waiting_ms": breakdown["communication_waiting_ms_per_step_per_device"],
+        "comm_ms_by_kind": {k: v for k, v in breakdown["communication_ms_per_step_per_device"].items() if v},
+        **_kernel_time(breakdown),
+        "rows_needed_per_device": needed / count,
+        "rows_sent_per_device": int(stats.rows_sent) / count,
+        "rows_sent_without_dedup_per_device": int(stats.rows_sent_without_dedup) / count,
+        "overflowed": int(stats.dispatch_overflowed), "tokens_dropped": int(stats.tokens_dropped),
+        "max_load_ratio": float(stats.max_load_ratio),
+    }
+    if comm_ms > 0:  # forward: dispatch + combine; backward: their transposes
+        # bytes per value over the four trips: the two back from the experts in bf16, the two towards them (the
+        # dispatch, the combine's backward) in moe.dispatch_dtype
+        trip_bytes = 2 * 2 + 2 * Wire.from_config(config.moe.dispatch_dtype).bytes_per_value(2, hidden)
+        useful = needed / count * hidden * trip_bytes
+        record["useful_GBps_per_device"] = useful / (comm_ms * 1e-3) / 1e9
+    return record
+
+
+def _log_record(record: dict, log) -> None:
+    low, high = record["efficiency_range"]
+    log(f"ep: {record['devices']} devices, {record['strategy']} in {record['chunks']} chunk(s), xla {record['xla']}, "
+        f"{record['skew']}: "
+        f"{record['layer_ms']:.2f} ms against {record['single_device_ms']:.2f} ms on one device in the same "
+        f"rounds (efficiency {record['weak_scaling_efficiency']:.3f}, rounds {low:.3f}-{high:.3f}), "
+        f"communication {record['comm_ms']:.2f} ms = "
+        f"{100 * record['comm_share']:.1f}% of kernel time ({record['comm_waiting_ms']:.2f} ms of it waiting "
+        f"for another device), rows sent {record['rows_sent_per_device']:.0f} "
+        f"(without dedup {record['rows_sent_without_dedup_per_device']:.0f}) per device")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -342,15 +315,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from dropless.core import xla_flags
-
     xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag
-    import jax
-
-    from dropless.bench.gmm import environment
-    from dropless.bench.step import device_slug
-    from dropless.core.config import build_config, parse_overrides
-
     devices = jax.devices()[:args.devices]
     if len(devices) < args.devices:
         print(f"error: --devices {args.devices} but only {len(devices)} are present; lower --devices.", file=sys.stderr)
@@ -377,16 +342,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     config = build_config(args.preset, parse_overrides(args.overrides))
-    out = Path(args.out.format(device=device_slug(devices[0].device_kind)))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path(args.out, devices[0].device_kind)
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,
                       profile_iters=args.profile_iters, chunks=chunks, xla=xla,
                       traces=Path(args.traces) if args.traces else None)
     result = {"preset": args.preset, "tokens_per_device": args.tokens, "overrides": args.overrides,
               "environment": environment(), "records": records}
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result)
     if args.table:
-        print(markdown_table(records))
+        print(report.ep_markdown(records))
     print(f"wrote {out}")
     return 0
 

@@ -5,7 +5,7 @@ reference), `jax.lax.ragged_dot`, tokamax's default path, tokamax with its forwa
 (`dropless`: the tuned plan for all three products) and the capacity-factor batched GEMM (drops rows),
 forward and forward+backward. Each path is checked against an f32 reference before it is timed. Timing:
 warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
-input sets, each batch ended by one device sync. Results: a list of records in JSON (see `record_schema`).
+input sets, each batch ended by one device sync. Results: a list of records in JSON (see `RECORD_KEYS`).
 
 Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows inside groups.
 """
@@ -13,21 +13,23 @@ Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from dropless.bench import report
+from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
+from dropless.bench.records import environment, results_path, write_json
+from dropless.core import xla_flags
+from dropless.gmm import tuning as gmm_tuning
+from dropless.gmm.api import CapacityGmm
+from dropless.gmm.tuned import tuned_gmm
 from dropless.gmm.tuning import TileConfig
 
 
@@ -62,7 +64,6 @@ SKEW_INSENSITIVE = ("xla",)
 # tokamax's own autotuner's pick on an H200 for both DeepSeek-V3 32-expert shapes (shared/facts/autotune_dsv3_*.json).
 TOKAMAX_AUTOTUNED_FWD = TileConfig(128, 64, 128, 4, True, 1, 4)
 RECORD_KEYS = ("shape", "skew", "backend", "fwd_tflops", "fwdbwd_tflops", "dense_tflops", "max_rel_err")
-REL_ERR_LIMIT = 1e-2  # bf16 outputs: ~2e-3 measured for correct paths (8-bit mantissa); wrong rows give O(1)
 
 
 def group_sizes(skew: str, m: int, g: int, seed: int = 0) -> np.ndarray:
@@ -85,33 +86,8 @@ def group_sizes(skew: str, m: int, g: int, seed: int = 0) -> np.ndarray:
     return sizes.astype(np.int32)
 
 
-def time_calls(fn: Callable, arg_sets: list[tuple], *, target_s: float = 0.06, batches: int = 5) -> float:
-    """Median seconds per call: `batches` batches of back-to-back calls rotating over `arg_sets`, one sync
-    per batch (the device runs the calls in order, so the last one's completion times the batch)."""
-    import jax
-
-    jax.block_until_ready(fn(*arg_sets[0]))  # warm-up: compile and first run
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*arg_sets[1 % len(arg_sets)]))
-    one = time.perf_counter() - t0
-    calls = max(1, min(50, int(target_s / max(one, 1e-6))))
-    if one > 0.1:  # a slow path (XLA's dense-masked ragged_dot): fewer samples, same median
-        batches = min(batches, 3)
-    samples = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / calls)
-    return statistics.median(samples)
-
-
 def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float = 1.25) -> Callable:
     """gmm(x_MK, w_GKN, group_sizes_G) -> y_MN for one benchmarked path (dense: x @ w[0], ignores groups)."""
-    import jax
-    import jax.numpy as jnp
-
     if name == "dense":
         # Called with a [1, K, N] weight, so its gradient is one K x N matrix. A bf16 x bf16 -> bf16 dot (XLA
         # accumulates in f32 inside): with preferred_element_type=f32 the backward dots would run in f32.
@@ -130,12 +106,8 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
         op = PallasMosaicGpuRaggedDot(config=TOKAMAX_AUTOTUNED_FWD.to_tokamax())
         return lambda x, w, gs: op(x, w, group_sizes=gs)
     if name == "dropless":
-        from dropless.gmm.tuned import tuned_gmm
-
         return lambda x, w, gs: tuned_gmm(x, w, gs, plan)
     if name == "capacity":
-        from dropless.gmm.api import CapacityGmm
-
         return CapacityGmm(capacity_factor)
     raise ValueError(f"backend={name!r} is not valid; choose one of {', '.join(BACKENDS)}.")
 
@@ -145,8 +117,6 @@ def compile_all(paths, shape: ShapeSpec, plan, fwd_args: tuple, fwdbwd_args: tup
     """{(path, "fwd" | "fwdbwd"): (compiled function, None) or (None, error)}. The Mosaic GPU paths compile in
     parallel threads (seconds each, mostly in compilers that release the GIL); the XLA-only paths one at a
     time, because XLA's GEMM autotuner allocates device memory while it compiles."""
-    import concurrent.futures
-
     def build(job):
         path, which = job
         args = dense_args if path == "dense" else (fwd_args, fwdbwd_args)
@@ -155,12 +125,11 @@ def compile_all(paths, shape: ShapeSpec, plan, fwd_args: tuple, fwdbwd_args: tup
             fn, a = (fns[0], args[0]) if which == "fwd" else (fns[1], args[1])
             return fn.lower(*a).compile(), None
         except Exception as e:  # noqa: BLE001
-            return None, str(e).split("\n")[0][:300]
+            return None, first_line(e)
 
     jobs = [(p, which) for p in paths for which in ("fwd", "fwdbwd")]
     parallel = [j for j in jobs if j[0] in GPU_ONLY]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
-        done = dict(zip(parallel, ex.map(build, parallel)))
+    done = dict(zip(parallel, compile_in_threads(build, parallel, workers)))
     return done | {j: build(j) for j in jobs if j not in done}
 
 
@@ -170,16 +139,12 @@ def xla_ragged_dot_bytes(shape: ShapeSpec) -> int:
 
 
 def device_memory_bytes() -> int:
-    import jax
-
     stats = jax.devices()[0].memory_stats() or {}
     return int(stats.get("bytes_limit", 1 << 62))
 
 
 def fwd_and_fwdbwd(gmm: Callable):
     """Jitted forward, and forward + both input gradients for a given output cotangent."""
-    import jax
-
     def fwdbwd(x, w, gs, dy):
         out, pullback = jax.vjp(lambda x, w: gmm(x, w, gs), x, w)
         return (out, *pullback(dy))
@@ -190,9 +155,6 @@ def fwd_and_fwdbwd(gmm: Callable):
 def reference_checker(rows: int = 256):
     """check(x, w, dy, out, dx, dw, g, start, end, check_dw) -> relative Frobenius errors [3] of: the output rows
     and the input-gradient rows [start, start + rows) of group g (clipped to the group), and the whole dw[g]."""
-    import jax
-    import jax.numpy as jnp
-
     def rel(a, b):
         return jnp.linalg.norm((a - b).ravel()) / jnp.maximum(jnp.linalg.norm(b.ravel()), 1e-6)
 
@@ -224,51 +186,28 @@ def checked_groups(sizes: np.ndarray) -> list[int]:
     return picks + ([int(empty[0])] if empty.size else [])
 
 
-def environment() -> dict[str, Any]:
-    import jax
-
-    info = {"device": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform, "jax": jax.__version__,
-            "date": datetime.date.today().isoformat(), "host": platform.node()}
-    try:
-        import tokamax
-
-        info["tokamax"] = tokamax.__version__
-    except ImportError:
-        info["tokamax"] = None
-    info["commit"] = os.environ.get("DROPLESS_COMMIT") or _git_commit()
-    return info
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _flops(rows: int, shape: ShapeSpec) -> float:
     return 2.0 * rows * shape.k * shape.n
+
+
+def _operands(shape: ShapeSpec, seed: int):
+    """Two input sets to rotate between (xs, dys) and the weights; unit-variance weights scaled by 1/sqrt(K)
+    keep outputs O(1)."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    bf16 = jnp.bfloat16
+    xs = [jax.random.normal(keys[i], (shape.m, shape.k), bf16) for i in (0, 1)]
+    dys = [jax.random.normal(keys[2 + i], (shape.m, shape.n), bf16) for i in (0, 1)]
+    w = (jax.random.normal(keys[4], (shape.g, shape.k, shape.n), jnp.float32) / math.sqrt(shape.k)).astype(bf16)
+    return xs, dys, w
 
 
 def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int = 0, batches: int = 5,
                 log=print) -> list[dict]:
     """All records of one shape: dense once, then every (skew, backend)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dropless.gmm import tuning as gmm_tuning
-
     env = environment()
     plan = gmm_tuning.plan_for(shape.m, shape.k, shape.n, shape.g, kind=env["device"], path=plan_path) \
         if env["platform"] == "gpu" else None
-    keys = jax.random.split(jax.random.key(seed), 6)
-    bf16 = jnp.bfloat16
-    # Two input sets to rotate between; unit-variance weights scaled by 1/sqrt(K) keep outputs O(1).
-    xs = [jax.random.normal(keys[i], (shape.m, shape.k), bf16) for i in (0, 1)]
-    dys = [jax.random.normal(keys[2 + i], (shape.m, shape.n), bf16) for i in (0, 1)]
-    w = (jax.random.normal(keys[4], (shape.g, shape.k, shape.n), jnp.float32) / math.sqrt(shape.k)).astype(bf16)
+    xs, dys, w = _operands(shape, seed)
     check = reference_checker()
     records: list[dict] = []
     base = {"shape": shape.name, "m": shape.m, "k": shape.k, "n": shape.n, "g": shape.g} | env
@@ -286,27 +225,14 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
                            dense_args=(fwd_args[0], fwdbwd_args[0]))
     compiled |= {(p, which): (None, why) for p, why in skipped.items() for which in ("fwd", "fwdbwd")}
 
-    (dense_fwd, err_f), (dense_fwdbwd, err_b) = compiled[("dense", "fwd")], compiled[("dense", "fwdbwd")]
-    if err_f or err_b:
-        raise RuntimeError(f"{shape.name}: the dense reference failed to compile: {err_f or err_b}")
-    dense = {"fwd": time_calls(dense_fwd, fwd_args, batches=batches),
-             "fwdbwd": time_calls(dense_fwdbwd, fwdbwd_args, batches=batches)}
-    dense_tf = {p: _flops(shape.m, shape) * (3 if p == "fwdbwd" else 1) / t / 1e12 for p, t in dense.items()}
-    records.append(base | {"skew": None, "backend": "dense", "fwd_ms": dense["fwd"] * 1e3,
-                           "fwdbwd_ms": dense["fwdbwd"] * 1e3, "fwd_tflops": dense_tf["fwd"],
-                           "fwdbwd_tflops": dense_tf["fwdbwd"], "dense_tflops": dense_tf["fwdbwd"],
-                           "dense_fwd_tflops": dense_tf["fwd"], "max_rel_err": None, "error": None})
-    log(f"{shape.name}: dense {dense['fwd']*1e3:.2f} ms fwd ({dense_tf['fwd']:.0f} TF/s), "
-        f"{dense['fwdbwd']*1e3:.2f} ms fwd+bwd ({dense_tf['fwdbwd']:.0f} TF/s)")
-
+    dense_record = _dense_record(shape, compiled, fwd_args, fwdbwd_args, batches, log)
+    records.append(base | dense_record)
+    dense_tf = {"fwd": dense_record["fwd_tflops"], "fwdbwd": dense_record["fwdbwd_tflops"]}
     for backend in paths[1:]:
         (fwd, err_f), (fwdbwd, err_b) = compiled.pop((backend, "fwd")), compiled.pop((backend, "fwdbwd"))
         for skew in skews:
             if backend in SKEW_INSENSITIVE and "dirichlet" in skews and skew != "dirichlet":
                 continue
-            sizes = group_sizes(skew, shape.m, shape.g, seed)
-            gs = jnp.asarray(sizes)
-            rows = int(sizes.sum())
             rec = base | {"skew": skew, "backend": backend, "dense_tflops": dense_tf["fwdbwd"],
                           "dense_fwd_tflops": dense_tf["fwd"], "error": None, "max_rel_err": None}
             if backend == "dropless":
@@ -314,31 +240,8 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
             try:
                 if err_f or err_b:
                     raise RuntimeError(err_f or err_b)
-                out, dx, dw = fwdbwd(xs[0], w, gs, dys[0])
-                ends = np.cumsum(sizes)
-                errs = []
-                cap = None
-                if backend == "capacity":
-                    cap = make_backend("capacity", shape).capacity(shape.m, shape.g)
-                    rec["dropped_rows"] = int(np.maximum(sizes - cap, 0).sum())
-                for g in checked_groups(sizes):
-                    start, end = int(ends[g] - sizes[g]), int(ends[g])
-                    if cap is not None:  # only the rows the capacity path keeps can match
-                        end = min(end, start + cap)
-                    errs.append(np.asarray(check(xs[0], w, dys[0], out, dx, dw, g, start, end, cap is None)))
-                per_product = np.max(errs, axis=0)
-                rec["rel_err"] = dict(zip(("fwd", "dlhs", "drhs"), map(float, per_product)))
-                rec["max_rel_err"] = float(per_product.max())
-                del out, dx, dw
-                if not rec["max_rel_err"] <= REL_ERR_LIMIT:
-                    raise AssertionError(f"relative error {rec['rel_err']} > {REL_ERR_LIMIT}: not timed")
-                t_fwd = time_calls(fwd, [(x, w, gs) for x in xs], batches=batches)
-                t_fb = time_calls(fwdbwd, [(x, w, gs, dy) for x, dy in zip(xs, dys)], batches=batches)
-                rec |= {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3,
-                        "fwd_tflops": _flops(rows, shape) / t_fwd / 1e12,
-                        "fwdbwd_tflops": 3 * _flops(rows, shape) / t_fb / 1e12}
-                rec["fwd_vs_dense"] = rec["fwd_tflops"] / dense_tf["fwd"]
-                rec["fwdbwd_vs_dense"] = rec["fwdbwd_tflops"] / dense_tf["fwdbwd"]
+                _check_and_time(rec, shape, group_sizes(skew, shape.m, shape.g, seed), (fwd, fwdbwd), check,
+                                (xs, dys, w), dense_tf, batches)
                 log(f"{shape.name} {skew:9s} {backend:17s} fwd {rec['fwd_tflops']:6.1f} TF/s "
                     f"fwd+bwd {rec['fwdbwd_tflops']:6.1f} TF/s = {rec['fwdbwd_vs_dense']:.0%} of dense, "
                     f"err {rec['max_rel_err']:.1e}")
@@ -351,69 +254,65 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
     return records
 
 
+def _dense_record(shape: ShapeSpec, compiled: dict, fwd_args, fwdbwd_args, batches: int, log) -> dict:
+    """The dense matmul of equal FLOPs, timed: the roofline reference of every path of the shape."""
+    (dense_fwd, err_f), (dense_fwdbwd, err_b) = compiled[("dense", "fwd")], compiled[("dense", "fwdbwd")]
+    if err_f or err_b:
+        raise RuntimeError(f"{shape.name}: the dense reference failed to compile: {err_f or err_b}")
+    dense = {"fwd": time_calls(dense_fwd, fwd_args, batches=batches),
+             "fwdbwd": time_calls(dense_fwdbwd, fwdbwd_args, batches=batches)}
+    dense_tf = {p: _flops(shape.m, shape) * (3 if p == "fwdbwd" else 1) / t / 1e12 for p, t in dense.items()}
+    log(f"{shape.name}: dense {dense['fwd']*1e3:.2f} ms fwd ({dense_tf['fwd']:.0f} TF/s), "
+        f"{dense['fwdbwd']*1e3:.2f} ms fwd+bwd ({dense_tf['fwdbwd']:.0f} TF/s)")
+    return {"skew": None, "backend": "dense", "fwd_ms": dense["fwd"] * 1e3,
+            "fwdbwd_ms": dense["fwdbwd"] * 1e3, "fwd_tflops": dense_tf["fwd"],
+            "fwdbwd_tflops": dense_tf["fwdbwd"], "dense_tflops": dense_tf["fwdbwd"],
+            "dense_fwd_tflops": dense_tf["fwd"], "max_rel_err": None, "error": None}
+
+
+def _check_and_time(rec: dict, shape: ShapeSpec, sizes: np.ndarray, programs, check, operands, dense_tf: dict,
+                    batches: int) -> None:
+    """Check one path against the f32 reference on the groups where ragged kernels go wrong, then time it
+    forward and forward+backward; fills `rec`. Raises if the path is wrong (it is then not timed)."""
+    fwd, fwdbwd = programs
+    xs, dys, w = operands
+    gs = jnp.asarray(sizes)
+    rows = int(sizes.sum())
+    out, dx, dw = fwdbwd(xs[0], w, gs, dys[0])
+    ends = np.cumsum(sizes)
+    errs = []
+    cap = None
+    if rec["backend"] == "capacity":
+        cap = make_backend("capacity", shape).capacity(shape.m, shape.g)
+        rec["dropped_rows"] = int(np.maximum(sizes - cap, 0).sum())
+    for g in checked_groups(sizes):
+        start, end = int(ends[g] - sizes[g]), int(ends[g])
+        if cap is not None:  # only the rows the capacity path keeps can match
+            end = min(end, start + cap)
+        errs.append(np.asarray(check(xs[0], w, dys[0], out, dx, dw, g, start, end, cap is None)))
+    per_product = np.max(errs, axis=0)
+    rec["rel_err"] = dict(zip(("fwd", "dlhs", "drhs"), map(float, per_product)))
+    rec["max_rel_err"] = float(per_product.max())
+    del out, dx, dw
+    if not rec["max_rel_err"] <= REL_ERR_LIMIT:
+        raise AssertionError(f"relative error {rec['rel_err']} > {REL_ERR_LIMIT}: not timed")
+    t_fwd = time_calls(fwd, [(x, w, gs) for x in xs], batches=batches)
+    t_fb = time_calls(fwdbwd, [(x, w, gs, dy) for x, dy in zip(xs, dys)], batches=batches)
+    rec |= {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3,
+            "fwd_tflops": _flops(rows, shape) / t_fwd / 1e12,
+            "fwdbwd_tflops": 3 * _flops(rows, shape) / t_fb / 1e12}
+    rec["fwd_vs_dense"] = rec["fwd_tflops"] / dense_tf["fwd"]
+    rec["fwdbwd_vs_dense"] = rec["fwdbwd_tflops"] / dense_tf["fwdbwd"]
+
+
 def write_chart(records: list[dict], path: Path, skew: str = "dirichlet") -> None:
-    """Bar chart: fwd+bwd TFLOP/s per shape and path at one skew, with the dense matmul of equal FLOPs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = list(dict.fromkeys(r["shape"] for r in records))
-    paths = [b for b in BACKENDS if any(r["backend"] == b for r in records)]
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 4.5))
-    width = 0.8 / len(paths)
-    for i, path_name in enumerate(paths):
-        values = []
-        for s in shapes:
-            rec = next((r for r in records if r["shape"] == s and r["backend"] == path_name
-                        and (r["skew"] == skew or path_name == "dense")), None)
-            rec = rec or {}
-            values.append(rec.get("fwdbwd_tflops") or (rec.get("fwd_tflops") if path_name == "dense" else 0.0) or 0.0)
-        label = "dense GEMM, same FLOPs" if path_name == "dense" else path_name
-        ax.bar(np.arange(len(shapes)) + (i - (len(paths) - 1) / 2) * width, values, width, label=label)
-    ax.set_xticks(np.arange(len(shapes)), shapes, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("forward+backward TFLOP/s")
-    device = records[0].get("device", "") if records else ""
-    ax.set_title(f"Grouped GEMM fwd+bwd, {skew} group sizes, {device}")
-    ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """Bar chart: fwd+bwd TFLOP/s per shape and path at one skew (`dropless.bench.report.gmm_chart`)."""
+    report.gmm_chart(records, path, BACKENDS, skew)
 
 
 def markdown_table(records: list[dict], skews=SKEWS) -> str:
-    """The BENCHMARKS.md table: per shape and skew, TFLOP/s of each path and our path's share of dense."""
-    lines = ["| shape | skew | dense fwd / fwd+bwd | xla | tokamax default | tokamax fwd-tuned | **dropless** (default) | "
-             "dropless / dense (fwd+bwd) | capacity 1.25 (drops) |", "|" + " --- |" * 9]
-    num = lambda v: "-" if v is None else f"{v:.0f}"
-
-    def cell(r):
-        if r is None:
-            return "n/a"
-        err = r.get("max_rel_err")
-        if r.get("error"):
-            if err is not None and err > REL_ERR_LIMIT:  # name the product that is wrong, where known
-                per = r.get("rel_err") or {}
-                worst = f"{max(per, key=per.get)} " if per else ""
-                return f"wrong ({worst}err {err:.1%})"
-            if r["error"].startswith("not measured"):
-                return "not measured"
-            return "OOM" if "out of memory" in r["error"] else r["error"][:60]
-        flag = f" (err {err:.1%})" if err is not None and err > 5e-3 else ""
-        return f"{num(r['fwd_tflops'])} / {num(r['fwdbwd_tflops'])}{flag}"
-
-    for s in dict.fromkeys(r["shape"] for r in records):
-        dense = next((r for r in records if r["shape"] == s and r["backend"] == "dense"), None)
-        for skew in skews:
-            pick = {b: next((r for r in records if r["shape"] == s and r["skew"] == skew and r["backend"] == b), None)
-                    for b in BACKENDS}
-            if not any(pick.values()):
-                continue
-            ours = pick["dropless"]
-            ratio = f"**{ours['fwdbwd_vs_dense']:.0%}**" if ours and ours.get("fwdbwd_vs_dense") else "n/a"
-            lines.append(f"| {s} | {skew} | {cell(dense)} | {cell(pick['xla'])} | {cell(pick['tokamax_default'])} | "
-                         f"{cell(pick['tokamax_fwd_tuned'])} | {cell(ours)} | {ratio} | {cell(pick['capacity'])} |")
-    return "\n".join(lines)
+    """The BENCHMARKS.md table of these records (`dropless.bench.report.gmm_markdown`)."""
+    return report.gmm_markdown(records, skews, BACKENDS)
 
 
 def parse_args(argv):
@@ -439,19 +338,13 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             print(f"error: {', '.join(bad)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
             return 2
-    from dropless.core import xla_flags
-
-    xla_flags.apply()
-    import jax
-
-    device = jax.devices()[0].device_kind.lower().replace("nvidia ", "").replace(" ", "-")
-    out = Path(args.out.format(device=device))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    xla_flags.apply()  # before JAX starts a backend
+    out = results_path(args.out, jax.devices()[0].device_kind)
     records: list[dict] = []
     for name in shapes:
         records += bench_shape(SHAPES[name], args.skews.split(","), args.backends.split(","),
                                plan_path=args.configs, seed=args.seed, batches=args.batches)
-        out.write_text(json.dumps(records, indent=1) + "\n")  # after every shape: a timeout keeps what was done
+        write_json(out, records)  # after every shape: a timeout keeps what was done
     write_chart(records, Path(args.chart) if args.chart else out.with_suffix(".png"))
     if args.table:
         print(markdown_table(records, args.skews.split(",")))

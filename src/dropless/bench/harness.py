@@ -1,23 +1,41 @@
-"""The real training step, built for measurement: the very step `dropless.train.loop` runs
-(`dropless.train.setup`), without the data.
+"""The timing harness: the real training step built for measurement, and how calls and steps are timed.
 
-`build(config)` returns the mesh, the shardings and the jitted `dropless.train.step` train step (state donated).
-`lower(setup)` lowers it from abstract shapes, so a program can be compiled and its memory analysed without
-allocating a single parameter (that is how `dropless bench memory` looks at a 671B model on a laptop).
-Batches are uniform random token ids: the router, the expert loads and every matmul are real; only the text is not.
+`build(config)` returns the mesh, the shardings and the jitted `dropless.train.step` train step (state donated):
+the very step `dropless.train.loop` runs (`dropless.train.setup`), without the data. `lower(setup)` lowers it
+from abstract shapes, so a program can be compiled and its memory analysed without allocating a single parameter
+(that is how `dropless bench memory` looks at a 671B model on a laptop). Batches are uniform random token ids:
+the router, the expert loads and every matmul are real; only the text is not.
+
+Timing: `time_calls` (batches of back-to-back calls, one device sync per batch: a kernel's throughput),
+`time_steps` (train steps one by one, each ended by a sync), `dense_matmul_tflops` (the dense bf16 reference
+rate), and `compile_in_threads` (XLA's compilers release the GIL, so programs compile in parallel threads).
+A kernel is checked against an f32 reference before it is timed (`REL_ERR_LIMIT`).
 """
 
 from __future__ import annotations
+
+import concurrent.futures
+import os
+import statistics
+import time
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.core.config import Config
 from dropless.core import mesh as mesh_lib
+from dropless.core.config import Config
 from dropless.train.setup import StepSetup, build, init_state  # noqa: F401  (the benchmarks' entry points)
 from dropless.train.step import TrainState
 
+GIB = 1024**3
+# A path's bf16 output against its f32 reference, before it is timed: correct paths stay well below (bf16 has
+# an 8-bit mantissa), a wrong row gives an error of order one.
+REL_ERR_LIMIT = 1e-2
+
+
+# ------------------------------------------------------------------------------------------------ the step
 
 def batch_shape(config: Config) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1), jnp.int32)
@@ -41,3 +59,83 @@ def random_batches(setup: StepSetup, count: int, seed: int = 0) -> list[jax.Arra
     shape = batch_shape(setup.config).shape
     return [mesh_lib.place(rng.integers(0, setup.config.model.vocab_size, shape, dtype=np.int32), setup.batch_sharding)
             for _ in range(count)]
+
+
+def peak_bytes(compiled) -> int | None:
+    """The compiled program's peak device memory: arguments + outputs - donated aliases + XLA's temporaries."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+               + stats.temp_size_in_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+def time_calls(fn: Callable, arg_sets: list[tuple], *, target_s: float = 0.06, batches: int = 5) -> float:
+    """Median seconds per call: `batches` batches of back-to-back calls rotating over `arg_sets`, one sync
+    per batch (the device runs the calls in order, so the last one's completion times the batch)."""
+    jax.block_until_ready(fn(*arg_sets[0]))  # warm-up: compile and first run
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[1 % len(arg_sets)]))
+    one = time.perf_counter() - t0
+    calls = max(1, min(50, int(target_s / max(one, 1e-6))))
+    if one > 0.1:  # a slow path (XLA's dense-masked ragged_dot): fewer samples, same median
+        batches = min(batches, 3)
+    samples = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+def time_steps(compiled, state, batches, *, warmup: int = 2, steps: int = 10, seconds: float = 5.0):
+    """Run `warmup` steps, then time steps one by one until `steps` are timed or `seconds` have passed
+    (at least 3). Returns (state, step times in seconds, the last step's metrics on the host)."""
+    metrics = None
+    for i in range(warmup):
+        state, metrics = compiled(state, batches[i % len(batches)])
+    jax.block_until_ready((state, metrics))
+    times: list[float] = []
+    while len(times) < steps and (len(times) < 3 or sum(times) < seconds):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batches[len(times) % len(batches)])
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return state, times, jax.device_get(metrics)
+
+
+def dense_matmul_tflops(size: int = 8192, warm_s: float = 1.0, batches: int = 7) -> float:
+    """The bf16 rate of `a @ b` (size^3) on the default device: after `warm_s` seconds of the same matmul (a GPU
+    that has just woken up runs below its clocks), the median of `batches` batches of back-to-back calls on two
+    rotating input pairs, one sync per batch (`time_calls`, as the grouped-GEMM benchmark times its dense
+    reference). A sync after every call would charge the host's round trip to the GPU, and that is a large part
+    of one call of this size."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    pairs = [tuple(jax.random.normal(k, (size, size), jnp.bfloat16) for k in keys[i:i + 2]) for i in (0, 2)]
+    matmul = jax.jit(lambda x, y: x @ y)
+    start = time.perf_counter()
+    jax.block_until_ready(matmul(*pairs[0]))
+    while time.perf_counter() - start < warm_s:
+        jax.block_until_ready(matmul(*pairs[0]))
+    return 2 * size**3 / time_calls(matmul, pairs, target_s=0.1, batches=batches) / 1e12
+
+
+# ------------------------------------------------------------------------------------------------ compiling
+
+def compile_in_threads(compile_one: Callable, jobs: Iterable, workers: int | None = None) -> list:
+    """`[compile_one(job) for job in jobs]`, run in parallel threads (tracing holds the GIL, XLA's and Mosaic
+    GPU's compilers mostly do not). `workers`: at most this many at once (default: one per job, up to the
+    CPU count)."""
+    jobs = list(jobs)
+    workers = workers or min(len(jobs) or 1, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(compile_one, jobs))
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """An exception's first line, for a results record."""
+    return str(error).split("\n")[0][:limit]

@@ -25,13 +25,19 @@ itself the same command gives the GPU's numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
-from pathlib import Path
 
-GIB = 1024**3
+import jax
+
+from dropless.bench import harness
+from dropless.bench.harness import GIB, batch_shape
+from dropless.bench.records import write_json
+from dropless.core import xla_flags
+from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.ep import dispatch
+from dropless.models import transformer
+from dropless.train.step import loss_fn
 
 
 def _shard_bytes(shape, sharding) -> int:
@@ -40,8 +46,6 @@ def _shard_bytes(shape, sharding) -> int:
 
 def tree_bytes_per_device(shapes, shardings, memory_kind: str | None = None) -> int:
     """Bytes one device holds of a tree of ShapeDtypeStructs under its shardings (optionally of one memory kind)."""
-    import jax
-
     def kind(sharding) -> str:
         return sharding.memory_kind or "device"
 
@@ -58,12 +62,6 @@ def residual_bytes(config, executor=None) -> tuple[int, int]:
     The residuals are the non-input outputs of `jax.vjp`'s forward; tracing at batch B and 2B tells the
     activations (which double) from saved weight casts (which do not).
     """
-    import jax
-
-    from dropless.bench.harness import batch_shape
-    from dropless.models import transformer
-    from dropless.train.step import loss_fn
-
     params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config))
     model_state = jax.eval_shape(lambda: transformer.init_state(config))
 
@@ -94,9 +92,6 @@ def residual_bytes(config, executor=None) -> tuple[int, int]:
 def memory_report(config, devices=None, *, compiled=None) -> dict:
     """Per-device bytes of a training step: parameters, gradients, optimizer state, activations, temporaries,
     the compiled program's own figures, and the peak estimate. Nothing is allocated."""
-    from dropless.bench import harness
-    from dropless.ep import dispatch
-
     setup = harness.build(config, devices)
     compiled = compiled or harness.lower(setup).compile()
     stats = compiled.memory_analysis()
@@ -183,25 +178,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from dropless.core.config import ConfigError
-
     if args.devices is not None:
         if args.devices < 1:
             raise ConfigError(f"--devices={args.devices} must be >= 1.")
-        if "jax" in sys.modules and sys.modules["jax"]._src.xla_bridge.backends_are_initialized():
+        if jax._src.xla_bridge.backends_are_initialized():
             raise ConfigError("--devices must be set before JAX starts; run 'dropless bench memory' in a fresh process.")
-        os.environ["JAX_PLATFORMS"] = "cpu"
+        # JAX reads both when it starts its first backend: N virtual CPU devices, whatever accelerator is present.
+        jax.config.update("jax_platforms", "cpu")
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}"
     else:
-        from dropless.core import xla_flags
-
         xla_flags.apply()
-    from dropless.core.config import build_config, parse_overrides
-
     config = build_config(args.preset, parse_overrides(args.overrides))
     report = memory_report(config)
     report["preset"] = args.preset
     print(format_report(report, args.device_memory_gib * GIB if args.device_memory_gib else None))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report, indent=2)
     return 0

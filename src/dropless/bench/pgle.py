@@ -24,6 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+import jax
+from jax.experimental.profiler import get_profiled_instructions_proto
+
 from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
@@ -33,9 +36,6 @@ NOT_APPLIED = "not applied: the trace gave no instruction costs (PGLE needs an N
 
 def instruction_costs(run: Callable[[], object], directory: Path) -> bytes:
     """Trace `run()` (a few calls of one program, blocking) and return XLA's profiled instruction costs."""
-    import jax
-    from jax.experimental.profiler import get_profiled_instructions_proto
-
     directory = Path(directory)
     with jax.profiler.trace(str(directory)):
         jax.block_until_ready(run())

@@ -31,6 +31,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+import jax
+
+from dropless.bench import harness
+from dropless.bench.records import write_json
+from dropless.core import xla_flags
+from dropless.core.config import ConfigError, build_config, parse_overrides
+
 CATEGORIES = ("grouped_gemm", "other_matmul", "attention", "communication", "other")
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
 GROUPED_GEMM_SCOPES = ("gmm_up", "gmm_down")
@@ -321,8 +328,6 @@ def format_breakdown(result: dict) -> str:
 
 def capture(compiled, state, batches, steps: int, trace_dir: Path):
     """Run `steps` steps of a compiled train step under jax.profiler; returns (state, trace file)."""
-    import jax
-
     trace_dir = Path(trace_dir)
     with jax.profiler.trace(str(trace_dir)):
         for i in range(steps):
@@ -351,15 +356,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from dropless.core import xla_flags
-
-    xla_flags.apply()
-    import jax
-
-    from dropless.bench import harness
-    from dropless.core.config import build_config, parse_overrides
-    from dropless.core.config import ConfigError
-
+    xla_flags.apply()  # before JAX starts a backend
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1.")
     config = build_config(args.preset, parse_overrides(args.overrides))
@@ -373,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     state, result = profile_compiled(compiled, state, batches, args.steps, out / "trace")
     result.update(preset=args.preset, overrides=args.overrides, device=jax.devices()[0].device_kind,
                   device_count=jax.device_count())
-    (out / "breakdown.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out / "breakdown.json", result, indent=2)
     print(format_breakdown(result))
     print(f"dropless: trace and breakdown.json in {out}", file=sys.stderr)
     return 0

@@ -17,12 +17,18 @@ Results: benchmarks/results/scale-<device>.json; `--table` prints the BENCHMARKS
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-from pathlib import Path
 
-from dropless.bench.step import Runner, Variant, compile_variants
+import jax
+
+from dropless.bench import report
+from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
+from dropless.bench.records import environment, results_path, write_json
+from dropless.bench.runner import Runner, Variant, compile_variants
+from dropless.core import xla_flags
+from dropless.core.config import build_config, parse_overrides
+from dropless.train import metrics as metrics_lib
 
 STRATEGIES = ("allgather", "alltoall", "ragged")
 
@@ -39,10 +45,6 @@ def mesh_layouts(devices: list[int], fsdp: bool) -> list[tuple[int, int]]:
 
 def scale_variants(base_config, devices: list[int], strategies: list[str], fsdp: bool) -> list[Variant]:
     """One Variant per (mesh, strategy); one device needs no dispatch, so it is measured once."""
-    from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
-
-    import jax
-
     options = dict(PROFILE_COMPILER_OPTIONS) if jax.default_backend() == "gpu" else {}
     per_device = base_config.train.batch_size
     variants = []
@@ -82,22 +84,6 @@ def scaling_records(records: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| GPUs | mesh | dispatch | step ms | tokens/s per GPU | model TFLOPS per GPU | efficiency | "
-             "communication share | rows sent per GPU (without dedup) | overflows | dropped |", "|" + " --- |" * 11]
-    for r in rows:
-        if r["status"] != "ok":
-            lines.append(f"| {r['devices']} | {r['mesh']} | {r['strategy']} | {r['status']} |" + " |" * 7)
-            continue
-        share = "-" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}%"
-        efficiency = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
-        lines.append(f"| {r['devices']} | {r['mesh']} | {r['strategy']} | {r['step_ms']:.1f} | "
-                     f"{r['tokens_per_s_per_device']:,.0f} | {r['model_tflops_per_device']:.3g} | {efficiency} | {share} | "
-                     f"{r['rows_sent_per_device']:,.0f} ({r['rows_sent_without_dedup_per_device']:,.0f}) | "
-                     f"{r['dispatch_overflows']} | {r['tokens_dropped']} |")
-    return "\n".join(lines)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dropless bench scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="deepseek-v3-proxy", help="a preset name (see 'dropless presets')")
@@ -116,16 +102,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from dropless.core import xla_flags
-
-    xla_flags.apply()
-    import jax
-
-    from dropless.bench.gmm import environment
-    from dropless.bench.step import device_slug
-    from dropless.core.config import build_config, parse_overrides
-    from dropless.train import metrics as metrics_lib
-
+    xla_flags.apply()  # before JAX starts a backend
     try:
         wanted = sorted({int(n) for n in args.devices.split(",") if n})
     except ValueError:
@@ -155,14 +132,12 @@ def main(argv: list[str] | None = None) -> int:
         records[key] = runner.run(program)
         say(f"{key:32s} {records[key]['status']}" + (f" {records[key]['step_ms']:.1f} ms" if records[key].get("step_ms") else ""))
     rows = scaling_records(records)
-    out = Path(args.out.format(device=device_slug(env["device"])))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"preset": args.preset, "per_device_batch": config.train.batch_size,
-                               "seq_len": config.train.seq_len, "overrides": args.overrides,
-                               "devices_skipped": skipped, "environment": env, "records": rows,
-                               "raw": records}, indent=1, default=str) + "\n")
+    out = results_path(args.out, env["device"])
+    write_json(out, {"preset": args.preset, "per_device_batch": config.train.batch_size,
+                     "seq_len": config.train.seq_len, "overrides": args.overrides,
+                     "devices_skipped": skipped, "environment": env, "records": rows, "raw": records})
     if args.table:
-        say(markdown_table(rows))
+        say(report.scale_markdown(rows))
     say(f"wrote {out}")
     return 0
 

@@ -14,7 +14,6 @@ with --out and point DROPLESS_GMM_CONFIGS at it: its entries then take precedenc
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import datetime
 import json
 import math
@@ -23,9 +22,17 @@ import sys
 from dataclasses import astuple
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from dropless.bench.gmm import SHAPES, SKEWS, checked_groups, group_sizes
+from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
+from dropless.bench.records import environment
+from dropless.core import xla_flags
+from dropless.core.config import load_preset
 from dropless.gmm import tuning as gt
+from dropless.gmm.tuned import _ragged_rows, ragged_contract
 from dropless.gmm.tuning import ProductConfig, ShapeKey, TileConfig
 
 PACKAGED_TABLE = Path(gt.__file__).with_name(gt.DATA_FILE)
@@ -45,8 +52,8 @@ WARP_SPECIALISED = (_pc("dropless_ws", 128, 128, 64, 3), _pc("dropless_ws", 64, 
                     _pc("dropless_ws", 128, 64, 64, 6))
 # 64x256 tiles are wgmma's widest single instruction (m64n256k16): per MMA they read 17% fewer operand bytes
 # from shared memory than 128x128, and 64-row tiles waste fewer rows at group boundaries. Only the weight
-# gradient's kernel compiles them (the rows kernel's ragged store fails Mosaic GPU's layout inference: H200,
-# 2026-11-30, and tests/test_gmm_tuning.py on the CPU); they were 8-16% slower there than 128x128.
+# gradient's kernel compiles them (the rows kernel's ragged store fails Mosaic GPU's layout inference, on an H200
+# and in tests/test_gmm_tuning.py on the CPU), and they stay a candidate there although 128x128 won on an H200.
 QUICK = {
     "fwd": (_pc("tokamax", 128, 64, 128, 4, width=4), _pc("tokamax", 128, 64, 128, 4, width=8),
             _pc("tokamax", 128, 128, 64, 4), _pc("tokamax", 128, 128, 64, 4, minor="m"),
@@ -86,8 +93,6 @@ def candidates(product: str, shape: ShapeKey, which: str = "quick",
 
 def preset_shapes(name: str, rows: int) -> list[tuple[str, ShapeKey]]:
     """The two routed-expert GEMMs of a preset, with G = local experts."""
-    from dropless.core.config import load_preset
-
     cfg = load_preset(name)
     d, f = cfg.model.hidden_size, cfg.moe.expert_intermediate_size
     g = cfg.moe.num_experts // cfg.parallel.expert
@@ -96,10 +101,6 @@ def preset_shapes(name: str, rows: int) -> list[tuple[str, ShapeKey]]:
 
 def product_fn(product: str, config: ProductConfig):
     """The product as a function of its two operands and the group sizes."""
-    import jax.numpy as jnp
-
-    from dropless.gmm.tuned import _ragged_rows, ragged_contract
-
     if product == "fwd":
         return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=False, out_dtype=jnp.bfloat16)
     if product == "dlhs":
@@ -109,9 +110,6 @@ def product_fn(product: str, config: ProductConfig):
 
 def product_checker(product: str, rows: int = 256):
     """err(a, b, out, g, start, end): relative Frobenius error of the product's output for group g."""
-    import jax
-    import jax.numpy as jnp
-
     def rel(x, y):
         return jnp.linalg.norm((x - y).ravel()) / jnp.maximum(jnp.linalg.norm(y.ravel()), 1e-6)
 
@@ -134,11 +132,6 @@ def product_checker(product: str, rows: int = 256):
 def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, workers: int,
                products=gt.PRODUCTS, kernels=gt.KERNELS, log=print):
     """Measure every candidate of every product; returns ({product: best}, {product: best ms}, trial log)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dropless.bench.gmm import REL_ERR_LIMIT, checked_groups, group_sizes, time_calls
-
     keys = jax.random.split(jax.random.key(seed), 5)
     bf16 = jnp.bfloat16
     xs = [jax.random.normal(keys[i], (shape.m, shape.k), bf16) for i in (0, 1)]
@@ -158,8 +151,7 @@ def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, 
         def build(config):
             return jax.jit(product_fn(product, config)).lower(*args[0]).compile()
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as ex:
-            compiled = list(ex.map(lambda c: _try(build, c), pool))
+        compiled = compile_in_threads(lambda c: _try(build, c), pool, workers)
         check = product_checker(product)
         for config, (fn, error) in zip(pool, compiled):
             trial = {"shape": name, "product": product, **config.to_json(), "ms": None, "max_rel_err": None,
@@ -175,7 +167,7 @@ def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, 
                         raise AssertionError(f"relative error {trial['max_rel_err']:.3g}")
                     trial["ms"] = time_calls(fn, args) * 1e3
                 except Exception as e:  # noqa: BLE001 - a failing candidate is a result
-                    trial["error"] = str(e).split("\n")[0][:300]
+                    trial["error"] = first_line(e)
             trials.append(trial)
             status = f"{trial['ms']:.3f} ms" if trial["ms"] else f"FAILED {trial['error']}"
             log(f"{name} {product:4s} {config.kernel:8s} {config.tile} -> {status}")
@@ -191,7 +183,7 @@ def _try(build, config):
     try:
         return build(config), None
     except Exception as e:  # noqa: BLE001
-        return None, str(e).split("\n")[0][:300]
+        return None, first_line(e)
 
 
 def _subset(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
@@ -219,26 +211,42 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    from dropless.bench.gmm import SHAPES, SKEWS, environment
-
+def _shapes(args) -> list[tuple[str, ShapeKey]] | str:
+    """The (name, shape) pairs that --shape, --preset and --bench-shapes ask for, or the error message."""
     shapes: list[tuple[str, ShapeKey]] = []
     try:
         for spec in args.shape:
             m, k, n, g = (int(v) for v in spec.split(","))
             shapes.append((gt.shape_class(m, k, n, g), ShapeKey(m, k, n, g)))
     except ValueError:
-        print(f"error: --shape {spec!r} must be four integers M,K,N,G.", file=sys.stderr)
-        return 2
+        return f"error: --shape {spec!r} must be four integers M,K,N,G."
     for name in args.preset:
         shapes += preset_shapes(name, args.rows)
     for name in filter(None, args.bench_shapes.split(",")):
         if name not in SHAPES:
-            print(f"error: unknown bench shape {name!r}; choose from {', '.join(SHAPES)}.", file=sys.stderr)
-            return 2
+            return f"error: unknown bench shape {name!r}; choose from {', '.join(SHAPES)}."
         s = SHAPES[name]
         shapes.append((name, ShapeKey(s.m, s.k, s.n, s.g)))
+    return shapes
+
+
+def _keep_untuned(table: dict, device: str, shape: ShapeKey, products, best: dict, best_ms: dict) -> None:
+    """Fill the products not tuned in this run with the current table's choice (and timing)."""
+    current = gt.lookup(gt.overlay(gt.load_table(), table), device, *astuple(shape))
+    previous = next((e for e in table["devices"].get(device, []) + gt.load_table()["devices"].get(
+        device, []) if (e["m"], e["k"], e["n"], e["g"]) == astuple(shape)), {})
+    for p in gt.PRODUCTS:
+        if p not in products:
+            best[p] = current.product(p)
+            best_ms[p] = previous.get(p, {}).get("ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    shapes = _shapes(args)
+    if isinstance(shapes, str):
+        print(shapes, file=sys.stderr)
+        return 2
     if not shapes or args.skew not in SKEWS:
         print("error: give --preset NAME, --shape M,K,N,G or --bench-shapes, and a --skew from "
               f"{', '.join(SKEWS)}.", file=sys.stderr)
@@ -248,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         if not chosen:
             print(f"error: {flag} must be a comma-separated subset of {', '.join(allowed)}.", file=sys.stderr)
             return 2
-    from dropless.core import xla_flags
-
-    xla_flags.apply()
+    xla_flags.apply()  # before JAX starts a backend
     env = environment()
     if env["platform"] != "gpu":
         print("error: tune-gmm measures GPU kernels; run it on an NVIDIA Hopper GPU.", file=sys.stderr)
@@ -266,13 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         best, best_ms, trials = tune_shape(name, shape, skew=args.skew, seed=args.seed, which=args.candidates,
                                            workers=args.workers, products=products, kernels=kernels)
         if len(products) < len(gt.PRODUCTS):  # keep the current table's choice (and timing) for the others
-            current = gt.lookup(gt.overlay(gt.load_table(), table), env["device"], *astuple(shape))
-            previous = next((e for e in table["devices"].get(env["device"], []) + gt.load_table()["devices"].get(
-                env["device"], []) if (e["m"], e["k"], e["n"], e["g"]) == astuple(shape)), {})
-            for p in gt.PRODUCTS:
-                if p not in products:
-                    best[p] = current.product(p)
-                    best_ms[p] = previous.get(p, {}).get("ms")
+            _keep_untuned(table, env["device"], shape, products, best, best_ms)
         all_trials += trials
         provenance = (f"dropless tune-gmm on {env['device']}, {datetime.date.today().isoformat()}, jax {env['jax']}, "
                       f"tokamax {env['tokamax']}, commit {env['commit']}; {args.candidates} candidates, skew "

@@ -1,0 +1,25 @@
+"""The benchmarks' records: one file per benchmark and device, the environment (commit, date, device) inside."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from dropless.bench import records
+
+
+def test_device_slug():
+    assert records.device_slug("NVIDIA H200") == "h200"
+    assert records.device_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert records.device_slug("cpu") == "cpu"
+
+
+def test_every_record_names_its_device_and_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("DROPLESS_COMMIT", "abc1234")
+    env = records.environment()
+    assert env["commit"] == "abc1234" and env["platform"] == "cpu" and env["device"] and env["date"]
+    path = records.results_path(str(tmp_path / "results" / "gmm-{device}.json"), "NVIDIA H200")
+    assert path == tmp_path / "results" / "gmm-h200.json" and path.parent.is_dir()
+    records.write_json(path, {"environment": env, "dtype": np.dtype("float32")})
+    assert json.loads(path.read_text()) == {"environment": env, "dtype": "float32"}
