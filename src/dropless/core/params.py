@@ -1,0 +1,140 @@
+"""Parameters declared once: each module states its weights as `ParamSpec`s, and everything else derives from them.
+
+A module's declaration is a function of the config returning a nested dict of `ParamSpec(shape, axes, init)`
+(e.g. `dropless.moe.layer.moe_params`); stacked layers add a leading `layers` axis (`stacked`). From the
+declaration come the initial values (`init`, `init_one_draw`), the logical axes that the sharding rules of
+`dropless.core.mesh` read (`logical_axes`), the abstract shapes (`shapes`), the shape checks at a layer's
+boundary (`flatten`) and the documented layout (`table`).
+
+An entry may be `None`: an optional weight that is absent under this config but keeps its place in the key
+order, so switching it on or off leaves the other weights' initial values as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Union
+
+import jax
+import jax.numpy as jnp
+
+from dropless.core.mesh import LOGICAL_AXIS_RULES
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One float32 weight: its shape, the logical axis of each dimension, and its initial value
+    ("normal": normal(0, init_std); "ones": a norm's scale)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: Literal["normal", "ones"] = "normal"
+
+    def __post_init__(self):
+        assert len(self.shape) == len(self.axes), f"{self.shape} needs one logical axis per dimension: {self.axes}"
+        assert all(a is None or a in LOGICAL_AXIS_RULES for a in self.axes), f"unknown logical axis in {self.axes}"
+        assert self.init in ("normal", "ones"), self.init
+
+
+Specs = dict[str, Union[ParamSpec, "Specs", None]]
+
+
+def stacked(specs: Specs, count: int, axis: str = "layers") -> Specs:
+    """The same weights for `count` layers, each on a new leading `axis`."""
+    return {name: None if spec is None
+            else replace(spec, shape=(count, *spec.shape), axes=(axis, *spec.axes)) if isinstance(spec, ParamSpec)
+            else stacked(spec, count, axis)
+            for name, spec in specs.items()}
+
+
+def present(specs: Specs) -> dict:
+    """The declaration without its absent (`None`) entries: a pytree shaped like the parameters."""
+    return {name: spec if isinstance(spec, ParamSpec) else present(spec)
+            for name, spec in specs.items() if spec is not None}
+
+
+def flatten(specs: Specs, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], ParamSpec]]:
+    """(path, spec) of every present weight, in declaration order."""
+    out = []
+    for name, spec in specs.items():
+        if isinstance(spec, ParamSpec):
+            out.append(((*prefix, name), spec))
+        elif spec is not None:
+            out.extend(flatten(spec, (*prefix, name)))
+    return out
+
+
+def _map(fn, specs: Specs) -> Any:
+    return jax.tree.map(fn, present(specs), is_leaf=lambda node: isinstance(node, ParamSpec))
+
+
+def logical_axes(specs: Specs) -> Any:
+    """A pytree shaped like the parameters whose leaves are tuples of logical axis names."""
+    return _map(lambda spec: spec.axes, specs)
+
+
+def shapes(specs: Specs) -> Any:
+    """A pytree of float32 `jax.ShapeDtypeStruct`s shaped like the parameters."""
+    return _map(lambda spec: jax.ShapeDtypeStruct(tuple(map(int, spec.shape)), jnp.float32), specs)
+
+
+def size(specs: Specs) -> int:
+    """Number of parameter values."""
+    return sum(math.prod(spec.shape) for _, spec in flatten(specs))
+
+
+def _draws(entry) -> bool:
+    return not (isinstance(entry, ParamSpec) and entry.init == "ones")
+
+
+def init(key: jax.Array, specs: Specs, init_std: float) -> dict:
+    """Float32 values, each weight drawn from its own key.
+
+    A dict's key is split into one key per entry that draws (a "normal" weight, a sub-dict, or an absent
+    optional weight), in declaration order; "ones" weights take none, and a dict with a single such entry
+    hands its key on unsplit.
+    """
+    drawing = [name for name, entry in specs.items() if _draws(entry)]
+    keys = dict(zip(drawing, [key] if len(drawing) == 1 else jax.random.split(key, len(drawing))))
+    out = {}
+    for name, entry in specs.items():
+        if entry is None:
+            continue
+        if not isinstance(entry, ParamSpec):
+            out[name] = init(keys[name], entry, init_std)
+        elif entry.init == "ones":
+            out[name] = jnp.ones(entry.shape, jnp.float32)
+        else:
+            out[name] = init_std * jax.random.normal(keys[name], entry.shape, jnp.float32)
+    return out
+
+
+def init_one_draw(key: jax.Array, specs: Specs, init_std: float) -> dict:
+    """Float32 values whose "normal" weights are consecutive slices, in pytree order, of ONE normal draw.
+
+    XLA then compiles one random-number kernel instead of one per weight, which makes compiling a whole model's
+    initialisation several times faster on a CPU.
+    """
+    leaves, treedef = jax.tree.flatten(present(specs), is_leaf=lambda node: isinstance(node, ParamSpec))
+    total = sum(math.prod(spec.shape) for spec in leaves if spec.init == "normal")
+    draw = init_std * jax.random.normal(key, (total,), jnp.float32)
+    values, offset = [], 0
+    for spec in leaves:
+        if spec.init == "ones":
+            values.append(jnp.ones(spec.shape, jnp.float32))
+            continue
+        count = math.prod(spec.shape)
+        values.append(draw[offset:offset + count].reshape(spec.shape))
+        offset += count
+    return jax.tree.unflatten(treedef, values)
+
+
+def table(specs: Specs) -> str:
+    """The layout as a Markdown table: one row per weight with its shape, logical axes and initial value."""
+    rows = ["| parameter | shape | logical axes | init |", "|---|---|---|---|"]
+    for path, spec in flatten(specs):
+        shape = ", ".join(map(str, spec.shape))
+        axes = ", ".join("-" if axis is None else axis for axis in spec.axes)
+        rows.append(f"| `{'.'.join(path)}` | [{shape}] | ({axes}) | {spec.init} |")
+    return "\n".join(rows) + "\n"
