@@ -5,8 +5,8 @@ sharded and gathered just before use), `expert` (data parallelism whose MoE expe
 devices). `expert` is innermost, so an expert group is a run of neighbouring devices: one host's NVLink
 domain whenever the group fits in a host.
 
-Every parameter states its logical axes (`dropless.models.logical_axes(cfg)`); `LOGICAL_AXIS_RULES` below
-is the only place that says which mesh axis shards which logical axis.
+Every weight states its logical axes where it is declared (`dropless.core.params.ParamSpec`);
+`LOGICAL_AXIS_RULES` below is the only place that says which mesh axis shards which logical axis.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ A module's declaration is a function of the config returning a nested dict of `P
 (e.g. `dropless.moe.layer.moe_params`); stacked layers add a leading `layers` axis (`stacked`). From the
 declaration come the initial values (`init`, `init_one_draw`), the logical axes that the sharding rules of
 `dropless.core.mesh` read (`logical_axes`), the abstract shapes (`shapes`), the shape checks at a layer's
-boundary (`flatten`) and the documented layout (`table`).
+boundary (`flatten`), the shardings (`shardings`) and the documented layout (`table`).
 
 An entry may be `None`: an optional weight that is absent under this config but keeps its place in the key
 order, so switching it on or off leaves the other weights' initial values as they are.
@@ -18,8 +18,9 @@ from typing import Any, Literal, Union
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
 
-from dropless.core.mesh import LOGICAL_AXIS_RULES
+from dropless.core.mesh import LOGICAL_AXIS_RULES, logical_to_spec
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,11 @@ def shapes(specs: Specs) -> Any:
     return _map(lambda spec: jax.ShapeDtypeStruct(tuple(map(int, spec.shape)), jnp.float32), specs)
 
 
-def size(specs: Specs) -> int:
-    """Number of parameter values."""
-    return sum(math.prod(spec.shape) for _, spec in flatten(specs))
+def shardings(mesh: Mesh, specs: Specs) -> Any:
+    """A pytree of `NamedSharding`s shaped like the parameters, from the declaration alone (nothing traced): the
+    rules of `dropless.core.mesh`, a mesh axis that does not divide a dimension leaving it replicated."""
+    return _map(lambda spec: NamedSharding(mesh, logical_to_spec(mesh, spec.axes, tuple(map(int, spec.shape)))),
+                specs)
 
 
 def _draws(entry) -> bool:
@@ -128,6 +131,48 @@ def init_one_draw(key: jax.Array, specs: Specs, init_std: float) -> dict:
         values.append(draw[offset:offset + count].reshape(spec.shape))
         offset += count
     return jax.tree.unflatten(treedef, values)
+
+
+class Dim(int):
+    """A size that remembers its formula: declared with a config whose sizes are `Dim`s (`symbolic`), every shape
+    prints as the documentation writes it, e.g. [L, E, D, 2*F]."""
+
+    def __new__(cls, value: int, formula: str, compound: bool = False):
+        dim = super().__new__(cls, value)
+        dim.formula, dim.compound = formula, compound
+        return dim
+
+    def __str__(self) -> str:
+        return self.formula
+
+    def _term(self, other, in_product: bool) -> str:
+        text = str(other)
+        return f"({text})" if in_product and getattr(other, "compound", False) else text
+
+    def _combine(self, other, value: int, symbol: str, reverse: bool) -> "Dim":
+        product = symbol == "*"
+        left, right = (other, self) if reverse else (self, other)
+        return Dim(value, f"{self._term(left, product)}{symbol}{self._term(right, product)}", compound=not product)
+
+    def __add__(self, other):
+        return self._combine(other, int(self) + int(other), "+", False)
+
+    def __radd__(self, other):
+        return self._combine(other, int(other) + int(self), "+", True)
+
+    def __sub__(self, other):
+        return self._combine(other, int(self) - int(other), "-", False)
+
+    def __mul__(self, other):
+        return self._combine(other, int(self) * int(other), "*", False)
+
+    def __rmul__(self, other):
+        return self._combine(other, int(other) * int(self), "*", True)
+
+
+def symbolic(values: Any, names: dict[str, str]) -> Any:
+    """A copy of a config dataclass whose int fields listed in `names` are `Dim`s of those names."""
+    return replace(values, **{key: Dim(getattr(values, key), name) for key, name in names.items()})
 
 
 def table(specs: Specs) -> str:

@@ -18,6 +18,7 @@ with `checkpoint_name`, so any `jax.checkpoint` policy can refer to them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -86,8 +87,22 @@ def logical_axes(config: Config) -> dict:
     return params_lib.logical_axes(param_specs(config))
 
 
-def param_table(config: Config) -> str:
-    """The parameter layout of this config as a Markdown table (shapes, logical axes, initial values)."""
+# The letters of the documented layout (DESIGN.md "Parameters") for the sizes the declaration reads.
+SIZE_NAMES = {
+    "model": {"vocab_size": "V", "hidden_size": "D", "num_layers": "L", "first_dense_layers": "L_dense",
+              "dense_intermediate_size": "F_dense", "num_heads": "H", "num_kv_heads": "N", "head_dim": "hd",
+              "q_lora_rank": "Rq", "kv_lora_rank": "Rkv", "qk_rope_head_dim": "rope", "qk_nope_head_dim": "nope",
+              "v_head_dim": "v"},
+    "moe": {"num_experts": "E", "expert_intermediate_size": "F", "num_shared_experts": "n_shared"},
+}
+
+
+def param_table(config: Config, *, symbolic: bool = True) -> str:
+    """The parameter layout of this config as a Markdown table: shapes (as formulas of `SIZE_NAMES`, or the
+    config's numbers), logical axes and initial values, one row per weight."""
+    if symbolic:
+        config = dataclasses.replace(config, **{group: params_lib.symbolic(getattr(config, group), names)
+                                                for group, names in SIZE_NAMES.items()})
     return params_lib.table(param_specs(config))
 
 
