@@ -53,8 +53,8 @@ def _check_choices(group: str, values: Any) -> None:
 
 def check_yarn_keys(rope_scaling: dict) -> None:
     """A YaRN setting names the two values it cannot do without (HF's config.json keys)."""
-    _require(rope_scaling.get("factor") is not None and rope_scaling.get("original_max_position_embeddings") is not None,
-             "model.rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'; "
+    has_both = all(rope_scaling.get(key) is not None for key in ("factor", "original_max_position_embeddings"))
+    _require(has_both, "model.rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'; "
              "add both (DeepSeek-V3 uses 40.0 and 4096).")
 
 

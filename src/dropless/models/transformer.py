@@ -1,11 +1,11 @@
-"""The decoder-only MoE transformer: parameters, state, forward pass, parameter counts and logical axes.
+"""The decoder-only MoE transformer: the parameter declaration, state, forward pass and parameter counts.
 
 Layers are pre-norm residual blocks, `x += attn(norm(x)); x += mlp_or_moe(norm(x))`. The first
 `model.first_dense_layers` layers use a dense SwiGLU MLP, the rest the MoE layer of `dropless.moe`. Each group is
-stored stacked on a leading `L` axis (layout in DESIGN.md "Parameters") and run with one `jax.lax.scan`, so
-compile time does not grow with depth, or unrolled with `train.scan_layers=false` (same numbers; for shallow
-models the straight-line program skips the scan's stacked buffers). The numbers match Hugging Face's DeepseekV3ForCausalLM,
-MixtralForCausalLM and Qwen3MoeForCausalLM (positions 0..S-1, no padding mask).
+stored stacked on a leading `layers` axis (declared once by `param_specs`; `param_table` prints the layout) and
+run with one `jax.lax.scan`, so compile time does not grow with depth, or unrolled with `train.scan_layers=false`
+(same numbers; for shallow models the straight-line program skips the scan's stacked buffers). The numbers match
+Hugging Face's DeepseekV3ForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM (positions 0..S-1, no padding mask).
 
 Precision: float32 master weights are cast to the compute dtype (`train.dtype`) where they are used; the
 residual stream is in the compute dtype; norms, attention softmax, router and logits are float32.
@@ -36,6 +36,7 @@ from dropless.ops.matmul import matmul_f32_out
 from dropless.ops.norms import rms_norm
 from dropless.ops.rope import rope_tables
 
+
 def compute_dtype(config: Config) -> jnp.dtype:
     return jnp.dtype(config.train.dtype)
 
@@ -56,8 +57,8 @@ def _layer_params(config: Config, mlp_name: str) -> Specs:
 
 
 def param_specs(config: Config) -> Specs:
-    """The model's weights, declared once (layout in DESIGN.md "Parameters"): each group of layers stacked on a
-    leading `layers` axis, a group with no layers absent, `lm_head` absent with tied embeddings."""
+    """The model's weights, declared once: each group of layers stacked on a leading `layers` axis, a group with no
+    layers absent, `lm_head` absent with tied embeddings. Init, logical axes and counts derive from it."""
     m = config.model
     num_dense, num_moe = layer_counts(m)
     specs: Specs = {"embed": ParamSpec((m.vocab_size, m.hidden_size), ("vocab", "embed"))}
