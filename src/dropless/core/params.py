@@ -43,10 +43,14 @@ Specs = dict[str, Union[ParamSpec, "Specs", None]]
 
 def stacked(specs: Specs, count: int, axis: str = "layers") -> Specs:
     """The same weights for `count` layers, each on a new leading `axis`."""
-    return {name: None if spec is None
-            else replace(spec, shape=(count, *spec.shape), axes=(axis, *spec.axes)) if isinstance(spec, ParamSpec)
-            else stacked(spec, count, axis)
-            for name, spec in specs.items()}
+    def stack(spec):
+        if spec is None:
+            return None
+        if isinstance(spec, ParamSpec):
+            return replace(spec, shape=(count, *spec.shape), axes=(axis, *spec.axes))
+        return stacked(spec, count, axis)
+
+    return {name: stack(spec) for name, spec in specs.items()}
 
 
 def present(specs: Specs) -> dict:
