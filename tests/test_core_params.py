@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 
 from dropless.core import params
-from dropless.core.config import ParallelConfig
+from dropless.core.config import ModelConfig, MoEConfig, ParallelConfig
 from dropless.core.mesh import make_mesh, param_shardings
 from dropless.core.params import ParamSpec
 from dropless.models import transformer
+from dropless.models.attention import init_mla
+from dropless.moe import init_moe
 from tests.test_models_transformer import FAMILIES
 
 W = ParamSpec((2, 3), ("embed", "mlp"))
@@ -76,3 +78,22 @@ def test_the_layout_table_has_one_row_per_weight_as_formulas_or_numbers():
     assert "| `moe_layers.attn.q_b` | [L-L_dense, Rq, H*(nope+rope)] |" in symbolic
     assert "| `moe_layers.moe.experts.gate_up` | [2, 8, 32, 32] |" in numeric
     assert "| `final_norm` | [D] | (embed) | ones |" in symbolic
+
+
+def test_the_modules_key_orders_are_the_historic_ones():
+    """init_moe splits its key into (router, experts, shared) even without shared experts, and each SwiGLU into
+    (gate_up, down); init_mla into (q_a or q, q_b, kv_a, kv_b, o). Checkpoints and tests depend on these draws."""
+    key = jax.random.key(4)
+    normal = lambda k, shape: 0.5 * jax.random.normal(k, shape)
+    moe = init_moe(key, 4, MoEConfig(num_experts=2, num_experts_per_tok=1, expert_intermediate_size=3,
+                                     num_shared_experts=0), 0.5)
+    k_router, k_experts, _ = jax.random.split(key, 3)
+    np.testing.assert_array_equal(moe["router"]["kernel"], normal(k_router, (4, 2)))
+    np.testing.assert_array_equal(moe["experts"]["down"], normal(jax.random.split(k_experts)[1], (2, 3, 4)))
+    m = ModelConfig(hidden_size=4, num_heads=1, q_lora_rank=0, kv_lora_rank=2, qk_rope_head_dim=2,
+                    qk_nope_head_dim=2, v_head_dim=2, init_std=0.5)
+    mla = init_mla(key, m)
+    k_q, _, k_kv_a, _, k_o = jax.random.split(key, 5)
+    np.testing.assert_array_equal(mla["q"], normal(k_q, (4, 4)))
+    np.testing.assert_array_equal(mla["kv_a"], normal(k_kv_a, (4, 4)))
+    np.testing.assert_array_equal(mla["o"], normal(k_o, (2, 4)))
