@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import types
 import typing
@@ -35,6 +36,31 @@ def _in_choices(key: str, value: Any, choices: tuple) -> None:
 def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
     ok = value >= 0 if allow_zero else value > 0
     _require(ok, f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}.")
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple]:
+    """The allowed values of each `Literal[...]` field of a config dataclass: declared once, by its annotation."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+            if typing.get_origin(hints[f.name]) is Literal}
+
+
+def _check_choices(group: str, values: Any) -> None:
+    for name, choices in _choices(type(values)).items():
+        _in_choices(f"{group}.{name}", getattr(values, name), choices)
+
+
+def check_yarn_keys(rope_scaling: dict) -> None:
+    """A YaRN setting names the two values it cannot do without (HF's config.json keys)."""
+    has_both = all(rope_scaling.get(key) is not None for key in ("factor", "original_max_position_embeddings"))
+    _require(has_both, "model.rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'; "
+             "add both (DeepSeek-V3 uses 40.0 and 4096).")
+
+
+# Activations tagged with `checkpoint_name` in every layer (all [B, S, D] in the compute dtype): what
+# `train.offload` may name.
+ACTIVATION_NAMES = ("attn_out", "mlp_out", "moe_in", "moe_out")
 
 
 @dataclass(frozen=True)
@@ -72,9 +98,7 @@ class ModelConfig:
     attention_backend: Literal["auto", "xla", "tokamax"] = "auto"
 
     def __post_init__(self):
-        _in_choices("model.family", self.family, ("deepseek_v3", "mixtral", "qwen3_moe"))
-        _in_choices("model.attention", self.attention, ("mla", "gqa"))
-        _in_choices("model.attention_backend", self.attention_backend, ("auto", "xla", "tokamax"))
+        _check_choices("model", self)
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
             _positive(f"model.{key}", getattr(self, key))
         _require(0 <= self.first_dense_layers <= self.num_layers,
@@ -90,6 +114,7 @@ class ModelConfig:
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             _require(kind == "yarn", f"model.rope_scaling type {kind!r} is not supported; use 'yarn' or null.")
+            check_yarn_keys(self.rope_scaling)
 
 
 @dataclass(frozen=True)
@@ -132,13 +157,13 @@ class MoEConfig:
     dispatch_dtype: Literal["compute", "float8"] = "compute"
 
     def __post_init__(self):
+        _check_choices("moe", self)
         _positive("moe.num_experts", self.num_experts)
         _require(1 <= self.num_experts_per_tok <= self.num_experts,
                  f"moe.num_experts_per_tok={self.num_experts_per_tok} must be between 1 and moe.num_experts={self.num_experts}.")
         _positive("moe.expert_intermediate_size", self.expert_intermediate_size)
         _positive("moe.dispatch_chunks", self.dispatch_chunks)
         _positive("moe.num_shared_experts", self.num_shared_experts, allow_zero=True)
-        _in_choices("moe.score_func", self.score_func, ("softmax", "sigmoid"))
         _require(self.n_group >= 1 and self.num_experts % self.n_group == 0,
                  f"moe.n_group={self.n_group} must divide moe.num_experts={self.num_experts}.")
         _require(1 <= self.topk_group <= self.n_group,
@@ -150,10 +175,7 @@ class MoEConfig:
                      f"moe.num_experts_per_tok={self.num_experts_per_tok}; raise moe.topk_group.")
         for key in ("bias_update_rate", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight"):
             _positive(f"moe.{key}", getattr(self, key), allow_zero=True)
-        _in_choices("moe.gmm_backend", self.gmm_backend, ("auto", "xla", "tokamax", "tokamax_default", "capacity"))
         _positive("moe.capacity_factor", self.capacity_factor)
-        _in_choices("moe.dispatch", self.dispatch, ("auto", "allgather", "alltoall", "ragged"))
-        _in_choices("moe.dispatch_dtype", self.dispatch_dtype, ("compute", "float8"))
         _require(self.alltoall_buffer_factor >= 1.0,
                  f"moe.alltoall_buffer_factor={self.alltoall_buffer_factor} must be >= 1.0.")
         _require(self.local_buffer_factor == 0 or self.local_buffer_factor >= 1.0,
@@ -192,6 +214,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
 
     def __post_init__(self):
+        _check_choices("train", self)
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
                     "checkpoint_every", "keep_checkpoints", "grad_accum_steps"):
             _positive(f"train.{key}", getattr(self, key))
@@ -203,9 +226,17 @@ class TrainConfig:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.weight_decay", self.weight_decay, allow_zero=True)
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
-        _in_choices("train.dtype", self.dtype, ("bfloat16", "float32"))
-        _in_choices("train.remat", self.remat, ("none", "moe", "full"))
-        _in_choices("train.optimizer_moments_dtype", self.optimizer_moments_dtype, ("float32", "bfloat16"))
+        unknown = [name for name in self.offload_names if name not in ACTIVATION_NAMES]
+        _require(not unknown, f"train.offload names unknown activation(s) {', '.join(unknown)}; "
+                              f"choose from {', '.join(ACTIVATION_NAMES)}.")
+        _require(not self.offload_names or self.remat == "full",
+                 f"train.offload={self.offload!r} needs train.remat=full (offloaded activations replace "
+                 f"recomputation); set train.remat=full or train.offload=''.")
+
+    @property
+    def offload_names(self) -> tuple[str, ...]:
+        """The activations `train.offload` names, in order."""
+        return tuple(name.strip() for name in self.offload.split(",") if name.strip())
 
 
 @dataclass(frozen=True)
@@ -249,6 +280,9 @@ class Config:
     def __post_init__(self):
         _require(self.train.seq_len <= self.model.max_seq_len,
                  f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; lower one or raise the other.")
+        _require(self.moe.num_experts % self.parallel.expert == 0,
+                 f"moe.num_experts={self.moe.num_experts} is not divisible by parallel.expert={self.parallel.expert}; "
+                 f"choose an expert-parallel size that divides the number of experts.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -5,8 +5,8 @@ sharded and gathered just before use), `expert` (data parallelism whose MoE expe
 devices). `expert` is innermost, so an expert group is a run of neighbouring devices: one host's NVLink
 domain whenever the group fits in a host.
 
-Every parameter states its logical axes (`dropless.models.logical_axes(cfg)`); `LOGICAL_AXIS_RULES` below
-is the only place that says which mesh axis shards which logical axis.
+Every weight states its logical axes where it is declared (`dropless.core.params.ParamSpec`);
+`LOGICAL_AXIS_RULES` below is the only place that says which mesh axis shards which logical axis.
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def per_batch_shard(kernel, mesh: Mesh | None):
     """`kernel(*arrays) -> array`, every array batch-first, run on each device's own slice of the batch.
 
     For kernels XLA cannot partition (Pallas calls such as tokamax's flash attention): under plain jit its SPMD
-    partitioner gathers the whole batch onto every device and runs the kernel there. On two H200s that all-gathered
-    attention's q/k/v every layer and doubled its time (benchmarks/results/step-h200.json, profile:ep).
+    partitioner gathers the whole batch onto every device and runs the kernel there: an all-gather of attention's
+    q/k/v in every layer, and every device doing the whole batch's attention.
     Identity on one device. check_vma=False: Pallas kernels' custom VJPs return cotangents without mesh axes.
     """
     if mesh is None or mesh.size == 1:

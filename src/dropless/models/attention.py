@@ -19,75 +19,65 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from dropless.core import params as params_lib
 from dropless.core.config import ConfigError, ModelConfig
+from dropless.core.mesh import per_batch_shard
+from dropless.core.params import ParamSpec, Specs
 from dropless.ops.norms import rms_norm
 from dropless.ops.rope import apply_rope, mla_softmax_scale
-from dropless.core.mesh import per_batch_shard
 
 # Hugging Face's DeepseekV3Attention builds q_a_layernorm and kv_a_layernorm without passing
 # config.rms_norm_eps, so the latent norms always use the RMSNorm default.
 LATENT_NORM_EPS = 1e-6
 
 
-def _normal(key: jax.Array, shape: tuple[int, ...], std: float) -> jax.Array:
-    return std * jax.random.normal(key, shape, jnp.float32)
+def mla_params(m: ModelConfig) -> Specs:
+    """One MLA layer's weights (DESIGN.md "ATTN for MLA"); their order is the order of init_mla's keys."""
+    D, H = m.hidden_size, m.num_heads
+    qk_width = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.q_lora_rank > 0:
+        specs: Specs = {"q_a": ParamSpec((D, m.q_lora_rank), ("embed", "q_lora")),
+                        "q_a_norm": ParamSpec((m.q_lora_rank,), ("q_lora",), "ones"),
+                        "q_b": ParamSpec((m.q_lora_rank, H * qk_width), ("q_lora", "heads_x_dim"))}
+    else:  # q draws with q_a's key; q_b's stays unused
+        specs = {"q": ParamSpec((D, H * qk_width), ("embed", "heads_x_dim")), "q_b": None}
+    return specs | {
+        "kv_a": ParamSpec((D, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", "kv_lora")),
+        "kv_a_norm": ParamSpec((m.kv_lora_rank,), ("kv_lora",), "ones"),
+        "kv_b": ParamSpec((m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)), ("kv_lora", "heads_x_dim")),
+        "o": ParamSpec((H * m.v_head_dim, D), ("heads_x_dim", "embed")),
+    }
+
+
+def gqa_params(m: ModelConfig) -> Specs:
+    """One GQA layer's weights (DESIGN.md "ATTN for GQA"); the per-head q/k norms are [head_dim]: tiny, replicated."""
+    D, H, N, hd = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
+    specs: Specs = {"q": ParamSpec((D, H * hd), ("embed", "heads_x_dim")),
+                    "k": ParamSpec((D, N * hd), ("embed", "heads_x_dim")),
+                    "v": ParamSpec((D, N * hd), ("embed", "heads_x_dim")),
+                    "o": ParamSpec((H * hd, D), ("heads_x_dim", "embed"))}
+    if m.qk_norm:
+        specs |= {"q_norm": ParamSpec((hd,), (None,), "ones"), "k_norm": ParamSpec((hd,), (None,), "ones")}
+    return specs
+
+
+def attention_params(m: ModelConfig) -> Specs:
+    """One layer's attention weights for `model.attention`."""
+    return mla_params(m) if m.attention == "mla" else gqa_params(m)
 
 
 def init_mla(key: jax.Array, m: ModelConfig) -> dict:
-    """One MLA layer's float32 weights (DESIGN.md "ATTN for MLA")."""
-    D, H, std = m.hidden_size, m.num_heads, m.init_std
-    qk_width = m.qk_nope_head_dim + m.qk_rope_head_dim
-    k_q_a, k_q_b, k_kv_a, k_kv_b, k_o = jax.random.split(key, 5)
-    params = {}
-    if m.q_lora_rank > 0:
-        params["q_a"] = _normal(k_q_a, (D, m.q_lora_rank), std)
-        params["q_a_norm"] = jnp.ones((m.q_lora_rank,), jnp.float32)
-        params["q_b"] = _normal(k_q_b, (m.q_lora_rank, H * qk_width), std)
-    else:
-        params["q"] = _normal(k_q_a, (D, H * qk_width), std)
-    params["kv_a"] = _normal(k_kv_a, (D, m.kv_lora_rank + m.qk_rope_head_dim), std)
-    params["kv_a_norm"] = jnp.ones((m.kv_lora_rank,), jnp.float32)
-    params["kv_b"] = _normal(k_kv_b, (m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)), std)
-    params["o"] = _normal(k_o, (H * m.v_head_dim, D), std)
-    return params
+    """One MLA layer's float32 weights, normal(0, model.init_std) matrices and ones for the latent norms."""
+    return params_lib.init(key, mla_params(m), m.init_std)
 
 
 def init_gqa(key: jax.Array, m: ModelConfig) -> dict:
-    """One GQA layer's float32 weights (DESIGN.md "ATTN for GQA")."""
-    D, H, N, hd, std = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.init_std
-    k_q, k_k, k_v, k_o = jax.random.split(key, 4)
-    params = {
-        "q": _normal(k_q, (D, H * hd), std),
-        "k": _normal(k_k, (D, N * hd), std),
-        "v": _normal(k_v, (D, N * hd), std),
-        "o": _normal(k_o, (H * hd, D), std),
-    }
-    if m.qk_norm:
-        params["q_norm"] = jnp.ones((hd,), jnp.float32)
-        params["k_norm"] = jnp.ones((hd,), jnp.float32)
-    return params
+    """One GQA layer's float32 weights, normal(0, model.init_std) matrices and ones for the q/k norms."""
+    return params_lib.init(key, gqa_params(m), m.init_std)
 
 
 def init_attention(key: jax.Array, m: ModelConfig) -> dict:
-    return init_mla(key, m) if m.attention == "mla" else init_gqa(key, m)
-
-
-def attention_logical_axes(m: ModelConfig) -> dict:
-    """Logical axis names of one layer's attention weights, keyed like `init_attention`'s result."""
-    if m.attention == "gqa":
-        axes = {"q": ("embed", "heads_x_dim"), "k": ("embed", "heads_x_dim"), "v": ("embed", "heads_x_dim"),
-                "o": ("heads_x_dim", "embed")}
-        if m.qk_norm:  # [head_dim]: tiny, replicated
-            axes.update(q_norm=(None,), k_norm=(None,))
-        return axes
-    axes = {}
-    if m.q_lora_rank > 0:
-        axes.update(q_a=("embed", "q_lora"), q_a_norm=("q_lora",), q_b=("q_lora", "heads_x_dim"))
-    else:
-        axes["q"] = ("embed", "heads_x_dim")
-    axes.update(kv_a=("embed", "kv_lora"), kv_a_norm=("kv_lora",), kv_b=("kv_lora", "heads_x_dim"),
-                o=("heads_x_dim", "embed"))
-    return axes
+    return params_lib.init(key, attention_params(m), m.init_std)
 
 
 def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, scale: float) -> jax.Array:
@@ -132,9 +122,9 @@ def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, *, sc
         except ImportError as error:
             raise ConfigError("model.attention_backend=tokamax needs the tokamax package; install dropless[gpu] "
                               "or set model.attention_backend=xla.") from error
-        # Flash attention: no [S, S] logits in memory. On one H200 at DeepSeek-V3's MLA shape (128 heads,
-        # 4096 tokens, widths 192/128, bf16), forward + backward took 5.9 ms and 0.13 GiB of scratch, against
-        # 39 ms and 20 GiB for the einsum path.
+        # Flash attention: no [S, S] logits in memory. At DeepSeek-V3's MLA shape (128 heads, 4096 tokens) the
+        # einsum path's float32 logits are 8 GiB per sequence, kept for the backward pass and read and written
+        # again by the softmax; the kernel keeps one tile of them on chip.
         return tokamax.dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, is_causal=True)
     out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, Q), k_BSNQ, v_BSNW, scale)
     return out_BSNGW.reshape(B, S, H, v_BSNW.shape[-1])

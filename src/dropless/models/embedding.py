@@ -3,9 +3,9 @@ the table.
 
 The gradient of `take(table_VD, tokens_BS)` is a scatter-add of the output gradient into a zero table. With the
 batch split over devices, each device scatters its own tokens and the partitioner then all-reduces (for a table
-split over `fsdp`: reduce-scatters) the whole float32 table. On two H200s (deepseek-v3-proxy, V = 32,768,
-D = 7,168, 16,384 tokens) that was a 940 MB all-reduce per step, 3.3 ms (the profile in
-benchmarks/results/step-h200-run-f.json), for gradient rows that are 235 MB in bf16. So when the batch's rows are
+split over `fsdp`: reduce-scatters) the whole float32 table, V*D*4 bytes every step, however few the tokens; the
+batch's gradient rows are T*D*2 bytes in bf16 (at V = 32,768, D = 7,168 and 16,384 tokens: 940 MB against
+235 MB). So when the batch's rows are
 fewer bytes than the float32 table, the backward pass gathers the rows and their token ids onto every device and
 scatters them there, in float32; otherwise (in bf16: a global batch of at least twice as many tokens as the
 vocabulary has entries, as in large multi-host runs) it keeps the table's reduction. Both compute the same

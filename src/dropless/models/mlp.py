@@ -8,17 +8,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dropless.core import params as params_lib
+from dropless.core.params import Specs
+from dropless.moe.experts import swiglu_params
+
+
+def mlp_params(hidden_size: int, intermediate_size: int) -> Specs:
+    """One layer's weights: {"gate_up": [D, 2F], "down": [F, D]} (the shared experts' layout)."""
+    return swiglu_params(hidden_size, intermediate_size)
+
 
 def init_mlp(key: jax.Array, hidden_size: int, intermediate_size: int, init_std: float) -> dict:
-    """One layer's float32 weights: {"gate_up": [D, 2F], "down": [F, D]}."""
-    k_gate_up, k_down = jax.random.split(key)
-    return {
-        "gate_up": init_std * jax.random.normal(k_gate_up, (hidden_size, 2 * intermediate_size), jnp.float32),
-        "down": init_std * jax.random.normal(k_down, (intermediate_size, hidden_size), jnp.float32),
-    }
-
-
-MLP_LOGICAL_AXES = {"gate_up": ("embed", "mlp"), "down": ("mlp", "embed")}
+    """One layer's float32 weights, normal(0, init_std)."""
+    return params_lib.init(key, mlp_params(hidden_size, intermediate_size), init_std)
 
 
 def swiglu(params: dict, x_BSD: jax.Array) -> jax.Array:

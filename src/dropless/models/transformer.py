@@ -1,11 +1,11 @@
-"""The decoder-only MoE transformer: parameters, state, forward pass, parameter counts and logical axes.
+"""The decoder-only MoE transformer: the parameter declaration, state, forward pass and parameter counts.
 
 Layers are pre-norm residual blocks, `x += attn(norm(x)); x += mlp_or_moe(norm(x))`. The first
 `model.first_dense_layers` layers use a dense SwiGLU MLP, the rest the MoE layer of `dropless.moe`. Each group is
-stored stacked on a leading `L` axis (layout in DESIGN.md "Parameters") and run with one `jax.lax.scan`, so
-compile time does not grow with depth, or unrolled with `train.scan_layers=false` (same numbers; for shallow
-models the straight-line program skips the scan's stacked buffers). The numbers match Hugging Face's DeepseekV3ForCausalLM,
-MixtralForCausalLM and Qwen3MoeForCausalLM (positions 0..S-1, no padding mask).
+stored stacked on a leading `layers` axis (declared once by `param_specs`; `param_table` prints the layout) and
+run with one `jax.lax.scan`, so compile time does not grow with depth, or unrolled with `train.scan_layers=false`
+(same numbers; for shallow models the straight-line program skips the scan's stacked buffers). The numbers match
+Hugging Face's DeepseekV3ForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM (positions 0..S-1, no padding mask).
 
 Precision: float32 master weights are cast to the compute dtype (`train.dtype`) where they are used; the
 residual stream is in the compute dtype; norms, attention softmax, router and logits are float32.
@@ -18,31 +18,23 @@ with `checkpoint_name`, so any `jax.checkpoint` policy can refer to them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from functools import partial
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from dropless.core.config import Config, ConfigError, ModelConfig, TrainConfig
-from dropless.models.attention import attention, attention_logical_axes, init_attention, rotary_dim
+from dropless.core import params as params_lib
+from dropless.core.config import ACTIVATION_NAMES, Config, ModelConfig, TrainConfig  # noqa: F401 (re-exported)
+from dropless.core.params import ParamSpec, Specs
+from dropless.models.attention import attention, attention_params, rotary_dim
 from dropless.models.embedding import embed_tokens
+from dropless.models.mlp import mlp_params, swiglu
+from dropless.moe.layer import init_moe, moe_layer, moe_params
 from dropless.ops.matmul import matmul_f32_out
-from dropless.models.mlp import MLP_LOGICAL_AXES, init_mlp, swiglu
 from dropless.ops.norms import rms_norm
 from dropless.ops.rope import rope_tables
-from dropless.moe.layer import init_moe, moe_layer
-
-# Activations tagged with `checkpoint_name` in every layer (all [B, S, D] in the compute dtype).
-ACTIVATION_NAMES = ("attn_out", "mlp_out", "moe_in", "moe_out")
-
-MOE_LOGICAL_AXES = {
-    "router": {"kernel": ("embed", "router")},
-    "experts": {"gate_up": ("experts", "embed", "mlp"), "down": ("experts", "mlp", "embed")},
-    "shared": MLP_LOGICAL_AXES,
-}
 
 
 def compute_dtype(config: Config) -> jnp.dtype:
@@ -56,70 +48,34 @@ def layer_counts(m: ModelConfig) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------------------------- parameters
 
-def _init_dense_layer(key: jax.Array, config: Config) -> dict:
+def _layer_params(config: Config, mlp_name: str) -> Specs:
     m = config.model
-    k_attn, k_mlp = jax.random.split(key)
-    return {
-        "attn_norm": jnp.ones((m.hidden_size,), jnp.float32),
-        "attn": init_attention(k_attn, m),
-        "mlp_norm": jnp.ones((m.hidden_size,), jnp.float32),
-        "mlp": init_mlp(k_mlp, m.hidden_size, m.dense_intermediate_size, m.init_std),
-    }
+    mlp = (mlp_params(m.hidden_size, m.dense_intermediate_size) if mlp_name == "mlp"
+           else moe_params(m.hidden_size, config.moe))
+    return {"attn_norm": ParamSpec((m.hidden_size,), ("embed",), "ones"), "attn": attention_params(m),
+            "mlp_norm": ParamSpec((m.hidden_size,), ("embed",), "ones"), mlp_name: mlp}
 
 
-def _init_moe_layer(key: jax.Array, config: Config) -> dict:
-    m = config.model
-    k_attn, k_moe = jax.random.split(key)
-    return {
-        "attn_norm": jnp.ones((m.hidden_size,), jnp.float32),
-        "attn": init_attention(k_attn, m),
-        "mlp_norm": jnp.ones((m.hidden_size,), jnp.float32),
-        "moe": init_moe(k_moe, m.hidden_size, config.moe, m.init_std),
-    }
-
-
-def _init_layout(key: jax.Array, config: Config) -> dict:
-    """Parameters drawn weight by weight by each module's own init: defines the layout (only ever traced)."""
+def param_specs(config: Config) -> Specs:
+    """The model's weights, declared once: each group of layers stacked on a leading `layers` axis, a group with no
+    layers absent, `lm_head` absent with tied embeddings. Init, logical axes and counts derive from it."""
     m = config.model
     num_dense, num_moe = layer_counts(m)
-    k_embed, k_dense, k_moe, k_head = jax.random.split(key, 4)
-    params: dict[str, Any] = {
-        "embed": m.init_std * jax.random.normal(k_embed, (m.vocab_size, m.hidden_size), jnp.float32)}
-    # vmap over per-layer keys builds the stacked [L, ...] arrays directly.
+    specs: Specs = {"embed": ParamSpec((m.vocab_size, m.hidden_size), ("vocab", "embed"))}
     if num_dense:
-        params["dense_layers"] = jax.vmap(partial(_init_dense_layer, config=config))(jax.random.split(k_dense, num_dense))
+        specs["dense_layers"] = params_lib.stacked(_layer_params(config, "mlp"), num_dense)
     if num_moe:
-        params["moe_layers"] = jax.vmap(partial(_init_moe_layer, config=config))(jax.random.split(k_moe, num_moe))
-    params["final_norm"] = jnp.ones((m.hidden_size,), jnp.float32)
+        specs["moe_layers"] = params_lib.stacked(_layer_params(config, "moe"), num_moe)
+    specs["final_norm"] = ParamSpec((m.hidden_size,), ("embed",), "ones")
     if not m.tie_embeddings:
-        params["lm_head"] = m.init_std * jax.random.normal(k_head, (m.hidden_size, m.vocab_size), jnp.float32)
-    return params
-
-
-def _is_norm(path) -> bool:
-    return str(getattr(path[-1], "key", "")).endswith("norm")
+        specs["lm_head"] = ParamSpec((m.hidden_size, m.vocab_size), ("embed", "vocab"))
+    return specs
 
 
 def init_params(key: jax.Array, config: Config) -> dict:
-    """Float32 parameters: normal(0, model.init_std) matrices, ones for norm weights (DESIGN.md layout).
-
-    The layout comes from the modules' own init functions (traced, never run); the values of all matrices are
-    consecutive slices of ONE normal draw. XLA then compiles one random-number kernel instead of one per weight:
-    on a 2-core CPU that cut compiling the tests' 3-layer model's init from 17 s to 1.6 s.
-    """
-    shapes = jax.eval_shape(partial(_init_layout, config=config), key)
-    leaves, treedef = jax.tree.flatten_with_path(shapes)
-    total = sum(math.prod(leaf.shape) for path, leaf in leaves if not _is_norm(path))
-    draw = config.model.init_std * jax.random.normal(key, (total,), jnp.float32)
-    values, offset = [], 0
-    for path, leaf in leaves:
-        if _is_norm(path):
-            values.append(jnp.ones(leaf.shape, jnp.float32))
-            continue
-        size = math.prod(leaf.shape)
-        values.append(draw[offset:offset + size].reshape(leaf.shape))
-        offset += size
-    return jax.tree.unflatten(treedef, values)
+    """Float32 parameters: normal(0, model.init_std) matrices, ones for norm weights, every matrix a slice of one
+    normal draw (`dropless.core.params.init_one_draw`)."""
+    return params_lib.init_one_draw(key, param_specs(config), config.model.init_std)
 
 
 def init_state(config: Config) -> dict:
@@ -129,54 +85,48 @@ def init_state(config: Config) -> dict:
 
 def logical_axes(config: Config) -> dict:
     """A pytree shaped like `init_params(key, config)` whose leaves are tuples of logical axis names."""
-    m = config.model
-    num_dense, num_moe = layer_counts(m)
+    return params_lib.logical_axes(param_specs(config))
 
-    def stacked(tree: dict) -> dict:
-        return jax.tree.map(lambda axes: ("layers", *axes), tree, is_leaf=lambda leaf: isinstance(leaf, tuple))
 
-    def layer(mlp_name: str, mlp_axes: dict) -> dict:
-        return stacked({"attn_norm": ("embed",), "attn": attention_logical_axes(m), "mlp_norm": ("embed",),
-                        mlp_name: mlp_axes})
+# The letters of the documented layout (DESIGN.md "Parameters") for the sizes the declaration reads.
+SIZE_NAMES = {
+    "model": {"vocab_size": "V", "hidden_size": "D", "num_layers": "L", "first_dense_layers": "L_dense",
+              "dense_intermediate_size": "F_dense", "num_heads": "H", "num_kv_heads": "N", "head_dim": "hd",
+              "q_lora_rank": "Rq", "kv_lora_rank": "Rkv", "qk_rope_head_dim": "rope", "qk_nope_head_dim": "nope",
+              "v_head_dim": "v"},
+    "moe": {"num_experts": "E", "expert_intermediate_size": "F", "num_shared_experts": "n_shared"},
+}
 
-    axes: dict[str, Any] = {"embed": ("vocab", "embed")}
-    if num_dense:
-        axes["dense_layers"] = layer("mlp", MLP_LOGICAL_AXES)
-    if num_moe:
-        moe_axes = dict(MOE_LOGICAL_AXES)
-        if config.moe.num_shared_experts == 0:
-            del moe_axes["shared"]
-        axes["moe_layers"] = layer("moe", moe_axes)
-    axes["final_norm"] = ("embed",)
-    if not m.tie_embeddings:
-        axes["lm_head"] = ("embed", "vocab")
-    return axes
+
+def param_table(config: Config, *, symbolic: bool = True) -> str:
+    """The parameter layout of this config as a Markdown table: shapes (as formulas of `SIZE_NAMES`, or the
+    config's numbers), logical axes and initial values, one row per weight."""
+    if symbolic:
+        config = dataclasses.replace(config, **{group: params_lib.symbolic(getattr(config, group), names)
+                                                for group, names in SIZE_NAMES.items()})
+    return params_lib.table(param_specs(config))
+
+
+def _component(path: tuple[str, ...]) -> str:
+    """The `param_breakdown` bucket of a weight."""
+    if path[0] in ("embed", "lm_head"):
+        return path[0]
+    if path[0] == "final_norm" or path[1] in ("attn_norm", "mlp_norm"):
+        return "norms"
+    if path[1] == "attn":
+        return "attention"
+    if path[1] == "mlp":
+        return "dense_mlp"
+    return {"router": "router", "experts": "routed_experts", "shared": "shared_experts"}[path[2]]
 
 
 def param_breakdown(config: Config) -> dict[str, int]:
-    """Parameter counts by component, from the config alone (no arrays are built)."""
-    m, moe = config.model, config.moe
-    D, H = m.hidden_size, m.num_heads
-    num_dense, num_moe = layer_counts(m)
-    if m.attention == "mla":
-        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q = D * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * qk if m.q_lora_rank else D * H * qk
-        kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
-        attn = q + kv + H * m.v_head_dim * D
-    else:
-        hd = m.head_dim
-        attn = 2 * D * H * hd + 2 * D * m.num_kv_heads * hd + (2 * hd if m.qk_norm else 0)
-    expert = 3 * D * moe.expert_intermediate_size
-    return {
-        "embed": m.vocab_size * D,
-        "lm_head": 0 if m.tie_embeddings else D * m.vocab_size,
-        "norms": 2 * D * m.num_layers + D,
-        "attention": attn * m.num_layers,
-        "dense_mlp": 3 * D * m.dense_intermediate_size * num_dense,
-        "router": D * moe.num_experts * num_moe,
-        "routed_experts": expert * moe.num_experts * num_moe,
-        "shared_experts": expert * moe.num_shared_experts * num_moe,
-    }
+    """Parameter counts by component, from the declaration alone (no arrays are built)."""
+    parts = dict.fromkeys(("embed", "lm_head", "norms", "attention", "dense_mlp", "router", "routed_experts",
+                           "shared_experts"), 0)
+    for path, spec in params_lib.flatten(param_specs(config)):
+        parts[_component(path)] += math.prod(spec.shape)
+    return parts
 
 
 def param_counts(config: Config) -> tuple[int, int]:
@@ -191,21 +141,9 @@ def param_counts(config: Config) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------------------------- forward
 
-def _offload_names(train: TrainConfig) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in train.offload.split(",") if name.strip())
-    unknown = [name for name in names if name not in ACTIVATION_NAMES]
-    if unknown:
-        raise ConfigError(f"train.offload names unknown activation(s) {', '.join(unknown)}; "
-                          f"choose from {', '.join(ACTIVATION_NAMES)}.")
-    if names and train.remat != "full":
-        raise ConfigError(f"train.offload={train.offload!r} needs train.remat=full (offloaded activations replace "
-                          f"recomputation); set train.remat=full or train.offload=''.")
-    return names
-
-
 def _layer_checkpoint(fn, train: TrainConfig):
     """Wrap a layer body for `train.remat=full`; identity otherwise."""
-    offload = _offload_names(train)
+    offload = train.offload_names
     if train.remat != "full":
         return fn
     if offload:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dropless.ops.matmul import matmul_f32_out
+from dropless.core.params import ParamSpec, Specs
 from dropless.gmm.api import GroupedMatmul
+from dropless.ops.matmul import matmul_f32_out
 
 
 def _glu(h_MF2: jax.Array, dtype) -> jax.Array:
@@ -54,10 +55,9 @@ def dense_swiglu(x_TD: jax.Array, weights: dict) -> jax.Array:
     return matmul_f32_out(_glu(h_TF2, dtype), weights["down"].astype(dtype))
 
 
-def init_swiglu(key: jax.Array, leading: tuple[int, ...], hidden_size: int, width: int, init_std: float) -> dict:
-    """float32 SwiGLU weights {"gate_up": [*leading, D, 2F], "down": [*leading, F, D]}, normal(0, init_std)."""
-    key_up, key_down = jax.random.split(key)
-    return {
-        "gate_up": init_std * jax.random.normal(key_up, (*leading, hidden_size, 2 * width), jnp.float32),
-        "down": init_std * jax.random.normal(key_down, (*leading, width, hidden_size), jnp.float32),
-    }
+def swiglu_params(hidden_size: int, width: int, num_experts: int | None = None) -> Specs:
+    """SwiGLU weights {"gate_up": [D, 2F], "down": [F, D]}, each on a leading `experts` axis [E, ...] when
+    `num_experts` is given (the routed experts)."""
+    lead, lead_axes = ((), ()) if num_experts is None else ((num_experts,), ("experts",))
+    return {"gate_up": ParamSpec((*lead, hidden_size, 2 * width), (*lead_axes, "embed", "mlp")),
+            "down": ParamSpec((*lead, width, hidden_size), (*lead_axes, "mlp", "embed"))}

@@ -1,7 +1,7 @@
 """The MoE layer: route -> executor (permute -> grouped GEMM -> unpermute) -> + shared experts.
 
 Shapes: B batch, S sequence, T = B*S tokens, D hidden, E experts, K top-k, F expert width.
-Parameters (float32 master weights, one layer):
+Parameters (float32 master weights, one layer; declared by `moe_params`):
     {"router": {"kernel": [D, E]},
      "experts": {"gate_up": [E, D, 2F], "down": [E, F, D]},
      "shared": {"gate_up": [D, 2Fs], "down": [Fs, D]}}      # only if moe.num_shared_experts > 0; Fs = n * F
@@ -16,11 +16,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dropless.moe import balance
+from dropless.core import params as params_lib
 from dropless.core.errors import MoEError
-from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
-from dropless.moe.experts import dense_swiglu, init_swiglu
+from dropless.core.params import ParamSpec, Specs
 from dropless.gmm.api import make_gmm
+from dropless.moe import balance
+from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
+from dropless.moe.experts import dense_swiglu, swiglu_params
 from dropless.moe.router import Routing, route
 
 
@@ -40,18 +42,22 @@ class MoEStats(NamedTuple):
     rows_sent_without_dedup: jax.Array  # int32 rows one copy per remote (token, expert) pair would need
 
 
+def moe_params(hidden_size: int, moe_cfg) -> Specs:
+    """One layer's weights (the layout in the module docstring); the shared experts are absent, keeping their
+    place in the key order, when moe.num_shared_experts = 0."""
+    width = moe_cfg.expert_intermediate_size
+    shared = moe_cfg.num_shared_experts
+    return {
+        "router": {"kernel": ParamSpec((hidden_size, moe_cfg.num_experts), ("embed", "router"))},
+        "experts": swiglu_params(hidden_size, width, moe_cfg.num_experts),
+        "shared": swiglu_params(hidden_size, shared * width) if shared > 0 else None,
+    }
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))  # one compilation instead of one per random draw
 def init_moe(key: jax.Array, hidden_size: int, moe_cfg, init_std: float) -> dict:
     """One layer's float32 parameters, every weight drawn from normal(0, init_std)."""
-    key_router, key_experts, key_shared = jax.random.split(key, 3)
-    num_experts, width = moe_cfg.num_experts, moe_cfg.expert_intermediate_size
-    params = {
-        "router": {"kernel": init_std * jax.random.normal(key_router, (hidden_size, num_experts), jnp.float32)},
-        "experts": init_swiglu(key_experts, (num_experts,), hidden_size, width, init_std),
-    }
-    if moe_cfg.num_shared_experts > 0:
-        params["shared"] = init_swiglu(key_shared, (), hidden_size, moe_cfg.num_shared_experts * width, init_std)
-    return params
+    return params_lib.init(key, moe_params(hidden_size, moe_cfg), init_std)
 
 
 def _expect(name: str, shape: tuple, expected: tuple, fix: str) -> None:
@@ -60,25 +66,19 @@ def _expect(name: str, shape: tuple, expected: tuple, fix: str) -> None:
 
 
 def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
-    """Validate shapes at the layer boundary (trace time, so free under jit)."""
+    """Validate shapes at the layer boundary against `moe_params` (trace time, so free under jit)."""
     if getattr(x_BSD, "ndim", None) != 3:
         raise MoEError(f"x_BSD must be [batch, seq, hidden] but has shape {getattr(x_BSD, 'shape', None)}; "
                        f"reshape the activations to 3 dimensions.")
-    hidden = x_BSD.shape[-1]
-    num_experts, width = moe_cfg.num_experts, moe_cfg.expert_intermediate_size
     fix = "build the parameters with init_moe(key, hidden_size, moe_cfg, init_std) for this config"
-    _expect("params['router']['kernel']", params["router"]["kernel"].shape, (hidden, num_experts), fix)
-    _expect("params['experts']['gate_up']", params["experts"]["gate_up"].shape, (num_experts, hidden, 2 * width), fix)
-    _expect("params['experts']['down']", params["experts"]["down"].shape, (num_experts, width, hidden), fix)
-    shared_width = moe_cfg.num_shared_experts * width
     if (moe_cfg.num_shared_experts > 0) != ("shared" in params):
         raise MoEError(f"moe.num_shared_experts={moe_cfg.num_shared_experts} but the parameters "
                        f"{'lack' if 'shared' not in params else 'have'} a 'shared' entry; {fix}.")
-    if "shared" in params:
-        _expect("params['shared']['gate_up']", params["shared"]["gate_up"].shape, (hidden, 2 * shared_width), fix)
-        _expect("params['shared']['down']", params["shared"]["down"].shape, (shared_width, hidden), fix)
+    for path, spec in params_lib.flatten(moe_params(x_BSD.shape[-1], moe_cfg)):
+        weight = functools.reduce(lambda tree, name: tree[name], path, params)
+        _expect("params" + "".join(f"[{name!r}]" for name in path), weight.shape, spec.shape, fix)
     if router_bias_E is not None:
-        _expect("router_bias_E", router_bias_E.shape, (num_experts,),
+        _expect("router_bias_E", router_bias_E.shape, (moe_cfg.num_experts,),
                 "pass one bias per expert (zeros when the aux-loss-free bias is unused)")
 
 

@@ -1,16 +1,15 @@
 """Matmuls whose output is wider than their operands, with a backward pass that stays in the operands' dtype.
 
 `jnp.einsum(x_bf16, w_bf16, preferred_element_type=float32)` gives float32 logits, but JAX's transpose rule then
-multiplies the float32 cotangent with the bf16 operand, which promotes both backward matmuls to float32. On an
-H200 (deepseek-v3-proxy, 8 192 tokens, vocabulary 32 768) the lm_head's input gradient took 9.6 ms and its weight
-gradient 17.4 ms against 4.9 ms for its bf16 forward (benchmarks/results/step-h200.json, the profile). Here the
+multiplies the float32 cotangent with the bf16 operand, which promotes both backward matmuls to float32, a
+fraction of the bf16 rate on a GPU: for the lm_head, each of them then takes longer than its bf16 forward. Here the
 cotangent is cast to the operands' dtype first, as in mixed-precision training generally: both backward matmuls
 run at the bf16 rate and still accumulate in float32 (the GPU's bf16 GEMMs accumulate in float32 and round once).
 
 The backward products are *emitted* in the operands' dtype, not computed in float32 and cast: with the batch split
 over devices, the weight gradient is a partial sum that the partitioner all-reduces right after the dot, in the
-dot's output dtype. On two H200s the lm_head's float32 partial sums were a 940 MB all-reduce per step (3.3 ms,
-benchmarks/results/step-h200-run-f.json's profile); in bf16 they are half that, like every other weight gradient.
+dot's output dtype. For the lm_head, float32 partial sums would be an all-reduce of the whole float32 [D, V]
+weight every step; in bf16 they are half the bytes, like every other weight gradient.
 In float32 (the CPU tests) nothing changes.
 """
 

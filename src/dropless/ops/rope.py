@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.core.config import ConfigError
+from dropless.core.config import check_yarn_keys
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -30,11 +30,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _yarn_settings(rope_scaling: dict) -> tuple[float, float, float, float]:
-    factor = rope_scaling.get("factor")
-    original = rope_scaling.get("original_max_position_embeddings")
-    if factor is None or original is None:
-        raise ConfigError("model.rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'; "
-                          "add both (DeepSeek-V3 uses 40.0 and 4096).")
+    check_yarn_keys(rope_scaling)  # ModelConfig has checked its own; this guards direct callers
+    factor, original = rope_scaling["factor"], rope_scaling["original_max_position_embeddings"]
     # `or` rather than a default: HF treats an explicit null/0 like a missing key.
     beta_fast = rope_scaling.get("beta_fast") or 32.0
     beta_slow = rope_scaling.get("beta_slow") or 1.0
