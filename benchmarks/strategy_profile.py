@@ -25,7 +25,7 @@ def main(out: Path, variants: list[str]) -> int:
     from dropless.bench.ep import _compiled, _inputs, _layer_program, _placed, _profile, _router_bias
     from dropless.core.config import build_config
     from dropless.core.config import ParallelConfig
-    from dropless.ep.dispatch import _named_strategy
+    from dropless.ep.executor import _named_strategy
     from dropless.core.mesh import make_mesh
 
     config = build_config("deepseek-v3-proxy", {})

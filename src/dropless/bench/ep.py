@@ -45,10 +45,12 @@ def _layer_program(moe_cfg, mesh, strategy):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from dropless.moe import moe_layer
-    from dropless.ep.dispatch import ExpertParallelExecutor
+    from dropless.ep import ExpertParallelExecutor
+    from dropless.gmm import make_gmm
     from dropless.core.mesh import batch_sharding
 
-    executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy, moe_cfg.local_buffer_factor)
+    executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy, make_gmm(moe_cfg),
+                                                                    moe_cfg.local_buffer_factor)
 
     def forward_backward(params, bias_E, x_BSD, cotangent_BSD):
         def loss(experts, x_BSD):
@@ -197,7 +199,7 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     from dropless.bench import pgle
     from dropless.bench.gmm import time_calls
     from dropless.core.config import ParallelConfig
-    from dropless.ep.dispatch import make_strategy
+    from dropless.ep import make_strategy
     from dropless.core.mesh import make_mesh
     from dropless.ep.wire import Wire
     from dropless.core.xla_flags import SCHEDULING_CANDIDATES
@@ -231,7 +233,6 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
     for name, chunk_count, flags in [(name, n, f) for name in strategies for n in chunks for f in xla]:
         strategy = make_strategy(config.replace(**{"moe.dispatch": name, "parallel.expert": count,
                                                    "moe.dispatch_chunks": chunk_count}), platform=devices[0].platform)
-        inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
         program = _layer_program(config.moe, many, strategy)
         options = dict(SCHEDULING_CANDIDATES.get(flags, {}))
         lowered = program.lower(*arguments[skews[0]])
@@ -258,9 +259,8 @@ def measure(config, strategies, skews, *, tokens_per_device: int, devices: list,
             record = {
                 "strategy": name, "chunks": chunk_count, "xla": flags,
                 **({"pgle": pgle_status} if pgle_status else {}),
-                "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
-                                            count, config.moe.num_experts // count)).__name__
-                if hasattr(inner, "choose") else type(inner).__name__,
+                "chosen": strategy.resolve(tokens_per_device, config.moe.num_experts_per_tok, count,
+                                           config.moe.num_experts // count).name,
                 "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
                 "dispatch_dtype": config.moe.dispatch_dtype,
                 **timing, "single_device_xla": same,

@@ -95,14 +95,14 @@ def memory_report(config, devices=None, *, compiled=None) -> dict:
     """Per-device bytes of a training step: parameters, gradients, optimizer state, activations, temporaries,
     the compiled program's own figures, and the peak estimate. Nothing is allocated."""
     from dropless.bench import harness
-    from dropless.ep import dispatch
+    from dropless.ep import make_executor
 
     setup = harness.build(config, devices)
     compiled = compiled or harness.lower(setup).compile()
     stats = compiled.memory_analysis()
     shapes, shardings = setup.state_shapes, setup.state_shardings
     params = tree_bytes_per_device(shapes.params, shardings.params)
-    activations_global, _ = residual_bytes(config, dispatch.make_executor(config, setup.mesh))
+    activations_global, _ = residual_bytes(config, make_executor(config, setup.mesh))
     activations = activations_global // setup.mesh.size
     # float32 gradients, sharded like the float32 master weights; with gradient accumulation, the running sum
     # and one microbatch's

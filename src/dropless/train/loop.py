@@ -124,8 +124,9 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     log(f"dropless: {total / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active per token; "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}; "
         f"gmm={resolve_backend_name(config.moe.gmm_backend)}, "
-        f"dispatch={type(executor.strategy).__name__ if executor else 'none'}"
-        + (", float8 rows towards the experts" if executor and config.moe.dispatch_dtype == "float8" else ""))
+        f"dispatch={executor.name}"
+        + (", float8 rows towards the experts"
+           if executor.mesh is not None and config.moe.dispatch_dtype == "float8" else ""))
     if start >= tc.steps:
         log(f"dropless: the run is already at step {start} of {tc.steps}; raise --steps to train further.")
 
