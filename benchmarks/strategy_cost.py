@@ -32,7 +32,7 @@ def main() -> int:
     from dropless.bench.gmm import environment
     from dropless.core.config import build_config
     from dropless.core.config import ParallelConfig
-    from dropless.ep.dispatch import _named_strategy
+    from dropless.ep.executor import _named_strategy
     from dropless.core.mesh import make_mesh
 
     config = build_config(args.preset, {})

@@ -126,7 +126,7 @@ def test_the_model_runs_attention_per_batch_shard_on_a_mesh(monkeypatch):
     import jax
 
     from dropless.models import attention, transformer
-    from dropless.ep.dispatch import make_executor
+    from dropless.ep import make_executor
     from tests.micro_config import micro_config
 
     config = micro_config(**{"train.batch_size": 8, "parallel.data": 2, "parallel.expert": 4})

@@ -9,16 +9,14 @@ really are rounded and really cross the link as float8 (in the forward dispatch 
 import dataclasses
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, MoEConfig, ParallelConfig
-from dropless.ep import dispatch
-from dropless.core.mesh import make_mesh
+from dropless.ep import AllToAll, Auto, Chunked, make_strategy
 from dropless.ep.wire import FP8, FP8_MAX, TILE, Wire, dequantize, quantize, tile_size
-from tests.test_ep_dispatch import MESHES, MOE, STRATEGIES, _assert_matches_single_device, _layer, _problem
+from tests.ep_cases import MOE, SKEWED_BIAS, STRATEGIES, assert_matches_single_device, executor, layer, problem
 
 FLOAT8 = Wire("float8")
 
@@ -45,9 +43,9 @@ def test_quantize_rounds_within_e4m3_precision_tile_by_tile():
 
 
 def _fp8_exact_problem(seed, bias_E=None):
-    """A _problem whose input and output cotangent FP8 holds exactly: e4m3 values times 2**-8, each row with one
+    """A `problem` whose input and output cotangent FP8 holds exactly: e4m3 values times 2**-8, each row with one
     +-448 (so every row's scale is 448 * 2**-8 / 448, a power of two, and quantizing changes nothing)."""
-    params, bias_E, x_BSD, cotangent_BSD = _problem(seed, bias_E)
+    params, bias_E, x_BSD, cotangent_BSD = problem(seed, bias_E)
 
     def representable(a):
         values = np.array(jnp.asarray(np.clip(a * 100.0, -440, 440), jnp.float32).astype(FP8).astype(jnp.float32))
@@ -59,16 +57,15 @@ def _fp8_exact_problem(seed, bias_E=None):
 @pytest.mark.parametrize("expert_parallel", [2, 8])
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_fp8_wire_equals_single_device_where_fp8_holds_the_values(name, expert_parallel):
-    problem = _fp8_exact_problem(seed=expert_parallel)
-    _assert_matches_single_device(_fp8_strategy(name), expert_parallel, problem)
+    assert_matches_single_device(_fp8_strategy(name), expert_parallel, _fp8_exact_problem(seed=expert_parallel))
 
 
 def test_fp8_wire_through_overflowing_alltoall_slots_and_chunks_equals_single_device():
     """The worst-case exchange that alltoall takes on overflow (a lax.cond), and the dispatch in chunks."""
-    skewed = _fp8_exact_problem(seed=7, bias_E=[10.0, 10.0, 10.0, 0, 0, 0, 0, 0])
-    strategy = dispatch.AllToAll(buffer_factor=1.0, wire=FLOAT8)
-    assert int(_assert_matches_single_device(strategy, 4, skewed).dispatch_overflowed) == 1
-    _assert_matches_single_device(dispatch.Chunked(_fp8_strategy("allgather"), 2), 2, _fp8_exact_problem(seed=3))
+    skewed = _fp8_exact_problem(seed=7, bias_E=SKEWED_BIAS)
+    strategy = AllToAll(buffer_factor=1.0, wire=FLOAT8)
+    assert int(assert_matches_single_device(strategy, 4, skewed).dispatch_overflowed) == 1
+    assert_matches_single_device(Chunked(_fp8_strategy("allgather"), 2), 2, _fp8_exact_problem(seed=3))
 
 
 def _wire_collectives(lowered_text: str) -> list[tuple[str, str]]:
@@ -79,17 +76,17 @@ def _wire_collectives(lowered_text: str) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_fp8_wire_rounds_random_rows_and_moves_them_as_float8(name):
-    problem = _problem(seed=5)
-    y_want, grads_want, _ = _layer(None, MOE, *problem)
-    executor = dispatch.ExpertParallelExecutor(make_mesh(MESHES[4]), _fp8_strategy(name))
-    y_got, grads_got, stats = _layer(executor, MOE, *problem)
+    case = problem(seed=5)
+    y_want, grads_want, _ = layer(None, MOE, *case)
+    fp8_executor = executor(_fp8_strategy(name), 4)
+    y_got, grads_got, stats = layer(fp8_executor, MOE, *case)
     assert int(stats.tokens_dropped) == 0
     error = np.linalg.norm(np.asarray(y_got) - y_want) / np.linalg.norm(y_want)
     assert 1e-4 < error < 2.0 ** -4  # rounded, by about e4m3's precision
     experts_got, experts_want = grads_got[0]["experts"]["gate_up"], grads_want[0]["experts"]["gate_up"]
     error = np.linalg.norm(np.asarray(experts_got) - experts_want) / np.linalg.norm(experts_want)
     assert 1e-4 < error < 2.0 ** -3
-    text = _layer.lower(executor, MOE, *problem).as_text()
+    text = layer.lower(fp8_executor, MOE, *case).as_text()
     fp8 = [op for op, operand in _wire_collectives(text) if "f8E4M3FN" in operand]
     # Forward: the tokens out. Backward: the output's gradient out (the combine's transpose; for the emulated
     # ragged_all_to_all, built from all_gather, that transpose is a reduce_scatter).
@@ -98,8 +95,8 @@ def test_fp8_wire_rounds_random_rows_and_moves_them_as_float8(name):
 
 def test_dispatch_dtype_config():
     tiny = Config(moe=MoEConfig(num_experts=8, dispatch_dtype="float8"), parallel=ParallelConfig(expert=4))
-    assert dispatch.make_strategy(tiny) == dispatch.Auto(2.0, True, FLOAT8)
-    assert dispatch.make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="gpu").wire == FLOAT8
-    assert dispatch.make_strategy(tiny.replace(**{"moe.dispatch_dtype": "compute"})).wire == Wire()
+    assert make_strategy(tiny) == Auto(2.0, True, FLOAT8)
+    assert make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="gpu").wire == FLOAT8
+    assert make_strategy(tiny.replace(**{"moe.dispatch_dtype": "compute"})).wire == Wire()
     with pytest.raises(ConfigError, match="moe.dispatch_dtype='e5m2' is not valid; choose one of compute, float8"):
         MoEConfig(dispatch_dtype="e5m2")

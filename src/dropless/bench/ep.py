@@ -41,8 +41,9 @@ from dropless.core import xla_flags
 from dropless.core.config import ParallelConfig, build_config, parse_overrides
 from dropless.core.mesh import batch_sharding, make_mesh
 from dropless.core.xla_flags import SCHEDULING_CANDIDATES
-from dropless.ep.dispatch import ExpertParallelExecutor, make_strategy
+from dropless.ep import ExpertParallelExecutor, make_strategy
 from dropless.ep.wire import Wire
+from dropless.gmm import make_gmm
 from dropless.moe import init_moe, moe_layer, route
 
 STRATEGIES = ("auto", "allgather", "alltoall", "ragged")
@@ -56,7 +57,8 @@ CALLS_SECONDS = 0.5
 
 def _layer_program(moe_cfg, mesh, strategy):
     """jit(forward + backward of one bf16 MoE layer) on `mesh`; strategy None = the single-device executor."""
-    executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy, moe_cfg.local_buffer_factor)
+    executor = None if strategy is None else ExpertParallelExecutor(mesh, strategy, make_gmm(moe_cfg),
+                                                                    moe_cfg.local_buffer_factor)
 
     def forward_backward(params, bias_E, x_BSD, cotangent_BSD):
         def loss(experts, x_BSD):
@@ -239,7 +241,6 @@ def _record(config, strategy, programs, arguments, baseline, *, name: str, chunk
     its rows counted."""
     compiled, profiled = programs
     count, hidden = devices, config.model.hidden_size
-    inner = getattr(strategy, "inner", strategy)  # Chunked wraps the strategy it splits
     args = _placed(compiled, arguments)
     timing = paired_rounds(*baseline, compiled, args, iters)
     _, (_, stats) = jax.device_get(compiled(*args))
@@ -250,9 +251,8 @@ def _record(config, strategy, programs, arguments, baseline, *, name: str, chunk
     record = {
         "strategy": name, "chunks": chunk_count, "xla": flags,
         **({"pgle": pgle_status} if pgle_status else {}),
-        "chosen": type(inner.choose(tokens_per_device // chunk_count, config.moe.num_experts_per_tok,
-                                    count, config.moe.num_experts // count)).__name__
-        if hasattr(inner, "choose") else type(inner).__name__,
+        "chosen": strategy.resolve(tokens_per_device, config.moe.num_experts_per_tok, count,
+                                   config.moe.num_experts // count).name,
         "skew": skew, "devices": count, "tokens_per_device": tokens_per_device,
         "dispatch_dtype": config.moe.dispatch_dtype,
         **timing, "single_device_xla": same,

@@ -35,7 +35,7 @@ from dropless.bench.harness import GIB, batch_shape
 from dropless.bench.records import write_json
 from dropless.core import xla_flags
 from dropless.core.config import ConfigError, build_config, parse_overrides
-from dropless.ep import dispatch
+from dropless.ep import make_executor
 from dropless.models import transformer
 from dropless.train.step import loss_fn
 
@@ -97,7 +97,7 @@ def memory_report(config, devices=None, *, compiled=None) -> dict:
     stats = compiled.memory_analysis()
     shapes, shardings = setup.state_shapes, setup.state_shardings
     params = tree_bytes_per_device(shapes.params, shardings.params)
-    activations_global, _ = residual_bytes(config, dispatch.make_executor(config, setup.mesh))
+    activations_global, _ = residual_bytes(config, make_executor(config, setup.mesh))
     activations = activations_global // setup.mesh.size
     # float32 gradients, sharded like the float32 master weights; with gradient accumulation, the running sum
     # and one microbatch's

@@ -31,6 +31,7 @@ from dropless.core.params import ParamSpec, Specs
 from dropless.models.attention import attention, attention_params, rotary_dim
 from dropless.models.embedding import embed_tokens
 from dropless.models.mlp import mlp_params, swiglu
+from dropless.moe.executor import ExpertExecutor, LocalExecutor
 from dropless.moe.layer import init_moe, moe_layer, moe_params
 from dropless.ops.matmul import matmul_f32_out
 from dropless.ops.norms import rms_norm
@@ -184,16 +185,18 @@ def _empty_moe_stats(config: Config, x_BSD: jax.Array):
     return jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), shapes)
 
 
-def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *, executor=None):
+def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
+            executor: ExpertExecutor | None = None):
     """Logits for next-token prediction. Returns (logits_BSV float32, aux).
 
     aux = {"moe": MoEStats stacked over the MoE layers [Lmoe, ...], "balance_loss": their summed
-    `balance_loss`, the term to add to the training loss}. `executor` is handed to `dropless.moe.moe_layer`
-    (None = single-device).
+    `balance_loss`, the term to add to the training loss}. `executor` (built once: `dropless.ep.make_executor`)
+    is handed to every `dropless.moe.moe_layer`; None = the one-device `LocalExecutor` for `config.moe`.
     """
     m = config.model
     dtype = compute_dtype(config)
-    mesh = getattr(executor, "mesh", None)  # the attention kernel runs per batch shard over the same mesh
+    executor = LocalExecutor.from_config(config.moe) if executor is None else executor
+    mesh = executor.mesh  # the attention kernel runs per batch shard over the same mesh
     with jax.named_scope("embed"):
         x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)
     cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(m), m.rope_theta, m.rope_scaling)

@@ -1,11 +1,11 @@
 """The expert-executor seam: how routed tokens reach their experts and come back.
 
-An executor is any callable
-    executor(x_TD, expert_ids_TK int32, weights_TK float32, experts, gmm) -> (y_TD float32, ExecutorStats)
-where `experts` = {"gate_up": [E, D, 2F], "down": [E, F, D]} (already in the compute dtype) and `gmm` is a
-grouped-GEMM backend (dropless.gmm.api). `LocalExecutor` runs everything on one device; the
-expert-parallel executors (dropless.ep.dispatch) add dispatch/combine collectives around the same
-permute / routed_experts / unpermute stages.
+An executor is built once, when the model is (`dropless.ep.make_executor`), and holds what the MoE layer
+needs besides parameters: the grouped-GEMM backend and, for expert parallelism, the mesh. It is called as
+    executor(x_TD, expert_ids_TK int32, weights_TK float32, experts) -> (y_TD float32, ExecutorStats)
+where `experts` = {"gate_up": [E, D, 2F], "down": [E, F, D]} (already in the compute dtype). `LocalExecutor`
+runs everything on one device; the expert-parallel executor (dropless.ep) adds dispatch/combine collectives
+around the same permute / routed_experts / unpermute stages.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from dropless.gmm import GroupedMatmul, make_gmm
 from dropless.moe.experts import routed_experts
-from dropless.gmm.api import GroupedMatmul
 from dropless.moe.permute import permute, unpermute
 
 
@@ -36,8 +37,18 @@ class ExecutorStats(NamedTuple):
 
 
 class ExpertExecutor(Protocol):
-    def __call__(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array, experts: dict,
-                 gmm: GroupedMatmul) -> tuple[jax.Array, ExecutorStats]: ...
+    """What the MoE layer calls between the router and the shared experts."""
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The mesh whose devices split the tokens (the router and attention then work per device); None on one."""
+
+    @property
+    def name(self) -> str:
+        """How tokens reach their experts, for logs: "local", or the expert-parallel strategy's name."""
+
+    def __call__(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array,
+                 experts: dict) -> tuple[jax.Array, ExecutorStats]: ...
 
 
 @dataclass(frozen=True)
@@ -49,14 +60,29 @@ class LocalExecutor:
     `remat_activation`: see dropless.moe.experts.routed_experts.
     """
 
+    gmm: GroupedMatmul
     rows: int | None = None
     remat_activation: bool = False
 
-    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts, gmm):
+    @classmethod
+    def from_config(cls, moe_cfg) -> "LocalExecutor":
+        """The one-device executor with the grouped-GEMM backend `moe.gmm_backend` names."""
+        return cls(make_gmm(moe_cfg))
+
+    @property
+    def mesh(self) -> None:
+        return None
+
+    @property
+    def name(self) -> str:
+        return "local"
+
+    def __call__(self, x_TD, expert_ids_TK, weights_TK, experts):
         num_experts = experts["gate_up"].shape[0]
         with jax.named_scope("permute"):
             x_sorted_MD, group_sizes_E, info = permute(x_TD, expert_ids_TK, num_experts, self.rows)
-        y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, gmm, remat_activation=self.remat_activation)
+        y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, self.gmm,
+                                     remat_activation=self.remat_activation)
         with jax.named_scope("unpermute"):
             y_TD = unpermute(y_sorted_MD, info, weights_TK)
-        return y_TD, ExecutorStats.single_device(gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0]))
+        return y_TD, ExecutorStats.single_device(self.gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0]))

@@ -14,12 +14,10 @@ import functools
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from dropless.core import params as params_lib
 from dropless.core.errors import MoEError
 from dropless.core.params import ParamSpec, Specs
-from dropless.gmm.api import make_gmm
 from dropless.moe import balance
 from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, swiglu_params
@@ -36,7 +34,7 @@ class MoEStats(NamedTuple):
     seq_aux_loss: jax.Array
     z_loss: jax.Array
     balance_loss: jax.Array  # aux_loss_weight*aux + seq_aux_loss_weight*seq_aux + z_loss_weight*z
-    # Expert-parallel traffic (dropless.ep.dispatch); 0 on one device.
+    # Expert-parallel traffic (dropless.ep); 0 on one device.
     dispatch_overflowed: jax.Array  # int32 1 if alltoall slots or a local expert buffer overflowed (worst case ran)
     rows_sent: jax.Array  # int32 token rows sent between devices (dispatch; combine returns as many)
     rows_sent_without_dedup: jax.Array  # int32 rows one copy per remote (token, expert) pair would need
@@ -98,16 +96,19 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
               executor: ExpertExecutor | None = None) -> tuple[jax.Array, MoEStats]:
-    """The routed (+ shared) expert layer: returns (y_BSD in compute_dtype, MoEStats)."""
+    """The routed (+ shared) expert layer: returns (y_BSD in compute_dtype, MoEStats).
+
+    `executor`: built once with the model (`dropless.ep.make_executor`: the grouped-GEMM backend, and the mesh
+    under expert parallelism); None = the one-device `LocalExecutor.from_config(moe_cfg)`."""
     check_inputs(params, router_bias_E, x_BSD, moe_cfg)
+    executor = LocalExecutor.from_config(moe_cfg) if executor is None else executor
     batch, seq, hidden = x_BSD.shape
     x_TD = x_BSD.reshape(batch * seq, hidden)
     with jax.named_scope("route"):
-        routing = route(params["router"]["kernel"], router_bias_E, x_TD, moe_cfg, mesh=getattr(executor, "mesh", None))
+        routing = route(params["router"]["kernel"], router_bias_E, x_TD, moe_cfg, mesh=executor.mesh)
     x_TD = x_TD.astype(compute_dtype)
     experts = jax.tree.map(lambda w: w.astype(compute_dtype), params["experts"])
-    executor = LocalExecutor() if executor is None else executor
-    y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts, make_gmm(moe_cfg))
+    y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts)
     if "shared" in params:
         with jax.named_scope("shared"):
             y_TD = y_TD + dense_swiglu(x_TD, params["shared"])

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from dropless.core.mesh import per_batch_shard
 
@@ -54,7 +55,8 @@ def select_experts(choice_TE: jax.Array, top_k: int, n_group: int, topk_group: i
     return expert_ids_TK.astype(jnp.int32)
 
 
-def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg, mesh=None) -> Routing:
+def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg, *,
+          mesh: Mesh | None = None) -> Routing:
     """Choose K experts per token and their combine weights. The bias steers selection only.
 
     With a `mesh` whose devices split the tokens, the selection runs on each device's own tokens

@@ -178,8 +178,9 @@ def _describe(config: Config, setup, run_dir: Path, start: int, log) -> None:
     log(f"dropless: {total / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active per token; "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {dict(setup.mesh.shape)}; "
         f"gmm={resolve_backend_name(config.moe.gmm_backend)}, "
-        f"dispatch={type(executor.strategy).__name__ if executor else 'none'}"
-        + (", float8 rows towards the experts" if executor and config.moe.dispatch_dtype == "float8" else ""))
+        f"dispatch={executor.name}"
+        + (", float8 rows towards the experts"
+           if executor.mesh is not None and config.moe.dispatch_dtype == "float8" else ""))
     if start >= config.train.steps:
         log(f"dropless: the run is already at step {start} of {config.train.steps}; raise --steps to train further.")
 

@@ -14,8 +14,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from dropless.core.config import Config
 from dropless.models import transformer
-from dropless.ep import dispatch
+from dropless.ep import make_executor
 from dropless.core import mesh as mesh_lib
+from dropless.moe.executor import ExpertExecutor
 from dropless.train import offload
 from dropless.train.optimizer import make_optimizer
 from dropless.train.step import TrainState, init_train_state, make_train_step
@@ -25,7 +26,7 @@ from dropless.train.step import TrainState, init_train_state, make_train_step
 class StepSetup:
     config: Config
     mesh: Mesh
-    executor: Any  # the expert-parallel executor, or None on one device
+    executor: ExpertExecutor  # LocalExecutor on one device, else the expert-parallel one; holds the gmm backend
     optimizer: optax.GradientTransformation
     state_shapes: TrainState  # ShapeDtypeStructs
     state_shardings: TrainState  # NamedShardings
@@ -52,7 +53,7 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSe
     train = config.train
     mesh = mesh_lib.make_mesh(config.parallel, devices, batch_size=train.batch_size, num_experts=config.moe.num_experts,
                               microbatch_size=train.batch_size // train.grad_accum_steps)
-    executor = dispatch.make_executor(config, mesh)
+    executor = make_executor(config, mesh)
     optimizer = make_optimizer(config.train)
     state_shapes = jax.eval_shape(lambda: init_train_state(jax.random.key(config.train.seed), config, optimizer))
     shardings = offload.state_shardings_for(config.train, train_state_shardings(config, mesh, optimizer), devices)

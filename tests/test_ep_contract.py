@@ -1,0 +1,68 @@
+"""The shared skeleton (dispatch -> LocalExperts -> combine): bounded local expert buffers, the padding rows of
+the grouped GEMMs, and the profile scopes every strategy's exchange carries."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.ep import AllGather, Auto, Chunked
+from dropless.moe import moe_layer
+from tests.ep_cases import (
+    BATCH, EXPERTS, MOE, SEQ, SKEWED_BIAS, STRATEGIES, NanPaddingGmm, assert_executor_matches_local,
+    assert_matches_single_device, balanced_inputs, equations, executor, executor_loss, problem)
+
+
+@pytest.mark.parametrize("expert_parallel", [2, 8])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_bounded_local_buffers_equal_single_device_whichever_branch_each_device_takes(name, expert_parallel):
+    """Local buffers of exactly the balanced load: random routing overflows some devices and not others (each
+    decides alone), heavy skew overflows some; either way the result is the single-device one."""
+    for case in (problem(seed=expert_parallel), problem(seed=9, bias_E=SKEWED_BIAS)):
+        stats = assert_matches_single_device(STRATEGIES[name], expert_parallel, case, local_buffer_factor=1.0)
+        assert int(stats.dispatch_overflowed) == 1  # reported: some device's pairs did not fit
+
+
+def test_bounded_local_buffer_that_fits_is_taken_and_keeps_only_its_rows():
+    """Balanced routing fits a buffer of 1.0 x the balanced load: no overflow, same result; and the forward keeps
+    residuals of the bounded buffer's size only (the worst-case branch is rematerialised, not stored)."""
+    inputs = balanced_inputs()
+    bounded = executor(AllGather(), 2, local_buffer_factor=1.0)
+    stats = assert_executor_matches_local(bounded, *inputs)
+    assert int(stats.dispatch_overflowed) == 0
+    # Per device (8 tokens; 2 on the expert axis): R = 16 gathered tokens x J = 2 columns = 32 worst-case rows;
+    # the bounded buffer holds T*K = 16.
+    ids_TK, *differentiated = inputs
+    loss = functools.partial(executor_loss, bounded, ids_TK)
+    jaxpr = jax.make_jaxpr(lambda *args: jax.vjp(loss, *args))(*differentiated)
+    conds = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "cond"]
+    assert conds, "the bounded buffer's overflow branch is a lax.cond"
+    residual_rows = {v.aval.shape[0] for e in conds for v in e.outvars if getattr(v.aval, "ndim", 0) == 2}
+    assert 16 in residual_rows and 32 not in residual_rows
+
+
+@pytest.mark.parametrize("local_buffer_factor", [0.0, 1.25])
+@pytest.mark.parametrize("name", ["allgather", "alltoall"])
+def test_padding_rows_of_the_grouped_gemms_never_reach_the_result(name, local_buffer_factor):
+    """The experts' GEMMs may leave their padding rows unwritten (NaN here): the worst-case and the bounded local
+    buffers both have such rows, and the output and every gradient still equal the single-device ones."""
+    rng = np.random.default_rng(3)
+    ids_TK = np.stack([rng.choice(EXPERTS, 2, replace=False) for _ in range(BATCH * SEQ)])
+    nan_padding = executor(STRATEGIES[name], 2, local_buffer_factor, gmm=NanPaddingGmm())
+    assert_executor_matches_local(nan_padding, *balanced_inputs(ids_TK))
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES.values(), Auto(), Chunked(AllGather(), 2)],
+                         ids=[*STRATEGIES, "auto", "chunked"])
+def test_every_exchange_runs_in_the_dispatch_and_combine_scopes(strategy):
+    """The skeleton is shared: every collective that moves rows lies in the profile scope "dispatch" or "combine"
+    (the others: the stats' all-reduce, alltoall's overflow decision)."""
+    params, bias_E, x_BSD, _ = problem(seed=0)
+    expert_parallel = executor(strategy, 2)
+    jaxpr = jax.make_jaxpr(lambda p, x: moe_layer(p, bias_E, x, MOE, compute_dtype=jnp.float32,
+                                                  executor=expert_parallel))(params, x_BSD)
+    scopes = {str(e.source_info.name_stack).split("/")[-1] for e in equations(jaxpr.jaxpr)
+              if e.primitive.name in ("all_gather", "all_to_all", "reduce_scatter", "ragged_all_to_all")}
+    assert scopes == {"dispatch", "combine"}

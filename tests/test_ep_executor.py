@@ -1,0 +1,56 @@
+"""Expert parallelism on 8 CPU devices: the MoE layer under every strategy and mesh equals the single-device layer;
+the executor and strategy `make_executor` builds from the config."""
+
+import jax
+import pytest
+
+from dropless.core.config import Config, ConfigError, MoEConfig, ParallelConfig
+from dropless.core.mesh import make_mesh
+from dropless.ep import AllGather, Auto, NoDispatch, Ragged, make_executor, make_strategy
+from dropless.gmm import make_gmm
+from dropless.moe import LocalExecutor
+from tests.ep_cases import BATCH, MESHES, MOE, SEQ, STRATEGIES, assert_matches_single_device, expected_rows, problem
+
+
+@pytest.mark.parametrize("expert_parallel", sorted(MESHES))
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_layer_matches_single_device(name, expert_parallel):
+    case = problem(seed=expert_parallel)
+    stats = assert_matches_single_device(STRATEGIES[name], expert_parallel, case)
+    assert int(stats.rows_sent_without_dedup) == expected_rows(case, expert_parallel, dedup=False)
+    if name == "allgather":  # every token to every other device of its group
+        assert int(stats.rows_sent) == BATCH * SEQ * (expert_parallel - 1)
+    else:
+        assert int(stats.rows_sent) == expected_rows(case, expert_parallel, dedup=True)
+
+
+def test_meshes_without_expert_parallelism_compute_locally():
+    """parallel.expert=1 (data and fsdp only): make_executor's NoDispatch, each device its own tokens."""
+    config = Config(moe=MOE, parallel=MESHES[1])
+    executor = make_executor(config, make_mesh(config.parallel))
+    assert executor.strategy == NoDispatch()
+    stats = assert_matches_single_device(executor.strategy, 1, problem(seed=1))
+    assert int(stats.rows_sent) == 0 == int(stats.rows_sent_without_dedup)
+
+
+def test_make_executor_choices():
+    tiny = Config(moe=MoEConfig(num_experts=8), parallel=ParallelConfig(expert=4))
+    mesh = make_mesh(tiny.parallel)
+    assert make_executor(tiny, mesh).strategy == Auto(2.0, True)
+    assert make_strategy(tiny.replace(**{"moe.dispatch": "allgather"})) == AllGather()
+    assert make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="gpu") == Ragged(True)
+    assert make_strategy(tiny.replace(**{"parallel.expert": 1})) == NoDispatch()
+    # one device: the single-device executor, with the config's grouped-GEMM backend and no mesh
+    one_device = make_executor(tiny, make_mesh(ParallelConfig(), devices=jax.devices()[:1]))
+    assert one_device == LocalExecutor(make_gmm(tiny.moe)) and one_device.mesh is None
+    with pytest.raises(ConfigError, match="moe.dispatch=ragged needs GPUs"):
+        make_strategy(tiny.replace(**{"moe.dispatch": "ragged"}), platform="cpu")
+
+
+def test_the_executor_declares_its_mesh_gmm_and_name():
+    """What the layer and the logs read from an executor is declared, the same on one device and on a mesh."""
+    tiny = Config(moe=MoEConfig(num_experts=8, gmm_backend="xla"), parallel=ParallelConfig(expert=4))
+    mesh = make_mesh(tiny.parallel)
+    executor = make_executor(tiny, mesh)
+    assert executor.mesh is mesh and executor.gmm == make_gmm(tiny.moe) and executor.name == "auto"
+    assert LocalExecutor.from_config(tiny.moe).name == "local" and LocalExecutor.from_config(tiny.moe).mesh is None
