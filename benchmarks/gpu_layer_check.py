@@ -1,4 +1,4 @@
-"""The MoE layer through the GPU default (moe.gmm_backend=auto -> our tuned Mosaic GPU kernels) against references.
+"""The MoE layer through the GPU default (moe.gmm_backend=auto: dropless_mosaic, our tuned kernels) against references.
 
     python benchmarks/gpu_layer_check.py [--out results.json]      (make bench-layer-check)
 
@@ -28,7 +28,7 @@ import numpy as np
 
 from dropless.bench.gmm import environment
 from dropless.core.config import MoEConfig
-from dropless.gmm.api import make_gmm
+from dropless.gmm.registry import make_gmm
 from dropless.moe import init_moe, moe_layer
 
 CASES = {

@@ -98,7 +98,7 @@ def test_assemble_ladder_without_rung_3_or_with_rung_4_failing():
 
 def test_ladder_variants_cover_every_rung_and_share_lowerings():
     config = load_preset("tiny")
-    variants = ladder.ladder_variants(config, tuned_backend="tokamax", default_backend="tokamax_default",
+    variants = ladder.ladder_variants(config, tuned_backend="dropless_mosaic", default_backend="tokamax_mosaic",
                                     flags={"a": {"xla_a": True}, "b": {"xla_b": 1}}, ep_devices=2,
                                     offload_names="moe_in")
     keys = [v.key for v in variants]
@@ -111,8 +111,8 @@ def test_ladder_variants_cover_every_rung_and_share_lowerings():
     assert by_key["5:unrolled"].overrides == {**by_key["4"].overrides, "train.scan_layers": False}
     assert by_key["6"].overrides["train.remat"] == "full" and by_key["6"].overrides["train.offload"] == "moe_in"
     assert by_key["profile"].profile and by_key["profile"].xla == {"xla_gpu_enable_command_buffer": ""}
-    assert by_key["3"].overrides["moe.gmm_backend"] == "tokamax_default"
-    keys = [v.key for v in ladder.ladder_variants(config, tuned_backend="tokamax", default_backend=None, flags={},
+    assert by_key["3"].overrides["moe.gmm_backend"] == "tokamax_mosaic"
+    keys = [v.key for v in ladder.ladder_variants(config, tuned_backend="dropless_mosaic", default_backend=None, flags={},
                                                 ep_devices=1, offload_names="moe_in")]
     assert "3" not in keys and "8" not in keys and "4" in keys
 

@@ -34,9 +34,9 @@ def test_summarize_follows_the_readme_formulas():
 def test_one_real_step_is_timed_on_cpu():
     """The whole path on a micro model: compile (parallel), time, summarize."""
     config = micro_config(**{"moe.gmm_backend": "capacity"})
-    programs = runner_lib.compile_variants(config, [runner_lib.Variant("a", devices=1), runner_lib.Variant("bad", {"moe.gmm_backend": "tokamax"})],
+    programs = runner_lib.compile_variants(config, [runner_lib.Variant("a", devices=1), runner_lib.Variant("bad", {"moe.gmm_backend": "dropless_mosaic"})],
                                      log=lambda s: None)
-    assert programs["bad"].error  # tokamax needs a GPU: reported, not raised
+    assert programs["bad"].error  # dropless_mosaic needs a GPU: reported, not raised
     runner = runner_lib.Runner(dense_tflops=None, peak_tflops=None, deadline=math.inf, log=lambda s: None,
                          warmup=1, steps=3, seconds=0.0)
     record = runner.run(programs["a"])

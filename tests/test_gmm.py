@@ -1,17 +1,23 @@
-"""Grouped-GEMM backends: xla and tokamax against a per-group loop; capacity equals them or drops exactly."""
+"""Grouped-GEMM backends: xla and tokamax against a per-group loop; capacity equals them or drops exactly; the
+registry and its names; the one custom VJP against jax.lax.ragged_dot's gradients."""
 
 import dataclasses
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.core.config import MoEConfig
-from dropless.gmm import CapacityGmm, XlaGmm, make_gmm
+from dropless.core.config import Config, ConfigError, MoEConfig, apply_overrides
+from dropless.gmm import CapacityGmm, DroplessMosaicGmm, GmmProducts, TokamaxGmm, XlaGmm, make_gmm, registry
+from dropless.gmm import tokamax as gmm_tokamax
+from dropless.gmm.dropless_mosaic import TunedContract
+from dropless.gmm.tokamax import TokamaxContract, TokamaxRows
+from dropless.gmm.vjp import gmm_from_products
+from dropless.gmm.xla import XlaContract
 from dropless.moe import MoEError, init_moe, moe_layer
-from dropless.gmm.tokamax import TokamaxGmm
 from dropless.moe.reference import reference_capacity_keep, reference_moe, reference_route
 
 ROWS, K_DIM, N_DIM = 13, 5, 6
@@ -49,7 +55,7 @@ def _forward_and_grads(gmm, lhs, rhs, group_sizes, cotangent):
 
 
 @pytest.mark.parametrize("gmm", [XlaGmm(), TokamaxGmm(implementation="xla"), CapacityGmm(capacity_factor=5.0),
-                                 TokamaxGmm(implementation="xla", weight_grad="tokamax")],
+                                 TokamaxGmm(implementation="xla", weight_grad=TokamaxContract("xla"))],
                          ids=["xla", "tokamax_xla_path", "capacity_large", "tokamax_own_weight_grad"])
 def test_dropless_backends_match_per_group_loop(gmm):
     lhs, rhs, group_sizes, cotangent = _operands()
@@ -85,11 +91,12 @@ def test_capacity_drops_exactly_the_rows_over_capacity():
         gmm.dropped_rows(group_sizes)
 
 
-def test_backend_choice_and_tokamax_needs_a_gpu():
-    assert isinstance(make_gmm(MoEConfig(gmm_backend="auto")), XlaGmm if jax.default_backend() != "gpu" else TokamaxGmm)
+def test_backend_choice_and_dropless_mosaic_needs_a_gpu():
+    assert isinstance(make_gmm(MoEConfig(gmm_backend="auto")),
+                      XlaGmm if jax.default_backend() != "gpu" else DroplessMosaicGmm)
     assert make_gmm(MoEConfig(gmm_backend="capacity", capacity_factor=2.0)) == CapacityGmm(2.0)
-    backend = make_gmm(MoEConfig(gmm_backend="tokamax"))
-    assert isinstance(backend, TokamaxGmm) and backend is make_gmm(MoEConfig(gmm_backend="tokamax"))
+    backend = make_gmm(MoEConfig(gmm_backend="dropless_mosaic"))
+    assert isinstance(backend, DroplessMosaicGmm) and backend is make_gmm(MoEConfig(gmm_backend="dropless_mosaic"))
     if jax.default_backend() != "gpu":
         lhs, rhs, group_sizes, _ = _operands()
         with pytest.raises(MoEError, match="needs an NVIDIA GPU.*moe.gmm_backend=xla"):
@@ -141,14 +148,14 @@ def test_tokamax_wrapper_widened_output_has_a_working_backward():
         np.testing.assert_allclose(np.asarray(g_t, np.float32), np.asarray(g_x, np.float32), rtol=2e-2, atol=2e-2)
 
 
-def test_tokamax_default_backend_uses_tokamax_heuristics_with_our_weight_gradient():
-    """moe.gmm_backend=tokamax_default (the ladder's rung 3): tokamax's own kernel for the forward and dx, our
+def test_tokamax_mosaic_backend_uses_tokamax_heuristics_with_our_weight_gradient():
+    """moe.gmm_backend=tokamax_mosaic (the ladder's rung 3): tokamax's own kernel for the forward and dx, our
     weight-gradient kernel for dW (tokamax's is wrong on the H200). The wrapper is checked here with tokamax's
     portable implementation and our dW kernel in Pallas's GPU interpreter: both gradients equal ragged_dot's."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    backend = make_gmm(MoEConfig(gmm_backend="tokamax_default"))
-    assert backend == TokamaxGmm(implementation="mosaic", weight_grad="dropless")
+    backend = make_gmm(MoEConfig(gmm_backend="tokamax_mosaic"))
+    assert backend == TokamaxGmm(implementation="mosaic", weight_grad=TunedContract())
     if jax.default_backend() != "gpu":
         lhs, rhs, group_sizes, _ = _operands()
         with pytest.raises(MoEError, match="needs an NVIDIA GPU"):
@@ -159,10 +166,86 @@ def test_tokamax_default_backend_uses_tokamax_heuristics_with_our_weight_gradien
     rhs = jnp.asarray(rng.normal(size=(4, 128, 64)) / 8, jnp.bfloat16)
     cotangent = jnp.asarray(rng.normal(size=(200, 64)), jnp.float32)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out, (dx, dw) = _forward_and_grads(TokamaxGmm(implementation="xla", weight_grad="dropless"), lhs, rhs, sizes,
-                                           cotangent)
+        out, (dx, dw) = _forward_and_grads(TokamaxGmm(implementation="xla", weight_grad=TunedContract()), lhs, rhs,
+                                           sizes, cotangent)
     out_x, (dx_x, dw_x) = _forward_and_grads(XlaGmm(), lhs, rhs, sizes, cotangent)
     rel = lambda a, b: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(b, np.float32))
                              / np.linalg.norm(np.asarray(b, np.float32)))
     assert rel(out, out_x) < 1e-3 and rel(dx, dx_x) < 1e-2 and rel(dw, dw_x) < 1e-2
     assert (np.asarray(dw[1], np.float32) == 0).all()  # the empty group
+
+
+@pytest.mark.parametrize("old, new", [("tokamax", "dropless_mosaic"), ("tokamax_default", "tokamax_mosaic")])
+def test_old_backend_names_raise_one_sentence_naming_the_new_ones(old, new):
+    for build in (lambda: MoEConfig(gmm_backend=old), lambda: apply_overrides(Config(), {"moe.gmm_backend": old})):
+        with pytest.raises(ConfigError) as err:
+            build()
+        message = str(err.value)
+        assert f"moe.gmm_backend={old} is now called {new}" in message and message.count(". ") == 0
+        assert "dropless_mosaic" in message and "tokamax_mosaic" in message and "\n" not in message
+
+
+def test_registry_builds_the_named_implementation_for_every_config_value():
+    names = set(typing.get_args(typing.get_type_hints(MoEConfig)["gmm_backend"]))
+    assert names == set(registry.BUILDERS) | {"auto"}
+    for name in registry.BUILDERS:
+        backend = make_gmm(MoEConfig(gmm_backend=name))
+        assert backend.name == name and backend is make_gmm(MoEConfig(gmm_backend=name))
+    assert registry.resolve_backend_name("auto") == ("dropless_mosaic" if jax.default_backend() == "gpu" else "xla")
+
+
+def _ragged_dot_reference(lhs, rhs, group_sizes, cotangent):
+    """Forward and gradients of jax.lax.ragged_dot on the same rows (padding rows zeroed: they hold NaN)."""
+    clean = jnp.where((jnp.arange(lhs.shape[0]) < group_sizes.sum())[:, None], lhs, 0)
+    return _forward_and_grads(lambda a, b, gs, **kw: jax.lax.ragged_dot(a, b, gs, **kw), clean, rhs, group_sizes,
+                              cotangent)
+
+
+@pytest.mark.parametrize("name", ["xla", "capacity", "tokamax_xla_path"])
+def test_every_cpu_backend_has_ragged_dots_gradients(name):
+    """Every backend that runs on a CPU (tokamax's through its portable path, capacity with room for every row):
+    forward, d lhs and d rhs equal jax.lax.ragged_dot's."""
+    if name == "tokamax_xla_path":
+        gmm = TokamaxGmm(implementation="xla")
+    else:
+        gmm = make_gmm(MoEConfig(gmm_backend=name, capacity_factor=5.0))
+    lhs, rhs, group_sizes, cotangent = _operands(seed=4)
+    out, grads = _forward_and_grads(gmm, lhs, rhs, group_sizes, cotangent)
+    want_out, want_grads = _ragged_dot_reference(lhs, rhs, group_sizes, cotangent)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("drhs", [XlaContract(), TokamaxContract("xla")], ids=["xla_dw", "tokamax_dw"])
+@pytest.mark.parametrize("zero_cotangent_padding", [False, True])
+def test_the_one_vjp_over_any_products_has_ragged_dots_gradients(drhs, zero_cotangent_padding):
+    """gmm_from_products with tokamax's portable rows products and either weight gradient."""
+    products = GmmProducts(fwd=TokamaxRows("xla"), dlhs=TokamaxRows("xla"), drhs=drhs,
+                           zero_cotangent_padding=zero_cotangent_padding)
+    lhs, rhs, group_sizes, cotangent = _operands(seed=5)
+    clean = jnp.where((jnp.arange(ROWS) < group_sizes.sum())[:, None], lhs, 0)
+    gmm = lambda a, b, gs, preferred_element_type=None: gmm_from_products(a, b, gs, products, preferred_element_type)
+    out, grads = _forward_and_grads(gmm, clean, rhs, group_sizes, cotangent)
+    want_out, want_grads = _ragged_dot_reference(lhs, rhs, group_sizes, cotangent)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tokamax_backend_runs_through_the_one_vjp(monkeypatch):
+    """TokamaxGmm zeroes the padding rows of lhs, pads M to tokamax's row tile, and hands the one VJP tokamax's rows
+    products, its weight gradient and the cotangent zeroing its kernels need."""
+    seen = {}
+
+    def fake(lhs, rhs, group_sizes, products, out_dtype, zero_padding):
+        seen.update(lhs=lhs, products=products, out_dtype=out_dtype, zero_padding=zero_padding)
+        return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype)
+
+    monkeypatch.setattr(gmm_tokamax, "gmm_from_products", fake)
+    lhs, rhs, group_sizes, _ = _operands()
+    out = TokamaxGmm(implementation="xla")(lhs, rhs, group_sizes, zero_padding=False)
+    assert out.shape == (ROWS, N_DIM) and seen["lhs"].shape == (128, K_DIM)
+    assert bool(jnp.isfinite(seen["lhs"]).all())  # the NaN padding rows were zeroed on the way in
+    assert seen["products"] == GmmProducts(TokamaxRows("xla"), TokamaxRows("xla"), XlaContract(), True)
+    assert seen["zero_padding"] is True and seen["out_dtype"] == jnp.float32  # tokamax's rows are always zeroed

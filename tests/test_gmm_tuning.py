@@ -9,9 +9,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import export
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dropless.core.errors import MoEError
+from dropless.gmm import dropless_mosaic
 from dropless.gmm import tuning as gt
+from dropless.gmm.dropless_mosaic import ragged_contract, ragged_rows, tuned_products
+from dropless.gmm.mosaic import grouped_matmul_tn, max_row_tiles, row_tiles
+from dropless.gmm.mosaic_ws import fitting_stages
 from dropless.gmm.tuning import GmmConfigError, GmmPlan, ProductConfig, ShapeKey, TileConfig
+from dropless.gmm.vjp import gmm_from_products
 
 H200 = "NVIDIA H200"
 DSV3 = {"dsv3-gate-up-e32": (65536, 7168, 4096, 32), "dsv3-down-e32": (65536, 2048, 7168, 32),
@@ -20,6 +28,11 @@ DSV3 = {"dsv3-gate-up-e32": (65536, 7168, 4096, 32), "dsv3-down-e32": (65536, 20
 
 def _config(kernel="dropless", bm=128, bn=128, bk=64, stages=4, **kw):
     return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, **kw))
+
+
+def tuned_gmm(lhs, rhs, group_sizes, plan: GmmPlan, out_dtype=None, zero_padding=True):
+    """The one custom VJP with the products of one tuned plan (what moe.gmm_backend=dropless_mosaic runs)."""
+    return gmm_from_products(lhs, rhs, group_sizes, tuned_products(plan), out_dtype, zero_padding)
 
 
 def test_shape_class_names_features_groups_and_rows_per_group():
@@ -132,8 +145,6 @@ _MAX_GROUPS, _MAX_SIZE = 9, 70
 @given(sizes=st.lists(st.integers(0, _MAX_SIZE), min_size=1, max_size=_MAX_GROUPS),
        block_m=st.sampled_from([8, 16, 64]), padding=st.integers(0, 20))
 def test_row_tiles_store_every_row_of_every_group_exactly_once(sizes, block_m, padding):
-    from dropless.gmm.mosaic import max_row_tiles, row_tiles
-
     # Trailing empty groups pad every example to one shape (one compilation per block_m); the tile count is
     # the bound for the largest possible example, so it also checks that the bound leaves no row behind.
     sizes_G = np.array(sizes + [0] * (_MAX_GROUPS - len(sizes)), np.int32)
@@ -156,7 +167,7 @@ def test_row_tiles_store_every_row_of_every_group_exactly_once(sizes, block_m, p
 
 
 def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_result():
-    """Why gmm_tuned passes configs per product: tokamax keys its autotuning overlay by the op object, whose
+    """Why dropless_mosaic passes configs per product: tokamax keys its autotuning overlay by the op object, whose
     `vjp` field is a fresh functools.partial per instance, so two equal ops never compare equal."""
     from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 
@@ -179,7 +190,6 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dropless.gmm.tuned import tuned_gmm
 
     plan = GmmPlan(*(ProductConfig(rows_kernel, tile) for _ in range(3)))
     assert all(plan.product(p).fits(p, k, n) for p in gt.PRODUCTS)
@@ -262,27 +272,24 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
 
 
 def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch):
-    """TokamaxGmm's default path (checked here without a GPU: the kernels are replaced by a recorder)."""
-    from dropless.gmm import tokamax as gmm_tokamax, tuned as gmm_tuned
-    from dropless.core.errors import MoEError
-
+    """DroplessMosaicGmm's path (checked here without a GPU: the one VJP is replaced by a recorder)."""
     seen = {}
 
-    def fake_tuned_gmm(lhs, rhs, group_sizes, plan, out_dtype, zero_padding):
-        seen.update(rows=lhs.shape[0], plan=plan, out_dtype=out_dtype, zero_padding=zero_padding)
+    def fake_gmm_from_products(lhs, rhs, group_sizes, products, out_dtype, zero_padding):
+        seen.update(rows=lhs.shape[0], products=products, out_dtype=out_dtype, zero_padding=zero_padding)
         return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype or lhs.dtype)
 
-    monkeypatch.setattr(gmm_tuned, "tuned_gmm", fake_tuned_gmm)
+    monkeypatch.setattr(dropless_mosaic, "gmm_from_products", fake_gmm_from_products)
     x = jnp.zeros((200, 128), jnp.bfloat16)
     w = jnp.zeros((4, 128, 256), jnp.bfloat16)
-    out = gmm_tokamax._tuned(x, w, jnp.array([50, 0, 93, 45], jnp.int32), jnp.float32)
+    out = dropless_mosaic.padded_tuned_gmm(x, w, jnp.array([50, 0, 93, 45], jnp.int32), jnp.float32)
     assert out.shape == (200, 256) and out.dtype == jnp.float32
     assert seen["rows"] == 256 and seen["out_dtype"] == jnp.float32  # padded to the 128-row tile
-    assert seen["plan"] == gt.plan_for(256, 128, 256, 4) and seen["zero_padding"] is True
-    gmm_tokamax._tuned(x, w, jnp.array([50, 0, 93, 45], jnp.int32), None, zero_padding=False)
+    assert seen["products"] == tuned_products(gt.plan_for(256, 128, 256, 4)) and seen["zero_padding"] is True
+    dropless_mosaic.padded_tuned_gmm(x, w, jnp.array([50, 0, 93, 45], jnp.int32), None, zero_padding=False)
     assert seen["zero_padding"] is False  # the caller's choice reaches the kernels' wrapper
     with pytest.raises(MoEError, match="bf16 or f16"):
-        gmm_tokamax._tuned(x.astype(jnp.float32), w.astype(jnp.float32), jnp.array([1, 0, 0, 0]), None)
+        dropless_mosaic.padded_tuned_gmm(x.astype(jnp.float32), w.astype(jnp.float32), jnp.array([1, 0, 0, 0]), None)
 
 
 def test_weight_gradient_kernel_matches_a_per_group_loop_in_the_gpu_interpreter():
@@ -290,8 +297,6 @@ def test_weight_gradient_kernel_matches_a_per_group_loop_in_the_gpu_interpreter(
     chain_k tile walk is not covered here: Pallas's GPU interpreter rejects its accumulator; tune-gmm checks
     every candidate against a reference on the GPU before it can be chosen.)"""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    from dropless.gmm.mosaic import grouped_matmul_tn
 
     tile = TileConfig(64, 64, 64, 2, True, 1, 1)
     sizes = np.array([37, 0, 60, 51], np.int32)  # 148 rows in groups (none aligned), 12 rows of padding
@@ -315,9 +320,7 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
     `dropless bench ep` on two H200s). Traced over two devices; run (Pallas's interpreter simulates one device at a
     time) over one, where the gradients equal ragged_dot's."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from dropless.gmm.tuned import tuned_gmm
 
     tile = TileConfig(64, 64, 64, 2, True, 1, 2)
     plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
@@ -351,11 +354,9 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
 def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_padding):
     """The kernel's output must vary over the axes its operands vary over, whether or not its padding rows are
     zeroed: without the zeroing `where`, a custom_vjp downstream (unpermute) got a cotangent typed unlike its primal
-    ("the manual axis types do not match", `dropless bench ep` on two H200s at 3e04eab)."""
+    ("the manual axis types do not match", `dropless bench ep` on two H200s)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    from jax.sharding import PartitionSpec as P
 
-    from dropless.gmm.tuned import tuned_gmm
 
     tile = TileConfig(64, 64, 64, 2, True, 1, 2)
     plan = GmmPlan(*(ProductConfig("dropless", tile) for _ in range(3)))
@@ -421,9 +422,6 @@ def tune_gmm_ws_candidates():
 def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=1024, n=2048, g=8):
     """Lower one product's kernel for CUDA on this CPU (jax.export): Mosaic GPU's layout inference and shared-memory
     check run here, as they would when the GPU compiles it."""
-    from jax import export
-
-    from dropless.gmm.tuned import _ragged_rows, ragged_contract
 
     bf16 = jnp.bfloat16
     sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
@@ -431,7 +429,7 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
         fn = lambda a, b, gs: ragged_contract(a, b, gs, config, out_dtype=out_dtype)
         operands = (jax.ShapeDtypeStruct((m, k), bf16), jax.ShapeDtypeStruct((m, n), bf16), sizes)
     else:
-        fn = lambda a, b, gs: _ragged_rows(a, b, gs, config, transpose_rhs=product == "dlhs", out_dtype=out_dtype)
+        fn = lambda a, b, gs: ragged_rows(a, b, gs, config, transpose_rhs=product == "dlhs", out_dtype=out_dtype)
         a_cols = k if product == "fwd" else n
         operands = (jax.ShapeDtypeStruct((m, a_cols), bf16), jax.ShapeDtypeStruct((g, k, n), bf16), sizes)
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
@@ -459,8 +457,6 @@ def test_lowering_for_cuda_catches_what_the_gpu_refused():
 
 
 def test_warp_specialised_kernel_drops_stages_that_would_not_fit_beside_a_float32_output():
-    from dropless.gmm.mosaic_ws import fitting_stages
-
     tile = TileConfig(128, 128, 64, 3)
     assert fitting_stages(tile, jnp.bfloat16, jnp.bfloat16) == 3
     assert fitting_stages(tile, jnp.bfloat16, jnp.float32) == 2
@@ -472,7 +468,6 @@ def test_kernels_when_the_last_groups_tile_runs_past_the_last_row_in_the_gpu_int
     zeros there); the forward and the weight gradient still match ragged_dot."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from dropless.gmm.tuned import _ragged_rows, ragged_contract
 
     config = ProductConfig(kernel, TileConfig(64, 64, 64, 2, True, 1, 2))
     m, k, n = 256, 128, 256
@@ -482,7 +477,7 @@ def test_kernels_when_the_last_groups_tile_runs_past_the_last_row_in_the_gpu_int
     w = (jax.random.normal(keys[1], (4, k, n), jnp.float32) / 8).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = _ragged_rows(x, w, sizes, config, transpose_rhs=False, out_dtype=jnp.float32)
+        out = ragged_rows(x, w, sizes, config, transpose_rhs=False, out_dtype=jnp.float32)
         dw = ragged_contract(x, dy, sizes, config, out_dtype=jnp.float32)
     numbers = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                                 lhs_ragged_dimensions=[0], rhs_group_dimensions=[])

@@ -28,9 +28,10 @@ from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
 from dropless.gmm import tuning as gmm_tuning
-from dropless.gmm.api import CapacityGmm
-from dropless.gmm.tuned import tuned_gmm
+from dropless.gmm.capacity import CapacityGmm
+from dropless.gmm.dropless_mosaic import tuned_products
 from dropless.gmm.tuning import TileConfig
+from dropless.gmm.vjp import gmm_from_products
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
         op = PallasMosaicGpuRaggedDot(config=TOKAMAX_AUTOTUNED_FWD.to_tokamax())
         return lambda x, w, gs: op(x, w, group_sizes=gs)
     if name == "dropless":
-        return lambda x, w, gs: tuned_gmm(x, w, gs, plan)
+        return lambda x, w, gs: gmm_from_products(x, w, gs, tuned_products(plan))
     if name == "capacity":
         return CapacityGmm(capacity_factor)
     raise ValueError(f"backend={name!r} is not valid; choose one of {', '.join(BACKENDS)}.")

@@ -4,9 +4,9 @@
                                                  layer loop (scanned, or unrolled: train.scan_layers=false)
   2 capacity factor 1.25 (drops tokens)        6 + activations offloaded to pinned host memory (remat=full)
   3 tokamax's kernel, default heuristics        7 + XLA scheduling flags, each verified to change the program
-    (moe.gmm_backend=tokamax_default)          8 expert parallelism on 2 devices, the default dispatch (also
+    (moe.gmm_backend=tokamax_mosaic)           8 expert parallelism on 2 devices, the default dispatch (also
                                                  with all flags, the collective flags alone, with PGLE, or in 2 chunks)
-  4 the tuned grouped GEMM (moe.gmm_backend=tokamax)
+  4 the tuned grouped GEMM (moe.gmm_backend=dropless_mosaic)
 
 Rungs 5 and 7 are chosen by measurement in the same run, and rungs 6-8 are built on rung 5's choice; every
 variant tried is kept in the JSON. The ladder runs in phases (LADDER_PHASES: the anchor rungs first); each
@@ -54,7 +54,7 @@ EP_CHUNKS = (2,)
 # ...and, besides all flags together, the collective-scheduling flags alone: all together also combine the
 # gradient all-reduces into 256 MiB collectives, which leaves the scheduler less to overlap.
 EP_FLAGS = ("latency_hiding_scheduler", "combine_all_reduce")
-NO_DEFAULT_BACKEND = ("not run: tokamax's own kernel (moe.gmm_backend=tokamax_default, the default of "
+NO_DEFAULT_BACKEND = ("not run: tokamax's own kernel (moe.gmm_backend=tokamax_mosaic, the default of "
                       "--default-backend on GPUs) needs a GPU")
 # The ladder runs in phases, each compiled in parallel and then timed, so that a run cut short by its budget
 # still has its first rungs: the anchors first (1, 3, 4, 2), then rung 5's remat policies and layer loops, then
@@ -219,7 +219,7 @@ def ladder_table(rungs: list[dict]) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------ running
 
-def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: str = "tokamax",
+def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: str = "dropless_mosaic",
                default_backend: str | None = None, ep_devices: int,
                preset: str, traces_dir: Path | None = None, timing: dict | None = None,
                compile_workers: int | None = None, rungs: set[int] | None = None, log=print) -> dict:

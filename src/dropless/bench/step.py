@@ -44,10 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=10, help="timed steps (at most)")
     parser.add_argument("--seconds", type=float, default=5.0, help="stop timing after this long (at least 3 steps)")
     parser.add_argument("--budget", type=float, default=1e9, help="ladder: skip the phases not started within this many seconds")
-    parser.add_argument("--tuned-backend", default="tokamax", help="ladder rung 4: the tuned grouped GEMM's moe.gmm_backend")
+    parser.add_argument("--tuned-backend", default="dropless_mosaic", help="ladder rung 4: the tuned grouped GEMM's moe.gmm_backend")
     parser.add_argument("--default-backend",
                         help="ladder rung 3: the moe.gmm_backend running tokamax's kernel with its default heuristics "
-                             "(default on GPUs: tokamax_default; 'none' skips the rung)")
+                             "(default on GPUs: tokamax_mosaic; 'none' skips the rung)")
     parser.add_argument("--ep-devices", type=int, default=2, help="ladder rung 8: devices for expert parallelism")
     parser.add_argument("--rungs", help="ladder: comma-separated rungs to run, e.g. 1,4,5 (default: all eight)")
     parser.add_argument("--traces", help="ladder: keep the profiled programs' traces and HLO texts in this directory")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(args.preset, parse_overrides(args.overrides))
     timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
-        default_backend = args.default_backend or ("tokamax_default" if jax.default_backend() == "gpu" else None)
+        default_backend = args.default_backend or ("tokamax_mosaic" if jax.default_backend() == "gpu" else None)
         run_ladder(config, Path(args.out), budget_s=args.budget, tuned_backend=args.tuned_backend,
                    default_backend=None if default_backend == "none" else default_backend,
                    ep_devices=args.ep_devices, preset=args.preset, traces_dir=args.traces and Path(args.traces),

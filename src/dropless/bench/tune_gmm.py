@@ -32,7 +32,7 @@ from dropless.bench.records import environment
 from dropless.core import xla_flags
 from dropless.core.config import load_preset
 from dropless.gmm import tuning as gt
-from dropless.gmm.tuned import _ragged_rows, ragged_contract
+from dropless.gmm.dropless_mosaic import ragged_contract, ragged_rows
 from dropless.gmm.tuning import ProductConfig, ShapeKey, TileConfig
 
 PACKAGED_TABLE = Path(gt.__file__).with_name(gt.DATA_FILE)
@@ -102,9 +102,9 @@ def preset_shapes(name: str, rows: int) -> list[tuple[str, ShapeKey]]:
 def product_fn(product: str, config: ProductConfig):
     """The product as a function of its two operands and the group sizes."""
     if product == "fwd":
-        return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=False, out_dtype=jnp.bfloat16)
+        return lambda a, w, gs: ragged_rows(a, w, gs, config, transpose_rhs=False, out_dtype=jnp.bfloat16)
     if product == "dlhs":
-        return lambda a, w, gs: _ragged_rows(a, w, gs, config, transpose_rhs=True, out_dtype=jnp.bfloat16)
+        return lambda a, w, gs: ragged_rows(a, w, gs, config, transpose_rhs=True, out_dtype=jnp.bfloat16)
     return lambda a, b, gs: ragged_contract(a, b, gs, config, out_dtype=jnp.bfloat16)
 
 

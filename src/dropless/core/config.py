@@ -29,7 +29,18 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# Values that were renamed, by key: the old value raises one sentence naming the new one, wherever it comes from
+# (the CLI, a preset, a saved run's config).
+RENAMED_VALUES = {
+    "moe.gmm_backend": {"tokamax": "dropless_mosaic (our Mosaic GPU kernels)",
+                        "tokamax_default": "tokamax_mosaic (tokamax's own Mosaic GPU kernel)"},
+}
+
+
 def _in_choices(key: str, value: Any, choices: tuple) -> None:
+    renamed = RENAMED_VALUES.get(key, {})
+    _require(value not in renamed, f"{key}={value} is now called {renamed.get(value)}; choose one of "
+                                   f"{', '.join(map(str, choices))}.")
     _require(value in choices, f"{key}={value!r} is not valid; choose one of {', '.join(map(str, choices))}.")
 
 
@@ -137,9 +148,10 @@ class MoEConfig:
     aux_loss_weight: float = 0.0
     seq_aux_loss_weight: float = 0.0
     z_loss_weight: float = 0.0
-    # Grouped GEMM: "auto" = tokamax (our tuned kernels) on GPU, xla elsewhere. "tokamax_default": tokamax's own
-    # kernel with its heuristic tiles (a benchmark reference). "capacity" drops tokens (the baseline).
-    gmm_backend: Literal["auto", "xla", "tokamax", "tokamax_default", "capacity"] = "auto"
+    # Grouped GEMM (dropless.gmm.registry): "dropless_mosaic" = our Mosaic GPU kernels with per-shape tuned tiles;
+    # "tokamax_mosaic" = tokamax's own Mosaic GPU kernel with its heuristic tiles (a benchmark reference); "xla" =
+    # jax.lax.ragged_dot; "capacity" drops tokens (the baseline); "auto" = dropless_mosaic on GPU, xla elsewhere.
+    gmm_backend: Literal["auto", "dropless_mosaic", "tokamax_mosaic", "xla", "capacity"] = "auto"
     capacity_factor: float = 1.25
     # Expert-parallel dispatch (used when parallel.expert > 1).
     dispatch: Literal["auto", "allgather", "alltoall", "ragged"] = "auto"

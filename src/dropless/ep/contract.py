@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 
 from dropless.gmm import GroupedMatmul
+from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.moe.executor import ExecutorStats, LocalExecutor
 
 EXPERT_AXIS = "expert"
-ROW_ALIGN = 8  # bounded local buffers hold a multiple of this many rows (the grouped GEMMs' row alignment)
 
 
 class Received(NamedTuple):
@@ -63,10 +63,10 @@ class LocalExperts:
         return self.experts["gate_up"].shape[0]
 
     def buffer_rows(self, balanced_pairs: int, worst_rows: int) -> int:
-        """Rows of the bounded buffer: buffer_factor x the balanced load, rounded up to ROW_ALIGN, capped."""
+        """Rows of the bounded buffer: buffer_factor x the balanced load, rounded up to TMA_ROW_ALIGNMENT, capped."""
         if self.buffer_factor <= 0:
             return worst_rows
-        return min(worst_rows, ROW_ALIGN * math.ceil(self.buffer_factor * balanced_pairs / ROW_ALIGN))
+        return min(worst_rows, TMA_ROW_ALIGNMENT * math.ceil(self.buffer_factor * balanced_pairs / TMA_ROW_ALIGNMENT))
 
     def __call__(self, received: Received, balanced_pairs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         """-> (partial_RD: each row's weighted sum over its local experts, in x_RD's dtype; rows dropped, overflowed).

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.gmm.tuning import TileConfig
 
-# Row tiles of a group start at its first row rounded down to this many rows, so the TMA box starts on a
-# sublane-aligned row (tokamax does the same); the few rows before the group are computed and not stored.
-ROW_ALIGN = 8
+# Row tiles of a group start at its first row rounded down to TMA_ROW_ALIGNMENT rows, so the TMA box starts on
+# a sublane-aligned row (tokamax does the same); the few rows before the group are computed and not stored.
 
 
 def swizzled(minor_dim: int, dtype, leading_tile: int = 8) -> tuple:
@@ -58,12 +58,12 @@ def row_tiles(group_sizes_G: jax.Array, block_m: int, num_tiles: int) -> tuple[j
 
     Tile t multiplies lhs rows [start_T[t], start_T[t] + block_m) by rhs[group_T[t]] and stores the rows
     [start_T[t] + offset_T[t], ... + size_T[t]), which all belong to that group. A group's tiles start at
-    its first row rounded down to ROW_ALIGN; tiles past the last group have size 0 and are skipped.
+    its first row rounded down to TMA_ROW_ALIGNMENT; tiles past the last group have size 0 and are skipped.
     """
     sizes_G = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
     ends_G = jnp.cumsum(sizes_G)
     starts_G = ends_G - sizes_G
-    first_G = starts_G // ROW_ALIGN * ROW_ALIGN
+    first_G = starts_G // TMA_ROW_ALIGNMENT * TMA_ROW_ALIGNMENT
     tiles_G = jnp.where(sizes_G > 0, pl.cdiv(ends_G - first_G, block_m), 0)
     tile_end_G = jnp.cumsum(tiles_G)
     t_T = jnp.arange(num_tiles, dtype=jnp.int32)
@@ -77,9 +77,9 @@ def row_tiles(group_sizes_G: jax.Array, block_m: int, num_tiles: int) -> tuple[j
 
 
 def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
-    """An upper bound on the tiles `row_tiles` produces: a group of r rows starting at misalignment a < ROW_ALIGN
+    """An upper bound on the tiles `row_tiles` produces: a group of r rows starting at misalignment a < TMA_ROW_ALIGNMENT
     needs ceil((r + a) / block_m) <= (r + a - 1) // block_m + 1 tiles; summing over groups gives this bound."""
-    return (num_rows + (ROW_ALIGN - 1) * num_groups) // block_m + num_groups
+    return (num_rows + (TMA_ROW_ALIGNMENT - 1) * num_groups) // block_m + num_groups
 
 
 def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -> None:
@@ -126,7 +126,7 @@ def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, 
                                         tile.grid_tile_width)
             t = first_tile + mi
             group, size = group_gmem[t], size_gmem[t]
-            start = pl.multiple_of(start_gmem[t], ROW_ALIGN)
+            start = pl.multiple_of(start_gmem[t], TMA_ROW_ALIGNMENT)
 
             @pl.when(size > 0)
             def _compute():
@@ -180,12 +180,12 @@ def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, 
 def row_steps(group_sizes_G: jax.Array, block_k: int) -> tuple[jax.Array, ...]:
     """The weight-gradient kernels' walk over each group's rows: (start, end, first row read, steps of block_k).
 
-    A group's rows are read from its first row rounded down to ROW_ALIGN (TMA boxes start sublane-aligned);
+    A group's rows are read from its first row rounded down to TMA_ROW_ALIGNMENT (TMA boxes start sublane-aligned);
     empty groups take no step."""
     sizes_G = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
     ends_G = jnp.cumsum(sizes_G)
     starts_G = ends_G - sizes_G
-    first_G = starts_G // ROW_ALIGN * ROW_ALIGN
+    first_G = starts_G // TMA_ROW_ALIGNMENT * TMA_ROW_ALIGNMENT
     return starts_G, ends_G, first_G, jnp.where(sizes_G > 0, pl.cdiv(ends_G - first_G, block_k), 0)
 
 
@@ -207,7 +207,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N]: the weight gradient xᵀ·dy, contracting over rows.
 
     Tiles: block_m over K, block_n over N, block_k over rows. A group's rows are read in steps of block_k
-    starting at its first row rounded down to ROW_ALIGN; in the first and last step the rows outside the
+    starting at its first row rounded down to TMA_ROW_ALIGNMENT; in the first and last step the rows outside the
     group are zeroed in shared memory (both operands, so NaN in padding rows cannot leak). Empty groups
     get zero gradients.
     """
@@ -224,7 +224,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
     def kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
         def tile_body(gi, ki, ni):
             start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
-            first = pl.multiple_of(first_gmem[gi], ROW_ALIGN)
+            first = pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT)
 
             def mma(acc_ref):
                 def step(idx, lhs_smem, rhs_smem):
@@ -283,7 +283,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
             def _loop(loop_info):
                 gi, ni = jax.lax.div(loop_info.index[0], n_tiles), jax.lax.rem(loop_info.index[0], n_tiles)
                 start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
-                first = pl.multiple_of(first_gmem[gi], ROW_ALIGN)
+                first = pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT)
 
                 @pl.when(steps == 0)
                 def _empty_group():

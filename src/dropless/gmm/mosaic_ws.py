@@ -28,8 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.gmm.mosaic import (ROW_ALIGN, max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
-                                      zero_rows_outside_group)
+from dropless.gmm.api import TMA_ROW_ALIGNMENT
+from dropless.gmm.mosaic import (max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
+                                 zero_rows_outside_group)
 from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
@@ -114,7 +115,7 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
                 mi, ni = plgpu.planar_snake(loop_info.index[0], (m_tiles, n_tiles), tile.grid_minor_dim,
                                             tile.grid_tile_width)
                 group, size = group_gmem[mi], size_gmem[mi]
-                start = pl.multiple_of(start_gmem[mi], ROW_ALIGN)
+                start = pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT)
 
                 @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
                 def _compute():
@@ -206,7 +207,7 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
                 gi, kn = jax.lax.div(index, k_tiles * n_tiles), jax.lax.rem(index, k_tiles * n_tiles)
                 ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), tile.grid_minor_dim, tile.grid_tile_width)
                 start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
-                first = pl.multiple_of(first_gmem[gi], ROW_ALIGN)
+                first = pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT)
 
                 @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
                 def _empty():

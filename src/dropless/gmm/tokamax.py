@@ -1,129 +1,106 @@
-"""The GPU grouped-GEMM backend (`moe.gmm_backend=tokamax`, the GPU default): Mosaic GPU kernels, tuned per product.
+"""tokamax's grouped-GEMM kernels as products of dropless.gmm.vjp, and `moe.gmm_backend=tokamax_mosaic`.
 
-`implementation="mosaic_gpu"` (the default) runs `gmm_tuned.tuned_gmm`: forward, dx and dW each with the kernel
-and tile that `gmm_tuning.plan_for` picks for this GPU and shape from `gmm_configs.json` — our kernels in
-`gmm_mosaic.py` for every shape measured so far (they read W and x in place, and their dW is correct), tokamax's
-where a table entry names it. BENCHMARKS.md has the measurements. Other implementations (`"xla"`: tokamax's
-portable path, used by the CPU tests of this wrapper) run tokamax.ragged_dot under the custom VJP below.
+Two ways to run tokamax's Mosaic GPU ragged_dot:
+- with an explicit tile (`tiled_rows`, `tiled_contract`): a tuned table entry (dropless.gmm.tuning) may name
+  kernel "tokamax" for a product of the dropless_mosaic backend;
+- with tokamax's heuristic tiles (`TokamaxRows`, `TokamaxContract`): `TokamaxGmm`, the tokamax_mosaic backend, a
+  benchmark reference. Its weight gradient is ours by default there: tokamax 0.0.17's weight-gradient kernel (its
+  "ragged contracting dim" kernel) was wrong by 15-25 % per expert on an H200, and differed from run to run, for
+  groups of >= 512 rows.
 
-Needs an NVIDIA GPU. On any other machine the backend can be built (so configs and tests can name it),
-but calling it raises `MoEError` telling the user to pick `moe.gmm_backend=xla` or `auto`: we never
-silently fall back, because a benchmark that quietly ran the XLA path would report the wrong thing.
-
-For tokamax.ragged_dot the backward pass is ours (a custom VJP), for three measured reasons (H200, jax 0.11.2,
-tokamax 0.0.17):
-- tokamax's weight gradient (its "ragged contracting dim" kernel) was wrong by 15-25 % per expert and
-  differed from run to run for groups of >= 512 rows, so by default the weight gradient uses XLA's
-  `ragged_dot_general` (`weight_grad="xla"`); set `weight_grad="tokamax"` once a release fixes it;
-- tokamax's own VJP needs the cotangent in the operands' dtype (a float32 cotangent with bf16 weights
-  raises), so we cast it;
-- the kernel leaves rows past sum(group_sizes) unwritten and reads padding rows in the weight gradient,
-  so we zero those rows on the way in and on the way out.
+tokamax is an optional dependency: it is imported where a kernel is traced. Its kernels leave rows past
+sum(group_sizes) unwritten and its weight gradient reads the padding rows, so `TokamaxGmm` zeroes those rows on
+the way in and on the way out.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 
 from dropless.core.errors import MoEError
-from dropless.gmm.api import GroupedMatmul, row_mask
-
-ROW_ALIGNMENT = 128  # the kernel rejects row counts that are not a multiple of its row tile (seen: 64)
-
-# Weight gradient: contract the (ragged) row axis, one [K, N] block per group.
-_RAGGED_CONTRACTING = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+from dropless.gmm.api import RAGGED_CONTRACTING, TOKAMAX_ROW_MULTIPLE, GroupedMatmul, row_mask
+from dropless.gmm.tuning import TileConfig
+from dropless.gmm.vjp import ContractProduct, GmmProducts, gmm_from_products
+from dropless.gmm.xla import XlaContract
 
 
-def _ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, implementation, preferred_element_type=None):
-    import tokamax
+def _tiled_op(tile: TileConfig):
+    # = tokamax.ops.gpu.PallasMosaicRaggedDot; that module also imports tokamax's Triton kernels (jax_triton).
+    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 
-    return tokamax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type,
-                              implementation=implementation)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _gmm(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype, weight_grad):
-    return _ragged_dot(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype)
+    return PallasMosaicGpuRaggedDot(config=tile.to_tokamax(), bypass_device_check=True)
 
 
-def _gmm_fwd(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype, weight_grad):
-    return _gmm(lhs_MK, rhs_GKN, group_sizes_G, implementation, out_dtype, weight_grad), (lhs_MK, rhs_GKN,
-                                                                                          group_sizes_G)
+def tiled_rows(lhs_MK, rhs, group_sizes_G, tile: TileConfig, *, transpose_rhs: bool, out_dtype):
+    """A rows product by tokamax's Mosaic GPU kernel with this tile; rows past sum(group_sizes) unwritten."""
+    if transpose_rhs:  # tokamax 0.0.17 materialises this transpose itself; doing it here makes the cost visible
+        rhs = jnp.swapaxes(rhs, 1, 2)
+    return _tiled_op(tile)(lhs_MK, rhs, group_sizes=group_sizes_G, preferred_element_type=out_dtype)
 
 
-def _gmm_bwd(implementation, out_dtype, weight_grad, residuals, g_MN):
-    lhs_MK, rhs_GKN, group_sizes_G = residuals
-    valid_M1 = row_mask(lhs_MK.shape[0], group_sizes_G)[:, None]
-    g_MN = jnp.where(valid_M1, g_MN, 0).astype(lhs_MK.dtype)
-    g_lhs_MK = _ragged_dot(g_MN, jnp.swapaxes(rhs_GKN, 1, 2), group_sizes_G, implementation)
-    if weight_grad == "tokamax":
+def tiled_contract(lhs_MK, rhs_MN, group_sizes_G, tile: TileConfig, *, out_dtype):
+    """The weight-gradient product by tokamax's Mosaic GPU kernel with this tile (it copies lhsᵀ first)."""
+    return _tiled_op(tile)(lhs_MK, rhs_MN, group_sizes=group_sizes_G,
+                           ragged_dot_dimension_numbers=RAGGED_CONTRACTING, preferred_element_type=out_dtype)
+
+
+@dataclass(frozen=True)
+class TokamaxRows:
+    """A rows product by `tokamax.ragged_dot` with its heuristic tiles; `implementation` is tokamax's name."""
+
+    implementation: str
+
+    def __call__(self, lhs_MK, rhs, group_sizes_G, *, transpose_rhs, out_dtype):
         import tokamax
 
-        g_rhs_GKN = tokamax.ragged_dot_general(lhs_MK, g_MN, group_sizes_G, _RAGGED_CONTRACTING,
-                                               preferred_element_type=rhs_GKN.dtype, implementation=implementation)
-    elif weight_grad == "dropless":
-        # Our weight-gradient kernel with the tuned tile for this shape (gmm_tuned.py): correct where tokamax's is not.
-        from dropless.gmm.tuned import ragged_contract
-        from dropless.gmm.tuning import plan_for
-
-        (m, k), (g, _, n) = lhs_MK.shape, rhs_GKN.shape
-        g_rhs_GKN = ragged_contract(lhs_MK, g_MN, group_sizes_G, plan_for(m, k, n, g).drhs, out_dtype=rhs_GKN.dtype)
-    else:
-        g_rhs_GKN = jax.lax.ragged_dot_general(lhs_MK, g_MN, group_sizes_G, _RAGGED_CONTRACTING,
-                                               preferred_element_type=jnp.float32).astype(rhs_GKN.dtype)
-    return jnp.where(valid_M1, g_lhs_MK, 0).astype(lhs_MK.dtype), g_rhs_GKN, None
+        if transpose_rhs:
+            rhs = jnp.swapaxes(rhs, 1, 2)
+        return tokamax.ragged_dot(lhs_MK, rhs, group_sizes_G, preferred_element_type=out_dtype,
+                                  implementation=self.implementation)
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+@dataclass(frozen=True)
+class TokamaxContract:
+    """The weight-gradient product by `tokamax.ragged_dot_general` (wrong on an H200 with tokamax 0.0.17)."""
+
+    implementation: str
+
+    def __call__(self, lhs_MK, rhs_MN, group_sizes_G, *, out_dtype):
+        import tokamax
+
+        return tokamax.ragged_dot_general(lhs_MK, rhs_MN, group_sizes_G, RAGGED_CONTRACTING,
+                                          preferred_element_type=out_dtype, implementation=self.implementation)
 
 
 @dataclass(frozen=True)
 class TokamaxGmm(GroupedMatmul):
-    """`implementation`: "mosaic_gpu" = our tuned three-product path (the GPU default); any other value runs
-    tokamax.ragged_dot with that implementation under the custom VJP above: "mosaic" is tokamax's own Mosaic GPU
-    kernel with its heuristic tiles (`moe.gmm_backend=tokamax_default`, the ladder's rung 3, with
-    `weight_grad="dropless"` because tokamax's weight gradient is wrong on the H200), "xla" its portable path (the
-    CPU tests of this wrapper)."""
+    """tokamax's ragged_dot with its heuristic tiles for the forward and dx; dW by `weight_grad`.
 
-    implementation: str = "mosaic_gpu"
-    weight_grad: Literal["xla", "tokamax", "dropless"] = "xla"
-    name: ClassVar[str] = "tokamax"
+    `implementation="mosaic"` is tokamax's Mosaic GPU kernel (moe.gmm_backend=tokamax_mosaic, built with our
+    tuned weight-gradient kernel by dropless.gmm.registry); `"xla"` is tokamax's portable path, which only the CPU
+    tests of this wrapper use. Needs an NVIDIA GPU for "mosaic": elsewhere the backend can be built (so configs
+    and tests can name it), but calling it raises MoEError; it never falls back silently, because a benchmark
+    that quietly ran the XLA path would report the wrong thing."""
+
+    implementation: Literal["mosaic", "xla"] = "mosaic"
+    weight_grad: ContractProduct = field(default_factory=XlaContract)
+    name: ClassVar[str] = "tokamax_mosaic"
 
     def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+        del zero_padding  # the output's padding rows are zeroed always: tokamax's kernel leaves them unwritten
         if self.implementation != "xla" and jax.default_backend() != "gpu":
-            raise MoEError(f"moe.gmm_backend=tokamax needs an NVIDIA GPU (tokamax's Mosaic GPU kernel) but the "
+            raise MoEError(f"moe.gmm_backend={self.name} needs an NVIDIA GPU (tokamax's Mosaic GPU kernel) but the "
                            f"JAX backend is {jax.default_backend()!r}; use moe.gmm_backend=xla or auto.")
         group_sizes_G = group_sizes_G.astype(jnp.int32)
-        if self.implementation == "mosaic_gpu":
-            return _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding)
         num_rows = lhs_MK.shape[0]
-        valid_M1 = row_mask(num_rows, group_sizes_G)[:, None]
         # Zero the padding rows (they may hold NaN) and pad to the kernel's row tile; extra rows are padding.
-        lhs_PK = jnp.pad(jnp.where(valid_M1, lhs_MK, 0), ((0, -num_rows % ROW_ALIGNMENT), (0, 0)))
+        lhs_PK = jnp.pad(jnp.where(row_mask(num_rows, group_sizes_G)[:, None], lhs_MK, 0),
+                         ((0, -num_rows % TOKAMAX_ROW_MULTIPLE), (0, 0)))
+        rows = TokamaxRows(self.implementation)
+        products = GmmProducts(fwd=rows, dlhs=rows, drhs=self.weight_grad, zero_cotangent_padding=True)
         out_dtype = jnp.dtype(preferred_element_type or lhs_MK.dtype)
-        out_PN = _gmm(lhs_PK, rhs_GKN, group_sizes_G, self.implementation, out_dtype, self.weight_grad)
-        return jnp.where(valid_M1, out_PN[:num_rows], 0)
-
-
-def _tuned(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding=True):
-    """The tuned three-product path; the plan is looked up while tracing (shapes are static)."""
-    from dropless.gmm.tuned import tuned_gmm
-    from dropless.gmm.tuning import plan_for
-
-    if lhs_MK.dtype != rhs_GKN.dtype or lhs_MK.dtype not in (jnp.bfloat16, jnp.float16):
-        raise MoEError(f"moe.gmm_backend=tokamax multiplies bf16 or f16 operands of one dtype, got {lhs_MK.dtype} x "
-                       f"{rhs_GKN.dtype}; use train.dtype=bfloat16 or moe.gmm_backend=xla.")
-    num_rows, k = lhs_MK.shape
-    g, _, n = rhs_GKN.shape
-    # tokamax's kernel (if a table entry names it) rejects row counts off its row tile; the extra rows are padding,
-    # which every kernel here leaves out of dW and whose outputs tuned_gmm zeroes (unless zero_padding=False).
-    lhs_PK = jnp.pad(lhs_MK, ((0, -num_rows % ROW_ALIGNMENT), (0, 0)))
-    out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
-    out_PN = tuned_gmm(lhs_PK, rhs_GKN, group_sizes_G, plan_for(lhs_PK.shape[0], k, n, g), out_dtype, zero_padding)
-    return out_PN[:num_rows]
+        return gmm_from_products(lhs_PK, rhs_GKN, group_sizes_G, products, out_dtype, True)[:num_rows]

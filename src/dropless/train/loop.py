@@ -24,7 +24,7 @@ from tqdm import tqdm
 from dropless.core import config as config_lib
 from dropless.core.config import Config, ConfigError
 from dropless.data import load_token_dataset
-from dropless.gmm.api import resolve_backend_name
+from dropless.gmm.registry import resolve_backend_name
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
 from dropless.train import checkpoint as ckpt
