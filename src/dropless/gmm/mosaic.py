@@ -2,7 +2,7 @@
 
 tokamax 0.0.17's Mosaic GPU ragged_dot is fast on the forward product once tuned, but for both backward
 products it first materialises a transpose: `dy·Wᵀ` copies W to [G, N, K] (15 GB for DeepSeek-V3's 256
-experts: ~7 ms on an H200, more than the whole matmul at dense speed) and the weight gradient copies x to
+experts: a copy that takes longer than the whole matmul at dense speed) and the weight gradient copies x to
 [K, M]. The two kernels here let the tensor cores' transposed-operand modes (wgmma reads either operand
 K-major or MN-major from shared memory) do that work instead:
 
@@ -17,6 +17,8 @@ never lets them reach the accumulator. Inputs must be bf16 or f16 with dims that
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,8 +79,9 @@ def row_tiles(group_sizes_G: jax.Array, block_m: int, num_tiles: int) -> tuple[j
 
 
 def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
-    """An upper bound on the tiles `row_tiles` produces: a group of r rows starting at misalignment a < TMA_ROW_ALIGNMENT
-    needs ceil((r + a) / block_m) <= (r + a - 1) // block_m + 1 tiles; summing over groups gives this bound."""
+    """An upper bound on the tiles `row_tiles` produces: a group of r rows starting at misalignment
+    a < TMA_ROW_ALIGNMENT needs ceil((r + a) / block_m) <= (r + a - 1) // block_m + 1 tiles; summing over groups
+    gives this bound."""
     return (num_rows + (TMA_ROW_ALIGNMENT - 1) * num_groups) // block_m + num_groups
 
 
@@ -101,6 +104,20 @@ def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@dataclass(frozen=True)
+class _RowsGrid:
+    """The static launch shape of `grouped_matmul`: its tile, M rows in m_tiles row tiles (the work list's bound),
+    n_tiles output column tiles, k_steps pipeline steps along K."""
+
+    tile: TileConfig
+    num_rows: int
+    m_tiles: int
+    n_tiles: int
+    k_steps: int
+    transpose_rhs: bool
+    out_dtype: Any
+
+
 def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                    transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
@@ -119,62 +136,80 @@ def grouped_matmul(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, 
     m_tiles = max_row_tiles(m, g, bm)
     n_tiles, k_steps = n // bn, k // bk
     tables = row_tiles(group_sizes_G, bm, m_tiles)
-
-    def kernel(lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem, out_gmem):
-        def tile_body(first_tile, num_tiles, loop_info):
-            mi, ni = plgpu.planar_snake(loop_info.index[0], (num_tiles, n_tiles), tile.grid_minor_dim,
-                                        tile.grid_tile_width)
-            t = first_tile + mi
-            group, size = group_gmem[t], size_gmem[t]
-            start = pl.multiple_of(start_gmem[t], TMA_ROW_ALIGNMENT)
-
-            @pl.when(size > 0)
-            def _compute():
-                def mma(acc_ref):
-                    def step(_, lhs_smem, rhs_smem):
-                        b = rhs_smem.transpose((1, 0)) if transpose_rhs else rhs_smem
-                        plgpu.wgmma(acc_ref, lhs_smem, b)
-                        plgpu.wgmma_wait(1)
-
-                    if transpose_rhs:
-                        rhs_spec = _block((bn, bk), rhs_gmem.dtype, lambda ki: (ni, ki))
-                    else:
-                        rhs_spec = _block((bk, bn), rhs_gmem.dtype, lambda ki: (ki, ni))
-                    lhs_spec = _block((pl.Element(bm), bk), lhs_gmem.dtype, lambda ki: (start, ki))
-                    plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=(lhs_spec, rhs_spec),
-                                        max_concurrent_steps=tile.num_stages)(lhs_gmem, rhs_gmem.at[group])
-                    return acc_ref[...]
-
-                acc = pl.run_scoped(mma, plgpu.ACC((bm, bn)))
-                # Leading tile of 1 row: the ragged store slices the staging buffer at any row.
-                out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype, leading_tile=1))
-
-                @functools.partial(pl.run_scoped, out_smem=out_type)
-                def _epilogue(out_smem):
-                    out_smem[...] = acc.astype(out_dtype)
-                    plgpu.commit_smem()
-                    store_rows(out_smem, out_gmem, row0=start, offset=offset_gmem[t], size=size,
-                               cols=pl.ds(ni * bn, bn), max_rows=min(bm, m))
-
-        if tile.persistent:
-            # One CTA per SM walks the tiles. The first ceil(M / block_m) tiles almost all hold rows; the rest
-            # are mostly empty, and walking them second spreads the no-ops over all SMs.
-            busy = pl.cdiv(m, bm)
-            for first, count in ((0, busy), (busy, m_tiles - busy)):
-                if count > 0:
-                    plgpu.nd_loop((count * n_tiles,), collective_axes="sm")(
-                        functools.partial(tile_body, first, count))
-        else:
-            index = jax.lax.axis_index("mn")
-            tile_body(0, m_tiles, plgpu.NDLoopInfo((index,), local_index=0, num_local_steps=1))
-
+    grid_shape = _RowsGrid(tile, m, m_tiles, n_tiles, k_steps, transpose_rhs, out_dtype)
     grid, names = ((num_sms(),), ("sm",)) if tile.persistent else ((m_tiles * n_tiles,), ("mn",))
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, grid_names=names,
-        kernel_name="dropless_grouped_matmul" + ("_nt" if transpose_rhs else ""),
+        functools.partial(_rows_kernel, grid_shape), out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid,
+        grid_names=names, kernel_name="dropless_grouped_matmul" + ("_nt" if transpose_rhs else ""),
         compiler_params=plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True),
         interpret=interpret,
     )(lhs_MK, rhs, *tables)
+
+
+def _rows_kernel(s: _RowsGrid, lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem, out_gmem):
+    """grouped_matmul's kernel: the tile schedule over (row tile, column tile) pairs, each pair's body."""
+    def tile_body(first_tile, num_tiles, loop_info):
+        mi, ni = plgpu.planar_snake(loop_info.index[0], (num_tiles, s.n_tiles), s.tile.grid_minor_dim,
+                                    s.tile.grid_tile_width)
+        t = first_tile + mi
+        group, size = group_gmem[t], size_gmem[t]
+        start = pl.multiple_of(start_gmem[t], TMA_ROW_ALIGNMENT)
+
+        @pl.when(size > 0)
+        def _compute():
+            acc = pl.run_scoped(functools.partial(_rows_pipeline, s, lhs_gmem, rhs_gmem, group, start, ni),
+                                plgpu.ACC((s.tile.block_m, s.tile.block_n)))
+            _rows_epilogue(s, acc, out_gmem, offset_gmem, t, start=start, size=size, ni=ni)
+
+    _rows_schedule(s, tile_body)
+
+
+def _rows_schedule(s: _RowsGrid, tile_body) -> None:
+    """Runs tile_body(first_tile, num_tiles, loop_info) over every (row tile, column tile) pair."""
+    if s.tile.persistent:
+        # One CTA per SM walks the tiles. The first ceil(M / block_m) tiles almost all hold rows; the rest
+        # are mostly empty, and walking them second spreads the no-ops over all SMs.
+        busy = pl.cdiv(s.num_rows, s.tile.block_m)
+        for first, count in ((0, busy), (busy, s.m_tiles - busy)):
+            if count > 0:
+                plgpu.nd_loop((count * s.n_tiles,), collective_axes="sm")(
+                    functools.partial(tile_body, first, count))
+    else:
+        index = jax.lax.axis_index("mn")
+        tile_body(0, s.m_tiles, plgpu.NDLoopInfo((index,), local_index=0, num_local_steps=1))
+
+
+def _rows_pipeline(s: _RowsGrid, lhs_gmem, rhs_gmem, group, start, ni, acc_ref):
+    """The pipeline body of one tile: block_m rows from `start` times rhs[group]'s column tile ni, along K."""
+    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
+
+    def step(_, lhs_smem, rhs_smem):
+        b = rhs_smem.transpose((1, 0)) if s.transpose_rhs else rhs_smem
+        plgpu.wgmma(acc_ref, lhs_smem, b)
+        plgpu.wgmma_wait(1)
+
+    if s.transpose_rhs:
+        rhs_spec = _block((bn, bk), rhs_gmem.dtype, lambda ki: (ni, ki))
+    else:
+        rhs_spec = _block((bk, bn), rhs_gmem.dtype, lambda ki: (ki, ni))
+    lhs_spec = _block((pl.Element(bm), bk), lhs_gmem.dtype, lambda ki: (start, ki))
+    plgpu.emit_pipeline(step, grid=(s.k_steps,), in_specs=(lhs_spec, rhs_spec),
+                        max_concurrent_steps=s.tile.num_stages)(lhs_gmem, rhs_gmem.at[group])
+    return acc_ref[...]
+
+
+def _rows_epilogue(s: _RowsGrid, acc, out_gmem, offset_gmem, t, *, start, size, ni) -> None:
+    """Stores the tile's rows of its group: the accumulator through shared memory, then the ragged store."""
+    bm, bn, out_dtype = s.tile.block_m, s.tile.block_n, s.out_dtype
+    # Leading tile of 1 row: the ragged store slices the staging buffer at any row.
+    out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype, leading_tile=1))
+
+    @functools.partial(pl.run_scoped, out_smem=out_type)
+    def _epilogue(out_smem):
+        out_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        store_rows(out_smem, out_gmem, row0=start, offset=offset_gmem[t], size=size, cols=pl.ds(ni * bn, bn),
+                   max_rows=min(bm, s.num_rows))
 
 
 def row_steps(group_sizes_G: jax.Array, block_k: int) -> tuple[jax.Array, ...]:
@@ -202,6 +237,29 @@ def zero_rows_outside_group(smem_refs, first_row, start, end, when) -> None:
         plgpu.commit_smem()
 
 
+@dataclass(frozen=True)
+class _ContractGrid:
+    """The static launch shape of `grouped_matmul_tn`: its tile, G groups, k_tiles x n_tiles output tiles each."""
+
+    tile: TileConfig
+    num_groups: int
+    k_tiles: int
+    n_tiles: int
+    out_dtype: Any
+
+
+class GroupRefs(NamedTuple):
+    """The weight-gradient kernels' operands: the per-group walk (row_steps), lhs, rhs and the output."""
+
+    start: Any
+    end: Any
+    first: Any
+    steps: Any
+    lhs: Any
+    rhs: Any
+    out: Any
+
+
 def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                       out_dtype=None, interpret=None) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N]: the weight gradient xᵀ·dy, contracting over rows.
@@ -216,115 +274,137 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
     g = group_sizes_G.shape[0]
     assert m == m_rhs and k % tile.block_m == 0 and n % tile.block_n == 0, (lhs_MK.shape, rhs_MN.shape, tile)
     out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
-    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    bm, bn = tile.block_m, tile.block_n
     k_tiles, n_tiles = k // bm, n // bn
 
-    starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
-
-    def kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        def tile_body(gi, ki, ni):
-            start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
-            first = pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT)
-
-            def mma(acc_ref):
-                def step(idx, lhs_smem, rhs_smem):
-                    (r,) = idx
-
-                    zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
-                                            (r == 0) | (r == steps - 1))
-
-                    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
-                    plgpu.wgmma_wait(1)
-
-                @pl.when(steps > 0)
-                def _pipeline():
-                    lhs_spec = _block((pl.Element(bk), bm), lhs_gmem.dtype, lambda r: (first + r * bk, ki))
-                    rhs_spec = _block((pl.Element(bk), bn), rhs_gmem.dtype, lambda r: (first + r * bk, ni))
-                    plgpu.emit_pipeline(step, grid=(steps,), in_specs=(lhs_spec, rhs_spec),
-                                        max_concurrent_steps=tile.num_stages)(lhs_gmem, rhs_gmem)
-
-                return acc_ref[...]
-
-            acc = pl.run_scoped(mma, plgpu.ACC((bm, bn)))
-            out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
-
-            @functools.partial(pl.run_scoped, out_smem=out_type)
-            def _epilogue(out_smem):
-                out_smem[...] = acc.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        if tile.chain_k:
-            chained_kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem)
-        elif tile.persistent:
-            @plgpu.nd_loop((g * k_tiles * n_tiles,), collective_axes="sm")
-            def _loop(loop_info):
-                gi, kn = jax.lax.div(loop_info.index[0], k_tiles * n_tiles), jax.lax.rem(loop_info.index[0], k_tiles * n_tiles)
-                ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), tile.grid_minor_dim, tile.grid_tile_width)
-                tile_body(gi, ki, ni)
-        else:
-            tile_body(jax.lax.axis_index("g"), jax.lax.axis_index("k"), jax.lax.axis_index("n"))
-
-    def chained_kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        # Each SM takes (group, N tile) pairs; one pipeline walks (K tile, row step) for a pair, storing a K tile
-        # when its last row step is done, so TMA keeps loading the next K tile while this one is stored.
-        out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
-
-        @functools.partial(pl.run_scoped, out_smem=out_type)
-        def _scope(out_smem):
-            def store(gi, ki, ni, value):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read out_smem
-                out_smem[...] = value.astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
-
-            @plgpu.nd_loop((g * n_tiles,), collective_axes="sm")
-            def _loop(loop_info):
-                gi, ni = jax.lax.div(loop_info.index[0], n_tiles), jax.lax.rem(loop_info.index[0], n_tiles)
-                start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
-                first = pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT)
-
-                @pl.when(steps == 0)
-                def _empty_group():
-                    zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-                    jax.lax.fori_loop(0, k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0)
-
-                @pl.when(steps > 0)
-                def _group():
-                    def mma(acc_ref):
-                        def step(idx, lhs_smem, rhs_smem):
-                            ki, r = idx
-
-                            zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
-                                                    (r == 0) | (r == steps - 1))
-
-                            plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
-
-                            @pl.when(r == steps - 1)
-                            def _flush():
-                                value = acc_ref[...]  # waits for every MMA in flight
-                                acc_ref[...] = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-                                store(gi, ki, ni, value)
-
-                            plgpu.wgmma_wait(1)
-
-                        lhs_spec = _block((pl.Element(bk), bm), lhs_gmem.dtype, lambda ki, r: (first + r * bk, ki))
-                        rhs_spec = _block((pl.Element(bk), bn), rhs_gmem.dtype, lambda ki, r: (first + r * bk, ni))
-                        plgpu.emit_pipeline(step, grid=(k_tiles, steps), in_specs=(lhs_spec, rhs_spec),
-                                            max_concurrent_steps=tile.num_stages)(lhs_gmem, rhs_gmem)
-
-                    pl.run_scoped(mma, plgpu.ACC((bm, bn)))
-
-            plgpu.wait_smem_to_gmem(0)
-
+    starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, tile.block_k)
+    grid_shape = _ContractGrid(tile, g, k_tiles, n_tiles, out_dtype)
     if tile.persistent or tile.chain_k:
         grid, names = (num_sms(),), ("sm",)
     else:
         grid, names = (k_tiles, n_tiles, g), ("k", "n", "g")
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=grid, grid_names=names,
-        kernel_name="dropless_grouped_matmul_tn",
+        functools.partial(_contract_kernel, grid_shape), out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=grid, grid_names=names, kernel_name="dropless_grouped_matmul_tn",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
+
+
+def _contract_kernel(s: _ContractGrid, start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem,
+                     out_gmem) -> None:
+    """grouped_matmul_tn's kernel: the tile schedule over (group, K tile, N tile) outputs."""
+    refs = GroupRefs(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem)
+    k_tiles, n_tiles = s.k_tiles, s.n_tiles
+    if s.tile.chain_k:
+        _chained_contract(s, refs)
+    elif s.tile.persistent:
+        @plgpu.nd_loop((s.num_groups * k_tiles * n_tiles,), collective_axes="sm")
+        def _loop(loop_info):
+            index = loop_info.index[0]
+            gi, kn = jax.lax.div(index, k_tiles * n_tiles), jax.lax.rem(index, k_tiles * n_tiles)
+            ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+            _contract_tile(s, refs, gi, ki, ni)
+    else:
+        _contract_tile(s, refs, jax.lax.axis_index("g"), jax.lax.axis_index("k"), jax.lax.axis_index("n"))
+
+
+def _contract_tile(s: _ContractGrid, refs: GroupRefs, gi, ki, ni) -> None:
+    """One output tile out[gi, K tile ki, N tile ni]: the pipeline over the group's rows, then the epilogue."""
+    bm, bn, out_dtype = s.tile.block_m, s.tile.block_n, s.out_dtype
+    start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
+    first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
+    acc = pl.run_scoped(functools.partial(_contract_pipeline, s, refs, ki, ni, start, end, first, steps),
+                        plgpu.ACC((bm, bn)))
+    out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
+
+    @functools.partial(pl.run_scoped, out_smem=out_type)
+    def _epilogue(out_smem):
+        out_smem[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, refs.out.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _contract_pipeline(s: _ContractGrid, refs: GroupRefs, ki, ni, start, end, first, steps, acc_ref):
+    """The pipeline body of one output tile: the group's rows in steps of block_k, rows outside it zeroed."""
+    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
+
+    def step(idx, lhs_smem, rhs_smem):
+        (r,) = idx
+
+        zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
+                                (r == 0) | (r == steps - 1))
+
+        plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
+        plgpu.wgmma_wait(1)
+
+    @pl.when(steps > 0)
+    def _pipeline():
+        lhs_spec = _block((pl.Element(bk), bm), refs.lhs.dtype, lambda r: (first + r * bk, ki))
+        rhs_spec = _block((pl.Element(bk), bn), refs.rhs.dtype, lambda r: (first + r * bk, ni))
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=(lhs_spec, rhs_spec),
+                            max_concurrent_steps=s.tile.num_stages)(refs.lhs, refs.rhs)
+
+    return acc_ref[...]
+
+
+def _chained_contract(s: _ContractGrid, refs: GroupRefs) -> None:
+    """The chain_k tile schedule: each SM takes (group, N tile) pairs; one pipeline walks (K tile, row step) for a
+    pair, storing a K tile when its last row step is done, so TMA keeps loading the next K tile while this one is
+    stored."""
+    bm, bn, out_dtype = s.tile.block_m, s.tile.block_n, s.out_dtype
+    out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
+
+    @functools.partial(pl.run_scoped, out_smem=out_type)
+    def _scope(out_smem):
+        def store(gi, ki, ni, value):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read out_smem
+            out_smem[...] = value.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, refs.out.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
+
+        @plgpu.nd_loop((s.num_groups * s.n_tiles,), collective_axes="sm")
+        def _loop(loop_info):
+            gi, ni = jax.lax.div(loop_info.index[0], s.n_tiles), jax.lax.rem(loop_info.index[0], s.n_tiles)
+            start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
+            first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
+
+            @pl.when(steps == 0)
+            def _empty_group():
+                zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+                jax.lax.fori_loop(0, s.k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0)
+
+            @pl.when(steps > 0)
+            def _group():
+                pl.run_scoped(functools.partial(_chained_pipeline, s, refs, store, gi, ni, start, end, first, steps),
+                              plgpu.ACC((bm, bn)))
+
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _chained_pipeline(s: _ContractGrid, refs: GroupRefs, store, gi, ni, start, end, first, steps, acc_ref):
+    """The chain_k pipeline body of one (group, N tile): every (K tile, row step), each K tile's epilogue
+    (`store`) issued after its last row step."""
+    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
+
+    def step(idx, lhs_smem, rhs_smem):
+        ki, r = idx
+
+        zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
+                                (r == 0) | (r == steps - 1))
+
+        plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
+
+        @pl.when(r == steps - 1)
+        def _flush():
+            value = acc_ref[...]  # waits for every MMA in flight
+            acc_ref[...] = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+            store(gi, ki, ni, value)
+
+        plgpu.wgmma_wait(1)
+
+    lhs_spec = _block((pl.Element(bk), bm), refs.lhs.dtype, lambda ki, r: (first + r * bk, ki))
+    rhs_spec = _block((pl.Element(bk), bn), refs.rhs.dtype, lambda ki, r: (first + r * bk, ni))
+    plgpu.emit_pipeline(step, grid=(s.k_tiles, steps), in_specs=(lhs_spec, rhs_spec),
+                        max_concurrent_steps=s.tile.num_stages)(refs.lhs, refs.rhs)

@@ -12,8 +12,8 @@ first stages during the consumers' epilogue.
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
   grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
 
-The work lists, the ragged store and the padding contracts are those of `gmm_mosaic.grouped_matmul` and
-`grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. Both are
+The work lists, the ragged store and the padding contracts are those of `dropless.gmm.mosaic.grouped_matmul`
+and `grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. Both are
 `kernel="dropless_ws"` candidates of `dropless tune-gmm`; the tuned table decides, per shape and product,
 whether they run.
 """
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import (max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
+from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
                                  zero_rows_outside_group)
 from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
@@ -60,12 +62,26 @@ def _accumulate_then(block_m: int, block_n: int, finish):
             finish(acc_ref[...])
     return context
 
+@dataclass(frozen=True)
+class _RowsGridWS:
+    """The static launch shape of `grouped_matmul_ws`: its tile, M rows in m_tiles row tiles, n_tiles CTA column
+    tiles (2 * block_n wide), k_steps pipeline steps along K, `stages` pipeline stages that fit."""
+
+    tile: TileConfig
+    num_rows: int
+    m_tiles: int
+    n_tiles: int
+    k_steps: int
+    stages: int
+    transpose_rhs: bool
+    out_dtype: Any
+
 
 def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                       transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
 
-    Output rows past sum(group_sizes) are left unwritten (as `gmm_mosaic.grouped_matmul`).
+    Output rows past sum(group_sizes) are left unwritten (as `dropless.gmm.mosaic.grouped_matmul`).
     """
     m, k = lhs_MK.shape
     if transpose_rhs:
@@ -80,64 +96,10 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
     n_tiles, k_steps = n // cta_n, k // bk
     tables = row_tiles(group_sizes_G, bm, m_tiles)
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)
-    lhs_block = (bm, bk)
-    rhs_block = (cta_n, bk) if transpose_rhs else (bk, cta_n)
-
-    def kernel(lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem, out_gmem):
-        def pipeline(body, compute_context):
-            return plgpu.emit_pipeline_warp_specialized(
-                body, grid=(k_steps,), memory_registers=MEMORY_REGISTERS,
-                in_specs=[
-                    plgpu.BlockSpec(lhs_block, lambda ki: (0, ki), transforms=swizzled(bk, lhs_gmem.dtype),
-                                    memory_space=plgpu.SMEM),
-                    plgpu.BlockSpec(rhs_block, (lambda ki: (0, ki)) if transpose_rhs else (lambda ki: (ki, 0)),
-                                    transforms=swizzled(rhs_block[1], rhs_gmem.dtype), memory_space=plgpu.SMEM),
-                ],
-                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=stages,
-                compute_context=compute_context)
-
-        def operands(start, group, ni):
-            """The gmem windows one tile's pipeline walks along K: its rows of lhs, its columns of rhs[group]."""
-            rows = lhs_gmem.at[pl.ds(start, bm), :]
-            cols = pl.ds(ni * cta_n, cta_n)
-            return rows, (rhs_gmem.at[group].at[cols, :] if transpose_rhs else rhs_gmem.at[group].at[:, cols])
-
-        ignore = lambda *_, **__: None  # the allocations depend on the block specs only
-        out_type = plgpu.SMEM((CONSUMERS, bm, bn), out_dtype, transforms=swizzled(bn, out_dtype, leading_tile=1))
-
-        @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands(0, 0, 0)),
-                           out_smem=out_type, collective_axes="wg")
-        def _scope(allocations, out_smem):
-            wg = jax.lax.axis_index("wg")
-
-            @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
-            def _tile(loop_info):
-                mi, ni = plgpu.planar_snake(loop_info.index[0], (m_tiles, n_tiles), tile.grid_minor_dim,
-                                            tile.grid_tile_width)
-                group, size = group_gmem[mi], size_gmem[mi]
-                start = pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT)
-
-                @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
-                def _compute():
-                    def mma(_, lhs_smem, rhs_smem, acc_ref):
-                        mine = pl.ds(wg * bn, bn)
-                        b = rhs_smem.at[mine, :].transpose((1, 0)) if transpose_rhs else rhs_smem.at[:, mine]
-                        plgpu.wgmma(acc_ref, lhs_smem, b)
-                        plgpu.wgmma_wait(0)
-                        return acc_ref
-
-                    def store(value):
-                        out_smem[wg] = value.astype(out_dtype)
-                        plgpu.commit_smem()
-                        store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
-                                   cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, m))
-
-                    pipeline(mma, _accumulate_then(bm, bn, store))(*operands(start, group, ni),
-                                                                    allocations=allocations)
-
+    grid_shape = _RowsGridWS(tile, m, m_tiles, n_tiles, k_steps, stages, transpose_rhs, out_dtype)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_sms(),), grid_names=("sm",),
-        num_threads=CONSUMERS + 1, thread_name="wg",
+        functools.partial(_rows_kernel_ws, grid_shape), out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
         kernel_name="dropless_grouped_matmul_ws" + ("_nt" if transpose_rhs else ""),
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -145,11 +107,98 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
     )(lhs_MK, rhs, *tables)
 
 
+def _rows_pipeline_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, body, compute_context):
+    """One tile's warp-specialised pipeline along K: the producer loads both blocks, the consumers run `body`."""
+    bk, cta_n = s.tile.block_k, CONSUMERS * s.tile.block_n
+    lhs_block = (s.tile.block_m, bk)
+    rhs_block = (cta_n, bk) if s.transpose_rhs else (bk, cta_n)
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(s.k_steps,), memory_registers=MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec(lhs_block, lambda ki: (0, ki), transforms=swizzled(bk, lhs_gmem.dtype),
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec(rhs_block, (lambda ki: (0, ki)) if s.transpose_rhs else (lambda ki: (ki, 0)),
+                            transforms=swizzled(rhs_block[1], rhs_gmem.dtype), memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages,
+        compute_context=compute_context)
+
+
+def _rows_operands_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, start, group, ni):
+    """The gmem windows one tile's pipeline walks along K: its rows of lhs, its columns of rhs[group]."""
+    cta_n = CONSUMERS * s.tile.block_n
+    rows = lhs_gmem.at[pl.ds(start, s.tile.block_m), :]
+    cols = pl.ds(ni * cta_n, cta_n)
+    return rows, (rhs_gmem.at[group].at[cols, :] if s.transpose_rhs else rhs_gmem.at[group].at[:, cols])
+
+
+def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem, out_gmem):
+    """grouped_matmul_ws's kernel: the pipeline's and the output blocks' shared memory, held for the whole kernel,
+    and the tile schedule over (row tile, CTA column tile) pairs."""
+    bm, bn, out_dtype = s.tile.block_m, s.tile.block_n, s.out_dtype
+    ignore = lambda *_, **__: None  # the allocations depend on the block specs only
+    out_type = plgpu.SMEM((CONSUMERS, bm, bn), out_dtype, transforms=swizzled(bn, out_dtype, leading_tile=1))
+    allocations = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, ignore, ignore).get_allocations(
+        *_rows_operands_ws(s, lhs_gmem, rhs_gmem, 0, 0, 0))
+
+    @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, collective_axes="wg")
+    def _scope(allocations, out_smem):
+        wg = jax.lax.axis_index("wg")
+
+        @plgpu.nd_loop((s.m_tiles * s.n_tiles,), collective_axes="sm")
+        def _tile(loop_info):
+            mi, ni = plgpu.planar_snake(loop_info.index[0], (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim,
+                                        s.tile.grid_tile_width)
+            group, size = group_gmem[mi], size_gmem[mi]
+            start = pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT)
+
+            @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
+            def _compute():
+                store = functools.partial(_rows_epilogue_ws, s, out_smem, out_gmem, wg, offset_gmem, mi, start, size,
+                                          ni)
+                pipeline = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, functools.partial(_rows_mma_ws, s, wg),
+                                             _accumulate_then(bm, bn, store))
+                pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
+
+
+def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref):
+    """The pipeline body of one consumer: its block_n half of the CTA's columns."""
+    bn = s.tile.block_n
+    mine = pl.ds(wg * bn, bn)
+    b = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
+    plgpu.wgmma(acc_ref, lhs_smem, b)
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+
+def _rows_epilogue_ws(s: _RowsGridWS, out_smem, out_gmem, wg, offset_gmem, mi, start, size, ni, value):
+    """One consumer's epilogue: its accumulator through its output block, then the ragged store of its columns."""
+    bm, bn = s.tile.block_m, s.tile.block_n
+    cta_n = CONSUMERS * bn
+    out_smem[wg] = value.astype(s.out_dtype)
+    plgpu.commit_smem()
+    store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
+               cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows))
+
+
+@dataclass(frozen=True)
+class _ContractGridWS:
+    """The static launch shape of `grouped_matmul_tn_ws`: its tile, G groups, k_tiles x n_tiles CTA output tiles
+    each (block_m of K x 2 * block_n of N), `stages` pipeline stages that fit."""
+
+    tile: TileConfig
+    num_groups: int
+    k_tiles: int
+    n_tiles: int
+    stages: int
+    out_dtype: Any
+
+
 def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                          out_dtype=None, interpret=None) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N] (the weight gradient xᵀ·dy), warp-specialised.
 
-    As `gmm_mosaic.grouped_matmul_tn`, with the producer running ahead of the consumers across tiles: a
+    As `dropless.gmm.mosaic.grouped_matmul_tn`, with the producer running ahead of the consumers across tiles: a
     group of 256 rows (DeepSeek-V3's 256 experts) is four 64-row steps, so the single-warpgroup kernel spends
     much of each tile filling and draining its pipeline. A CTA computes a block_m (of K) x 2*block_n (of N)
     tile; each consumer owns one block_n half of N. In a group's first and last step each consumer zeroes, in
@@ -167,71 +216,100 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     k_tiles, n_tiles = k // bm, n // cta_n
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)  # its blocks are the rows kernel's sizes, transposed
     starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
-
-    def kernel(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        def pipeline(body, compute_context, first, steps):
-            """Steps of block_k rows from row `first` (elements, not blocks: a group starts anywhere)."""
-            return plgpu.emit_pipeline_warp_specialized(
-                body, grid=(steps,), memory_registers=MEMORY_REGISTERS,
-                in_specs=[
-                    plgpu.BlockSpec((pl.Element(bk), bm), lambda r: (first + r * bk, 0),
-                                    transforms=swizzled(bm, lhs_gmem.dtype), memory_space=plgpu.SMEM),
-                    plgpu.BlockSpec((pl.Element(bk), cta_n), lambda r: (first + r * bk, 0),
-                                    transforms=swizzled(cta_n, rhs_gmem.dtype), memory_space=plgpu.SMEM),
-                ],
-                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=stages,
-                compute_context=compute_context)
-
-        def operands(ki, ni):
-            return lhs_gmem.at[:, pl.ds(ki * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
-
-        ignore = lambda *_, **__: None
-        out_type = plgpu.SMEM((CONSUMERS, bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
-
-        @functools.partial(pl.run_scoped,
-                           allocations=pipeline(ignore, ignore, 0, stages).get_allocations(*operands(0, 0)),
-                           out_smem=out_type, collective_axes="wg")
-        def _scope(allocations, out_smem):
-            wg = jax.lax.axis_index("wg")
-
-            def store(gi, ki, ni, value):
-                out_smem[wg] = value.astype(out_dtype)
-                plgpu.commit_smem()
-                cols = pl.ds(ni * cta_n + wg * bn, bn)
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            @plgpu.nd_loop((g * k_tiles * n_tiles,), collective_axes="sm")
-            def _tile(loop_info):
-                index = loop_info.index[0]
-                gi, kn = jax.lax.div(index, k_tiles * n_tiles), jax.lax.rem(index, k_tiles * n_tiles)
-                ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), tile.grid_minor_dim, tile.grid_tile_width)
-                start, end, steps = start_gmem[gi], end_gmem[gi], steps_gmem[gi]
-                first = pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT)
-
-                @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
-                def _empty():
-                    @pl.when(wg < CONSUMERS)
-                    def _zeros():
-                        store(gi, ki, ni, plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA))
-
-                @pl.when(steps > 0)
-                def _group():
-                    def mma(idx, lhs_smem, rhs_smem, acc_ref):
-                        (r,) = idx
-                        mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-                        zero_rows_outside_group((lhs_smem, mine), first + r * bk, start, end,
-                                                (r == 0) | (r == steps - 1))
-                        plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), mine)
-                        plgpu.wgmma_wait(0)
-                        return acc_ref
-
-                    epilogue = _accumulate_then(bm, bn, lambda value: store(gi, ki, ni, value))
-                    pipeline(mma, epilogue, first, steps)(*operands(ki, ni), allocations=allocations)
-
+    grid_shape = _ContractGridWS(tile, g, k_tiles, n_tiles, stages, out_dtype)
     return plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=(num_sms(),), grid_names=("sm",),
-        num_threads=CONSUMERS + 1, thread_name="wg", kernel_name="dropless_grouped_matmul_tn_ws",
+        functools.partial(_contract_kernel_ws, grid_shape), out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
+        kernel_name="dropless_grouped_matmul_tn_ws",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
+
+
+def _contract_pipeline_ws(s: _ContractGridWS, lhs_gmem, rhs_gmem, body, compute_context, first, steps):
+    """Steps of block_k rows from row `first` (elements, not blocks: a group starts anywhere)."""
+    bm, bk, cta_n = s.tile.block_m, s.tile.block_k, CONSUMERS * s.tile.block_n
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((pl.Element(bk), bm), lambda r: (first + r * bk, 0),
+                            transforms=swizzled(bm, lhs_gmem.dtype), memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((pl.Element(bk), cta_n), lambda r: (first + r * bk, 0),
+                            transforms=swizzled(cta_n, rhs_gmem.dtype), memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages,
+        compute_context=compute_context)
+
+
+def _contract_operands_ws(s: _ContractGridWS, lhs_gmem, rhs_gmem, ki, ni):
+    """The gmem windows one output tile's pipeline walks along the rows: K tile ki of lhs, CTA N tile ni of rhs."""
+    bm, cta_n = s.tile.block_m, CONSUMERS * s.tile.block_n
+    return lhs_gmem.at[:, pl.ds(ki * bm, bm)], rhs_gmem.at[:, pl.ds(ni * cta_n, cta_n)]
+
+
+def _contract_kernel_ws(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem,
+                        out_gmem):
+    """grouped_matmul_tn_ws's kernel: the pipeline's and the output blocks' shared memory, held for the whole
+    kernel, and the tile schedule over (group, K tile, CTA N tile) outputs."""
+    refs = GroupRefs(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem)
+    bn, out_dtype = s.tile.block_n, s.out_dtype
+    k_tiles, n_tiles = s.k_tiles, s.n_tiles
+    ignore = lambda *_, **__: None
+    out_type = plgpu.SMEM((CONSUMERS, s.tile.block_m, bn), out_dtype, transforms=swizzled(bn, out_dtype))
+    allocations = _contract_pipeline_ws(s, lhs_gmem, rhs_gmem, ignore, ignore, 0, s.stages).get_allocations(
+        *_contract_operands_ws(s, lhs_gmem, rhs_gmem, 0, 0))
+
+    @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, collective_axes="wg")
+    def _scope(allocations, out_smem):
+        wg = jax.lax.axis_index("wg")
+        store = functools.partial(_contract_epilogue_ws, s, out_smem, out_gmem, wg)
+
+        @plgpu.nd_loop((s.num_groups * k_tiles * n_tiles,), collective_axes="sm")
+        def _tile(loop_info):
+            index = loop_info.index[0]
+            gi, kn = jax.lax.div(index, k_tiles * n_tiles), jax.lax.rem(index, k_tiles * n_tiles)
+            ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+            _contract_tile_ws(s, refs, allocations, store, wg, gi, ki, ni)
+
+
+def _contract_tile_ws(s: _ContractGridWS, refs: GroupRefs, allocations, store, wg, gi, ki, ni):
+    """One output tile out[gi, K tile ki, CTA N tile ni]: zeros for an empty group, else the pipeline over the
+    group's rows with each consumer's epilogue after it."""
+    bm, bn = s.tile.block_m, s.tile.block_n
+    start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
+    first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
+
+    @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
+    def _empty():
+        @pl.when(wg < CONSUMERS)
+        def _zeros():
+            store(gi, ki, ni, plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA))
+
+    @pl.when(steps > 0)
+    def _group():
+        mma = functools.partial(_contract_mma_ws, s, wg, first, start, end, steps)
+        epilogue = _accumulate_then(bm, bn, lambda value: store(gi, ki, ni, value))
+        _contract_pipeline_ws(s, refs.lhs, refs.rhs, mma, epilogue, first, steps)(
+            *_contract_operands_ws(s, refs.lhs, refs.rhs, ki, ni), allocations=allocations)
+
+
+def _contract_mma_ws(s: _ContractGridWS, wg, first, start, end, steps, idx, lhs_smem, rhs_smem, acc_ref):
+    """The pipeline body of one consumer: its half of rhs's columns, the rows outside the group zeroed first."""
+    bn, bk = s.tile.block_n, s.tile.block_k
+    (r,) = idx
+    mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+    zero_rows_outside_group((lhs_smem, mine), first + r * bk, start, end, (r == 0) | (r == steps - 1))
+    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), mine)
+    plgpu.wgmma_wait(0)
+    return acc_ref
+
+
+def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni, value):
+    """One consumer's epilogue: its accumulator through its output block to out[gi], its half of the columns."""
+    bm, bn = s.tile.block_m, s.tile.block_n
+    cta_n = CONSUMERS * bn
+    out_smem[wg] = value.astype(s.out_dtype)
+    plgpu.commit_smem()
+    cols = pl.ds(ni * cta_n + wg * bn, bn)
+    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
