@@ -4,16 +4,17 @@ Training a layer y = x·W (x [M, K], rows sorted by group; W [G, K, N]) runs thr
   fwd   y  = x · W[g]               rows ragged, contracts K
   dlhs  dx = dy · W[g]ᵀ             rows ragged, contracts N
   drhs  dW = x[rows of g]ᵀ · dy     contracts the ragged rows
-Each gets its own `ProductConfig` (a kernel and its tile), looked up in `gmm_configs.json` beside this
+Each gets its own `ProductConfig` (a kernel and its tile), looked up in `configs.json` beside this
 file: device kind -> list of measured shape entries. A shape with no exact entry takes the entry nearest
 to it whose tiles divide its dims; a device with no table takes its alias (other Hopper parts use the
 H200's table), and anything else gets `DEFAULT_PLAN`. This module is pure Python: nothing here imports
-jax or tokamax, so the lookup is testable anywhere.
+jax or tokamax at module level (only `device_kind` asks jax, only `to_tokamax` imports tokamax), so the
+lookup is testable anywhere.
 
-Kernels: "tokamax" is tokamax's Mosaic GPU ragged_dot (for dlhs/drhs it copies Wᵀ / xᵀ first);
-"dropless" is `dropless.gmm.mosaic`, which reads W and x in place; "dropless_ws" is
-`dropless.gmm.mosaic_ws`, its warp-specialised variant (two consumer warpgroups side by side: a CTA's
-output tile is block_m x 2*block_n).
+Kernels (`dropless.gmm.dropless_mosaic` maps each name to its functions): "tokamax" is tokamax's Mosaic GPU
+ragged_dot (for dlhs/drhs it copies Wᵀ / xᵀ first); "dropless" is `dropless.gmm.mosaic`, which reads W and x
+in place; "dropless_ws" is `dropless.gmm.mosaic_ws`, its warp-specialised variant (two consumer warpgroups side
+by side: a CTA's output tile is block_m x 2*block_n).
 """
 
 from __future__ import annotations
@@ -194,14 +195,14 @@ def shape_class(m: int, k: int, n: int, g: int) -> str:
 
 def device_kind() -> str | None:
     """`jax.devices()[0].device_kind` on a GPU (e.g. 'NVIDIA H200'), else None."""
-    import jax
+    import jax  # here, so that the table code above stays pure Python
 
     device = jax.devices()[0]
     return device.device_kind if device.platform == "gpu" else None
 
 
 def load_table(path: str | Path | None = None) -> dict[str, Any]:
-    """The tuned-config table: the packaged gmm_configs.json, or `path`. Raises GmmConfigError if malformed."""
+    """The tuned-config table: the packaged configs.json, or `path`. Raises GmmConfigError if malformed."""
     if path is None:
         text = resources.files("dropless.gmm").joinpath(DATA_FILE).read_text()
         where = f"dropless/gmm/{DATA_FILE}"
