@@ -57,7 +57,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 
 BENCH_TARGETS := bench-gmm bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
-  bench-fp8-check bench-strategy-cost bench-collectives
+  bench-fp8-check bench-fp8-probe bench-strategy-cost bench-collectives
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -133,6 +133,16 @@ bench-ep-xla-flags: $(BENCH_DEPS)
 # 2 GPUs: FP8 rows against bf16 rows: gradient error, and which collectives carry float8.
 bench-fp8-check: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8_dispatch_check.py --strategies allgather,ragged --out $(RESULTS)/fp8-check-$(GPU)x2.json
+
+# 1 GPU: the FP8 probe (benchmarks/fp8/, not the product path): our kernel structure on e4m3 operands against our
+# bf16 kernels, then XLA's FP8 GEMM per operand layout and XLA setting beside PyTorch's _scaled_mm; one record of both.
+bench-fp8-probe: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	CUDA_VISIBLE_DEVICES=0 $(BENCH_PYTHON) benchmarks/fp8/grouped_gemm.py --out $(BENCH_SCRATCH)/fp8-probe-gmm.json
+	CUDA_VISIBLE_DEVICES=0 $(BENCH_PYTHON) benchmarks/fp8/xla_layouts.py --out $(BENCH_SCRATCH)/fp8-probe-xla.json
+	$(BENCH_PYTHON) -c 'import json, sys; gmm, xla, out = sys.argv[1:]; json.dump({"benchmark": "fp8-probe", \
+	  "grouped_gemm": json.load(open(gmm)), "xla_layouts": json.load(open(xla))}, open(out, "w"), indent=1)' \
+	  $(BENCH_SCRATCH)/fp8-probe-gmm.json $(BENCH_SCRATCH)/fp8-probe-xla.json $(RESULTS)/fp8-probe-$(GPU).json
 
 # 1 GPU: what each dispatch strategy costs in compute, its collectives doing nothing on a one-GPU expert axis.
 bench-strategy-cost: $(BENCH_DEPS)
