@@ -35,7 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.gmm.mosaic import max_row_tiles, num_sms, row_tiles, store_rows, swizzled, ROW_ALIGN
+from dropless.gmm.api import TMA_ROW_ALIGNMENT
+from dropless.gmm.mosaic import max_row_tiles, num_sms, row_tiles, store_rows, swizzled
 from dropless.gmm.mosaic_ws import CONSUMERS, MEMORY_REGISTERS, fitting_stages
 
 
@@ -96,7 +97,7 @@ def gmm_nt_ws(lhs_MK, rhs_GNK, group_sizes_G, tile, *, out_dtype=jnp.bfloat16, s
                 mi, ni = plgpu.planar_snake(loop_info.index[0], (m_tiles, n_tiles), tile.grid_minor_dim,
                                             tile.grid_tile_width)
                 group, size = group_gmem[mi], size_gmem[mi]
-                start = pl.multiple_of(start_gmem[mi], ROW_ALIGN)
+                start = pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT)
 
                 def store(value):
                     out_smem[wg] = value.astype(out_dtype)

@@ -14,8 +14,8 @@ The trace comes from the same lowering compiled without command buffers: kernels
 carry no HLO instruction in the trace, and XLA reported exactly our grouped GEMMs (custom calls) missing from
 the profile of the program with graphs. The recompiled program has command buffers as usual.
 
-Measured (BENCHMARKS.md, expert parallelism): on two H200s the MoE layer compiled this way was 2-4% slower than
-with XLA's default schedule, so nothing uses it by default; it stays a benchmark variant (`bench ep --xla pgle`,
+On two H200s the MoE layer compiled this way is no faster than with XLA's default schedule, so nothing uses it
+by default; it stays a benchmark variant (`bench ep --xla pgle`,
 `bench step --pgle`, ladder variant `8:pgle`).
 """
 

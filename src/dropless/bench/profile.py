@@ -13,7 +13,7 @@ up, records N steps with `jax.profiler`, and breaks the device kernel time into
 plus the communication share (communication / all kernel time; NVIDIA's 84% baseline figure is this ratio).
 Each kernel event in the trace names the HLO instruction it ran (`hlo_op`); the compiled program's HLO text
 gives that instruction's opcode and its `op_name` metadata, the `jax.named_scope` path of the code it came
-from (DESIGN.md's stage names). Kernels without an `hlo_op` (memcpy, or kernels inside a CUDA graph) are
+from (docs/architecture.md's stage names). Kernels without an `hlo_op` (memcpy, or kernels inside a CUDA graph) are
 classified by kernel name, and their share is reported as `unattributed_share`. The profiled program is
 compiled without command buffers (CUDA graphs) for that reason; launch gaps differ, kernel times do not.
 The breakdown is printed and saved as JSON next to the trace.

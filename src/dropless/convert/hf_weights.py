@@ -1,4 +1,4 @@
-"""Tensor mapping between Hugging Face checkpoints and our parameter layout (DESIGN.md "Parameters").
+"""Tensor mapping between Hugging Face checkpoints and our parameter layout (docs/architecture.md, "Parameters").
 
 The mapping is a list of `Slab`s. A slab ties a few HF tensors to one slice of one of our stacked leaves:
 `model.layers.5.mlp.experts.7.{gate_proj,up_proj}.weight` <-> `params.moe_layers.moe.experts.gate_up[2, 7]`.

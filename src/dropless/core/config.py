@@ -130,7 +130,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The routed-expert layer. See README section "The MoE layer" for the formulas."""
+    """The routed-expert layer. docs/moe.md gives the formulas."""
 
     num_experts: int = 8
     num_experts_per_tok: int = 2  # top-k

@@ -157,7 +157,7 @@ def _tile(bm, bn, bk, stages, persistent=True, minor=1, width=1) -> TileConfig:
 
 # Used where the table has nothing that fits. The tile measured best for every product of every shape tuned
 # on an H200 (see the data file); the 64-wide SAFE_PLAN takes dims that are only multiples of 64. Never
-# tokamax's weight-gradient kernel: on an H200 (tokamax 0.0.17) its dW was off by 2-18% (BENCHMARKS.md).
+# tokamax's weight-gradient kernel: on an H200 (tokamax 0.0.17) its dW is wrong for groups of >= 512 rows.
 _BEST = _tile(128, 128, 64, 4, True, 1, 4)
 DEFAULT_PLAN = GmmPlan(fwd=ProductConfig("dropless", _BEST), dlhs=ProductConfig("dropless", _BEST),
                        drhs=ProductConfig("dropless", _BEST), source="default")

@@ -1,12 +1,12 @@
 """Causal self-attention: DeepSeek's multi-head latent attention (MLA) and grouped-query attention (GQA).
 
-Shape suffixes (DESIGN.md legend, plus, in this file): `S` query positions, `T` key positions, `H` query heads,
+Shape suffixes (docs/architecture.md legend, plus, in this file): `S` query positions, `T` key positions, `H` query heads,
 `N` key/value heads, `G = H / N` query heads per key/value head, `Q` per-head query/key width, `P` rotary width,
 `W` per-head value width, `R` a low-rank (LoRA) width.
 
 Both functions take one layer's parameters (unstacked; the transformer scans over the stacked `L` axis), run in
 the dtype of `x` (weights are float32 masters cast at use), and return the projection back to the hidden size.
-The per-head layouts of the weights are the ones fixed in DESIGN.md. The attention itself runs on one of two
+The per-head layouts of the weights are the ones fixed in docs/architecture.md. The attention itself runs on one of two
 backends (`model.attention_backend`): `xla`, a plain einsum with float32 logits and softmax (the reference), or
 `tokamax`, a flash-attention kernel that never holds the [S, S] logits (chosen by `auto` on GPUs in bfloat16).
 """
@@ -32,7 +32,7 @@ LATENT_NORM_EPS = 1e-6
 
 
 def mla_params(m: ModelConfig) -> Specs:
-    """One MLA layer's weights (DESIGN.md "ATTN for MLA"); their order is the order of init_mla's keys."""
+    """One MLA layer's weights (docs/architecture.md, "ATTN for MLA"); their order is the order of init_mla's keys."""
     D, H = m.hidden_size, m.num_heads
     qk_width = m.qk_nope_head_dim + m.qk_rope_head_dim
     if m.q_lora_rank > 0:
@@ -50,7 +50,7 @@ def mla_params(m: ModelConfig) -> Specs:
 
 
 def gqa_params(m: ModelConfig) -> Specs:
-    """One GQA layer's weights (DESIGN.md "ATTN for GQA"); the per-head q/k norms are [head_dim]: tiny, replicated."""
+    """One GQA layer's weights (docs/architecture.md, "ATTN for GQA"); the per-head q/k norms are [head_dim]: tiny, replicated."""
     D, H, N, hd = m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim
     specs: Specs = {"q": ParamSpec((D, H * hd), ("embed", "heads_x_dim")),
                     "k": ParamSpec((D, N * hd), ("embed", "heads_x_dim")),

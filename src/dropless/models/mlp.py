@@ -1,6 +1,6 @@
 """Dense SwiGLU MLP with a fused gate/up projection: `silu(x @ gate) * (x @ up) @ down`.
 
-`gate_up[:, :F]` is the gate and `gate_up[:, F:]` the up projection (DESIGN.md), so one matmul feeds both.
+`gate_up[:, :F]` is the gate and `gate_up[:, F:]` the up projection (docs/architecture.md), so one matmul feeds both.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def logical_axes(config: Config) -> dict:
     return params_lib.logical_axes(param_specs(config))
 
 
-# The letters of the documented layout (DESIGN.md "Parameters") for the sizes the declaration reads.
+# The letters of the documented layout (docs/architecture.md, "Parameters") for the sizes the declaration reads.
 SIZE_NAMES = {
     "model": {"vocab_size": "V", "hidden_size": "D", "num_layers": "L", "first_dense_layers": "L_dense",
               "dense_intermediate_size": "F_dense", "num_heads": "H", "num_kv_heads": "N", "head_dim": "hd",

@@ -7,7 +7,7 @@ Matmuls run in the dtype of their inputs with float32 accumulation; the activati
 The routed down projection returns the compute dtype, like every other layer's output: the combine that
 follows sums each token's K weighted rows in float32, and at bf16 a float32 [M, D] here would double the
 bytes of the largest activation and of its cotangent, which the backward then had to cast back to bf16
-(3 ms of an H200's 76 ms two-GPU layer). The shared experts' output stays float32 (one [T, D] row each).
+(a pass of its own over the layer's largest buffer). The shared experts' output stays float32 (one [T, D] row each).
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: di
 
     `remat_activation`: the backward keeps only h and recomputes the activation. For code inside a lax.cond
     (expert parallelism's bounded buffer), whose residuals are materialised at the cond's boundary: there the
-    activation's float32 intermediates ([M, F] each) cost more than recomputing them (2 ms of a two-H200
-    layer). Elsewhere XLA fuses them away, and the remat would cost an extra pass over h (0.6 ms on one H200).
+    activation's float32 intermediates ([M, F] each) cost more memory traffic than recomputing them. Elsewhere
+    XLA fuses them away, and the remat would cost an extra pass over h.
     """
     dtype = x_sorted_MD.dtype
     # Padding rows (past sum(group_sizes): a bounded or worst-case buffer's spare rows) are left unwritten by both
     # GEMMs: the activation is row by row, the down projection reads only rows of a group, and `unpermute` reads
     # only rows that hold a pair. Zeroing them was a pass of its own over h and y inside expert parallelism's
-    # lax.cond (2.2 ms of a two-H200 layer), where XLA cannot fuse it into the reader.
+    # lax.cond, where XLA cannot fuse it into the reader.
     with jax.named_scope("gmm_up"):
         h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E, zero_padding=False)
     glu = jax.checkpoint(_glu, static_argnums=(1,)) if remat_activation else _glu

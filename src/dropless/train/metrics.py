@@ -1,6 +1,6 @@
 """Training metrics: throughput formulas, and the three sinks (metrics.jsonl, TensorBoard, a PNG at the end).
 
-Definitions (also in the README):
+Definitions (also in docs/training.md):
     tokens_per_s       = global tokens in the logged steps / wall seconds they took
     tflops_per_device  = model_flops_per_token * tokens_per_s / device_count / 1e12
     mfu                = tflops_per_device / the device's dense bf16 peak (null where the peak is unknown, e.g. CPU)
