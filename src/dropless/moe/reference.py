@@ -9,6 +9,8 @@ gradient: the tests compute it with `reference_route` and check it equals the la
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -61,8 +63,6 @@ def _swiglu(x_D, gate_up_DF2, down_FD, jnp):
 
 def _one_token(params, x_D, ids_K, keep_K, moe_cfg):
     """One token through the router and its K chosen experts: (output_D, probs_E, logsumexp of the logits)."""
-    import jax.numpy as jnp
-
     logits_E = x_D @ params["router"]["kernel"]
     scores_E = _scores(logits_E, moe_cfg.score_func, jnp)
     weights_K = scores_E[ids_K]
@@ -87,9 +87,6 @@ def reference_moe(params: dict, x_BSD, expert_ids_TK, moe_cfg, keep_TK=None):
     jax.vmap only so that it compiles once; each token is computed on its own, with no sorting,
     grouping or permutation.
     """
-    import jax
-    import jax.numpy as jnp
-
     batch, seq, hidden = x_BSD.shape
     ids_TK = np.asarray(expert_ids_TK)
     num_tokens, top_k = ids_TK.shape
