@@ -66,7 +66,9 @@ def test_training_reduces_held_out_loss_and_drops_nothing(tmp_path, corpus):
 def test_resume_is_bit_exact(tmp_path, corpus):
     config = small_config(corpus, **{"train.steps": 6, "train.eval_every": 100, "train.checkpoint_every": 3})
     train(config, tmp_path / "full", progress=False, log=lambda s: None)
-    train(config.replace(**{"train.steps": 3}), tmp_path / "split", progress=False, log=lambda s: None)
+    # Stopped early at step 3 of a 6-step schedule (the horizon is explicit, so the first part's is 6 too).
+    train(config.replace(**{"train.steps": 3, "train.schedule_steps": 6}), tmp_path / "split", progress=False,
+          log=lambda s: None)
     train(config, tmp_path / "split", resume=True, progress=False, log=lambda s: None)
 
     def losses(run):

@@ -12,6 +12,8 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ def _in_choices(key: str, value: Any, choices: tuple) -> None:
 
 
 def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
+    _require(math.isfinite(value), f"{key}={value} must be a finite number.")
     ok = value >= 0 if allow_zero else value > 0
     _require(ok, f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}.")
 
@@ -224,9 +227,22 @@ class TrainConfig:
     # Microbatches per optimizer step: the step runs batch_size / grad_accum_steps sequences at a time and sums
     # their gradients (float32) before one update; activation memory is that of one microbatch.
     grad_accum_steps: int = 1
+    # The learning-rate schedule's horizon: warm-up, then cosine decay to min_lr_ratio at this step. 0 = train.steps,
+    # resolved when the run starts and saved with it, so a resumed or extended run keeps the schedule it began with.
+    schedule_steps: int = 0
+    # Signals that stop training after the current step with a checkpoint of it (comma-separated; "" = none).
+    stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"
+    # Steps in a row whose loss or gradient norm is not finite (each one skipped) before the run stops.
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         _check_choices("train", self)
+        _positive("train.schedule_steps", self.schedule_steps, allow_zero=True)
+        _positive("train.max_nonfinite_steps", self.max_nonfinite_steps)
+        for name in self.stop_signal_names:
+            _require(name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"),
+                     f"train.stop_signals names {name!r}, which is not a signal a process can catch; "
+                     "give comma-separated names such as SIGTERM,SIGINT,SIGUSR1.")
         for key in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "eval_batches",
                     "checkpoint_every", "keep_checkpoints", "grad_accum_steps"):
             _positive(f"train.{key}", getattr(self, key))
@@ -249,6 +265,17 @@ class TrainConfig:
     def offload_names(self) -> tuple[str, ...]:
         """The activations `train.offload` names, in order."""
         return tuple(name.strip() for name in self.offload.split(",") if name.strip())
+
+    @property
+    def stop_signal_names(self) -> tuple[str, ...]:
+        """The signals `train.stop_signals` names, upper-case with the SIG prefix (SIGTERM, ...)."""
+        names = (name.strip().upper() for name in self.stop_signals.split(",") if name.strip())
+        return tuple(name if name.startswith("SIG") else f"SIG{name}" for name in names)
+
+    @property
+    def schedule_horizon(self) -> int:
+        """The step at which the learning-rate schedule ends: train.schedule_steps, or train.steps where it is 0."""
+        return self.schedule_steps or self.steps
 
 
 @dataclass(frozen=True)
@@ -345,9 +372,15 @@ def _coerce(key: str, raw: Any, hint: Any) -> Any:
                 raise ConfigError(f"{key}={raw!r} is not valid JSON; give an object like '{{\"type\": \"yarn\", ...}}' or null.")
         _require(isinstance(raw, dict), f"{key} must be a JSON object or null.")
         return raw
+    if hint is float and isinstance(raw, (int, float, str)) and not isinstance(raw, bool):
+        # nan and inf pass float() and most range checks; no option means either.
+        try:
+            number = float(raw)
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r} must be a number.")
+        _require(math.isfinite(number), f"{key}={raw!r} must be a finite number.")
+        return number
     if not isinstance(raw, str):
-        if hint is float and isinstance(raw, int) and not isinstance(raw, bool):
-            return float(raw)
         _require(isinstance(raw, hint) and not (hint is int and isinstance(raw, bool)),
                  f"{key}={raw!r} must be of type {hint.__name__}.")
         return raw
@@ -360,11 +393,6 @@ def _coerce(key: str, raw: Any, hint: Any) -> Any:
             return int(raw.replace("_", ""))
         except ValueError:
             raise ConfigError(f"{key}={raw!r} must be an integer.")
-    if hint is float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"{key}={raw!r} must be a number.")
     return raw
 
 

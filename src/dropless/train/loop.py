@@ -4,12 +4,26 @@ Exact resumption rests on three facts: the batch at step n is a pure function of
 checkpoint holds every array the step reads (params, optimizer state, router biases, step counter); and
 nothing else in the step is random. So a run resumed at step n computes bit for bit what an
 uninterrupted run computes at step n.
+
+What stops a run early:
+- A signal of `train.stop_signals` (SIGTERM, SIGINT, SIGUSR1 by default): the current step finishes, a
+  checkpoint of it is written (unless that step has one), one line says so, and `RunSummary.exit_status` is
+  128 + the signal's number, the shell's convention (143 for SIGTERM). A second signal while stopping is
+  ignored, so the checkpoint being written finishes. With several processes the signal may reach only one of
+  them: they agree at the next step where the host waits for the device anyway (a logged, evaluated or
+  checkpointed step) with a tiny all-gather, and all stop there; alone, a process stops after the very step.
+- `train.max_nonfinite_steps` steps in a row whose loss or gradient norm is not finite (none of them applied,
+  see `dropless.train.step`): `TrainingDiverged`, naming the step and the last good checkpoint. The flags are
+  read where the host waits anyway, so the check costs no extra round trip, and no checkpoint is written
+  after the streak reached its limit.
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,19 +46,39 @@ from dropless.train import metrics as metrics_lib
 from dropless.train import setup as setup_lib
 from dropless.train.step import TrainState, make_eval_step
 
-# Keys a resumed run may change: they steer logging and the run's length, not what a step computes.
+# Keys a resumed run may change: they steer logging, stopping and the run's length, not what a step computes.
+# `train.schedule_steps` changes the learning rate from the resumed step on, and only when given explicitly: a
+# resumed run keeps the saved horizon otherwise, whatever its `train.steps`.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.eval_batches", "data.prefetch"}
+                     "train.keep_checkpoints", "train.eval_batches", "data.prefetch", "train.schedule_steps",
+                     "train.stop_signals", "train.max_nonfinite_steps"}
+
+# The exit status for a run stopped by the divergence guard (a finished run: 0; a user error: 2).
+EXIT_DIVERGED = 3
+
+
+class TrainingDiverged(ValueError):
+    """The loss or gradient norm was not finite for `train.max_nonfinite_steps` steps in a row; the message
+    names the step and the last good checkpoint."""
+
+    exit_status = EXIT_DIVERGED
 
 
 @dataclass
 class RunSummary:
     run_dir: Path
     first_step: int
-    last_step: int
-    eval_losses: list[tuple[int, float]]
+    last_step: int  # the last step trained (and checkpointed, where a signal stopped the run)
+    eval_losses: list[tuple[int, float]]  # the whole run's, from its first evaluation, across resumptions
     wall_seconds: float
     tokens_dropped: int
+    stopped_by: str | None = None  # the signal that stopped the run before train.steps (e.g. "SIGTERM")
+
+    @property
+    def exit_status(self) -> int:
+        """0 for a run that reached train.steps; 128 + the signal's number for one a signal stopped (143 for
+        SIGTERM, 130 for SIGINT, 138 for SIGUSR1), as for a process the signal killed."""
+        return 128 + signal.Signals[self.stopped_by].value if self.stopped_by else 0
 
 
 def _flat(config: Config) -> dict:
@@ -52,7 +86,8 @@ def _flat(config: Config) -> dict:
 
 
 def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool) -> Config:
-    """Create or validate the run directory; returns the config the run will use."""
+    """Create or validate the run directory; returns the config the run will use, with its schedule horizon
+    (`train.schedule_steps`) resolved: a new run's 0 becomes its `train.steps`, a resumed run's 0 the saved value."""
     run_dir = Path(run_dir)
     saved_path = run_dir / "config.json"
     if resume:
@@ -60,6 +95,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             raise ckpt.CheckpointError(f"--resume was given but {run_dir} holds no run (no config.json); "
                                        "drop --resume to start a new run there.")
         saved = ckpt.load_run_config(run_dir)
+        if config.train.schedule_steps == 0:  # not given: the saved horizon (a run saved before it had one: its steps)
+            config = config.replace(**{"train.schedule_steps": saved.train.schedule_horizon})
         changed = {k for k, v in _flat(config).items() if _flat(saved)[k] != v} - RESUMABLE_CHANGES
         if changed:
             key = sorted(changed)[0]
@@ -80,6 +117,7 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             elif target.exists():
                 target.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
+    config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon})
     config_lib.save(config, saved_path)
     return config
 
@@ -104,43 +142,146 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     state, start = _restore(setup, run_dir, setup_lib.init_state(setup, init_weights), resume)
     _describe(config, setup, run_dir, start, log)
     evaluate = _evaluator(config, setup, dataset)
+    # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
+    kept = metrics_lib.keep_records_through(run_dir, start if start else -1) if primary and resume else []
+    eval_losses = [(r["step"], r["eval_loss"]) for r in kept if r.get("eval_loss") is not None]
     writer = metrics_lib.MetricsWriter(run_dir) if primary else None
-    eval_losses: list[tuple[int, float]] = []
     tokens_dropped_total = 0
-    if start == 0:
-        eval_losses.append((start, evaluate(state)))
-        _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
-        log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
+    bar = _NoBar()
+    stopped_by, last_step, last_saved = None, start, (start or None)
+    guard = _NonfiniteGuard(tc.max_nonfinite_steps)
+    try:
+        if start == 0:
+            eval_losses.append((start, evaluate(state)))
+            _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
+            log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
 
-    bar = _progress_bar(start, tc.steps, progress and primary)
-    throughput = _Throughput(config)
-    wall_start = time.perf_counter()
-    to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
-    with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
-            start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
-        for step in range(start, tc.steps):
-            state, step_metrics = setup.step(state, next(batches))
-            throughput.add(tc.batch_size * tc.seq_len)
-            done = step + 1
-            if done % tc.log_every == 0 or done == tc.steps:
-                record = _step_record(config, done, jax.device_get(step_metrics), throughput.take())
-                tokens_dropped_total += record["tokens_dropped"]
-                _write(writer, record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                load=f"{record['max_expert_load']:.2f}")
-            bar.update(1)
-            if done % tc.eval_every == 0 or done == tc.steps:
-                eval_losses.append((done, evaluate(state)))
-                _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
-                bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
-            if done % tc.checkpoint_every == 0 or done == tc.steps:
-                ckpt.save(mngr, done, state.params, state.model_state, state.opt_state)
-    bar.close()
+        bar = _progress_bar(start, tc.steps, progress and primary)
+        throughput = _Throughput(config)
+        wall_start = time.perf_counter()
+        to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
+        with _StopSignals(tc.stop_signal_names) as signals, ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, \
+                dataset.prefetch(start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
+            for step in range(start, tc.steps):
+                state, step_metrics = setup.step(state, next(batches))
+                guard.add(step_metrics["nonfinite"])
+                throughput.add(tc.batch_size * tc.seq_len)
+                done = last_step = step + 1
+                logged = done % tc.log_every == 0 or done == tc.steps
+                evaluated = done % tc.eval_every == 0 or done == tc.steps
+                saved = done % tc.checkpoint_every == 0 or done == tc.steps
+                host_waits = logged or evaluated or saved  # the steps where the host reads from the device anyway
+                if logged:
+                    record = _step_record(config, done, jax.device_get(step_metrics), throughput.take())
+                    tokens_dropped_total += record["tokens_dropped"]
+                    _write(writer, record)
+                    bar.set_postfix(loss=f"{record['loss'] if record['loss'] is not None else float('nan'):.3f}",
+                                    tok_s=f"{record['tokens_per_s']:,.0f}", load=f"{record['max_expert_load']:.2f}")
+                bar.update(1)
+                if host_waits:
+                    guard.check(done, last_saved, run_dir)
+                if evaluated:
+                    eval_losses.append((done, evaluate(state)))
+                    _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
+                    bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
+                if saved:
+                    last_saved = _save(mngr, done, state, last_saved, run_dir)
+                stopped_by = _agreed_stop(signals.received, host_waits)
+                if stopped_by and done < tc.steps:
+                    if not saved:
+                        guard.check(done, last_saved, run_dir)
+                        last_saved = _save(mngr, done, state, last_saved, run_dir)
+                    bar.close()
+                    log(f"dropless: stopped by {stopped_by} at step {done}; checkpoint {done} written; "
+                        "resume with --resume")
+                    break
+                stopped_by = None
+    finally:
+        bar.close()
+        if writer is not None:
+            writer.close()
     if primary:
-        writer.close()
         metrics_lib.plot_run(run_dir)
-    return RunSummary(run_dir, start, max(start, tc.steps), eval_losses, time.perf_counter() - wall_start,
-                      tokens_dropped_total)
+    return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
+                      tokens_dropped_total, stopped_by)
+
+
+class _StopSignals:
+    """While training, the signals of `train.stop_signals` ask the loop to stop after the current step instead of
+    killing the process. Only the first one counts; later ones are ignored, so that a checkpoint being written
+    finishes. Handlers go in only on the main thread (Python delivers signals there alone) and the previous
+    ones come back on exit."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names, self.received, self._previous = names, None, {}
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for name in self.names:
+                number = signal.Signals[name]
+                self._previous[number] = signal.signal(number, self._catch)
+        return self
+
+    def _catch(self, number, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(number).name
+
+    def __exit__(self, *exc_info) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
+
+def _agreed_stop(received: str | None, host_waits: bool) -> str | None:
+    """The signal that stops every process at this step, or None. One process stops at once; several agree
+    with an all-gather of one integer, only at steps where the host waits for the device anyway, and all take
+    the same answer (the signal of the lowest-numbered process that got one)."""
+    if jax.process_count() == 1:
+        return received
+    if not host_waits:
+        return None
+    numbers = np.ravel(multihost_utils.process_allgather(np.int32(signal.Signals[received] if received else 0)))
+    return next((signal.Signals(int(n)).name for n in numbers if n), None)
+
+
+class _NonfiniteGuard:
+    """Counts the steps in a row whose loss or gradient norm was not finite. The per-step device flags wait in a
+    list and are read only where the host waits for the device anyway."""
+
+    def __init__(self, limit: int):
+        self.limit, self.pending, self.streak, self.first_bad = limit, [], 0, None
+
+    def add(self, nonfinite: jax.Array) -> None:
+        self.pending.append(nonfinite)
+
+    def check(self, done: int, last_saved: int | None, run_dir: Path) -> None:
+        """Raise TrainingDiverged if the streak reached the limit by step `done` (the last step added)."""
+        flags, self.pending = jax.device_get(self.pending), []
+        for step, flag in enumerate(flags, done - len(flags) + 1):
+            self.streak, self.first_bad = (self.streak + 1, self.first_bad or step) if flag else (0, None)
+            if self.streak >= self.limit:
+                good = (f"the last good checkpoint is step {last_saved} in {ckpt.checkpoint_dir(run_dir)}"
+                        if last_saved else "no checkpoint was written yet")
+                raise TrainingDiverged(
+                    f"Training diverged: the loss or gradient norm was not finite at steps {self.first_bad}-{step} "
+                    f"({self.streak} in a row, none applied, train.max_nonfinite_steps={self.limit}); {good}; "
+                    "lower train.learning_rate or check the data and start again from it.")
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _save(mngr, step: int, state: TrainState, last_saved: int | None, run_dir: Path) -> int:
+    """Checkpoint `step` and return it, refusing weights that are not finite (one scalar read, beside the save's
+    own wait), so that a bad checkpoint never rotates a good one away."""
+    if not bool(_all_finite((state.params, state.model_state))):
+        good = f"step {last_saved} in {ckpt.checkpoint_dir(run_dir)}" if last_saved else "none"
+        raise TrainingDiverged(f"The weights at step {step} are not finite, so no checkpoint of it is written; the "
+                               f"last good checkpoint is {good}; lower train.learning_rate or check the data.")
+    ckpt.save(mngr, step, state.params, state.model_state, state.opt_state)
+    return step
 
 
 def _process() -> dict:
@@ -154,6 +295,7 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
         dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir, log=log)
     _sync_processes("dropless: run directory ready")
     if not primary:
+        config = ckpt.load_run_config(run_dir)  # as process 0 resolved it (the schedule horizon)
         dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir)
     return config, dataset
 
@@ -221,7 +363,7 @@ class _Throughput:
 def _step_record(config: Config, step: int, step_metrics: dict, throughput: dict) -> dict:
     """One metrics.jsonl line for a logged step; checks the dropless invariant on it."""
     record = {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **throughput}
-    for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup"):
+    for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup", "nonfinite"):
         record[key] = int(step_metrics[key])
     _check_nothing_dropped(config, record)
     return record

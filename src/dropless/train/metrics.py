@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -75,11 +76,47 @@ def _jsonable(value):
     return value
 
 
+class MetricsError(ValueError):
+    """A metrics.jsonl that cannot be read; the message names the file and the fix."""
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl, in order. A torn last line (a write cut short by a kill) is left
+    out; an unreadable line before it is a MetricsError."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or "step" not in record:
+            if number == len(lines):
+                break
+            raise MetricsError(f"{path} line {number} is not a metrics record; delete that line (or the file) "
+                               "and run again.")
+        records.append(record)
+    return records
+
+
+def keep_records_through(run_dir: Path, last_step: int) -> list[dict]:
+    """Rewrite RUN_DIR/metrics.jsonl with its records of steps <= `last_step` only (what a run resumed from that
+    step's checkpoint has not recomputed), a torn last line dropped; returns the kept records. The new file is
+    written beside the old one and renamed over it, so a kill leaves one or the other, whole."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    kept = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+    temporary = path.with_name(path.name + ".tmp")
+    with temporary.open("w") as file:
+        file.write("".join(json.dumps(r) + "\n" for r in kept))
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    return kept
 
 
 def plot_run(run_dir: Path) -> Path | None:

@@ -10,13 +10,15 @@ from dropless.train.offload import apply_memory_features
 
 
 def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
-    """Linear warm-up from 0 to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate` at `steps`."""
-    warmup = min(train.warmup_steps, max(train.steps - 1, 0))
+    """Linear warm-up from 0 to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate` at the
+    schedule's horizon (`train.schedule_steps`, or `train.steps` where that is 0), constant after it."""
+    horizon = train.schedule_horizon
+    warmup = min(train.warmup_steps, max(horizon - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=train.learning_rate,
         warmup_steps=warmup,
-        decay_steps=max(train.steps, warmup + 1),
+        decay_steps=max(horizon, warmup + 1),
         end_value=train.learning_rate * train.min_lr_ratio,
     )
 

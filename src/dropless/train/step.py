@@ -4,6 +4,11 @@ The loss is next-token cross-entropy plus the MoE balancing losses. After the op
 aux-loss-free router bias of every MoE layer moves by `rate * sign(mean_load - load)`: outside the
 gradient, from the loads this very step routed.
 
+The divergence guard: a step whose loss or gradient norm is not finite is not applied. Parameters, optimizer
+state and router biases keep their values (a select on the device, no host round trip); the step counter
+still advances, since it names the batch, and the metrics report `nonfinite` = 1. The loop stops a run after
+`train.max_nonfinite_steps` such steps in a row.
+
 With `train.grad_accum_steps = N > 1` the batch is split into N microbatches, run one after another in a
 `jax.lax.scan`; their gradients are averaged in float32 before the one optimizer update, their expert loads
 summed for the bias rule. Cross-entropy, the per-sequence balance loss and the z-loss are means over
@@ -27,7 +32,7 @@ from dropless.train.optimizer import learning_rate_schedule
 
 
 class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: optimizer steps taken
+    step: jax.Array  # int32 scalar: steps taken (skipped non-finite ones included), the next batch's index
     params: Any
     opt_state: Any
     model_state: Any  # {"router_bias": [Lmoe, E]}: checkpointed, never touched by the optimizer
@@ -126,6 +131,11 @@ def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, e
     return (jnp.mean(total_N), (jnp.mean(cross_entropy_N), aux)), grads
 
 
+def where_tree(ok: jax.Array, new, old):
+    """`new` where the scalar `ok` holds, else `old`, leaf by leaf (XLA fuses the select into the update)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
 def make_train_step(config: Config, optimizer: optax.GradientTransformation, executor=None) -> Callable:
     """The un-jitted step; callers jit it with their shardings (see `dropless.train.loop`)."""
     schedule_lr = learning_rate_schedule(config.train)
@@ -136,8 +146,12 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate)
-        metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": optax.tree.norm(grads),
-                   "lr": schedule_lr(state.step), **_moe_metrics(aux)}
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+        params, opt_state, model_state = where_tree(
+            finite, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
+        metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": grad_norm,
+                   "lr": schedule_lr(state.step), "nonfinite": (~finite).astype(jnp.int32), **_moe_metrics(aux)}
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     return train_step
