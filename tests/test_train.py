@@ -63,23 +63,28 @@ def test_training_reduces_held_out_loss_and_drops_nothing(tmp_path, corpus):
     assert ckpt.latest_step(tmp_path / "run") == 40
 
 
-def test_resume_is_bit_exact(tmp_path, corpus):
-    config = small_config(corpus, **{"train.steps": 6, "train.eval_every": 100, "train.checkpoint_every": 3})
+def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
+    # Split inside the warm-up (4 steps), where a changed schedule horizon would change the learning rate.
+    config = small_config(corpus, **{"train.steps": 6, "train.eval_every": 100, "train.checkpoint_every": 3,
+                                     "train.warmup_steps": 4})
     train(config, tmp_path / "full", progress=False, log=lambda s: None)
-    # Stopped early at step 3 of a 6-step schedule (the horizon is explicit, so the first part's is 6 too).
+    # Stopped early at step 3 of a 6-step schedule (the horizon is explicit, so the first part's is 6 too), then
+    # extended past it: the saved horizon holds, so steps 1-6 are the uninterrupted run's.
     train(config.replace(**{"train.steps": 3, "train.schedule_steps": 6}), tmp_path / "split", progress=False,
           log=lambda s: None)
-    train(config, tmp_path / "split", resume=True, progress=False, log=lambda s: None)
+    train(config.replace(**{"train.steps": 8}), tmp_path / "split", resume=True, progress=False, log=lambda s: None)
 
     def losses(run):
         return {r["step"]: r["loss"] for r in read_metrics(tmp_path / run) if "loss" in r}
 
     full, split = losses("full"), losses("split")
-    assert set(split) == set(range(1, 7))
+    assert set(split) == set(range(1, 9))
     for step in range(4, 7):
         assert split[step] == full[step], (step, split[step], full[step])  # bit for bit, not approximately
+    assert ckpt.load_run_config(tmp_path / "full").train.schedule_steps == 6  # 0 resolved, saved with the run
+    assert ckpt.load_run_config(tmp_path / "split").train.schedule_steps == 6
     _, params_full, state_full = ckpt.load_model(tmp_path / "full")
-    _, params_split, state_split = ckpt.load_model(tmp_path / "split")
+    _, params_split, state_split = ckpt.load_model(tmp_path / "split", step=6)
     for a, b in zip(*(map(np.asarray, __import__("jax").tree.leaves(t)) for t in (
             (params_full, state_full), (params_split, state_split)))):
         np.testing.assert_array_equal(a, b)

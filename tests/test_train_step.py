@@ -60,3 +60,23 @@ def test_accumulation_splits_that_cannot_work_are_config_errors():
         CONFIG.replace(**{"train.grad_accum_steps": 0})
     with pytest.raises(ConfigError, match=r"microbatch .* 2 sequences\) is not divisible by the 8 devices"):
         make_mesh(CONFIG.parallel, jax.devices()[:8], batch_size=8, microbatch_size=2)
+
+
+def test_fault_tolerance_keys_are_checked():
+    with pytest.raises(ConfigError, match="train.stop_signals names 'SIGKILL'"):
+        CONFIG.replace(**{"train.stop_signals": "SIGTERM,SIGKILL"})
+    with pytest.raises(ConfigError, match="train.stop_signals names 'SIGBOGUS'"):
+        CONFIG.replace(**{"train.stop_signals": "bogus"})
+    assert CONFIG.replace(**{"train.stop_signals": "term, usr1"}).train.stop_signal_names == ("SIGTERM", "SIGUSR1")
+    assert CONFIG.replace(**{"train.stop_signals": ""}).train.stop_signal_names == ()
+    with pytest.raises(ConfigError, match="train.max_nonfinite_steps"):
+        CONFIG.replace(**{"train.max_nonfinite_steps": 0})
+    assert CONFIG.replace(**{"train.schedule_steps": 0, "train.steps": 7}).train.schedule_horizon == 7
+    assert CONFIG.replace(**{"train.schedule_steps": 9, "train.steps": 7}).train.schedule_horizon == 9
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", float("inf")])
+def test_non_finite_numbers_are_refused(value):
+    for key in ("train.learning_rate", "train.grad_clip", "moe.routed_scaling_factor", "data.eval_fraction"):
+        with pytest.raises(ConfigError, match=f"{key}=.* must be a finite number"):
+            CONFIG.replace(**{key: value})

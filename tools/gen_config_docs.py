@@ -70,7 +70,8 @@ MEANINGS = {
     "train.steps": "total optimizer steps of the run (with --resume: train until this step)",
     "train.seq_len": "S, tokens per training sequence",
     "train.learning_rate": "peak learning rate, reached after the warm-up",
-    "train.min_lr_ratio": "the cosine decay ends at min_lr_ratio * learning_rate at the last step",
+    "train.min_lr_ratio": "the cosine decay ends at min_lr_ratio * learning_rate at the schedule's horizon "
+                          "(train.schedule_steps)",
     "train.warmup_steps": "linear warm-up from 0",
     "train.weight_decay": "AdamW weight decay, applied to weight matrices (not to norms or biases)",
     "train.beta1": "AdamW beta1",
@@ -86,6 +87,13 @@ MEANINGS = {
     "train.offload_optimizer": "keep AdamW's moments in pinned host memory between steps",
     "train.offload": "with train.remat=full: comma-separated activations (attn_out, mlp_out, moe_in, moe_out) "
                      "saved to pinned host memory instead of recomputed",
+    "train.schedule_steps": "the learning-rate schedule's horizon: warm-up, then cosine decay ending at this step, "
+                            "constant after it; 0 = train.steps, resolved when a run starts and saved with it, so "
+                            "`--resume --steps N` keeps it unless train.schedule_steps is given again",
+    "train.stop_signals": "comma-separated signals that stop training after the current step with a checkpoint of "
+                          "it (exit status 128 + the signal's number); \"\" = none, the signals then act as usual",
+    "train.max_nonfinite_steps": "steps in a row whose loss or gradient norm is not finite (each one skipped, "
+                                 "not applied) before the run stops with exit status 3",
     "train.optimizer_moments_dtype": "storage dtype of AdamW's moments (the update runs in float32)",
     "data.source": "`stdlib` (the Python standard library's source), or a file, directory or glob",
     "data.eval_fraction": "share of the tokens held out, in whole documents",
