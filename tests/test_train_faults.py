@@ -59,12 +59,15 @@ def _start(run_dir: Path, corpus: Path, cache: Path, *extra: str, steps: int = S
                             text=True)
 
 
-def _signal_when(process: subprocess.Popen, ready, number: int) -> str:
-    """Send `number` to `process` once `ready()` holds; returns the process's output once it has ended."""
+def _signal_when(process: subprocess.Popen, ready, number: int, times: int = 1) -> str:
+    """Send `number` to `process` once `ready()` holds (`times` times, 20 ms apart); returns the process's
+    output once it has ended."""
     while process.poll() is None and not ready():
         time.sleep(0.002)
-    if process.poll() is None:
-        process.send_signal(number)
+    for _ in range(times):
+        if process.poll() is None:
+            process.send_signal(number)
+            time.sleep(0.02)
     output, _ = process.communicate(timeout=600)
     return output
 
@@ -95,21 +98,22 @@ def test_signals_stop_with_a_checkpoint_and_resume_exactly(tmp_path):
     (tmp_path / "corpus").mkdir()
     corpus, cache = write_corpus(tmp_path / "corpus"), tmp_path / "cache"
     rng = random.Random(19)
-    full = _start(tmp_path / "full", corpus, cache)
-    assert full.wait(timeout=600) == 0, full.communicate()[0]
-
+    full = _start(tmp_path / "full", corpus, cache)  # the uninterrupted run, beside the first part of the split one
     run = tmp_path / "split"
-    # SIGTERM at a seeded step of a fresh run.
+    # SIGTERM at a seeded step of a fresh run, twice: the second one, while stopping, changes nothing.
     at = rng.randrange(2, 9)
     fresh = _start(run, corpus, cache)
-    output = _signal_when(fresh, lambda: _logged_steps(run) >= at, signal.SIGTERM)
+    output = _signal_when(fresh, lambda: _logged_steps(run) >= at, signal.SIGTERM, times=2)
     assert fresh.returncode == 143, output
     first_stop = _stopped_at(output, "SIGTERM")
+    assert full.wait(timeout=600) == 0, full.communicate()[0]
     assert ckpt.latest_step(run) == first_stop
     assert "Traceback" not in output
-    # SIGINT while a checkpoint is being written; the save finishes, and a later one need not be taken.
+    # SIGINT while a checkpoint is being written (or, should no save be caught in the act, a few steps on): the
+    # save finishes and the run stops after it.
     resumed = _start(run, corpus, cache, "--resume")
-    output = _signal_when(resumed, lambda: _logged_steps(run) > first_stop and _saving(run), signal.SIGINT)
+    output = _signal_when(resumed, lambda: _logged_steps(run) > first_stop and _saving(run)
+                          or _logged_steps(run) >= first_stop + 8, signal.SIGINT)
     assert resumed.returncode == 130, output
     second_stop = _stopped_at(output, "SIGINT")
     assert first_stop < second_stop < STEPS and ckpt.latest_step(run) == second_stop
