@@ -150,58 +150,60 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     bar = _NoBar()
     stopped_by, last_step, last_saved = None, start, (start or None)
     guard = _NonfiniteGuard(tc.max_nonfinite_steps)
-    try:
-        if start == 0:
-            eval_losses.append((start, evaluate(state)))
-            _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
-            log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
+    # Caught from the opening evaluation until train() returns, so that a signal while stopping cannot cut it short.
+    with _StopSignals(tc.stop_signal_names) as signals:
+        try:
+            if start == 0:
+                eval_losses.append((start, evaluate(state)))
+                _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
+                log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
 
-        bar = _progress_bar(start, tc.steps, progress and primary)
-        throughput = _Throughput(config)
-        wall_start = time.perf_counter()
-        to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
-        with _StopSignals(tc.stop_signal_names) as signals, ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, \
-                dataset.prefetch(start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
-            for step in range(start, tc.steps):
-                state, step_metrics = setup.step(state, next(batches))
-                guard.add(step_metrics["nonfinite"])
-                throughput.add(tc.batch_size * tc.seq_len)
-                done = last_step = step + 1
-                logged = done % tc.log_every == 0 or done == tc.steps
-                evaluated = done % tc.eval_every == 0 or done == tc.steps
-                saved = done % tc.checkpoint_every == 0 or done == tc.steps
-                host_waits = logged or evaluated or saved  # the steps where the host reads from the device anyway
-                if logged:
-                    record = _step_record(config, done, jax.device_get(step_metrics), throughput.take())
-                    tokens_dropped_total += record["tokens_dropped"]
-                    _write(writer, record)
-                    bar.set_postfix(loss=f"{record['loss'] if record['loss'] is not None else float('nan'):.3f}",
-                                    tok_s=f"{record['tokens_per_s']:,.0f}", load=f"{record['max_expert_load']:.2f}")
-                bar.update(1)
-                if host_waits:
-                    guard.check(done, last_saved, run_dir)
-                if evaluated:
-                    eval_losses.append((done, evaluate(state)))
-                    _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
-                    bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
-                if saved:
-                    last_saved = _save(mngr, done, state, last_saved, run_dir)
-                stopped_by = _agreed_stop(signals.received, host_waits)
-                if stopped_by and done < tc.steps:
-                    if not saved:
+            bar = _progress_bar(start, tc.steps, progress and primary)
+            throughput = _Throughput(config)
+            wall_start = time.perf_counter()
+            to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
+            with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
+                    start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
+                for step in range(start, tc.steps):
+                    state, step_metrics = setup.step(state, next(batches))
+                    guard.add(step_metrics["nonfinite"])
+                    throughput.add(tc.batch_size * tc.seq_len)
+                    done = last_step = step + 1
+                    logged = done % tc.log_every == 0 or done == tc.steps
+                    evaluated = done % tc.eval_every == 0 or done == tc.steps
+                    saved = done % tc.checkpoint_every == 0 or done == tc.steps
+                    host_waits = logged or evaluated or saved  # the steps where the host reads from the device anyway
+                    if logged:
+                        record = _step_record(config, done, jax.device_get(step_metrics), throughput.take())
+                        tokens_dropped_total += record["tokens_dropped"]
+                        _write(writer, record)
+                        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                        load=f"{record['max_expert_load']:.2f}")
+                    bar.update(1)
+                    if host_waits:
                         guard.check(done, last_saved, run_dir)
+                    if evaluated:
+                        eval_losses.append((done, evaluate(state)))
+                        _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
+                        bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
+                    if saved:
                         last_saved = _save(mngr, done, state, last_saved, run_dir)
-                    bar.close()
-                    log(f"dropless: stopped by {stopped_by} at step {done}; checkpoint {done} written; "
-                        "resume with --resume")
-                    break
-                stopped_by = None
-    finally:
-        bar.close()
-        if writer is not None:
-            writer.close()
-    if primary:
-        metrics_lib.plot_run(run_dir)
+                    stopped_by = _agreed_stop(signals.received, host_waits)
+                    if stopped_by and done < tc.steps:
+                        if not saved:
+                            guard.check(done, last_saved, run_dir)
+                            last_saved = _save(mngr, done, state, last_saved, run_dir)
+                        bar.close()
+                        log(f"dropless: stopped by {stopped_by} at step {done}; checkpoint {done} written; "
+                            "resume with --resume")
+                        break
+                    stopped_by = None
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        if primary:
+            metrics_lib.plot_run(run_dir)
     return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
                       tokens_dropped_total, stopped_by)
 
