@@ -11,7 +11,7 @@ import pytest
 from dropless.core import config as config_lib
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
-from dropless.train.metrics import read_metrics
+from dropless.train.metrics import MetricsError, keep_records_through, read_metrics
 
 CORPUS = "\n\n".join(
     f"def function_{i}(x, y):\n    '''Add {i} to the product.'''\n    return x * y + {i}\n" for i in range(400))
@@ -72,13 +72,18 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
     # extended past it: the saved horizon holds, so steps 1-6 are the uninterrupted run's.
     train(config.replace(**{"train.steps": 3, "train.schedule_steps": 6}), tmp_path / "split", progress=False,
           log=lambda s: None)
-    train(config.replace(**{"train.steps": 8}), tmp_path / "split", resume=True, progress=False, log=lambda s: None)
+    # As a kill after a later, unsaved step leaves it: a record past the checkpoint, then a torn line.
+    with (tmp_path / "split" / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"step": 4, "loss": 99.0}) + '\n{"step": 5, "lo')
+    summary = train(config.replace(**{"train.steps": 8}), tmp_path / "split", resume=True, progress=False,
+                    log=lambda s: None)
+    assert summary.eval_losses[0][0] == 0  # the run's first evaluation, from metrics.jsonl
 
     def losses(run):
         return {r["step"]: r["loss"] for r in read_metrics(tmp_path / run) if "loss" in r}
 
     full, split = losses("full"), losses("split")
-    assert set(split) == set(range(1, 9))
+    assert [r["step"] for r in read_metrics(tmp_path / "split") if "loss" in r] == list(range(1, 9))  # each once
     for step in range(4, 7):
         assert split[step] == full[step], (step, split[step], full[step])  # bit for bit, not approximately
     assert ckpt.load_run_config(tmp_path / "full").train.schedule_steps == 6  # 0 resolved, saved with the run
@@ -88,6 +93,17 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
     for a, b in zip(*(map(np.asarray, __import__("jax").tree.leaves(t)) for t in (
             (params_full, state_full), (params_split, state_split)))):
         np.testing.assert_array_equal(a, b)
+
+
+def test_metrics_keep_each_step_once_and_tolerate_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": float(s)}) + "\n" for s in range(6)) + '{"step": 6, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(6))
+    assert [r["step"] for r in keep_records_through(tmp_path, 3)] == [0, 1, 2, 3]
+    assert path.read_text().endswith("\n") and [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3]
+    path.write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(MetricsError, match="line 2"):
+        read_metrics(tmp_path)
 
 
 def test_run_dir_with_other_config_is_refused(tmp_path, corpus):
