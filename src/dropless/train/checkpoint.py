@@ -16,10 +16,12 @@ arrays: a truncated, emptied or altered file shows as an error from orbax or as 
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import logging
+import io
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +36,7 @@ from dropless.core import config as config_lib
 from dropless.models import transformer
 
 ITEMS = ("model", "optimizer", "digest")
+_STRAGGLERS_S = 0.2
 
 
 class CheckpointError(ValueError):
@@ -65,8 +68,9 @@ def latest_step(run_dir: Path) -> int | None:
         return mngr.latest_step()
 
 
-def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None) -> None:
-    """Save one step; blocks until the checkpoint is complete on disk.
+def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, *, with_digest: bool = True) -> None:
+    """Save one step; blocks until the checkpoint is complete on disk. `with_digest=False` is for a writer that
+    replaces the arrays afterwards (dropless.convert.run_store); such a checkpoint restores unverified.
 
     A write that the filesystem refuses (full disk, no permission) raises a CheckpointError naming the step and
     the reason; the failed step's temporary directory is removed and the earlier checkpoints are untouched."""
@@ -74,7 +78,8 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None) 
     if opt_state is not None:
         trees["optimizer"] = {"opt_state": opt_state, "step": np.asarray(step, np.int64)}
     items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
-    items["digest"] = ocp.args.JsonSave({"version": 1, "leaves": digest(trees)})
+    if with_digest:
+        items["digest"] = ocp.args.JsonSave({"version": 1, "leaves": digest(trees)})
     try:
         mngr.save(step, args=ocp.args.Composite(**items), force=True)
         mngr.wait_until_finished()
@@ -204,21 +209,21 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
                                   "start a new run from it with --init-from instead of --resume.")
         if "digest" in names:
             items["digest"] = ocp.args.JsonRestore()
-        # A failed read leaves tensorstore futures that asyncio would log as never retrieved: the one line
-        # below says it all.
-        asyncio_log = logging.getLogger("asyncio")
-        level, asyncio_log.level = asyncio_log.level, logging.CRITICAL
-        try:
-            restored = dict(mngr.restore(step, args=ocp.args.Composite(**items)))
-        except (ValueError, KeyError, TypeError) as err:
-            if _shape_mismatch(err):
-                raise CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
-                                      f"parameters ({_first_line(err)}); check the run's config.json.") from None
-            raise DamagedCheckpoint(f"{where} cannot be read ({_first_line(err)})") from None
-        except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
-            raise DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {_first_line(err)})") from None
-        finally:
-            asyncio_log.setLevel(level)
+        # A failed read leaves tensorstore's threads completing futures of an event loop orbax has closed;
+        # each prints a traceback to sys.stderr. The one line raised here replaces them, so they go to a sink,
+        # with a moment after a failure for the stragglers.
+        with contextlib.redirect_stderr(io.StringIO()):
+            try:
+                restored = dict(mngr.restore(step, args=ocp.args.Composite(**items)))
+            except (ValueError, KeyError, TypeError) as err:
+                time.sleep(_STRAGGLERS_S)
+                if _shape_mismatch(err):
+                    raise CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
+                                          f"parameters ({_first_line(err)}); check the run's config.json.") from None
+                raise DamagedCheckpoint(f"{where} cannot be read ({_first_line(err)})") from None
+            except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
+                time.sleep(_STRAGGLERS_S)
+                raise DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {_first_line(err)})") from None
     saved = restored.pop("digest", None)
     if saved is not None:
         try:
@@ -305,13 +310,14 @@ def load_run_config(run_dir: Path) -> config_lib.Config:
     return config_lib.load(path)
 
 
-def save_model(run_dir: Path, config: config_lib.Config, params, state, step: int = 0) -> None:
+def save_model(run_dir: Path, config: config_lib.Config, params, state, step: int = 0, *,
+               with_digest: bool = True) -> None:
     """Write a weights-only run directory (config.json + one checkpoint), e.g. after an HF import."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_lib.save(config, run_dir / "config.json")
     with manager(run_dir) as mngr:
-        save(mngr, step, params, state)
+        save(mngr, step, params, state, with_digest=with_digest)
 
 
 def load_model(run_dir: Path, step: int | None = None):
