@@ -43,3 +43,13 @@ def test_configuration_page_lists_every_key_as_the_code_declares_it():
     result = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_config_docs.py"), "--check"], cwd=ROOT,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_architecture_page_lists_every_module_of_each_package():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]*) \|", page, flags=re.M)
+    listed = {package: set(re.findall(r"`(\w+)`", modules)) for package, modules in rows}
+    for package_dir in (ROOT / "src" / "dropless").iterdir():
+        if (package_dir / "__init__.py").exists() and package_dir.name != "presets":
+            modules = {p.stem for p in package_dir.glob("*.py") if p.stem != "__init__"}
+            assert listed.get(package_dir.name) == modules, package_dir.name

@@ -91,7 +91,8 @@ class RunWriter:
             for key in leaf[:-1]:
                 node = node.setdefault(key, {})
             node[leaf[-1]] = jnp.zeros((1,) * len(shape), jnp.float32)
-        ckpt.save_model(self.tmp_dir, self.config, tree["params"], tree["state"], step=0)
+        # No digest: it would describe the placeholders, not the slabs written below.
+        ckpt.save_model(self.tmp_dir, self.config, tree["params"], tree["state"], step=0, with_digest=False)
         self.item_dir = _model_item_dir(self.tmp_dir, 0)
         for leaf, (shape, depth) in self.leaf_shapes.items():
             placeholder = _open_leaf(self.item_dir, leaf)

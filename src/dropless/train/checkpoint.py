@@ -1,30 +1,54 @@
-"""Checkpoints with orbax: atomic, the last few kept, restored with the shardings the caller asks for.
+"""Checkpoints with orbax: atomic, verified, the last few kept, restored with the shardings the caller asks for.
 
 A run directory looks like
     RUN_DIR/config.json            the full Config of the run (dropless.core.config.save)
     RUN_DIR/tokenizer.json         the tokenizer (written by dropless.data)
-    RUN_DIR/checkpoints/<step>/    one orbax checkpoint per saved step, with two items:
+    RUN_DIR/checkpoints/<step>/    one orbax checkpoint per saved step, with three items:
         model       {"params": ..., "state": ...}   what inference, export and fine-tuning need
         optimizer   {"opt_state": ..., "step": ...} what exact resumption needs (absent after an HF import)
+        digest      two 32-bit folds of every array's bit patterns (absent in checkpoints of older versions)
 orbax writes each step to a temporary directory and renames it when complete, so an interrupted save never
-leaves a checkpoint that looks whole; `latest_step` only sees finished ones.
+leaves a checkpoint that looks whole; `latest_step` only sees finished ones. The digest is an item of the same
+checkpoint, so it is renamed into place with the arrays it describes. A restore recomputes it on the restored
+arrays: a truncated, emptied or altered file shows as an error from orbax or as a mismatch, and
+`restore_latest` then falls back to the newest checkpoint that is good.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
+import os
+import shutil
+import time
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from dropless.core import config as config_lib
 from dropless.models import transformer
 
+ITEMS = ("model", "optimizer", "digest")
+_STRAGGLERS_S = 0.2
+
 
 class CheckpointError(ValueError):
     """A run directory or checkpoint that cannot be used; the message says why and what to do."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped in favour of an older one."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint that orbax cannot read, or that reads back different from what was saved."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -34,7 +58,7 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def manager(run_dir: Path, keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
                                            enable_async_checkpointing=False)
-    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=("model", "optimizer"))
+    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=ITEMS)
 
 
 def latest_step(run_dir: Path) -> int | None:
@@ -44,13 +68,116 @@ def latest_step(run_dir: Path) -> int | None:
         return mngr.latest_step()
 
 
-def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None) -> None:
-    """Save one step; blocks until the checkpoint is complete on disk."""
-    items = {"model": ocp.args.StandardSave({"params": params, "state": state})}
+def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, *, with_digest: bool = True) -> None:
+    """Save one step; blocks until the checkpoint is complete on disk. `with_digest=False` is for a writer that
+    replaces the arrays afterwards (dropless.convert.run_store); such a checkpoint restores unverified.
+
+    A write that the filesystem refuses (full disk, no permission) raises a CheckpointError naming the step and
+    the reason; the failed step's temporary directory is removed and the earlier checkpoints are untouched."""
+    trees = {"model": {"params": params, "state": state}}
     if opt_state is not None:
-        items["optimizer"] = ocp.args.StandardSave({"opt_state": opt_state, "step": np.asarray(step, np.int64)})
-    mngr.save(step, args=ocp.args.Composite(**items), force=True)
-    mngr.wait_until_finished()
+        trees["optimizer"] = {"opt_state": opt_state, "step": np.asarray(step, np.int64)}
+    items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
+    if with_digest:
+        items["digest"] = ocp.args.JsonSave({"version": 1, "leaves": digest(trees)})
+    try:
+        mngr.save(step, args=ocp.args.Composite(**items), force=True)
+        mngr.wait_until_finished()
+    except Exception as err:  # orbax and tensorstore wrap the OSError in their own exceptions
+        reason = _filesystem_reason(err)
+        if reason is None:
+            raise
+        directory = Path(mngr.directory)
+        for tmp in directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+        fix = "free space" if reason == "No space left on device" else "make it writable"
+        raise CheckpointError(f"could not write checkpoint {step} to {directory}: {reason}; {fix} and resume "
+                              "with --resume.") from None
+
+
+_FILESYSTEM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _filesystem_reason(err: BaseException) -> str | None:
+    """The filesystem's reason (e.g. 'No space left on device') if `err` or an exception behind it is one."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _FILESYSTEM_ERRNOS:
+            return err.strerror or str(err)
+        for code in _FILESYSTEM_ERRNOS:  # tensorstore reports the OS error in its message only
+            if os.strerror(code) in str(err):
+                return os.strerror(code)
+        err = err.__cause__ or err.__context__
+    return None
+
+
+# Digest: per leaf, the sum of its elements' bit patterns as 32-bit words and the sum weighted by position,
+# both modulo 2**32. Integer sums are exact in any order, so the digest does not depend on how the array is
+# sharded (a checkpoint saved on 8 devices verifies on 1); any single changed word changes the first sum, and
+# moved words change the second. A float sum would miss flips that round away.
+
+def _fold_device(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        words = x.astype(jnp.uint32)
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+        words = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    position = jnp.ones(x.shape, jnp.uint32)  # 1 + the flat index, built without reshaping sharded data
+    stride = 1
+    for axis in reversed(range(x.ndim)):
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
+        stride *= x.shape[axis]
+    return jnp.stack([jnp.sum(words, dtype=jnp.uint32), jnp.sum(words * position, dtype=jnp.uint32)])
+
+
+def _fold_host(x) -> list[int]:
+    x = np.ascontiguousarray(np.asarray(x))
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    if x.dtype.itemsize == 8:  # two little-endian words per element, as on a device
+        words = x.reshape(-1).view(np.uint32).astype(np.uint64)
+    else:
+        words = x.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint64)
+    position = np.arange(1, words.size + 1, dtype=np.uint64)
+    mask = np.uint64(0xFFFFFFFF)
+    return [int(words.sum() & mask), int(((words * position) & mask).sum() & mask)]
+
+
+@jax.jit
+def _fold_all(leaves: list[jax.Array]) -> list[jax.Array]:
+    return [_fold_device(x) for x in leaves]
+
+
+@jax.jit
+def _fold_from_host(x: jax.Array) -> jax.Array:
+    return _fold_device(jax.device_put(x, jax.memory.Space.Device))
+
+
+def _in_device_memory(x) -> bool:
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind is None or kind == "device"
+
+
+def digest(trees: dict) -> dict[str, list[int]]:
+    """{"item/path/to/leaf": [sum, position-weighted sum]} of every array in `trees`, folded where it lives."""
+    flat = {f"{item}/{jax.tree_util.keystr(path, simple=True, separator='/')}": leaf
+            for item, tree in trees.items() for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    groups: dict[tuple, list[str]] = {}  # one jitted pass per set of devices the leaves live on
+    for key, x in flat.items():
+        if isinstance(x, jax.Array) and x.dtype.itemsize <= 4 and _in_device_memory(x):
+            groups.setdefault(tuple(sorted(d.id for d in x.sharding.device_set)), []).append(key)
+    folds = {}
+    for keys in groups.values():
+        folds.update(zip(keys, _fold_all([flat[k] for k in keys])))
+    for key, leaf in flat.items():
+        if key in folds:
+            continue
+        if isinstance(leaf, jax.Array) and leaf.dtype.itemsize <= 4:
+            folds[key] = _fold_from_host(leaf)  # host-offloaded: one leaf at a time on the device
+        else:
+            folds[key] = _fold_host(leaf)
+    return {k: [int(v) for v in np.asarray(jax.device_get(f)).tolist()] for k, f in folds.items()}
 
 
 def _abstract(tree):
@@ -62,31 +189,117 @@ def _abstract(tree):
 
 
 def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[str, Any]:
-    """Restore `step` into trees shaped (and sharded) like the given templates.
+    """Restore `step` into trees shaped (and sharded) like the given templates, verified against its digest.
 
     `like_model` = {"params", "state"}; `like_optimizer` = {"opt_state", "step"} or None to skip it.
-    Templates may be concrete arrays or ShapeDtypeStructs (e.g. from jax.eval_shape).
+    Templates may be concrete arrays or ShapeDtypeStructs (e.g. from jax.eval_shape). Raises DamagedCheckpoint
+    when the checkpoint cannot be read or reads back different from what was saved.
     """
     items = {"model": ocp.args.StandardRestore(_abstract(like_model))}
     if like_optimizer is not None:
         items["optimizer"] = ocp.args.StandardRestore(_abstract(like_optimizer))
+    where = f"checkpoint {step} in {checkpoint_dir(run_dir)}"
     with manager(run_dir, read_only=True) as mngr:
         if step not in mngr.all_steps():
             raise CheckpointError(f"{checkpoint_dir(run_dir)} has no checkpoint for step {step}; "
                                   f"the saved steps are {sorted(mngr.all_steps()) or 'none'}.")
-        if like_optimizer is not None and "optimizer" not in _item_names(mngr, step):
+        names = _item_names(mngr, step)
+        if like_optimizer is not None and "optimizer" not in names:
             raise CheckpointError(f"The checkpoint at step {step} in {run_dir} holds weights only (an import); "
                                   "start a new run from it with --init-from instead of --resume.")
+        if "digest" in names:
+            items["digest"] = ocp.args.JsonRestore()
+        # A failed read leaves tensorstore's threads completing futures of an event loop orbax has closed;
+        # each prints a traceback to sys.stderr. The one line raised here replaces them, so they go to a sink,
+        # with a moment after a failure for the stragglers.
+        with contextlib.redirect_stderr(io.StringIO()):
+            try:
+                restored = dict(mngr.restore(step, args=ocp.args.Composite(**items)))
+            except (ValueError, KeyError, TypeError) as err:
+                time.sleep(_STRAGGLERS_S)
+                if _shape_mismatch(err):
+                    raise CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
+                                          f"parameters ({_first_line(err)}); check the run's config.json.") from None
+                raise DamagedCheckpoint(f"{where} cannot be read ({_first_line(err)})") from None
+            except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
+                time.sleep(_STRAGGLERS_S)
+                raise DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {_first_line(err)})") from None
+    saved = restored.pop("digest", None)
+    if saved is not None:
         try:
-            return dict(mngr.restore(step, args=ocp.args.Composite(**items)))
-        except (ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
-                                  f"parameters ({str(err).splitlines()[0][:160]}); check the run's config.json.") from None
+            want = saved["leaves"]
+        except (KeyError, TypeError):
+            raise DamagedCheckpoint(f"{where} has an unreadable digest") from None
+        got = digest(restored)
+        for key in sorted(got):
+            if want.get(key) != got[key]:
+                raise DamagedCheckpoint(f"{where} is damaged (digest mismatch in {key})")
+    return restored
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return (lines[0] if lines else type(err).__name__)[:160]
+
+
+def _shape_mismatch(err: BaseException) -> bool:
+    text = str(err).lower()
+    return any(word in text for word in ("shape", "tree structure", "dict key mismatch", "missing key"))
 
 
 def _item_names(mngr: ocp.CheckpointManager, step: int) -> set[str]:
     step_dir = checkpoint_dir(Path(mngr.directory).parent) / str(step)
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
+
+
+def _all_steps(run_dir: Path) -> list[int]:
+    if not checkpoint_dir(run_dir).is_dir():
+        return []
+    with manager(run_dir, read_only=True) as mngr:
+        return sorted(mngr.all_steps(), reverse=True)
+
+
+def restore_latest(run_dir: Path, like_model, like_optimizer=None, *, log: Callable[[str], None] = print,
+                   set_aside: bool = True) -> tuple[int, dict[str, Any]]:
+    """(step, restored trees) of the newest good checkpoint, for --resume.
+
+    Each damaged checkpoint on the way is reported in one line and, with `set_aside`, moved to
+    RUN_DIR/checkpoints.damaged/ so that the resumed run can save that step again. Raises CheckpointError when
+    the run has no finished checkpoint or none is good.
+    """
+    steps = _all_steps(run_dir)
+    if not steps:
+        raise CheckpointError(f"--resume was given but {run_dir} has no finished checkpoint (the run stopped "
+                              "before its first save); start it again with --overwrite instead of --resume.")
+    damaged = []
+    for step in steps:
+        try:
+            restored = restore(run_dir, step, like_model, like_optimizer)
+        except DamagedCheckpoint as err:
+            damaged.append((step, str(err)))
+            continue
+        for bad_step, message in damaged:
+            moved = _set_aside(run_dir, bad_step) if set_aside else None
+            log(f"dropless: {message}; " + (f"moved it to {moved}; " if moved else "") +
+                f"resuming from checkpoint {step}.")
+        return step, restored
+    raise CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in {checkpoint_dir(run_dir)} "
+                          f"(steps {', '.join(str(s) for s, _ in damaged)}); start again with --overwrite.")
+
+
+def _set_aside(run_dir: Path, step: int) -> Path | None:
+    """Move a damaged step out of orbax's sight (process 0; the others wait)."""
+    target = checkpoint_dir(run_dir).with_name("checkpoints.damaged") / str(step)
+    if jax.process_index() == 0:
+        target.parent.mkdir(exist_ok=True)
+        suffix = 0
+        while target.exists():
+            suffix += 1
+            target = target.with_name(f"{step}.{suffix}")
+        shutil.move(checkpoint_dir(run_dir) / str(step), target)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"dropless: checkpoint {step} set aside")
+    return target
 
 
 def load_run_config(run_dir: Path) -> config_lib.Config:
@@ -97,22 +310,29 @@ def load_run_config(run_dir: Path) -> config_lib.Config:
     return config_lib.load(path)
 
 
-def save_model(run_dir: Path, config: config_lib.Config, params, state, step: int = 0) -> None:
+def save_model(run_dir: Path, config: config_lib.Config, params, state, step: int = 0, *,
+               with_digest: bool = True) -> None:
     """Write a weights-only run directory (config.json + one checkpoint), e.g. after an HF import."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_lib.save(config, run_dir / "config.json")
     with manager(run_dir) as mngr:
-        save(mngr, step, params, state)
+        save(mngr, step, params, state, with_digest=with_digest)
 
 
 def load_model(run_dir: Path, step: int | None = None):
-    """(config, params, state) from a run directory's latest (or given) checkpoint, on the default device."""
+    """(config, params, state) from a run directory's latest good (or given) checkpoint, on the default device.
+
+    Without `step`, a damaged latest checkpoint is skipped with a CheckpointWarning naming it."""
     config = load_run_config(run_dir)
-    step = latest_step(run_dir) if step is None else step
-    if step is None:
-        raise CheckpointError(f"{run_dir} has no finished checkpoint yet; train longer or pick another run.")
     like = jax.eval_shape(lambda: {"params": transformer.init_params(jax.random.key(0), config),
                                    "state": transformer.init_state(config)})
-    model = restore(run_dir, step, like)["model"]
+    if step is not None:
+        model = restore(run_dir, step, like)["model"]
+    elif not _all_steps(run_dir):
+        raise CheckpointError(f"{run_dir} has no finished checkpoint yet; train longer or pick another run.")
+    else:
+        def warn(message):
+            warnings.warn(message.removeprefix("dropless: ").replace("resuming from", "using"), CheckpointWarning)
+        model = restore_latest(run_dir, like, log=warn, set_aside=False)[1]["model"]
     return config, model["params"], model["state"]

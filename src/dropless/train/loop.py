@@ -43,15 +43,18 @@ from dropless.models import flops as flops_lib
 from dropless.models import transformer
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
+from dropless.train import run_lock
 from dropless.train import setup as setup_lib
 from dropless.train.step import TrainState, make_eval_step
 
-# Keys a resumed run may change: they steer logging, stopping and the run's length, not what a step computes.
+# Keys a resumed run may change: they steer logging, stopping and the run's length, not what a step computes, or
+# the mesh it runs on (parallel.*: checkpoints restore into any mesh's shardings; the same step, to rounding).
 # `train.schedule_steps` changes the learning rate from the resumed step on, and only when given explicitly: a
 # resumed run keeps the saved horizon otherwise, whatever its `train.steps`.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.eval_batches", "data.prefetch", "train.schedule_steps",
-                     "train.stop_signals", "train.max_nonfinite_steps"}
+                     "train.stop_signals", "train.max_nonfinite_steps",
+                     "parallel.data", "parallel.fsdp", "parallel.expert"}
 
 # The exit status for a run stopped by the divergence guard (a finished run: 0; a user error: 2).
 EXIT_DIVERGED = 3
@@ -105,7 +108,7 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
                               "or start a new run with --overwrite or another --run-dir.")
         config_lib.save(config, saved_path)
         return config
-    if run_dir.exists() and any(run_dir.iterdir()):
+    if run_dir.exists() and any(p.name != run_lock.LOCK_NAME for p in run_dir.iterdir()):
         if not overwrite:
             what = "a different config" if saved_path.is_file() and ckpt.load_run_config(run_dir) != config else "a run"
             raise ConfigError(f"{run_dir} already holds {what}; pass --resume to continue it, --overwrite to "
@@ -127,6 +130,7 @@ def _global_batch(local_BS1: np.ndarray, sharding, global_batch: int) -> jax.Arr
     return jax.make_array_from_process_local_data(sharding, local_BS1, (global_batch, local_BS1.shape[1]))
 
 
+@run_lock.holds_run_dir
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
           init_weights: tuple | None = None, log: Callable[[str], None] = print,
           progress: bool = True) -> RunSummary:
@@ -139,7 +143,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log)
     tc = config.train
     setup = setup_lib.build(config)
-    state, start = _restore(setup, run_dir, setup_lib.init_state(setup, init_weights), resume)
+    state, start = _restore(setup, run_dir, setup_lib.init_state(setup, init_weights), resume, log)
     _describe(config, setup, run_dir, start, log)
     evaluate = _evaluator(config, setup, dataset)
     # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
@@ -302,13 +306,12 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
     return config, dataset
 
 
-def _restore(setup, run_dir: Path, state: TrainState, resume: bool) -> tuple[TrainState, int]:
-    """(state, first step): the latest checkpoint's when resuming a run that has one, else `state` at step 0."""
-    start = (ckpt.latest_step(run_dir) or 0) if resume else 0
-    if not start:
+def _restore(setup, run_dir: Path, state: TrainState, resume: bool, log) -> tuple[TrainState, int]:
+    """(state, first step): the newest good checkpoint's when resuming (raises if there is none), else `state` at 0."""
+    if not resume:
         return state, 0
-    restored = ckpt.restore(run_dir, start, {"params": state.params, "state": state.model_state},
-                            {"opt_state": state.opt_state, "step": 0})
+    start, restored = ckpt.restore_latest(run_dir, {"params": state.params, "state": state.model_state},
+                                          {"opt_state": state.opt_state, "step": 0}, log=log)
     step = jax.device_put(jnp.asarray(start, jnp.int32), setup.state_shardings.step)
     return TrainState(step, restored["model"]["params"], restored["optimizer"]["opt_state"],
                       restored["model"]["state"]), start

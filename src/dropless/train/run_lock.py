@@ -1,0 +1,57 @@
+"""One trainer per run directory: an OS lock on RUN_DIR/.lock, held while the run trains.
+
+`flock` locks belong to the open file, so the kernel drops the lock when the process ends, however it ends
+(SIGKILL included): a lock is never stale. The holder writes its PID into the file for the refusal message.
+With several processes, process 0 alone takes it; the others belong to the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+from pathlib import Path
+from typing import Iterator
+
+import jax
+
+from dropless.core.config import ConfigError
+
+LOCK_NAME = ".lock"
+
+
+class RunDirLocked(ConfigError):
+    """Another process trains in the run directory."""
+
+
+@contextlib.contextmanager
+def hold(run_dir: Path) -> Iterator[None]:
+    """Hold RUN_DIR/.lock for the body, or raise RunDirLocked naming the holder."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise RunDirLocked(f"{run_dir} is in use by another dropless process (PID {holder}); wait for it to "
+                               "finish or stop it, or choose another --run-dir.") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays (removing it would race with a process about to lock it)
+
+
+def holds_run_dir(train):
+    """Decorate `train(config, run_dir, ...)` so that process 0 holds the run directory's lock throughout,
+    from before --overwrite deletes anything until the last checkpoint is written."""
+    @functools.wraps(train)
+    def locked(config, run_dir, *args, **kwargs):
+        lock = hold(run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
+        with lock:
+            return train(config, run_dir, *args, **kwargs)
+    return locked

@@ -1,0 +1,240 @@
+"""Checkpoints that were damaged, could not be written, or are resumed on another mesh.
+
+Damage is seeded: which file of the newest checkpoint, and where in it, is truncated, emptied or has a byte
+flipped. A damaged checkpoint must never restore silently into different arrays: it is reported and the
+restore falls back to the previous one, or (where the damage missed everything that is read) it restores
+exactly what was saved.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import etils.epath
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from dropless.core import config as config_lib
+
+from dropless.train import checkpoint as ckpt
+from dropless.train.loop import train
+from dropless.train.metrics import read_metrics
+from tests.test_train import corpus, small_config  # noqa: F401 (corpus is a fixture)
+
+
+def _model(seed: int) -> tuple[dict, dict]:
+    """A (model, optimizer) pair of trees with a float32, a bfloat16 and an int32 leaf, random so that
+    compression cannot shrink them away."""
+    rng = np.random.default_rng(seed)
+    model = {"params": {"w": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32),
+                        "e": jnp.asarray(rng.normal(size=(4, 16, 8)), jnp.bfloat16)},
+             "state": {"count": jnp.asarray(rng.integers(0, 100, size=(8,)), jnp.int32)}}
+    optimizer = {"opt_state": {"mu": jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)}}
+    return model, optimizer
+
+
+def _save_run(run_dir: Path, steps) -> dict[int, tuple[dict, dict]]:
+    saved = {}
+    with ckpt.manager(run_dir, keep=10) as mngr:
+        for step in steps:
+            model, optimizer = saved[step] = _model(step)
+            ckpt.save(mngr, step, model["params"], model["state"], optimizer["opt_state"])
+    return saved
+
+
+def _restore_latest(run_dir: Path):
+    model, optimizer = _model(0)
+    lines = []
+    step, restored = ckpt.restore_latest(run_dir, model, {**optimizer, "step": 0}, log=lines.append)
+    return step, restored, lines
+
+
+def _assert_equal_trees(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _damage(path: Path, kind: str, rng: random.Random) -> str:
+    data = path.read_bytes()
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "truncate":
+        path.write_bytes(data[:rng.randrange(len(data))])
+    else:
+        offset = rng.randrange(len(data))
+        path.write_bytes(data[:offset] + bytes([data[offset] ^ (1 << rng.randrange(8))]) + data[offset + 1:])
+        return f"{kind}@{offset}"
+    return kind
+
+
+def test_damaged_checkpoints_are_reported_and_skipped(tmp_path):
+    pristine = tmp_path / "pristine"
+    saved = _save_run(pristine, [10, 20])
+    rng = random.Random(19)
+    outcomes = {"fell back": 0, "restored exactly": 0}
+    for case in range(18):
+        kind = ("truncate", "empty", "flip")[case % 3]
+        run_dir = tmp_path / f"case{case}"
+        shutil.copytree(pristine, run_dir)
+        files = sorted(p for p in (run_dir / "checkpoints" / "20").rglob("*") if p.is_file() and p.stat().st_size)
+        # Every other case hits an item's array data file, where most of a checkpoint's bytes are (the
+        # per-process stores in ocdbt.process_*/ are merged into it when the save finishes, and not read).
+        data_files = [p for p in files if p.parent.name == "d" and p.parent.parent.name in ("model", "optimizer")]
+        target = rng.choice(data_files if case % 2 else files)
+        what = f"{_damage(target, kind, rng)} {target.relative_to(run_dir)}"
+        step, restored, lines = _restore_latest(run_dir)
+        aimed = case % 2 == 1
+        if step == 20 and not aimed:  # the damage missed every byte that is read: then the arrays must be exactly the saved ones
+            assert not lines, what
+            _assert_equal_trees((restored["model"], restored["optimizer"]["opt_state"]),
+                                (saved[20][0], saved[20][1]["opt_state"]))
+            outcomes["restored exactly"] += 1
+            continue
+        assert step == 10, what
+        assert len(lines) == 1 and "checkpoint 20 in" in lines[0] and "resuming from checkpoint 10" in lines[0], lines
+        assert ("is damaged" in lines[0] or "cannot be read" in lines[0]) and "\n" not in lines[0], lines
+        _assert_equal_trees(restored["model"], saved[10][0])
+        assert not (run_dir / "checkpoints" / "20").exists()  # set aside, so that the resumed run can save 20 again
+        assert (run_dir / "checkpoints.damaged" / "20").is_dir()
+        outcomes["fell back"] += 1
+    assert outcomes["fell back"] >= 9, outcomes  # every aimed case, and some of the others
+
+
+def test_bit_flip_in_the_array_values_is_a_digest_mismatch(tmp_path):
+    """Rewrite one leaf through orbax itself with one bit changed: the files are valid, only the digest knows."""
+    _save_run(tmp_path, [10, 20])
+    model, optimizer = _model(20)
+    flipped = np.asarray(model["params"]["w"]).copy()
+    flipped.view(np.uint32)[3, 5] ^= 1  # the lowest mantissa bit: a float sum could round it away
+    model["params"]["w"] = jnp.asarray(flipped)
+    item = ckpt.checkpoint_dir(tmp_path) / "20" / "model"
+    shutil.rmtree(item)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(item, model)
+    step, _, lines = _restore_latest(tmp_path)
+    assert step == 10
+    assert "digest mismatch in model/params/w" in lines[0], lines
+
+
+def test_no_good_checkpoint_and_no_checkpoint_are_one_line_errors(tmp_path, corpus):
+    _save_run(tmp_path / "run", [10])
+    for data in (tmp_path / "run" / "checkpoints" / "10").rglob("d/*"):
+        data.write_bytes(b"")
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint 10 in .* and so is every older checkpoint"):
+        _restore_latest(tmp_path / "run")
+    # A run with a config but no finished checkpoint: --resume says so instead of starting at step 0.
+    config = small_config(corpus, **{"train.steps": 2, "train.eval_every": 100, "train.checkpoint_every": 100})
+    (tmp_path / "early").mkdir()
+    config_lib.save(config, tmp_path / "early" / "config.json")
+    with pytest.raises(ckpt.CheckpointError, match="has no finished checkpoint.*--overwrite instead of --resume"):
+        train(config, tmp_path / "early", resume=True, progress=False, log=lambda s: None)
+
+
+def test_checkpoints_without_a_digest_still_load(tmp_path):
+    saved = _save_run(tmp_path, [10])
+    shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "10" / "digest")  # as written before digests existed
+    step, restored, lines = _restore_latest(tmp_path)
+    assert step == 10 and not lines
+    _assert_equal_trees(restored["model"], saved[10][0])
+
+
+def _fail_with(code: int):
+    def write(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+    return write
+
+
+@pytest.mark.parametrize("code, fix", [(errno.ENOSPC, "free space"), (errno.EACCES, "make it writable")])
+def test_a_refused_write_is_one_line_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, code, fix):
+    saved = _save_run(tmp_path, [10])
+    model, optimizer = _model(20)
+    with ckpt.manager(tmp_path, keep=10) as mngr:
+        # orbax writes its JSON metadata (the digest among it) through etils.epath
+        monkeypatch.setattr(etils.epath.gpath.PosixGPath, "write_text", _fail_with(code))
+        with pytest.raises(ckpt.CheckpointError) as raised:
+            ckpt.save(mngr, 20, model["params"], model["state"], optimizer["opt_state"])
+        monkeypatch.undo()
+    message = str(raised.value)
+    assert message == (f"could not write checkpoint 20 to {ckpt.checkpoint_dir(tmp_path)}: {os.strerror(code)}; "
+                       f"{fix} and resume with --resume."), message
+    assert ckpt.latest_step(tmp_path) == 10
+    assert sorted(p.name for p in ckpt.checkpoint_dir(tmp_path).iterdir()) == ["10"]  # no temporary left
+    step, restored, lines = _restore_latest(tmp_path)
+    assert step == 10 and not lines
+    _assert_equal_trees(restored["model"], saved[10][0])
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); the injected write errors cover a full disk")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_filesystem_is_one_line_and_keeps_earlier_checkpoints(small_tmpfs):
+    run_dir = small_tmpfs / "run"
+    model, optimizer = _model(10)  # about 40 kB of arrays per checkpoint
+    with ckpt.manager(run_dir, keep=10) as mngr:
+        ckpt.save(mngr, 10, model["params"], model["state"], optimizer["opt_state"])
+        with pytest.raises(ckpt.CheckpointError, match=r"could not write checkpoint \d+ to .*: No space left on "
+                                                       r"device; free space and resume with --resume\.$"):
+            for step in range(20, 200, 10):
+                ckpt.save(mngr, step, model["params"], model["state"], optimizer["opt_state"])
+    assert step > 20  # the filesystem filled up after a few checkpoints, not at once
+    finished = ckpt._all_steps(run_dir)
+    assert finished == list(range(step - 10, 0, -10))
+    assert not [p for p in ckpt.checkpoint_dir(run_dir).iterdir() if "tmp" in p.name]
+    got, restored, lines = _restore_latest(run_dir)
+    assert got == step - 10 and not lines
+    _assert_equal_trees(restored["model"], model)
+
+
+def test_resume_on_another_mesh_continues_the_same_losses(tmp_path, corpus):
+    """Saved on 8 devices as expert 4 x data 2, resumed as data 8 (one expert group): the losses of the
+    uninterrupted run, to float32 rounding."""
+    base = {"train.eval_every": 100, "train.checkpoint_every": 1, "train.warmup_steps": 1, "train.steps": 2,
+            "model.num_layers": 2}
+    quiet = {"progress": False, "log": lambda s: None}
+    train(small_config(corpus, **base, **{"parallel.expert": 4, "parallel.data": 2}), tmp_path / "full", **quiet)
+    shutil.copytree(tmp_path / "full", tmp_path / "split")  # as if the first run had stopped after step 1
+    shutil.rmtree(ckpt.checkpoint_dir(tmp_path / "split") / "2")
+    train(small_config(corpus, **base, **{"parallel.expert": 1, "parallel.data": 8}), tmp_path / "split",
+          resume=True, **quiet)
+
+    def losses(run):  # the last row of each step: the resumed run's
+        return {r["step"]: r["loss"] for r in read_metrics(tmp_path / run) if "loss" in r}
+
+    full, split = losses("full"), losses("split")
+    np.testing.assert_allclose(split[2], full[2], rtol=1e-6, atol=0)
+    assert ckpt.load_run_config(tmp_path / "split").parallel.expert == 1  # the run now records its new mesh
+
+
+def test_restore_into_fewer_devices(tmp_path):
+    """A checkpoint saved sharded over 8 devices restores exactly into shardings over 4 devices and over 1."""
+    model, optimizer = _model(10)
+    mesh8 = jax.make_mesh((8,), ("fsdp",))
+    shard = lambda mesh: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    model["params"]["w"] = jax.device_put(model["params"]["w"], shard(mesh8))
+    optimizer["opt_state"]["mu"] = jax.device_put(optimizer["opt_state"]["mu"], shard(mesh8))
+    with ckpt.manager(tmp_path) as mngr:
+        ckpt.save(mngr, 10, model["params"], model["state"], optimizer["opt_state"])
+    for devices in (jax.devices()[:4], jax.devices()[:1]):
+        mesh = jax.sharding.Mesh(np.array(devices), ("fsdp",))
+        like_model, like_optimizer = _model(0)
+        like_model["params"]["w"] = jax.ShapeDtypeStruct((64, 48), jnp.float32, sharding=shard(mesh))
+        like_optimizer["opt_state"]["mu"] = jax.ShapeDtypeStruct((64, 48), jnp.float32, sharding=shard(mesh))
+        restored = ckpt.restore(tmp_path, 10, like_model, {**like_optimizer, "step": 0})
+        assert restored["model"]["params"]["w"].sharding.mesh.devices.size == len(devices)
+        _assert_equal_trees((restored["model"], restored["optimizer"]["opt_state"]), (model, optimizer["opt_state"]))
