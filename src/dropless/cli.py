@@ -1,39 +1,58 @@
 """The `dropless` command line: parse, build, call the library. Everything it does is importable.
 
-User mistakes (bad flags, config keys, data, checkpoints) end the process with one line on stderr
-and exit status 2, never a traceback.
+User mistakes (bad flags, config keys, data, checkpoints, unreadable or missing files) end the process
+with one line on stderr and exit status 2 (or the error's own `exit_status`), never a traceback; `--debug`
+or DROPLESS_DEBUG=1 adds the traceback. Any other exception is our bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import importlib
 import logging
+import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from dropless import convert
 from dropless.convert import compute_logits, load_hf
+from dropless.convert.api import read_hf_config
 from dropless.core import config as config_lib
 from dropless.core import distributed
 from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import generate
 from dropless.train import checkpoint as ckpt
-from dropless.train.loop import train
+from dropless.train.loop import RESUMABLE_CHANGES, train
 
-OS_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+DEFAULT_PRESET = "tiny"
+DEBUG_FLAG = "--debug"
+# OS errors the user's files or machine cause, with the fix each sentence ends with.
+OS_ERROR_FIXES = {
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; check the path",
+    errno.EISDIR: "it is a directory; give a file",
+    errno.EACCES: "check its permissions or choose another location",
+    errno.EPERM: "check its permissions or choose another location",
+    errno.EROFS: "the filesystem is read-only; choose another location",
+    errno.ENOSPC: "the disk is full; free some space or choose another location",
+    errno.EDQUOT: "the disk quota is used up; free some space or choose another location",
+    errno.ENAMETOOLONG: "choose a shorter path",
+    errno.EEXIST: "remove it or choose another path",
+}
 BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
               "memory": "dropless.bench.memory", "scale": "dropless.bench.scale"}
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, not argparse's usage block
-        self.exit(2, f"dropless: error: {message} (see 'dropless {self.prog.split()[-1]} --help').\n")
+        self.exit(2, f"dropless: error: {message} (see '{self.prog} --help').\n")
 
 
 def _default_run_dir(preset: str, resume: bool) -> Path:
@@ -48,15 +67,25 @@ def _default_run_dir(preset: str, resume: bool) -> Path:
 
 def cmd_train(args) -> int:
     overrides = parse_overrides(args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(args.preset, args.resume)
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume continues the run in --run-dir and --overwrite replaces it; pass only one.")
+    preset = args.preset or DEFAULT_PRESET
+    run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(preset, args.resume)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file; give a directory (new or holding a run).")
     init_weights = None
     if args.resume and (run_dir / "config.json").is_file():
+        if args.init_from_hf:
+            raise ConfigError(f"--init-from-hf starts a new run, but --resume continues {run_dir} from its own "
+                              "checkpoint; drop one of them.")
         # A resumed run keeps its saved config; flags and overrides apply on top (checked in prepare_run_dir).
         base = ckpt.load_run_config(run_dir)
         config = config_lib.apply_overrides(base, {**overrides, **_flag_overrides(args)})
+        if args.preset is not None and args.run_dir:
+            _check_preset_matches(args.preset, config, overrides, args, run_dir)
     elif args.init_from_hf:
         hf_config, params, state = load_hf(Path(args.init_from_hf))
-        merged = {k: v for k, v in _flat_dict(config_lib.load_preset(args.preset)).items()
+        merged = {k: v for k, v in _flat_dict(config_lib.load_preset(preset)).items()
                   if k.split(".")[0] in ("train", "data", "parallel")}
         hf_tokenizer = Path(args.init_from_hf) / "tokenizer.json"
         if args.tokenizer is None and hf_tokenizer.is_file():
@@ -64,7 +93,7 @@ def cmd_train(args) -> int:
         config = config_lib.apply_overrides(hf_config, {**merged, **overrides, **_flag_overrides(args)})
         init_weights = (params, state)
     else:
-        config = build_config(args.preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer)
+        config = build_config(preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer)
     summary = train(config, run_dir, resume=args.resume, overwrite=args.overwrite, init_weights=init_weights,
                     progress=not args.no_progress)
     if summary.eval_losses:
@@ -73,6 +102,18 @@ def cmd_train(args) -> int:
               f"({last / first:.0%} of the first); tokens dropped: {summary.tokens_dropped}; "
               f"run directory {summary.run_dir}")
     return 0
+
+
+def _check_preset_matches(preset: str, config: config_lib.Config, overrides: dict, args, run_dir: Path) -> None:
+    """A resumed run keeps its saved config, so --preset may only name what the run already is."""
+    wanted = _flat_dict(build_config(preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer))
+    saved = _flat_dict(config)
+    differing = sorted(k for k in saved if saved[k] != wanted[k] and k not in RESUMABLE_CHANGES)
+    if differing:
+        key = differing[0]
+        raise ConfigError(f"--resume keeps {run_dir}'s saved config, which differs from --preset {preset} at {key} "
+                          f"({saved[key]!r} saved, {wanted[key]!r} in the preset); drop --preset to continue the run, "
+                          "or start a new one with another --run-dir.")
 
 
 def _flag_overrides(args) -> dict:
@@ -91,21 +132,21 @@ def _flat_dict(config: config_lib.Config) -> dict:
 
 
 def _load_for_inference(args):
-    """(config, params, state, tokenizer path) from --run-dir or --hf-dir."""
+    """(config, params, state) from --run-dir or --hf-dir."""
     if args.hf_dir:
-        config, params, state = load_hf(Path(args.hf_dir))
-        tokenizer_path = Path(args.hf_dir) / "tokenizer.json"
-    else:
-        config, params, state = ckpt.load_model(Path(args.run_dir))
-        tokenizer_path = Path(args.run_dir) / "tokenizer.json"
-    return config, params, state, tokenizer_path
+        return load_hf(Path(args.hf_dir))
+    return ckpt.load_model(Path(args.run_dir))
 
 
 def cmd_generate(args) -> int:
-    config, params, state, tokenizer_path = _load_for_inference(args)
-    if not tokenizer_path.is_file():
+    # The cheap checks come first (the config, then the tokenizer), the slow model load last.
+    source = Path(args.hf_dir or args.run_dir)
+    ckpt.load_run_config(source) if args.run_dir else read_hf_config(source)
+    tokenizer_path = source / "tokenizer.json"
+    if not tokenizer_path.exists():
         raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    tokenizer = read_tokenizer_file(tokenizer_path)
+    config, params, state = _load_for_inference(args)
     stop_id = tokenizer.token_to_id("<|endoftext|>")
     ids = generate(config, params, state, tokenizer.encode(args.prompt).ids, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id)
@@ -115,19 +156,29 @@ def cmd_generate(args) -> int:
 
 def cmd_logits(args) -> int:
     tokens_path = Path(args.tokens)
-    if not tokens_path.is_file():
+    if not tokens_path.exists():
         raise ConfigError(f"--tokens {tokens_path} does not exist; give an .npy file of int token ids [batch, seq].")
-    tokens = np.load(tokens_path)
-    if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
-        raise ConfigError(f"--tokens must hold an integer array [batch, seq]; {tokens_path} has "
-                          f"{tokens.dtype} of shape {tokens.shape}.")
-    config, params, state, _ = _load_for_inference(args)
+    tokens = np.asarray(load_token_array(tokens_path, "--tokens "))
+    if tokens.ndim != 2:
+        raise DataError(f"--tokens must hold an integer array [batch, seq]; {tokens_path} has "
+                        f"{tokens.dtype} of shape {tokens.shape}.")
+    if tokens.size == 0:
+        raise DataError(f"--tokens {tokens_path} holds no tokens (shape {tokens.shape}); give at least one row "
+                        "of at least one token id.")
+    out = Path(args.out)
+    out = out if out.suffix == ".npy" else out.with_name(out.name + ".npy")  # where numpy.save writes
+    if Path(args.out).is_dir() or out.is_dir():
+        raise ConfigError(f"--out {args.out} is a directory; give the path of the .npy file to write.")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {args.out}: the directory {out.parent} does not exist; create it or choose "
+                          "another path.")
+    config, params, state = _load_for_inference(args)
     if tokens.min() < 0 or tokens.max() >= config.model.vocab_size:
         raise ConfigError(f"--tokens holds ids outside [0, {config.model.vocab_size}); the model's vocabulary "
                           f"has {config.model.vocab_size} entries.")
     logits = compute_logits(config, params, state, tokens.astype(np.int32))
-    np.save(args.out, np.asarray(logits, np.float32))
-    print(f"dropless: wrote float32 logits of shape {tuple(logits.shape)} to {args.out}")
+    np.save(out, np.asarray(logits, np.float32))
+    print(f"dropless: wrote float32 logits of shape {tuple(logits.shape)} to {out}")
     return 0
 
 
@@ -162,7 +213,8 @@ def make_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = sub.add_parser("train", help="train a model (default: the tiny preset on the Python stdlib corpus)")
-    train.add_argument("--preset", default="tiny", help="a preset name (see 'dropless presets')")
+    train.add_argument("--preset", help=f"a preset name (see 'dropless presets'; default {DEFAULT_PRESET}); "
+                       "with --resume, it picks the latest runs/<preset>-* and must match the run")
     train.add_argument("--steps", type=int, help="total optimizer steps of the run (with --resume: train until N)")
     train.add_argument("--run-dir", help="where config, checkpoints and metrics go (default: runs/<preset>-<time>)")
     train.add_argument("--data", help="file, directory or glob of .txt/.jsonl/.parquet/.npy/.bin (default: stdlib)")
@@ -171,7 +223,8 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace whatever run --run-dir holds")
     train.add_argument("--init-from-hf", help="start from a Hugging Face checkpoint directory (fine-tuning)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.gmm_backend=xla")
+    train.add_argument("overrides", nargs="*", metavar="key=value",
+                       help="config overrides, anywhere among the options, e.g. moe.gmm_backend=xla")
     train.set_defaults(func=cmd_train)
 
     for name, func, help_text in (("generate", cmd_generate, "sample text from a trained model"),
@@ -203,6 +256,10 @@ def make_parser() -> argparse.ArgumentParser:
     presets.set_defaults(func=cmd_presets)
 
     # These hand their arguments, untouched, to their own parsers (see PASS_THROUGH in main).
+    for command in sub.choices.values():
+        command.add_argument(DEBUG_FLAG, action="store_true",
+                             help="show the full traceback of an error (also: DROPLESS_DEBUG=1)")
+
     sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (see 'dropless bench NAME --help')")
     sub.add_parser("tune-gmm", help="autotune the grouped GEMM on this GPU (see 'dropless tune-gmm --help')")
     sub.add_parser("profile", help="trace training steps and break down device time (see 'dropless profile --help')")
@@ -226,12 +283,42 @@ def _pass_through(argv: list[str]):
     return None
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line; `key=value` overrides may stand anywhere among `train`'s options."""
+    parser = make_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        args.overrides += [a for a in extra if not a.startswith("-")]
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        command = parser._subparsers._group_actions[0].choices[args.command]
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def is_user_error(err: BaseException) -> bool:
     """dropless's own ValueError subclasses (ConfigError, DataError, CheckpointError, ...) carry one sentence
-    for the user; so do missing or unreadable files. Any other exception is a bug and keeps its traceback."""
-    if isinstance(err, OS_ERRORS):
-        return True
+    for the user; so do OS errors the user's files or machine cause (a missing or unreadable file, a full
+    disk). Any other exception is a bug and keeps its traceback."""
+    if isinstance(err, OSError):
+        return err.errno in OS_ERROR_FIXES
     return isinstance(err, ValueError) and type(err).__module__.startswith("dropless")
+
+
+def user_message(err: BaseException) -> str:
+    """The one line printed for a user error."""
+    if isinstance(err, OSError) and err.errno in OS_ERROR_FIXES:
+        where = f"{err.filename}: " if err.filename is not None else ""
+        reason = (err.strerror or os.strerror(err.errno)).rstrip(".")
+        return f"{where}{reason[0].lower() + reason[1:]}; {OS_ERROR_FIXES[err.errno]}."
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
+    """(--debug or DROPLESS_DEBUG=1 given, argv without --debug); the flag may stand anywhere."""
+    env = os.environ.get("DROPLESS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
+    return env or DEBUG_FLAG in argv, [a for a in argv if a != DEBUG_FLAG]
 
 
 def _one_line_warnings() -> None:
@@ -254,22 +341,25 @@ def _quiet_library_logs() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug, argv = _debug_requested(argv)
     _one_line_warnings()
     _quiet_library_logs()
     try:
         delegated = _pass_through(argv)
         if delegated is not None:
             return _delegate(*delegated)
-        args = make_parser().parse_args(argv)
+        args = parse_args(argv)
         # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
         distributed.initialize()
         return args.func(args)
-    except (ValueError, *OS_ERRORS) as err:
+    except (ValueError, OSError) as err:
         if not is_user_error(err):
             raise  # our own bug: keep the traceback
-        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"dropless: error: {message}", file=sys.stderr)
-        return 2
+        if debug:
+            traceback.print_exc()
+        print(f"dropless: error: {user_message(err)}", file=sys.stderr)
+        # An error may carry its own documented status (e.g. a stopped run); 2 for every other user error.
+        return int(getattr(err, "exit_status", 2))
     except KeyboardInterrupt:
         print("dropless: interrupted; the last finished checkpoint is intact (resume with --resume).", file=sys.stderr)
         return 130

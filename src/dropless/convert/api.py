@@ -43,7 +43,20 @@ def read_hf_config(hf_dir: Path) -> dict:
     if not path.is_file():
         raise ConvertError(f"{hf_dir} has no config.json; pass a Hugging Face model directory "
                            "(the one holding config.json and *.safetensors).")
-    return json.loads(path.read_text())
+    hf = _read_json(path, "re-download it")
+    if not isinstance(hf, dict):
+        raise ConvertError(f"{path} holds a JSON {type(hf).__name__}, not an object; re-download it.")
+    return hf
+
+
+def _read_json(path: Path, fix: str):
+    """A JSON file we read from the user's directories; a damaged one raises ConvertError naming it and `fix`."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConvertError(f"{path} is not valid JSON (line {err.lineno}: {err.msg.lower()}); {fix}.") from err
+    except UnicodeDecodeError:
+        raise ConvertError(f"{path} is not a UTF-8 text file; {fix}.") from None
 
 
 def _import(hf_dir: Path, sink: Callable[[Slab, np.ndarray], None], base: Config | None = None):
@@ -147,7 +160,8 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
     if hf_dir.exists() and any(hf_dir.iterdir()):
         raise ConvertError(f"{hf_dir} already exists and is not empty; choose a new output directory.")
     config = ckpt.load_run_config(run_dir)
-    source = json.loads((run_dir / HF_SOURCE).read_text()) if (run_dir / HF_SOURCE).is_file() else {}
+    source = _read_json(run_dir / HF_SOURCE, "restore it, or delete it to export with float32 weights and a "
+                        "config.json written from the run's config") if (run_dir / HF_SOURCE).is_file() else {}
     source_config, recorded = source.get("config"), source.get("dtypes", {})
     rope_interleave = bool((source_config or {}).get("rope_interleave", True))
     shapes = model_leaf_shapes(config)

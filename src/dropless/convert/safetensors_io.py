@@ -55,15 +55,19 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ConvertError(f"{path} has a corrupt safetensors header; re-download it.") from None
+    if not isinstance(header, dict):
+        raise ConvertError(f"{path} has a corrupt safetensors header; re-download it.")
     header.pop("__metadata__", None)
     tensors = {}
     for name, entry in header.items():
-        if entry["dtype"] not in DTYPES:
-            raise ConvertError(f"Tensor {name} in {path} has dtype {entry['dtype']}, which dropless cannot read; "
+        try:
+            dtype, (begin, end), shape = entry["dtype"], entry["data_offsets"], tuple(entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ConvertError(f"{path} has a corrupt safetensors header (entry {name}); re-download it.") from None
+        if dtype not in DTYPES:
+            raise ConvertError(f"Tensor {name} in {path} has dtype {dtype}, which dropless cannot read; "
                                f"the readable dtypes are {', '.join(DTYPES)}.")
-        begin, end = entry["data_offsets"]
-        tensors[name] = TensorInfo(name, entry["dtype"], tuple(entry["shape"]), Path(path), 8 + length + begin,
-                                   end - begin)
+        tensors[name] = TensorInfo(name, dtype, shape, Path(path), 8 + length + begin, end - begin)
     return tensors
 
 
@@ -74,7 +78,11 @@ class CheckpointReader:
         hf_dir = Path(hf_dir)
         index = hf_dir / INDEX_NAME
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
+                raise ConvertError(f"{index} is not a valid safetensors index (JSON with a 'weight_map' object); "
+                                   "re-download it.") from None
             missing = [f for f in files if not (hf_dir / f).is_file()]
             if missing:
                 raise ConvertError(f"{hf_dir} lacks shard(s) {', '.join(missing[:3])} named in {INDEX_NAME}; "

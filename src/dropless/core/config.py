@@ -411,12 +411,15 @@ def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
 
 def from_dict(d: dict) -> Config:
     """Build a Config from a nested dict (a preset file or a saved run config)."""
+    _require(isinstance(d, dict), f"A config must be a JSON object of groups ({', '.join(_GROUPS)}), "
+             f"not a {type(d).__name__}.")
     flat = {}
     for group, values in d.items():
         if group == "description":
             continue
-        _require(isinstance(values, dict) and group in _GROUPS,
-                 f"Unknown config group '{group}'; the groups are {', '.join(_GROUPS)}.")
+        _require(group in _GROUPS, f"Unknown config group '{group}'; the groups are {', '.join(_GROUPS)}.")
+        _require(isinstance(values, dict), f"Config group '{group}' must be a JSON object of keys, "
+                 f"not a {type(values).__name__}.")
         for name, value in values.items():
             flat[f"{group}.{name}"] = value
     return apply_overrides(Config(), flat)
@@ -447,7 +450,23 @@ def save(config: Config, path: Path) -> None:
 
 
 def load(path: Path) -> Config:
-    return from_dict(json.loads(Path(path).read_text()))
+    """A saved config file; a file that is not a readable config raises ConfigError naming it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a config file; give the config.json inside a run directory.")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg.lower()}), "
+                          "so it was cut short or edited by hand; restore it (e.g. from a copy of the run) or "
+                          "start a new run.") from err
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file (it holds bytes that are not UTF-8); restore it or start a "
+                          "new run.") from None
+    try:
+        return from_dict(d)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, str]:

@@ -30,6 +30,7 @@ TOKEN_SUFFIXES = (".npy", ".bin")
 SUFFIXES = TEXT_SUFFIXES + TOKEN_SUFFIXES
 # Directories of the standard library that are not library source: test suites and installed packages.
 STDLIB_SKIPPED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+NPY_MAGIC = b"\x93NUMPY"
 LLMC_MAGIC = 20240520
 LLMC_HEADER_INT32S = 256
 LLMC_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}
@@ -212,14 +213,35 @@ def _read_parquet(path: Path) -> Iterator[str]:
 def read_token_file(path: Path) -> np.ndarray:
     """A pre-tokenized file as a flat integer array (memory-mapped, not copied)."""
     if path.suffix.lower() == ".npy":
-        try:
-            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as e:
-            raise DataError(f"{path} is not a readable .npy array ({e}); save it with numpy.save.") from None
-        if not np.issubdtype(tokens.dtype, np.integer):
-            raise DataError(f"{path} holds {tokens.dtype} values; token arrays must hold integers.")
-        return tokens.reshape(-1)
+        return load_token_array(path).reshape(-1)
     return _read_bin(path)
+
+
+def load_token_array(path: Path, what: str = "") -> np.ndarray:
+    """An integer `.npy` array, memory-mapped; a file numpy cannot read as one raises DataError naming it.
+
+    `what` names where the path came from in messages (e.g. "--tokens ").
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{what}{path} is a directory; give an .npy file saved with numpy.save.")
+    with open(path, "rb") as f:
+        magic = f.read(len(NPY_MAGIC))
+    if not magic:
+        raise DataError(f"{what}{path} is empty; save the token ids into it with numpy.save.")
+    if magic != NPY_MAGIC:  # numpy would take it for a pickle and talk of allow_pickle
+        raise DataError(f"{what}{path} is not an .npy file (it lacks numpy's header); save the token ids with "
+                        "numpy.save.")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        if isinstance(e, (FileNotFoundError, PermissionError)):
+            raise
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DataError(f"{what}{path} is not a readable .npy array ({reason}); save it with numpy.save.") from e
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"{what}{path} holds {tokens.dtype} values; token arrays must hold integers.")
+    return tokens
 
 
 def _read_bin(path: Path) -> np.ndarray:

@@ -274,9 +274,9 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
     order, and each document's length; cached per (corpus, tokenizer)."""
     key = hashlib.sha256((corpus.fingerprint() + tokenizer.to_str()).encode()).hexdigest()[:16]
     cache_file = cache_dir / f"tokens-{key}.npz" if cache_dir is not None else None
-    if cache_file is not None and cache_file.is_file():
-        with np.load(cache_file) as cached:
-            tokens, lengths = cached["tokens"], cached["lengths"]
+    cached = _read_cache(cache_file)
+    if cached is not None:
+        tokens, lengths = cached
     else:
         log(f"dropless: tokenizing {corpus.name}")
         encoded = [ids for chunk in _chunks(texts(), _ENCODE_CHUNK_CHARS) for ids in tokenizer.encode_batch(chunk)]
@@ -287,6 +287,20 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
             for stale in cache_dir.glob("tokens-*.npz"):
                 stale.unlink()
             _write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
+    return tokens, lengths
+
+
+def _read_cache(cache_file: Path | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cached (tokens, lengths), or None when absent or unreadable: a damaged cache is rebuilt, not fatal."""
+    if cache_file is None or not cache_file.is_file():
+        return None
+    try:
+        with np.load(cache_file) as cached:
+            tokens, lengths = cached["tokens"], cached["lengths"]
+    except Exception:  # numpy raises zipfile, EOF, key and value errors for a damaged .npz
+        return None
+    if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != len(tokens):
+        return None
     return tokens, lengths
 
 

@@ -74,19 +74,28 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> TextTokenizer:
     return TextTokenizer(tokenizer, "the trained tokenizer")
 
 
-def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> TextTokenizer:
-    """Load a `tokenizer.json`; with `vocab_size`, check that its ids fit in the model's vocabulary."""
-    path = Path(os.path.expanduser(str(path)))
+def read_tokenizer_file(path: Path) -> Tokenizer:
+    """A Hugging Face `Tokenizer` from a tokenizer.json; a file it cannot parse raises DataError naming it."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path} is a directory; give the path of a tokenizer.json file.")
     if not path.is_file():
-        raise DataError(f"The tokenizer file {path} does not exist; give the path of a tokenizer.json, or omit "
-                        "--tokenizer to train one on the corpus.")
+        raise DataError(f"The tokenizer file {path} does not exist; give the path of a tokenizer.json.")
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for every parse error
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"{path} is not a valid tokenizer.json ({reason}); give a file saved by Hugging Face "
-                        "tokenizers.") from None
-    loaded = TextTokenizer(tokenizer, str(path))
+                        "tokenizers.") from e
+
+
+def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> TextTokenizer:
+    """Load a `tokenizer.json`; with `vocab_size`, check that its ids fit in the model's vocabulary."""
+    path = Path(os.path.expanduser(str(path)))
+    if not path.exists():
+        raise DataError(f"The tokenizer file {path} does not exist; give the path of a tokenizer.json, or omit "
+                        "--tokenizer to train one on the corpus.")
+    loaded = TextTokenizer(read_tokenizer_file(path), str(path))
     if vocab_size is not None and loaded.vocab_size > vocab_size:
         raise DataError(f"The tokenizer {path} has {loaded.vocab_size} tokens but model.vocab_size={vocab_size}; "
                         f"set model.vocab_size={loaded.vocab_size} or more, or use a smaller tokenizer.")

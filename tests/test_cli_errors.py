@@ -1,0 +1,158 @@
+"""Broken files and command lines given to `dropless`, in-process: one line on stderr, exit status 2, no traceback
+(unless --debug or DROPLESS_DEBUG=1 asks for it); our own bugs keep theirs."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+from dropless import cli
+from dropless.core import config as config_lib
+from dropless.core.config import ConfigError
+from dropless.data import train_bpe
+from tests.test_train import SMALL
+
+SMALL_OVERRIDES = [f"{k}={v}" for k, v in SMALL.items()]
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    """(exit status, stderr) of `dropless ARGV`, run in this process."""
+    try:
+        status = cli.main(list(argv))
+    except SystemExit as exit_:  # argparse's own errors
+        status = exit_.code
+    return status, capsys.readouterr().err
+
+
+def assert_one_line(status: int, stderr: str, *fragments: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert status == 2, (status, stderr)
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("dropless: error:"), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> pathlib.Path:
+    """Broken and sound inputs side by side: run directories (no checkpoints needed: every check comes first),
+    token arrays, tokenizers."""
+    root = tmp_path_factory.mktemp("broken")
+    saved = json.dumps(config_lib.load_preset("tiny").replace(**SMALL).to_dict(), indent=2)
+    for name, text in {"run": saved, "torn": saved[:100], "listed": "[1, 2]", "binary": None}.items():
+        (root / name).mkdir()
+        if text is None:
+            (root / name / "config.json").write_bytes(b"\xff\xfe\x00garbage")
+        else:
+            (root / name / "config.json").write_text(text)
+    train_bpe(["def f(x):\n    return x\n"] * 20, 300).save(root / "run" / "tokenizer.json")
+    (root / "badtok").mkdir()
+    (root / "badtok" / "config.json").write_text(saved)
+    (root / "badtok" / "tokenizer.json").write_text("garbage")
+    (root / "hf").mkdir()
+    (root / "hf" / "config.json").write_text('{"model_type": "mixtral", ')
+    (root / "empty.npy").write_bytes(b"")
+    (root / "garbage.npy").write_text("not an array")
+    np.save(root / "zero.npy", np.zeros((0, 8), np.int32))
+    np.save(root / "ok.npy", np.ones((1, 4), np.int32))
+    (root / "adir").mkdir()
+    return root
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["generate", "--run-dir", "{f}/torn", "--prompt", "x"], ["torn/config.json is not valid JSON", "restore"]),
+    (["train", "--resume", "--run-dir", "{f}/torn"], ["torn/config.json is not valid JSON"]),
+    (["generate", "--run-dir", "{f}/listed", "--prompt", "x"], ["listed/config.json", "JSON object"]),
+    (["convert", "--from", "{f}/binary", "--to-hf", "{f}/out"], ["binary/config.json is not a text file"]),
+    (["generate", "--run-dir", "{f}/badtok", "--prompt", "x"], ["badtok/tokenizer.json is not a valid tokenizer"]),
+    (["generate", "--hf-dir", "{f}/hf", "--prompt", "x"], ["hf/config.json is not valid JSON", "re-download"]),
+    (["generate", "--run-dir", "{f}/ok.npy", "--prompt", "x"], ["ok.npy is not a dropless run directory"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/garbage.npy", "--out", "{f}/o.npy"],
+     ["garbage.npy is not an .npy file"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/zero.npy", "--out", "{f}/o.npy"],
+     ["zero.npy holds no tokens", "(0, 8)"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/adir", "--out", "{f}/o.npy"], ["adir is a directory"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "{f}/adir"], ["--out", "is a directory"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "{f}/no/o.npy"], ["no/o.npy", "create it"]),
+    (["train", "--data", "{f}/empty.npy", "--run-dir", "{f}/new1", "--steps", "1"], ["empty.npy is empty"]),
+    (["train", "--data", "{f}/garbage.npy", "--run-dir", "{f}/new2"], ["garbage.npy is not an .npy file"]),
+    (["train", "--tokenizer", "{f}/adir", "--run-dir", "{f}/new3"], ["adir is a directory", "tokenizer.json"]),
+    (["train", "--tokenizer", "{f}/badtok/tokenizer.json", "--run-dir", "{f}/new4"], ["not a valid tokenizer"]),
+    (["train", "--run-dir", "{f}/ok.npy"], ["--run-dir", "ok.npy is a file"]),
+    (["train", "--resume", "--overwrite", "--run-dir", "{f}/run"], ["--resume", "--overwrite", "only one"]),
+    (["train", "--resume", "--run-dir", "{f}/run", "--preset", "tiny"], ["differs from --preset tiny", "drop --preset"]),
+    (["train", "--resume", "--run-dir", "{f}/run", "--init-from-hf", "{f}/hf"], ["--init-from-hf", "--resume"]),
+    # key=value after options is an override (here a misspelt one), not an unrecognized argument
+    (["train", "--steps", "1", "--run-dir", "{f}/new5", "moe.gmm_backnd=xla"], ["Unknown config key 'moe.gmm_backnd'"]),
+    (["train", "--bogus-flag"], ["unrecognized arguments: --bogus-flag", "'dropless train --help'"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "a=1"], ["a=1", "'dropless generate --help'"]),
+    (["trian"], ["invalid choice", "'dropless --help'"]),
+])
+def test_broken_input_gives_one_line(capsys, files, argv, fragments):
+    status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))
+    assert_one_line(status, stderr, *fragments)
+    assert "dropless dropless" not in stderr
+
+
+def test_debug_shows_the_traceback_of_a_user_error(capsys, files, monkeypatch):
+    argv = ["generate", "--run-dir", str(files / "torn"), "--prompt", "x"]
+    for extra, env in (([cli.DEBUG_FLAG], None), ([], "1")):
+        if env is not None:
+            monkeypatch.setenv("DROPLESS_DEBUG", env)
+        status, stderr = run_main(capsys, *argv, *extra)
+        assert status == 2 and "Traceback" in stderr and "JSONDecodeError" in stderr, stderr
+        assert stderr.strip().splitlines()[-1].startswith("dropless: error:")
+
+
+def test_an_unwritable_run_directory_gives_one_line(capsys, files, monkeypatch):
+    locked = files / "locked"
+    locked.mkdir(exist_ok=True)
+    locked.chmod(0o500)
+    if os.geteuid() == 0:  # root writes anywhere: make the directory refuse as the OS would
+        original = pathlib.Path.mkdir
+
+        def refuse(self, *args, **kwargs):
+            if locked in self.parents:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "mkdir", refuse)
+    status, stderr = run_main(capsys, "train", "--run-dir", str(locked / "run"), *SMALL_OVERRIDES)
+    locked.chmod(0o700)
+    assert_one_line(status, stderr, f"{locked / 'run'}: permission denied", "check its permissions")
+
+
+def test_overrides_stand_anywhere_among_the_options():
+    args = cli.parse_args(["train", "a.b=1", "--steps", "20", "--run-dir", "X", "train.checkpoint_every=5",
+                           "--no-progress", "c.d=2"])
+    assert args.overrides == ["a.b=1", "train.checkpoint_every=5", "c.d=2"]
+    assert (args.steps, args.run_dir, args.no_progress) == (20, "X", True)
+
+
+def test_the_same_preset_on_resume_is_accepted(files):
+    args = cli.parse_args(["train", "--resume", "--run-dir", str(files / "run"), "--preset", "tiny", *SMALL_OVERRIDES])
+    saved = config_lib.load(files / "run" / "config.json")
+    cli._check_preset_matches("tiny", saved, config_lib.parse_overrides(args.overrides), args, files / "run")
+
+
+def test_our_own_bugs_keep_their_traceback_and_errors_may_carry_a_status(capsys, monkeypatch):
+    def bug(args):
+        raise ValueError("a bug in dropless")
+
+    monkeypatch.setattr(cli, "cmd_presets", bug)
+    with pytest.raises(ValueError, match="a bug in dropless"):
+        cli.main(["presets"])
+    stopped = type("Stopped", (ConfigError,), {"exit_status": 75, "__module__": "dropless.train.loop"})
+
+    def stop(args):
+        raise stopped("The run stopped at step 3; resume it with --resume.")
+
+    monkeypatch.setattr(cli, "cmd_presets", stop)
+    assert cli.main(["presets"]) == 75
+    assert capsys.readouterr().err == "dropless: error: The run stopped at step 3; resume it with --resume.\n"
