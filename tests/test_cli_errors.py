@@ -72,6 +72,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["generate", "--run-dir", "{f}/badtok", "--prompt", "x"], ["badtok/tokenizer.json is not a valid tokenizer"]),
     (["generate", "--hf-dir", "{f}/hf", "--prompt", "x"], ["hf/config.json is not valid JSON", "re-download"]),
     (["generate", "--run-dir", "{f}/ok.npy", "--prompt", "x"], ["ok.npy is not a dropless run directory"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/garbage.npy", "--out", "{f}/o.npy"],
      ["garbage.npy is not an .npy file"]),

@@ -213,3 +213,19 @@ def test_errors_are_value_errors_and_one_sentence(tmp_path):
         resolve(str(tmp_path / "missing"), 10**9)
     message = str(info.value)
     assert "\n" not in message and message.endswith(".") and message.count(". ") == 0
+
+
+def test_npy_empty_foreign_or_a_directory(tmp_path):
+    (tmp_path / "empty.npy").write_bytes(b"")
+    with pytest.raises(DataError, match="empty.npy is empty; save the token ids"):
+        read_token_file(tmp_path / "empty.npy")
+    (tmp_path / "text.npy").write_text("1 2 3")
+    with pytest.raises(DataError, match="text.npy is not an .npy file"):
+        read_token_file(tmp_path / "text.npy")
+    np.save(tmp_path / "t.npy", np.arange(10, dtype=np.int32))
+    (tmp_path / "torn.npy").write_bytes((tmp_path / "t.npy").read_bytes()[:140])
+    with pytest.raises(DataError, match="torn.npy is not a readable .npy array"):
+        read_token_file(tmp_path / "torn.npy")
+    (tmp_path / "dir.npy").mkdir()
+    with pytest.raises(DataError, match="dir.npy is a directory"):
+        corpus_lib.load_token_array(tmp_path / "dir.npy")

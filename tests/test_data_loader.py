@@ -2,6 +2,7 @@
 per-process rows, the run-directory cache, and the data errors raised while building a dataset."""
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -326,3 +327,14 @@ def test_corpus_of_only_undecodable_files(tmp_path):
     with pytest.warns(UserWarning, match="Skipping .*a.txt: it is not valid UTF-8"):
         with pytest.raises(DataError, match="holds no text"):
             load_token_dataset(_cfg(tmp_path), VOCAB, SEQ)
+
+
+def test_a_damaged_token_cache_is_rebuilt(text_run, tmp_path):
+    _, dataset, _, run_dir, cfg = text_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (cache,) = (copy / "corpus").glob("tokens-*.npz")
+    cache.write_bytes(cache.read_bytes()[:100])  # torn, as by a failing disk
+    again, _ = load_token_dataset(cfg, VOCAB, SEQ, copy)
+    np.testing.assert_array_equal(again.train_batch(9, 4), dataset.train_batch(9, 4))
+    assert cache.stat().st_size > 100  # written again, whole

@@ -106,3 +106,8 @@ def test_tokenizer_without_end_of_document_token(tmp_path):
 def test_vocabulary_too_small_for_bytes():
     with pytest.raises(DataError, match="model.vocab_size=200 is too small for a byte-level BPE tokenizer"):
         train_bpe(CORPUS, 200)
+
+
+def test_a_directory_given_as_tokenizer(tmp_path):
+    with pytest.raises(DataError, match="is a directory; give the path of a tokenizer.json file"):
+        load_tokenizer(tmp_path)

@@ -12,6 +12,7 @@ import datetime
 import errno
 import importlib
 import logging
+import math
 import os
 import sys
 import traceback
@@ -139,7 +140,11 @@ def _load_for_inference(args):
 
 
 def cmd_generate(args) -> int:
-    # The cheap checks come first (the config, then the tokenizer), the slow model load last.
+    # The cheap checks come first (the flags, the config, the tokenizer), the slow model load last.
+    if not (math.isfinite(args.temperature) and args.temperature >= 0 and 0 < args.top_p <= 1):
+        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {args.temperature} and {args.top_p}.")
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
     source = Path(args.hf_dir or args.run_dir)
     ckpt.load_run_config(source) if args.run_dir else read_hf_config(source)
     tokenizer_path = source / "tokenizer.json"
