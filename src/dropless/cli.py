@@ -37,7 +37,7 @@ DEBUG_FLAG = "--debug"
 # OS errors the user's files or machine cause, with the fix each sentence ends with.
 OS_ERROR_FIXES = {
     errno.ENOENT: "check the path",
-    errno.ENOTDIR: "a part of the path is a file, not a directory; check the path",
+    errno.ENOTDIR: "check the path (a part of it is a file)",
     errno.EISDIR: "it is a directory; give a file",
     errno.EACCES: "check its permissions or choose another location",
     errno.EPERM: "check its permissions or choose another location",
