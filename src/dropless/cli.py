@@ -97,12 +97,12 @@ def cmd_train(args) -> int:
         config = build_config(preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer)
     summary = train(config, run_dir, resume=args.resume, overwrite=args.overwrite, init_weights=init_weights,
                     progress=not args.no_progress)
-    if summary.eval_losses:
+    if summary.eval_losses and not getattr(summary, "stopped_by", None):
         first, last = summary.eval_losses[0][1], summary.eval_losses[-1][1]
         print(f"dropless: done in {summary.wall_seconds:.0f} s; held-out loss {first:.3f} -> {last:.3f} "
               f"({last / first:.0%} of the first); tokens dropped: {summary.tokens_dropped}; "
               f"run directory {summary.run_dir}")
-    return 0
+    return int(getattr(summary, "exit_status", 0))  # 128 + the signal's number for a run a signal stopped
 
 
 def _check_preset_matches(preset: str, config: config_lib.Config, overrides: dict, args, run_dir: Path) -> None:
