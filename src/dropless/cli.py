@@ -30,7 +30,7 @@ from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import generate
 from dropless.train import checkpoint as ckpt
-from dropless.train.loop import RESUMABLE_CHANGES, train
+from dropless.train.loop import resume_changes, train
 
 DEFAULT_PRESET = "tiny"
 DEBUG_FLAG = "--debug"
@@ -86,7 +86,7 @@ def cmd_train(args) -> int:
             _check_preset_matches(args.preset, config, overrides, args, run_dir)
     elif args.init_from_hf:
         hf_config, params, state = load_hf(Path(args.init_from_hf))
-        merged = {k: v for k, v in _flat_dict(config_lib.load_preset(preset)).items()
+        merged = {k: v for k, v in config_lib.load_preset(preset).to_flat_dict().items()
                   if k.split(".")[0] in ("train", "data", "parallel")}
         hf_tokenizer = Path(args.init_from_hf) / "tokenizer.json"
         if args.tokenizer is None and hf_tokenizer.is_file():
@@ -107,11 +107,10 @@ def cmd_train(args) -> int:
 
 def _check_preset_matches(preset: str, config: config_lib.Config, overrides: dict, args, run_dir: Path) -> None:
     """A resumed run keeps its saved config, so --preset may only name what the run already is."""
-    wanted = _flat_dict(build_config(preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer))
-    saved = _flat_dict(config)
-    differing = sorted(k for k in saved if saved[k] != wanted[k] and k not in RESUMABLE_CHANGES)
-    if differing:
+    wanted_config = build_config(preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer)
+    if differing := resume_changes(config, wanted_config):
         key = differing[0]
+        saved, wanted = config.to_flat_dict(), wanted_config.to_flat_dict()
         raise ConfigError(f"--resume keeps {run_dir}'s saved config, which differs from --preset {preset} at {key} "
                           f"({saved[key]!r} saved, {wanted[key]!r} in the preset); drop --preset to continue the run, "
                           "or start a new one with another --run-dir.")
@@ -126,10 +125,6 @@ def _flag_overrides(args) -> dict:
     if args.tokenizer is not None:
         flags["data.tokenizer"] = args.tokenizer
     return flags
-
-
-def _flat_dict(config: config_lib.Config) -> dict:
-    return {f"{g}.{k}": v for g, d in config.to_dict().items() for k, v in d.items()}
 
 
 def _load_for_inference(args):

@@ -326,6 +326,10 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def to_flat_dict(self) -> dict:
+        """{"group.key": value} for every key, the form overrides are written in."""
+        return {f"{g}.{k}": v for g, d in self.to_dict().items() for k, v in d.items()}
+
     def replace(self, **overrides: Any) -> "Config":
         """Return a copy with dotted-key overrides applied, e.g. replace(**{"moe.gmm_backend": "xla"})."""
         return apply_overrides(self, overrides)

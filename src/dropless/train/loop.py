@@ -84,8 +84,10 @@ class RunSummary:
         return 128 + signal.Signals[self.stopped_by].value if self.stopped_by else 0
 
 
-def _flat(config: Config) -> dict:
-    return {f"{g}.{k}": v for g, d in config.to_dict().items() for k, v in d.items()}
+def resume_changes(saved: Config, config: Config) -> list[str]:
+    """The keys in which `config` differs from a run's saved config that a resume may not change, sorted."""
+    saved_flat, given = saved.to_flat_dict(), config.to_flat_dict()
+    return sorted(k for k, v in given.items() if saved_flat[k] != v and k not in RESUMABLE_CHANGES)
 
 
 def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool) -> Config:
@@ -100,12 +102,11 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
         saved = ckpt.load_run_config(run_dir)
         if config.train.schedule_steps == 0:  # not given: the saved horizon (a run saved before it had one: its steps)
             config = config.replace(**{"train.schedule_steps": saved.train.schedule_horizon})
-        changed = {k for k, v in _flat(config).items() if _flat(saved)[k] != v} - RESUMABLE_CHANGES
-        if changed:
-            key = sorted(changed)[0]
+        if changed := resume_changes(saved, config):
+            key = changed[0]
             raise ConfigError(f"--resume keeps the saved config, but {key} differs from the run's "
-                              f"({_flat(saved)[key]!r} saved, {_flat(config)[key]!r} given); drop that override "
-                              "or start a new run with --overwrite or another --run-dir.")
+                              f"({saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} given); drop "
+                              "that override or start a new run with --overwrite or another --run-dir.")
         config_lib.save(config, saved_path)
         return config
     if run_dir.exists() and any(p.name != run_lock.LOCK_NAME for p in run_dir.iterdir()):
