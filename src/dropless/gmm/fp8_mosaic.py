@@ -98,8 +98,9 @@ def aligned_layout(group_sizes_G: jax.Array, align: int = SCALE_BLOCK) -> tuple[
 
 @dataclass(frozen=True)
 class _Launch:
-    """The static shape of one kernel launch: the tile, `stages` that fit, `outer` x n_tiles CTA output tiles
-    (row tiles for gmm_nt, groups x K tiles for gmm_tn_aligned), the scaling, the output dtype and row bound."""
+    """The static shape of one kernel launch: the tile, `stages` that fit, `groups` x `outer` x n_tiles CTA output
+    tiles (gmm_nt: one group axis, row tiles; gmm_tn_aligned: each group's K tiles), the scaling, the output dtype
+    and (gmm_nt) the row count."""
 
     tile: TileConfig
     stages: int
@@ -108,18 +109,22 @@ class _Launch:
     scaling: str
     out_dtype: Any
     num_rows: int = 0
+    groups: int = 1
 
 
-def _stages(tile: TileConfig, out_dtype, scale_bytes: int) -> int:
-    """tile.num_stages, or fewer if the stages (e4m3 operand blocks plus `scale_bytes` of scale vectors each, every
-    pipeline buffer aligned to 1 KiB) and the output blocks do not fit in shared memory together."""
+def _stages(tile: TileConfig, out_dtype, scale_lengths: tuple[int, ...]) -> int:
+    """tile.num_stages, or fewer if the pipeline's buffers (e4m3 operand blocks and float32 scale vectors of
+    these lengths, each buffer aligned to 1 KiB) and the output blocks do not fit in shared memory together."""
     cta_n = CONSUMERS * tile.block_n
     out_bytes = CONSUMERS * tile.block_m * tile.block_n * jnp.dtype(out_dtype).itemsize
+
+    def needed(stages: int) -> int:
+        buffers = [stages * tile.block_m * tile.block_k, stages * cta_n * tile.block_k]
+        buffers += [stages * 4 * length for length in scale_lengths]
+        return sum(-(-b // 1024) * 1024 for b in buffers) + out_bytes + BARRIER_BYTES
+
     stages = tile.num_stages
-    while stages > 1:
-        per_stage = (tile.block_m + cta_n) * tile.block_k + 2 * max(scale_bytes, 1024)
-        if stages * per_stage + out_bytes + BARRIER_BYTES <= SMEM_BYTES:
-            break
+    while stages > 1 and needed(stages) > SMEM_BYTES:
         stages -= 1
     return stages
 
@@ -158,31 +163,26 @@ def _partial_mma(lhs_smem, b):
     return pl.run_scoped(run, plgpu.ACC((lhs_smem.shape[0], b.shape[1]), jnp.float32))
 
 
-def _rowwise_body(s: _Launch, wg, last_step, stage_out):
-    """Pipeline body accumulating in one ACC; after the last step it scales the sum by the outer product of the
-    rows' and the columns' scales and hands the result to stage_out (the output block)."""
-    bn = s.tile.block_n
-
-    def body(idx, lhs_smem, rhs_smem, row_scale_smem, col_scale_smem, acc_ref):
-        plgpu.wgmma(acc_ref, lhs_smem, _k_major_b(rhs_smem, wg, bn))
+def _rowwise_body(s: _Launch, wg):
+    """Pipeline body of rowwise scaling: each K step's product accumulates in the one float32 ACC."""
+    def body(_, lhs_smem, rhs_smem, acc_ref):
+        plgpu.wgmma(acc_ref, lhs_smem, _k_major_b(rhs_smem, wg, s.tile.block_n))
         plgpu.wgmma_wait(0)
-
-        @pl.when(idx[0] == last_step)
-        def _scale():
-            scale = _outer(row_scale_smem[0, :], col_scale_smem[0, pl.ds(wg * bn, bn)], acc_ref.shape)
-            stage_out(acc_ref[...] * scale)
-
         return acc_ref
 
     return body
 
 
-def _rowwise_context(s: _Launch, store):
-    """The rowwise consumers' context: a float32 ACC through the pipeline, then `store` of the staged output."""
+def _rowwise_context(s: _Launch, load_scales, stage_out, store):
+    """The rowwise consumers' context: a float32 ACC through the pipeline, then the sum times the outer product of
+    the tile's row and column scales (load_scales() reads both from global memory: they are needed once per tile,
+    so they take no pipeline buffers), staged and stored."""
     def context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((s.tile.block_m, s.tile.block_n), jnp.float32))
         def _acc(acc_ref):
             run_pipeline(acc_ref)
+            rows_vec, cols_vec = load_scales()
+            stage_out(acc_ref[...] * _outer(rows_vec, cols_vec, acc_ref.shape))
             store()
 
     return context
@@ -197,29 +197,19 @@ def _blockwise_context(s: _Launch, stage_out, store):
     return context
 
 
-def _every_step(step):
-    """The index map of a block that is the same at every step (rowwise scales). The warp-specialised pipeline
-    takes only inputs whose index depends on the step, so this one does, trivially: the block is loaded again each
-    step, 4 * (block_m + 2 * block_n) bytes beside the operands' (block_m + 2 * block_n) * block_k."""
-    return 0, step * 0
-
-
 def _pipeline(s: _Launch, steps: int, specs, body, context):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
         num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages, compute_context=context)
 
 
-def _operand_specs(s: _Launch, dtype, index_map, scale_index_map, col_scales: bool):
-    """BlockSpecs of the K-major lhs and rhs blocks, the [1, block_m] row-scale vector and (col_scales) the
-    [1, cta_n] column-scale vector."""
-    bm, bk, cta_n = s.tile.block_m, s.tile.block_k, CONSUMERS * s.tile.block_n
+def _operand_specs(dtype, tile: TileConfig, index_map, scale_lengths=(), scale_index_map=None):
+    """BlockSpecs of the K-major lhs and rhs blocks, then of one [1, length] float32 scale vector per length."""
+    bm, bk, cta_n = tile.block_m, tile.block_k, CONSUMERS * tile.block_n
     specs = [plgpu.BlockSpec((bm, bk), index_map, transforms=swizzled(bk, dtype), memory_space=plgpu.SMEM),
-             plgpu.BlockSpec((cta_n, bk), index_map, transforms=swizzled(bk, dtype), memory_space=plgpu.SMEM),
-             plgpu.BlockSpec((1, bm), scale_index_map, memory_space=plgpu.SMEM)]
-    if col_scales:
-        specs.append(plgpu.BlockSpec((1, cta_n), scale_index_map, memory_space=plgpu.SMEM))
-    return specs
+             plgpu.BlockSpec((cta_n, bk), index_map, transforms=swizzled(bk, dtype), memory_space=plgpu.SMEM)]
+    return specs + [plgpu.BlockSpec((1, length), scale_index_map, memory_space=plgpu.SMEM)
+                    for length in scale_lengths]
 
 
 def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int) -> None:
@@ -251,11 +241,11 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     out_dtype = jnp.dtype(out_dtype)
     m_tiles = max_row_tiles(m, g, bm)
     tables = row_tiles(group_sizes_G, bm, m_tiles)
-    scale_bytes = 4 * (bm + (cta_n if scaling == "rowwise" else 0))
-    s = _Launch(tile, _stages(tile, out_dtype, scale_bytes), m_tiles, n // cta_n, scaling, out_dtype, m)
+    scale_lengths = (bm,) if scaling == "blockwise" else ()
+    s = _Launch(tile, _stages(tile, out_dtype, scale_lengths), m_tiles, n // cta_n, scaling, out_dtype, m)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
-    if scaling == "rowwise":  # 2-D for TMA: one [1, block_m] / [1, cta_n] box per tile
-        lhs_scale, rhs_scale = lhs_scale.reshape(1, m), rhs_scale.reshape(g, 1, n)
+    if scaling == "rowwise":  # a row tile's scale vector is a plain load: it must not run past the array
+        lhs_scale = jnp.pad(lhs_scale, (0, bm))
     return plgpu.kernel(
         functools.partial(_nt_kernel, s), out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_sms(),),
         grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
@@ -285,13 +275,12 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
     bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
     cta_n, k_steps = CONSUMERS * bn, lhs.shape[1] // bk
     blockwise = s.scaling == "blockwise"
-    specs = _operand_specs(s, lhs.dtype, lambda ki: (0, ki), (lambda ki: (ki, 0)) if blockwise else _every_step,
-                           col_scales=not blockwise)
+    specs = (_operand_specs(lhs.dtype, s.tile, lambda ki: (0, ki), (bm,), lambda ki: (ki, 0)) if blockwise else
+             _operand_specs(lhs.dtype, s.tile, lambda ki: (0, ki)))
 
     def operands(start, group, ni):
-        cols = pl.ds(ni * cta_n, cta_n)
-        ops = [lhs.at[pl.ds(start, bm), :], rhs.at[group].at[cols, :], row_scale.at[:, pl.ds(start, bm)]]
-        return ops if blockwise else ops + [col_scale.at[group].at[:, cols]]
+        ops = [lhs.at[pl.ds(start, bm), :], rhs.at[group].at[pl.ds(ni * cta_n, cta_n), :]]
+        return ops + [row_scale.at[:, pl.ds(start, bm)]] if blockwise else ops
 
     ignore = lambda *_, **__: None  # the allocations depend on the block specs only
     allocations = _pipeline(s, k_steps, specs, ignore, ignore).get_allocations(*operands(0, 0, 0))
@@ -322,5 +311,111 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                     body = _nt_blockwise_body(s, wg, col_scale, group, ni)
                     context = _blockwise_context(s, stage_out, store)
                 else:
-                    body, context = _rowwise_body(s, wg, k_steps - 1, stage_out), _rowwise_context(s, store)
+                    scales = lambda: (row_scale[pl.ds(start, bm)], col_scale[group, pl.ds(ni * cta_n + wg * bn, bn)])
+                    body, context = _rowwise_body(s, wg), _rowwise_context(s, scales, stage_out, store)
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
+
+
+def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
+                   scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+    """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
+
+    Group g occupies columns [128 * first_g, 128 * (first_g + blocks_g)) of both copies, with (first_G, blocks_G)
+    = aligned_layout(group_sizes_G); the columns past its rows hold zeros (written by the quantizer: no 8-bit
+    masking exists in shared memory). Empty groups give zeros.
+    rowwise:   lhs_scale [G, K], rhs_scale [G, N]; out[g, k, n] = acc * lhs_scale[g, k] * rhs_scale[g, n].
+    blockwise: lhs_scale [P/128, K], rhs_scale [P/128, N]; each 128-column block pb of group g adds its product
+               times lhs_scale[pb, k] * rhs_scale[pb, n] into a float32 carry.
+    """
+    k, p = lhsT_KP.shape
+    n = rhsT_NP.shape[0]
+    g = group_sizes_G.shape[0]
+    pb = p // SCALE_BLOCK
+    expected = {"rhsT_NP": (n, p)} | ({"lhs_scale": (g, k), "rhs_scale": (g, n)} if scaling == "rowwise" else
+                                      {"lhs_scale": (pb, k), "rhs_scale": (pb, n)})
+    _check(scaling, tile, {"rhsT_NP": rhsT_NP.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
+           expected)
+    _check_operands(lhsT_KP, rhsT_NP, p, tile, n)
+    bm, cta_n = tile.block_m, CONSUMERS * tile.block_n
+    if tile.block_k != SCALE_BLOCK or k % bm:
+        raise ValueError(f"gmm_tn_aligned steps over the {SCALE_BLOCK}-column group blocks: block_k must be "
+                         f"{SCALE_BLOCK} and K ({k}) a multiple of block_m; got {tile}.")
+    out_dtype = jnp.dtype(out_dtype)
+    scale_lengths = (bm, cta_n) if scaling == "blockwise" else ()
+    s = _Launch(tile, _stages(tile, out_dtype, scale_lengths), k // bm, n // cta_n, scaling, out_dtype, groups=g)
+    lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
+    return plgpu.kernel(
+        functools.partial(_tn_kernel, s), out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=(num_sms(),),
+        grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
+        kernel_name=f"dropless_fp8_gmm_tn_aligned_{scaling}",
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP, rhsT_NP, lhs_scale, rhs_scale)
+
+
+def _tn_blockwise_body(s: _Launch, wg):
+    """Blockwise promotion along the group's columns: the block's product times the outer product of its K-row
+    and N-column scales, added into the carry."""
+    bn = s.tile.block_n
+
+    def body(_, lhs_smem, rhs_smem, row_scale_smem, col_scale_smem, carry):
+        partial = _partial_mma(lhs_smem, _k_major_b(rhs_smem, wg, bn))
+        return carry + partial * _outer(row_scale_smem[0, :], col_scale_smem[0, pl.ds(wg * bn, bn)], partial.shape)
+
+    return body
+
+
+def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, out):
+    """gmm_tn_aligned's kernel: pipeline and output blocks held for the whole kernel, the walk over (group, K tile,
+    CTA N tile) outputs, each tile's pipeline over its group's column blocks."""
+    bm, bn = s.tile.block_m, s.tile.block_n
+    cta_n, per_group = CONSUMERS * bn, s.outer * s.n_tiles
+    blockwise = s.scaling == "blockwise"
+
+    def specs(first):
+        if blockwise:
+            return _operand_specs(lhs.dtype, s.tile, lambda r: (0, first + r), (bm, cta_n), lambda r: (first + r, 0))
+        return _operand_specs(lhs.dtype, s.tile, lambda r: (0, first + r))
+
+    def operands(ki, ni):
+        rows, cols = pl.ds(ki * bm, bm), pl.ds(ni * cta_n, cta_n)
+        ops = [lhs.at[rows, :], rhs.at[cols, :]]
+        return ops + [row_scale.at[:, rows], col_scale.at[:, cols]] if blockwise else ops
+
+    ignore = lambda *_, **__: None  # the allocations depend on the block specs only
+    allocations = _pipeline(s, s.stages, specs(0), ignore, ignore).get_allocations(*operands(0, 0))
+    out_type = plgpu.SMEM((CONSUMERS, bm, bn), s.out_dtype, transforms=swizzled(bn, s.out_dtype))
+
+    @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, collective_axes="wg")
+    def _scope(allocations, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((s.groups * per_group,), collective_axes="sm")
+        def _tile(loop_info):
+            gi, kn = lax.div(loop_info.index[0], per_group), lax.rem(loop_info.index[0], per_group)
+            ki, ni = plgpu.planar_snake(kn, (s.outer, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+            first, steps = first_G[gi], blocks_G[gi]
+
+            def stage_out(value):
+                out_smem[wg] = value.astype(s.out_dtype)
+
+            def store():
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
+            def _empty():
+                @pl.when(wg < CONSUMERS)
+                def _zeros_out():
+                    stage_out(_zeros((bm, bn)))
+                    store()
+
+            @pl.when(steps > 0)
+            def _group():
+                if blockwise:
+                    body, context = _tn_blockwise_body(s, wg), _blockwise_context(s, stage_out, store)
+                else:
+                    scales = lambda: (row_scale[gi, pl.ds(ki * bm, bm)], col_scale[gi, pl.ds(ni * cta_n + wg * bn, bn)])
+                    body, context = _rowwise_body(s, wg), _rowwise_context(s, scales, stage_out, store)
+                _pipeline(s, steps, specs(first), body, context)(*operands(ki, ni), allocations=allocations)
