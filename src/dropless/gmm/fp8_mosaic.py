@@ -14,7 +14,8 @@ Both are warp-specialised like `dropless.gmm.mosaic_ws`: a producer warpgroup ru
 warpgroups each own a block_m x block_n accumulator side by side (a CTA tile is block_m x 2*block_n).
 
 Scaling. "rowwise": one scale per row of each operand, applied to the float32 accumulator after the last K step
-(the scale vectors travel through the pipeline beside the operand blocks). "blockwise": DeepSeek-V3 / DeepGEMM
+(each consumer reads its tile's two scale vectors from global memory once, so they take no pipeline buffers).
+"blockwise": DeepSeek-V3 / DeepGEMM
 promotion: each 128-wide contraction block's wgmma goes into a fresh accumulator that is waited for, scaled and
 added into a float32 register carry. Hopper's e4m3 wgmma accumulates with reduced precision, and the promotion
 bounds that error to one 128-wide block. A blockwise consumer holds two float32 tiles (partial and carry), so its
@@ -49,7 +50,7 @@ PRODUCTS = ("fwd", "dlhs", "drhs")
 # Tiles per consumer warpgroup (two side by side along N), keyed by (product, scaling). Measured on one H200 by
 # benchmarks/fp8/grouped_gemm.py at DeepSeek-V3's 32-expert shapes (benchmarks/results/fp8-probe-h200.json):
 #   fwd/dlhs rowwise: 128x128x128/3 m-minor 8 ran 1,198-1,284 TF/s with no scales applied; the rowwise epilogue
-#                     (two vector loads per step, one multiply per output) is not timed.
+#                     (two scale-vector loads per tile, two multiplies per output) is not timed.
 #   drhs rowwise:     128x128x128/3 n-minor 4 ran 1,174-1,191 TF/s unscaled, with bf16 outputs; with the default
 #                     float32 output only 2 stages fit beside the output blocks (untimed).
 #   fwd blockwise:    64x128x128/4 m-minor 8 ran 959 TF/s (against 1,274 unscaled; 128x128 per consumer spills).
@@ -63,29 +64,31 @@ FP8_TILES = {
     ("dlhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
     ("drhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=1, grid_tile_width=4),
 }
+# The entries whose tile was timed (the rowwise ones without their scale epilogue), for callers that report it.
 MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise"), ("fwd", "blockwise")})
 
 
 def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str) -> TileConfig:
-    """The tile of FP8_TILES for a product; m and g are accepted for a shape-keyed table and do not change it yet
-    (every entry was measured at one shape class, 65,536 rows in 32 groups)."""
-    del m, g
+    """The FP8_TILES entry of a product of the layer y = x·W (x [m, k], W [g, k, n]). The shape does not choose
+    the tile yet: every entry was measured at one shape class (65,536 rows in 32 groups); it is the key a
+    shape-keyed table will take."""
+    del m, k, n, g
     if product not in PRODUCTS or scaling not in SCALINGS:
         raise ValueError(f"product={product!r} / scaling={scaling!r}: choose from {PRODUCTS} and {SCALINGS}.")
-    del k, n
     return FP8_TILES[(product, scaling)]
 
 
 def fits(product: str, k: int, n: int, scaling: str) -> bool:
-    """Whether these kernels with default_tile take a product of layer dims k (x's features) and n (y's): the
-    output's columns a multiple of the CTA tile, its rows (drhs) of block_m, the contraction of 128."""
+    """Whether these kernels with default_tile take a product of the layer y = x·W with x [M, k], W [G, k, n] (the
+    dims of `dropless.gmm.tuning.ProductConfig.fits`): the output's columns a multiple of the CTA tile, 2 * block_n,
+    its rows (drhs) of block_m, a row-ragged product's contraction of 128 (the scale block and block_k)."""
     tile = default_tile(product, 0, k, n, 0, scaling)
     cta_n = CONSUMERS * tile.block_n
     if product == "fwd":  # out [M, n], contracts k
         return n % cta_n == 0 and k % SCALE_BLOCK == 0 and n % SCALE_BLOCK == 0
     if product == "dlhs":  # out [M, k], contracts n
         return k % cta_n == 0 and n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
-    return k % tile.block_m == 0 and n % cta_n == 0 and k % SCALE_BLOCK == 0  # drhs: out [G, k, n], contracts rows
+    return k % tile.block_m == 0 and n % cta_n == 0  # drhs: out [G, k, n], contracts the 128-aligned rows
 
 
 def aligned_layout(group_sizes_G: jax.Array, align: int = SCALE_BLOCK) -> tuple[jax.Array, jax.Array]:
@@ -146,6 +149,7 @@ def _outer(rows_vec, cols_vec, shape):
 
 
 def _zeros(shape):
+    """A float32 zero tile in the accumulator's layout (an empty group's output, the blockwise carry's start)."""
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
@@ -198,9 +202,19 @@ def _blockwise_context(s: _Launch, stage_out, store):
 
 
 def _pipeline(s: _Launch, steps: int, specs, body, context):
+    """The warp-specialised pipeline of one output tile: the producer loads `specs`' blocks `steps` times."""
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
         num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages, compute_context=context)
+
+
+def _call(kernel, s: _Launch, out_shape, name: str):
+    """The persistent launch: one CTA per SM, two consumer warpgroups and the producer."""
+    return plgpu.kernel(
+        functools.partial(kernel, s), out_type=jax.ShapeDtypeStruct(out_shape, s.out_dtype), grid=(num_sms(),),
+        grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
+        kernel_name=f"dropless_fp8_gmm_{name}_{s.scaling}",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
 def _operand_specs(dtype, tile: TileConfig, index_map, scale_lengths=(), scale_index_map=None):
@@ -213,6 +227,7 @@ def _operand_specs(dtype, tile: TileConfig, index_map, scale_lengths=(), scale_i
 
 
 def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int) -> None:
+    """The operands' dtype and the dims the tile must divide (a caller's mistake: one clear error)."""
     if lhs.dtype != FP8 or rhs.dtype != FP8:
         raise ValueError(f"operands must be {jnp.dtype(FP8).name}; got {lhs.dtype} and {rhs.dtype}.")
     cta_n = CONSUMERS * tile.block_n
@@ -246,13 +261,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     if scaling == "rowwise":  # a row tile's scale vector is a plain load: it must not run past the array
         lhs_scale = jnp.pad(lhs_scale, (0, bm))
-    return plgpu.kernel(
-        functools.partial(_nt_kernel, s), out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_sms(),),
-        grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name=f"dropless_fp8_gmm_nt_{scaling}",
-        compiler_params=plgpu.CompilerParams(approx_math=True,
-                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
+    return _call(_nt_kernel, s, (m, n), "nt")(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
 def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
@@ -344,13 +353,8 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     scale_lengths = (bm, cta_n) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scale_lengths), k // bm, n // cta_n, scaling, out_dtype, groups=g)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
-    return plgpu.kernel(
-        functools.partial(_tn_kernel, s), out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype), grid=(num_sms(),),
-        grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name=f"dropless_fp8_gmm_tn_aligned_{scaling}",
-        compiler_params=plgpu.CompilerParams(approx_math=True,
-                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP, rhsT_NP, lhs_scale, rhs_scale)
+    return _call(_tn_kernel, s, (g, k, n), "tn_aligned")(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP,
+                                                        rhsT_NP, lhs_scale, rhs_scale)
 
 
 def _tn_blockwise_body(s: _Launch, wg):
@@ -401,7 +405,8 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
 
             def store():
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+                cols = pl.ds(ni * cta_n + wg * bn, bn)
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out.at[gi, pl.ds(ki * bm, bm), cols])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load

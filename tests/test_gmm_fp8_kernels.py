@@ -1,0 +1,250 @@
+"""The e4m3 grouped-GEMM kernels (dropless.gmm.fp8_mosaic): both kernels with both scalings in Pallas's GPU
+interpreter against float64 numpy loops over the groups, the tile table lowered for CUDA on the CPU, and the
+errors a caller gets for malformed operands."""
+
+import numpy as np
+import pytest
+import jax
+import jax.numpy as jnp
+from jax import export
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from dropless.gmm import fp8_mosaic
+from dropless.gmm.fp8_mosaic import FP8, FP8_TILES, SCALE_BLOCK, aligned_layout, gmm_nt, gmm_tn_aligned
+from dropless.gmm.tuning import TileConfig
+
+S = jax.ShapeDtypeStruct
+# Small tiles for the interpreter: CTA tile 64 x 128, block_k = the scale block. The interpreter's time grows with
+# the tiles it walks: one CTA column tile and two 128-wide K blocks keep the file well under a minute.
+NT_TILE = TileConfig(64, 64, 128, 2, grid_minor_dim=0, grid_tile_width=2)
+TN_TILE = TileConfig(64, 64, 128, 2, grid_minor_dim=1, grid_tile_width=2)
+# 1-row, empty, not a multiple of the tile, starting unaligned; 212 rows in groups, 44 rows of padding.
+MIXED = [1, 0, 100, 0, 37, 74]
+SKEW = [0, 256, 0]  # every row in one group, no padding
+
+
+def _e4m3(rng, shape, extremes=True):
+    """Random e4m3 values as float64; with extremes, a few at the format's limits, ±448."""
+    values = rng.standard_normal(shape) * 64
+    if extremes:
+        values.flat[rng.choice(values.size, values.size // 50, replace=False)] = 448
+        values.flat[rng.choice(values.size, values.size // 50, replace=False)] = -448
+    return np.asarray(jnp.asarray(values, FP8), np.float64)
+
+
+def _scales(rng, shape):
+    """float32-exact scales spread over twelve decades (1e-6 .. 1e6), so tiny and large ones meet in one output."""
+    return np.asarray(np.float32(10.0 ** rng.uniform(-6, 6, shape)), np.float64)
+
+
+def _assert_matches(out, ref, mag):
+    """Equal up to float32 accumulation: |out - ref| <= 4e-6 * sum_k |terms| elementwise (float32 rounding of
+    terms and partial sums of a 256-long contraction is far below that), finite everywhere."""
+    assert np.isfinite(out).all()
+    np.testing.assert_array_less(np.abs(out - ref), 4e-6 * mag + 1e-30)
+
+
+def _nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale):
+    """out[m] = sum over 128-blocks of x[m, blk] · w[g(m), :, blk]ᵀ times its scales (float64), with the same sum
+    of absolute values (the rounding bound), rows outside groups left zero."""
+    m, k = x.shape
+    ref, mag = np.zeros((m, w.shape[1])), np.zeros((m, w.shape[1]))
+    for g, (lo, hi) in enumerate(zip(np.cumsum(sizes) - sizes, np.cumsum(sizes))):
+        for kb in range(k // SCALE_BLOCK):
+            cols = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)
+            if scaling == "rowwise":
+                scale = lhs_scale[lo:hi, None] * rhs_scale[g][None, :]
+            else:
+                scale = lhs_scale[kb, lo:hi, None] * np.repeat(rhs_scale[g, :, kb], SCALE_BLOCK)[None, :]
+            ref[lo:hi] += x[lo:hi, cols] @ w[g][:, cols].T * scale
+            mag[lo:hi] += np.abs(x[lo:hi, cols]) @ np.abs(w[g][:, cols]).T * scale
+    return ref, mag
+
+
+def _nt_case(sizes, scaling, seed, m=256, k=256, n=128):
+    rng = np.random.default_rng(seed)
+    g = len(sizes)
+    x, w = _e4m3(rng, (m, k)), _e4m3(rng, (g, n, k))
+    if scaling == "rowwise":
+        lhs_scale, rhs_scale = _scales(rng, (m,)), _scales(rng, (g, n))
+    else:
+        kb = k // SCALE_BLOCK
+        lhs_scale, rhs_scale = _scales(rng, (kb, m)), _scales(rng, (g, n // SCALE_BLOCK, kb))
+    return x, w, np.array(sizes, np.int32), lhs_scale, rhs_scale
+
+
+def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32):
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), NT_TILE, scaling=scaling,
+                     lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
+                     out_dtype=out_dtype)
+    return np.asarray(out.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling):
+    x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, scaling, seed=1)
+    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale)
+    live = sizes.sum()
+    ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale)
+    _assert_matches(out[:live], ref[:live], mag[:live])  # rows past the groups are unwritten
+    wrong = rhs_scale.copy()
+    wrong[4, ..., -1] *= 1.001  # one weight scale of the 37-row group off by 0.1%: the check sees it
+    ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, wrong)
+    with pytest.raises(AssertionError):
+        _assert_matches(out[:live], ref[:live], mag[:live])
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+def test_gmm_nt_with_every_row_in_one_group_and_a_bf16_output(scaling):
+    x, w, sizes, lhs_scale, rhs_scale = _nt_case(SKEW, scaling, seed=2)
+    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.bfloat16)
+    ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale)
+    assert np.isfinite(out).all()
+    np.testing.assert_array_less(np.abs(out - ref), 2.0 ** -8 * np.abs(ref) + 4e-6 * mag + 1e-30)  # bf16 rounding
+
+
+def _tn_case(sizes, scaling, seed, k=128, n=128):
+    """Group-aligned transposed copies xᵀ [k, P], dyᵀ [n, P] (zeros between groups), laid out by a numpy cumsum,
+    and the group blocks [(first, count)] the reference walks."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-np.array(sizes) // SCALE_BLOCK)
+    first = np.cumsum(blocks) - blocks
+    p = SCALE_BLOCK * (blocks.sum() + 1)  # one block of slack past the last group
+    xT, dyT = np.zeros((k, p)), np.zeros((n, p))
+    for size, f in zip(sizes, first):
+        xT[:, SCALE_BLOCK * f:SCALE_BLOCK * f + size] = _e4m3(rng, (k, size))
+        dyT[:, SCALE_BLOCK * f:SCALE_BLOCK * f + size] = _e4m3(rng, (n, size))
+    g = len(sizes)
+    if scaling == "rowwise":
+        lhs_scale, rhs_scale = _scales(rng, (g, k)), _scales(rng, (g, n))
+    else:
+        lhs_scale, rhs_scale = _scales(rng, (p // SCALE_BLOCK, k)), _scales(rng, (p // SCALE_BLOCK, n))
+    return xT, dyT, np.array(sizes, np.int32), list(zip(first, blocks)), lhs_scale, rhs_scale
+
+
+def _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale):
+    ref = np.zeros((len(layout), xT.shape[0], dyT.shape[0]))
+    mag = np.zeros_like(ref)
+    for g, (first, count) in enumerate(layout):
+        for blk in range(first, first + count):
+            cols = slice(SCALE_BLOCK * blk, SCALE_BLOCK * (blk + 1))
+            scale = lhs_scale[blk][:, None] * rhs_scale[blk][None, :] if scaling == "blockwise" else 1.0
+            ref[g] += xT[:, cols] @ dyT[:, cols].T * scale
+            mag[g] += np.abs(xT[:, cols]) @ np.abs(dyT[:, cols]).T * scale
+        if scaling == "rowwise":
+            ref[g] *= lhs_scale[g][:, None] * rhs_scale[g][None, :]
+            mag[g] *= lhs_scale[g][:, None] * rhs_scale[g][None, :]
+    return ref, mag
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("sizes", [MIXED, SKEW], ids=["mixed", "skew"])
+def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, sizes):
+    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(sizes, scaling, seed=3)
+    first, blocks = map(np.asarray, aligned_layout(jnp.asarray(sizes_G)))
+    assert [(int(f), int(b)) for f, b in zip(first, blocks)] == layout
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), TN_TILE,
+                             scaling=scaling, lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
+                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32))
+    assert out.dtype == jnp.float32 and out.shape == (len(sizes), 128, 128)
+    out = np.asarray(out, np.float64)
+    ref, mag = _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale)
+    _assert_matches(out, ref, mag)
+    assert all((out[g] == 0).all() for g, size in enumerate(sizes) if size == 0)  # empty groups: zeros
+    big = int(np.argmax(sizes))
+    wrong = lhs_scale.copy()
+    wrong[big if scaling == "rowwise" else sum(layout[big]) - 1, 5] *= 1.001  # one scale of the largest group
+    with pytest.raises(AssertionError):
+        _assert_matches(out, *_tn_reference(xT, dyT, layout, scaling, wrong, rhs_scale))
+
+
+def _lower(product, scaling, tile, m, k, n, g, out_dtype):
+    """Export the product of the layer y = x·W (x [m, k], W [g, k, n]) for CUDA on this CPU: Mosaic GPU's layout
+    inference and shared-memory check run here, as when the GPU compiles the kernel."""
+    f32, sizes = jnp.float32, S((g,), jnp.int32)
+    if product == "drhs":
+        p = m + g * SCALE_BLOCK  # the aligned copies' bound: each group pads to at most one more block
+        scales = ((S((g, k), f32), S((g, n), f32)) if scaling == "rowwise" else
+                  (S((p // SCALE_BLOCK, k), f32), S((p // SCALE_BLOCK, n), f32)))
+        fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
+                                                     out_dtype=out_dtype)
+        operands = (S((k, p), FP8), S((n, p), FP8), sizes, *scales)
+    else:
+        contract, out_cols = (k, n) if product == "fwd" else (n, k)  # dlhs: dy [m, n] · W[g]ᵀ, W read [g, k, n]
+        scales = ((S((m,), f32), S((g, out_cols), f32)) if scaling == "rowwise" else
+                  (S((contract // SCALE_BLOCK, m), f32),
+                   S((g, out_cols // SCALE_BLOCK, contract // SCALE_BLOCK), f32)))
+        fn = lambda a, b, gs, ls, rs: gmm_nt(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
+                                             out_dtype=out_dtype)
+        operands = (S((m, contract), FP8), S((g, out_cols, contract), FP8), sizes, *scales)
+    return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
+
+
+# DeepSeek-V3's gate-up (7168 -> 4096) and down (2048 -> 7168) projections at 8192 rows; nt's bf16 output and
+# the float32 one of the down projection, tn's float32 weight gradient and a bf16 one.
+@pytest.mark.parametrize("product, scaling", sorted(FP8_TILES))
+@pytest.mark.parametrize("k, n, g, out_dtype", [(7168, 4096, 32, jnp.bfloat16), (2048, 7168, 8, jnp.float32)],
+                         ids=["gate-up", "down"])
+def test_every_table_tile_lowers_for_cuda_on_the_cpu(product, scaling, k, n, g, out_dtype):
+    assert fp8_mosaic.fits(product, k, n, scaling)
+    tile = fp8_mosaic.default_tile(product, 8192, k, n, g, scaling)
+    assert tile == FP8_TILES[(product, scaling)]
+    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype).platforms == ("cuda",)
+
+
+@pytest.mark.parametrize("product, scaling", [("fwd", "rowwise"), ("drhs", "blockwise")])
+def test_lowering_fails_when_the_stages_do_not_fit_and_the_stage_count_is_the_largest_that_does(
+        product, scaling, monkeypatch):
+    """The check above can fail: one stage more than `_stages` picks (for a float32 output, where it drops
+    stages) exceeds shared memory, so the pick is also the largest that fits."""
+    tile = FP8_TILES[(product, scaling)]
+    chosen = []
+    pick = fp8_mosaic._stages
+    monkeypatch.setattr(fp8_mosaic, "_stages", lambda *a: chosen.append(pick(*a)) or chosen[-1])
+    _lower(product, scaling, tile, 8192, 2048, 7168, 8, jnp.float32)
+    assert chosen[-1] < tile.num_stages
+    monkeypatch.setattr(fp8_mosaic, "_stages", lambda *a: chosen[0] + 1)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        _lower(product, scaling, tile, 8192, 2048, 7168, 8, jnp.float32)
+
+
+def test_fits_and_default_tile():
+    for product in fp8_mosaic.PRODUCTS:
+        for scaling in fp8_mosaic.SCALINGS:
+            assert fp8_mosaic.fits(product, 7168, 4096, scaling) and fp8_mosaic.fits(product, 2048, 7168, scaling)
+    assert not fp8_mosaic.fits("fwd", 7168, 4000, "rowwise")  # output columns not a multiple of 256
+    assert not fp8_mosaic.fits("fwd", 7000, 4096, "rowwise")  # contraction not a multiple of 128
+    assert not fp8_mosaic.fits("dlhs", 7168 + 128, 4096, "blockwise")  # dlhs writes k columns: 256 must divide
+    assert not fp8_mosaic.fits("drhs", 7168, 4096 + 128, "rowwise")
+    assert fp8_mosaic.MEASURED <= set(FP8_TILES)
+    assert all(t.block_m == 64 for (_, scaling), t in FP8_TILES.items() if scaling == "blockwise")  # registers
+    with pytest.raises(ValueError, match="scaling"):
+        fp8_mosaic.default_tile("fwd", 1, 128, 256, 1, "tensorwise")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(scaling="tensorwise"), "scaling='tensorwise'"),
+    (dict(lhs_scale=jnp.ones((256,), jnp.float32)), r"lhs_scale has shape \(256,\); blockwise .* \(2, 256\)"),
+    (dict(rhs_scale=jnp.ones((2, 256), jnp.float32)), "rhs_scale has shape"),
+    (dict(lhs=jnp.zeros((256, 256), jnp.bfloat16)), "operands must be float8_e4m3fn"),
+    (dict(tile=TileConfig(64, 64, 64, 2)), "block_k == 128"),
+    (dict(lhs=jnp.zeros((256, 320), FP8), rhs=jnp.zeros((2, 256, 320), FP8)), "multiple of 128"),
+])
+def test_gmm_nt_rejects_malformed_operands_with_one_clear_error(change, message):
+    args = dict(lhs=jnp.zeros((256, 256), FP8), rhs=jnp.zeros((2, 256, 256), FP8), tile=NT_TILE,
+                scaling="blockwise", lhs_scale=jnp.ones((2, 256), jnp.float32),
+                rhs_scale=jnp.ones((2, 2, 2), jnp.float32)) | change
+    if "lhs" in change and "rhs" in change:  # the scales follow the operands, so the dims are what fails
+        args |= dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)))
+    with pytest.raises(ValueError, match=message):
+        gmm_nt(args["lhs"], args["rhs"], jnp.array([100, 100], jnp.int32), args["tile"], scaling=args["scaling"],
+               lhs_scale=args["lhs_scale"], rhs_scale=args["rhs_scale"])
+
+
+def test_gmm_tn_aligned_rejects_a_row_block_other_than_the_group_alignment():
+    xT, dyT = jnp.zeros((128, 256), FP8), jnp.zeros((256, 256), FP8)
+    with pytest.raises(ValueError, match="block_k must be 128"):
+        gmm_tn_aligned(xT, dyT, jnp.array([10, 0], jnp.int32), TileConfig(64, 64, 64, 2), scaling="rowwise",
+                       lhs_scale=jnp.ones((2, 128)), rhs_scale=jnp.ones((2, 256)))
