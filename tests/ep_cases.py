@@ -94,9 +94,9 @@ def expected_rows(problem, expert_parallel, dedup):
     return sent
 
 
-def assert_matches_single_device(strategy, expert_parallel, problem, moe_cfg=MOE, local_buffer_factor=0.0):
+def assert_matches_single_device(strategy, expert_parallel, problem, moe_cfg=MOE, local_buffer_factor=0.0, gmm=None):
     y_want, grads_want, stats_want = layer(None, moe_cfg, *problem)
-    y_got, grads_got, stats = layer(executor(strategy, expert_parallel, local_buffer_factor), moe_cfg, *problem)
+    y_got, grads_got, stats = layer(executor(strategy, expert_parallel, local_buffer_factor, gmm), moe_cfg, *problem)
     np.testing.assert_allclose(y_got, y_want, rtol=1e-5, atol=1e-6)
     for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(grads_got), jax.tree.leaves(grads_want)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))

@@ -249,3 +249,15 @@ def test_tokamax_backend_runs_through_the_one_vjp(monkeypatch):
     assert bool(jnp.isfinite(seen["lhs"]).all())  # the NaN padding rows were zeroed on the way in
     assert seen["products"] == GmmProducts(TokamaxRows("xla"), TokamaxRows("xla"), XlaContract(), True)
     assert seen["zero_padding"] is True and seen["out_dtype"] == jnp.float32  # tokamax's rows are always zeroed
+
+
+@pytest.mark.parametrize("expert_parallel", [2, 4])
+def test_the_one_vjp_sums_the_expert_gradient_over_the_token_axes_under_expert_parallelism(expert_parallel):
+    """Experts replicated over `data` (and `fsdp`) meet different tokens on each device: their gradient is the sum of
+    every device's part. JAX's own transpose rules add the psum; the one custom VJP adds it itself, whatever mesh-axis
+    type its kernels' outputs claim (a Pallas kernel's claims none: without the psum its gradient would be one
+    device's share; these portable products' claim every axis, and the cotangent's type would not match)."""
+    from tests.ep_cases import STRATEGIES, assert_matches_single_device, problem
+
+    gmm = TokamaxGmm(implementation="xla", weight_grad=XlaContract())
+    assert_matches_single_device(STRATEGIES["alltoall"], expert_parallel, problem(seed=7), gmm=gmm)

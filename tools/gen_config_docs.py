@@ -77,6 +77,9 @@ MEANINGS = {
     "train.beta1": "AdamW beta1",
     "train.beta2": "AdamW beta2",
     "train.grad_clip": "global-norm gradient clipping; 0 = off",
+    "train.fp8": "FP8 e4m3 matmuls for the experts, dense MLPs and attention projections: `off`, `rowwise` (a "
+                 "scale per row), `blockwise` (DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks, float32 "
+                 "promotion every 128) or `mxfp8` (OCP MX, 1x32 blocks); docs/fp8.md",
     "train.remat": "recompute in the backward pass: nothing, each MoE block, or each whole layer",
     "train.seed": "seed of the parameter initialisation",
     "train.log_every": "steps between metrics lines",

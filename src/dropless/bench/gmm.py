@@ -29,7 +29,9 @@ from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
 from dropless.gmm import tuning as gmm_tuning
 from dropless.gmm.capacity import CapacityGmm
-from dropless.gmm.dropless_mosaic import tuned_products
+from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
+from dropless.fp8.grouped import Fp8Products
+from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract, tuned_products
 from dropless.gmm.tuning import TileConfig
 from dropless.gmm.vjp import gmm_from_products
 
@@ -58,8 +60,12 @@ SHAPES = {s.name: s for s in (
 )}
 DEFAULT_SHAPES = tuple(n for n in SHAPES if n != "tiny")
 SKEWS = ("balanced", "dirichlet", "hot")
-BACKENDS = ("dense", "xla", "tokamax_default", "tokamax_fwd_tuned", "dropless", "capacity")
-GPU_ONLY = ("tokamax_default", "tokamax_fwd_tuned", "dropless")
+BACKENDS = ("dense", "dense_fp8", "xla", "tokamax_default", "tokamax_fwd_tuned", "dropless", "fp8_rowwise",
+            "fp8_blockwise", "capacity")
+GPU_ONLY = ("tokamax_default", "tokamax_fwd_tuned", "dropless", "fp8_rowwise", "fp8_blockwise")
+# FP8 paths are checked against the bf16 reference within e4m3's rounding (2^-4 per value, ~4% relative over a
+# product of random operands), not REL_ERR_LIMIT: a wrong scale or tile is off by far more.
+FP8_REL_ERR_LIMIT = 0.08
 # Paths that run for minutes per call on big shapes are timed on one skew only (their cost does not depend on it).
 SKEW_INSENSITIVE = ("xla",)
 # tokamax's own autotuner's pick on an H200 for both DeepSeek-V3 32-expert shapes (shared/facts/autotune_dsv3_*.json).
@@ -93,6 +99,11 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
         # Called with a [1, K, N] weight, so its gradient is one K x N matrix. A bf16 x bf16 -> bf16 dot (XLA
         # accumulates in f32 inside): with preferred_element_type=f32 the backward dots would run in f32.
         return lambda x, w, gs: jnp.dot(x, w[0])
+    if name == "dense_fp8":  # the FP8 roofline: the rowwise recipe's dense matmul (XLA's cuBLASLt FP8 GEMM)
+        return lambda x, w, gs: fp8_matmul(x, w[0], Recipe("rowwise", native=True))
+    if name.startswith("fp8_"):
+        recipe = Recipe(name.removeprefix("fp8_"), native=True)
+        return Fp8Gmm(Fp8Products(recipe, DroplessMosaicGmm(), TunedContract()))
     if name == "xla":
         return lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)
     if name == "tokamax_default":
@@ -120,7 +131,7 @@ def compile_all(paths, shape: ShapeSpec, plan, fwd_args: tuple, fwdbwd_args: tup
     time, because XLA's GEMM autotuner allocates device memory while it compiles."""
     def build(job):
         path, which = job
-        args = dense_args if path == "dense" else (fwd_args, fwdbwd_args)
+        args = dense_args if path.startswith("dense") else (fwd_args, fwdbwd_args)
         try:
             fns = fwd_and_fwdbwd(make_backend(path, shape, plan))
             fn, a = (fns[0], args[0]) if which == "fwd" else (fns[1], args[1])
@@ -229,7 +240,9 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
     dense_record = _dense_record(shape, compiled, fwd_args, fwdbwd_args, batches, log)
     records.append(base | dense_record)
     dense_tf = {"fwd": dense_record["fwd_tflops"], "fwdbwd": dense_record["fwdbwd_tflops"]}
-    for backend in paths[1:]:
+    if "dense_fp8" in paths:  # the same dense matmul in FP8: the roofline of the FP8 paths, same run
+        records.append(base | _dense_record(shape, compiled, fwd_args, fwdbwd_args, batches, log, "dense_fp8"))
+    for backend in [p for p in paths[1:] if p != "dense_fp8"]:
         (fwd, err_f), (fwdbwd, err_b) = compiled.pop((backend, "fwd")), compiled.pop((backend, "fwdbwd"))
         for skew in skews:
             if backend in SKEW_INSENSITIVE and "dirichlet" in skews and skew != "dirichlet":
@@ -255,17 +268,22 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
     return records
 
 
-def _dense_record(shape: ShapeSpec, compiled: dict, fwd_args, fwdbwd_args, batches: int, log) -> dict:
-    """The dense matmul of equal FLOPs, timed: the roofline reference of every path of the shape."""
-    (dense_fwd, err_f), (dense_fwdbwd, err_b) = compiled[("dense", "fwd")], compiled[("dense", "fwdbwd")]
+def _dense_record(shape: ShapeSpec, compiled: dict, fwd_args, fwdbwd_args, batches: int, log,
+                  path: str = "dense") -> dict:
+    """The dense matmul of equal FLOPs (`dense` in bf16, `dense_fp8` by the rowwise FP8 recipe), timed: the
+    roofline reference of every path of the shape."""
+    (dense_fwd, err_f), (dense_fwdbwd, err_b) = compiled[(path, "fwd")], compiled[(path, "fwdbwd")]
     if err_f or err_b:
+        if path != "dense":
+            log(f"{shape.name}: {path} FAILED: {err_f or err_b}")
+            return {"skew": None, "backend": path, "error": err_f or err_b, "max_rel_err": None}
         raise RuntimeError(f"{shape.name}: the dense reference failed to compile: {err_f or err_b}")
     dense = {"fwd": time_calls(dense_fwd, fwd_args, batches=batches),
              "fwdbwd": time_calls(dense_fwdbwd, fwdbwd_args, batches=batches)}
     dense_tf = {p: _flops(shape.m, shape) * (3 if p == "fwdbwd" else 1) / t / 1e12 for p, t in dense.items()}
-    log(f"{shape.name}: dense {dense['fwd']*1e3:.2f} ms fwd ({dense_tf['fwd']:.0f} TF/s), "
+    log(f"{shape.name}: {path} {dense['fwd']*1e3:.2f} ms fwd ({dense_tf['fwd']:.0f} TF/s), "
         f"{dense['fwdbwd']*1e3:.2f} ms fwd+bwd ({dense_tf['fwdbwd']:.0f} TF/s)")
-    return {"skew": None, "backend": "dense", "fwd_ms": dense["fwd"] * 1e3,
+    return {"skew": None, "backend": path, "fwd_ms": dense["fwd"] * 1e3,
             "fwdbwd_ms": dense["fwdbwd"] * 1e3, "fwd_tflops": dense_tf["fwd"],
             "fwdbwd_tflops": dense_tf["fwdbwd"], "dense_tflops": dense_tf["fwdbwd"],
             "dense_fwd_tflops": dense_tf["fwd"], "max_rel_err": None, "error": None}
@@ -295,8 +313,9 @@ def _check_and_time(rec: dict, shape: ShapeSpec, sizes: np.ndarray, programs, ch
     rec["rel_err"] = dict(zip(("fwd", "dlhs", "drhs"), map(float, per_product)))
     rec["max_rel_err"] = float(per_product.max())
     del out, dx, dw
-    if not rec["max_rel_err"] <= REL_ERR_LIMIT:
-        raise AssertionError(f"relative error {rec['rel_err']} > {REL_ERR_LIMIT}: not timed")
+    limit = FP8_REL_ERR_LIMIT if rec["backend"].startswith("fp8_") else REL_ERR_LIMIT
+    if not rec["max_rel_err"] <= limit:
+        raise AssertionError(f"relative error {rec['rel_err']} > {limit}: not timed")
     t_fwd = time_calls(fwd, [(x, w, gs) for x in xs], batches=batches)
     t_fb = time_calls(fwdbwd, [(x, w, gs, dy) for x, dy in zip(xs, dys)], batches=batches)
     rec |= {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3,

@@ -211,6 +211,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights are float32
+    fp8: Literal["off", "rowwise", "blockwise", "mxfp8"] = "off"
     remat: Literal["none", "moe", "full"] = "none"
     seed: int = 0
     log_every: int = 10
@@ -322,6 +323,9 @@ class Config:
         _require(self.moe.num_experts % self.parallel.expert == 0,
                  f"moe.num_experts={self.moe.num_experts} is not divisible by parallel.expert={self.parallel.expert}; "
                  f"choose an expert-parallel size that divides the number of experts.")
+        _require(self.train.fp8 == "off" or self.moe.gmm_backend in ("auto", "dropless_mosaic", "xla"),
+                 f"train.fp8={self.train.fp8} runs the routed experts' GEMMs on e4m3, which moe.gmm_backend="
+                 f"{self.moe.gmm_backend} does not; use moe.gmm_backend=auto, dropless_mosaic or xla, or train.fp8=off.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

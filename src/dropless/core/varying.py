@@ -16,3 +16,16 @@ def varying_like(out: jax.Array, *like: jax.Array) -> jax.Array:
     want = frozenset().union(*(jax.typeof(a).mat.varying for a in like))
     missing = tuple(sorted(want - have))
     return jax.lax.pcast(out, missing, to="varying") if missing else out
+
+
+def sum_like(cotangent: jax.Array, primal: jax.Array, *sources: jax.Array) -> jax.Array:
+    """A custom VJP's cotangent of `primal`, computed from `sources`, in `primal`'s mesh-axis type: summed over the
+    axes the sources vary over and the primal does not (unchanged outside a shard_map).
+
+    A weight that is the same on every device of an axis (experts replicated over `data`) meets tokens that differ
+    along it: each device's contribution to the weight's gradient is a partial sum, and JAX's own transpose rules
+    add them with a psum. A custom VJP must do it itself, whatever type its kernels' outputs claim.
+    """
+    cotangent = varying_like(cotangent, *sources)
+    extra = tuple(sorted(jax.typeof(cotangent).mat.varying - jax.typeof(primal).mat.varying))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent

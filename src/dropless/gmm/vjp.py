@@ -29,7 +29,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from dropless.core.varying import varying_like
+from dropless.core.varying import sum_like, varying_like
 from dropless.gmm.api import zero_padding_rows
 
 
@@ -82,10 +82,11 @@ def _bwd(products, out_dtype, zero_padding, residuals, dout_MN):
         dout_MN = zero_padding_rows(dout_MN, group_sizes_G)
     dlhs_MK = products.dlhs(dout_MN, rhs_GKN, group_sizes_G, transpose_rhs=True, out_dtype=lhs_MK.dtype)
     drhs_GKN = products.drhs(lhs_MK, dout_MN, group_sizes_G, out_dtype=rhs_GKN.dtype)
-    # Inside jax.shard_map a cotangent must have its primal's type: the weight gradient of experts sharded over
-    # `expert` must vary over `expert`, although a Pallas kernel's output varies over no mesh axis.
-    return (varying_like(zero_padding_rows(dlhs_MK, group_sizes_G), lhs_MK), varying_like(drhs_GKN, rhs_GKN),
-            None)
+    # Inside jax.shard_map a cotangent must have its primal's type, although a Pallas kernel's output varies over
+    # no mesh axis: the weight gradient of experts sharded over `expert` varies over `expert`, and is the sum of
+    # every device's partial gradient along the axes the tokens vary over and the weights do not (`data`, `fsdp`).
+    return (varying_like(zero_padding_rows(dlhs_MK, group_sizes_G), lhs_MK),
+            sum_like(drhs_GKN, rhs_GKN, lhs_MK, dout_MN), None)
 
 
 gmm_from_products.defvjp(_fwd, _bwd)

@@ -23,6 +23,7 @@ from dropless.core import params as params_lib
 from dropless.core.config import ConfigError, ModelConfig
 from dropless.core.mesh import per_batch_shard
 from dropless.core.params import ParamSpec, Specs
+from dropless.fp8 import Recipe, linear
 from dropless.ops.norms import rms_norm
 from dropless.ops.rope import apply_rope, mla_softmax_scale
 
@@ -131,29 +132,28 @@ def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, *, sc
 
 
 def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
-        mesh: Mesh | None = None) -> jax.Array:
+        mesh: Mesh | None = None, recipe: Recipe | None = None) -> jax.Array:
     """DeepSeek-V2/V3 multi-head latent attention, as Hugging Face's DeepseekV3Attention (rope_interleave=True).
 
     Queries: `x @ q` or `norm(x @ q_a) @ q_b`, per head [nope | rope]. Keys/values: `x @ kv_a` gives a latent
     c (first Rkv columns) and one rotary key shared by all heads (last P columns); `norm(c) @ kv_b` gives per
     head [k_nope | v]. Each head's key is [k_nope | shared rotary key].
     """
-    dtype = x_BSD.dtype
     B, S, _ = x_BSD.shape
     H, nope, P, W = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
 
     if "q_a" in params:
-        q_latent_BSR = rms_norm(x_BSD @ params["q_a"].astype(dtype), params["q_a_norm"], LATENT_NORM_EPS)
-        q_BSX = q_latent_BSR @ params["q_b"].astype(dtype)
+        q_latent_BSR = rms_norm(linear(x_BSD, params["q_a"], recipe), params["q_a_norm"], LATENT_NORM_EPS)
+        q_BSX = linear(q_latent_BSR, params["q_b"], recipe)
     else:
-        q_BSX = x_BSD @ params["q"].astype(dtype)
+        q_BSX = linear(x_BSD, params["q"], recipe)
     q_BSHQ = q_BSX.reshape(B, S, H, nope + P)
     q_nope_BSHn, q_rope_BSHP = q_BSHQ[..., :nope], q_BSHQ[..., nope:]
 
-    kv_a_BSX = x_BSD @ params["kv_a"].astype(dtype)
+    kv_a_BSX = linear(x_BSD, params["kv_a"], recipe)
     kv_latent_BSR, k_rope_BSP = kv_a_BSX[..., : m.kv_lora_rank], kv_a_BSX[..., m.kv_lora_rank :]
     kv_latent_BSR = rms_norm(kv_latent_BSR, params["kv_a_norm"], LATENT_NORM_EPS)
-    kv_BSHX = (kv_latent_BSR @ params["kv_b"].astype(dtype)).reshape(B, S, H, nope + W)
+    kv_BSHX = linear(kv_latent_BSR, params["kv_b"], recipe).reshape(B, S, H, nope + W)
     k_nope_BSHn, v_BSHW = kv_BSHX[..., :nope], kv_BSHX[..., nope:]
 
     q_rope_BSHP = apply_rope(q_rope_BSHP, cos_SP, sin_SP, interleaved=True)
@@ -162,22 +162,21 @@ def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     q_BSHQ = jnp.concatenate([q_nope_BSHn, q_rope_BSHP], axis=-1)
     k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BS1P, (B, S, H, P))], axis=-1)
     out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m, mesh)
-    return out_BSHW.reshape(B, S, H * W) @ params["o"].astype(dtype)
+    return linear(out_BSHW.reshape(B, S, H * W), params["o"], recipe)
 
 
 def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
-        mesh: Mesh | None = None) -> jax.Array:
+        mesh: Mesh | None = None, recipe: Recipe | None = None) -> jax.Array:
     """Grouped-query attention (Mixtral; Qwen3 with per-head q/k RMSNorm before RoPE), rotate-half RoPE.
 
     Query head h attends with key/value head h // G, as Hugging Face's `repeat_kv` arranges it.
     """
-    dtype = x_BSD.dtype
     B, S, _ = x_BSD.shape
     H, N, hd = m.num_heads, m.num_kv_heads, m.head_dim
 
-    q_BSHQ = (x_BSD @ params["q"].astype(dtype)).reshape(B, S, H, hd)
-    k_BSNQ = (x_BSD @ params["k"].astype(dtype)).reshape(B, S, N, hd)
-    v_BSNW = (x_BSD @ params["v"].astype(dtype)).reshape(B, S, N, hd)
+    q_BSHQ = linear(x_BSD, params["q"], recipe).reshape(B, S, H, hd)
+    k_BSNQ = linear(x_BSD, params["k"], recipe).reshape(B, S, N, hd)
+    v_BSNW = linear(x_BSD, params["v"], recipe).reshape(B, S, N, hd)
     if "q_norm" in params:
         q_BSHQ = rms_norm(q_BSHQ, params["q_norm"], m.rms_norm_eps)
         k_BSNQ = rms_norm(k_BSNQ, params["k_norm"], m.rms_norm_eps)
@@ -185,13 +184,14 @@ def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     k_BSNQ = apply_rope(k_BSNQ, cos_SP, sin_SP)
 
     out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, hd**-0.5, m, mesh)
-    return out_BSHW.reshape(B, S, H * hd) @ params["o"].astype(dtype)
+    return linear(out_BSHW.reshape(B, S, H * hd), params["o"], recipe)
 
 
 def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
-              mesh: Mesh | None = None) -> jax.Array:
-    """The configured attention (`model.attention`: mla or gqa); `mesh`: the training mesh (None on one device)."""
-    return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m, mesh)
+              mesh: Mesh | None = None, recipe: Recipe | None = None) -> jax.Array:
+    """The configured attention (`model.attention`: mla or gqa); `mesh`: the training mesh (None on one device);
+    `recipe`: FP8 projections (dropless.fp8; the attention core stays in the compute dtype and float32)."""
+    return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
 
 
 def rotary_dim(m: ModelConfig) -> int:

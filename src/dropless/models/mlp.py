@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from dropless.core import params as params_lib
 from dropless.core.params import Specs
+from dropless.fp8 import Recipe, linear
 from dropless.moe.experts import swiglu_params
 
 
@@ -23,9 +24,8 @@ def init_mlp(key: jax.Array, hidden_size: int, intermediate_size: int, init_std:
     return params_lib.init(key, mlp_params(hidden_size, intermediate_size), init_std)
 
 
-def swiglu(params: dict, x_BSD: jax.Array) -> jax.Array:
-    """SwiGLU in x's dtype (weights are cast at use)."""
-    dtype = x_BSD.dtype
-    gate_up_BSF2 = x_BSD @ params["gate_up"].astype(dtype)
+def swiglu(params: dict, x_BSD: jax.Array, recipe: Recipe | None = None) -> jax.Array:
+    """SwiGLU in x's dtype (weights are cast at use); FP8 matmuls with a `recipe`."""
+    gate_up_BSF2 = linear(x_BSD, params["gate_up"], recipe)
     gate_BSF, up_BSF = jnp.split(gate_up_BSF2, 2, axis=-1)
-    return (jax.nn.silu(gate_BSF) * up_BSF) @ params["down"].astype(dtype)
+    return linear(jax.nn.silu(gate_BSF) * up_BSF, params["down"], recipe)

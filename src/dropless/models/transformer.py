@@ -28,6 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 from dropless.core import params as params_lib
 from dropless.core.config import ACTIVATION_NAMES, Config, ModelConfig, TrainConfig  # noqa: F401 (re-exported)
 from dropless.core.params import ParamSpec, Specs
+from dropless.fp8 import make_recipe
 from dropless.models.attention import attention, attention_params, rotary_dim
 from dropless.models.embedding import embed_tokens
 from dropless.models.mlp import mlp_params, swiglu
@@ -168,10 +169,10 @@ def _run_layers(body, x_BSD: jax.Array, stacked, scan: bool):
     return x_BSD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
 
 
-def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh) -> jax.Array:
+def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh, recipe) -> jax.Array:
     with jax.named_scope("attention"):
         h_BSD = rms_norm(x_BSD, layer["attn_norm"], m.rms_norm_eps)
-        y_BSD = checkpoint_name(attention(layer["attn"], h_BSD, cos_SP, sin_SP, m, mesh), "attn_out")
+        y_BSD = checkpoint_name(attention(layer["attn"], h_BSD, cos_SP, sin_SP, m, mesh, recipe), "attn_out")
     return x_BSD + y_BSD
 
 
@@ -195,21 +196,23 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
     """
     m = config.model
     dtype = compute_dtype(config)
-    executor = LocalExecutor.from_config(config.moe) if executor is None else executor
+    recipe = make_recipe(config.train.fp8)
+    executor = LocalExecutor.from_config(config.moe, recipe) if executor is None else executor
     mesh = executor.mesh  # the attention kernel runs per batch shard over the same mesh
     with jax.named_scope("embed"):
         x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)
     cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(m), m.rope_theta, m.rope_scaling)
 
     def dense_layer(x_BSD, layer):
-        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh)
+        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
         with jax.named_scope("mlp"):
             h_BSD = rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps)
-            y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD), "mlp_out")
+            y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, recipe), "mlp_out")
         return x_BSD + y_BSD, None
 
     def moe_block(moe_params, bias_E, h_BSD):
-        y_BSD, stats = moe_layer(moe_params, bias_E, h_BSD, config.moe, compute_dtype=dtype, executor=executor)
+        y_BSD, stats = moe_layer(moe_params, bias_E, h_BSD, config.moe, compute_dtype=dtype, executor=executor,
+                                 recipe=recipe)
         return y_BSD.astype(dtype), stats
 
     if config.train.remat == "moe":
@@ -218,7 +221,7 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
 
     def moe_layer_body(x_BSD, layer_and_bias):
         layer, bias_E = layer_and_bias
-        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh)
+        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
         with jax.named_scope("moe"):
             h_BSD = checkpoint_name(rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps), "moe_in")
             y_BSD, stats = moe_block(layer["moe"], bias_E, h_BSD)

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from dropless.gmm import GroupedMatmul, make_gmm
+from dropless.fp8 import Recipe, experts_gmm
+from dropless.gmm import GroupedMatmul
 from dropless.moe.experts import routed_experts
 from dropless.moe.permute import permute, unpermute
 
@@ -65,9 +66,9 @@ class LocalExecutor:
     remat_activation: bool = False
 
     @classmethod
-    def from_config(cls, moe_cfg) -> "LocalExecutor":
-        """The one-device executor with the grouped-GEMM backend `moe.gmm_backend` names."""
-        return cls(make_gmm(moe_cfg))
+    def from_config(cls, moe_cfg, recipe: Recipe | None = None) -> "LocalExecutor":
+        """The one-device executor with the grouped-GEMM backend `moe.gmm_backend` names (under an FP8 recipe)."""
+        return cls(experts_gmm(moe_cfg, recipe))
 
     @property
     def mesh(self) -> None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from dropless.core.params import ParamSpec, Specs
 from dropless.gmm.api import GroupedMatmul
-from dropless.ops.matmul import matmul_f32_out
+from dropless.fp8 import Recipe, linear
 
 
 def _glu(h_MF2: jax.Array, dtype) -> jax.Array:
@@ -48,11 +48,10 @@ def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: di
         return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E, zero_padding=False)
 
 
-def dense_swiglu(x_TD: jax.Array, weights: dict) -> jax.Array:
-    """The shared experts (and any dense SwiGLU MLP): [T, D] -> [T, D] float32."""
-    dtype = x_TD.dtype
-    h_TF2 = jnp.dot(x_TD, weights["gate_up"].astype(dtype))
-    return matmul_f32_out(_glu(h_TF2, dtype), weights["down"].astype(dtype))
+def dense_swiglu(x_TD: jax.Array, weights: dict, recipe: Recipe | None = None) -> jax.Array:
+    """The shared experts (and any dense SwiGLU MLP): [T, D] -> [T, D] float32; FP8 matmuls with a `recipe`."""
+    h_TF2 = linear(x_TD, weights["gate_up"], recipe)
+    return linear(_glu(h_TF2, x_TD.dtype), weights["down"], recipe, out_dtype=jnp.float32)
 
 
 def swiglu_params(hidden_size: int, width: int, num_experts: int | None = None) -> Specs:

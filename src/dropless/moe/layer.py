@@ -19,6 +19,7 @@ from dropless.core import params as params_lib
 from dropless.core.errors import MoEError
 from dropless.core.params import ParamSpec, Specs
 from dropless.moe import balance
+from dropless.fp8 import Recipe
 from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, swiglu_params
 from dropless.moe.router import Routing, route
@@ -95,13 +96,13 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
-              executor: ExpertExecutor | None = None) -> tuple[jax.Array, MoEStats]:
+              executor: ExpertExecutor | None = None, recipe: Recipe | None = None) -> tuple[jax.Array, MoEStats]:
     """The routed (+ shared) expert layer: returns (y_BSD in compute_dtype, MoEStats).
 
     `executor`: built once with the model (`dropless.ep.make_executor`: the grouped-GEMM backend, and the mesh
     under expert parallelism); None = the one-device `LocalExecutor.from_config(moe_cfg)`."""
     check_inputs(params, router_bias_E, x_BSD, moe_cfg)
-    executor = LocalExecutor.from_config(moe_cfg) if executor is None else executor
+    executor = LocalExecutor.from_config(moe_cfg, recipe) if executor is None else executor
     batch, seq, hidden = x_BSD.shape
     x_TD = x_BSD.reshape(batch * seq, hidden)
     with jax.named_scope("route"):
@@ -111,5 +112,5 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts)
     if "shared" in params:
         with jax.named_scope("shared"):
-            y_TD = y_TD + dense_swiglu(x_TD, params["shared"])
+            y_TD = y_TD + dense_swiglu(x_TD, params["shared"], recipe)
     return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), moe_stats(routing, executor_stats, batch, moe_cfg)

@@ -1,0 +1,87 @@
+"""Where an FP8 grouped GEMM's time goes: each quantization pass and each kernel of the blockwise recipe, timed alone,
+beside the whole FP8 product and the bf16 one, on one GPU (make bench-fp8-breakdown).
+
+    python benchmarks/fp8/breakdown.py --out fp8-breakdown.json [--rows 65536 --k 7168 --n 4096 --groups 32]
+
+One line of JSON per piece: ms (median of batches of back-to-back calls, dropless.bench.harness.time_calls) and, for
+GEMMs, TF/s = 2 * rows * K * N / time. Group sizes: Dirichlet(alpha=1), seed 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dropless.bench.harness import time_calls
+from dropless.bench.records import environment, write_json
+from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
+from dropless.fp8.grouped import Fp8Products, aligned_transposed, weight_copies
+from dropless.gmm import fp8_mosaic
+from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
+from dropless.ops.fp8 import quantize
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, default=65536)
+    p.add_argument("--k", type=int, default=7168)
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--groups", type=int, default=32)
+    p.add_argument("--modes", default="blockwise,rowwise")
+    a = p.parse_args()
+    m, k, n, g = a.rows, a.k, a.n, a.groups
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.ones(g))).astype(np.int32))
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    flops = 2.0 * m * k * n
+    records = []
+
+    def emit(name, fn, *args, gemm_flops=None):
+        try:
+            t = time_calls(jax.jit(fn), [args])
+            rec = {"piece": name, "ms": t * 1e3} | ({"tflops": gemm_flops / t / 1e12} if gemm_flops else {})
+        except Exception as e:  # noqa: BLE001 - a failing piece is a result
+            rec = {"piece": name, "error": str(e).split("\n")[0][:300]}
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+
+    bf16 = DroplessMosaicGmm()
+    emit("bf16 gmm fwd", lambda x, w: bf16(x, w, sizes), x, w, gemm_flops=flops)
+    emit("bf16 gmm fwd+bwd", lambda x, w, dy: jax.vjp(lambda x, w: bf16(x, w, sizes), x, w)[1](dy), x, w, dy,
+         gemm_flops=3 * flops)
+    for mode in a.modes.split(","):
+        r = Recipe(mode, native=True)
+        emit(f"{mode} quantize x [M,K]", lambda x: quantize(x, r.operand(2)), x)
+        emit(f"{mode} weight copies (W^T and W)", lambda w: weight_copies(w, r), w)
+        emit(f"{mode} aligned x^T copy", lambda x: aligned_transposed(x, sizes, r), x)
+        xq = quantize(x, r.operand(2))
+        wt, wq = weight_copies(w, r)
+        tile = fp8_mosaic.default_tile("fwd", m, k, n, g, mode)
+        ls = xq.scales[:, 0] if mode == "rowwise" else xq.scales.T
+        rs = wt.scales[..., 0] if mode == "rowwise" else wt.scales
+        emit(f"{mode} gmm_nt kernel alone (fwd)",
+             lambda a_, b_, s1, s2: fp8_mosaic.gmm_nt(a_, b_, sizes, tile, scaling=mode, lhs_scale=s1, rhs_scale=s2),
+             xq.values, wt.values, ls, rs, gemm_flops=flops)
+        fp8 = Fp8Gmm(Fp8Products(r, bf16, TunedContract()))
+        emit(f"{mode} Fp8Gmm fwd", lambda x, w: fp8(x, w, sizes), x, w, gemm_flops=flops)
+        emit(f"{mode} Fp8Gmm fwd+bwd", lambda x, w, dy: jax.vjp(lambda x, w: fp8(x, w, sizes), x, w)[1](dy),
+             x, w, dy, gemm_flops=3 * flops)
+        emit(f"{mode} dense fp8_matmul fwd", lambda x, w: fp8_matmul(x, w[0], r), x, w, gemm_flops=flops)
+        emit(f"{mode} dense fp8_matmul fwd+bwd",
+             lambda x, w, dy: jax.vjp(lambda x, w: fp8_matmul(x, w[0], r), x, w)[1](dy), x, w, dy,
+             gemm_flops=3 * flops)
+    emit("bf16 dense fwd", lambda x, w: x @ w[0], x, w, gemm_flops=flops)
+    write_json(a.out, {"benchmark": "fp8-breakdown", "environment": environment(),
+                       "shape": {"rows": m, "k": k, "n": n, "groups": g}, "records": records})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The dense layers' FP8 matmul: attention projections, dense MLPs and shared experts under `train.fp8`.
+
+`linear(x, w, recipe)` is `x @ w` in x's dtype when recipe is None, and `fp8_matmul` otherwise. `fp8_matmul` is
+differentiable in x and w through its own VJP, which quantizes each operand of the three products as the recipe
+says (dropless.fp8.recipe): the forward keeps, for the backward, the e4m3 weight copy the input gradient reads
+and the e4m3 transposed activations the weight gradient reads (half the bytes of the bf16 activations a bf16
+matmul keeps). Products:
+
+  rowwise     an e4m3 dot_general with both operands contraction-last (XLA calls cuBLASLt's FP8 GEMM; with the
+              contraction-first layout XLA inserts a transpose and runs at ~2/3 of the rate), float32 out, then the
+              row and column scales (on every platform: XLA:CPU runs e4m3 dots too)
+  blockwise   our Mosaic GPU grouped kernel with one group (dropless.gmm.fp8_mosaic: promotion every 128 of the
+              contraction) where native and the dims fit it; otherwise the dequantized bf16 product
+  mxfp8       jax.nn.scaled_dot_general, with its own quantization and VJP (OCP MX, 1 x 32, e8m0 scales)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe
+from dropless.gmm import fp8_mosaic
+from dropless.ops.fp8 import Quantized, dequantize, quantize
+from dropless.ops.matmul import matmul_f32_out
+
+NT = (((1,), (1,)), ((), ()))  # contract both operands' last axis
+
+
+def linear(x: jax.Array, w: jax.Array, recipe: Recipe | None = None, out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in out_dtype (default x's): bf16 (w cast to x's dtype), or FP8."""
+    if recipe is None:
+        if out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and x.dtype != jnp.float32:
+            return matmul_f32_out(x, w.astype(x.dtype))  # float32 out, backward at the operands' rate
+        return x @ w.astype(x.dtype)
+    return fp8_matmul(x, w, recipe, out_dtype)
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [K, N] with e4m3 operands as `recipe` scales them, float32 accumulation, out_dtype out."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_TK = x.reshape(-1, k)
+    if recipe.mode == "mxfp8":
+        return _mxfp8_matmul(x_TK, w, out_dtype).reshape(*lead, w.shape[1])
+    dtypes = (out_dtype, x.dtype, w.dtype)
+    return _fp8_matmul_2d(x_TK, w, recipe, dtypes).reshape(*lead, w.shape[1])
+
+
+def _mxfp8_matmul(x_TK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:
+    """jax.nn.scaled_dot_general with OCP MX e4m3 blocks for the forward and both gradients. Each product
+    contracts a different axis (K, N, then the tokens) in blocks of 32, so all three are zero-padded to whole
+    blocks (zeros change neither a block's scale nor a sum)."""
+    (t, k), n = x_TK.shape, w_KN.shape[1]
+    config = jax.nn.get_scaled_dot_general_config("mxfp8")
+    x_TK = jnp.pad(x_TK, ((0, -t % MX_BLOCK), (0, -k % MX_BLOCK)))
+    w_KN = jnp.pad(w_KN.astype(x_TK.dtype), ((0, -k % MX_BLOCK), (0, -n % MX_BLOCK)))
+    y_TN = jax.nn.scaled_dot_general(x_TK, w_KN, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+                                     configs=[config] * 3)
+    return y_TN[:t, :n].astype(out_dtype)
+
+
+def _weight_copies(w_KN: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
+    """(Wᵀ [N, K] for the forward, W [K, N] for the input gradient), each contraction-last."""
+    if recipe.mode == "blockwise":  # one set of 128 x 128 blocks serves both
+        q = quantize(w_KN, recipe.weight(2))
+        return Quantized(q.values.T, q.scales.T), q
+    return quantize(w_KN.T, recipe.weight(2)), quantize(w_KN, recipe.weight(2))
+
+
+def _transposed(a_TX: jax.Array, recipe: Recipe) -> Quantized:
+    """aᵀ [X, T'] contraction-last for the weight gradient, T' = T rounded up to whole 128-token tiles (zeros)."""
+    a_TX = jnp.pad(a_TX, ((0, -a_TX.shape[0] % BLOCK), (0, 0)))
+    return quantize(a_TX.T, recipe.operand(2))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_matmul_2d(x_TK, w_KN, recipe: Recipe, dtypes: tuple):
+    """dtypes: (output, x's, w's): the gradients come back in their primal's dtype."""
+    return _fwd(x_TK, w_KN, recipe, dtypes)[0]
+
+
+def _fwd(x_TK, w_KN, recipe, dtypes):
+    w_fwd, w_dlhs = _weight_copies(w_KN, recipe)
+    y_TN = rows_product(quantize(x_TK, recipe.operand(2)), w_fwd, recipe).astype(dtypes[0])
+    return y_TN, (_transposed(x_TK, recipe), w_dlhs)
+
+
+def _bwd(recipe, dtypes, residuals, dy_TN):
+    xT, w_dlhs = residuals
+    _, x_dtype, w_dtype = dtypes
+    dy_TN = dy_TN.astype(x_dtype)
+    dx_TK = rows_product(quantize(dy_TN, recipe.operand(2)), w_dlhs, recipe, "dlhs").astype(x_dtype)
+    dw_KN = contract_product(xT, _transposed(dy_TN, recipe), recipe).astype(w_dtype)
+    return dx_TK, dw_KN
+
+
+_fp8_matmul_2d.defvjp(_fwd, _bwd)
+
+
+def _dequantized_nt(a: Quantized, a_block, b: Quantized, b_block) -> jax.Array:
+    """a [T, C] · b [O, C]ᵀ from the exactly dequantized operands (bf16, float32 accumulation)."""
+    a_, b_ = dequantize(a, a_block, jnp.bfloat16), dequantize(b, b_block, jnp.bfloat16)
+    return jax.lax.dot_general(a_, b_, NT, preferred_element_type=jnp.float32)
+
+
+def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd") -> jax.Array:
+    """a [T, C] · b [O, C]ᵀ, float32 [T, O]; a scaled per recipe.operand, b per recipe.weight. `product`: fwd
+    (C = the layer's k, O = n) or dlhs (C = n, O = k)."""
+    if recipe.mode == "rowwise":
+        y = jax.lax.dot_general(a.values, b.values, NT, preferred_element_type=jnp.float32)
+        return y * a.scales * b.scales.T
+    (t, c), o = a.values.shape, b.values.shape[0]
+    k, n = (c, o) if product == "fwd" else (o, c)
+    if recipe.native and fp8_mosaic.fits(product, k, n, recipe.mode):
+        tile = fp8_mosaic.default_tile(product, t, k, n, 1, recipe.mode)
+        return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
+                                 lhs_scale=a.scales.T, rhs_scale=b.scales[None], out_dtype=jnp.float32)
+    return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2))
+
+
+def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
+    """aT [K, T'] · bT [N, T']ᵀ, float32 [K, N]: the weight gradient from the transposed operands."""
+    if recipe.mode == "rowwise":
+        y = jax.lax.dot_general(aT.values, bT.values, NT, preferred_element_type=jnp.float32)
+        return y * aT.scales * bT.scales.T
+    (k, t), n = aT.values.shape, bT.values.shape[0]
+    if recipe.native and fp8_mosaic.fits("drhs", k, n, recipe.mode):
+        tile = fp8_mosaic.default_tile("drhs", t, k, n, 1, recipe.mode)
+        return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
+                                         scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
+                                         out_dtype=jnp.float32)[0]
+    return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))

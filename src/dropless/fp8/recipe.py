@@ -1,0 +1,79 @@
+"""The FP8 recipes (`train.fp8`) as block shapes of the one quantizer (dropless.ops.fp8), per operand and product.
+
+Training a linear layer y = x · W runs three products; each quantizes its two operands along the dimension it
+contracts, in the layout the e4m3 GEMM reads (Hopper's wgmma takes 8-bit operands only with the contraction
+contiguous, so every operand is stored contraction-last):
+
+  product  left operand (contraction-last)       right operand (contraction-last)
+  fwd      x     [M, K]   activations            Wᵀ  [N, K]  the weight, transposed copy
+  dlhs     dy    [M, N]   activation gradients   W   [K, N]  the weight as stored
+  drhs     xᵀ    [K, M]   activations            dyᵀ [N, M]  activation gradients
+
+  recipe     activations, gradients (x, dy)   weights (Wᵀ, W)            drhs operands (xᵀ, dyᵀ)
+  rowwise    one scale per row                one per row (of the copy)  one per row (per expert: over its rows)
+  blockwise  1 x 128 tiles                    128 x 128 blocks (one set  128 x 1 tiles along the tokens (per
+                                              of scales serves both)     expert: tiles start at its first row)
+  mxfp8      1 x 32 blocks                    1 x 32 blocks              1 x 32 blocks (per expert, likewise)
+
+`blockwise` is DeepSeek-V3's recipe: each 128-wide block of the contraction is multiplied in e4m3 and its
+partial sum scaled and added in float32 ("promotion"); `rowwise` scales the float32 result once (cheaper, but one
+outlier spends the whole row's range); `mxfp8` is OCP's MX format (power-of-two e8m0 scales), Blackwell's
+hardware format, run here as its exact arithmetic. Every scale is a power of two (dropless.ops.fp8).
+
+`native`: run e4m3 GEMMs (our Mosaic GPU kernels for the grouped products and for blockwise dense ones; XLA's
+cuBLASLt call for rowwise dense ones). Otherwise, and for a shape the kernels do not take, each product
+dequantizes its operands exactly to bf16 and multiplies them with float32 accumulation: the same products and
+the same result to float32 rounding, at bf16 speed. So the recipe's numerics are the same on every backend and
+the CPU tests check them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+
+from dropless.ops.fp8 import BlockShape
+
+BLOCK = 128  # blockwise tile and weight-block extent (DeepSeek-V3)
+MX_BLOCK = 32  # OCP MX block
+MODES = ("rowwise", "blockwise", "mxfp8")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One FP8 recipe (`mode`, module docstring) and whether its products run e4m3 kernels (`native`)."""
+
+    mode: str
+    native: bool = False
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"FP8 recipe {self.mode!r} is not one of {', '.join(MODES)}")
+
+    @property
+    def block(self) -> int | None:
+        """Values per scale along the contraction: None for the whole row."""
+        return {"rowwise": None, "blockwise": BLOCK, "mxfp8": MX_BLOCK}[self.mode]
+
+    def operand(self, ndim: int) -> BlockShape:
+        """Block of an activation or gradient operand, contraction-last, `ndim` axes (leading ones per row)."""
+        return (1,) * (ndim - 1) + (self.block,)
+
+    def weight(self, ndim: int) -> BlockShape:
+        """Block of a weight copy [..., out, contraction]: 128 x 128 for blockwise (shared by Wᵀ and W)."""
+        if self.mode == "blockwise":
+            return (1,) * (ndim - 2) + (BLOCK, BLOCK)
+        return self.operand(ndim)
+
+    @property
+    def contract_block(self) -> int:
+        """Extent of a drhs operand's blocks along the tokens; rowwise shares one scale per expert over them."""
+        return MX_BLOCK if self.mode == "mxfp8" else BLOCK
+
+
+def make_recipe(mode: str, *, native: bool | None = None) -> Recipe | None:
+    """The recipe `train.fp8` names (None for "off"); native by default on a GPU."""
+    if mode == "off":
+        return None
+    return Recipe(mode, jax.default_backend() == "gpu" if native is None else native)

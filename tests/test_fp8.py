@@ -1,0 +1,172 @@
+"""FP8 recipes (dropless.ops.fp8, dropless.fp8) against the float64 reference of tests/fp8_reference.py.
+
+The quantizer: the same e4m3 values and power-of-two scales as the reference, within half an e4m3 ulp per value,
+no inf or NaN from scaling at e4m3's range limits, non-finite input kept non-finite. Each product (dense and
+grouped, forward and both gradients) equals the reference that quantizes the same operands the same way and
+multiplies in float64, to float32 rounding: dequantized operands are exact, so only the float32 accumulation
+differs. The e4m3 kernels (Pallas's GPU interpreter) equal the dequantized path to float32 rounding.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.core.config import ConfigError, load_preset
+from dropless.fp8 import Fp8Gmm, Recipe, experts_gmm, fp8_matmul, make_recipe
+from dropless.fp8.grouped import Fp8Products, aligned_sources
+from dropless.gmm import XlaGmm
+from dropless.gmm.xla import XlaContract
+from dropless.ops.fp8 import E4M3_MAX, FP8, dequantize, power_of_two_scale, quantize
+from tests import fp8_reference as ref
+
+MODES = ("rowwise", "blockwise", "mxfp8")
+# float32 accumulation against float64 over a few hundred terms, relative to the output's norm
+F32_RTOL = 2e-6
+
+
+def rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def wide_range(rng, shape):
+    """Values whose magnitude spans 2^-20 .. 2^20 across rows and blocks, so each scale choice matters."""
+    return rng.normal(size=shape) * 2.0 ** rng.integers(-20, 20, size=shape[:-1] + (1,))
+
+
+@pytest.mark.parametrize("block", [(1, None), (1, 128), (128, 128), (1, 32), (3, 50)])
+def test_quantizer_matches_the_float64_reference_and_its_error_bound(block):
+    rng = np.random.default_rng(0)
+    x = wide_range(rng, (300, 260)).astype(np.float32)
+    q = quantize(jnp.asarray(x), block)
+    want_values, want_scales = ref.quantize(x, block)
+    np.testing.assert_array_equal(np.asarray(q.scales), want_scales)
+    np.testing.assert_array_equal(np.asarray(q.values.astype(jnp.float32)), want_values)
+    assert q.values.dtype == FP8 and np.all(np.log2(want_scales) == np.round(np.log2(want_scales)))
+    deq = np.asarray(dequantize(q, block), np.float64)
+    # each value's bound: half an e4m3 ulp of it, or half the subnormal spacing of its block's scale
+    scales = np.ones_like(x, np.float64)
+    ext = [n if b is None else b for n, b in zip(x.shape, block)]
+    for idx in np.ndindex(*want_scales.shape):
+        scales[tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, ext))] = want_scales[idx]
+    err = np.abs(deq - x)
+    assert np.all(err <= np.maximum(2.0 ** -4 * np.abs(x), 2.0 ** -10 * scales) * (1 + 1e-12))
+
+
+def test_quantizer_at_the_range_limits_and_with_non_finite_values():
+    x = jnp.asarray([[E4M3_MAX, -E4M3_MAX, 1.0, 0.0], [3e38, -3e38, 1e-38, 0.0], [0.0] * 4,
+                     [1e-45, 0.0, 0.0, 0.0], [jnp.inf, 1.0, 0.0, 0.0], [jnp.nan, 1.0, 0.0, 0.0]], jnp.float32)
+    q = quantize(x, (1, None))
+    deq = np.asarray(dequantize(q, (1, None)))
+    np.testing.assert_array_equal(deq[0], [E4M3_MAX, -E4M3_MAX, 1.0, 0.0])  # 448 is its own scale's maximum
+    assert np.all(np.isfinite(deq[:4])) and abs(deq[1, 0] / 3e38 - 1) < 2 ** -4
+    np.testing.assert_array_equal(deq[2], 0.0)  # an all-zero block: scale 1, zeros
+    assert float(q.scales[2, 0]) == 1.0
+    assert np.all(np.isnan(deq[4])) and np.all(np.isnan(deq[5]))  # inf / NaN reach the product
+    np.testing.assert_array_equal(np.asarray(power_of_two_scale(jnp.asarray([448.0, 449.0, 224.0]))), [1, 2, 0.5])
+
+
+def _dense_case(seed=0, t=200, k=256, n=384):
+    rng = np.random.default_rng(seed)
+    return (wide_range(rng, (t, k)).astype(np.float32), (rng.normal(size=(k, n)) * 0.05).astype(np.float32),
+            wide_range(rng, (t, n)).astype(np.float32))
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_dense_fp8_matmul_and_its_gradients_match_the_float64_reference(mode):
+    x, w, dy = _dense_case()
+    y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe(mode), jnp.float32), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = pullback(jnp.asarray(dy))
+    for got, want in zip((y, dx, dw), ref.dense(x, w, dy, mode)):
+        assert rel(got, want) < F32_RTOL
+
+
+def test_mxfp8_goes_through_scaled_dot_general_within_mx_rounding():
+    """jax.nn.scaled_dot_general quantizes by its own rules (e8m0 scales); it is held to MX rounding against the
+    float32 product, at dims that are not multiples of 32 (padded) and on leading batch axes."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(2, 50, 80)).astype(np.float32)
+    w = (rng.normal(size=(80, 100)) * 0.1).astype(np.float32)
+    dy = rng.normal(size=(2, 50, 100)).astype(np.float32)
+    y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe("mxfp8"), jnp.float32), jnp.asarray(x),
+                          jnp.asarray(w))
+    dx, dw = pullback(jnp.asarray(dy))
+    want = (x @ w, dy @ w.T, np.einsum("btk,btn->kn", x, dy))
+    for got, exact in zip((y, dx, dw), want):
+        assert 0 < rel(got, exact) < 0.08
+
+
+def _grouped_case(sizes, rows, seed=0, k=256, n=384, g=None):
+    rng = np.random.default_rng(seed)
+    g = len(sizes)
+    return (wide_range(rng, (rows, k)).astype(np.float32), (rng.normal(size=(g, k, n)) * 0.05).astype(np.float32),
+            np.asarray(sizes, np.int32), wide_range(rng, (rows, n)).astype(np.float32))
+
+
+GROUPS = {"uneven": ([70, 0, 130, 1, 20], 240),  # empty and 1-row groups, 19 padding rows
+          "skewed": ([0, 0, 300, 0], 300),  # every row on one expert
+          "empty": ([0, 0, 0], 64)}  # nothing routed here: zero outputs and gradients
+
+
+@pytest.mark.parametrize("case", sorted(GROUPS))
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
+    sizes, rows = GROUPS[case]
+    x, w, gs, dy = _grouped_case(sizes, rows)
+    gmm = Fp8Gmm(Fp8Products(Recipe(mode), XlaGmm(), XlaContract()))
+    y, pullback = jax.vjp(lambda x, w: gmm(x, w, jnp.asarray(gs), preferred_element_type=jnp.float32),
+                          jnp.asarray(x), jnp.asarray(w))
+    dx, dw = pullback(jnp.asarray(dy))
+    want = ref.grouped(x, w, sizes, dy, mode)
+    for got, exact in zip((y, dx, dw), want):
+        assert np.all(np.isfinite(np.asarray(got)))
+        if np.linalg.norm(exact) == 0:
+            np.testing.assert_array_equal(np.asarray(got), 0.0)
+        else:
+            assert rel(got, exact) < F32_RTOL
+    np.testing.assert_array_equal(np.asarray(y)[sum(sizes):], 0.0)  # padding rows: zero out, zero gradient
+    np.testing.assert_array_equal(np.asarray(dx)[sum(sizes):], 0.0)
+
+
+def test_aligned_copy_puts_each_expert_at_a_multiple_of_128():
+    source, valid, block_group = aligned_sources(jnp.asarray([3, 0, 130, 1], jnp.int32), 140, 128)
+    valid, source = np.asarray(valid), np.asarray(source)
+    assert source.shape == (128 * (2 + 4),)
+    np.testing.assert_array_equal(np.flatnonzero(valid), list(range(0, 3)) + list(range(128, 258)) + [384])
+    np.testing.assert_array_equal(source[valid], np.arange(134))
+    np.testing.assert_array_equal(np.asarray(block_group), [0, 2, 2, 3, 4, 4])
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode):
+    """The native products (dropless.gmm.fp8_mosaic) against the dequantized ones on the same operands."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x, w, gs, dy = _grouped_case([60, 0, 110], 200, k=256, n=512)
+    results = []
+    for native in (False, True):
+        gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()))
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            y, pullback = jax.vjp(lambda x, w: gmm(x, w, jnp.asarray(gs), preferred_element_type=jnp.float32),
+                                  jnp.asarray(x), jnp.asarray(w))
+            results.append((y, *pullback(jnp.asarray(dy))))
+    for got, want in zip(*results[::-1]):
+        assert rel(got, want) < F32_RTOL
+
+
+def test_recipes_config_and_backend_choice():
+    assert make_recipe("off") is None
+    assert make_recipe("blockwise") == Recipe("blockwise", native=False)  # no GPU here
+    with pytest.raises(ValueError, match="not one of"):
+        Recipe("e5m2")
+    config = load_preset("tiny").replace(**{"train.fp8": "blockwise"})
+    assert isinstance(experts_gmm(config.moe, make_recipe("blockwise", native=True)), Fp8Gmm)
+    # under the xla backend the recipe runs dequantized even where it could run the kernels
+    gmm = experts_gmm(config.moe.replace(gmm_backend="xla") if hasattr(config.moe, "replace") else
+                      config.replace(**{"moe.gmm_backend": "xla"}).moe, make_recipe("blockwise", native=True))
+    assert gmm.products.recipe.native is False
+    with pytest.raises(ConfigError, match="train.fp8=rowwise runs the routed experts"):
+        load_preset("tiny").replace(**{"train.fp8": "rowwise", "moe.gmm_backend": "capacity"})
+    with pytest.raises(ConfigError, match="train.fp8"):
+        load_preset("tiny").replace(**{"train.fp8": "fp4"})
