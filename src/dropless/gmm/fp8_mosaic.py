@@ -13,13 +13,16 @@ take both operands K-major, and the weight gradient takes group-aligned, zero-pa
 Both are warp-specialised like `dropless.gmm.mosaic_ws`: a producer warpgroup runs the TMA pipeline, two consumer
 warpgroups each own a block_m x block_n accumulator side by side (a CTA tile is block_m x 2*block_n).
 
-Scaling. "rowwise": one scale per row of each operand, applied to the float32 accumulator after the last K step
-(each consumer reads its tile's two scale vectors from global memory once, so they take no pipeline buffers).
-"blockwise": DeepSeek-V3 / DeepGEMM
-promotion: each 128-wide contraction block's wgmma goes into a fresh accumulator that is waited for, scaled and
-added into a float32 register carry. Hopper's e4m3 wgmma accumulates with reduced precision, and the promotion
-bounds that error to one 128-wide block. A blockwise consumer holds two float32 tiles (partial and carry), so its
-tile is 64x128: at 128x128 the 256 registers per thread spill (3.2x slower on an H200).
+Scaling. "rowwise": one scale per row of each operand, applied to the float32 accumulator after the last K step.
+Each consumer starts a TMA copy of its tile's two scale vectors into its own shared-memory slots before the K loop
+and waits for it after (the C-operand epilogue of JAX's hopper_matmul_mgpu): Mosaic GPU lowers no vector loads
+from global memory inside a warpgroup ("Only optimized transfers to SMEM supported"), and the vectors, needed once
+per tile, take no pipeline buffers.
+"blockwise": DeepSeek-V3 / DeepGEMM promotion: each 128-wide contraction block's wgmma goes into a fresh
+accumulator that is waited for, scaled and added into a float32 register carry. Hopper's e4m3 wgmma accumulates
+with reduced precision, and the promotion bounds that error to one 128-wide block. A blockwise consumer holds two
+float32 tiles (partial and carry), so its tile is 64x128: at 128x128 the 256 registers per thread spill (3.2x
+slower on an H200).
 
 Suffixes: M rows sorted by group, K contraction (nt) or output rows (tn), N output columns, G groups, P columns of
 the aligned copies, Kb = K/128, Nb = N/128, Pb = P/128.
@@ -115,14 +118,16 @@ class _Launch:
     groups: int = 1
 
 
-def _stages(tile: TileConfig, out_dtype, scale_lengths: tuple[int, ...]) -> int:
+def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int, ...]) -> int:
     """tile.num_stages, or fewer if the pipeline's buffers (e4m3 operand blocks and float32 scale vectors of
-    these lengths, each buffer aligned to 1 KiB) and the output blocks do not fit in shared memory together."""
+    these lengths, each buffer aligned to 1 KiB), the rowwise epilogue's scale slots and the output blocks do not
+    fit in shared memory together."""
     cta_n = CONSUMERS * tile.block_n
     out_bytes = CONSUMERS * tile.block_m * tile.block_n * jnp.dtype(out_dtype).itemsize
+    epilogue = [CONSUMERS * 4 * tile.block_m, CONSUMERS * 4 * tile.block_n] if scaling == "rowwise" else []
 
     def needed(stages: int) -> int:
-        buffers = [stages * tile.block_m * tile.block_k, stages * cta_n * tile.block_k]
+        buffers = [stages * tile.block_m * tile.block_k, stages * cta_n * tile.block_k] + epilogue
         buffers += [stages * 4 * length for length in scale_lengths]
         return sum(-(-b // 1024) * 1024 for b in buffers) + out_bytes + BARRIER_BYTES
 
@@ -177,16 +182,33 @@ def _rowwise_body(s: _Launch, wg):
     return body
 
 
-def _rowwise_context(s: _Launch, load_scales, stage_out, store):
-    """The rowwise consumers' context: a float32 ACC through the pipeline, then the sum times the outer product of
-    the tile's row and column scales (load_scales() reads both from global memory: they are needed once per tile,
-    so they take no pipeline buffers), staged and stored."""
+def _scale_slots(tile: TileConfig):
+    """The rowwise epilogue's shared memory: each consumer's [1, block_m] row and [1, block_n] column scale
+    vectors, and one barrier per copy (row copies of consumers 0, 1, then their column copies)."""
+    return (plgpu.SMEM((CONSUMERS, 1, tile.block_m), jnp.float32),
+            plgpu.SMEM((CONSUMERS, 1, tile.block_n), jnp.float32), plgpu.Barrier(num_barriers=2 * CONSUMERS))
+
+
+def _rowwise_context(s: _Launch, wg, slots, rows_gmem, cols_gmem, stage_out, store):
+    """The rowwise consumers' context: the TMA copies of this consumer's [1, block_m] row and [1, block_n] column
+    scales (rows_gmem, cols_gmem) into its slots, issued before the K loop so they overlap it; a float32 ACC
+    through the pipeline; then the sum times the outer product of the two vectors read from shared memory (as the
+    blockwise body reads its row scales), staged and stored. The next tile's copy overwrites the slots only after
+    store()'s commit_smem, a fence and warpgroup barrier that every read of them precedes."""
+    rows_smem, cols_smem, barriers = slots
+    rows_slot, cols_slot = rows_smem.at[wg], cols_smem.at[wg]
+    rows_barrier, cols_barrier = barriers.at[wg], barriers.at[CONSUMERS + wg]
+
     def context(run_pipeline):
+        plgpu.copy_gmem_to_smem(rows_gmem, rows_slot, rows_barrier)
+        plgpu.copy_gmem_to_smem(cols_gmem, cols_slot, cols_barrier)
+
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((s.tile.block_m, s.tile.block_n), jnp.float32))
         def _acc(acc_ref):
             run_pipeline(acc_ref)
-            rows_vec, cols_vec = load_scales()
-            stage_out(acc_ref[...] * _outer(rows_vec, cols_vec, acc_ref.shape))
+            plgpu.barrier_wait(rows_barrier)
+            plgpu.barrier_wait(cols_barrier)
+            stage_out(acc_ref[...] * _outer(rows_slot[0, :], cols_slot[0, :], acc_ref.shape))
             store()
 
     return context
@@ -257,10 +279,12 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     m_tiles = max_row_tiles(m, g, bm)
     tables = row_tiles(group_sizes_G, bm, m_tiles)
     scale_lengths = (bm,) if scaling == "blockwise" else ()
-    s = _Launch(tile, _stages(tile, out_dtype, scale_lengths), m_tiles, n // cta_n, scaling, out_dtype, m)
+    s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths), m_tiles, n // cta_n, scaling, out_dtype, m)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
-    if scaling == "rowwise":  # a row tile's scale vector is a plain load: it must not run past the array
-        lhs_scale = jnp.pad(lhs_scale, (0, bm))
+    if scaling == "rowwise":
+        # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
+        # would zero-fill there on the GPU; the padding also keeps M < bm and the interpreter in bounds).
+        lhs_scale = jnp.pad(lhs_scale, (0, bm))[None, :]
     return _call(_nt_kernel, s, (m, n), "nt")(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
@@ -294,9 +318,11 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
     ignore = lambda *_, **__: None  # the allocations depend on the block specs only
     allocations = _pipeline(s, k_steps, specs, ignore, ignore).get_allocations(*operands(0, 0, 0))
     out_type = plgpu.SMEM((CONSUMERS, bm, bn), s.out_dtype, transforms=swizzled(bn, s.out_dtype, leading_tile=1))
+    slots = None if blockwise else _scale_slots(s.tile)
 
-    @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, collective_axes="wg")
-    def _scope(allocations, out_smem):
+    @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, slots=slots,
+                       collective_axes="wg")
+    def _scope(allocations, out_smem, slots):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((s.outer * s.n_tiles,), collective_axes="sm")
@@ -320,8 +346,10 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                     body = _nt_blockwise_body(s, wg, col_scale, group, ni)
                     context = _blockwise_context(s, stage_out, store)
                 else:
-                    scales = lambda: (row_scale[pl.ds(start, bm)], col_scale[group, pl.ds(ni * cta_n + wg * bn, bn)])
-                    body, context = _rowwise_body(s, wg), _rowwise_context(s, scales, stage_out, store)
+                    rows_gmem = row_scale.at[:, pl.ds(start, bm)]
+                    cols_gmem = col_scale.at[pl.ds(group, 1), pl.ds(ni * cta_n + wg * bn, bn)]
+                    body = _rowwise_body(s, wg)
+                    context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
 
 
@@ -351,7 +379,8 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
                          f"{SCALE_BLOCK} and K ({k}) a multiple of block_m; got {tile}.")
     out_dtype = jnp.dtype(out_dtype)
     scale_lengths = (bm, cta_n) if scaling == "blockwise" else ()
-    s = _Launch(tile, _stages(tile, out_dtype, scale_lengths), k // bm, n // cta_n, scaling, out_dtype, groups=g)
+    s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths), k // bm, n // cta_n, scaling, out_dtype,
+                groups=g)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     return _call(_tn_kernel, s, (g, k, n), "tn_aligned")(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP,
                                                         rhsT_NP, lhs_scale, rhs_scale)
@@ -389,9 +418,11 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
     ignore = lambda *_, **__: None  # the allocations depend on the block specs only
     allocations = _pipeline(s, s.stages, specs(0), ignore, ignore).get_allocations(*operands(0, 0))
     out_type = plgpu.SMEM((CONSUMERS, bm, bn), s.out_dtype, transforms=swizzled(bn, s.out_dtype))
+    slots = None if blockwise else _scale_slots(s.tile)
 
-    @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, collective_axes="wg")
-    def _scope(allocations, out_smem):
+    @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, slots=slots,
+                       collective_axes="wg")
+    def _scope(allocations, out_smem, slots):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((s.groups * per_group,), collective_axes="sm")
@@ -421,6 +452,8 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
                 if blockwise:
                     body, context = _tn_blockwise_body(s, wg), _blockwise_context(s, stage_out, store)
                 else:
-                    scales = lambda: (row_scale[gi, pl.ds(ki * bm, bm)], col_scale[gi, pl.ds(ni * cta_n + wg * bn, bn)])
-                    body, context = _rowwise_body(s, wg), _rowwise_context(s, scales, stage_out, store)
+                    rows_gmem = row_scale.at[pl.ds(gi, 1), pl.ds(ki * bm, bm)]
+                    cols_gmem = col_scale.at[pl.ds(gi, 1), pl.ds(ni * cta_n + wg * bn, bn)]
+                    body = _rowwise_body(s, wg)
+                    context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, steps, specs(first), body, context)(*operands(ki, ni), allocations=allocations)
