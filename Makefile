@@ -49,7 +49,7 @@ BENCH_SCRATCH := build/bench
 # The device part of a record's name, read when a target runs: "NVIDIA H200" -> h200; two GPUs -> h200x2.
 GPU = $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
 DSV3_SHAPES := dsv3-gate-up-e32,dsv3-down-e32,dsv3-gate-up-e256,dsv3-down-e256
-LADDER_RUNGS ?= 2,3,4,5,8
+LADDER_RUNGS ?= 2,3,4,5,8,9
 # label:VARIABLE=value+VARIABLE=value, one process each (NCCL reads its variables once per process).
 COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL_MIN_NCHANNELS=32 \
   ctas32:NCCL_MIN_CTAS=32+NCCL_MAX_CTAS=32 proto_simple:NCCL_PROTO=Simple buffsize16M:NCCL_BUFFSIZE=16777216 \
@@ -57,7 +57,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 
 BENCH_TARGETS := bench-gmm bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
-  bench-fp8-check bench-fp8-probe bench-strategy-cost bench-collectives
+  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-strategy-cost bench-collectives
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -133,6 +133,27 @@ bench-ep-xla-flags: $(BENCH_DEPS)
 # 2 GPUs: FP8 rows against bf16 rows: gradient error, and which collectives carry float8.
 bench-fp8-check: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8_dispatch_check.py --strategies allgather,ragged --out $(RESULTS)/fp8-check-$(GPU)x2.json
+
+# 1 GPU: FP8 training (train.fp8): the grouped GEMM's FP8 paths beside bf16 and dense, the time of each quantization
+# pass and kernel, the e4m3 kernels alone, and the proxy's step in bf16 and blockwise FP8 (one record each).
+bench-fp8: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES) --skews dirichlet \
+	  --backends dense,dense_fp8,dropless,fp8_rowwise,fp8_blockwise --out $(RESULTS)/fp8-gmm-$(GPU).json \
+	  --chart $(BENCH_SCRATCH)/fp8-gmm-$(GPU).png
+	$(BENCH_PYTHON) benchmarks/fp8/breakdown.py --out $(RESULTS)/fp8-breakdown-$(GPU).json
+	DROPLESS_COMMIT=$$(git rev-parse --short HEAD) $(BENCH_PYTHON) benchmarks/fp8/kernel_check.py > $(RESULTS)/fp8-kernels-$(GPU).jsonl
+	for recipe in off blockwise rowwise; do $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
+	  --record $(BENCH_SCRATCH)/fp8-step-$$recipe.json train.fp8=$$recipe || exit 1; done
+	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
+	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-step-$(GPU).json \
+	  $(BENCH_SCRATCH)/fp8-step-off.json $(BENCH_SCRATCH)/fp8-step-blockwise.json $(BENCH_SCRATCH)/fp8-step-rowwise.json
+
+# 1 GPU: loss parity, the proxy trained 300 steps with bf16 and each FP8 recipe (same data, seed, schedule).
+bench-fp8-parity: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/fp8/loss_parity.py --modes off,blockwise,rowwise --steps 300 --eval-every 50 \
+	  --out $(RESULTS)/fp8-parity-$(GPU).json --chart $(RESULTS)/fp8-parity-$(GPU).png \
+	  train.batch_size=2 train.eval_batches=2
 
 # 1 GPU: the FP8 probe (benchmarks/fp8/, not the product path): our kernel structure on e4m3 operands against our
 # bf16 kernels, then XLA's FP8 GEMM per operand layout and XLA setting beside PyTorch's _scaled_mm; one record of both.

@@ -1,4 +1,4 @@
-"""The optimisation ladder of `dropless bench step --ladder`: eight rungs on the same model and per-device batch.
+"""The optimisation ladder of `dropless bench step --ladder`: nine rungs on the same model and per-device batch.
 
   1 naive dropless: jax.lax.ragged_dot         5 + the best rematerialisation policy (none, moe, full) and
                                                  layer loop (scanned, or unrolled: train.scan_layers=false)
@@ -7,8 +7,9 @@
     (moe.gmm_backend=tokamax_mosaic)           8 expert parallelism on 2 devices, the default dispatch (also
                                                  with all flags, the collective flags alone, with PGLE, or in 2 chunks)
   4 the tuned grouped GEMM (moe.gmm_backend=dropless_mosaic)
+                                               9 + FP8 matmuls on rung 5's choice (train.fp8=blockwise, rowwise)
 
-Rungs 5 and 7 are chosen by measurement in the same run, and rungs 6-8 are built on rung 5's choice; every
+Rungs 5 and 7 are chosen by measurement in the same run, and rungs 6-9 are built on rung 5's choice; every
 variant tried is kept in the JSON. The ladder runs in phases (LADDER_PHASES: the anchor rungs first); each
 phase's programs are compiled in parallel threads (`dropless.bench.runner`), then timed one after another,
 never while anything compiles.
@@ -46,7 +47,9 @@ RUNGS = {
     6: "+ activations offloaded to host memory",
     7: "+ XLA scheduling flags",
     8: "expert parallelism, 2 devices",
+    9: "+ FP8 matmuls (train.fp8), on rung 5's choice",
 }
+FP8_RECIPES = ("blockwise", "rowwise")
 REMAT_POLICIES = ("none", "moe", "full")
 # Rung 8 also tries the dispatch in chunks (moe.dispatch_chunks), whose exchanges may overlap the grouped GEMMs.
 # Four chunks were slower than two in every run on two H200s and compiled slowest; two chunks stay as the check.
@@ -59,7 +62,7 @@ NO_DEFAULT_BACKEND = ("not run: tokamax's own kernel (moe.gmm_backend=tokamax_mo
 # The ladder runs in phases, each compiled in parallel and then timed, so that a run cut short by its budget
 # still has its first rungs: the anchors first (1, 3, 4, 2), then rung 5's remat policies and layer loops, then
 # what builds on rung 5's choice: offloading, flags and the profile, and expert parallelism last.
-LADDER_PHASES = (("1", "3", "4", "2"), ("5:",), ("6", "7:", "profile"), ("8", "8:", "profile:ep"))
+LADDER_PHASES = (("1", "3", "4", "2"), ("5:",), ("6", "7:", "profile", "9:"), ("8", "8:", "profile:ep"))
 REBASE_PHASE = 2  # from this phase on, variants are rebuilt on rung 5's measured choice
 
 
@@ -87,6 +90,7 @@ def ladder_variants(base_config, *, tuned_backend: str, default_backend: str | N
     if len(flags) > 1:
         variants.append(Variant("7:all", best, all_flags))
     variants.append(Variant("profile", best, dict(PROFILE_COMPILER_OPTIONS), profile=True))
+    variants += [Variant(f"9:fp8={recipe}", {**best, "train.fp8": recipe}) for recipe in FP8_RECIPES]
     if ep_devices > 1:
         ep = {**best, "parallel.expert": ep_devices,
               "train.batch_size": base_config.train.batch_size * ep_devices}

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         rungs = {0}
     if rungs is not None and not rungs <= set(RUNGS):
-        print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to 8, e.g. --rungs 1,4,5.",
+        print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to {max(RUNGS)}, e.g. --rungs 1,4,5.",
               file=sys.stderr)
         return 2
     xla_flags.apply()  # before JAX starts a backend

@@ -1,0 +1,115 @@
+"""FP8 loss parity: the same model, data and seed trained with bf16 and with each FP8 recipe; held-out loss curves
+in one chart and one record (make bench-fp8-parity).
+
+    python benchmarks/fp8/loss_parity.py --out fp8-parity.json --chart fp8-parity.png \
+        [--preset deepseek-v3-proxy] [--modes off,blockwise,rowwise] [--steps 300] [key=value ...]
+
+Each mode runs the very step `dropless train` runs (dropless.train.setup.build) on the run's batches
+(dropless.data), evaluating the held-out loss every --eval-every steps on the fixed held-out batches; no
+checkpoints are written (the proxy's optimizer state is ~47 GB). The record holds every curve, each mode's final
+held-out loss and its relative difference from bf16's (the `off` run), tokens/s and tokens dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from dropless.bench.records import environment, write_json
+from dropless.core import config as config_lib
+from dropless.core import xla_flags
+from dropless.data.loader import load_token_dataset
+from dropless.train import setup as setup_lib
+from dropless.train.step import make_eval_step
+
+
+def run(config, log) -> dict:
+    tc = config.train
+    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len)
+    setup = setup_lib.build(config)
+    state = setup_lib.init_state(setup)
+    eval_step = jax.jit(make_eval_step(config, setup.executor))
+    to_device = lambda b: jax.device_put(b, setup.batch_sharding)
+    eval_data = [to_device(b) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)]
+    evaluate = lambda s: float(np.mean(jax.device_get([eval_step(s.params, s.model_state, b) for b in eval_data])))
+    curve, losses, dropped = [(0, evaluate(state))], [], 0
+    t0, timed_tokens = None, 0
+    with dataset.prefetch(0, tc.batch_size, tc.steps, transform=to_device) as batches:
+        for step in range(tc.steps):
+            state, metrics = setup.step(state, next(batches))
+            if step == 2:  # time from here: compilation and warm-up are behind
+                jax.block_until_ready(state)
+                t0 = time.perf_counter()
+            elif step > 2:
+                timed_tokens += tc.batch_size * tc.seq_len
+            if (step + 1) % tc.log_every == 0:
+                m = jax.device_get(metrics)
+                losses.append((step + 1, float(m["loss"])))
+                dropped += int(m["tokens_dropped"])
+            if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+                jax.block_until_ready(state)
+                pause = time.perf_counter()
+                curve.append((step + 1, evaluate(state)))
+                t0 += time.perf_counter() - pause  # evaluations are not training time
+                log(f"{tc.fp8:9s} step {step + 1:4d} held-out loss {curve[-1][1]:.4f}")
+    jax.block_until_ready(state)
+    return {"fp8": tc.fp8, "eval": curve, "train_loss": losses, "tokens_dropped_logged_steps": dropped,
+            "tokens_per_s": timed_tokens / (time.perf_counter() - t0), "final_eval_loss": curve[-1][1]}
+
+
+def chart(runs: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        steps, losses = zip(*r["eval"])
+        ax.plot(steps, losses, marker="o", markersize=3,
+                label=("bf16" if r["fp8"] == "off" else f"fp8 {r['fp8']}") + f" (final {r['final_eval_loss']:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out loss")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--chart", required=True)
+    p.add_argument("--preset", default="deepseek-v3-proxy")
+    p.add_argument("--modes", default="off,blockwise,rowwise")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
+    a = p.parse_args()
+    xla_flags.apply()
+    base = config_lib.load_preset(a.preset).replace(
+        **{"train.steps": a.steps, "train.eval_every": a.eval_every, "train.log_every": 10,
+           **config_lib.parse_overrides(a.overrides)})
+    runs = []
+    for mode in a.modes.split(","):
+        runs.append(run(base.replace(**{"train.fp8": mode}), lambda m: print(m, flush=True)))
+        write_json(a.out, {"benchmark": "fp8-loss-parity", "environment": environment(), "preset": a.preset,
+                           "config": base.to_flat_dict(), "runs": runs})
+    bf16 = next((r for r in runs if r["fp8"] == "off"), None)
+    for r in runs:
+        if bf16 is not None:
+            r["final_vs_bf16"] = r["final_eval_loss"] / bf16["final_eval_loss"] - 1
+        print(f"{r['fp8']:9s} final held-out {r['final_eval_loss']:.4f}"
+              + (f" ({r['final_vs_bf16']:+.2%} vs bf16)" if bf16 is not None else "")
+              + f", {r['tokens_per_s']:,.0f} tokens/s", flush=True)
+    write_json(a.out, {"benchmark": "fp8-loss-parity", "environment": environment(), "preset": a.preset,
+                       "config": base.to_flat_dict(), "runs": runs})
+    chart(runs, a.chart, f"{a.preset}, {base.train.batch_size} x {base.train.seq_len} tokens per step")
+
+
+if __name__ == "__main__":
+    main()
