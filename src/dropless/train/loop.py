@@ -116,8 +116,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
         return config
     config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon})
     if run_dir.exists() and any(p.name != run_lock.LOCK_NAME for p in run_dir.iterdir()):
-        saved = ckpt.load_run_config(run_dir) if saved_path.is_file() else None
-        if not overwrite and saved is not None and not ckpt.reached_a_checkpoint(run_dir):
+        saved = None if overwrite or not saved_path.is_file() else ckpt.load_run_config(run_dir)
+        if saved is not None and not ckpt.reached_a_checkpoint(run_dir):
             if saved != config:
                 key = next(k for k, v in config.to_flat_dict().items() if saved.to_flat_dict()[k] != v)
                 raise ConfigError(f"{run_dir} holds a run that never reached its first checkpoint, with another "
