@@ -1,4 +1,5 @@
-"""The real CLI, in subprocesses: user mistakes give one line on stderr, exit status 2, no traceback."""
+"""The CLI: user mistakes give one line on stderr, exit status 2, no traceback (in this process, and once through the
+real command); train, resume, generate and fine-tune through the real command, in subprocesses."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_cli_errors import assert_one_line, run_main
 from tests.test_train import SMALL, write_corpus
 
 
@@ -42,8 +44,17 @@ def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> N
     (["generate", "--run-dir", "/no/such/run", "--prompt", "x"], ["/no/such/run"]),
     (["logits", "--run-dir", "/no/such/run", "--tokens", "/no/t.npy", "--out", "/tmp/o.npy"], ["/no/t.npy"]),
 ])
-def test_user_mistakes_get_one_clear_line(tmp_path, args, fragments):
-    assert_user_error(run_cli(*args, cwd=tmp_path), *fragments)
+def test_user_mistakes_get_one_clear_line(tmp_path, monkeypatch, capsys, args, fragments):
+    monkeypatch.chdir(tmp_path)  # where a default run directory would go
+    assert_one_line(*run_main(capsys, *args), *fragments)
+
+
+def test_a_user_mistake_is_one_line_from_the_real_command(tmp_path):
+    """As above, through `python -m dropless.cli` in a fresh process: nothing printed while the libraries load (a
+    warning, a log line) joins the one line on stderr, and the status is the process's."""
+    assert_user_error(run_cli("train", "--data", "/no/such/corpus.txt", "--steps", "1", cwd=tmp_path),
+                      "/no/such/corpus.txt")
+    assert_user_error(run_cli("train", "moe.gmm_backnd=xla", cwd=tmp_path), "Unknown config key 'moe.gmm_backnd'")
 
 
 def test_presets_lists_every_preset():
@@ -53,7 +64,7 @@ def test_presets_lists_every_preset():
         assert name in result.stdout
 
 
-def test_train_then_generate_and_resume_through_the_cli(tmp_path):
+def test_train_then_generate_and_resume_through_the_cli(tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus")
     overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["train.eval_every=4", "train.checkpoint_every=2"]
@@ -62,8 +73,8 @@ def test_train_then_generate_and_resume_through_the_cli(tmp_path):
                     *overrides)
     assert first.returncode == 0, first.stderr
     assert str(run_dir.resolve()) in first.stdout  # the run directory is printed at start
-    again = run_cli("train", "--data", str(corpus), "--steps", "2", "--run-dir", str(run_dir), *overrides)
-    assert_user_error(again, "already holds", "--resume")
+    again = run_main(capsys, "train", "--data", str(corpus), "--steps", "2", "--run-dir", str(run_dir), *overrides)
+    assert_one_line(*again, "already holds", "--resume")
     resumed = run_cli("train", "--data", str(corpus), "--steps", "4", "--run-dir", str(run_dir), "--resume",
                       "--no-progress", *overrides)
     assert resumed.returncode == 0, resumed.stderr
@@ -73,7 +84,7 @@ def test_train_then_generate_and_resume_through_the_cli(tmp_path):
     assert sample.stdout.startswith("def ")
 
 
-def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path):
+def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path, capsys):
     import json
 
     import numpy as np
@@ -89,5 +100,4 @@ def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path):
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["model"]["family"] == "mixtral" and saved["model"]["hidden_size"] == 32
     assert saved["train"]["seq_len"] == 16  # the run's own settings apply on top of the imported model
-    no_tokenizer = run_cli("generate", "--hf-dir", str(fixture), "--prompt", "x")
-    assert_user_error(no_tokenizer, "tokenizer.json")
+    assert_one_line(*run_main(capsys, "generate", "--hf-dir", str(fixture), "--prompt", "x"), "tokenizer.json")

@@ -15,6 +15,7 @@ from dropless import cli
 from dropless.core import config as config_lib
 from dropless.core.config import ConfigError
 from dropless.data import train_bpe
+from dropless.train import loop
 from tests.test_train import SMALL
 
 SMALL_OVERRIDES = [f"{k}={v}" for k, v in SMALL.items()]
@@ -157,3 +158,28 @@ def test_our_own_bugs_keep_their_traceback_and_errors_may_carry_a_status(capsys,
     monkeypatch.setattr(cli, "cmd_presets", stop)
     assert cli.main(["presets"]) == 75
     assert capsys.readouterr().err == "dropless: error: The run stopped at step 3; resume it with --resume.\n"
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, files, tmp_path):
+    """A run that failed on its data leaves config.json behind; the same command then fails on the data again (not
+    on 'already holds a run'), another command is told to pass --overwrite, and once the data is fixed the same
+    command starts the run from step 0. A run that reached a checkpoint is still refused."""
+    data, run_dir = tmp_path / "tokens.npy", tmp_path / "run"
+    data.write_bytes(b"")
+    command = ["train", "--data", str(data), "--run-dir", str(run_dir), "--steps", "1", *SMALL_OVERRIDES]
+    for _ in range(2):
+        assert_one_line(*run_main(capsys, *command), "tokens.npy is empty")
+    assert (run_dir / "config.json").is_file()
+    assert_one_line(*run_main(capsys, *command[:-len(SMALL_OVERRIDES)], *SMALL_OVERRIDES, "train.seed=7"),
+                    "never reached its first checkpoint", "train.seed", "pass --overwrite")
+    np.save(data, np.arange(4000, dtype=np.int32) % 320)
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 5.0}\n')  # as a run killed early leaves
+    config = config_lib.build_config("tiny", config_lib.parse_overrides(SMALL_OVERRIDES), steps=1, data=str(data))
+    lines = []
+    prepared = loop.prepare_run_dir(run_dir, config, resume=False, overwrite=False, log=lines.append)
+    assert prepared == config.replace(**{"train.schedule_steps": 1}) and not (run_dir / "metrics.jsonl").exists()
+    assert lines == [f"dropless: {run_dir} holds this run, which never reached its first checkpoint; starting it "
+                     "again from step 0"], lines
+    (run_dir / "checkpoints" / "1").mkdir(parents=True)  # a finished checkpoint, as orbax names it
+    with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
+        loop.prepare_run_dir(run_dir, config, resume=False, overwrite=False)

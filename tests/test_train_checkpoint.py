@@ -9,10 +9,12 @@ exactly what was saved.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import etils.epath
@@ -28,6 +30,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
 from dropless.train.metrics import read_metrics
 from tests.test_train import corpus, small_config  # noqa: F401 (corpus is a fixture)
+from tests.test_train_parallel import run_two_processes
 
 
 def _model(seed: int) -> tuple[dict, dict]:
@@ -134,7 +137,7 @@ def test_no_good_checkpoint_and_no_checkpoint_are_one_line_errors(tmp_path, corp
     config = small_config(corpus, **{"train.steps": 2, "train.eval_every": 100, "train.checkpoint_every": 100})
     (tmp_path / "early").mkdir()
     config_lib.save(config, tmp_path / "early" / "config.json")
-    with pytest.raises(ckpt.CheckpointError, match="has no finished checkpoint.*--overwrite instead of --resume"):
+    with pytest.raises(ckpt.CheckpointError, match="has no finished checkpoint.*the same command without --resume"):
         train(config, tmp_path / "early", resume=True, progress=False, log=lambda s: None)
 
 
@@ -238,3 +241,80 @@ def test_restore_into_fewer_devices(tmp_path):
         restored = ckpt.restore(tmp_path, 10, like_model, {**like_optimizer, "step": 0})
         assert restored["model"]["params"]["w"].sharding.mesh.devices.size == len(devices)
         _assert_equal_trees((restored["model"], restored["optimizer"]["opt_state"]), (model, optimizer["opt_state"]))
+
+
+# Two processes (tests/test_train_parallel.run_two_processes) save checkpoints 10, 20 and 30 of one array sharded
+# over both; then each meets a fault the other does not: process 1 cannot read checkpoint 30 (as a host whose copy
+# of a file is damaged or unreachable), process 0 reads checkpoint 20 different from its digest. Both must fall back
+# to checkpoint 10, together, and print what they restored.
+AGREEMENT_WORKER = """
+import json, sys
+import jax, numpy as np
+from dropless.core import distributed
+distributed.initialize()
+import orbax.checkpoint as ocp
+from dropless.train import checkpoint as ckpt
+
+run_dir, me = sys.argv[1], jax.process_index()
+sharding = jax.sharding.NamedSharding(jax.make_mesh((4,), ("fsdp",)), jax.sharding.PartitionSpec("fsdp"))
+def model(step):
+    w = np.arange(32 * 4, dtype=np.float32).reshape(32, 4) * step
+    return {"params": {"w": jax.make_array_from_callback(w.shape, sharding, lambda i: w[i])}, "state": {}}
+with ckpt.manager(run_dir, keep=10) as mngr:
+    for step in (10, 20, 30):
+        ckpt.save(mngr, step, model(step)["params"], {})
+restore = ocp.CheckpointManager.restore
+def restore_on_this_host(self, step, *args, **kwargs):
+    restored = restore(self, step, *args, **kwargs)  # orbax's own barriers: every process passes them
+    if me == 1 and step == 30:
+        raise OSError(5, "Input/output error")  # then this host's read fails
+    return restored
+ocp.CheckpointManager.restore = restore_on_this_host
+digest, calls = ckpt.digest, []
+def digest_on_this_host(trees):
+    found = digest(trees)  # every process takes part in the computation
+    calls.append(1)
+    if me == 0 and len(calls) == 1:  # the restore of checkpoint 20 (30 never gets to its digest)
+        found["model/params/w"] = [found["model/params/w"][0] ^ 1, found["model/params/w"][1]]
+    return found
+ckpt.digest = digest_on_this_host
+lines = []
+like = {"params": {"w": jax.ShapeDtypeStruct((32, 4), np.float32, sharding=sharding)}, "state": {}}
+step, restored = ckpt.restore_latest(run_dir, like, log=lines.append)
+w = restored["model"]["params"]["w"]
+mine = [np.asarray(s.data).tolist() for s in w.addressable_shards]
+want = [np.asarray(s.data).tolist() for s in model(step)["params"]["w"].addressable_shards]
+print(json.dumps({"step": step, "exact": mine == want, "lines": lines}), flush=True)
+"""
+
+
+def test_a_fault_seen_by_one_process_is_agreed_by_all(tmp_path):
+    results = [json.loads(out.strip().splitlines()[-1])
+               for out in run_two_processes([sys.executable, "-c", AGREEMENT_WORKER, str(tmp_path / "run")])]
+    assert [r["step"] for r in results] == [10, 10] and all(r["exact"] for r in results), results
+    lines = results[0]["lines"]  # process 0 reports (the run's log is process 0's)
+    assert len(lines) == 2, lines
+    assert "checkpoint 30 in" in lines[0] and "is damaged or unreadable on process 1" in lines[0], lines
+    assert "checkpoint 20 in" in lines[1] and "digest mismatch in model/params/w" in lines[1], lines
+    assert all("resuming from checkpoint 10" in line for line in lines), lines
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints.damaged").iterdir()) == ["20", "30"]
+
+
+def test_the_worst_outcome_of_any_process_is_everyones(monkeypatch):
+    """The agreement alone, with the all-gather faked: process 0 read fine, another did not."""
+    where = "checkpoint 20 in /run/checkpoints"
+    gathered = np.array([0, 0, 1, 2, 1], np.int32)  # restored, restored, damaged, unusable, damaged
+    monkeypatch.setattr(jax, "process_count", lambda: 5)
+    monkeypatch.setattr(ckpt.multihost_utils, "process_allgather", lambda x: gathered)
+    assert ckpt.agreed_outcome(0) == (2, 3)
+    with pytest.raises(ckpt.CheckpointError, match="cannot be used on process 3") as raised:
+        ckpt._agree(None, where)
+    assert not isinstance(raised.value, ckpt.DamagedCheckpoint)  # an unusable checkpoint stops every process
+    gathered[3] = 0
+    with pytest.raises(ckpt.DamagedCheckpoint, match=f"^{where} is damaged or unreadable on process 2$"):
+        ckpt._agree(None, where)
+    own = ckpt.DamagedCheckpoint(f"{where} is damaged (digest mismatch in model/params/w)")
+    with pytest.raises(ckpt.DamagedCheckpoint, match="digest mismatch"):  # its own message where it saw it
+        ckpt._agree(own, where)
+    gathered[:] = 0
+    ckpt._agree(None, where)  # all restored: nothing raised

@@ -1,7 +1,8 @@
-"""Faults injected into the real `dropless train`, in subprocesses: SIGTERM and SIGINT at seeded points (one while
-a checkpoint is being written), each followed by --resume, end exactly where an uninterrupted run ends; a
-learning rate that makes the loss non-finite stops the run with exit != 0, no checkpoint with non-finite weights
-and the good one kept."""
+"""Faults injected into the real `dropless train`, in subprocesses, each compared with one uninterrupted run of
+the same config (the `reference` fixture, shared): SIGTERM and SIGINT at seeded points (one while a checkpoint is
+being written) and SIGKILL at 10 seeded points (8 at exact places, 2 at seeded wall-clock delays), each followed
+by a restart, end exactly (`==`) where the uninterrupted run ends; a learning rate that makes the loss non-finite
+stops the run with exit != 0, no checkpoint with non-finite weights and the good one kept."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -26,9 +28,13 @@ from tests.test_train import SMALL, small_config, write_corpus
 ROOT = Path(__file__).resolve().parent.parent
 
 # The CLI's train command, exiting with what train() reports (RunSummary.exit_status), whatever the CLI itself
-# returns for a run that a signal stopped.
+# returns for a run that a signal stopped. With FAULT_KILL set (the SIGKILL test), the process SIGKILLs itself at
+# one exact place, which a wall-clock kill would hit only by chance:
+#   step:S      just after step S's metrics record is written, before any checkpoint of step S;
+#   save:C:N    at the N-th metadata file orbax writes while saving checkpoint C (its temporary directory holds
+#               the arrays, not yet renamed into place), or just after that save returns if it writes fewer.
 RUNNER = """
-import sys
+import os, signal, sys
 import dropless.cli as cli
 import dropless.train.loop as loop
 summaries = []
@@ -36,34 +42,70 @@ def train(*args, **kwargs):
     summaries.append(loop.train(*args, **kwargs))
     return summaries[-1]
 cli.train = train
+fault = os.environ.get("FAULT_KILL")
+if fault:
+    kind, *at = fault.split(":")
+    at = [int(n) for n in at]
+    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "step":
+        write = loop.metrics_lib.MetricsWriter.write
+        def write_then_die(self, record):
+            write(self, record)
+            if record["step"] == at[0] and "loss" in record:
+                die()
+        loop.metrics_lib.MetricsWriter.write = write_then_die
+    else:
+        import etils.epath
+        saving, writes, save = [], [0], loop.ckpt.save
+        def watched_save(mngr, step, *args, **kwargs):
+            saving.append(step)
+            save(mngr, step, *args, **kwargs)
+            if step == at[0]:
+                die()
+            saving.pop()
+        loop.ckpt.save = watched_save
+        for name in ("write_text", "write_bytes"):
+            def counted(self, *args, _write=getattr(etils.epath.gpath.PosixGPath, name), **kwargs):
+                if saving == [at[0]]:
+                    writes[0] += 1
+                    if writes[0] == at[1]:
+                        die()
+                return _write(self, *args, **kwargs)
+            setattr(etils.epath.gpath.PosixGPath, name, counted)
 status = cli.main(sys.argv[1:])
 sys.exit(summaries[-1].exit_status if summaries and summaries[-1].exit_status else status)
 """
 
-STEPS = 24
-OPTIONS = [f"{key}={value}" for key, value in {**SMALL, "train.eval_every": 100, "train.checkpoint_every": 5,
-                                               "train.keep_checkpoints": 10}.items()]
+STEPS = 32
+SETTINGS = {**SMALL, "train.eval_every": 100, "train.checkpoint_every": 5, "train.keep_checkpoints": 10}
 
 
-def _env(cache: Path) -> dict:
-    # One compilation cache for every subprocess: the step compiles once, the later runs load it.
+def _env(cache: Path, **extra: str) -> dict:
+    # One compilation cache for every subprocess: the step compiles once, the later runs load it. One CPU device:
+    # what is tested is the process (signals, kills, restarts), and a process starts ~30% faster than on the
+    # suite's 8 virtual devices (sharded saves and restores are tested in test_train_checkpoint.py).
+    xla_flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+            "XLA_FLAGS": f"{xla_flags} --xla_force_host_platform_device_count=1".strip(),
             "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", **extra}
 
 
-def _start(run_dir: Path, corpus: Path, cache: Path, *extra: str, steps: int = STEPS) -> subprocess.Popen:
+def _start(run_dir: Path, corpus: Path, cache: Path, *extra: str, steps: int = STEPS, settings: dict | None = None,
+           env: dict | None = None) -> subprocess.Popen:
+    options = [f"{key}={value}" for key, value in {**SETTINGS, **(settings or {})}.items()]
     command = [sys.executable, "-c", RUNNER, "train", "--run-dir", str(run_dir), "--data", str(corpus),
-               "--steps", str(steps), "--no-progress", *extra, *OPTIONS]
-    return subprocess.Popen(command, cwd=ROOT, env=_env(cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+               "--steps", str(steps), "--no-progress", *extra, *options]
+    return subprocess.Popen(command, cwd=ROOT, env=_env(cache, **(env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
-def _signal_when(process: subprocess.Popen, ready, number: int, times: int = 1) -> str:
-    """Send `number` to `process` once `ready()` holds (`times` times, 20 ms apart); returns the process's
-    output once it has ended."""
+def _signal_when(process: subprocess.Popen, ready, number: int, times: int = 1, delay: float = 0.0) -> str:
+    """Send `number` to `process` `delay` seconds after `ready()` holds (`times` times, 20 ms apart); returns the
+    process's output once it has ended."""
     while process.poll() is None and not ready():
         time.sleep(0.002)
+    time.sleep(delay)
     for _ in range(times):
         if process.poll() is None:
             process.send_signal(number)
@@ -79,8 +121,12 @@ def _stopped_at(output: str, name: str) -> int:
     return int(found[0])
 
 
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
 def _logged_steps(run_dir: Path) -> int:
-    return max((r["step"] for r in read_metrics(run_dir) if "loss" in r), default=0)
+    return max(_losses(run_dir), default=0)
 
 
 def _saving(run_dir: Path) -> bool:
@@ -94,19 +140,53 @@ def _weights(run_dir: Path, step: int | None = None) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves((params, state))]
 
 
-def test_signals_stop_with_a_checkpoint_and_resume_exactly(tmp_path):
-    (tmp_path / "corpus").mkdir()
-    corpus, cache = write_corpus(tmp_path / "corpus"), tmp_path / "cache"
+@dataclass
+class Reference:
+    """The uninterrupted run every faulted run is compared with; it trains (in a subprocess) while the first test
+    starts its own run beside it."""
+    root: Path
+    corpus: Path
+    cache: Path
+    process: subprocess.Popen
+
+    @property
+    def run_dir(self) -> Path:
+        return self.root / "full"
+
+    def losses(self) -> dict[int, float]:
+        if self.process.returncode is None:
+            output, _ = self.process.communicate(timeout=600)
+            assert self.process.returncode == 0, output
+        return _losses(self.run_dir)
+
+    def assert_same_run(self, run_dir: Path, steps: list[int]) -> None:
+        """`run_dir` logged every step once and `==` the uninterrupted run, and its checkpoints of `steps` hold
+        exactly its weights."""
+        assert sorted(r["step"] for r in read_metrics(run_dir) if "loss" in r) == list(range(1, STEPS + 1))
+        assert _losses(run_dir) == self.losses()  # bit for bit
+        for step in steps:
+            for got, want in zip(_weights(run_dir, step), _weights(self.run_dir, step), strict=True):
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    root = tmp_path_factory.mktemp("faults")
+    (root / "corpus").mkdir()
+    corpus, cache = write_corpus(root / "corpus"), root / "cache"
+    return Reference(root, corpus, cache, _start(root / "full", corpus, cache))
+
+
+def test_signals_stop_with_a_checkpoint_and_resume_exactly(reference):
+    corpus, cache = reference.corpus, reference.cache
     rng = random.Random(19)
-    full = _start(tmp_path / "full", corpus, cache)  # the uninterrupted run, beside the first part of the split one
-    run = tmp_path / "split"
+    run = reference.root / "split"
     # SIGTERM at a seeded step of a fresh run, twice: the second one, while stopping, changes nothing.
     at = rng.randrange(2, 9)
     fresh = _start(run, corpus, cache)
     output = _signal_when(fresh, lambda: _logged_steps(run) >= at, signal.SIGTERM, times=2)
     assert fresh.returncode == 143, output
     first_stop = _stopped_at(output, "SIGTERM")
-    assert full.wait(timeout=600) == 0, full.communicate()[0]
     assert ckpt.latest_step(run) == first_stop
     assert "Traceback" not in output
     # SIGINT while a checkpoint is being written (or, should no save be caught in the act, a few steps on): the
@@ -120,13 +200,53 @@ def test_signals_stop_with_a_checkpoint_and_resume_exactly(tmp_path):
     last = _start(run, corpus, cache, "--resume")
     output, _ = last.communicate(timeout=600)
     assert last.returncode == 0, output
+    reference.assert_same_run(run, [STEPS])
 
-    losses = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
-    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full") if "loss" in r}
-    assert sorted(r["step"] for r in read_metrics(run) if "loss" in r) == list(range(1, STEPS + 1))  # each once
-    assert losses == want  # bit for bit
-    for got, expected in zip(_weights(run), _weights(tmp_path / "full")):
-        np.testing.assert_array_equal(got, expected)
+
+# The SIGKILL test checkpoints every 2 steps (a setting that changes no loss), so that kills land in many saves.
+KILL_SETTINGS = {"train.checkpoint_every": 2, "train.keep_checkpoints": 20}
+KILLS = ["step"] * 4 + ["save"] * 4 + ["wall"] * 2
+
+
+def test_sigkill_at_seeded_points_each_restarted_exactly(reference):
+    """One run SIGKILLed 10 times, each followed by a restart: `--resume` from its newest checkpoint, or, before
+    the first one, the same command again. Each part's logged losses are compared when it dies, the whole run
+    and its checkpoints at the end."""
+    corpus, cache, run = reference.corpus, reference.cache, reference.root / "killed"
+    rng = random.Random(1019)
+    kills = rng.sample(KILLS, len(KILLS))
+    start, landed = 0, []
+    for kind in kills:
+        every = KILL_SETTINGS["train.checkpoint_every"]
+        resume = ["--resume"] if start else []
+        if kind == "step":  # between steps, after the record of step `at`, before any checkpoint of it
+            at = start + rng.randint(1, 2)
+            point = f"step:{at}"
+        elif kind == "save":  # inside the save of checkpoint `at`, at one of the files it writes
+            at = (start // every + rng.randint(1, 2)) * every
+            point = f"save:{at}:{rng.randint(1, 12)}"  # orbax 0.12 writes 12, the last just before the rename
+        else:  # a wall-clock delay after step `at` was logged: anywhere in a step, a save or a metrics write
+            at, delay = start + 1, rng.uniform(0.0, 0.03)
+            point = f"wall:{at}+{delay * 1e3:.0f}ms"
+        assert at < STEPS, (point, landed)  # the seeded plan fits the run
+        env = {} if kind == "wall" else {"FAULT_KILL": point}
+        process = _start(run, corpus, cache, *resume, settings=KILL_SETTINGS, env=env)
+        if kind == "wall":
+            output = _signal_when(process, lambda: _logged_steps(run) >= at, signal.SIGKILL, delay=delay)
+        else:
+            output, _ = process.communicate(timeout=600)
+        assert process.returncode == -signal.SIGKILL, (point, output)
+        part = {step: loss for step, loss in _losses(run).items() if step > start}  # what this part computed
+        assert part and max(part) >= at, (point, part)
+        want = reference.losses()
+        assert part == {step: want[step] for step in part}, point  # bit for bit
+        landed.append(point)
+        start = ckpt.latest_step(run) or 0
+    last = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
+    output, _ = last.communicate(timeout=600)
+    assert last.returncode == 0, output
+    assert len(landed) == len(KILLS) and sum(p.startswith("save") for p in landed) == 4, landed
+    reference.assert_same_run(run, [10, 20, 30, STEPS])
 
 
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):

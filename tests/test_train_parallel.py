@@ -1,7 +1,7 @@
 """Training with expert parallelism equals training on one device: in one process, and across two processes.
 
-Float32, the tiny preset on random tokens (tests/parallel_train_worker.py): the per-step losses and every
-trained parameter and router bias agree to 1e-5 relative, and nothing is dropped.
+Float32, the tiny preset's architecture at test_train.SMALL's widths on random tokens (tests/parallel_train_worker.py):
+the per-step losses and every trained parameter and router bias agree to 1e-5 relative, and nothing is dropped.
 """
 
 import json
@@ -15,9 +15,17 @@ import jax
 import numpy as np
 import pytest
 
-from tests.parallel_train_worker import train_losses
+from tests import parallel_train_worker
+from tests.test_train import SMALL
 
 ROOT = Path(__file__).resolve().parents[1]
+# The tiny preset's layers (MLA, one dense layer, then MoE layers of 8 experts in 4 groups with a shared expert) at
+# the widths of test_train.SMALL: compiling the step, once per mesh, is what these tests spend.
+NARROW = {k: v for k, v in SMALL.items() if k.startswith(("model.", "moe."))}
+
+
+def train_losses(overrides: dict, devices=None) -> dict:
+    return parallel_train_worker.train_losses({**NARROW, **overrides}, devices)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +85,7 @@ def run_two_processes(command: list[str]) -> list[str]:
 
 def test_two_processes_with_the_expert_axis_across_them_match_one_process(one_device):
     """jax.distributed on localhost, 2 CPU devices per process, parallel.expert=4: every expert group spans both."""
-    overrides = json.dumps({"parallel.data": 1, "parallel.expert": 4})
+    overrides = json.dumps({**NARROW, "parallel.data": 1, "parallel.expert": 4})
     for stdout in run_two_processes([sys.executable, "-m", "tests.parallel_train_worker", overrides]):
         result = json.loads(stdout.strip().splitlines()[-1])
         assert result["processes"] == 2 and result["devices"] == 4

@@ -1,5 +1,6 @@
 """The training step's gradient accumulation: N microbatches give the gradients, losses and MoE statistics of one
-batch (float32, tiny preset), and the configuration refuses splits that cannot work."""
+batch (float32, the tiny preset's architecture at test_train.SMALL's widths), and the configuration refuses splits
+that cannot work."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,12 @@ from dropless.core.config import ConfigError, load_preset
 from dropless.core.mesh import make_mesh
 from dropless.train.step import accumulated_value_and_grad, make_eval_step, microbatches
 
-CONFIG = load_preset("tiny").replace(**{"train.dtype": "float32", "train.batch_size": 8, "train.seq_len": 16})
+from tests.test_train import SMALL
+
+# What these tests spend is compiling (the whole batch once, each split once): narrow layers compile faster, and
+# keep every feature the accumulation must get right (MLA, a dense layer, 8 grouped experts, shared expert, bias).
+CONFIG = load_preset("tiny").replace(**{k: v for k, v in SMALL.items() if k.startswith(("model.", "moe."))},
+                                     **{"train.dtype": "float32", "train.batch_size": 8, "train.seq_len": 16})
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +26,8 @@ def batch_and_state():
     params = transformer.init_params(jax.random.key(0), CONFIG)
     state = {"router_bias": 0.05 * jax.random.normal(jax.random.key(2), transformer.init_state(CONFIG)["router_bias"].shape)}
     batch = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.model.vocab_size)
-    return params, state, batch
+    whole = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, CONFIG))(params)  # shared by every split
+    return params, state, batch, whole
 
 
 def test_microbatches_are_strided_rows_that_cover_the_batch_once():
@@ -33,8 +40,7 @@ def test_microbatches_are_strided_rows_that_cover_the_batch_once():
 
 @pytest.mark.parametrize("count", [2, 4])
 def test_accumulated_gradients_equal_the_whole_batch(count, batch_and_state):
-    params, state, batch = batch_and_state
-    whole = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, CONFIG))(params)
+    params, state, batch, whole = batch_and_state
     config = CONFIG.replace(**{"train.grad_accum_steps": count})
     split = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, config))(params)
     (total, (cross_entropy, aux)), grads = split

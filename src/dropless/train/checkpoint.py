@@ -11,7 +11,8 @@ orbax writes each step to a temporary directory and renames it when complete, so
 leaves a checkpoint that looks whole; `latest_step` only sees finished ones. The digest is an item of the same
 checkpoint, so it is renamed into place with the arrays it describes. A restore recomputes it on the restored
 arrays: a truncated, emptied or altered file shows as an error from orbax or as a mismatch, and
-`restore_latest` then falls back to the newest checkpoint that is good.
+`restore_latest` then falls back to the newest checkpoint that is good. With several processes, each reads its own
+shards, so each may see another outcome; they agree on the worst (`_agree`), so all fall back to the same one.
 """
 
 from __future__ import annotations
@@ -212,29 +213,61 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
         # A failed read leaves tensorstore's threads completing futures of an event loop orbax has closed;
         # each prints a traceback to sys.stderr. The one line raised here replaces them, so they go to a sink,
         # with a moment after a failure for the stragglers.
+        error = None
         with contextlib.redirect_stderr(io.StringIO()):
             try:
                 restored = dict(mngr.restore(step, args=ocp.args.Composite(**items)))
             except (ValueError, KeyError, TypeError) as err:
                 time.sleep(_STRAGGLERS_S)
-                if _shape_mismatch(err):
-                    raise CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
-                                          f"parameters ({_first_line(err)}); check the run's config.json.") from None
-                raise DamagedCheckpoint(f"{where} cannot be read ({_first_line(err)})") from None
+                error = (CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
+                                         f"parameters ({_first_line(err)}); check the run's config.json.")
+                         if _shape_mismatch(err) else DamagedCheckpoint(f"{where} cannot be read ({_first_line(err)})"))
             except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
                 time.sleep(_STRAGGLERS_S)
-                raise DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {_first_line(err)})") from None
+                error = DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {_first_line(err)})")
+        _agree(error, where)
     saved = restored.pop("digest", None)
     if saved is not None:
-        try:
-            want = saved["leaves"]
-        except (KeyError, TypeError):
-            raise DamagedCheckpoint(f"{where} has an unreadable digest") from None
-        got = digest(restored)
-        for key in sorted(got):
-            if want.get(key) != got[key]:
-                raise DamagedCheckpoint(f"{where} is damaged (digest mismatch in {key})")
+        got = digest(restored)  # a computation over every process's devices: all take part, whatever they read
+        want = saved.get("leaves") if isinstance(saved, dict) else None
+        if not isinstance(want, dict):
+            error = DamagedCheckpoint(f"{where} has an unreadable digest")
+        else:
+            wrong = next((key for key in sorted(got) if want.get(key) != got[key]), None)
+            error = DamagedCheckpoint(f"{where} is damaged (digest mismatch in {wrong})") if wrong else None
+        _agree(error, where)
     return restored
+
+
+# How a restore went on one process, worst last: every process takes the worst one (see _agree).
+_RESTORED, _DAMAGED, _UNUSABLE = 0, 1, 2
+
+
+def _agree(error: CheckpointError | None, where: str) -> None:
+    """Raise `error`, or the kind of error another process met, so that all processes take the same branch.
+
+    With several processes each reads its own shards, so a file that is damaged or unreachable on one host can
+    read fine on another; left alone, one process would fall back to an older checkpoint while the others
+    went on (and hung in the next collective). One all-gather of an integer makes the outcome common: any
+    process's damage makes the checkpoint damaged for all, any unusable checkpoint stops all."""
+    outcome = _RESTORED if error is None else _DAMAGED if isinstance(error, DamagedCheckpoint) else _UNUSABLE
+    worst, process = agreed_outcome(outcome)
+    if worst == outcome:
+        if error is not None:
+            raise error
+        return
+    if worst == _DAMAGED:
+        raise DamagedCheckpoint(f"{where} is damaged or unreadable on process {process}")
+    raise CheckpointError(f"{where} cannot be used on process {process} (its error says why); check the run's "
+                          "config.json.")
+
+
+def agreed_outcome(outcome: int) -> tuple[int, int]:
+    """(the largest `outcome` of all processes, the lowest-numbered process that had it); alone: (outcome, 0)."""
+    if jax.process_count() == 1:
+        return outcome, jax.process_index()
+    outcomes = np.ravel(multihost_utils.process_allgather(np.int32(outcome)))
+    return int(outcomes.max()), int(np.argmax(outcomes == outcomes.max()))
 
 
 def _first_line(err: BaseException) -> str:
@@ -259,6 +292,12 @@ def _all_steps(run_dir: Path) -> list[int]:
         return sorted(mngr.all_steps(), reverse=True)
 
 
+def reached_a_checkpoint(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` ever finished a checkpoint (one kept, or one set aside as damaged)."""
+    damaged = checkpoint_dir(run_dir).with_name("checkpoints.damaged")
+    return bool(_all_steps(run_dir)) or (damaged.is_dir() and any(damaged.iterdir()))
+
+
 def restore_latest(run_dir: Path, like_model, like_optimizer=None, *, log: Callable[[str], None] = print,
                    set_aside: bool = True) -> tuple[int, dict[str, Any]]:
     """(step, restored trees) of the newest good checkpoint, for --resume.
@@ -270,7 +309,7 @@ def restore_latest(run_dir: Path, like_model, like_optimizer=None, *, log: Calla
     steps = _all_steps(run_dir)
     if not steps:
         raise CheckpointError(f"--resume was given but {run_dir} has no finished checkpoint (the run stopped "
-                              "before its first save); start it again with --overwrite instead of --resume.")
+                              "before its first save); start it again with the same command without --resume.")
     damaged = []
     for step in steps:
         try:

@@ -90,9 +90,14 @@ def resume_changes(saved: Config, config: Config) -> list[str]:
     return sorted(k for k, v in given.items() if saved_flat[k] != v and k not in RESUMABLE_CHANGES)
 
 
-def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool) -> Config:
+def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool,
+                    log: Callable[[str], None] = lambda message: None) -> Config:
     """Create or validate the run directory; returns the config the run will use, with its schedule horizon
-    (`train.schedule_steps`) resolved: a new run's 0 becomes its `train.steps`, a resumed run's 0 the saved value."""
+    (`train.schedule_steps`) resolved: a new run's 0 becomes its `train.steps`, a resumed run's 0 the saved value.
+
+    A directory whose run never reached its first checkpoint (it failed on its data, or was killed early) holds
+    nothing worth keeping: the same config starts it again from step 0 without --overwrite; another config is
+    refused with the one flag that replaces it."""
     run_dir = Path(run_dir)
     saved_path = run_dir / "config.json"
     if resume:
@@ -109,9 +114,19 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
                               "that override or start a new run with --overwrite or another --run-dir.")
         config_lib.save(config, saved_path)
         return config
+    config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon})
     if run_dir.exists() and any(p.name != run_lock.LOCK_NAME for p in run_dir.iterdir()):
-        if not overwrite:
-            what = "a different config" if saved_path.is_file() and ckpt.load_run_config(run_dir) != config else "a run"
+        saved = None if overwrite or not saved_path.is_file() else ckpt.load_run_config(run_dir)
+        if saved is not None and not ckpt.reached_a_checkpoint(run_dir):
+            if saved != config:
+                key = next(k for k, v in config.to_flat_dict().items() if saved.to_flat_dict()[k] != v)
+                raise ConfigError(f"{run_dir} holds a run that never reached its first checkpoint, with another "
+                                  f"config ({key}: {saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} "
+                                  "given); pass --overwrite to replace it, or choose another --run-dir.")
+            log(f"dropless: {run_dir} holds this run, which never reached its first checkpoint; starting it again "
+                "from step 0")
+        elif not overwrite:
+            what = "a different config" if saved is not None and saved != config else "a run"
             raise ConfigError(f"{run_dir} already holds {what}; pass --resume to continue it, --overwrite to "
                               "replace it, or choose another --run-dir.")
         for name in ("checkpoints", "metrics.jsonl", "tensorboard", "training.png", "config.json"):
@@ -121,7 +136,6 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             elif target.exists():
                 target.unlink()
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon})
     config_lib.save(config, saved_path)
     return config
 
@@ -298,7 +312,7 @@ def _process() -> dict:
 def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, overwrite: bool, log):
     """(the run's config, its token dataset): process 0 prepares the directory, the others read it after."""
     if primary:
-        config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite)
+        config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite, log=log)
         dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir, log=log)
     _sync_processes("dropless: run directory ready")
     if not primary:
