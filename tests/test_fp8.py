@@ -97,7 +97,7 @@ def test_mxfp8_goes_through_scaled_dot_general_within_mx_rounding():
         assert 0 < rel(got, exact) < 0.08
 
 
-def _grouped_case(sizes, rows, seed=0, k=256, n=384, g=None):
+def _grouped_case(sizes, rows, seed=0, k=256, n=128):
     rng = np.random.default_rng(seed)
     g = len(sizes)
     return (wide_range(rng, (rows, k)).astype(np.float32), (rng.normal(size=(g, k, n)) * 0.05).astype(np.float32),
@@ -109,8 +109,8 @@ GROUPS = {"uneven": ([70, 0, 130, 1, 20], 240),  # empty and 1-row groups, 19 pa
           "empty": ([0, 0, 0], 64)}  # nothing routed here: zero outputs and gradients
 
 
-@pytest.mark.parametrize("case", sorted(GROUPS))
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode, case", [(mode, "uneven") for mode in MODES]
+                         + [("blockwise", "skewed"), ("rowwise", "skewed"), ("mxfp8", "empty")])
 def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
     sizes, rows = GROUPS[case]
     x, w, gs, dy = _grouped_case(sizes, rows)
@@ -143,7 +143,7 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode):
     """The native products (dropless.gmm.fp8_mosaic) against the dequantized ones on the same operands."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    x, w, gs, dy = _grouped_case([60, 0, 110], 200, k=256, n=512)
+    x, w, gs, dy = _grouped_case([50, 0, 70], 130, k=256, n=256)
     results = []
     for native in (False, True):
         gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()))

@@ -276,3 +276,21 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
     assert len(frozen) == 2, (kept, bad)
     for a, b in zip(*frozen):
         np.testing.assert_array_equal(a, b)
+
+
+def test_processes_agree_on_one_stop_signal_at_steps_where_the_host_waits(monkeypatch):
+    """With several processes a signal reaches some of them (or each a different one): at a step where the host
+    reads from the device anyway, one all-gather makes every process stop with the lowest-numbered process's
+    signal; at other steps nobody stops (no extra host sync). The all-gather is faked here; tests/test_train_parallel
+    runs real processes."""
+    from dropless.train import loop
+
+    gathered = np.array([0, int(signal.SIGUSR1), 0, int(signal.SIGTERM)], np.int32)
+    monkeypatch.setattr(jax, "process_count", lambda: 4)
+    monkeypatch.setattr(loop.multihost_utils, "process_allgather", lambda x: gathered)
+    assert loop._agreed_stop(None, host_waits=True) == "SIGUSR1"  # process 0 saw nothing, still stops
+    assert loop._agreed_stop("SIGTERM", host_waits=False) is None  # not a step where the host waits
+    gathered[:] = 0
+    assert loop._agreed_stop(None, host_waits=True) is None
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    assert loop._agreed_stop("SIGINT", host_waits=False) == "SIGINT"  # one process stops at once

@@ -89,8 +89,16 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, 
         if reason is None:
             raise
         directory = Path(mngr.directory)
-        for tmp in directory.glob(f"{step}.orbax-checkpoint-tmp*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+        try:  # orbax's writer threads may still be creating files in the temporary directory: let them stop first
+            mngr.wait_until_finished()
+        except Exception:  # noqa: BLE001 - the same failure, reported below
+            pass
+        for _ in range(3):  # a pass can race a file being closed; what it leaves, the next removes
+            leftovers = list(directory.glob(f"{step}.orbax-checkpoint-tmp*"))
+            for tmp in leftovers:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if not leftovers:
+                break
         fix = "free space" if reason == "No space left on device" else "make it writable"
         raise CheckpointError(f"could not write checkpoint {step} to {directory}: {reason}; {fix} and resume "
                               "with --resume.") from None
