@@ -1,5 +1,5 @@
 """E4m3 grouped-GEMM kernels of the FP8 probe (make bench-fp8-probe): a measurement of what our Mosaic GPU kernel
-structure gives on float8 e4m3 operands, not the product path (issue 18 builds that in src/dropless/gmm/).
+structure gives on float8 e4m3 operands, not the product path (that is src/dropless/gmm/fp8_mosaic.py).
 
 They are dropless.gmm.mosaic_ws's warp-specialised grouped GEMM (one producer warpgroup, two consumers side by
 side along N) with what e4m3 forces on Hopper, kept as they were measured (benchmarks/results/fp8-probe-h200.json).
