@@ -19,7 +19,8 @@ import numpy as np
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, write_json
 from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
-from dropless.fp8.grouped import Fp8Products, aligned_transposed, weight_copies
+from dropless.fp8.grouped import Fp8Products, aligned_transposed
+from dropless.fp8.recipe import weight_copies
 from dropless.gmm import fp8_mosaic
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
 from dropless.ops.fp8 import quantize

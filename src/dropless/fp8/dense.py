@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe
+from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe, weight_copies
 from dropless.gmm import fp8_mosaic
 from dropless.ops.fp8 import Quantized, dequantize, quantize
 from dropless.ops.matmul import matmul_f32_out
@@ -62,14 +62,6 @@ def _mxfp8_matmul(x_TK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:
     return y_TN[:t, :n].astype(out_dtype)
 
 
-def _weight_copies(w_KN: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
-    """(Wᵀ [N, K] for the forward, W [K, N] for the input gradient), each contraction-last."""
-    if recipe.mode == "blockwise":  # one set of 128 x 128 blocks serves both
-        q = quantize(w_KN, recipe.weight(2))
-        return Quantized(q.values.T, q.scales.T), q
-    return quantize(w_KN.T, recipe.weight(2)), quantize(w_KN, recipe.weight(2))
-
-
 def _transposed(a_TX: jax.Array, recipe: Recipe) -> Quantized:
     """aᵀ [X, T'] contraction-last for the weight gradient, T' = T rounded up to whole 128-token tiles (zeros)."""
     a_TX = jnp.pad(a_TX, ((0, -a_TX.shape[0] % BLOCK), (0, 0)))
@@ -83,7 +75,7 @@ def _fp8_matmul_2d(x_TK, w_KN, recipe: Recipe, dtypes: tuple):
 
 
 def _fwd(x_TK, w_KN, recipe, dtypes):
-    w_fwd, w_dlhs = _weight_copies(w_KN, recipe)
+    w_fwd, w_dlhs = weight_copies(w_KN, recipe)
     y_TN = rows_product(quantize(x_TK, recipe.operand(2)), w_fwd, recipe).astype(dtypes[0])
     return y_TN, (_transposed(x_TK, recipe), w_dlhs)
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.core.varying import sum_like, varying_like
-from dropless.fp8.recipe import Recipe
+from dropless.fp8.recipe import Recipe, weight_copies
 from dropless.gmm import fp8_mosaic, make_gmm
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
 from dropless.gmm.api import GroupedMatmul, zero_padding_rows
@@ -76,14 +76,6 @@ def aligned_transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe
     group_amax_GX = jax.ops.segment_max(amax_BX, block_group_B, num_segments=g + 1)
     scales_XB = power_of_two_scale(jnp.maximum(group_amax_GX, 0.0))[block_group_B].T
     return quantize_with_scales(aT_XP, scales_XB, (1, block))
-
-
-def weight_copies(w_GKN: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
-    """(Wᵀ [G, N, K] for the forward, W [G, K, N] for the input gradient), each contraction-last."""
-    if recipe.mode == "blockwise":
-        q = quantize(w_GKN, recipe.weight(3))
-        return Quantized(jnp.swapaxes(q.values, 1, 2), jnp.swapaxes(q.scales, 1, 2)), q
-    return quantize(jnp.swapaxes(w_GKN, 1, 2), recipe.weight(3)), quantize(w_GKN, recipe.weight(3))
 
 
 @dataclass(frozen=True)

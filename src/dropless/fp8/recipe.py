@@ -32,8 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
-from dropless.ops.fp8 import BlockShape
+from dropless.ops.fp8 import BlockShape, Quantized, quantize
 
 BLOCK = 128  # blockwise tile and weight-block extent (DeepSeek-V3)
 MX_BLOCK = 32  # OCP MX block
@@ -70,6 +71,16 @@ class Recipe:
     def contract_block(self) -> int:
         """Extent of a drhs operand's blocks along the tokens; rowwise shares one scale per expert over them."""
         return MX_BLOCK if self.mode == "mxfp8" else BLOCK
+
+
+def weight_copies(w: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
+    """(Wᵀ [..., N, K] for the forward, W [..., K, N] for the input gradient), each contraction-last, for a weight
+    [K, N] or stacked [G, K, N]. Under blockwise one set of 128 x 128 block scales serves both copies."""
+    swap = lambda a: jnp.swapaxes(a, -1, -2)
+    if recipe.mode == "blockwise":
+        q = quantize(w, recipe.weight(w.ndim))
+        return Quantized(swap(q.values), swap(q.scales)), q
+    return quantize(swap(w), recipe.weight(w.ndim)), quantize(w, recipe.weight(w.ndim))
 
 
 def make_recipe(mode: str, *, native: bool | None = None) -> Recipe | None:
