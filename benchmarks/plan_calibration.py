@@ -2,12 +2,13 @@
 
     python benchmarks/plan_calibration.py --out benchmarks/results/plan-calibration-h200.json
 
-Peak memory is a property of a process (the allocator's `peak_bytes_in_use` only grows), so each configuration
-runs in its own subprocess. The subprocesses start together and compile at once (compiling a proxy step takes
-about a minute, and needs little device memory: XLA_PYTHON_CLIENT_PREALLOCATE=false), then take turns on the
-device under a file lock: allocate the state, run the timed steps, and report `peak_bytes_in_use` and
-`bytes_in_use` after the state is allocated (the device allocator's own figures), the compiled program's
-`memory_analysis()`, and the median step time. The record is rewritten as each configuration finishes, so a
+Peak memory is a property of a process (the allocator's `peak_bytes_in_use` only grows, and a process keeps
+what its allocator has grown to), so each configuration is measured in a fresh subprocess, one at a time. Compiling
+a proxy step takes one to two minutes, so first one subprocess per configuration compiles its step into JAX's
+persistent compilation cache, all at once (XLA_PYTHON_CLIENT_PREALLOCATE=false), and exits; then each
+measuring subprocess lowers its step again, loads the compiled program from the cache, allocates the state, runs
+the timed steps, and reports `peak_bytes_in_use` and `bytes_in_use` after the state is allocated (the device
+allocator's own figures), the compiled program's `memory_analysis()`, and the median step time. The record is rewritten as each configuration finishes, so a
 run cut short keeps what it measured.
 
 `--configs small` runs the same measurement with the tiny preset on whatever device is present (a CPU in tests).
@@ -55,15 +56,22 @@ def _config(preset: str, overrides: dict):
     return build_config(preset, {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in overrides.items()})
 
 
-def measure_one(preset: str, overrides: dict, lock_path: str, steps: int) -> dict:
-    """In a fresh process: compile, then under the lock allocate, time, and read the allocator's peak."""
-    import fcntl
+def _use_cache(cache: str) -> None:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+
+def measure_one(preset: str, overrides: dict, cache: str, steps: int, compile_only: bool) -> dict:
+    """In a fresh process: compile (or load from the cache); unless `compile_only`, allocate, time, and read the
+    allocator's peak."""
     import jax
     from dropless.bench import harness
     from dropless.bench.harness import GIB
     from dropless.core import xla_flags
     xla_flags.apply()
+    _use_cache(cache)
     device = jax.devices()[0]
     setup = harness.build(_config(preset, overrides))
     start = time.perf_counter()
@@ -73,23 +81,28 @@ def measure_one(preset: str, overrides: dict, lock_path: str, steps: int) -> dic
     compiled_figures = {k: int(getattr(stats, f"{k}_size_in_bytes")) for k in
                         ("argument", "output", "alias", "temp", "generated_code", "host_argument", "host_temp")} \
         if stats is not None else None
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one configuration on the device at a time
-        state = harness.init_state(setup)
-        batches = harness.random_batches(setup, 3)
-        jax.block_until_ready((state, batches))
-        after_state = (device.memory_stats() or {}).get("bytes_in_use")
-        state, times, metrics = harness.time_steps(compiled, state, batches, warmup=2, steps=steps, seconds=4.0)
-        memory = device.memory_stats() or {}
-        del state, batches
+    if compile_only:
+        return {"compile_s": round(compile_s, 1)}
+    state = harness.init_state(setup)
+    batches = harness.random_batches(setup, 3)
+    jax.block_until_ready((state, batches))
+    after_state = (device.memory_stats() or {}).get("bytes_in_use")
+    state, times, metrics = harness.time_steps(compiled, state, batches, warmup=2, steps=steps, seconds=4.0)
+    memory = device.memory_stats() or {}
     return {
         "step_ms": 1e3 * statistics.median(times), "step_ms_all": [round(1e3 * t, 2) for t in times],
         "peak_bytes_in_use": memory.get("peak_bytes_in_use"), "bytes_in_use_after_state": after_state,
         "peak_gib": (memory.get("peak_bytes_in_use") or 0) / GIB,
         "compiled": compiled_figures, "compiled_peak_bytes": harness.peak_bytes(compiled),
-        "compile_s": round(compile_s, 1),
+        "load_s": round(compile_s, 1),
         "tokens_dropped": int(metrics["tokens_dropped"]), "loss": float(metrics["loss"]),
     }
+
+
+def _result(stdout: str, stderr: str) -> dict:
+    line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
+    return json.loads(line[len("RESULT "):]) if line else \
+        {"error": (stderr.strip().splitlines() or ["no output"])[-1][:400]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,34 +112,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated configuration keys")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the subprocess: one key, prints one JSON line
-    parser.add_argument("--lock", help=argparse.SUPPRESS)
+    parser.add_argument("--cache", help=argparse.SUPPRESS)
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configs = CONFIGS if args.configs == "full" else SMALL
     if args.only:
         configs = {k: configs[k] for k in args.only.split(",")}
     if args.one:
         preset, overrides = configs[args.one]
-        print("RESULT " + json.dumps(measure_one(preset, overrides, args.lock, args.steps)), flush=True)
+        print("RESULT " + json.dumps(measure_one(preset, overrides, args.cache, args.steps, args.compile_only)), flush=True)
         return 0
     from dropless.bench.records import environment, write_json
     record = {"benchmark": "plan-calibration", "environment": environment(), "results": {}}
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    with tempfile.TemporaryDirectory() as scratch:
-        lock = str(Path(scratch) / "device.lock")
-        children = {key: subprocess.Popen(
-            [sys.executable, __file__, "--configs", args.configs, "--out", args.out, "--one", key, "--lock", lock,
-             "--steps", str(args.steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-            for key in configs}
-        for key, child in children.items():
-            stdout, stderr = child.communicate()
-            line = next((l for l in stdout.splitlines() if l.startswith("RESULT ")), None)
-            result = json.loads(line[len("RESULT "):]) if line else \
-                {"error": (stderr.strip().splitlines() or ["no output"])[-1][:400]}
-            preset, overrides = configs[key]
-            record["results"][key] = {"preset": preset, "overrides": overrides, **result}
+    with tempfile.TemporaryDirectory() as cache:
+        def command(key: str, *extra: str) -> list[str]:
+            return [sys.executable, __file__, "--configs", args.configs, "--out", args.out, "--one", key,
+                    "--cache", cache, "--steps", str(args.steps), *extra]
+
+        env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+        compiling = {key: subprocess.Popen(command(key, "--compile-only"), stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True, env=env) for key in configs}
+        compile_s = {}
+        for key, child in compiling.items():
+            compile_s[key] = _result(*child.communicate()).get("compile_s")
+            print(f"{key}: compiled in {compile_s[key]} s", flush=True)
+        for key, (preset, overrides) in configs.items():
+            done = subprocess.run(command(key), capture_output=True, text=True)
+            result = _result(done.stdout, done.stderr)
+            record["results"][key] = {"preset": preset, "overrides": overrides, "compile_s": compile_s[key], **result}
             write_json(Path(args.out), record, indent=2)
-            print(f"{key}: " + (f"{result['step_ms']:.1f} ms, peak {result['peak_gib']:.2f} GiB, "
-                                f"compiled in {result['compile_s']:.0f} s" if line else result["error"]), flush=True)
+            print(f"{key}: " + (f"{result['step_ms']:.1f} ms, peak {result['peak_gib']:.2f} GiB"
+                                if "error" not in result else result["error"]), flush=True)
     print(f"wrote {args.out}")
     return 0
 
