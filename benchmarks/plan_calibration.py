@@ -42,6 +42,7 @@ CONFIGS = {
     "proxy-b8-offload-optimizer": (PROXY, {"train.offload_optimizer": True}),
     "proxy-b8-bf16-moments": (PROXY, {"train.optimizer_moments_dtype": "bfloat16"}),
     "proxy-b8-fp8-blockwise": (PROXY, {"train.fp8": "blockwise"}),
+    "proxy-b8-fp8-rowwise": (PROXY, {"train.fp8": "rowwise"}),
     "qwen3-l4-b4": (QWEN, QWEN_SMALL),
     "qwen3-l4-b4-remat-full": (QWEN, {**QWEN_SMALL, "train.remat": "full"}),
 }
