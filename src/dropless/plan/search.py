@@ -1,0 +1,77 @@
+"""`dropless plan --search` and `dropless train`'s fit check: the layouts a preset allows on a cluster, fastest first.
+
+A layout is a choice of `parallel.fsdp` x `parallel.expert` (data takes the rest), `train.remat`,
+`train.offload_optimizer`, `train.optimizer_moments_dtype`, `train.grad_accum_steps` and `moe.dispatch`. The
+search plans each (arithmetic only: thousands per second) and keeps those that fit, sorted by predicted step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from dropless.core.config import Config, ConfigError, ParallelConfig
+from dropless.plan.cost import load_rates
+from dropless.plan.layout import Cluster
+from dropless.plan.report import GIB, Plan, layout_overrides, make_plan
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config: Config, cluster: Cluster):
+    """Every layout config the preset allows on `cluster` (ones that do not divide evenly are skipped)."""
+    n, train, moe = cluster.devices, config.train, config.moe
+    experts = [e for e in _divisors(n) if moe.num_experts % e == 0]
+    accum = [a for a in _divisors(train.batch_size) if (train.batch_size // a) % n == 0 and a <= 64]
+    for expert, fsdp in itertools.product(experts, _divisors(n)):
+        if (n // expert) % fsdp:
+            continue
+        dispatches = ("alltoall", "allgather") if expert > 1 else ("auto",)  # auto picks one of the two
+        for remat, offload, moments, steps, dispatch in itertools.product(
+                ("none", "moe", "full"), (False, True), ("float32", "bfloat16"), accum, dispatches):
+            # dataclasses.replace, not Config.replace: the values are already typed (thousands of candidates).
+            try:
+                yield dataclasses.replace(
+                    config, parallel=ParallelConfig(-1, fsdp, expert),
+                    train=dataclasses.replace(train, remat=remat, offload="", offload_optimizer=offload,
+                                              optimizer_moments_dtype=moments, grad_accum_steps=steps),
+                    moe=dataclasses.replace(moe, dispatch=dispatch))
+            except ConfigError:
+                continue
+
+
+def search(config: Config, cluster: Cluster, *, device_memory_gib: float | None = None, rates: dict | None = None,
+           limit: int | None = None) -> list[Plan]:
+    """The layouts that fit, fastest first (ties: the smaller peak)."""
+    rates = rates or load_rates()
+    fitting = []
+    for candidate in candidates(config, cluster):
+        try:
+            plan = make_plan(candidate, cluster, device_memory_gib=device_memory_gib, rates=rates)
+        except ConfigError:
+            continue
+        if plan.fits:
+            fitting.append(plan)
+    fitting.sort(key=lambda p: (p.time["seconds"], p.memory.peak))
+    return fitting[:limit] if limit else fitting
+
+
+def check_fit(config: Config, cluster: Cluster, device_memory_gib: float | None = None, *,
+              auto_fit: bool = False, rates: dict | None = None) -> Config:
+    """`config` if its plan fits; with `auto_fit`, the fastest fitting layout; otherwise a ConfigError of one line
+    saying by how much it does not fit and which settings would."""
+    plan = make_plan(config, cluster, device_memory_gib=device_memory_gib, rates=rates)
+    if plan.fits and not auto_fit:
+        return config
+    best = search(config, cluster, device_memory_gib=device_memory_gib, rates=rates, limit=1)
+    if auto_fit and best:
+        return best[0].config
+    over = (plan.memory.peak - plan.device_memory_bytes) / GIB
+    fix = (f"set {layout_overrides(best[0].config)} (predicted peak {best[0].memory.peak / GIB:.1f} GiB) or "
+           "train.auto_fit=true" if best else "no layout of this batch fits; use more devices or a smaller "
+           "train.batch_size")
+    raise ConfigError(f"the plan does not fit: its peak is {plan.memory.peak / GIB:.1f} GiB per device, "
+                      f"{over:.1f} GiB over the {plan.device_memory_bytes / GIB:.1f} GiB of "
+                      f"{cluster.device}; {fix} ('dropless plan' shows the breakdown).")
