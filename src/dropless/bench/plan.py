@@ -61,15 +61,30 @@ def cluster_from_args(args) -> Cluster:
     return Cluster(devices // per_host, per_host, args.device)
 
 
-def compiled_memory(config) -> dict:
-    """XLA's memory analysis of the real step on this machine's devices, next to nothing else."""
-    setup = harness.build(config)
-    compiled = harness.lower(setup).compile()
-    stats = compiled.memory_analysis()
-    fields = ("argument", "output", "alias", "temp", "host_argument", "host_temp")
-    out = {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0) for k in fields}
-    out["peak"] = harness.peak_bytes(compiled)
-    out["platform"] = setup.mesh.devices.flat[0].platform
+def memory_analysis(compiled) -> dict | None:
+    """XLA's memory analysis of a compiled step (bytes): arguments, outputs, donated aliases, temporaries, host
+    memory, and the peak they imply; None where the backend gives none."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # an executable loaded from the compilation cache may have none on some backends
+        return None
+    if stats is None:
+        return None
+    out = {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0)
+           for k in ("argument", "output", "alias", "temp", "host_argument", "host_temp")}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def compiled_memory(config, devices: int) -> dict:
+    """XLA's memory analysis of the real step compiled for the first `devices` of this machine's devices."""
+    available = harness.jax.devices()
+    if devices > len(available):
+        raise ConfigError(f"--compiled needs the plan's {devices} devices but this machine has {len(available)}; "
+                          "plan for fewer devices or drop --compiled.")
+    setup = harness.build(config, available[:devices])
+    out = memory_analysis(harness.lower(setup).compile()) or {"peak": 0, "argument": 0, "temp": 0}
+    out["platform"] = available[0].platform
     return out
 
 
@@ -83,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"preset": args.preset, "plan": plan.to_dict()}
     if args.compiled:
         xla_flags.apply()
-        compiled = compiled_memory(config)
+        compiled = compiled_memory(config, cluster.devices)
         diff = plan.memory.peak - compiled["peak"]
         print(f"compiled ({compiled['platform']}): peak {compiled['peak'] / GIB:.2f} GiB (arguments "
               f"{compiled['argument'] / GIB:.2f}, temporaries {compiled['temp'] / GIB:.2f}); the plan says "

@@ -56,19 +56,6 @@ def _enable_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def _memory_analysis(compiled) -> dict | None:
-    try:
-        stats = compiled.memory_analysis()
-    except Exception:  # some executables (loaded from the cache on some backends) have none
-        return None
-    if stats is None:
-        return None
-    keys = ("argument", "output", "alias", "temp", "host_argument", "host_temp")
-    out = {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0) for k in keys}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
-
-
 def compile_all(jobs: list[dict], cache_dir: str, device: str | None) -> dict:
     """The `--compile` process: the device's environment, each job's prediction for it, and every job the plan
     says fits compiled in parallel threads into the persistent cache. (The orchestrator itself never starts a
@@ -101,6 +88,7 @@ def compile_all(jobs: list[dict], cache_dir: str, device: str | None) -> dict:
 def run_one(job: dict, cache_dir: str, warmup: int, steps: int, seconds: float) -> dict:
     """Compile (from the cache), time and measure one job on the first device (the `--worker` process)."""
     from dropless.bench import harness
+    from dropless.bench.plan import memory_analysis
     from dropless.core import xla_flags
 
     xla_flags.apply()
@@ -119,7 +107,7 @@ def run_one(job: dict, cache_dir: str, warmup: int, steps: int, seconds: float) 
     peak = stats.get("peak_bytes_in_use")
     return {"step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
             "peak_gib": peak / GIB if peak else None, "bytes_limit_gib": stats.get("bytes_limit", 0) / GIB or None,
-            "compile_s": compile_s, "compiled": _memory_analysis(compiled),
+            "compile_s": compile_s, "compiled": memory_analysis(compiled),
             "device_kind": jax.devices()[0].device_kind, "platform": jax.devices()[0].platform}
 
 

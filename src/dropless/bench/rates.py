@@ -29,12 +29,14 @@ from dropless.plan.cost import load_rates, rate_key
 
 # (dense matmul size, gmm rows / K / N, attention batch / seq / heads / head dim, HBM elements) per size class.
 SIZES = {
-    "full": {"matmul": 8192, "gmm": (65536, 7168, 4096), "attention": (4, 4096, 32, 128), "hbm": 1 << 28},
-    "small": {"matmul": 128, "gmm": (512, 64, 64), "attention": (1, 64, 2, 16), "hbm": 1 << 16},
+    "full": {"matmul": 8192, "gmm": (65536, 7168, 4096), "attention": (4, 4096, 32, 128), "hbm": 1 << 28,
+             "groups": (32, 256), "batches": 5},
+    "small": {"matmul": 64, "gmm": (256, 32, 32), "attention": (1, 32, 2, 16), "hbm": 1 << 14,
+              "groups": (4, 16), "batches": 2},
 }
 
 
-def gmm_tflops(rows: int, k: int, n: int, groups: int) -> float:
+def gmm_tflops(rows: int, k: int, n: int, groups: int, batches: int = 5) -> float:
     gmm = make_gmm(MoEConfig(num_experts=groups))
     key_x, key_w, key_d = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(key_x, (rows, k), jnp.bfloat16)
@@ -47,10 +49,10 @@ def gmm_tflops(rows: int, k: int, n: int, groups: int) -> float:
         out, pullback = jax.vjp(lambda a, b: gmm(a, b, sizes), x, w)
         return out, *pullback(dy)
 
-    return 3 * 2 * rows * k * n / harness.time_calls(fwdbwd, [(x, w, dy)]) / 1e12
+    return 3 * 2 * rows * k * n / harness.time_calls(fwdbwd, [(x, w, dy)], batches=batches) / 1e12
 
 
-def attention_tflops(batch: int, seq: int, heads: int, dim: int) -> float:
+def attention_tflops(batch: int, seq: int, heads: int, dim: int, batches: int = 5) -> float:
     keys = jax.random.split(jax.random.key(1), 4)
     q, k, v, do = (jax.random.normal(key, (batch, seq, heads, dim), jnp.bfloat16) for key in keys)
 
@@ -60,13 +62,13 @@ def attention_tflops(batch: int, seq: int, heads: int, dim: int) -> float:
         return out, *pullback(do)
 
     causal_flops = 2 * 2 * batch * seq * seq * heads * dim / 2
-    return 3 * causal_flops / harness.time_calls(fwdbwd, [(q, k, v, do)]) / 1e12
+    return 3 * causal_flops / harness.time_calls(fwdbwd, [(q, k, v, do)], batches=batches) / 1e12
 
 
-def hbm_gbps(elements: int) -> float:
+def hbm_gbps(elements: int, batches: int = 5) -> float:
     x = jnp.ones((elements,), jnp.float32)
     scale = jax.jit(lambda a: a * 1.0001)
-    return 2 * 4 * elements / harness.time_calls(scale, [(x,)]) / 1e9
+    return 2 * 4 * elements / harness.time_calls(scale, [(x,)], batches=batches) / 1e9
 
 
 def measure(size: str = "full") -> dict:
@@ -78,12 +80,15 @@ def measure(size: str = "full") -> dict:
     base = load_rates()
     kept = base[rate_key(base, device.device_kind, device.platform)]
     rows, k, n = s["gmm"]
+    few, many = s["groups"]
+    batches = s["batches"]
     measured = {
-        "dense_tflops": harness.dense_matmul_tflops(s["matmul"], warm_s=0.2 if size == "small" else 1.0),
-        "few_experts": gmm_tflops(rows, k, n, 32 if size == "full" else 4),
-        "many_experts": gmm_tflops(rows, k, n, 256 if size == "full" else 16),
-        "attention_tflops": attention_tflops(*s["attention"]),
-        "hbm_gbps": hbm_gbps(s["hbm"]),
+        "dense_tflops": harness.dense_matmul_tflops(s["matmul"], warm_s=0.0 if size == "small" else 1.0,
+                                                    batches=batches),
+        "few_experts": gmm_tflops(rows, k, n, few, batches),
+        "many_experts": gmm_tflops(rows, k, n, many, batches),
+        "attention_tflops": attention_tflops(*s["attention"], batches),
+        "hbm_gbps": hbm_gbps(s["hbm"], batches),
     }
     entry = json.loads(json.dumps(kept))  # a copy: links, host copies, overhead and memory keep their values
     entry["platform"] = device.platform

@@ -230,7 +230,7 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
     scan_extra = SCAN_RESIDUAL_EXTRA * device_tok if train.scan_layers else 0
     V = m.vocab_size
     loss_tok = V * 4 + m.hidden_size * c  # log-softmax (float32) and the lm_head's input
-    activations = int(T * (device_tok + scan_extra + loss_tok))
+    activations = T * int(device_tok + scan_extra + loss_tok)
 
     matrix_bytes = state.matrix_elements * (1 if d.fp8 else c)
     other = state.parameter_elements - state.matrix_elements
