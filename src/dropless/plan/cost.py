@@ -9,6 +9,7 @@ each with its source. The step's time is
   + the expert-parallel exchanges (on the critical path of every MoE layer)
   + the FSDP gathers and gradient reductions that the compute does not hide
   + host copies (an offloaded optimizer state or offloaded activations)
+  + under `train.scan_layers`, the stacked buffers' passes (`SCAN_TIME_FACTOR`)
   + a fixed per-step overhead.
 
 FLOPs are `dropless.models.flops`'s model FLOPs (forward + backward) plus the recomputation remat adds.
@@ -33,6 +34,10 @@ from dropless.plan.memory import MemoryPlan, moe_buffers
 # Passes over the saved activations per step: written in the forward, read in the backward, and their
 # cotangents written and read once.
 ACTIVATION_PASSES = 4
+# Under `jax.lax.scan` the step writes every layer's residuals into stacked buffers (dynamic-update-slice) and
+# zero-fills stacked gradient accumulators: the scanned proxy runs 1.16x (4 x 2,048 tokens) and 1.21x (1 x 2,048)
+# the unrolled one's time (benchmarks/results/step-h200.json, step-batch1-h200.json: rung 4 against 5:unrolled).
+SCAN_TIME_FACTOR = 1.15
 # Passes over the [T, V] float32 logits: the matmul's output, the softmax, its gradient, the gradient's read.
 LOGIT_PASSES = 4
 
@@ -185,12 +190,13 @@ def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: M
     if memory.activations_in_host:
         host += 2 * memory.activations_in_host * micro / (rates["host_gbps"] * 1e9)
     overhead = rates["step_overhead_ms"] / 1e3
-    seconds = compute + memory_bound + exposed_ep + exposed_other + host + overhead
+    scan = (SCAN_TIME_FACTOR - 1) * (compute + memory_bound) if train.scan_layers else 0.0
+    seconds = compute + memory_bound + scan + exposed_ep + exposed_other + host + overhead
     tokens = train.batch_size * train.seq_len
     return {
         "seconds": seconds,
         "terms_s": {"compute": compute, "memory_bound": memory_bound, "expert_exchange": exposed_ep,
-                    "fsdp_and_gradient_sync_exposed": exposed_other, "host_copies": host, "overhead": overhead},
+                    "scan_buffers": scan, "fsdp_and_gradient_sync_exposed": exposed_other, "host_copies": host, "overhead": overhead},
         "flops": f,
         "collectives": [{"name": x.name, "bytes_per_device": x.bytes_per_device, "within_host": x.within_host,
                          "seconds": x.seconds(rates)} for x in comm],

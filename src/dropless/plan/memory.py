@@ -255,7 +255,9 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         cotangent_row = (m.hidden_size + 2 * config.moe.expert_intermediate_size) * c
         received = buffers.received_rows * 2 * m.hidden_size * c
         temporaries["moe_buffers"] = int(buffers.local_rows * cotangent_row + received)
-        temporaries["moe_worst_case"] = int(buffers.worst_rows * (row + cotangent_row) + received)
+        # (No bound, no second branch: one device, or a bound as large as the worst case.)
+        temporaries["moe_worst_case"] = (temporaries["moe_buffers"] if buffers.local_rows >= buffers.worst_rows
+                                         else int(buffers.worst_rows * (row + cotangent_row) + received))
     if train.remat == "full":
         per_layer = max(lb.residual + lb.attention + lb.mlp for n, lb in layers.values() if n)
         temporaries["recompute_layer"] = int(RECOMPUTE_FACTOR * T * per_layer)
