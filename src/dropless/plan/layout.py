@@ -121,13 +121,14 @@ class StateBytes:
     largest_layer_elements: int  # elements of the largest single layer's weights on one device (one stack entry)
     largest_layer_gathered: int  # the same layer's elements once gathered over `fsdp` (as the layer uses it)
     matrix_elements: int  # elements of the weights a matmul reads in the compute dtype (all but norms, router)
+    expert_elements: int  # elements of the routed experts' weights (the expert-parallel shard_map's operands)
 
 
 def state_bytes(config: Config, sizes: dict[str, int]) -> StateBytes:
     """The exact per-device bytes of parameters, gradients, optimizer and model state under `sizes`."""
     mesh = abstract_mesh(sizes)
     unsharded = abstract_mesh({**sizes, "fsdp": 1})
-    elements = matrices = 0
+    elements = matrices = experts = 0
     layer_local: dict[str, int] = {}
     layer_gathered: dict[str, int] = {}
     for path, spec in model_facts(config)[0]:
@@ -135,6 +136,8 @@ def state_bytes(config: Config, sizes: dict[str, int]) -> StateBytes:
         elements += local
         if path[-1] != "kernel" and not path[-1].endswith("norm"):  # the router stays float32; norms are vectors
             matrices += local
+        if "experts" in path:
+            experts += local
         if spec.axes and spec.axes[0] == "layers":
             per_layer = spec.shape[0]
             layer_local[path[0]] = layer_local.get(path[0], 0) + local // per_layer
@@ -153,4 +156,5 @@ def state_bytes(config: Config, sizes: dict[str, int]) -> StateBytes:
         largest_layer_elements=layer_local.get(largest, 0),
         largest_layer_gathered=layer_gathered.get(largest, 0),
         matrix_elements=matrices,
+        expert_elements=experts,
     )

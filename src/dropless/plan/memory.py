@@ -6,8 +6,9 @@ The model counts what the step holds on one device at its peak, the start of the
   keeps it in pinned host memory), the model state and the batch;
 - the gradients. The gradient of a weight cast to the compute dtype is the float32 cast of a compute-dtype
   cotangent, and XLA fuses that cast into its readers (the global norm and the AdamW update), so the buffers hold
-  the compute dtype (float32 for the router and the norms). With `train.grad_accum_steps` > 1 the running sum is
-  float32 and one microbatch's gradients come on top;
+  the compute dtype (float32 for the router and the norms, and for the routed experts under expert parallelism,
+  whose cast happens inside the shard_map). With `train.grad_accum_steps` > 1 the running sum is float32 and one
+  microbatch's gradients come on top;
 - the activations the backward pass keeps, per layer and token, from the tensors each stage saves (`Saved`),
   following `train.remat` (`none`; `moe`: an MoE block keeps only its input; `full`: a layer keeps only its
   input) and `train.offload` (named activations go to host memory), for one microbatch;
@@ -238,9 +239,17 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
     if train.grad_accum_steps > 1:
         gradient_buffers += state.gradients  # the float32 running sum
     weight_copies = 0
+    if sizes["expert"] > 1:
+        # The routed experts' weights enter the expert-parallel shard_map in float32 and are cast inside it, where XLA
+        # cannot fuse the gradient's cast into its readers (float32 gradient buffers), and without remat the
+        # compute-dtype copies leave it as residuals of every MoE layer: deepseek-v3-proxy on 2 H200s with
+        # parallel.expert=2 (benchmarks/results/step-h200.json rung 8 and step-4x4096-h200x2.json).
+        gradient_buffers += state.expert_elements * (4 - c)
+        if train.remat == "none":
+            weight_copies += state.expert_elements * c
     if train.scan_layers:
         stacked_share = 1.0 - (V * m.hidden_size * (1 if m.tie_embeddings else 2)) / max(1, model_facts(config)[2][0])
-        weight_copies = int(matrix_bytes * stacked_share * (2 if train.remat == "none" else 1))
+        weight_copies += int(matrix_bytes * stacked_share * (2 if train.remat == "none" else 1))
 
     layer_copy = state.largest_layer_gathered * (1 if d.fp8 else c)
     temporaries = {
