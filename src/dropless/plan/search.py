@@ -13,7 +13,7 @@ import itertools
 from dropless.core.config import Config, ConfigError, ParallelConfig
 from dropless.plan.cost import load_rates
 from dropless.plan.layout import Cluster
-from dropless.plan.report import GIB, Plan, layout_overrides, make_plan
+from dropless.plan.report import FIT_MARGIN, GIB, Plan, layout_overrides, make_plan
 
 
 def _divisors(n: int) -> list[int]:
@@ -68,10 +68,12 @@ def check_fit(config: Config, cluster: Cluster, device_memory_gib: float | None 
     best = search(config, cluster, device_memory_gib=device_memory_gib, rates=rates, limit=1)
     if auto_fit and best:
         return best[0].config
-    over = (plan.memory.peak - plan.device_memory_bytes) / GIB
+    usable = (1 - FIT_MARGIN) * plan.device_memory_bytes
+    over = (plan.memory.peak - usable) / GIB
     fix = (f"set {layout_overrides(best[0].config)} (predicted peak {best[0].memory.peak / GIB:.1f} GiB) or "
            "train.auto_fit=true" if best else "no layout of this batch fits; use more devices or a smaller "
            "train.batch_size")
     raise ConfigError(f"the plan does not fit: its peak is {plan.memory.peak / GIB:.1f} GiB per device, "
-                      f"{over:.1f} GiB over the {plan.device_memory_bytes / GIB:.1f} GiB of "
-                      f"{cluster.device}; {fix} ('dropless plan' shows the breakdown).")
+                      f"{over:.1f} GiB over the {usable / GIB:.1f} GiB usable of {cluster.device}'s "
+                      f"{plan.device_memory_bytes / GIB:.1f} GiB ({FIT_MARGIN:.0%} kept free); {fix} "
+                      "('dropless plan' shows the breakdown).")
