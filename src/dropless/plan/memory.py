@@ -2,8 +2,9 @@
 
 The model counts what the step holds on one device at its peak, the start of the backward pass:
 
-- the state (`layout.state_bytes`): float32 parameters, the optimizer state (unless `train.offload_optimizer`
-  keeps it in pinned host memory), the model state and the batch;
+- the state (`layout.state_bytes`): float32 parameters, the optimizer state (with `train.offload_optimizer` it
+  lives in pinned host memory, and `OFFLOADED_MOMENTS_AT_PEAK` of it is back on the device at the peak), the model
+  state and the batch;
 - the gradients. The gradient of a weight cast to the compute dtype is the float32 cast of a compute-dtype
   cotangent, and XLA fuses that cast into its readers (the global norm and the AdamW update), so the buffers hold
   the compute dtype (float32 for the router and the norms, and for the routed experts under expert parallelism,
@@ -12,7 +13,7 @@ The model counts what the step holds on one device at its peak, the start of the
 - the activations the backward pass keeps, per layer and token, from the tensors each stage saves (`Saved`),
   following `train.remat` (`none`; `moe`: an MoE block keeps only its input; `full`: a layer keeps only its
   input) and `train.offload` (named activations go to host memory), for one microbatch;
-- the largest temporary alive beside them: the float32 logits and their gradient over the vocabulary, one
+- the largest temporary alive beside them: the compute-dtype copy of the logits' gradient over the vocabulary, one
   layer's compute-dtype weights (gathered over `fsdp`), the recomputation of one layer under remat, the MoE
   layer's buffers (the bounded local buffer, the all-to-all slots or the gathered tokens) and, as the worst case
   the plan also reports, the worst-case branch a layer takes when its tokens overflow the bounded buffer.
@@ -39,10 +40,14 @@ from dropless.plan.layout import StateBytes, model_facts, state_bytes
 # backward) add this fraction of the scanned layers' activations: deepseek-v3-proxy, 1 H200, batch 1 and 4 x 2,048
 # (benchmarks/results/step-batch1-h200.json and step-h200.json, rung 4 against 5:unrolled).
 SCAN_RESIDUAL_EXTRA = 0.6
-# The backward of a rematerialised block holds its recomputed activations and, beside them, the cotangents of
-# about half of them: deepseek-v3-proxy, remat=moe/full at 1 and 4 x 2,048 tokens (the same records) and rung 6
-# (remat=full, every named activation offloaded: benchmarks/results/step-offload-flags-h200.json).
-RECOMPUTE_FACTOR = 1.5
+# The backward of a rematerialised block holds about this share of the block's activations at once (it frees
+# them as it goes): deepseek-v3-proxy, remat=moe and full at 8 x 4,096 tokens, unrolled
+# (benchmarks/results/plan-calibration-h200.json).
+RECOMPUTE_FACTOR = 0.9
+# With `train.offload_optimizer`, XLA brings the moments back to the device while the backward pass still holds its
+# activations: at the peak this share of them is on the device (deepseek-v3-proxy, 8 x 4,096 tokens: 101.2 GiB
+# against 113.1 without offloading and 32.3 GiB of moments; benchmarks/results/plan-calibration-h200.json).
+OFFLOADED_MOMENTS_AT_PEAK = 0.55
 
 
 @dataclass(frozen=True)
@@ -195,8 +200,9 @@ class MemoryPlan:
 
     @property
     def resident(self) -> int:
-        return (self.parameters + (0 if self.optimizer_in_host else self.optimizer_state)
-                + self.model_state_and_batch)
+        optimizer = (int(OFFLOADED_MOMENTS_AT_PEAK * self.optimizer_state) if self.optimizer_in_host
+                     else self.optimizer_state)
+        return self.parameters + optimizer + self.model_state_and_batch
 
     @property
     def peak(self) -> int:
@@ -253,7 +259,9 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
 
     layer_copy = state.largest_layer_gathered * (1 if d.fp8 else c)
     temporaries = {
-        "logits": T * V * (4 + c),  # the logits' float32 gradient and its compute-dtype copy for the lm_head
+        # The logits' float32 gradient takes the place of the saved log-softmax; its compute-dtype copy, which
+        # the lm_head's backward matmul reads, is the temporary.
+        "logits": T * V * c,
         "layer_weights": layer_copy,  # one layer's weights cast to the compute dtype (gathered over fsdp)
     }
     moe_lb = layers["moe"][1]
