@@ -181,7 +181,7 @@ bench-collectives: $(BENCH_DEPS)
 	  NCCL_MIN_NCHANNELS=32 $(BENCH_PYTHON) benchmarks/collectives_torch.py --out $$out; \
 	else echo "PyTorch is not installed: its comparison is skipped."; fi
 
-# 1 GPU: the plan's (`dropless plan`) predicted peak memory and step time against measured ones for 13
+# 1 GPU: the plan's (`dropless plan`) predicted peak memory and step time against measured ones for 12
 # configurations of deepseek-v3-proxy and a 4-layer qwen3-30b-a3b, each in a process of its own after one parallel
 # compile into a persistent cache (under 8 minutes); prints the BENCHMARKS.md / docs/planning.md table.
 bench-plan: $(BENCH_DEPS)
