@@ -55,7 +55,14 @@ def search(config: Config, cluster: Cluster, *, device_memory_gib: float | None 
         if plan.fits:
             fitting.append(plan)
     fitting.sort(key=lambda p: (p.time["seconds"], p.memory.peak))
-    return fitting[:limit] if limit else fitting
+    # Where two dispatch strategies move the same rows (auto's allgather case), keep the first of the equal plans.
+    distinct, seen = [], set()
+    for plan in fitting:
+        key = (plan.time["seconds"], plan.memory.peak, layout_overrides(plan.config).rsplit(" moe.dispatch=", 1)[0])
+        if key not in seen:
+            seen.add(key)
+            distinct.append(plan)
+    return distinct[:limit] if limit else distinct
 
 
 def check_fit(config: Config, cluster: Cluster, device_memory_gib: float | None = None, *,
