@@ -95,6 +95,10 @@ class MoEBuffers:
     received_rows: int  # rows that arrive from the expert group (slots, gathered tokens or ragged worst case)
     exchange_rows: int  # rows one device sends to the others per exchange (one way)
     dedup: bool
+    # alltoall with slots smaller than the worst case: both exchanges of its lax.cond are compiled, and under
+    # autodiff the residuals of both are kept (the untaken one's as zeros): the worst-case slots' received rows
+    # and a second local buffer (dropless.ep.alltoall).
+    worst_received_rows: int = 0
 
 
 def moe_buffers(config: Config, sizes: dict[str, int], tokens: int) -> MoEBuffers:
@@ -107,8 +111,8 @@ def moe_buffers(config: Config, sizes: dict[str, int], tokens: int) -> MoEBuffer
     G = moe.num_experts // P
     dedup = moe.dedup
     J = min(K, G) if dedup else 1
-    normal = min(worst_case_rows(tokens, K, G, dedup),
-                 math.ceil(moe.alltoall_buffer_factor * balanced_rows(tokens, K, P, G, dedup)))
+    worst_slots = worst_case_rows(tokens, K, G, dedup)
+    normal = min(worst_slots, math.ceil(moe.alltoall_buffer_factor * balanced_rows(tokens, K, P, G, dedup)))
     strategy = moe.dispatch
     if strategy == "auto":
         strategy = "allgather" if normal >= tokens else "alltoall"
@@ -118,12 +122,13 @@ def moe_buffers(config: Config, sizes: dict[str, int], tokens: int) -> MoEBuffer
     elif strategy == "alltoall":
         received, per_row, sent = P * normal, J, (P - 1) * normal
     else:  # ragged: worst-case receive buffers, the balanced rows on the wire
-        received, per_row = P * worst_case_rows(tokens, K, G, dedup), J
+        received, per_row = P * worst_slots, J
         sent = math.ceil((P - 1) * balanced_rows(tokens, K, P, G, dedup))
     worst = received * per_row
     factor = moe.local_buffer_factor
     bound = worst if factor <= 0 else min(worst, TMA_ROW_ALIGNMENT * math.ceil(factor * pairs / TMA_ROW_ALIGNMENT))
-    return MoEBuffers(strategy, pairs, bound, worst, received, sent, dedup)
+    both = P * worst_slots if strategy == "alltoall" and normal < worst_slots else 0
+    return MoEBuffers(strategy, pairs, bound, worst, received, sent, dedup, both)
 
 
 def _moe_row_bytes(config: Config, c: int, fp8: bool) -> int:
@@ -157,8 +162,10 @@ def layer_bytes(config: Config, kind: str, backend: str, buffers: MoEBuffers | N
         names = ("attn_out", "mlp_out")
     else:
         Fs = moe.num_shared_experts * moe.expert_intermediate_size
-        rows = buffers.local_rows / max(tokens, 1)
-        exchange = 2 * D * c * buffers.received_rows / max(tokens, 1)  # received rows and their partial outputs
+        branches = 2 if buffers.worst_received_rows else 1
+        rows = branches * buffers.local_rows / max(tokens, 1)
+        received = buffers.received_rows + buffers.worst_received_rows
+        exchange = 2 * D * c * received / max(tokens, 1)  # received rows and their partial outputs
         mlp = int(moe.num_experts * 4 + rows * _moe_row_bytes(config, c, fp8) + 3 * Fs * c + D * 4 + exchange)
         names = ("attn_out", "moe_in", "moe_out")
     offloaded = sum(1 for n in train.offload_names if n in names) * D * c
@@ -273,8 +280,9 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         received = buffers.received_rows * 2 * m.hidden_size * c
         temporaries["moe_buffers"] = int(buffers.local_rows * cotangent_row + received)
         # (No bound, no second branch: one device, or a bound as large as the worst case.)
+        worst_received = (buffers.worst_received_rows or buffers.received_rows) * 2 * m.hidden_size * c
         temporaries["moe_worst_case"] = (temporaries["moe_buffers"] if buffers.local_rows >= buffers.worst_rows
-                                         else int(buffers.worst_rows * (row + cotangent_row) + received))
+                                         else int(buffers.worst_rows * (row + cotangent_row) + worst_received))
     if train.remat == "full":
         per_layer = max(lb.residual + lb.attention + lb.mlp for n, lb in layers.values() if n)
         temporaries["recompute_layer"] = int(RECOMPUTE_FACTOR * T * per_layer)
