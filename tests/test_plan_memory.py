@@ -78,6 +78,7 @@ def test_moe_buffers_follow_the_expert_parallel_strategies():
     alltoall = moe_buffers(config.replace(**{"moe.dispatch": "alltoall"}), {"data": 1, "fsdp": 1, "expert": 8}, 1024)
     assert alltoall.strategy == "alltoall"
     assert alltoall.local_rows == 8 * math.ceil(1.25 * 2048 / 8) < alltoall.worst_rows
+    assert alltoall.worst_received_rows == 8 * 1024  # the worst-case exchange's slots: a token once per device
     gather = moe_buffers(config.replace(**{"moe.dispatch": "allgather"}), {"data": 1, "fsdp": 1, "expert": 8}, 1024)
     assert gather.received_rows == 8 * 1024 and gather.exchange_rows == 7 * 1024
     plan = plan_memory(config.replace(**{"moe.dispatch": "alltoall", "train.batch_size": 8,
