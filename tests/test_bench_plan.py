@@ -59,6 +59,11 @@ def test_plan_command_errors_are_one_line(argv, message, capsys):
     assert len(err) == 1 and message in err[0]
 
 
+def test_bench_memory_points_to_plan(capsys):
+    assert cli.main(["bench", "memory", "--preset", "tiny"]) == 2
+    assert "'dropless bench memory' is now 'dropless plan'" in capsys.readouterr().err
+
+
 def test_rates_measure_a_table_the_planner_reads(tmp_path):
     entry = rates.measure("small")
     table = {**load_rates(), "measured": entry}
