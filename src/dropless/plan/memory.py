@@ -270,6 +270,9 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         # the lm_head's backward matmul reads, is the temporary.
         "logits": T * V * c,
         "layer_weights": layer_copy,  # one layer's weights cast to the compute dtype (gathered over fsdp)
+        # One layer's attention backward: the XLA einsum's [S, S] float32 score gradients per head, or flash
+        # attention's per-row statistics (float32 per head).
+        "attention": T * m.num_heads * 4 * (train.seq_len if attention_backend != "tokamax" else 2),
     }
     moe_lb = layers["moe"][1]
     if num_moe:
