@@ -10,13 +10,16 @@ The model counts what the step holds on one device at its peak, the start of the
   the compute dtype (float32 for the router and the norms, and for the routed experts under expert parallelism,
   whose cast happens inside the shard_map). With `train.grad_accum_steps` > 1 the running sum is float32 and one
   microbatch's gradients come on top;
-- the activations the backward pass keeps, per layer and token, from the tensors each stage saves (`Saved`),
-  following `train.remat` (`none`; `moe`: an MoE block keeps only its input; `full`: a layer keeps only its
+- the activations the backward pass keeps, per layer and token, from the tensors each stage saves
+  (`layer_bytes`; under expert parallelism the received rows, and with alltoall both exchanges' residuals), following `train.remat` (`none`; `moe`: an MoE block keeps only its input; `full`: a layer keeps only its
   input) and `train.offload` (named activations go to host memory), for one microbatch;
 - the largest temporary alive beside them: the compute-dtype copy of the logits' gradient over the vocabulary, one
-  layer's compute-dtype weights (gathered over `fsdp`), the recomputation of one layer under remat, the MoE
-  layer's buffers (the bounded local buffer, the all-to-all slots or the gathered tokens) and, as the worst case
-  the plan also reports, the worst-case branch a layer takes when its tokens overflow the bounded buffer.
+  layer's compute-dtype weights (gathered over `fsdp`), one attention layer's backward workspace, the
+  recomputation of one block under remat (`RECOMPUTE_FACTOR`), the backward of the MoE layer's buffers (the bounded
+  local buffer, the all-to-all slots or the gathered tokens) and, as the worst case the plan also reports, the
+  worst-case branch a layer takes when its tokens overflow the bounded buffer;
+- under expert parallelism, the routed experts' weights are cast inside the shard_map: their gradients stay
+  float32 and, without remat, their compute-dtype copies are saved for the backward pass.
 
 `train.scan_layers=true` adds what the GPU program measurably adds under `jax.lax.scan`: the loop-invariant
 cast of every stacked weight to the compute dtype, hoisted out of the loop (one copy; a second one is saved for the
