@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from dropless.core.config import Config
@@ -105,7 +104,7 @@ def _gib(value: int) -> str:
 def format_plan(plan: Plan) -> str:
     """The per-device breakdown, the verdict, FLOPs, collectives and the predicted step time."""
     d = plan.to_dict()
-    mem, b = plan.memory, d["per_device_bytes"]
+    mem = plan.memory
     cfg = plan.config.train
     name, largest = mem.largest_temporary
     lines = [f"plan: {d['cluster']['devices']} x {plan.cluster.device} ({plan.cluster.hosts} host(s) x "
