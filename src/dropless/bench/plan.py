@@ -1,7 +1,7 @@
 """`dropless plan`: will a training step fit, and how fast will it run, on a given cluster (no device needed).
 
     dropless plan --preset deepseek-v3-proxy
-    dropless plan --preset deepseek-v3-671b --hosts 32 --gpus-per-host 8 parallel.fsdp=16 parallel.expert=8 train.batch_size=1024
+    dropless plan --preset deepseek-v3-671b --hosts 32 --gpus-per-host 8 parallel.fsdp=16 parallel.expert=8
     dropless plan --preset deepseek-v3-671b --devices 256 --search
 
 The plan itself is `dropless.plan` (arithmetic over shapes and shardings, docs/planning.md). This command prints
@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="H200", help="the device kind: a key of the rate table (default H200)")
     parser.add_argument("--device-memory-gib", type=float, help="memory per device to plan against (default: the "
                         "rate table's figure for the device)")
-    parser.add_argument("--rates", help="a rate table written by 'dropless bench rates --out' instead of the packaged one")
+    parser.add_argument("--rates", help="a rate table written by 'dropless bench rates --out' (default: the packaged "
+                        "one)")
     parser.add_argument("--json", help="also write the plan (and the search) as JSON to this file")
     parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
     parser.add_argument("--compiled", action="store_true",

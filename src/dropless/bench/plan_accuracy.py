@@ -148,7 +148,8 @@ def run(config_set: str, out: str | None, *, warmup: int, steps: int, seconds: f
     from dropless.bench.records import write_json
 
     start = time.perf_counter()
-    jobs = [{"name": name, "preset": preset, "overrides": overrides} for name, preset, overrides in CONFIG_SETS[config_set]]
+    jobs = [{"name": name, "preset": preset, "overrides": overrides}
+            for name, preset, overrides in CONFIG_SETS[config_set]]
     rows = []
     with tempfile.TemporaryDirectory(prefix="dropless-plan-cache-") as cache_dir:
         try:

@@ -196,7 +196,8 @@ def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: M
     return {
         "seconds": seconds,
         "terms_s": {"compute": compute, "memory_bound": memory_bound, "expert_exchange": exposed_ep,
-                    "scan_buffers": scan, "fsdp_and_gradient_sync_exposed": exposed_other, "host_copies": host, "overhead": overhead},
+                    "scan_buffers": scan, "fsdp_and_gradient_sync_exposed": exposed_other, "host_copies": host,
+                    "overhead": overhead},
         "flops": f,
         "collectives": [{"name": x.name, "bytes_per_device": x.bytes_per_device, "within_host": x.within_host,
                          "seconds": x.seconds(rates)} for x in comm],

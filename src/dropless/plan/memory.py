@@ -11,7 +11,8 @@ The model counts what the step holds on one device at its peak, the start of the
   whose cast happens inside the shard_map). With `train.grad_accum_steps` > 1 the running sum is float32 and one
   microbatch's gradients come on top;
 - the activations the backward pass keeps, per layer and token, from the tensors each stage saves
-  (`layer_bytes`; under expert parallelism the received rows, and with alltoall both exchanges' residuals), following `train.remat` (`none`; `moe`: an MoE block keeps only its input; `full`: a layer keeps only its
+  (`layer_bytes`; under expert parallelism the received rows, and with alltoall both exchanges' residuals),
+  following `train.remat` (`none`; `moe`: an MoE block keeps only its input; `full`: a layer keeps only its
   input) and `train.offload` (named activations go to host memory), for one microbatch;
 - the largest temporary alive beside them: the compute-dtype copy of the logits' gradient over the vocabulary, one
   layer's compute-dtype weights (gathered over `fsdp`), one attention layer's backward workspace, the

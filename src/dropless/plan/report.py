@@ -124,7 +124,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  largest temporary  {_gib(largest)}  {name.replace('_', ' ')}")
     lines.append(f"  state + batch      {_gib(mem.model_state_and_batch)}")
     if mem.update_phase:
-        lines.append(f"  update phase       {_gib(mem.update_phase)}  the optimizer update with the moments on the device")
+        lines.append(f"  update phase       {_gib(mem.update_phase)}  the optimizer update, moments on the device")
     usable = (1 - FIT_MARGIN) * plan.device_memory_bytes
     verdict = (f"fits, {FIT_MARGIN:.0%} kept free" if plan.fits
                else f"DOES NOT FIT ({(mem.peak - usable) / GIB:.2f} GiB over, {FIT_MARGIN:.0%} kept free)")
@@ -138,7 +138,8 @@ def format_plan(plan: Plan) -> str:
                  + (f" + {t['flops']['recompute'] / 1e15:.2f} recomputed" if t['flops']['recompute'] else "")
                  + f"; predicted {t['seconds'] * 1e3:,.0f} ms, {t['tokens_per_s']:,.0f} tokens/s, "
                  f"{t['model_tflops_per_device']:.0f} model TFLOP/s per device")
-    lines.append("  time: " + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:,.0f} ms" for k, v in t["terms_s"].items() if v))
+    lines.append("  time: " + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:,.0f} ms"
+                                        for k, v in t["terms_s"].items() if v))
     for x in t["collectives"]:
         lines.append(f"  {x['name']:22s} {x['bytes_per_device'] / GIB:9.2f} GiB sent per device per step, "
                      f"{'within a host' if x['within_host'] else 'across hosts'}, {x['seconds'] * 1e3:,.0f} ms")

@@ -1,8 +1,9 @@
 """`dropless plan --search` and `dropless train`'s fit check: the layouts a preset allows on a cluster, fastest first.
 
-A layout is a choice of `parallel.fsdp` x `parallel.expert` (data takes the rest), `train.remat`,
-`train.offload_optimizer`, `train.optimizer_moments_dtype`, `train.grad_accum_steps` and `moe.dispatch`. The
-search plans each (arithmetic only: thousands per second) and keeps those that fit, sorted by predicted step time.
+A layout is a choice of `parallel.fsdp` x `parallel.expert` (data takes the rest), `train.remat` (with
+`train.offload` of every named activation, or none), `train.offload_optimizer`, `train.optimizer_moments_dtype`,
+`train.grad_accum_steps` and `moe.dispatch`. The search plans each (arithmetic only: thousands per second) and keeps
+those that fit, sorted by predicted step time.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from dropless.core.config import Config, ConfigError, ParallelConfig
+from dropless.core.config import ACTIVATION_NAMES, Config, ConfigError, ParallelConfig
 from dropless.plan.cost import load_rates
 from dropless.plan.layout import Cluster
 from dropless.plan.report import FIT_MARGIN, GIB, Plan, layout_overrides, make_plan
+
+
+# (train.remat, train.offload): activation offloading needs remat=full and is tried with every named activation.
+REMAT_CHOICES = (("none", ""), ("moe", ""), ("full", ""), ("full", ",".join(ACTIVATION_NAMES)))
 
 
 def _divisors(n: int) -> list[int]:
@@ -29,13 +34,13 @@ def candidates(config: Config, cluster: Cluster):
         if (n // expert) % fsdp:
             continue
         dispatches = ("alltoall", "allgather") if expert > 1 else ("auto",)  # auto picks one of the two
-        for remat, offload, moments, steps, dispatch in itertools.product(
-                ("none", "moe", "full"), (False, True), ("float32", "bfloat16"), accum, dispatches):
+        for (remat, activations), offload, moments, steps, dispatch in itertools.product(
+                REMAT_CHOICES, (False, True), ("float32", "bfloat16"), accum, dispatches):
             # dataclasses.replace, not Config.replace: the values are already typed (thousands of candidates).
             try:
                 yield dataclasses.replace(
                     config, parallel=ParallelConfig(-1, fsdp, expert),
-                    train=dataclasses.replace(train, remat=remat, offload="", offload_optimizer=offload,
+                    train=dataclasses.replace(train, remat=remat, offload=activations, offload_optimizer=offload,
                                               optimizer_moments_dtype=moments, grad_accum_steps=steps),
                     moe=dataclasses.replace(moe, dispatch=dispatch))
             except ConfigError:
