@@ -52,6 +52,10 @@ def test_fit_check_on_cpu_only_with_a_limit_and_auto_fit_picks_a_layout():
     need = make_plan(config, Cluster(1, 1, "cpu")).memory.peak / GIB
     with pytest.raises(ConfigError, match="the plan does not fit"):
         setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 0.9}), devices)
+    warned = []
+    assert setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 1.02}), devices,
+                               log=warned.append).train.device_memory_gib == need * 1.02
+    assert len(warned) == 1 and "within the model's 5% error" in warned[0]
     printed = []
     fitted = setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 0.9, "train.auto_fit": True}),
                                  devices, log=printed.append)
