@@ -57,7 +57,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 
 BENCH_TARGETS := bench-gmm bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
-  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-strategy-cost bench-collectives
+  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -180,3 +180,9 @@ bench-collectives: $(BENCH_DEPS)
 	  $(BENCH_PYTHON) benchmarks/collectives_torch.py --out $$out; \
 	  NCCL_MIN_NCHANNELS=32 $(BENCH_PYTHON) benchmarks/collectives_torch.py --out $$out; \
 	else echo "PyTorch is not installed: its comparison is skipped."; fi
+
+# 1 GPU: the plan's (`dropless plan`) predicted peak memory and step time against measured ones for 12
+# configurations of deepseek-v3-proxy and a 4-layer qwen3-30b-a3b, each in a process of its own after one parallel
+# compile into a persistent cache (under 8 minutes); prints the BENCHMARKS.md / docs/planning.md table.
+bench-plan: $(BENCH_DEPS)
+	CUDA_VISIBLE_DEVICES=0 $(DROPLESS) bench plan-accuracy --out $(RESULTS)/plan-accuracy-$(GPU).json

@@ -48,7 +48,8 @@ OS_ERROR_FIXES = {
     errno.EEXIST: "remove it or choose another path",
 }
 BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
-              "memory": "dropless.bench.memory", "scale": "dropless.bench.scale"}
+              "scale": "dropless.bench.scale", "rates": "dropless.bench.rates",
+              "plan-accuracy": "dropless.bench.plan_accuracy"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -261,12 +262,14 @@ def make_parser() -> argparse.ArgumentParser:
                              help="show the full traceback of an error (also: DROPLESS_DEBUG=1)")
 
     sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (see 'dropless bench NAME --help')")
+    sub.add_parser("plan", help="will a training step fit, how fast will it run (see 'dropless plan --help')")
     sub.add_parser("tune-gmm", help="autotune the grouped GEMM on this GPU (see 'dropless tune-gmm --help')")
     sub.add_parser("profile", help="trace training steps and break down device time (see 'dropless profile --help')")
     return parser
 
 
-PASS_THROUGH = {"tune-gmm": "dropless.bench.tune_gmm", "profile": "dropless.bench.profile"}
+PASS_THROUGH = {"tune-gmm": "dropless.bench.tune_gmm", "profile": "dropless.bench.profile",
+                "plan": "dropless.bench.plan"}
 
 
 def _pass_through(argv: list[str]):
@@ -276,6 +279,9 @@ def _pass_through(argv: list[str]):
     if argv[0] in PASS_THROUGH:
         return PASS_THROUGH[argv[0]], argv[1:]
     if argv[0] == "bench":
+        if len(argv) >= 2 and argv[1] == "memory":
+            raise ConfigError("'dropless bench memory' is now 'dropless plan' (the same arguments, no compiling; "
+                              "--compiled adds XLA's figures); see 'dropless plan --help'.")
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             raise ConfigError(f"dropless bench needs one of {', '.join(sorted(BENCHMARKS))}, "
                               "e.g. 'dropless bench gmm --help'.")

@@ -3,7 +3,7 @@
 `build(config)` returns the mesh, the shardings and the jitted `dropless.train.step` train step (state donated):
 the very step `dropless.train.loop` runs (`dropless.train.setup`), without the data. `lower(setup)` lowers it
 from abstract shapes, so a program can be compiled and its memory analysed without allocating a single parameter
-(that is how `dropless bench memory` looks at a 671B model on a laptop). Batches are uniform random token ids:
+(`dropless plan --compiled` compares XLA's memory analysis with the plan this way). Batches are uniform random token ids:
 the router, the expert loads and every matmul are real; only the text is not.
 
 Timing: `time_calls` (batches of back-to-back calls, one device sync per batch: a kernel's throughput),

@@ -3,8 +3,8 @@
 Each function reads only the records a benchmark wrote (the JSON's own keys), so a table or chart can be made
 again from a results file. matplotlib is imported when a chart is drawn, not with this module: `bench ep` and
 `bench scale` print tables and draw nothing, and a bare GPU machine without matplotlib still gets the ladder's
-JSON and table (`dropless bench step --chart` redraws its PNG elsewhere). The console summaries of `bench memory`
-and `dropless profile` stay with their measurements.
+JSON and table (`dropless bench step --chart` redraws its PNG elsewhere). The console summaries of `dropless plan`
+and `dropless profile` stay with their commands.
 """
 
 from __future__ import annotations

@@ -235,11 +235,16 @@ class TrainConfig:
     stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"
     # Steps in a row whose loss or gradient norm is not finite (each one skipped) before the run stops.
     max_nonfinite_steps: int = 3
+    # The fit check before compiling (dropless.plan): memory per device to plan against, in GiB; 0 = the GPU's own
+    # limit (no check on other backends). auto_fit: train with the fastest layout the plan says fits.
+    device_memory_gib: float = 0.0
+    auto_fit: bool = False
 
     def __post_init__(self):
         _check_choices("train", self)
         _positive("train.schedule_steps", self.schedule_steps, allow_zero=True)
         _positive("train.max_nonfinite_steps", self.max_nonfinite_steps)
+        _positive("train.device_memory_gib", self.device_memory_gib, allow_zero=True)
         for name in self.stop_signal_names:
             _require(name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP"),
                      f"train.stop_signals names {name!r}, which is not a signal a process can catch; "

@@ -53,7 +53,7 @@ from dropless.train.step import TrainState, make_eval_step
 # resumed run keeps the saved horizon otherwise, whatever its `train.steps`.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
                      "train.keep_checkpoints", "train.eval_batches", "data.prefetch", "train.schedule_steps",
-                     "train.stop_signals", "train.max_nonfinite_steps",
+                     "train.stop_signals", "train.max_nonfinite_steps", "train.device_memory_gib", "train.auto_fit",
                      "parallel.data", "parallel.fsdp", "parallel.expert"}
 
 # The exit status for a run stopped by the divergence guard (a finished run: 0; a user error: 2).
@@ -155,6 +155,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     # metrics); the others wait for it, then read. Checkpoints are written by all (orbax coordinates them).
     primary = jax.process_index() == 0
     log = log if primary else (lambda message: None)
+    config = setup_lib.fit_check(config, log=log)
     config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log)
     tc = config.train
     setup = setup_lib.build(config)

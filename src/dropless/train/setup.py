@@ -17,6 +17,9 @@ from dropless.models import transformer
 from dropless.ep import make_executor
 from dropless.core import mesh as mesh_lib
 from dropless.moe.executor import ExpertExecutor
+from dropless.plan import Cluster, check_fit, make_plan
+from dropless.plan.cost import load_rates, rate_key
+from dropless.plan.report import FIT_MARGIN, layout_overrides
 from dropless.train import offload
 from dropless.train.optimizer import make_optimizer
 from dropless.train.step import TrainState, init_train_state, make_train_step
@@ -61,6 +64,30 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSe
     step = jax.jit(make_train_step(config, optimizer, executor),
                    in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
     return StepSetup(config, mesh, executor, optimizer, state_shapes, shardings, batch_sharding, step)
+
+
+def fit_check(config: Config, devices: Sequence[jax.Device] | None = None, log=print) -> Config:
+    """The plan's verdict before compiling (`dropless.plan`): against `train.device_memory_gib`, or on a GPU its
+    own limit. A config whose planned peak exceeds the limit raises a ConfigError naming the shortfall and a layout
+    that fits; one within the plan's margin of it runs with a warning; with `train.auto_fit` the fastest layout
+    that fits with the margin is returned (and printed) instead."""
+    devices = list(jax.devices() if devices is None else devices)
+    limit = config.train.device_memory_gib
+    if not limit and devices[0].platform == "gpu":
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit", 0) / 1024**3
+    if not limit:
+        return config
+    rates = load_rates()
+    hosts = jax.process_count()
+    cluster = Cluster(hosts, len(devices) // hosts, rate_key(rates, devices[0].device_kind, devices[0].platform))
+    fitted = check_fit(config, cluster, limit, auto_fit=config.train.auto_fit, rates=rates, within_margin=True)
+    if fitted is not config:
+        log(f"dropless: train.auto_fit chose {layout_overrides(fitted)}")
+    plan = make_plan(fitted, cluster, device_memory_gib=limit, rates=rates)
+    if not plan.fits:  # within the device's memory, but not within the plan's margin
+        log(f"dropless: warning: the plan's peak is {plan.memory.peak / 1024**3:.1f} GiB of the "
+            f"{limit:.1f} GiB per device, within the model's {FIT_MARGIN:.0%} error; the run may not fit.")
+    return fitted
 
 
 def init_state(setup: StepSetup, init_weights: tuple | None = None) -> TrainState:

@@ -1,0 +1,124 @@
+"""`dropless plan`: will a training step fit, and how fast will it run, on a given cluster (no device needed).
+
+    dropless plan --preset deepseek-v3-proxy
+    dropless plan --preset deepseek-v3-671b --hosts 32 --gpus-per-host 8 parallel.fsdp=16 parallel.expert=8
+    dropless plan --preset deepseek-v3-671b --devices 256 --search
+
+The plan itself is `dropless.plan` (arithmetic over shapes and shardings, docs/planning.md). This command prints
+it, writes it as JSON (`--json`), searches the layouts that fit (`--search`), and on a machine with devices
+(`--compiled`) also compiles the real step (`dropless.bench.harness`) and reports XLA's `memory_analysis()`
+beside the plan, with the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from dropless.bench import harness
+from dropless.bench.records import write_json
+from dropless.core import xla_flags
+from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.plan import Cluster, format_plan, make_plan, search
+from dropless.plan.cost import load_rates
+from dropless.plan.report import GIB, layout_overrides
+
+SEARCH_SHOWN = 10
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dropless plan",
+                                     description="Per-device memory, FLOPs, collectives and step time of a training "
+                                                 "step, before anything is compiled (docs/planning.md).")
+    parser.add_argument("--preset", default="tiny", help="a preset name (see 'dropless presets')")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--devices", type=int, help="N devices (hosts of 8 when N > 8)")
+    size.add_argument("--hosts", type=int, help="hosts (with --gpus-per-host)")
+    parser.add_argument("--gpus-per-host", type=int, help="GPUs per host (default 8, or --devices when <= 8)")
+    parser.add_argument("--device", default="H200", help="the device kind: a key of the rate table (default H200)")
+    parser.add_argument("--device-memory-gib", type=float, help="memory per device to plan against (default: the "
+                        "rate table's figure for the device)")
+    parser.add_argument("--rates", help="a rate table written by 'dropless bench rates --out' (default: the packaged "
+                        "one)")
+    parser.add_argument("--json", help="also write the plan (and the search) as JSON to this file")
+    parser.add_argument("--search", action="store_true", help="list the fastest layouts that fit")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also compile the step on this machine's devices and compare XLA's memory analysis")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. parallel.expert=8")
+    return parser
+
+
+def cluster_from_args(args) -> Cluster:
+    if args.hosts is not None:
+        if args.hosts < 1 or (args.gpus_per_host or 8) < 1:
+            raise ConfigError("--hosts and --gpus-per-host must be >= 1.")
+        return Cluster(args.hosts, args.gpus_per_host or 8, args.device)
+    devices = args.devices or 1
+    if devices < 1:
+        raise ConfigError(f"--devices={devices} must be >= 1.")
+    per_host = args.gpus_per_host or min(devices, 8)
+    if per_host < 1 or devices % per_host:
+        raise ConfigError(f"--devices={devices} is not a whole number of hosts of --gpus-per-host={per_host}; "
+                          "give a multiple of it.")
+    return Cluster(devices // per_host, per_host, args.device)
+
+
+def memory_analysis(compiled) -> dict | None:
+    """XLA's memory analysis of a compiled step (bytes): arguments, outputs, donated aliases, temporaries, host
+    memory, and the peak they imply; None where the backend gives none."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # an executable loaded from the compilation cache may have none on some backends
+        return None
+    if stats is None:
+        return None
+    out = {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0)
+           for k in ("argument", "output", "alias", "temp", "host_argument", "host_temp")}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def compiled_memory(config, devices: int) -> dict:
+    """XLA's memory analysis of the real step compiled for the first `devices` of this machine's devices."""
+    available = harness.jax.devices()
+    if devices > len(available):
+        raise ConfigError(f"--compiled needs the plan's {devices} devices but this machine has {len(available)}; "
+                          "plan for fewer devices or drop --compiled.")
+    setup = harness.build(config, available[:devices])
+    out = memory_analysis(harness.lower(setup).compile()) or {"peak": 0, "argument": 0, "temp": 0}
+    out["platform"] = available[0].platform
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = build_config(args.preset, parse_overrides(args.overrides))
+    cluster = cluster_from_args(args)
+    rates = load_rates(args.rates)
+    plan = make_plan(config, cluster, device_memory_gib=args.device_memory_gib, rates=rates)
+    print(format_plan(plan))
+    record = {"preset": args.preset, "plan": plan.to_dict()}
+    if args.compiled:
+        xla_flags.apply()
+        compiled = compiled_memory(config, cluster.devices)
+        diff = plan.memory.peak - compiled["peak"]
+        print(f"compiled ({compiled['platform']}): peak {compiled['peak'] / GIB:.2f} GiB (arguments "
+              f"{compiled['argument'] / GIB:.2f}, temporaries {compiled['temp'] / GIB:.2f}); the plan says "
+              f"{plan.memory.peak / GIB:.2f} GiB, {diff / GIB:+.2f} GiB ({diff / max(compiled['peak'], 1):+.1%})")
+        record["compiled"] = compiled
+    if args.search:
+        found = search(config, cluster, device_memory_gib=args.device_memory_gib, rates=rates)
+        if not found:
+            print(f"search: no layout of train.batch_size={config.train.batch_size} fits on {cluster.devices} x "
+                  f"{cluster.device}; use more devices or a smaller batch.")
+        else:
+            print(f"search: {len(found)} layouts fit; the fastest {min(len(found), SEARCH_SHOWN)}:")
+            print(f"  {'step ms':>9s} {'tokens/s':>11s} {'peak GiB':>9s}  key=value")
+            for p in found[:SEARCH_SHOWN]:
+                print(f"  {p.time['seconds'] * 1e3:9,.0f} {p.time['tokens_per_s']:11,.0f} "
+                      f"{p.memory.peak / GIB:9.1f}  {layout_overrides(p.config)}")
+        record["search"] = [{"overrides": layout_overrides(p.config), "step_s": p.time["seconds"],
+                             "tokens_per_s": p.time["tokens_per_s"], "peak_bytes": p.memory.peak}
+                            for p in found[:SEARCH_SHOWN]]
+    if args.json:
+        write_json(args.json, record, indent=2)
+    return 0

@@ -1,0 +1,206 @@
+"""FLOPs, bytes per collective and the predicted time of one training step, from a per-device rate table.
+
+The table (`rates.json` beside this file, one entry per device kind; `dropless bench rates` measures one on the
+present device) gives dense-matmul, grouped-GEMM (by shape class), attention, HBM, link and host-copy rates,
+each with its source. The step's time is
+
+    compute (dense matmuls, grouped GEMMs, attention; + the recomputed forward under remat)
+  + memory-bound passes (activations written and read, the loss over the vocabulary, the optimizer update)
+  + the expert-parallel exchanges (on the critical path of every MoE layer)
+  + the FSDP gathers and gradient reductions that the compute does not hide
+  + host copies (an offloaded optimizer state or offloaded activations)
+  + under `train.scan_layers`, the stacked buffers' passes (`SCAN_TIME_FACTOR`)
+  + a fixed per-step overhead.
+
+FLOPs are `dropless.models.flops`'s model FLOPs (forward + backward) plus the recomputation remat adds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from dropless.core.config import Config, ConfigError
+from dropless.models import flops as flops_lib
+from dropless.models import transformer
+from dropless.plan.layout import Cluster, abstract_mesh, mesh_axes_of, model_facts, shard_shape
+from dropless.plan.memory import MemoryPlan, moe_buffers
+
+# Passes over the saved activations per step: written in the forward, read in the backward, and their
+# cotangents written and read once.
+ACTIVATION_PASSES = 4
+# Under `jax.lax.scan` the step writes every layer's residuals into stacked buffers (dynamic-update-slice) and
+# zero-fills stacked gradient accumulators: the scanned proxy runs 1.16x (4 x 2,048 tokens) and 1.21x (1 x 2,048)
+# the unrolled one's time (benchmarks/results/step-h200.json, step-batch1-h200.json: rung 4 against 5:unrolled).
+SCAN_TIME_FACTOR = 1.15
+# Passes over the [T, V] float32 logits: the matmul's output, the softmax, its gradient, the gradient's read.
+LOGIT_PASSES = 4
+
+
+def load_rates(path: str | Path | None = None) -> dict:
+    """The rate table: the packaged one, or a JSON file of the same form (`dropless bench rates --out`)."""
+    if path is None:
+        return json.loads(resources.files("dropless.plan").joinpath("rates.json").read_text())
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"--rates {path} is not valid JSON ({err.msg}); give a file written by "
+                          "'dropless bench rates --out'.") from None
+
+
+def device_rates(rates: dict, device: str) -> dict:
+    """One device kind's rates as plain numbers ({"dense_tflops": 690, "gmm_tflops": {...}, ...})."""
+    if device not in rates:
+        raise ConfigError(f"the rate table has no device '{device}'; choose one of {', '.join(sorted(rates))} "
+                          "or measure one with 'dropless bench rates'.")
+
+    def values(node):
+        if isinstance(node, dict) and "value" in node:
+            return node["value"]
+        if isinstance(node, dict):
+            return {k: values(v) for k, v in node.items() if k != "source"}
+        return node
+
+    return values(rates[device])
+
+
+def rate_key(rates: dict, device_kind: str, platform: str) -> str:
+    """The rate table's entry for a device: the key its kind names ("NVIDIA H200" -> "H200"), else the first entry
+    of its platform."""
+    for key in rates:
+        if key.lower() in device_kind.lower():
+            return key
+    same = [key for key, entry in rates.items() if entry.get("platform") == platform]
+    if not same:
+        raise ConfigError(f"the rate table has no entry for {device_kind} ({platform}); measure one with "
+                          "'dropless bench rates --out FILE' and pass it with --rates.")
+    return same[0]
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    bytes_per_device: int  # bytes each device sends per step
+    within_host: bool
+
+    def seconds(self, rates: dict) -> float:
+        link = rates["link_gbps"]["intra_host" if self.within_host else "inter_host"]
+        return self.bytes_per_device / (link * 1e9)
+
+
+def collectives(config: Config, sizes: dict[str, int], cluster: Cluster) -> list[Collective]:
+    """Bytes each device sends per step, by collective: FSDP's weight gathers (forward and backward) and gradient
+    reduce-scatters, the data-parallel gradient all-reduce, and the MoE layers' dispatch and combine."""
+    train, m = config.train, config.model
+    c = jnp.dtype(train.dtype).itemsize
+    devices = cluster.devices
+    mesh = abstract_mesh(sizes)
+    micro = train.grad_accum_steps
+    fsdp, expert = sizes["fsdp"], sizes["expert"]
+    gather = scatter = allreduce = 0.0
+    for _, spec in model_facts(config)[0]:
+        local = math.prod(shard_shape(mesh, spec.shape, spec.axes))
+        full = math.prod(spec.shape)
+        shards = full // local
+        replicas = devices // shards
+        if "fsdp" in mesh_axes_of(mesh, spec.shape, spec.axes):
+            gather += 2 * micro * (fsdp - 1) * local * c  # forward and backward, every microbatch
+            scatter += micro * (fsdp - 1) * local * c  # the compute-dtype cotangents (the cast is fused)
+        if replicas > 1:
+            allreduce += 2 * (replicas - 1) / replicas * local * 4
+    out = []
+    fsdp_in_host = fsdp * expert <= cluster.gpus_per_host
+    if gather:
+        out.append(Collective("fsdp_all_gather", int(gather), fsdp_in_host))
+        out.append(Collective("fsdp_reduce_scatter", int(scatter), fsdp_in_host))
+    if allreduce:
+        out.append(Collective("gradient_all_reduce", int(allreduce), devices <= cluster.gpus_per_host))
+    num_moe = transformer.layer_counts(m)[1]
+    if expert > 1 and num_moe:
+        tokens = train.batch_size // micro * train.seq_len // devices
+        buffers = moe_buffers(config, sizes, tokens)
+        wire = 1 if config.moe.dispatch_dtype == "float8" else c
+        # Per layer and microbatch: dispatch and combine in the forward, their transposes in the backward
+        # (and the forward again under remat).
+        passes = 2 + (1 if train.remat in ("moe", "full") else 0)
+        per_layer = buffers.exchange_rows * m.hidden_size * (wire + c)
+        out.append(Collective(f"moe_{buffers.strategy}", int(passes * per_layer * num_moe * micro),
+                              expert <= cluster.gpus_per_host))
+    return out
+
+
+def step_flops(config: Config) -> dict[str, float]:
+    """Global FLOPs of one step by kind: dense matmuls, grouped GEMMs, attention scores, and the recomputed
+    forward under remat (model FLOPs exclude it)."""
+    train, moe = config.train, config.moe
+    tokens = train.batch_size * train.seq_len
+    _, parts, (_, active) = model_facts(config)
+    routed = 6 * parts["routed_experts"] * moe.num_experts_per_tok // moe.num_experts
+    # flops.matmul_params_per_token and model_flops_per_token, from the cached counts
+    matmul = active - (0 if config.model.tie_embeddings else parts["embed"])
+    dense = 6 * matmul - routed
+    attention = flops_lib.attention_flops_per_token(config, train.seq_len)
+    recompute = 0.0
+    if train.remat == "full":
+        head = parts["lm_head"] if not config.model.tie_embeddings else parts["embed"]
+        recompute = (dense - 6 * head + routed + attention) / 3
+    elif train.remat == "moe":
+        shared = 6 * parts["shared_experts"] + 6 * parts["router"]
+        recompute = (routed + shared) / 3
+    return {"dense": tokens * dense, "grouped": tokens * routed, "attention": tokens * attention,
+            "recompute": tokens * recompute, "model": tokens * (6 * matmul + attention)}
+
+
+def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: MemoryPlan, rates: dict) -> dict:
+    """Predicted seconds of one step, by term (see the module docstring), and the collectives."""
+    train = config.train
+    devices = cluster.devices
+    f = step_flops(config)
+    fp8 = train.fp8 != "off"
+    local_experts = config.moe.num_experts // sizes["expert"]
+    gmm_rate = rates["gmm_tflops"]["many_experts" if local_experts > 64 else "few_experts"]
+    if fp8:
+        gmm_rate *= rates["gmm_tflops"].get("fp8_factor", 1.0)
+    recompute = f["recompute"]
+    total = f["dense"] + f["grouped"] + f["attention"]
+    dense_share = f["dense"] / total if total else 1.0
+    grouped_share = f["grouped"] / total if total else 0.0
+    compute = ((f["dense"] + recompute * dense_share) / (rates["dense_tflops"] * 1e12)
+               + (f["grouped"] + recompute * grouped_share) / (gmm_rate * 1e12)
+               + f["attention"] * (1 + (1 / 3 if train.remat == "full" else 0)) / (rates["attention_tflops"] * 1e12)
+               ) / devices
+    hbm = rates["hbm_gbps"] * 1e9
+    micro = train.grad_accum_steps
+    logits = train.batch_size * train.seq_len // devices * config.model.vocab_size * 4
+    moments = memory.optimizer_state
+    optimizer_bytes = 2 * memory.parameters + memory.gradient_buffers + 2 * moments
+    memory_bound = (ACTIVATION_PASSES * memory.activations * micro + LOGIT_PASSES * logits + optimizer_bytes) / hbm
+    comm = collectives(config, sizes, cluster)
+    exposed_ep = sum(x.seconds(rates) for x in comm if x.name.startswith("moe_"))
+    hidden = sum(x.seconds(rates) for x in comm if not x.name.startswith("moe_"))
+    exposed_other = max(0.0, hidden - compute)
+    host = 0.0
+    if train.offload_optimizer:
+        host += 2 * moments / (rates["host_gbps"] * 1e9)
+    if memory.activations_in_host:
+        host += 2 * memory.activations_in_host * micro / (rates["host_gbps"] * 1e9)
+    overhead = rates["step_overhead_ms"] / 1e3
+    scan = (SCAN_TIME_FACTOR - 1) * (compute + memory_bound) if train.scan_layers else 0.0
+    seconds = compute + memory_bound + scan + exposed_ep + exposed_other + host + overhead
+    tokens = train.batch_size * train.seq_len
+    return {
+        "seconds": seconds,
+        "terms_s": {"compute": compute, "memory_bound": memory_bound, "expert_exchange": exposed_ep,
+                    "scan_buffers": scan, "fsdp_and_gradient_sync_exposed": exposed_other, "host_copies": host,
+                    "overhead": overhead},
+        "flops": f,
+        "collectives": [{"name": x.name, "bytes_per_device": x.bytes_per_device, "within_host": x.within_host,
+                         "seconds": x.seconds(rates)} for x in comm],
+        "tokens_per_s": tokens / seconds,
+        "model_tflops_per_device": f["model"] / seconds / devices / 1e12,
+    }

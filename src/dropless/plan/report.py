@@ -1,0 +1,147 @@
+"""A plan: the memory and time models combined for one config on one cluster, as a table and as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dropless.core.config import Config
+from dropless.plan.cost import device_rates, load_rates, step_time
+from dropless.plan.layout import Cluster, mesh_sizes, model_facts, state_bytes
+from dropless.plan.memory import MemoryPlan, plan_memory
+
+GIB = 1024**3
+SCHEMA = "dropless-plan/1"
+# A plan fits when its peak leaves this share of the device's memory free: the model's error against measured
+# peaks (docs/planning.md, Accuracy), so that a run the plan accepts does not run out of memory.
+FIT_MARGIN = 0.05
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: Config
+    cluster: Cluster
+    mesh: dict[str, int]
+    memory: MemoryPlan
+    time: dict
+    device_memory_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.peak <= (1 - FIT_MARGIN) * self.device_memory_bytes
+
+    def to_dict(self) -> dict:
+        mem = self.memory
+        name, largest = mem.largest_temporary
+        total, active = model_facts(self.config)[2]
+        return {
+            "schema": SCHEMA,
+            "cluster": {"hosts": self.cluster.hosts, "gpus_per_host": self.cluster.gpus_per_host,
+                        "devices": self.cluster.devices, "device": self.cluster.device},
+            "mesh": self.mesh,
+            "parameters": {"total": total, "active_per_token": active},
+            "tokens_per_device_per_microbatch": (self.config.train.batch_size // self.config.train.grad_accum_steps
+                                                 * self.config.train.seq_len // self.cluster.devices),
+            "per_device_bytes": {
+                "parameters": mem.parameters,
+                "gradients": mem.gradients,
+                "gradient_buffers": mem.gradient_buffers,
+                "optimizer_state": mem.optimizer_state,
+                "optimizer_state_in": "pinned_host" if mem.optimizer_in_host else "device",
+                "model_state_and_batch": mem.model_state_and_batch,
+                "activations": mem.activations,
+                "activations_in_host": mem.activations_in_host,
+                "weight_copies": mem.weight_copies,
+                "temporaries": mem.temporaries,
+                "largest_temporary": {"name": name, "bytes": largest},
+                "update_phase": mem.update_phase,
+                "peak": mem.peak,
+                "peak_worst_case": mem.peak_worst_case,
+            },
+            "moe_buffers": mem.moe_buffers,
+            "device_memory_bytes": self.device_memory_bytes,
+            "fit_margin": FIT_MARGIN,
+            "fits": self.fits,
+            "step": {"seconds": self.time["seconds"], "terms_s": self.time["terms_s"],
+                     "tokens_per_s": self.time["tokens_per_s"],
+                     "model_tflops_per_device": self.time["model_tflops_per_device"]},
+            "flops": self.time["flops"],
+            "collectives": self.time["collectives"],
+            "overrides": layout_overrides(self.config),
+        }
+
+
+# The keys a layout is made of: what `--search` varies and what its `key=value` lines name.
+LAYOUT_KEYS = ("parallel.data", "parallel.fsdp", "parallel.expert", "train.remat", "train.offload",
+               "train.offload_optimizer", "train.grad_accum_steps", "train.optimizer_moments_dtype", "moe.dispatch")
+
+
+def layout_overrides(config: Config) -> str:
+    """The `key=value` line that sets this config's layout."""
+    flat = config.to_flat_dict()
+    return " ".join(f"{k}={str(flat[k]).lower() if isinstance(flat[k], bool) else flat[k]}" for k in LAYOUT_KEYS
+                    if not (k == "train.offload" and not flat[k]))
+
+
+def make_plan(config: Config, cluster: Cluster, *, device_memory_gib: float | None = None,
+              rates: dict | None = None) -> Plan:
+    """The plan of `config`'s training step on `cluster` (pure arithmetic; no device is touched)."""
+    table = device_rates(rates or load_rates(), cluster.device)
+    sizes = mesh_sizes(config, cluster.devices)
+    backend = config.model.attention_backend
+    if backend == "auto":
+        half = config.train.dtype == "bfloat16"
+        backend = "tokamax" if table.get("platform") == "gpu" and half else "xla"
+    memory = plan_memory(config, sizes, attention_backend=backend, state=state_bytes(config, sizes))
+    time = step_time(config, sizes, cluster, memory, table)
+    limit = device_memory_gib if device_memory_gib else table["memory_gib"]
+    return Plan(config, cluster, sizes, memory, time, int(limit * GIB))
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:9.2f} GiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The per-device breakdown, the verdict, FLOPs, collectives and the predicted step time."""
+    d = plan.to_dict()
+    mem = plan.memory
+    cfg = plan.config.train
+    name, largest = mem.largest_temporary
+    lines = [f"plan: {d['cluster']['devices']} x {plan.cluster.device} ({plan.cluster.hosts} host(s) x "
+             f"{plan.cluster.gpus_per_host}), mesh {plan.mesh}, {d['tokens_per_device_per_microbatch']:,} tokens "
+             f"per device per microbatch, remat={cfg.remat}",
+             "per device:",
+             f"  parameters         {_gib(mem.parameters)}  float32 master weights",
+             f"  optimizer state    {_gib(mem.optimizer_state)}  AdamW moments in {cfg.optimizer_moments_dtype}"
+             + (", pinned host memory (not counted on the device)" if mem.optimizer_in_host else ""),
+             f"  gradients          {_gib(mem.gradient_buffers)}  ({mem.gradients / GIB:.2f} GiB as float32 arrays;"
+             " the compute dtype where XLA fuses the cast)",
+             f"  activations        {_gib(mem.activations)}  kept for the backward pass"
+             + (f"; {mem.activations_in_host / GIB:.2f} GiB offloaded to host" if mem.activations_in_host else ""),
+             ]
+    if mem.weight_copies:
+        lines.append(f"  weight copies      {_gib(mem.weight_copies)}  stacked weights cast under scan_layers")
+    lines.append(f"  largest temporary  {_gib(largest)}  {name.replace('_', ' ')}")
+    lines.append(f"  state + batch      {_gib(mem.model_state_and_batch)}")
+    if mem.update_phase:
+        lines.append(f"  update phase       {_gib(mem.update_phase)}  the optimizer update, moments on the device")
+    usable = (1 - FIT_MARGIN) * plan.device_memory_bytes
+    verdict = (f"fits, {FIT_MARGIN:.0%} kept free" if plan.fits
+               else f"DOES NOT FIT ({(mem.peak - usable) / GIB:.2f} GiB over, {FIT_MARGIN:.0%} kept free)")
+    lines.append(f"  peak               {_gib(mem.peak)}  of {plan.device_memory_bytes / GIB:.1f} GiB: {verdict}")
+    if mem.moe_buffers:
+        mb = mem.moe_buffers
+        lines.append(f"  MoE worst case     {_gib(mem.peak_worst_case)}  peak if a layer overflows its bounded "
+                     f"buffer ({mb['strategy']}: {mb['local_rows']:,} rows bounded, {mb['worst_rows']:,} worst case)")
+    t = plan.time
+    lines.append(f"step: {t['flops']['model'] / 1e15:.2f} PFLOP model"
+                 + (f" + {t['flops']['recompute'] / 1e15:.2f} recomputed" if t['flops']['recompute'] else "")
+                 + f"; predicted {t['seconds'] * 1e3:,.0f} ms, {t['tokens_per_s']:,.0f} tokens/s, "
+                 f"{t['model_tflops_per_device']:.0f} model TFLOP/s per device")
+    lines.append("  time: " + ", ".join(f"{k.replace('_', ' ')} {v * 1e3:,.0f} ms"
+                                        for k, v in t["terms_s"].items() if v))
+    for x in t["collectives"]:
+        lines.append(f"  {x['name']:22s} {x['bytes_per_device'] / GIB:9.2f} GiB sent per device per step, "
+                     f"{'within a host' if x['within_host'] else 'across hosts'}, {x['seconds'] * 1e3:,.0f} ms")
+    lines.append(f"layout: {d['overrides']}")
+    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""`dropless plan` (the command, its JSON and --compiled), `dropless bench rates` and `dropless bench plan-accuracy`
+on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from dropless import cli
+from dropless.bench import plan_accuracy, rates
+from dropless.plan.cost import device_rates, load_rates
+from dropless.plan.report import SCHEMA
+
+MICRO = plan_accuracy.TINY
+
+
+def test_plan_command_prints_the_breakdown_and_writes_its_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    status = cli.main(["plan", "--preset", "deepseek-v3-671b", "--hosts", "128", "--gpus-per-host", "8",
+                       "parallel.fsdp=16", "parallel.expert=8", "train.batch_size=1024", "train.remat=full",
+                       "--json", str(out)])
+    text = capsys.readouterr().out
+    assert status == 0
+    for line in ("parameters", "optimizer state", "gradients", "activations", "largest temporary", "peak",
+                 "MoE worst case", "fsdp_all_gather", "gradient_all_reduce", "moe_", "tokens/s", "layout: "):
+        assert line in text, line
+    record = json.loads(out.read_text())
+    plan = record["plan"]
+    assert plan["schema"] == SCHEMA and plan["cluster"]["devices"] == 1024
+    assert plan["mesh"] == {"data": 8, "fsdp": 16, "expert": 8}
+    assert set(plan["per_device_bytes"]) >= {"parameters", "gradients", "optimizer_state", "activations",
+                                             "temporaries", "largest_temporary", "peak", "peak_worst_case"}
+    assert plan["step"]["seconds"] > 0 and plan["flops"]["model"] > 0
+    assert {c["name"] for c in plan["collectives"]} >= {"fsdp_all_gather", "gradient_all_reduce"}
+    assert plan["overrides"].startswith("parallel.data=-1 parallel.fsdp=16 parallel.expert=8 train.remat=full")
+
+
+def test_plan_search_on_the_cpu(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    status = cli.main(["plan", "--preset", "tiny", "--device", "cpu", "--device-memory-gib", "0.01", "--search",
+                       "--json", str(out), *MICRO])
+    text = capsys.readouterr().out
+    assert status == 0 and "search:" in text
+    record = json.loads(out.read_text())
+    steps = [row["step_s"] for row in record["search"]]
+    assert steps == sorted(steps) and all(row["peak_bytes"] <= 0.0095 * 1024**3 for row in record["search"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "12", "--gpus-per-host", "8"], "not a whole number of hosts"),
+    (["--device", "TPU9"], "has no device 'TPU9'"),
+    (["--devices", "16", "--compiled", "train.batch_size=16"], "--compiled needs the plan's 16 devices"),
+])
+def test_plan_command_errors_are_one_line(argv, message, capsys):
+    assert cli.main(["plan", "--preset", "tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_bench_memory_points_to_plan(capsys):
+    assert cli.main(["bench", "memory", "--preset", "tiny"]) == 2
+    assert "'dropless bench memory' is now 'dropless plan'" in capsys.readouterr().err
+
+
+def test_rates_measure_a_table_the_planner_reads(tmp_path):
+    entry = rates.measure("small")
+    table = {**load_rates(), "measured": entry}
+    values = device_rates(table, "measured")
+    assert values["platform"] == jax.devices()[0].platform
+    for key in ("dense_tflops", "attention_tflops", "hbm_gbps"):
+        assert values[key] > 0 and "dropless bench rates" in entry[key]["source"]
+    assert values["gmm_tflops"]["few_experts"] > 0 and values["gmm_tflops"]["many_experts"] > 0
+
+
+def test_plan_accuracy_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
+    monkeypatch.setitem(plan_accuracy.CONFIG_SETS, "tiny", plan_accuracy.CONFIG_SETS["tiny"][:1])
+    out = tmp_path / "accuracy.json"
+    record = plan_accuracy.run("tiny", str(out), warmup=1, steps=2, seconds=0.1, budget=300, device=None,
+                               log=lambda message: None)
+    row, = record["configs"]
+    assert row["status"] == "ok", row["status"]
+    # The worker's compiled memory analysis is `dropless plan --compiled`'s (bench.plan.memory_analysis).
+    assert row["measured"]["step_ms"] > 0 and row["measured"]["compiled"]["peak"] > 0
+    assert row["predicted"]["fits"] and "step_error" in row
+    assert json.loads(out.read_text())["benchmark"] == "plan-accuracy"
+    table = plan_accuracy.markdown_table(record)
+    assert table.startswith("| configuration |") and row["name"] in table

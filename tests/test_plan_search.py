@@ -1,0 +1,72 @@
+"""`dropless.plan.search`: only fitting layouts, fastest first; the fit check and `train.auto_fit`; the refusal of
+`dropless train` for a run that does not fit."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from dropless import cli
+from dropless.core.config import ConfigError, load_preset
+from dropless.plan import Cluster, check_fit, make_plan, search
+from dropless.plan.report import FIT_MARGIN, GIB, layout_overrides
+from dropless.train import setup as setup_lib
+from tests.micro_config import micro_config
+
+PROXY_ON_ONE = {"train.batch_size": 8}
+
+
+def test_search_returns_only_fitting_layouts_sorted_by_step_time():
+    config = load_preset("deepseek-v3-proxy").replace(**PROXY_ON_ONE)
+    cluster = Cluster(1, 8, "H200")
+    found = search(config, cluster, device_memory_gib=20)
+    assert found
+    assert all(p.memory.peak <= (1 - FIT_MARGIN) * 20 * GIB for p in found)
+    seconds = [p.time["seconds"] for p in found]
+    assert seconds == sorted(seconds)
+    # Each line is a valid override set that reproduces its plan.
+    best = found[0]
+    again = make_plan(config.replace(**dict(kv.split("=") for kv in layout_overrides(best.config).split())),
+                      cluster, device_memory_gib=20)
+    assert again.memory.peak == best.memory.peak and again.time["seconds"] == best.time["seconds"]
+    assert search(config, cluster, device_memory_gib=1) == []
+
+
+def test_check_fit_refuses_with_the_shortfall_and_a_layout_that_fits():
+    config = load_preset("deepseek-v3-proxy").replace(**PROXY_ON_ONE)
+    cluster = Cluster(1, 8, "H200")
+    with pytest.raises(ConfigError, match=r"GiB over the 19\.0 GiB usable of H200's 20\.0 GiB .*set parallel\.data=-1 "
+                                          r".*train\.auto_fit=true"):
+        check_fit(config, cluster, 20)
+    fitted = check_fit(config, cluster, 20, auto_fit=True)
+    assert make_plan(fitted, cluster, device_memory_gib=20).fits
+    assert check_fit(config, cluster, 1000) is config
+    with pytest.raises(ConfigError, match="no layout of this batch fits"):
+        check_fit(config, cluster, 1)
+
+
+def test_fit_check_on_cpu_only_with_a_limit_and_auto_fit_picks_a_layout():
+    config = micro_config(**{"train.batch_size": 8})
+    devices = jax.devices()[:1]
+    assert setup_lib.fit_check(config, devices) is config  # no limit on a CPU: nothing to check
+    need = make_plan(config, Cluster(1, 1, "cpu")).memory.peak / GIB
+    with pytest.raises(ConfigError, match="the plan does not fit"):
+        setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 0.9}), devices)
+    warned = []
+    assert setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 1.02}), devices,
+                               log=warned.append).train.device_memory_gib == need * 1.02
+    assert len(warned) == 1 and "within the model's 5% error" in warned[0]
+    printed = []
+    fitted = setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 0.9, "train.auto_fit": True}),
+                                 devices, log=printed.append)
+    assert make_plan(fitted, Cluster(1, 1, "cpu"), device_memory_gib=need * 0.9).fits
+    assert printed and printed[0].startswith("dropless: train.auto_fit chose parallel.data=-1")
+
+
+def test_train_refuses_a_run_that_does_not_fit(tmp_path, capsys):
+    status = cli.main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress",
+                       "train.device_memory_gib=0.0001"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1
+    assert "the plan does not fit" in err[0] and "GiB usable of cpu's 0.0 GiB" in err[0]
+    assert not (tmp_path / "run" / "config.json").exists()
