@@ -178,7 +178,8 @@ def test_breakdown_of_a_real_cpu_trace(tmp_path):
     assert result["communication_ms_per_step_per_device"]["all-reduce"] > 0
     assert result["unattributed_share"] == 0.0
     assert sum(result["share"].values()) == pytest.approx(1.0)
-    assert 0 <= result["communication_exposed_ms_per_step_per_device"] <= result["ms_per_step_per_device"]["communication"]
+    exposed = result["communication_exposed_ms_per_step_per_device"]
+    assert 0 <= exposed <= result["ms_per_step_per_device"]["communication"] * (1 + 1e-9)  # rounding only
     grouped = [op for op in result["top_ops"] if op["category"] == "grouped_gemm"]
     assert grouped and all("gmm_up" in op["op_name"] for op in grouped)
     np.testing.assert_allclose(sum(result["ms_per_step_per_device"].values()), result["kernel_ms_per_step_per_device"])

@@ -155,3 +155,14 @@ def test_a_process_killed_mid_run_makes_the_other_exit_instead_of_hanging(victim
         assert len(lines) == 1 and lines[0].startswith(
             f"dropless: error: process {victim} of 2 sent no sign of life for 3 s"), stderr[-3000:]
         assert "Traceback" not in stderr and "Check failure" not in stderr
+
+
+def test_a_process_whose_peers_never_come_ends_in_one_line_at_the_start_up_deadline():
+    alone = {"DROPLESS_COORDINATOR": f"127.0.0.1:{_free_port()}", "DROPLESS_NUM_PROCESSES": "2",
+             "DROPLESS_PROCESS_ID": "1", "DROPLESS_INIT_TIMEOUT": "1"}
+    ((status, stdout, stderr),) = _finish(_launch([alone], 3))
+    assert status == distributed.EXIT_NOT_JOINED and stdout == "", stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        f"dropless: error: process 1 could not join the run's other processes at {alone['DROPLESS_COORDINATOR']} "
+        "within DROPLESS_INIT_TIMEOUT=1 s; start every process with the same coordinator address and process count, "
+        "and check that the coordinator's host and port are reachable."]

@@ -45,6 +45,7 @@ TIMEOUTS = {"peer": ("DROPLESS_PEER_TIMEOUT", 60.0), "init": ("DROPLESS_INIT_TIM
             "collective": ("DROPLESS_COLLECTIVE_TIMEOUT", 1800.0)}
 # The exit status of a process that lost another one of its run (a finished run: 0; a user error: 2; diverged: 3).
 EXIT_PROCESS_LOST = 4
+EXIT_NOT_JOINED = 2  # the processes never formed a run: a launch mistake, a user error's status
 _BEAT_DIR = "dropless/beat/"
 _EXITED = "exited"
 
@@ -133,18 +134,21 @@ def initialize(environ=None) -> bool:
         environ.get("XLA_FLAGS", ""), {"--xla_cpu_collective_timeout_seconds": str(int(limits["collective"]))})
     xla_flags.apply(environ)
     if not jax.distributed.is_initialized():
+        # JAX's own start-up deadline ends the process with a fatal log: this timer speaks first, in one line.
+        where = settings.get("coordinator_address") or "the address JAX detected"
+        late = threading.Timer(limits["init"], _exit_lost, [
+            f"dropless: error: process {settings.get('process_id', environ.get('SLURM_PROCID', '?'))} could not "
+            f"join the run's other processes at {where} within DROPLESS_INIT_TIMEOUT={limits['init']:g} s; start "
+            "every process with the same coordinator address and process count, and check that the coordinator's "
+            "host and port are reachable.", EXIT_NOT_JOINED])
+        late.daemon = True
+        late.start()
         try:
-            jax.distributed.initialize(**settings, initialization_timeout=int(limits["init"]),
+            jax.distributed.initialize(**settings, initialization_timeout=int(limits["init"]) + 10,
                                        # JAX's heartbeat ends a process with a fatal log: ours speaks first.
                                        heartbeat_timeout_seconds=int(2 * limits["peer"] + 10))
-        except jax.errors.JaxRuntimeError as err:
-            if "DEADLINE_EXCEEDED" not in str(err) and "UNAVAILABLE" not in str(err):
-                raise
-            where = settings.get("coordinator_address") or "the address JAX detected"
-            raise ConfigError(f"process {settings.get('process_id', '?')} could not join the run's other processes "
-                              f"at {where} within DROPLESS_INIT_TIMEOUT={limits['init']:g} s; start every process "
-                              "with the same coordinator address and process count, and check that the "
-                              "coordinator's host and port are reachable.") from None
+        finally:
+            late.cancel()
         state = jax_distributed.global_state  # not jax.process_index(): that would start the backends already
         watch_peers(state.client, state.process_id, state.num_processes, limits["peer"])
         sys.excepthook = _one_line_for_collective_timeouts(sys.excepthook)
@@ -218,11 +222,11 @@ class PeerWatch:
             pass
 
 
-def _exit_lost(message: str) -> None:
+def _exit_lost(message: str, status: int = EXIT_PROCESS_LOST) -> None:
     # os._exit: a normal exit would wait in jax.distributed's shutdown barrier for the lost process, then abort.
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(EXIT_PROCESS_LOST)
+    os._exit(status)
 
 
 def watch_peers(client, process_id: int, num_processes: int, timeout: float) -> PeerWatch:
