@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import pytest
 from jax._src import clusters
 
@@ -179,3 +180,18 @@ def test_a_signal_to_one_process_stops_both_at_the_same_agreed_step():
         assert status == 0, stdout[-1000:] + stderr[-3000:]
         # gloo writes to the same stdout without newlines of its own: search, not split
         assert re.findall(r"stopped by (\w+) at step (\d+)\.", stdout) == [(stop, "4")], stdout
+
+
+def test_a_failed_cross_process_collective_gets_one_line_and_other_errors_none(monkeypatch):
+    monkeypatch.setenv("DROPLESS_COLLECTIVE_TIMEOUT", "90")
+    timed_out = jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Gloo all-reduce failed: "
+                                           "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 90000ms")
+    assert distributed.collective_failure_message(timed_out, 0, 2) == (
+        "dropless: error: process 0 of 2 waited DROPLESS_COLLECTIVE_TIMEOUT=90 s in a collective for another process, "
+        "alive but stuck or far slower; look at the other processes' output, then start every process again (with "
+        "--resume to continue from the last checkpoint).")
+    broken = jax.errors.JaxRuntimeError("Gloo all-gather failed: Connection closed by peer [127.0.0.1]:4545")
+    assert "lost a collective's connection to another process" in distributed.collective_failure_message(broken, 1, 2)
+    assert distributed.collective_failure_message(jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory"),
+                                                  0, 2) is None
+    assert distributed.collective_failure_message(ValueError("Gloo timed out"), 0, 2) is None

@@ -6,9 +6,8 @@ Where the settings come from, first match wins:
    process to some of its host's accelerators (default: all of them).
 2. SLURM (`srun`, more than one task) or Open MPI 4 (`mpirun`, more than one rank): JAX's own cluster detection
    reads the launcher's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_STEP_NODELIST, SLURM_JOB_ID for the port;
-   OMPI_COMM_WORLD_RANK/SIZE, the HNP URI) and
-   gives each task one accelerator (local task i takes device i), so launch one task per GPU, or set
-   `DROPLESS_LOCAL_DEVICE_IDS` to give a task several.
+   OMPI_COMM_WORLD_RANK/SIZE, the HNP URI) and gives each task one accelerator (local task i takes device i), so
+   launch one task per GPU, or set `DROPLESS_LOCAL_DEVICE_IDS` to give a task several.
 3. Otherwise: a single process, nothing to do.
 Every process must run the same program with the same config; the mesh then spans all processes' devices.
 
@@ -240,17 +239,24 @@ def watch_peers(client, process_id: int, num_processes: int, timeout: float) -> 
 _COLLECTIVE_ERROR = re.compile(r"\b(gloo|nccl)\b", re.IGNORECASE)
 
 
+def collective_failure_message(err: BaseException, process_id: int, num_processes: int) -> str | None:
+    """The one line for a cross-process collective that failed (it waited past DROPLESS_COLLECTIVE_TIMEOUT, or
+    its connection to another process broke), or None for any other exception."""
+    text = str(err)
+    if not (isinstance(err, jax.errors.JaxRuntimeError) and _COLLECTIVE_ERROR.search(text)):
+        return None
+    why = (f"waited DROPLESS_COLLECTIVE_TIMEOUT={timeouts()['collective']:g} s in a collective for another process, "
+           "alive but stuck or far slower" if re.search(r"timed out|timeout", text, re.IGNORECASE)
+           else "lost a collective's connection to another process, which probably died")
+    return (f"dropless: error: process {process_id} of {num_processes} {why}; look at the other processes' output, "
+            "then start every process again (with --resume to continue from the last checkpoint).")
+
+
 def _one_line_for_collective_timeouts(previous):
-    """sys.excepthook: a cross-process collective that failed (it waited past DROPLESS_COLLECTIVE_TIMEOUT, or its
-    connection to another process broke) ends in one line and EXIT_PROCESS_LOST; other exceptions go to `previous`."""
+    """sys.excepthook: `collective_failure_message`'s line and EXIT_PROCESS_LOST for a failed collective; other
+    exceptions go to `previous`."""
     def hook(kind, err, tb):
-        text = str(err)
-        if isinstance(err, jax.errors.JaxRuntimeError) and _COLLECTIVE_ERROR.search(text):
-            why = (f"waited DROPLESS_COLLECTIVE_TIMEOUT={timeouts()['collective']:g} s in a collective for another "
-                   "process, alive but stuck or far slower" if re.search(r"timed out|timeout", text, re.IGNORECASE)
-                   else "lost a collective's connection to another process, which probably died")
-            _exit_lost(f"dropless: error: process {jax.process_index()} of {jax.process_count()} {why}; look at "
-                       "the other processes' output, then start every process again (with --resume to continue "
-                       "from the last checkpoint).")
+        if message := collective_failure_message(err, jax.process_index(), jax.process_count()):
+            _exit_lost(message)
         previous(kind, err, tb)
     return hook
