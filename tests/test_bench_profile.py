@@ -178,6 +178,57 @@ def test_breakdown_of_a_real_cpu_trace(tmp_path):
     assert result["communication_ms_per_step_per_device"]["all-reduce"] > 0
     assert result["unattributed_share"] == 0.0
     assert sum(result["share"].values()) == pytest.approx(1.0)
+    exposed = result["communication_exposed_ms_per_step_per_device"]
+    assert 0 <= exposed <= result["ms_per_step_per_device"]["communication"] * (1 + 1e-9)  # rounding only
     grouped = [op for op in result["top_ops"] if op["category"] == "grouped_gemm"]
     assert grouped and all("gmm_up" in op["op_name"] for op in grouped)
     np.testing.assert_allclose(sum(result["ms_per_step_per_device"].values()), result["kernel_ms_per_step_per_device"])
+
+
+def _timeline(device, *spans):
+    """Kernel events of one device: (hlo_op, start, end) each, on whatever stream."""
+    return [profile.KernelEvent("k", end - start, hlo_op, "jit_train_step", device, start) for hlo_op, start, end in spans]
+
+
+@pytest.mark.parametrize("spans, exposed", [
+    ([("all-to-all-start", 10, 20), ("gemm_fusion", 0, 30)], 0.0),            # fully hidden
+    ([("all-to-all-start", 10, 40), ("gemm_fusion", 0, 30)], 10.0),           # partly hidden (its tail)
+    ([("all-to-all-start", 0, 40), ("gemm_fusion", 10, 15), ("add.9", 20, 25)], 30.0),  # holes between kernels
+    ([("all-to-all-start", 50, 60), ("gemm_fusion", 0, 30)], 10.0),           # not hidden
+    # several streams: two overlapping collectives count once; kernels of two streams cover jointly
+    ([("all-to-all-start", 0, 20), ("all-reduce-start.1", 10, 30), ("gemm_fusion", 5, 12), ("exp.2", 12, 25)], 10.0),
+])
+def test_exposed_communication_is_collective_time_with_no_other_kernel_running(spans, exposed):
+    ops = profile.parse_hlo(HLO)
+    assert profile.exposed_communication_us(_timeline("/device:GPU:0", *spans), ops) == pytest.approx(exposed)
+
+
+def test_exposed_communication_is_per_device_and_matches_a_unit_grid_count():
+    """Another device's compute hides nothing; on random timelines the interval arithmetic equals counting unit
+    cells of an integer grid (the simple reference)."""
+    ops = profile.parse_hlo(HLO)
+    gpu0 = _timeline("/device:GPU:0", ("all-to-all-start", 0, 10))
+    gpu1 = _timeline("/device:GPU:1", ("gemm_fusion", 0, 10), ("all-to-all-start", 0, 10))
+    assert profile.exposed_communication_us(gpu0 + gpu1, ops) == pytest.approx(10.0)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        spans = [(("all-to-all-start", "all-reduce-start.1", "gemm_fusion", "add.9", "exp.2")[rng.integers(5)],
+                  start, start + rng.integers(1, 15)) for start in rng.integers(0, 60, rng.integers(1, 12))]
+        busy, talking = np.zeros(80, bool), np.zeros(80, bool)
+        for hlo_op, start, end in spans:
+            (talking if hlo_op in ("all-to-all-start", "all-reduce-start.1") else busy)[start:end] = True
+        want = float(np.sum(talking & ~busy))
+        assert profile.exposed_communication_us(_timeline("/device:GPU:0", *spans), ops) == pytest.approx(want)
+
+
+def test_breakdown_reports_exposed_communication_beside_the_total():
+    ops = profile.parse_hlo(HLO)
+    events = (_timeline("/device:GPU:0", ("all-to-all-start", 0, 40), ("gemm_fusion", 0, 30))
+              + _timeline("/device:GPU:1", ("all-to-all-start", 0, 40), ("gemm_fusion", 20, 60)))
+    result = profile.breakdown(events, ops, steps=2)
+    # 10 us exposed on GPU:0 and 20 on GPU:1: 30 us over 2 devices and 2 steps
+    assert result["communication_exposed_ms_per_step_per_device"] == pytest.approx(0.0075)
+    assert result["ms_per_step_per_device"]["communication"] == pytest.approx(0.02)
+    assert result["communication_exposed_share"] == pytest.approx(30.0 / 150.0)
+    assert "exposed communication 0.01 ms   20.0% (not overlapped with any other kernel; 0.01 ms hidden" in (
+        profile.format_breakdown(result))

@@ -10,7 +10,10 @@ up, records N steps with `jax.profiler`, and breaks the device kernel time into
     communication   collectives: all-to-all, all-gather, reduce-scatter, all-reduce, collective-permute
     other           everything else (permute/unpermute, activations, optimizer update, copies)
 
-plus the communication share (communication / all kernel time; NVIDIA's 84% baseline figure is this ratio).
+plus the communication share (communication / all kernel time; NVIDIA's 84% baseline figure is this ratio) and
+the *exposed* communication: per device, the time during which a collective kernel runs on some stream and no
+other kernel runs on any stream of that device (the union of its collectives' intervals minus the union of its
+other kernels'), i.e. communication that nothing hides. Total minus exposed is what overlapping hid.
 Each kernel event in the trace names the HLO instruction it ran (`hlo_op`); the compiled program's HLO text
 gives that instruction's opcode and its `op_name` metadata, the `jax.named_scope` path of the code it came
 from (docs/architecture.md's stage names). Kernels without an `hlo_op` (memcpy, or kernels inside a CUDA graph) are
@@ -264,6 +267,7 @@ def breakdown(events: list[KernelEvent], ops: dict[str, HloOp], *, module: str =
     devices = max(1, len({e.device for e in kept}))
     per_step_ms = 1e-3 / (max(1, steps) * devices)
     waiting = collective_waiting_us(kept, ops)
+    exposed = exposed_communication_us(kept, ops)
 
     def share(value: float) -> float:
         return value / total if total else 0.0
@@ -279,6 +283,8 @@ def breakdown(events: list[KernelEvent], ops: dict[str, HloOp], *, module: str =
         "communication_share": share(totals["communication"]),
         "communication_ms_per_step_per_device": {k: v * per_step_ms for k, v in collectives.items()},
         "communication_waiting_ms_per_step_per_device": waiting * per_step_ms,
+        "communication_exposed_ms_per_step_per_device": exposed * per_step_ms,
+        "communication_exposed_share": share(exposed),
         "unattributed_share": share(unattributed),
         "top_ops": [{"category": c, "op": name, "op_name": ops[name].op_name if name in ops else "",
                      "ms_per_step_per_device": us * per_step_ms, "share": share(us)}
@@ -307,6 +313,44 @@ def collective_waiting_us(events: list[KernelEvent], ops: dict[str, HloOp]) -> f
     return waiting
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering exactly what `intervals` cover."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _uncovered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """Length of the union of `intervals` outside the union of `cover` (both unions taken here)."""
+    cover, total, i = _union(cover), 0.0, 0
+    for start, end in _union(intervals):
+        while i < len(cover) and cover[i][1] <= start:  # covers wholly before this interval: never needed again
+            i += 1
+        position, j = start, i
+        while j < len(cover) and cover[j][0] < end:
+            total += max(0.0, cover[j][0] - position)
+            position = max(position, cover[j][1])
+            j += 1
+        total += max(0.0, end - position)
+    return total
+
+
+def exposed_communication_us(events: list[KernelEvent], ops: dict[str, HloOp]) -> float:
+    """Microseconds, summed over devices, during which a collective kernel ran on a device and no other kernel
+    (on any of that device's streams) did: the communication nothing hid. Waiting for another device counts
+    as exposed when nothing else runs meanwhile."""
+    collectives: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    compute: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for event in events:
+        target = collectives if classify(event, ops)[0] == "communication" else compute
+        target[event.device].append((event.start_us, event.start_us + event.duration_us))
+    return sum(_uncovered(intervals, compute[device]) for device, intervals in collectives.items())
+
+
 def format_breakdown(result: dict) -> str:
     lines = [f"device kernel time: {result['kernel_ms_per_step_per_device']:.2f} ms per step per device "
              f"({result['devices']} device(s), {result['steps']} step(s))"]
@@ -315,6 +359,11 @@ def format_breakdown(result: dict) -> str:
                      f"{100 * result['share'][category]:5.1f}%")
     kinds = ", ".join(f"{k} {v:.2f} ms" for k, v in result["communication_ms_per_step_per_device"].items() if v)
     lines.append(f"  communication share {100 * result['communication_share']:.1f}%" + (f" ({kinds})" if kinds else ""))
+    if result.get("communication_exposed_ms_per_step_per_device") is not None:
+        exposed = result["communication_exposed_ms_per_step_per_device"]
+        hidden = result["ms_per_step_per_device"]["communication"] - exposed
+        lines.append(f"  exposed communication {exposed:.2f} ms  {100 * result['communication_exposed_share']:5.1f}% "
+                     f"(not overlapped with any other kernel; {hidden:.2f} ms hidden behind compute)")
     if result.get("communication_waiting_ms_per_step_per_device"):
         lines.append(f"  of which waiting for another device "
                      f"{result['communication_waiting_ms_per_step_per_device']:.2f} ms")
