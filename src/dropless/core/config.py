@@ -87,6 +87,9 @@ class ModelConfig:
     num_layers: int = 4
     # The first `first_dense_layers` layers use a dense SwiGLU MLP (DeepSeek-V3's first_k_dense_replace).
     first_dense_layers: int = 1
+    # Any pattern of dense and MoE layers: one letter per layer, D (dense SwiGLU MLP) or M (MoE), e.g. "DMDM".
+    # Empty: model.first_dense_layers D's, then M's. `layer_types` is the resolved pattern every module reads.
+    layer_pattern: str = ""
     dense_intermediate_size: int = 384
     attention: Literal["mla", "gqa"] = "mla"
     num_heads: int = 4
@@ -110,6 +113,13 @@ class ModelConfig:
     init_std: float = 0.02
     # Attention kernel: "auto" = tokamax's flash attention on GPU in bfloat16, the plain XLA einsum otherwise.
     attention_backend: Literal["auto", "xla", "tokamax"] = "auto"
+    # Multi-token prediction (DeepSeek-V3): D sequential modules, module k predicting token i+k+1 from the
+    # depth k-1 hidden state and the embedding of token i+k; 0 = off. Training only: inference ignores them.
+    mtp_layers: int = 0
+    # lambda: the MTP loss added to the training loss is lambda / D * the sum of the D depths' cross-entropies.
+    mtp_loss_weight: float = 0.3
+    # The transformer block inside each MTP module: "moe" (DeepSeek-V3's) or "dense" (a SwiGLU MLP).
+    mtp_block: Literal["moe", "dense"] = "moe"
 
     def __post_init__(self):
         _check_choices("model", self)
@@ -117,6 +127,19 @@ class ModelConfig:
             _positive(f"model.{key}", getattr(self, key))
         _require(0 <= self.first_dense_layers <= self.num_layers,
                  f"model.first_dense_layers={self.first_dense_layers} must be between 0 and model.num_layers={self.num_layers}.")
+        if self.layer_pattern:
+            pattern = self.layer_pattern
+            _require(set(pattern) <= {"D", "M"}, f"model.layer_pattern={pattern!r} may hold only the letters D "
+                     "(dense layer) and M (MoE layer); write one letter per layer, e.g. 'DMDM'.")
+            _require(len(pattern) == self.num_layers, f"model.layer_pattern={pattern!r} has {len(pattern)} letters "
+                     f"but model.num_layers={self.num_layers}; give one letter per layer.")
+            leading = len(pattern) - len(pattern.lstrip("D"))
+            _require(self.first_dense_layers == leading,
+                     f"model.first_dense_layers={self.first_dense_layers} disagrees with model.layer_pattern="
+                     f"{pattern!r}, which starts with {leading} dense layer(s); set model.first_dense_layers="
+                     f"{leading} or leave model.layer_pattern empty.")
+        _positive("model.mtp_layers", self.mtp_layers, allow_zero=True)
+        _positive("model.mtp_loss_weight", self.mtp_loss_weight, allow_zero=True)
         if self.attention == "gqa":
             _require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
                      f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}.")
@@ -129,6 +152,11 @@ class ModelConfig:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             _require(kind == "yarn", f"model.rope_scaling type {kind!r} is not supported; use 'yarn' or null.")
             check_yarn_keys(self.rope_scaling)
+
+    @property
+    def layer_types(self) -> str:
+        """The layer pattern, one letter per layer: D (dense MLP) or M (MoE)."""
+        return self.layer_pattern or "D" * self.first_dense_layers + "M" * (self.num_layers - self.first_dense_layers)
 
 
 @dataclass(frozen=True)
