@@ -33,7 +33,16 @@ MEANINGS = {
     "model.vocab_size": "V, the vocabulary; every token id must be below it",
     "model.hidden_size": "D, the width of the residual stream",
     "model.num_layers": "all layers, dense and MoE",
-    "model.dense_intermediate_size": "F of the dense SwiGLU MLP in the first layers",
+    "model.dense_intermediate_size": "F of the dense SwiGLU MLP of the dense layers",
+    "model.first_dense_layers": "the first this many layers are dense (DeepSeek-V3's first_k_dense_replace), the "
+                                "rest MoE; with model.layer_pattern it must count that pattern's leading D's",
+    "model.layer_pattern": "any order of dense and MoE layers, one letter per layer: D (dense SwiGLU MLP) or M "
+                           "(MoE), e.g. `DMDM`; empty = model.first_dense_layers D's, then M's (docs/models.md)",
+    "model.mtp_layers": "D multi-token-prediction modules (DeepSeek-V3), module k predicting token i+k+1; "
+                        "training only, inference ignores them; 0 = off (docs/models.md)",
+    "model.mtp_loss_weight": "lambda: the loss adds lambda / D times the sum of the D modules' cross-entropies "
+                             "(reported as `mtp_loss`, their mean)",
+    "model.mtp_block": "the decoder layer inside each MTP module: `moe` (DeepSeek-V3's) or `dense`",
     "model.attention": "`mla` (DeepSeek's multi-head latent attention) or `gqa` (grouped-query attention)",
     "model.num_heads": "H, query heads",
     "model.num_kv_heads": "GQA only: key/value heads; query head h uses kv head h // (H / num_kv_heads)",
