@@ -111,6 +111,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # The routers' initial weights: normal(0, router_init_std); 0 = model.init_std like every other matrix.
+    router_init_std: float = 0.0
     # Attention kernel: "auto" = tokamax's flash attention on GPU in bfloat16, the plain XLA einsum otherwise.
     attention_backend: Literal["auto", "xla", "tokamax"] = "auto"
     # Multi-token prediction (DeepSeek-V3): D sequential modules, module k predicting token i+k+1 from the
@@ -139,6 +141,7 @@ class ModelConfig:
                      f"{pattern!r}, which starts with {leading} dense layer(s); set model.first_dense_layers="
                      f"{leading} or leave model.layer_pattern empty.")
         _positive("model.mtp_layers", self.mtp_layers, allow_zero=True)
+        _positive("model.router_init_std", self.router_init_std, allow_zero=True)
         _positive("model.mtp_loss_weight", self.mtp_loss_weight, allow_zero=True)
         if self.attention == "gqa":
             _require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
@@ -198,9 +201,16 @@ class MoEConfig:
     # "compute" (the training dtype) or "float8" (e4m3 with a scale per 128 values, half of bf16's bytes; the
     # rows coming back stay in the compute dtype). dropless.ep.wire.
     dispatch_dtype: Literal["compute", "float8"] = "compute"
+    # Router health: training prints a warning when one expert has taken more than `router_warn_share` of a
+    # layer's tokens for `router_warn_logs` logged steps in a row (dropless.train.metrics.RouterWatch).
+    router_warn_share: float = 0.5
+    router_warn_logs: int = 5
 
     def __post_init__(self):
         _check_choices("moe", self)
+        _require(0 < self.router_warn_share <= 1, f"moe.router_warn_share={self.router_warn_share} must be in (0, 1]: "
+                 "the fraction of a layer's tokens one expert may take before training warns.")
+        _positive("moe.router_warn_logs", self.router_warn_logs)
         _positive("moe.num_experts", self.num_experts)
         _require(1 <= self.num_experts_per_tok <= self.num_experts,
                  f"moe.num_experts_per_tok={self.num_experts_per_tok} must be between 1 and moe.num_experts={self.num_experts}.")

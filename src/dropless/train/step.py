@@ -80,7 +80,15 @@ def loss_fn(params, model_state, batch_BS1, config: Config, executor=None, *, mt
     return total, (cross_entropy, {**aux, "mtp_loss": mtp_loss})
 
 
-def _moe_metrics(aux) -> dict[str, jax.Array]:
+def expert_shares(tokens_per_expert_LE: jax.Array, top_k: int) -> jax.Array:
+    """[L, E] float32: the fraction of each layer's tokens that chose each expert (each token chooses K experts,
+    so a row sums to K; balanced is K/E everywhere, a collapsed layer has one expert at 1)."""
+    counts_LE = tokens_per_expert_LE.astype(jnp.float32)
+    tokens_L1 = jnp.sum(counts_LE, axis=-1, keepdims=True) / top_k
+    return counts_LE / jnp.maximum(tokens_L1, 1.0)
+
+
+def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
     moe = aux.get("moe")
     if moe is None or moe.tokens_dropped.size == 0:  # a model without MoE layers
         zero_i, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
@@ -95,6 +103,8 @@ def _moe_metrics(aux) -> dict[str, jax.Array]:
         "dispatch_overflows": jnp.sum(moe.dispatch_overflowed).astype(jnp.int32),
         "rows_sent": jnp.sum(moe.rows_sent).astype(jnp.int32),
         "rows_sent_without_dedup": jnp.sum(moe.rows_sent_without_dedup).astype(jnp.int32),
+        # Router health (dropless.train.metrics draws and watches them): one row per MoE layer, then per MTP block.
+        "expert_share": expert_shares(moe.tokens_per_expert, top_k),
     }
 
 
@@ -174,7 +184,10 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         params, opt_state, model_state = where_tree(
             finite, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
         metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": grad_norm,
-                   "lr": schedule_lr(state.step), "nonfinite": (~finite).astype(jnp.int32), **_moe_metrics(aux)}
+                   "lr": schedule_lr(state.step), "nonfinite": (~finite).astype(jnp.int32),
+                   **_moe_metrics(aux, config.moe.num_experts_per_tok)}
+        if "expert_share" in metrics:
+            metrics["router_bias"] = model_state["router_bias"]  # after this step's update
         if config.model.mtp_layers:
             metrics["mtp_loss"] = aux["mtp_loss"]
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
