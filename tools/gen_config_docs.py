@@ -56,6 +56,11 @@ MEANINGS = {
     "model.rms_norm_eps": "epsilon of every RMSNorm (MLA's latent norms always use 1e-6, as Hugging Face does)",
     "model.tie_embeddings": "logits = x @ embed.T, no separate lm_head",
     "model.init_std": "standard deviation of every initial weight matrix (norm weights start at 1)",
+    "moe.router_warn_share": "training prints a warning when one expert has taken more than this fraction of a "
+                             "MoE layer's tokens for moe.router_warn_logs logged steps in a row (docs/training.md)",
+    "moe.router_warn_logs": "logged steps in a row over moe.router_warn_share before the warning is printed",
+    "model.router_init_std": "standard deviation of the routers' initial weights; 0 = model.init_std (DeepSeek-V3's "
+                             "0.02 over 7,168 inputs gives initial router logits of std 1.7)",
     "moe.num_experts": "E, routed experts per MoE layer",
     "moe.num_experts_per_tok": "K, experts per token (top-k), 1 <= K <= E",
     "moe.expert_intermediate_size": "F, width of one routed expert's SwiGLU",
