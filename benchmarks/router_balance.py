@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("overrides", nargs="*", help="key=value config overrides, before the variant's")
-    a = p.parse_args()
+    a = p.parse_intermixed_args()
     xla_flags.apply()
     base = config_lib.load_preset(a.preset).replace(
         **{"train.steps": a.steps, "train.eval_every": a.eval_every, **config_lib.parse_overrides(a.overrides)})
