@@ -18,12 +18,12 @@ from dropless.train.step import loss_fn
 from tests.test_models_transformer import (FAMILIES, _norm, reference_block, reference_head, reference_hidden)
 
 B, S, DEPTH, LAMBDA = 8, 8, 2, 0.4
-# A dense layer, a MoE layer and two MTP modules with MoE blocks; GQA, whose graph compiles faster than MLA's (the
-# MTP code does not depend on the attention). The balancing losses are off: they see every position of a module's
-# input, also the k that the loss leaves out (transformer's docstring).
+# One MoE layer and two MTP modules with MoE blocks; GQA, whose graph compiles faster than MLA's (the MTP code
+# depends on neither the attention nor the main model's depth). The balancing losses are off: they see every
+# position of a module's input, also the k that the loss leaves out (transformer's docstring).
 CONFIG = FAMILIES["mixtral"].replace(**{
-    "model.num_layers": 2, "model.first_dense_layers": 1, "model.dense_intermediate_size": 24,
-    "model.mtp_layers": DEPTH, "model.mtp_loss_weight": LAMBDA, "moe.aux_loss_weight": 0.0, "train.batch_size": B})
+    "model.num_layers": 1, "model.mtp_layers": DEPTH, "model.mtp_loss_weight": LAMBDA, "moe.aux_loss_weight": 0.0,
+    "train.batch_size": B})
 
 
 def _setup(config: Config):
