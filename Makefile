@@ -57,7 +57,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 
 BENCH_TARGETS := bench-gmm bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
-  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-router bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -148,6 +148,16 @@ bench-fp8: $(BENCH_DEPS)
 	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
 	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-step-$(GPU).json \
 	  $(BENCH_SCRATCH)/fp8-step-off.json $(BENCH_SCRATCH)/fp8-step-blockwise.json $(BENCH_SCRATCH)/fp8-step-rowwise.json
+
+# 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at 2 x 4,096 tokens per step with one
+# variant of the router's settings (VARIANT=, default `defaults`; the others: router-std-unit, router-std-small,
+# bias-rate-1e-2, seq-aux-1e-2, router-std-small-bias-1e-2): every layer's max/mean load per step and the held-out
+# loss every 50 steps, in router-<variant>-<gpu>.json and .png. One variant takes under 4 minutes.
+VARIANT ?= defaults
+bench-router: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/router_balance.py --variant $(VARIANT) --steps 300 --eval-every 50 \
+	  --out $(RESULTS)/router-$(VARIANT)-$(GPU).json --chart $(RESULTS)/router-$(VARIANT)-$(GPU).png \
+	  train.batch_size=2 train.eval_batches=2
 
 # 1 GPU: loss parity, the proxy trained 300 steps with bf16 and each FP8 recipe (same data, seed, schedule).
 bench-fp8-parity: $(BENCH_DEPS)

@@ -84,12 +84,43 @@ def test_missing_keys_take_the_family_defaults():
         (1e6, 16, 8, 1e-5)
 
 
-def test_qwen3_dense_prefix_layers_map_to_first_dense_layers():
-    hf = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "mlp_only_layers": [0, 1]}
-    assert config_from_hf(hf).model.first_dense_layers == 2
-    hf_step = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "decoder_sparse_step": 2}
-    with pytest.raises(ConvertError, match="mlp_only_layers.*decoder_sparse_step=2.*dense layers only before"):
-        config_from_hf(hf_step)
+@pytest.mark.parametrize("hf, layers", [
+    ({**QWEN3_30B_A3B, "num_hidden_layers": 4, "mlp_only_layers": [0, 1]}, "DDMM"),
+    ({**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2}, "DMDMDM"),
+    ({**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 3, "mlp_only_layers": [5]}, "DDMDDD"),
+    ({**QWEN3_30B_A3B, "num_hidden_layers": 5, "mlp_only_layers": [1, 3]}, "MDMDM"),
+    ({**DEEPSEEK_V3, "num_hidden_layers": 7, "first_k_dense_replace": 1, "moe_layer_freq": 3}, "DDDMDDM"),
+    ({**DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 0, "moe_layer_freq": 2}, "MDMD"),
+])
+def test_layer_patterns_map_both_ways(hf, layers):
+    config = config_from_hf(hf)
+    m = config.model
+    assert m.layer_types == layers and m.first_dense_layers == len(layers) - len(layers.lstrip("D"))
+    assert config_from_hf(config_to_hf(config)) == config
+    if m.family == "qwen3_moe":  # and any pattern goes through Qwen3's mlp_only_layers
+        assert config_to_hf(config)["mlp_only_layers"] == [i for i, t in enumerate(layers) if t == "D"]
+
+
+def test_patterns_a_family_cannot_express_are_refused_on_export():
+    deepseek = config_from_hf({**DEEPSEEK_V3, "num_hidden_layers": 4, "num_nextn_predict_layers": 0})
+    with pytest.raises(ConvertError, match="model.layer_pattern='MDMM' cannot be expressed in a DeepseekV3"):
+        config_to_hf(deepseek.replace(**{"model.first_dense_layers": 0, "model.layer_pattern": "MDMM"}))
+    mixtral = config_from_hf(MIXTRAL_8X7B)
+    with pytest.raises(ConvertError, match="model.first_dense_layers=1 cannot be expressed in a MixtralForCausalLM"):
+        config_to_hf(mixtral.replace(**{"model.first_dense_layers": 1}))
+    with pytest.raises(ConvertError, match="model.mtp_layers=1 cannot be expressed in a Qwen3MoeForCausalLM"):
+        config_to_hf(config_from_hf(QWEN3_30B_A3B).replace(**{"model.mtp_layers": 1}))
+
+
+def test_deepseek_mtp_layers_map_to_num_nextn_predict_layers():
+    config = config_from_hf(DEEPSEEK_V3)
+    assert (config.model.mtp_layers, config.model.mtp_block) == (1, "moe")
+    assert config_to_hf(config)["num_nextn_predict_layers"] == 1
+    # moe_layer_freq 2 over 4 layers makes layer 4, the MTP layer, MoE; over 5 layers layer 5 is dense.
+    small = {**DEEPSEEK_V3, "first_k_dense_replace": 0, "moe_layer_freq": 2, "num_nextn_predict_layers": 1}
+    assert config_from_hf({**small, "num_hidden_layers": 4}).model.mtp_block == "moe"
+    dense = config_from_hf({**small, "num_hidden_layers": 5})
+    assert dense.model.mtp_block == "dense" and config_from_hf(config_to_hf(dense)) == dense
 
 
 @pytest.mark.parametrize("hf, field", [

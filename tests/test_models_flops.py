@@ -12,7 +12,8 @@ from dropless.models import flops, transformer
 
 
 def _active_matmul_params_from_shapes(config) -> int:
-    """Count from init_params' shapes: every leaf but the embedding gather, routed experts at top-k / E."""
+    """Count from init_params' shapes: every leaf but the embedding gather, routed experts at top-k / E, the output
+    head once more for each MTP module."""
     shapes = jax.eval_shape(lambda key: transformer.init_params(key, config), jax.random.key(0))
     moe = config.moe
     count = 0
@@ -24,10 +25,12 @@ def _active_matmul_params_from_shapes(config) -> int:
             count += size * moe.num_experts_per_tok // moe.num_experts
         else:
             count += size
+        if name == ("['embed']" if config.model.tie_embeddings else "['lm_head']"):
+            count += config.model.mtp_layers * size
     return count
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3-671b", "mixtral-8x7b", "qwen3-30b-a3b", "tiny"])
+@pytest.mark.parametrize("name", ["deepseek-v3-671b", "mixtral-8x7b", "qwen3-30b-a3b", "tiny"])  # 671b: with MTP
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_flops_is_six_active_matmul_params_plus_causal_attention(name, tied):
     config = load_preset(name).replace(**{"model.tie_embeddings": tied})
@@ -36,14 +39,14 @@ def test_model_flops_is_six_active_matmul_params_plus_causal_attention(name, tie
     seq_len = 1024
     # q k^T and probs v: 2 FLOPs per multiply-add, (qk + v) per head and key, S/2 keys on average (causal),
     # times 3 for forward + backward.
-    attention = 3 * 2 * m.num_layers * m.num_heads * (qk + v) * seq_len // 2
+    attention = 3 * 2 * (m.num_layers + m.mtp_layers) * m.num_heads * (qk + v) * seq_len // 2
     assert flops.attention_flops_per_token(config, seq_len) == attention
     assert flops.matmul_params_per_token(config) == _active_matmul_params_from_shapes(config)
     assert flops.model_flops_per_token(config, seq_len) == 6 * _active_matmul_params_from_shapes(config) + attention
 
 
 def test_deepseek_v3_flops_per_token_at_4k():
-    config = load_preset("deepseek-v3-671b")
+    config = load_preset("deepseek-v3-671b").replace(**{"model.mtp_layers": 0})  # the main model's figure
     # 61 layers x 4096 keys x 128 heads x (192 + 128) widths x 3 = 30.7 GFLOPs of causal attention per token.
     assert flops.attention_flops_per_token(config, 4096) == 30_702_305_280
     # 37.55B active parameters less the 0.93B embedding gather, x 6.

@@ -13,7 +13,7 @@ import pytest
 
 from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig, TrainConfig, load_preset, preset_names
 from dropless.models import transformer
-from dropless.moe.reference import reference_moe, reference_route
+from dropless.moe.reference import _one_token, reference_moe, reference_route
 from tests.test_models_attention import naive_gqa, naive_mla
 
 B, S = 2, 8
@@ -51,6 +51,10 @@ FAMILIES = {
 }
 
 
+# DeepSeek-V3's parts with a MoE layer first and a dense layer between two MoE layers: three runs of layers.
+INTERLEAVED = FAMILIES["deepseek_v3"].replace(**{"model.first_dense_layers": 0, "model.layer_pattern": "MDM"})
+
+
 def _setup(config: Config, seed=0):
     params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(seed))
     # A non-zero router bias, different in each layer, checks that layer l gets its own bias row.
@@ -70,38 +74,66 @@ def _swiglu(p, x):
     return jax.nn.silu(h[..., :width]) * h[..., width:] @ p["down"]
 
 
-def reference_forward(params, state, tokens, config: Config, routes=None):
-    """Layer after layer in a Python loop, naive per-head attention and the per-token MoE oracle.
+def host_route(h_TD, kernel_DE, bias_E, moe_cfg):
+    """`reference_route` (NumPy, float64) as a host callback, so that a jitted reference routes by it too; the
+    choice is discrete, so no gradient flows through it."""
+    shape = jax.ShapeDtypeStruct((h_TD.shape[0], moe_cfg.num_experts_per_tok), jnp.int32)
+    route = lambda x, w, b: reference_route(x, w, b, moe_cfg)
+    return jax.pure_callback(route, shape, *map(jax.lax.stop_gradient, (h_TD, kernel_DE, bias_E)))
+
+
+def reference_block(layer, x, m, moe_cfg, bias=None, ids=None):
+    """One pre-norm decoder layer on [B, S, D]: naive per-head attention, then the SwiGLU MLP (a dense layer) or
+    the per-token MoE oracle, routed by `ids` or else by `host_route`. Returns (x, expert ids or None, balance
+    loss)."""
+    naive_attention = naive_mla if m.attention == "mla" else naive_gqa
+    h = _norm(x, layer["attn_norm"], m.rms_norm_eps)
+    x = x + jax.vmap(lambda h_SD: naive_attention(layer["attn"], h_SD, m))(h)  # sequence by sequence
+    h = _norm(x, layer["mlp_norm"], m.rms_norm_eps)
+    if "mlp" in layer:
+        return x + _swiglu(layer["mlp"], h), None, 0.0
+    if ids is None:
+        ids = host_route(h.reshape(-1, m.hidden_size), layer["moe"]["router"]["kernel"], bias, moe_cfg)
+    if isinstance(ids, jax.core.Tracer):  # under jit: the oracle's per-token function, without its NumPy counts
+        assert moe_cfg.aux_loss_weight == moe_cfg.seq_aux_loss_weight == 0, "balance losses need concrete ids"
+        keep_K = jnp.ones((moe_cfg.num_experts_per_tok,), bool)
+        one_token = lambda x_D, ids_K: _one_token(layer["moe"], x_D, ids_K, keep_K, moe_cfg)
+        y_TD, _, log_partition_T = jax.vmap(one_token)(h.reshape(-1, m.hidden_size), ids)
+        return x + y_TD.reshape(h.shape), ids, moe_cfg.z_loss_weight * jnp.mean(log_partition_T ** 2)
+    y, losses = reference_moe(layer["moe"], h, ids, moe_cfg)
+    return x + y, ids, losses["balance_loss"]
+
+
+def reference_hidden(params, state, tokens, config: Config, routes=None):
+    """The main model layer after layer in a Python loop, in `model.layer_types` order; returns (the output after
+    the final norm, summed balance loss, expert ids per MoE layer).
 
     `routes` (one [T, K] array per MoE layer) fixes the expert choice; when None it is computed with
     `reference_route` from concrete values and returned, so a second, traced call can reuse it.
     """
     m = config.model
-    naive_attention = naive_mla if m.attention == "mla" else naive_gqa
-    layer_at = lambda stack, l: jax.tree.map(lambda a: a[l], stack)
     x = params["embed"][tokens]
-    chosen, balance = [], 0.0
+    chosen, balance, seen = [], 0.0, {"D": 0, "M": 0}
+    for kind in m.layer_types:
+        l = seen[kind]
+        seen[kind] += 1
+        layer = jax.tree.map(lambda a: a[l], params["dense_layers" if kind == "D" else "moe_layers"])
+        ids = None if routes is None or kind == "D" else routes[l]
+        x, ids, loss = reference_block(layer, x, m, config.moe, state["router_bias"][l], ids)
+        if kind == "M":
+            chosen.append(ids)
+        balance = balance + loss
+    return _norm(x, params["final_norm"], m.rms_norm_eps), balance, chosen
 
-    def attention_block(layer, x):
-        h = _norm(x, layer["attn_norm"], m.rms_norm_eps)
-        return x + jnp.stack([naive_attention(layer["attn"], h[b], m) for b in range(x.shape[0])])
 
-    for l in range(m.first_dense_layers):
-        layer = layer_at(params["dense_layers"], l)
-        x = attention_block(layer, x)
-        x = x + _swiglu(layer["mlp"], _norm(x, layer["mlp_norm"], m.rms_norm_eps))
-    for l in range(m.num_layers - m.first_dense_layers):
-        layer = layer_at(params["moe_layers"], l)
-        x = attention_block(layer, x)
-        h = _norm(x, layer["mlp_norm"], m.rms_norm_eps)
-        ids = (reference_route(h.reshape(-1, m.hidden_size), layer["moe"]["router"]["kernel"],
-                               state["router_bias"][l], config.moe) if routes is None else routes[l])
-        chosen.append(ids)
-        y, losses = reference_moe(layer["moe"], h, ids, config.moe)
-        x, balance = x + y, balance + losses["balance_loss"]
-    x = _norm(x, params["final_norm"], m.rms_norm_eps)
-    head = params["embed"].T if m.tie_embeddings else params["lm_head"]
-    return x @ head, balance, chosen
+def reference_head(params, h, config: Config):
+    return h @ (params["embed"].T if config.model.tie_embeddings else params["lm_head"])
+
+
+def reference_forward(params, state, tokens, config: Config, routes=None):
+    """(logits, balance loss, expert ids per MoE layer) of `reference_hidden`."""
+    h, balance, chosen = reference_hidden(params, state, tokens, config, routes)
+    return reference_head(params, h, config), balance, chosen
 
 
 def _jitted_forward(config: Config):
@@ -247,6 +279,8 @@ def _configs_to_count():
     yield from ((name, load_preset(name)) for name in preset_names())
     yield from FAMILIES.items()
     yield "mla_without_q_lora", FAMILIES["deepseek_v3"].replace(**{"model.q_lora_rank": 0})
+    yield "interleaved_with_mtp", INTERLEAVED.replace(**{"model.mtp_layers": 2})
+    yield "dense_mtp_block", FAMILIES["qwen3_moe"].replace(**{"model.mtp_layers": 1, "model.mtp_block": "dense"})
 
 
 @pytest.mark.parametrize("name, config", list(_configs_to_count()))
@@ -269,23 +303,29 @@ def test_param_counts_logical_axes_and_layout_agree_with_init_params(name, confi
         assert len(names) == leaf.ndim and set(names) <= known
 
     m = config.model
-    if m.first_dense_layers:
-        assert shapes["dense_layers"]["mlp"]["gate_up"].shape == (m.first_dense_layers, m.hidden_size, 2 * m.dense_intermediate_size)
-    if m.num_layers > m.first_dense_layers:
+    num_dense, num_moe = m.layer_types.count("D"), m.layer_types.count("M")
+    if num_dense:
+        assert shapes["dense_layers"]["mlp"]["gate_up"].shape == (num_dense, m.hidden_size, 2 * m.dense_intermediate_size)
+    if num_moe:
         experts = shapes["moe_layers"]["moe"]["experts"]
-        num_moe = m.num_layers - m.first_dense_layers
         assert experts["gate_up"].shape == (num_moe, moe.num_experts, m.hidden_size, 2 * moe.expert_intermediate_size)
         assert shapes["moe_layers"]["moe"]["router"]["kernel"].shape == (num_moe, m.hidden_size, moe.num_experts)
     assert ("lm_head" in shapes) == (not m.tie_embeddings)
+    assert ("mtp" in shapes) == (m.mtp_layers > 0)
+    assert transformer.init_state(config)["router_bias"].shape == (num_moe + (m.mtp_block == "moe") * m.mtp_layers,
+                                                                   moe.num_experts)
 
 
-@pytest.mark.parametrize("name, total_b, active_b", [
-    ("deepseek-v3-671b", 671.0, 37.6),  # published: 671B total, 37B activated (without the MTP module)
-    ("mixtral-8x7b", 46.7, 12.9),       # published: 46.7B total, 12.9B active
-    ("qwen3-30b-a3b", 30.5, 3.35),      # published: 30.5B total, 3.3B activated
+@pytest.mark.parametrize("name, overrides, total_b, active_b", [
+    # Published: 671B total and 37B activated for the main model, 685B with the MTP module ("14B"), which holds
+    # a copy of the embedding and of the output head (2 x 0.93B) that dropless shares with the main model.
+    ("deepseek-v3-671b", {"model.mtp_layers": 0}, 671.0, 37.6),
+    ("deepseek-v3-671b", {}, 682.6, 38.24),
+    ("mixtral-8x7b", {}, 46.7, 12.9),       # published: 46.7B total, 12.9B active
+    ("qwen3-30b-a3b", {}, 30.5, 3.35),      # published: 30.5B total, 3.3B activated
 ])
-def test_param_counts_of_published_models(name, total_b, active_b):
-    total, active = transformer.param_counts(load_preset(name))
+def test_param_counts_of_published_models(name, overrides, total_b, active_b):
+    total, active = transformer.param_counts(load_preset(name).replace(**overrides))
     assert total / 1e9 == pytest.approx(total_b, abs=0.05)
     assert active / 1e9 == pytest.approx(active_b, abs=0.05)
 
@@ -301,3 +341,60 @@ def test_init_params_values():
     assert experts.std() == pytest.approx(config.model.init_std, rel=0.05) and abs(experts.mean()) < 1e-3
     # Each stacked layer is drawn independently.
     assert not np.allclose(np.asarray(layers["attn"]["o"][0]), np.asarray(layers["attn"]["o"][1]))
+
+
+# ----------------------------------------------------------------------------------------------- layer patterns
+
+
+def test_layer_runs_and_stack_positions_follow_the_pattern():
+    m = ModelConfig(num_layers=6, first_dense_layers=1, layer_pattern="DMMDMD")
+    assert transformer.layer_runs(m) == [("D", 0, 1), ("M", 0, 2), ("D", 1, 2), ("M", 2, 3), ("D", 2, 3)]
+    assert [transformer.stack_position(m, i) for i in (0, 3, 4)] == [("dense_layers", 0), ("dense_layers", 1),
+                                                                     ("moe_layers", 2)]
+    assert transformer.layer_counts(m) == (3, 3)
+    assert ModelConfig(num_layers=4, first_dense_layers=1).layer_types == "DMMM"
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"layer_pattern": "DMX"}, "only the letters D"),
+    ({"layer_pattern": "DM"}, "has 2 letters but model.num_layers=3"),
+    ({"layer_pattern": "MDM"}, "model.first_dense_layers=1 disagrees.*set model.first_dense_layers=0"),
+])
+def test_bad_layer_patterns_are_config_errors(model, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(num_layers=3, first_dense_layers=1, **model)
+
+
+@pytest.fixture(scope="module")
+def interleaved_grads():
+    params, state, tokens = _setup(INTERLEAVED)
+    probe = jax.random.normal(jax.random.key(3), (B, S, INTERLEAVED.model.vocab_size))
+
+    def value_and_grad(config):
+        def loss(p):
+            logits, aux = transformer.forward(p, state, tokens, config)
+            return jnp.sum(logits * probe) + aux["balance_loss"], (logits, aux)
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+    return params, state, tokens, value_and_grad, value_and_grad(INTERLEAVED)(params)
+
+
+def test_interleaved_layers_match_the_reference(interleaved_grads):
+    params, state, tokens, _, ((_, (logits, aux)), _) = interleaved_grads
+    want_logits, want_balance, _ = reference_forward(params, state, tokens, INTERLEAVED)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-4, atol=1e-5)
+    assert float(aux["balance_loss"]) == pytest.approx(float(want_balance), rel=1e-4)
+    assert aux["moe"].tokens_per_expert.shape == (2, INTERLEAVED.moe.num_experts)
+    # Each MoE layer reads its own bias row: the stats follow the layers' order.
+    _, _, routes = reference_forward(params, state, tokens, INTERLEAVED)
+    for l, ids in enumerate(routes):
+        counts = np.bincount(np.asarray(ids).ravel(), minlength=INTERLEAVED.moe.num_experts)
+        np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_per_expert[l]), counts)
+
+
+def test_interleaved_layers_unrolled_give_the_scanned_gradients(interleaved_grads):
+    params, _, _, value_and_grad, ((want, _), want_grads) = interleaved_grads
+    (got, _), got_grads = value_and_grad(INTERLEAVED.replace(**{"train.scan_layers": False}))(params)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)

@@ -33,7 +33,16 @@ MEANINGS = {
     "model.vocab_size": "V, the vocabulary; every token id must be below it",
     "model.hidden_size": "D, the width of the residual stream",
     "model.num_layers": "all layers, dense and MoE",
-    "model.dense_intermediate_size": "F of the dense SwiGLU MLP in the first layers",
+    "model.dense_intermediate_size": "F of the dense SwiGLU MLP of the dense layers",
+    "model.first_dense_layers": "the first this many layers are dense (DeepSeek-V3's first_k_dense_replace), the "
+                                "rest MoE; with model.layer_pattern it must count that pattern's leading D's",
+    "model.layer_pattern": "any order of dense and MoE layers, one letter per layer: D (dense SwiGLU MLP) or M "
+                           "(MoE), e.g. `DMDM`; empty = model.first_dense_layers D's, then M's (docs/models.md)",
+    "model.mtp_layers": "D multi-token-prediction modules (DeepSeek-V3), module k predicting token i+k+1; "
+                        "training only, inference ignores them; 0 = off (docs/models.md)",
+    "model.mtp_loss_weight": "lambda: the loss adds lambda / D times the sum of the D modules' cross-entropies "
+                             "(reported as `mtp_loss`, their mean)",
+    "model.mtp_block": "the decoder layer inside each MTP module: `moe` (DeepSeek-V3's) or `dense`",
     "model.attention": "`mla` (DeepSeek's multi-head latent attention) or `gqa` (grouped-query attention)",
     "model.num_heads": "H, query heads",
     "model.num_kv_heads": "GQA only: key/value heads; query head h uses kv head h // (H / num_kv_heads)",
@@ -47,6 +56,11 @@ MEANINGS = {
     "model.rms_norm_eps": "epsilon of every RMSNorm (MLA's latent norms always use 1e-6, as Hugging Face does)",
     "model.tie_embeddings": "logits = x @ embed.T, no separate lm_head",
     "model.init_std": "standard deviation of every initial weight matrix (norm weights start at 1)",
+    "moe.router_warn_share": "training prints a warning when one expert has taken more than this fraction of a "
+                             "MoE layer's tokens for moe.router_warn_logs logged steps in a row (docs/training.md)",
+    "moe.router_warn_logs": "logged steps in a row over moe.router_warn_share before the warning is printed",
+    "model.router_init_std": "standard deviation of the routers' initial weights; 0 = model.init_std (DeepSeek-V3's "
+                             "0.02 over 7,168 inputs gives initial router logits of std 1.7)",
     "moe.num_experts": "E, routed experts per MoE layer",
     "moe.num_experts_per_tok": "K, experts per token (top-k), 1 <= K <= E",
     "moe.expert_intermediate_size": "F, width of one routed expert's SwiGLU",

@@ -20,6 +20,7 @@ float rounding differences between frameworks cannot flip an expert choice and m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import sys
@@ -84,6 +85,31 @@ FIXTURE_CONFIGS = {
             norm_topk_prob=True, mlp_only_layers=[0], decoder_sparse_step=1, max_position_embeddings=256,
             rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False, initializer_range=0.08,
             use_sliding_window=False,
+        ),
+    ),
+    # Dense layers between MoE layers (mlp_only_layers=[0, 2] of 4: D M D M), top-2 of 4.
+    "qwen3_moe_interleaved": dict(
+        cls="Qwen3MoeForCausalLM", shard=None,
+        config=dict(
+            vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=True, mlp_only_layers=[0, 2], decoder_sparse_step=1, max_position_embeddings=128,
+            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.08,
+            use_sliding_window=False,
+        ),
+    ),
+    # DeepSeek's moe_layer_freq (its own modelling code's rule: layer i is MoE when i >= first_k_dense_replace
+    # and i % moe_layer_freq == 0), which transformers does not read: the dense layers it implies are swapped in
+    # before the weights are drawn and saved (`_build`). 4 layers: D D M D, a dense layer after a MoE layer.
+    "deepseek_v3_interleaved": dict(
+        cls="DeepseekV3ForCausalLM", shard=None,
+        config=dict(
+            vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+            num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+            routed_scaling_factor=2.0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=8,
+            qk_nope_head_dim=8, n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            moe_layer_freq=2, norm_topk_prob=True, max_position_embeddings=128, rms_norm_eps=1e-6,
+            num_nextn_predict_layers=0, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.08,
         ),
     ),
     # norm_topk_prob=False, tied embeddings, YaRN on GQA (cos/sin scaled by the attention factor).
@@ -151,9 +177,37 @@ def _routing_margin(model: torch.nn.Module, tokens: torch.Tensor) -> float:
     return min(margins)
 
 
+@contextlib.contextmanager
+def _deepseek_layer_freq():
+    """While active, DeepseekV3 decoder layers follow DeepSeek's moe_layer_freq rule (layer i is MoE when
+    i >= first_k_dense_replace and i % moe_layer_freq == 0), which transformers leaves out: the layers it makes
+    dense get the dense MLP, both when a model is built and when `from_pretrained` loads one."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    original = deepseek.DeepseekV3DecoderLayer.__init__
+
+    def init(self, config, layer_idx):
+        original(self, config, layer_idx)
+        freq = getattr(config, "moe_layer_freq", 1) or 1
+        if not (layer_idx >= config.first_k_dense_replace and layer_idx % freq == 0):
+            self.mlp = deepseek.DeepseekV3MLP(config)
+
+    deepseek.DeepseekV3DecoderLayer.__init__ = init
+    try:
+        yield
+    finally:
+        deepseek.DeepseekV3DecoderLayer.__init__ = original
+
+
+def _build(cls, config) -> torch.nn.Module:
+    with _deepseek_layer_freq():
+        return cls(config)
+
+
 def _load(path: Path, cls_name: str) -> torch.nn.Module:
     cls = getattr(transformers, cls_name)
-    model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    with _deepseek_layer_freq():
+        model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 
@@ -169,7 +223,7 @@ def make_fixture(name: str, spec: dict, out_root: Path) -> None:
     for seed in range(20):  # re-seed until no router decision is a near-tie
         torch.manual_seed(seed)
         generator = torch.Generator().manual_seed(1000 + seed)
-        model = cls(config_cls(**spec["config"])).eval()
+        model = _build(cls, config_cls(**spec["config"])).eval()
         _perturb(model, generator)
         tokens = np.random.default_rng(seed).integers(0, spec["config"]["vocab_size"], (BATCH, SEQ)).astype(np.int32)
         margin = _routing_margin(model, torch.from_numpy(tokens).long())

@@ -59,10 +59,32 @@ def _read_json(path: Path, fix: str):
         raise ConvertError(f"{path} is not a UTF-8 text file; {fix}.") from None
 
 
+def hf_model_config(hf_dir: Path, base: Config | None = None) -> Config:
+    """The Config of an HF directory. A config.json announcing MTP layers (num_nextn_predict_layers) whose
+    weights hold none, as many re-published DeepSeek-V3 checkpoints, gives a model without MTP."""
+    config = config_from_hf(read_hf_config(hf_dir), base)
+    m = config.model
+    if m.mtp_layers:
+        with CheckpointReader(hf_dir) as reader:
+            if f"model.layers.{m.num_layers}.eh_proj.weight" not in reader:
+                config = config.replace(**{"model.mtp_layers": 0})
+    return config
+
+
+def _check_duplicate(reader: CheckpointReader, slab: Slab, tensor: np.ndarray, block) -> None:
+    """An MTP module's copy of the embedding or output head must hold the main model's values (they are shared)."""
+    primary = read_hf_tensor(reader, slab.duplicate_of, block)
+    if primary.shape != tensor.shape or primary.tobytes() != tensor.tobytes():
+        raise ConvertError(f"Tensor {slab.hf_names[0]} differs from {slab.duplicate_of}; dropless shares the "
+                           "embedding and output head between the model and its MTP modules, so it imports only "
+                           "checkpoints whose copies are equal (set num_nextn_predict_layers to 0 in config.json "
+                           "to import the model without its MTP modules).")
+
+
 def _import(hf_dir: Path, sink: Callable[[Slab, np.ndarray], None], base: Config | None = None):
     """Stream every slab of an HF checkpoint into `sink`. Returns (config, hf config dict, dtype record)."""
     hf = read_hf_config(hf_dir)
-    config = config_from_hf(hf, base)
+    config = hf_model_config(hf_dir, base)
     shapes = model_leaf_shapes(config)
     slabs = plan(config, rope_interleave=hf.get("rope_interleave", True))
     check_coverage(slabs, shapes)
@@ -75,6 +97,9 @@ def _import(hf_dir: Path, sink: Callable[[Slab, np.ndarray], None], base: Config
             for name in slab.hf_names:  # FP8 weights are dequantized to bfloat16, and exported so
                 stored = reader.tensors[name].dtype
                 dtypes[name_pattern(name)] = "BF16" if stored in FP8_DTYPES else stored
+            if slab.duplicate_of is not None:
+                _check_duplicate(reader, slab, tensors[0], block)
+                continue
             array = to_ours(slab, tensors, shapes[slab.leaf][len(slab.index):])
             del tensors  # before the sink takes its share of memory
             sink(slab, array)
@@ -98,9 +123,9 @@ def convert_from_hf(hf_dir: Path, run_dir: Path) -> Config:
     Streams slab by slab: host memory stays near the size of the largest tensor, whatever the checkpoint's.
     """
     hf_dir, run_dir = Path(hf_dir), Path(run_dir)
-    config = config_from_hf(read_hf_config(hf_dir))
+    config = hf_model_config(hf_dir)
     shapes = model_leaf_shapes(config)
-    depths = _leaf_depths(plan(config))
+    depths = _leaf_depths([slab for slab in plan(config) if slab.duplicate_of is None])
     with RunWriter(run_dir, config, {leaf: (shape, depths[leaf]) for leaf, shape in shapes.items()}) as writer:
         config, hf, dtypes = _import(hf_dir, lambda slab, array: writer.write(slab.leaf, slab.index, array))
         (writer.tmp_dir / HF_SOURCE).write_text(json.dumps({"config": hf, "dtypes": dtypes}, indent=1) + "\n")
@@ -126,7 +151,7 @@ def load_hf(hf_dir: Path, base: Config | None = None) -> tuple[Config, dict, dic
     `base` supplies the train/data/parallel groups (defaults if None).
     """
     hf_dir = Path(hf_dir)
-    config = config_from_hf(read_hf_config(hf_dir), base)
+    config = hf_model_config(hf_dir, base)
     arrays = {leaf: np.empty(shape, np.float32) for leaf, shape in model_leaf_shapes(config).items()}
 
     def sink(slab: Slab, array: np.ndarray) -> None:

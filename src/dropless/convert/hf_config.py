@@ -49,7 +49,6 @@ _REQUIRED = {
     "hidden_act": "silu",
     "attention_bias": False,
     "mlp_bias": False,
-    "moe_layer_freq": 1,          # DeepSeek: every layer after the dense ones is MoE
     "scoring_func": "sigmoid",    # DeepSeek-V3 (V2's softmax router is another architecture)
     "topk_method": "noaux_tc",    # DeepSeek-V3's group-limited top-k with the correction bias
     "use_sliding_window": False,  # Qwen3
@@ -120,19 +119,48 @@ def _check_required(hf: dict) -> None:
             raise _unsupported(key, hf[key], repr(want))
 
 
-def _moe_layer_split(hf: dict, family: str, num_layers: int) -> int:
-    """Number of leading dense layers; MoE layers must follow them all (our stacked layout)."""
-    if family == "deepseek_v3":
-        return min(int(_get(hf, family, "first_k_dense_replace") or 0), num_layers)
+def _deepseek_is_moe(layer: int, first_k_dense: int, freq: int) -> bool:
+    # DeepSeek's own modelling code (transformers reads first_k_dense_replace alone, i.e. moe_layer_freq = 1).
+    return layer >= first_k_dense and layer % freq == 0
+
+
+def layer_letters(hf: dict, family: str, count: int) -> str:
+    """The type, D (dense) or M (MoE), of HF layers 0..count-1 (`count` beyond num_hidden_layers: the MTP
+    layers, numbered after the main ones) by the family's rule: DeepSeek's first_k_dense_replace and
+    moe_layer_freq, Qwen3-MoE's mlp_only_layers and decoder_sparse_step; Mixtral's layers are all MoE."""
     if family == "mixtral":
-        return 0
+        return "M" * count
+    if family == "deepseek_v3":
+        first_k = int(_get(hf, family, "first_k_dense_replace") or 0)
+        freq = int(hf.get("moe_layer_freq") or 1)
+        if freq < 1:
+            raise _unsupported("moe_layer_freq", freq, "a positive layer interval")
+        return "".join("M" if _deepseek_is_moe(i, first_k, freq) else "D" for i in range(count))
     step = int(_get(hf, family, "decoder_sparse_step"))
+    if step < 1:
+        raise _unsupported("decoder_sparse_step", step, "a positive layer interval")
     only = set(_get(hf, family, "mlp_only_layers") or [])
-    dense = [i for i in range(num_layers) if i in only or (i + 1) % step != 0]
-    if dense != list(range(len(dense))):
-        raise ConvertError(f"config.json fields mlp_only_layers={sorted(only)} / decoder_sparse_step={step} make "
-                           f"layers {dense} dense; dropless supports dense layers only before all MoE layers.")
-    return len(dense)
+    return "".join("D" if i in only or (i + 1) % step != 0 else "M" for i in range(count))
+
+
+def _pattern_keys(letters: str) -> dict:
+    """first_dense_layers and, where the layers are not a dense prefix then MoE, the explicit pattern."""
+    leading = len(letters) - len(letters.lstrip("D"))
+    prefix_only = letters == "D" * leading + "M" * (len(letters) - leading)
+    return {"first_dense_layers": leading, "layer_pattern": "" if prefix_only else letters}
+
+
+def _deepseek_layer_keys(letters: str) -> dict:
+    """first_k_dense_replace and moe_layer_freq reproducing `letters` by DeepSeek's rule (moe_layer_freq 1
+    where it can be), or ConvertError."""
+    count = len(letters)
+    for freq in range(1, count + 1):
+        for first_k in range(count + 1):
+            if all((letter == "M") == _deepseek_is_moe(i, first_k, freq) for i, letter in enumerate(letters)):
+                return {"first_k_dense_replace": first_k, "moe_layer_freq": freq}
+    raise ConvertError(f"model.layer_pattern={letters!r} cannot be expressed in a DeepseekV3ForCausalLM config.json "
+                       "(its layers are dense before first_k_dense_replace and then MoE every moe_layer_freq-th "
+                       "layer); export to qwen3_moe, whose mlp_only_layers holds any pattern, or change the model.")
 
 
 def config_from_hf(hf: dict, base: Config | None = None) -> Config:
@@ -147,8 +175,13 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
     num_layers = int(get("num_hidden_layers"))
     hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
     max_len = int(get("max_position_embeddings"))
+    mtp_layers = int(hf.get("num_nextn_predict_layers") or 0) if family == "deepseek_v3" else 0
+    letters = layer_letters(hf, family, num_layers + mtp_layers)
+    if mtp_layers and len(set(letters[num_layers:])) > 1:
+        raise _unsupported("num_nextn_predict_layers", mtp_layers, "MTP layers all dense or all MoE")
     model = dict(family=family, vocab_size=int(get("vocab_size")), hidden_size=hidden, num_layers=num_layers,
-                 first_dense_layers=_moe_layer_split(hf, family, num_layers), num_heads=heads,
+                 **_pattern_keys(letters[:num_layers]), num_heads=heads, mtp_layers=mtp_layers,
+                 mtp_block="moe" if letters[num_layers:][:1] != "D" else "dense",
                  rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_len,
                  rms_norm_eps=float(get("rms_norm_eps")), tie_embeddings=bool(get("tie_word_embeddings")),
                  init_std=float(get("initializer_range")))
@@ -225,13 +258,16 @@ def config_to_hf(config: Config, source: dict | None = None, dtype: str = "float
                   n_routed_experts=moe.num_experts, routed_scaling_factor=moe.routed_scaling_factor,
                   kv_lora_rank=m.kv_lora_rank, q_lora_rank=m.q_lora_rank or None,
                   qk_rope_head_dim=m.qk_rope_head_dim, qk_nope_head_dim=m.qk_nope_head_dim, v_head_dim=m.v_head_dim,
-                  n_group=moe.n_group, topk_group=moe.topk_group, first_k_dense_replace=m.first_dense_layers,
-                  norm_topk_prob=moe.norm_topk_prob, rope_interleave=True, attention_bias=False,
-                  scoring_func="sigmoid", topk_method="noaux_tc", moe_layer_freq=1, num_nextn_predict_layers=0)
+                  n_group=moe.n_group, topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
+                  rope_interleave=True, attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc",
+                  num_nextn_predict_layers=m.mtp_layers)
+        mtp_letters = ("M" if m.mtp_block == "moe" else "D") * m.mtp_layers
+        hf.update(_deepseek_layer_keys(m.layer_types + mtp_letters))
         if moe.seq_aux_loss_weight > 0:
             hf.update(seq_aux=True, aux_loss_alpha=moe.seq_aux_loss_weight)
     else:
         req(m.attention == "gqa", "model.attention", "'gqa'")
+        req(m.mtp_layers == 0, "model.mtp_layers", "0 (multi-token prediction is DeepSeek-V3's)")
         req(moe.score_func == "softmax", "moe.score_func", "'softmax'")
         req(moe.num_shared_experts == 0, "moe.num_shared_experts", "0")
         req(moe.n_group == 1, "moe.n_group", "1")
@@ -240,14 +276,15 @@ def config_to_hf(config: Config, source: dict | None = None, dtype: str = "float
         hf.update(num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim,
                   router_aux_loss_coef=moe.aux_loss_weight)
         if family == "mixtral":
-            req(m.first_dense_layers == 0, "model.first_dense_layers", "0")
+            req("D" not in m.layer_types, "model.layer_pattern" if m.layer_pattern else "model.first_dense_layers",
+                "MoE layers only")
             req(moe.norm_topk_prob, "moe.norm_topk_prob", "True")
             hf.update(intermediate_size=moe.expert_intermediate_size, num_local_experts=moe.num_experts,
                       sliding_window=None)
         else:
             hf.update(intermediate_size=m.dense_intermediate_size, moe_intermediate_size=moe.expert_intermediate_size,
                       num_experts=moe.num_experts, norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1,
-                      mlp_only_layers=list(range(m.first_dense_layers)), attention_bias=False,
+                      mlp_only_layers=[i for i, t in enumerate(m.layer_types) if t == "D"], attention_bias=False,
                       use_sliding_window=False, sliding_window=None)
     for key in PASSTHROUGH_KEYS:
         if source and key in source:

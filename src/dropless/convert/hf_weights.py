@@ -10,6 +10,13 @@ Per-slab operations (HF `nn.Linear` weights are [out, in]; ours are [in, out]):
   transpose  projections, the router, lm_head
   gate_up    gate and up [F, D] each -> one [D, 2F] (gate first)
   zeros      our router_bias for families without a correction bias (no HF tensor)
+Layers map by type: HF layer i is row l of `dense_layers` or `moe_layers`, l counting that type's layers before i
+(`transformer.stack_position`). DeepSeek-V3's multi-token-prediction modules are HF layers num_hidden_layers + k
+(layer 61 in the official checkpoint): `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and a whole decoder layer
+map to `params.mtp` row k (their MoE block's correction bias to the router-bias row after the MoE layers'), and the
+copies of the embedding and the output head each module carries (`embed_tokens`, `shared_head.head`) are
+*duplicate* slabs: checked equal to the main model's on import (dropless shares them) and written from them on
+export.
 MLA rotary columns: our model applies DeepSeek's interleaved RoPE, the layout of `rope_interleave: true`
 checkpoints (all official ones). A `rope_interleave: false` checkpoint gets its rotary columns interleaved on
 import, which computes the same function; it is exported with `rope_interleave: true`.
@@ -30,6 +37,7 @@ import numpy as np
 from dropless.core.config import Config
 from dropless.convert.hf_config import ConvertError
 from dropless.convert.safetensors_io import CheckpointReader
+from dropless.models import transformer
 
 # Keys of our pytrees: ("params", ...) or ("state", ...).
 LeafPath = tuple[str, ...]
@@ -42,6 +50,7 @@ class Slab:
     hf_names: tuple[str, ...]
     op: str  # "copy" | "transpose" | "gate_up" | "zeros"
     columns: tuple[int, ...] | None = None  # ours[:, j] = transposed_hf[:, columns[j]] (rope interleaving)
+    duplicate_of: str | None = None  # the HF tensor holding the same values: this slab's leaf is covered there
 
 
 def _interleave_columns(width: int, rope: int, group: int, groups: int) -> tuple[int, ...]:
@@ -58,19 +67,19 @@ def _interleave_columns(width: int, rope: int, group: int, groups: int) -> tuple
 
 
 def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
-    """Every slab of the model, in HF order (embedding, layer 0, 1, ..., final norm, lm_head)."""
+    """Every slab of the model, in HF order (embedding, layer 0, 1, ..., final norm, lm_head, MTP layers)."""
     m, moe, family = config.model, config.moe, config.model.family
     slabs = [Slab(("params", "embed"), (), ("model.embed_tokens.weight",), "copy")]
     rope_fix = m.attention == "mla" and not rope_interleave
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     moe_root = "block_sparse_moe." if family == "mixtral" else "mlp."
     expert_names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    for i in range(m.num_layers):
-        dense = i < m.first_dense_layers
-        stack, l = ("dense_layers", i) if dense else ("moe_layers", i - m.first_dense_layers)
+    num_moe = transformer.layer_counts(m)[1]
 
-        def add(keys, names, op, columns=None, index=(l,), stack=stack, i=i):
-            slabs.append(Slab(("params", stack, *keys), index, tuple(f"model.layers.{i}.{n}" for n in names),
+    def decoder_layer(i: int, root: tuple[str, ...], l: int, dense: bool, bias_row: int) -> None:
+        """HF layer i's tensors -> row l of the stacked layer weights under `root`."""
+        def add(keys, names, op, columns=None, index=(l,)):
+            slabs.append(Slab(("params", *root, *keys), index, tuple(f"model.layers.{i}.{n}" for n in names),
                               op, columns))
 
         add(("attn_norm",), ["input_layernorm.weight"], "copy")
@@ -99,10 +108,10 @@ def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
         if dense:
             add(("mlp", "gate_up"), ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "gate_up")
             add(("mlp", "down"), ["mlp.down_proj.weight"], "transpose")
-            continue
+            return
         add(("moe", "router", "kernel"), [moe_root + "gate.weight"], "transpose")
         bias = (f"model.layers.{i}.{moe_root}gate.e_score_correction_bias",) if family == "deepseek_v3" else ()
-        slabs.append(Slab(("state", "router_bias"), (l,), bias, "copy" if bias else "zeros"))
+        slabs.append(Slab(("state", "router_bias"), (bias_row,), bias, "copy" if bias else "zeros"))
         for e in range(moe.num_experts):
             gate, up, down = (f"{moe_root}experts.{e}.{n}.weight" for n in expert_names)
             add(("moe", "experts", "gate_up"), [gate, up], "gate_up", index=(l, e))
@@ -111,9 +120,25 @@ def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
             add(("moe", "shared", "gate_up"), ["mlp.shared_experts.gate_proj.weight",
                                                "mlp.shared_experts.up_proj.weight"], "gate_up")
             add(("moe", "shared", "down"), ["mlp.shared_experts.down_proj.weight"], "transpose")
+
+    for i in range(m.num_layers):
+        stack, l = transformer.stack_position(m, i)
+        decoder_layer(i, (stack,), l, stack == "dense_layers", l)
     slabs.append(Slab(("params", "final_norm"), (), ("model.norm.weight",), "copy"))
     if not m.tie_embeddings:
         slabs.append(Slab(("params", "lm_head"), (), ("lm_head.weight",), "transpose"))
+    head = ("params", "embed") if m.tie_embeddings else ("params", "lm_head")
+    for k in range(m.mtp_layers):
+        i = m.num_layers + k
+        name = f"model.layers.{i}."
+        for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("head_norm", "shared_head.norm")):
+            slabs.append(Slab(("params", "mtp", ours), (k,), (f"{name}{theirs}.weight",), "copy"))
+        slabs.append(Slab(("params", "mtp", "eh_proj"), (k,), (f"{name}eh_proj.weight",), "transpose"))
+        slabs.append(Slab(("params", "embed"), (), (f"{name}embed_tokens.weight",), "copy",
+                          duplicate_of="model.embed_tokens.weight"))
+        slabs.append(Slab(head, (), (f"{name}shared_head.head.weight",), "copy" if m.tie_embeddings else "transpose",
+                          duplicate_of="model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"))
+        decoder_layer(i, ("mtp", "block"), k, m.mtp_block == "dense", num_moe + k)
     return slabs
 
 
@@ -121,6 +146,8 @@ def check_coverage(slabs: list[Slab], leaf_shapes: dict[LeafPath, tuple[int, ...
     """Invariant: the slabs cover every element of every leaf exactly once."""
     seen: dict[LeafPath, list[tuple[int, ...]]] = {}
     for slab in slabs:
+        if slab.duplicate_of is not None:
+            continue
         seen.setdefault(slab.leaf, []).append(slab.index)
     assert set(seen) == set(leaf_shapes), f"plan leaves {sorted(set(seen) ^ set(leaf_shapes))} differ from the model's"
     for leaf, indices in seen.items():
@@ -241,8 +268,8 @@ def check_checkpoint(reader: CheckpointReader, slabs: list[Slab], leaf_shapes: d
         layer = _LAYER.match(name)
         if name in expected or _IGNORED.search(name):
             continue
-        if layer and int(layer.group(1)) >= config.model.num_layers:
-            continue  # DeepSeek-V3's multi-token-prediction layers, which transformers ignores as well
+        if layer and int(layer.group(1)) >= config.model.num_layers + config.model.mtp_layers:
+            continue  # multi-token-prediction layers of a model imported without them
         if name == "lm_head.weight" and config.model.tie_embeddings:
             continue  # some tied checkpoints store the copy
         extra.append(name)

@@ -87,6 +87,9 @@ class ModelConfig:
     num_layers: int = 4
     # The first `first_dense_layers` layers use a dense SwiGLU MLP (DeepSeek-V3's first_k_dense_replace).
     first_dense_layers: int = 1
+    # Any pattern of dense and MoE layers: one letter per layer, D (dense SwiGLU MLP) or M (MoE), e.g. "DMDM".
+    # Empty: model.first_dense_layers D's, then M's. `layer_types` is the resolved pattern every module reads.
+    layer_pattern: str = ""
     dense_intermediate_size: int = 384
     attention: Literal["mla", "gqa"] = "mla"
     num_heads: int = 4
@@ -108,8 +111,17 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # The routers' initial weights: normal(0, router_init_std); 0 = model.init_std like every other matrix.
+    router_init_std: float = 0.0
     # Attention kernel: "auto" = tokamax's flash attention on GPU in bfloat16, the plain XLA einsum otherwise.
     attention_backend: Literal["auto", "xla", "tokamax"] = "auto"
+    # Multi-token prediction (DeepSeek-V3): D sequential modules, module k predicting token i+k+1 from the
+    # depth k-1 hidden state and the embedding of token i+k; 0 = off. Training only: inference ignores them.
+    mtp_layers: int = 0
+    # lambda: the MTP loss added to the training loss is lambda / D * the sum of the D depths' cross-entropies.
+    mtp_loss_weight: float = 0.3
+    # The transformer block inside each MTP module: "moe" (DeepSeek-V3's) or "dense" (a SwiGLU MLP).
+    mtp_block: Literal["moe", "dense"] = "moe"
 
     def __post_init__(self):
         _check_choices("model", self)
@@ -117,6 +129,20 @@ class ModelConfig:
             _positive(f"model.{key}", getattr(self, key))
         _require(0 <= self.first_dense_layers <= self.num_layers,
                  f"model.first_dense_layers={self.first_dense_layers} must be between 0 and model.num_layers={self.num_layers}.")
+        if self.layer_pattern:
+            pattern = self.layer_pattern
+            _require(set(pattern) <= {"D", "M"}, f"model.layer_pattern={pattern!r} may hold only the letters D "
+                     "(dense layer) and M (MoE layer); write one letter per layer, e.g. 'DMDM'.")
+            _require(len(pattern) == self.num_layers, f"model.layer_pattern={pattern!r} has {len(pattern)} letters "
+                     f"but model.num_layers={self.num_layers}; give one letter per layer.")
+            leading = len(pattern) - len(pattern.lstrip("D"))
+            _require(self.first_dense_layers == leading,
+                     f"model.first_dense_layers={self.first_dense_layers} disagrees with model.layer_pattern="
+                     f"{pattern!r}, which starts with {leading} dense layer(s); set model.first_dense_layers="
+                     f"{leading} or leave model.layer_pattern empty.")
+        _positive("model.mtp_layers", self.mtp_layers, allow_zero=True)
+        _positive("model.router_init_std", self.router_init_std, allow_zero=True)
+        _positive("model.mtp_loss_weight", self.mtp_loss_weight, allow_zero=True)
         if self.attention == "gqa":
             _require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
                      f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}.")
@@ -129,6 +155,11 @@ class ModelConfig:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             _require(kind == "yarn", f"model.rope_scaling type {kind!r} is not supported; use 'yarn' or null.")
             check_yarn_keys(self.rope_scaling)
+
+    @property
+    def layer_types(self) -> str:
+        """The layer pattern, one letter per layer: D (dense MLP) or M (MoE)."""
+        return self.layer_pattern or "D" * self.first_dense_layers + "M" * (self.num_layers - self.first_dense_layers)
 
 
 @dataclass(frozen=True)
@@ -170,9 +201,16 @@ class MoEConfig:
     # "compute" (the training dtype) or "float8" (e4m3 with a scale per 128 values, half of bf16's bytes; the
     # rows coming back stay in the compute dtype). dropless.ep.wire.
     dispatch_dtype: Literal["compute", "float8"] = "compute"
+    # Router health: training prints a warning when one expert has taken more than `router_warn_share` of a
+    # layer's tokens for `router_warn_logs` logged steps in a row (dropless.train.metrics.RouterWatch).
+    router_warn_share: float = 0.5
+    router_warn_logs: int = 5
 
     def __post_init__(self):
         _check_choices("moe", self)
+        _require(0 < self.router_warn_share <= 1, f"moe.router_warn_share={self.router_warn_share} must be in (0, 1]: "
+                 "the fraction of a layer's tokens one expert may take before training warns.")
+        _positive("moe.router_warn_logs", self.router_warn_logs)
         _positive("moe.num_experts", self.num_experts)
         _require(1 <= self.num_experts_per_tok <= self.num_experts,
                  f"moe.num_experts_per_tok={self.num_experts_per_tok} must be between 1 and moe.num_experts={self.num_experts}.")

@@ -1,11 +1,23 @@
 """The decoder-only MoE transformer: the parameter declaration, state, forward pass and parameter counts.
 
-Layers are pre-norm residual blocks, `x += attn(norm(x)); x += mlp_or_moe(norm(x))`. The first
-`model.first_dense_layers` layers use a dense SwiGLU MLP, the rest the MoE layer of `dropless.moe`. Each group is
-stored stacked on a leading `layers` axis (declared once by `param_specs`; `param_table` prints the layout) and
-run with one `jax.lax.scan`, so compile time does not grow with depth, or unrolled with `train.scan_layers=false`
-(same numbers; for shallow models the straight-line program skips the scan's stacked buffers). The numbers match
-Hugging Face's DeepseekV3ForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM (positions 0..S-1, no padding mask).
+Layers are pre-norm residual blocks, `x += attn(norm(x)); x += mlp_or_moe(norm(x))`. `model.layer_types` says
+which layers use a dense SwiGLU MLP (D) and which the MoE layer of `dropless.moe` (M), in any order. The dense
+layers are stored stacked on a leading `layers` axis, and so are the MoE layers (declared once by `param_specs`;
+`param_table` prints the layout), each stack in model order. Every run of consecutive layers of one type is one
+`jax.lax.scan` over its slice of the stack, so compile time grows with the number of runs (2 for DeepSeek-V3's
+61 layers), not with depth; `train.scan_layers=false` unrolls them (same numbers; for shallow models the
+straight-line program skips the scan's stacked buffers). The numbers match Hugging Face's DeepseekV3ForCausalLM,
+MixtralForCausalLM and Qwen3MoeForCausalLM (positions 0..S-1, no padding mask).
+
+Multi-token prediction (`model.mtp_layers` = D > 0, DeepSeek-V3 section 2.2), run only when `forward(mtp=True)`:
+module k (1..D) turns the depth k-1 hidden state h^{k-1} (h^0: the main model's output after its final norm, as
+Megatron-Core and vLLM feed it) and the embedding of token i+k into
+    h^k_i = Block_k(eh_proj_k [enorm_k(Emb(t_{i+k})); hnorm_k(h^{k-1}_i)])
+and predicts token i+k+1 with the shared output head, `OutHead(head_norm_k(h^k_i))`. The embedding comes first
+in the concatenation, as in DeepSeek-V3's checkpoint (the paper writes the two halves the other way round; the
+order only permutes eh_proj's rows). Sequences keep their length S: depth k reads the tokens shifted left by k,
+and its last k positions, which have no target, are left out of the loss (`dropless.train.step`); causal
+attention keeps them from reaching the other positions. Embedding and output head are the main model's.
 
 Precision: float32 master weights are cast to the compute dtype (`train.dtype`) where they are used; the
 residual stream is in the compute dtype; norms, attention softmax, router and logits are float32.
@@ -28,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 from dropless.core import params as params_lib
 from dropless.core.config import ACTIVATION_NAMES, Config, ModelConfig, TrainConfig  # noqa: F401 (re-exported)
 from dropless.core.params import ParamSpec, Specs
-from dropless.fp8 import make_recipe
+from dropless.fp8 import linear, make_recipe
 from dropless.models.attention import attention, attention_params, rotary_dim
 from dropless.models.embedding import embed_tokens
 from dropless.models.mlp import mlp_params, swiglu
@@ -44,8 +56,41 @@ def compute_dtype(config: Config) -> jnp.dtype:
 
 
 def layer_counts(m: ModelConfig) -> tuple[int, int]:
-    """(dense layers, MoE layers)."""
-    return m.first_dense_layers, m.num_layers - m.first_dense_layers
+    """(dense layers, MoE layers) of the main model (the MTP modules' blocks not included)."""
+    if not m.layer_pattern:  # arithmetic on the fields keeps `param_table`'s symbols: L_dense, L-L_dense
+        return m.first_dense_layers, m.num_layers - m.first_dense_layers
+    return m.layer_types.count("D"), m.layer_types.count("M")
+
+
+def layer_runs(m: ModelConfig) -> list[tuple[str, int, int]]:
+    """The main model's runs of consecutive layers of one type, in order: (type "D" or "M", start, stop), start
+    and stop indexing that type's stack. "DMMDM" -> [("D", 0, 1), ("M", 0, 2), ("D", 1, 2), ("M", 2, 3)]."""
+    runs: list[tuple[str, int, int]] = []
+    seen = {"D": 0, "M": 0}
+    for kind in m.layer_types:
+        if runs and runs[-1][0] == kind:
+            runs[-1] = (kind, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((kind, seen[kind], seen[kind] + 1))
+        seen[kind] += 1
+    return runs
+
+
+def stack_position(m: ModelConfig, layer: int) -> tuple[str, int]:
+    """Layer `layer` of the main model as (its stack, its index there): ("dense_layers" | "moe_layers", l)."""
+    kind = m.layer_types[layer]
+    return ("dense_layers" if kind == "D" else "moe_layers"), m.layer_types[:layer].count(kind)
+
+
+def mtp_moe_blocks(m: ModelConfig) -> int:
+    """How many MoE blocks the MTP modules hold (their router biases follow the main model's in the state)."""
+    return m.mtp_layers if m.mtp_block == "moe" else 0
+
+
+def num_router_rows(m: ModelConfig) -> int:
+    """Rows of the router-bias state and of the MoE statistics of a training step: the main model's MoE layers
+    in order, then the MTP modules' MoE blocks."""
+    return layer_counts(m)[1] + mtp_moe_blocks(m)
 
 
 # ----------------------------------------------------------------------------------------------- parameters
@@ -58,9 +103,20 @@ def _layer_params(config: Config, mlp_name: str) -> Specs:
             "mlp_norm": ParamSpec((m.hidden_size,), ("embed",), "ones"), mlp_name: mlp}
 
 
+def _mtp_params(config: Config) -> Specs:
+    """One MTP module: the two input norms, the projection of their concatenation [2D, D] (embedding rows
+    first), one transformer block, and the norm before the shared output head."""
+    m = config.model
+    hidden = ParamSpec((m.hidden_size,), ("embed",), "ones")
+    return {"enorm": hidden, "hnorm": hidden,
+            "eh_proj": ParamSpec((2 * m.hidden_size, m.hidden_size), ("embed", "embed")),
+            "block": _layer_params(config, "moe" if m.mtp_block == "moe" else "mlp"), "head_norm": hidden}
+
+
 def param_specs(config: Config) -> Specs:
     """The model's weights, declared once: each group of layers stacked on a leading `layers` axis, a group with no
-    layers absent, `lm_head` absent with tied embeddings. Init, logical axes and counts derive from it."""
+    layers absent, `lm_head` absent with tied embeddings, `mtp` (the MTP modules, stacked) absent without them.
+    Init, logical axes and counts derive from it."""
     m = config.model
     num_dense, num_moe = layer_counts(m)
     specs: Specs = {"embed": ParamSpec((m.vocab_size, m.hidden_size), ("vocab", "embed"))}
@@ -71,18 +127,27 @@ def param_specs(config: Config) -> Specs:
     specs["final_norm"] = ParamSpec((m.hidden_size,), ("embed",), "ones")
     if not m.tie_embeddings:
         specs["lm_head"] = ParamSpec((m.hidden_size, m.vocab_size), ("embed", "vocab"))
+    if m.mtp_layers:
+        specs["mtp"] = params_lib.stacked(_mtp_params(config), m.mtp_layers)
     return specs
 
 
 def init_params(key: jax.Array, config: Config) -> dict:
-    """Float32 parameters: normal(0, model.init_std) matrices, ones for norm weights, every matrix a slice of one
-    normal draw (`dropless.core.params.init_one_draw`)."""
-    return params_lib.init_one_draw(key, param_specs(config), config.model.init_std)
+    """Float32 parameters: normal(0, model.init_std) matrices (the routers': normal(0, model.router_init_std) when
+    it is set), ones for norm weights, every matrix a slice of one normal draw (`dropless.core.params.init_one_draw`)."""
+    m = config.model
+    params = params_lib.init_one_draw(key, param_specs(config), m.init_std)
+    if m.router_init_std:  # the same draw, rescaled: every other weight keeps its value
+        rescale = lambda path, leaf: (leaf * (m.router_init_std / m.init_std)
+                                      if any(getattr(k, "key", None) == "router" for k in path) else leaf)
+        params = jax.tree_util.tree_map_with_path(rescale, params)
+    return params
 
 
 def init_state(config: Config) -> dict:
-    """Untrained model state: DeepSeek-V3's per-layer router bias (`e_score_correction_bias`), zeros."""
-    return {"router_bias": jnp.zeros((layer_counts(config.model)[1], config.moe.num_experts), jnp.float32)}
+    """Untrained model state: DeepSeek-V3's per-layer router bias (`e_score_correction_bias`), zeros; one row per
+    MoE layer, then one per MTP MoE block (`num_router_rows`)."""
+    return {"router_bias": jnp.zeros((num_router_rows(config.model), config.moe.num_experts), jnp.float32)}
 
 
 def logical_axes(config: Config) -> dict:
@@ -93,6 +158,7 @@ def logical_axes(config: Config) -> dict:
 # The letters of the documented layout (docs/architecture.md, "Parameters") for the sizes the declaration reads.
 SIZE_NAMES = {
     "model": {"vocab_size": "V", "hidden_size": "D", "num_layers": "L", "first_dense_layers": "L_dense",
+              "mtp_layers": "L_mtp",
               "dense_intermediate_size": "F_dense", "num_heads": "H", "num_kv_heads": "N", "head_dim": "hd",
               "q_lora_rank": "Rq", "kv_lora_rank": "Rkv", "qk_rope_head_dim": "rope", "qk_nope_head_dim": "nope",
               "v_head_dim": "v"},
@@ -111,6 +177,8 @@ def param_table(config: Config, *, symbolic: bool = True) -> str:
 
 def _component(path: tuple[str, ...]) -> str:
     """The `param_breakdown` bucket of a weight."""
+    if path[0] == "mtp":
+        return "mtp_routed_experts" if path[2:4] == ("moe", "experts") else "mtp"
     if path[0] in ("embed", "lm_head"):
         return path[0]
     if path[0] == "final_norm" or path[1] in ("attn_norm", "mlp_norm"):
@@ -125,7 +193,7 @@ def _component(path: tuple[str, ...]) -> str:
 def param_breakdown(config: Config) -> dict[str, int]:
     """Parameter counts by component, from the declaration alone (no arrays are built)."""
     parts = dict.fromkeys(("embed", "lm_head", "norms", "attention", "dense_mlp", "router", "routed_experts",
-                           "shared_experts"), 0)
+                           "shared_experts", "mtp", "mtp_routed_experts"), 0)
     for path, spec in params_lib.flatten(param_specs(config)):
         parts[_component(path)] += math.prod(spec.shape)
     return parts
@@ -133,17 +201,19 @@ def param_breakdown(config: Config) -> dict[str, int]:
 
 def param_counts(config: Config) -> tuple[int, int]:
     """(total, active per token). Active counts every dense weight, the shared experts and top-k of the routed
-    experts; both include the embedding table (and the untied lm_head)."""
+    experts; both include the embedding table (and the untied lm_head) and the MTP modules (`mtp` and
+    `mtp_routed_experts` in `param_breakdown`), which a model trained with MTP computes for every token."""
     parts = param_breakdown(config)
     total = sum(parts.values())
     moe = config.moe
-    inactive = parts["routed_experts"] * (moe.num_experts - moe.num_experts_per_tok) // moe.num_experts
+    routed = parts["routed_experts"] + parts["mtp_routed_experts"]
+    inactive = routed * (moe.num_experts - moe.num_experts_per_tok) // moe.num_experts
     return total, total - inactive
 
 
 # ----------------------------------------------------------------------------------------------- forward
 
-def _layer_checkpoint(fn, train: TrainConfig):
+def _layer_checkpoint(fn, train: TrainConfig, *, in_scan: bool):
     """Wrap a layer body for `train.remat=full`; identity otherwise."""
     offload = train.offload_names
     if train.remat != "full":
@@ -155,7 +225,7 @@ def _layer_checkpoint(fn, train: TrainConfig):
     else:
         policy = jax.checkpoint_policies.nothing_saveable
     # prevent_cse=False is safe (and faster) under scan, which already keeps the recomputation separate.
-    return jax.checkpoint(fn, policy=policy, prevent_cse=not train.scan_layers)
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
 def _run_layers(body, x_BSD: jax.Array, stacked, scan: bool):
@@ -167,6 +237,13 @@ def _run_layers(body, x_BSD: jax.Array, stacked, scan: bool):
         x_BSD, out = body(x_BSD, jax.tree.map(lambda a: a[i], stacked))
         outputs.append(out)
     return x_BSD, jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *outputs)
+
+
+def _rows(stacked, start: int, stop: int):
+    """Layers start..stop-1 of a stack (the stack itself when that is all of it: no copy)."""
+    if start == 0 and stop == jax.tree.leaves(stacked)[0].shape[0]:
+        return stacked
+    return jax.tree.map(lambda a: a[start:stop], stacked)
 
 
 def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh, recipe) -> jax.Array:
@@ -186,62 +263,131 @@ def _empty_moe_stats(config: Config, x_BSD: jax.Array):
     return jax.tree.map(lambda s: jnp.zeros((0, *s.shape), s.dtype), shapes)
 
 
-def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
-            executor: ExpertExecutor | None = None):
-    """Logits for next-token prediction. Returns (logits_BSV float32, aux).
+def _concat_stats(stats: list, config: Config, x_BSD: jax.Array):
+    """MoEStats of several runs of layers, concatenated along the layer axis in model order."""
+    if not stats:
+        return _empty_moe_stats(config, x_BSD)
+    return stats[0] if len(stats) == 1 else jax.tree.map(lambda *runs: jnp.concatenate(runs), *stats)
 
-    aux = {"moe": MoEStats stacked over the MoE layers [Lmoe, ...], "balance_loss": their summed
-    `balance_loss`, the term to add to the training loss}. `executor` (built once: `dropless.ep.make_executor`)
-    is handed to every `dropless.moe.moe_layer`; None = the one-device `LocalExecutor` for `config.moe`.
-    """
-    m = config.model
-    dtype = compute_dtype(config)
-    recipe = make_recipe(config.train.fp8)
-    executor = LocalExecutor.from_config(config.moe, recipe) if executor is None else executor
-    mesh = executor.mesh  # the attention kernel runs per batch shard over the same mesh
-    with jax.named_scope("embed"):
-        x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)
-    cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(m), m.rope_theta, m.rope_scaling)
 
-    def dense_layer(x_BSD, layer):
-        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
+class _Layers:
+    """The bodies of a dense and of a MoE layer, `(x_BSD, weights) -> (x_BSD, per-layer output)`, closed over
+    what every layer of one forward pass shares (RoPE tables, mesh, executor, recipe)."""
+
+    def __init__(self, config: Config, executor: ExpertExecutor, cos_SP, sin_SP, dtype):
+        self.config, self.executor, self.cos_SP, self.sin_SP, self.dtype = config, executor, cos_SP, sin_SP, dtype
+        self.recipe = make_recipe(config.train.fp8)
+        self.mesh = executor.mesh  # the attention kernel runs per batch shard over the same mesh
+        moe_block = self._moe_block
+        if config.train.remat == "moe":
+            moe_block = jax.checkpoint(moe_block, policy=jax.checkpoint_policies.nothing_saveable,
+                                       prevent_cse=not config.train.scan_layers)
+        self.moe_block = moe_block
+
+    def _moe_block(self, moe_params, bias_E, h_BSD):
+        y_BSD, stats = moe_layer(moe_params, bias_E, h_BSD, self.config.moe, compute_dtype=self.dtype,
+                                 executor=self.executor, recipe=self.recipe)
+        return y_BSD.astype(self.dtype), stats
+
+    def attention(self, layer, x_BSD):
+        return _attention_block(layer, x_BSD, self.cos_SP, self.sin_SP, self.config.model, self.mesh, self.recipe)
+
+    def dense(self, x_BSD, layer):
+        m = self.config.model
+        x_BSD = self.attention(layer, x_BSD)
         with jax.named_scope("mlp"):
             h_BSD = rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps)
-            y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, recipe), "mlp_out")
+            y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, self.recipe), "mlp_out")
         return x_BSD + y_BSD, None
 
-    def moe_block(moe_params, bias_E, h_BSD):
-        y_BSD, stats = moe_layer(moe_params, bias_E, h_BSD, config.moe, compute_dtype=dtype, executor=executor,
-                                 recipe=recipe)
-        return y_BSD.astype(dtype), stats
-
-    if config.train.remat == "moe":
-        moe_block = jax.checkpoint(moe_block, policy=jax.checkpoint_policies.nothing_saveable,
-                                   prevent_cse=not config.train.scan_layers)
-
-    def moe_layer_body(x_BSD, layer_and_bias):
+    def moe(self, x_BSD, layer_and_bias):
         layer, bias_E = layer_and_bias
-        x_BSD = _attention_block(layer, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
+        m = self.config.model
+        x_BSD = self.attention(layer, x_BSD)
         with jax.named_scope("moe"):
             h_BSD = checkpoint_name(rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps), "moe_in")
-            y_BSD, stats = moe_block(layer["moe"], bias_E, h_BSD)
+            y_BSD, stats = self.moe_block(layer["moe"], bias_E, h_BSD)
             y_BSD = checkpoint_name(y_BSD, "moe_out")
         return x_BSD + y_BSD, stats
 
-    if "dense_layers" in params:
-        with jax.named_scope("dense_layers"):
-            x_BSD, _ = _run_layers(_layer_checkpoint(dense_layer, config.train), x_BSD, params["dense_layers"],
-                                   config.train.scan_layers)
-    if "moe_layers" in params:
-        with jax.named_scope("moe_layers"):
-            x_BSD, moe_stats = _run_layers(_layer_checkpoint(moe_layer_body, config.train), x_BSD,
-                                           (params["moe_layers"], state["router_bias"]), config.train.scan_layers)
-    else:
-        moe_stats = _empty_moe_stats(config, x_BSD)
+
+def _output_head(params: dict, x_BSD: jax.Array, config: Config, dtype) -> jax.Array:
+    head_DV = params["embed"].T if config.model.tie_embeddings else params["lm_head"]
+    return matmul_f32_out(x_BSD.astype(dtype), head_DV.astype(dtype))
+
+
+def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, mesh):
+    """The MTP depths 1..D after the main model's normalised output `h_BSD`. Returns (logits per depth,
+    MoEStats of the MoE blocks or None)."""
+    config, dtype = layers.config, layers.dtype
+    m = config.model
+    moe_block = m.mtp_block == "moe"
+    body = _layer_checkpoint(layers.moe if moe_block else layers.dense, config.train, in_scan=False)
+    first_bias_row = layer_counts(m)[1]
+    logits, stats = [], []
+    for k in range(1, m.mtp_layers + 1):
+        module = jax.tree.map(lambda a: a[k - 1], params["mtp"])
+        with jax.named_scope(f"mtp_{k}"):
+            # Token i+k at position i; the last k positions wrap around to the sequence's start and are never
+            # scored (causal attention keeps them out of the earlier positions).
+            e_BSD = embed_tokens(params["embed"], jnp.roll(tokens_BS, -k, axis=1), dtype, mesh)
+            joined_BS2D = jnp.concatenate([rms_norm(e_BSD, module["enorm"], m.rms_norm_eps),
+                                           rms_norm(h_BSD, module["hnorm"], m.rms_norm_eps)], axis=-1)
+            x_BSD = linear(joined_BS2D, module["eh_proj"], layers.recipe).astype(dtype)
+            if moe_block:
+                x_BSD, layer_stats = body(x_BSD, (module["block"], state["router_bias"][first_bias_row + k - 1]))
+                stats.append(jax.tree.map(lambda a: a[None], layer_stats))
+            else:
+                x_BSD, _ = body(x_BSD, module["block"])
+            h_BSD = x_BSD
+            logits.append(_output_head(params, rms_norm(x_BSD, module["head_norm"], m.rms_norm_eps), config, dtype))
+    return tuple(logits), (_concat_stats(stats, config, h_BSD) if stats else None)
+
+
+def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
+            executor: ExpertExecutor | None = None, mtp: bool = False):
+    """Logits for next-token prediction. Returns (logits_BSV float32, aux).
+
+    aux = {"moe": MoEStats stacked over the MoE layers [Lmoe, ...], "balance_loss": their summed
+    `balance_loss`, the term to add to the training loss}. With `mtp` (training) and `model.mtp_layers` = D > 0,
+    also "mtp_logits": D float32 [B, S, V] arrays, depth k's position i scoring token i+k+1 (positions S-k..
+    S-1 have no target), and the MTP modules' MoE blocks follow the MoE layers in "moe" and "balance_loss"
+    (`num_router_rows`). `executor` (built once: `dropless.ep.make_executor`) is handed to every
+    `dropless.moe.moe_layer`; None = the one-device `LocalExecutor` for `config.moe`.
+    """
+    m = config.model
+    dtype = compute_dtype(config)
+    executor = LocalExecutor.from_config(config.moe, make_recipe(config.train.fp8)) if executor is None else executor
+    mesh = executor.mesh
+    with jax.named_scope("embed"):
+        x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)
+    cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(m), m.rope_theta, m.rope_scaling)
+    layers = _Layers(config, executor, cos_SP, sin_SP, dtype)
+    scan = config.train.scan_layers
+    dense_body = _layer_checkpoint(layers.dense, config.train, in_scan=scan)
+    moe_body = _layer_checkpoint(layers.moe, config.train, in_scan=scan)
+
+    stats = []
+    for run, (kind, start, stop) in enumerate(layer_runs(m)):
+        # One named scope per stack, as with a dense prefix; runs after the first two are numbered.
+        name = ("dense_layers" if kind == "D" else "moe_layers") + (f"_{run}" if run > 1 else "")
+        with jax.named_scope(name):
+            if kind == "D":
+                x_BSD, _ = _run_layers(dense_body, x_BSD, _rows(params["dense_layers"], start, stop), scan)
+            else:
+                bias_LE = state["router_bias"][start:stop]
+                x_BSD, run_stats = _run_layers(moe_body, x_BSD, (_rows(params["moe_layers"], start, stop), bias_LE),
+                                               scan)
+                stats.append(run_stats)
 
     with jax.named_scope("final_norm"):
         x_BSD = rms_norm(x_BSD, params["final_norm"], m.rms_norm_eps)
     with jax.named_scope("lm_head"):
-        head_DV = params["embed"].T if m.tie_embeddings else params["lm_head"]
-        logits_BSV = matmul_f32_out(x_BSD.astype(dtype), head_DV.astype(dtype))
-    return logits_BSV, {"moe": moe_stats, "balance_loss": jnp.sum(moe_stats.balance_loss)}
+        logits_BSV = _output_head(params, x_BSD, config, dtype)
+    aux = {}
+    if mtp and m.mtp_layers:
+        aux["mtp_logits"], mtp_stats = _mtp_modules(params, state, tokens_BS, x_BSD, layers, mesh)
+        if mtp_stats is not None:
+            stats.append(mtp_stats)
+    moe_stats = _concat_stats(stats, config, x_BSD)
+    return logits_BSV, {"moe": moe_stats, "balance_loss": jnp.sum(moe_stats.balance_loss), **aux}

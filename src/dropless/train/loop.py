@@ -170,6 +170,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     bar = _NoBar()
     stopped_by, last_step, last_saved = None, start, (start or None)
     guard = _NonfiniteGuard(tc.max_nonfinite_steps)
+    router_watch = metrics_lib.RouterWatch(config)
     # Caught from the opening evaluation until train() returns, so that a signal while stopping cannot cut it short.
     with _StopSignals(tc.stop_signal_names) as signals:
         try:
@@ -199,6 +200,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
                         _write(writer, record)
                         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                                         load=f"{record['max_expert_load']:.2f}")
+                        for line in router_watch.update(record) if primary else ():
+                            bar.write(line)
                     bar.update(1)
                     if host_waits:
                         guard.check(done, last_saved, run_dir)
@@ -383,7 +386,8 @@ class _Throughput:
 
 def _step_record(config: Config, step: int, step_metrics: dict, throughput: dict) -> dict:
     """One metrics.jsonl line for a logged step; checks the dropless invariant on it."""
-    record = {"step": step, **{k: float(v) for k, v in step_metrics.items()}, **throughput}
+    record = {"step": step, **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()  # router rows: [L, E]
+                               for k, v in step_metrics.items()}, **throughput}
     for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup", "nonfinite"):
         record[key] = int(step_metrics[key])
     _check_nothing_dropped(config, record)

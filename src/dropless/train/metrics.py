@@ -1,10 +1,14 @@
-"""Training metrics: throughput formulas, and the three sinks (metrics.jsonl, TensorBoard, a PNG at the end).
+"""Training metrics: throughput formulas, the three sinks (metrics.jsonl, TensorBoard, a PNG at the end) and the
+router watch.
 
 Definitions (also in docs/training.md):
     tokens_per_s       = global tokens in the logged steps / wall seconds they took
     tflops_per_device  = model_flops_per_token * tokens_per_s / device_count / 1e12
     mfu                = tflops_per_device / the device's dense bf16 peak (null where the peak is unknown, e.g. CPU)
+    expert_share[l][e] = the fraction of router row l's tokens that chose expert e (a row sums to K; balanced K/E)
+    router_bias[l][e]  = the aux-loss-free correction bias after the step
 `model_flops_per_token` is in `dropless.models.flops` (6 x active matmul parameters + the causal attention term).
+The router rows are the MoE layers in model order, then the MTP modules' MoE blocks (`router_row_names`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 from tensorboardX import SummaryWriter
+
+from dropless.core import config as config_lib
+from dropless.core.config import Config
 
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by jax `device_kind`.
 PEAK_BF16_TFLOPS = {
@@ -45,8 +53,30 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, device_count
             "mfu": (tflops / peak_tflops) if peak_tflops else None}
 
 
+def router_row_names(config: Config) -> list[str]:
+    """The names of the router rows of `expert_share` and `router_bias`: "layer i" for each MoE layer (i counts
+    every layer), then "mtp k" for each MTP module with a MoE block."""
+    m = config.model
+    names = [f"layer {i}" for i, kind in enumerate(m.layer_types) if kind == "M"]
+    return names + ([f"mtp {k}" for k in range(1, m.mtp_layers + 1)] if m.mtp_block == "moe" else [])
+
+
+def load_ratios(shares_LE) -> np.ndarray:
+    """[L] max/mean tokens per expert of each router row, from its expert shares."""
+    shares_LE = np.asarray(shares_LE, np.float64)
+    return shares_LE.max(-1) / np.maximum(shares_LE.mean(-1), 1e-12)
+
+
+def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray:
+    """uint8 [L*cell, E*cell, 3] heatmap for TensorBoard, white at `low` to dark red at `high`."""
+    level = np.clip((np.asarray(values_LE, np.float64) - low) / max(high - low, 1e-12), 0.0, 1.0)
+    rgb = np.stack([1.0 - 0.45 * level, 1.0 - level, 1.0 - level], axis=-1)
+    return (255 * np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1)).astype(np.uint8)
+
+
 class MetricsWriter:
-    """Appends one JSON object per line to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per line to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard; the router
+    rows (`expert_share`, `router_bias`) become a heatmap image, per-row load scalars and bias histograms."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -61,6 +91,20 @@ class MetricsWriter:
         for key, value in clean.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, step)
+        if clean.get("expert_share") is not None:
+            self._router(np.asarray(clean["expert_share"]), clean.get("router_bias"), step)
+
+    def _router(self, shares_LE: np.ndarray, bias_LE, step: int) -> None:
+        # Load = share * E / K: 1 is balanced; the image's scale ends at E/K, every token on the same K experts.
+        num_experts, top_k = shares_LE.shape[-1], round(float(shares_LE.sum(-1).mean()))
+        load_LE = shares_LE * num_experts / max(top_k, 1)
+        self._tensorboard.add_image("router/expert_load", _heat_image(load_LE, 1.0, num_experts / max(top_k, 1)),
+                                    step, dataformats="HWC")
+        for row, ratio in enumerate(load_ratios(shares_LE)):
+            self._tensorboard.add_scalar(f"router/max_load/row_{row}", float(ratio), step)
+        if bias_LE is not None:
+            for row, bias_E in enumerate(np.asarray(bias_LE, np.float64)):
+                self._tensorboard.add_histogram(f"router/bias/row_{row}", bias_E, step)
 
     def close(self) -> None:
         self._file.close()
@@ -68,11 +112,47 @@ class MetricsWriter:
 
 
 def _jsonable(value):
+    if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:  # router rows: nested lists, 6 digits
+        return np.round(np.asarray(value, np.float64), 6).tolist()
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+class RouterWatch:
+    """Watches the logged `expert_share`s and returns a warning line when one expert of a router row has taken
+    more than `moe.router_warn_share` of its tokens for `moe.router_warn_logs` logged steps in a row; once per
+    episode (a row warns again only after dropping below the share)."""
+
+    def __init__(self, config: Config):
+        moe = config.moe
+        self.share, self.logs = moe.router_warn_share, moe.router_warn_logs
+        self.balanced = moe.num_experts_per_tok / moe.num_experts
+        self.names = router_row_names(config)
+        self._streaks: dict[int, tuple[int, int, int]] = {}  # row -> (expert, logged steps in a row, first step)
+
+    def update(self, record: dict) -> list[str]:
+        shares = record.get("expert_share")
+        if shares is None:
+            return []
+        lines = []
+        for row, share_E in enumerate(np.asarray(shares, np.float64)):
+            expert = int(np.argmax(share_E))
+            if share_E[expert] <= self.share:
+                self._streaks.pop(row, None)
+                continue
+            same, count, first = self._streaks.get(row, (expert, 0, record["step"]))
+            count, first = (count + 1, first) if same == expert else (1, record["step"])
+            self._streaks[row] = (expert, count, first)
+            if count == self.logs:
+                name = self.names[row] if row < len(self.names) else f"router row {row}"
+                lines.append(f"dropless: warning: {name} has sent {share_E[expert]:.0%} of its tokens to expert "
+                             f"{expert} (balanced: {self.balanced:.0%}) in each of the last {count} logged steps, "
+                             f"since step {first}; the router plots in training.png and TensorBoard show every "
+                             "layer (docs/training.md, \"Router health\").")
+        return lines
 
 
 class MetricsError(ValueError):
@@ -119,7 +199,9 @@ def keep_records_through(run_dir: Path, last_step: int) -> list[dict]:
 
 
 def plot_run(run_dir: Path) -> Path | None:
-    """Write RUN_DIR/training.png: train and held-out loss, and expert load (max/mean), over steps."""
+    """Write RUN_DIR/training.png: train and held-out loss, and expert load (max/mean), over steps; with router
+    rows in the records, also each row's max/mean load over steps, the worst row's per-expert load over steps and
+    the router bias at the last logged step, as heatmaps."""
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("loss") is not None]
     evals = [r for r in records if r.get("eval_loss") is not None]
@@ -129,8 +211,10 @@ def plot_run(run_dir: Path) -> Path | None:
     # here, once a run has ended: importing it costs every `dropless` process 0.6 s on a CPU, most of them no plot.
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.6))
-    ax_loss, ax_load = fig.subplots(1, 2)
+    routed = [r for r in train if r.get("expert_share")]
+    fig = Figure(figsize=(15, 7.6) if routed else (10, 3.6))
+    axes = fig.subplots(2, 3) if routed else [fig.subplots(1, 2)]
+    ax_loss, ax_load = axes[0][0], axes[0][1]
     if train:
         ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
     if evals:
@@ -142,7 +226,49 @@ def plot_run(run_dir: Path) -> Path | None:
         ax_load.plot([r["step"] for r in loads], [r["max_expert_load"] for r in loads])
     ax_load.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax_load.set(xlabel="step", ylabel="max / mean tokens per expert", title="expert load (worst layer)")
+    if routed:
+        config_path = Path(run_dir) / "config.json"
+        names = router_row_names(config_lib.load(config_path)) if config_path.is_file() else []
+        _plot_router(fig, axes, routed, names)
     fig.tight_layout()
     out = Path(run_dir) / "training.png"
     fig.savefig(out, dpi=110)
     return out
+
+
+def _plot_router(fig, axes, routed: list[dict], names: list[str]) -> None:
+    steps = [r["step"] for r in routed]
+    shares_NLE = np.asarray([r["expert_share"] for r in routed], np.float64)
+    num_rows, num_experts = shares_NLE.shape[1:]
+    if len(names) != num_rows:
+        names = [f"row {row}" for row in range(num_rows)]
+    top_k = max(round(float(shares_NLE[-1].sum(-1).mean())), 1)
+    load_NLE = shares_NLE * num_experts / top_k
+    extent = dict(aspect="auto", interpolation="nearest", origin="lower", cmap="Reds")
+    half = (steps[-1] - steps[0]) / (2 * (len(steps) - 1)) if len(steps) > 1 else 0.5  # cells centred on steps
+    span = [steps[0] - half, steps[-1] + half, -0.5, num_rows - 0.5]
+    ratio_NL = load_NLE.max(-1)
+    image = axes[0][2].imshow(ratio_NL.T, extent=span, vmin=1.0, vmax=num_experts / top_k, **extent)
+    axes[0][2].set(xlabel="step", title="max / mean load per layer")
+    fig.colorbar(image, ax=axes[0][2])
+    worst = int(np.argmax(ratio_NL[-1]))
+    image = axes[1][0].imshow(load_NLE[:, worst].T, extent=[*span[:2], -0.5, num_experts - 0.5],
+                              vmin=0.0, vmax=num_experts / top_k, **extent)
+    axes[1][0].set(xlabel="step", ylabel="expert", title=f"expert load of {names[worst]} (worst at the end)")
+    fig.colorbar(image, ax=axes[1][0])
+    axes[1][1].plot(steps, np.sort(load_NLE[:, worst], axis=-1)[:, ::-1][:, :3])
+    axes[1][1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[1][1].set(xlabel="step", ylabel="load (1 = balanced)", title=f"{names[worst]}: its three busiest experts")
+    bias = routed[-1].get("router_bias")
+    if bias is not None:
+        bias_LE = np.asarray(bias, np.float64)
+        limit = max(float(np.abs(bias_LE).max()), 1e-9)
+        image = axes[1][2].imshow(bias_LE, aspect="auto", interpolation="nearest", origin="lower", cmap="RdBu_r",
+                                  vmin=-limit, vmax=limit)
+        axes[1][2].set(xlabel="expert", title=f"router bias at step {steps[-1]}")
+        fig.colorbar(image, ax=axes[1][2])
+    else:
+        axes[1][2].set_axis_off()
+    if num_rows <= 32:  # name the rows where the labels fit
+        for ax in (axes[0][2], axes[1][2]):
+            ax.set_yticks(range(num_rows), names)

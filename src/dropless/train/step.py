@@ -1,6 +1,9 @@
 """The training step: one jitted pure function of (TrainState, batch) -> (TrainState, metrics).
 
-The loss is next-token cross-entropy plus the MoE balancing losses. After the optimizer update, the
+The loss is next-token cross-entropy plus the MoE balancing losses, plus, with `model.mtp_layers` = D > 0, the
+multi-token-prediction loss lambda / D * sum_k CE_k (`model.mtp_loss_weight` = lambda; CE_k the mean cross-entropy
+of depth k over the positions that have a target, i < S - k), reported as `mtp_loss` = mean_k CE_k. After the
+optimizer update, the
 aux-loss-free router bias of every MoE layer moves by `rate * sign(mean_load - load)`: outside the
 gradient, from the loads this very step routed.
 
@@ -50,15 +53,42 @@ def split_batch(batch_BS1: jax.Array) -> tuple[jax.Array, jax.Array]:
     return batch_BS1[:, :-1], batch_BS1[:, 1:]
 
 
-def loss_fn(params, model_state, batch_BS1, config: Config, executor=None):
-    """Mean next-token cross-entropy + MoE balancing losses. Returns (total, (cross_entropy, aux))."""
+def mtp_cross_entropies(mtp_logits: tuple, targets_BS: jax.Array) -> jax.Array:
+    """[D] mean cross-entropy of each MTP depth k = 1..D: position i scored on token i+k+1 (`targets_BS[:, i+k]`),
+    over the positions i < S - k that have one."""
+    seq_len = targets_BS.shape[1]
+    losses = []
+    for k, logits_BSV in enumerate(mtp_logits, start=1):
+        per_token_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, jnp.roll(targets_BS, -k, axis=1))
+        valid_S = jnp.arange(seq_len) < seq_len - k
+        losses.append(jnp.sum(jnp.where(valid_S, per_token_BS, 0.0)) / (targets_BS.shape[0] * (seq_len - k)))
+    return jnp.stack(losses)
+
+
+def loss_fn(params, model_state, batch_BS1, config: Config, executor=None, *, mtp: bool = True):
+    """Mean next-token cross-entropy + MoE balancing losses (+ the MTP loss with `mtp` and model.mtp_layers).
+    Returns (total, (cross_entropy, aux)); aux["mtp_loss"] is mean_k CE_k (0 without MTP)."""
     inputs_BS, targets_BS = split_batch(batch_BS1)
-    logits_BSV, aux = transformer.forward(params, model_state, inputs_BS, config, executor=executor)
+    with_mtp = mtp and config.model.mtp_layers > 0
+    logits_BSV, aux = transformer.forward(params, model_state, inputs_BS, config, executor=executor, mtp=with_mtp)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
-    return cross_entropy + aux["balance_loss"], (cross_entropy, aux)
+    total = cross_entropy + aux["balance_loss"]
+    mtp_loss = jnp.zeros((), jnp.float32)
+    if with_mtp:  # lambda / D * sum_k CE_k = lambda * mean_k CE_k
+        mtp_loss = jnp.mean(mtp_cross_entropies(aux.pop("mtp_logits"), targets_BS))
+        total = total + config.model.mtp_loss_weight * mtp_loss
+    return total, (cross_entropy, {**aux, "mtp_loss": mtp_loss})
 
 
-def _moe_metrics(aux) -> dict[str, jax.Array]:
+def expert_shares(tokens_per_expert_LE: jax.Array, top_k: int) -> jax.Array:
+    """[L, E] float32: the fraction of each layer's tokens that chose each expert (each token chooses K experts,
+    so a row sums to K; balanced is K/E everywhere, a collapsed layer has one expert at 1)."""
+    counts_LE = tokens_per_expert_LE.astype(jnp.float32)
+    tokens_L1 = jnp.sum(counts_LE, axis=-1, keepdims=True) / top_k
+    return counts_LE / jnp.maximum(tokens_L1, 1.0)
+
+
+def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
     moe = aux.get("moe")
     if moe is None or moe.tokens_dropped.size == 0:  # a model without MoE layers
         zero_i, zero_f = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
@@ -73,6 +103,8 @@ def _moe_metrics(aux) -> dict[str, jax.Array]:
         "dispatch_overflows": jnp.sum(moe.dispatch_overflowed).astype(jnp.int32),
         "rows_sent": jnp.sum(moe.rows_sent).astype(jnp.int32),
         "rows_sent_without_dedup": jnp.sum(moe.rows_sent_without_dedup).astype(jnp.int32),
+        # Router health (dropless.train.metrics draws and watches them): one row per MoE layer, then per MTP block.
+        "expert_share": expert_shares(moe.tokens_per_expert, top_k),
     }
 
 
@@ -127,7 +159,8 @@ def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, e
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     grads_sum, (total_N, cross_entropy_N, aux_N) = jax.lax.scan(one, zeros, microbatches(batch_BS1, count))
     grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads_sum, params)
-    aux = {**aux_N, "moe": merge_microbatch_stats(aux_N["moe"]), "balance_loss": jnp.mean(aux_N["balance_loss"])}
+    aux = {**aux_N, "moe": merge_microbatch_stats(aux_N["moe"]), "balance_loss": jnp.mean(aux_N["balance_loss"]),
+           "mtp_loss": jnp.mean(aux_N["mtp_loss"])}
     return (jnp.mean(total_N), (jnp.mean(cross_entropy_N), aux)), grads
 
 
@@ -151,7 +184,12 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         params, opt_state, model_state = where_tree(
             finite, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
         metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": grad_norm,
-                   "lr": schedule_lr(state.step), "nonfinite": (~finite).astype(jnp.int32), **_moe_metrics(aux)}
+                   "lr": schedule_lr(state.step), "nonfinite": (~finite).astype(jnp.int32),
+                   **_moe_metrics(aux, config.moe.num_experts_per_tok)}
+        if "expert_share" in metrics:
+            metrics["router_bias"] = model_state["router_bias"]  # after this step's update
+        if config.model.mtp_layers:
+            metrics["mtp_loss"] = aux["mtp_loss"]
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
 
     return train_step
@@ -161,10 +199,10 @@ def make_eval_step(config: Config, executor=None) -> Callable:
     """Mean cross-entropy of a batch, in `train.grad_accum_steps` microbatches (the memory of a training one)."""
     def eval_step(params, model_state, batch_BS1):
         if config.train.grad_accum_steps == 1:
-            return loss_fn(params, model_state, batch_BS1, config, executor)[1][0]
+            return loss_fn(params, model_state, batch_BS1, config, executor, mtp=False)[1][0]
 
         def one(_, micro_BS1):
-            return None, loss_fn(params, model_state, micro_BS1, config, executor)[1][0]
+            return None, loss_fn(params, model_state, micro_BS1, config, executor, mtp=False)[1][0]
         _, cross_entropy_N = jax.lax.scan(one, None, microbatches(batch_BS1, config.train.grad_accum_steps))
         return jnp.mean(cross_entropy_N)
     return eval_step

@@ -1,0 +1,150 @@
+"""Router balance: how the worst MoE layer's load (max/mean tokens per expert) and the held-out loss evolve over a
+short training run, for one variant of the router's settings; one record and one chart (make bench-router).
+
+    python benchmarks/router_balance.py --variant defaults --out router-defaults.json --chart router-defaults.png \
+        [--preset deepseek-v3-proxy] [--steps 300] [--eval-every 50] [key=value ...]
+
+A variant is a named set of overrides (VARIANTS below) applied on top of the preset and the command line's
+key=value pairs. The run is the very step `dropless train` runs (dropless.train.setup.build) on the run's batches
+(dropless.data), every step's per-layer expert shares read back (`expert_share`, dropless.train.step), the
+held-out loss every --eval-every steps on fixed held-out batches; no checkpoints are written. The record holds,
+per step, every MoE layer's max/mean load and the largest |router bias|, the held-out curve, the steps at which the
+worst layer's load first stays at or below 2.0 and 1.3, tokens/s and tokens dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import jax
+import numpy as np
+
+from dropless.bench.records import environment, write_json
+from dropless.core import config as config_lib
+from dropless.core import xla_flags
+from dropless.data.loader import load_token_dataset
+from dropless.train import setup as setup_lib
+from dropless.train.metrics import load_ratios, router_row_names
+from dropless.train.step import make_eval_step
+
+
+def _unit_router_std(config) -> float:
+    return 1.0 / math.sqrt(config.model.hidden_size)  # router logits of std ~1 over RMS-normalised inputs
+
+
+# Each variant: a description and a function of the base config giving its overrides. The preset's router logits
+# start with std init_std * sqrt(hidden) = 0.02 * sqrt(7168) = 1.7, while the bias moves 0.001 per step.
+VARIANTS = {
+    "defaults": ("the preset as it is", lambda c: {}),
+    "router-std-unit": ("router init std 1/sqrt(hidden): initial router logits of std 1",
+                        lambda c: {"model.router_init_std": _unit_router_std(c)}),
+    "router-std-small": ("router init std 0.1/sqrt(hidden): initial router logits of std 0.1",
+                         lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c)}),
+    "bias-rate-1e-2": ("bias_update_rate 1e-2 (the preset: 1e-3)", lambda c: {"moe.bias_update_rate": 0.01}),
+    "seq-aux-1e-2": ("seq_aux_loss_weight 1e-2 (the preset: 1e-4)", lambda c: {"moe.seq_aux_loss_weight": 0.01}),
+    "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
+                                   lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
+                                              "moe.bias_update_rate": 0.01}),
+}
+
+
+def first_step_at_or_below(steps: list[int], worst: list[float], level: float) -> int | None:
+    """The first step from which the worst layer's load stays at or below `level` to the end (None: never)."""
+    for i in range(len(worst)):
+        if all(value <= level for value in worst[i:]):
+            return steps[i]
+    return None
+
+
+def run(config, log) -> dict:
+    tc = config.train
+    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len)
+    setup = setup_lib.build(config)
+    state = setup_lib.init_state(setup)
+    eval_step = jax.jit(make_eval_step(config, setup.executor))
+    to_device = lambda b: jax.device_put(b, setup.batch_sharding)
+    eval_data = [to_device(b) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)]
+    evaluate = lambda s: float(np.mean(jax.device_get([eval_step(s.params, s.model_state, b) for b in eval_data])))
+    curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
+    t0, timed_tokens = None, 0
+    with dataset.prefetch(0, tc.batch_size, tc.steps, transform=to_device) as batches:
+        for step in range(tc.steps):
+            state, metrics = setup.step(state, next(batches))
+            m = jax.device_get({k: metrics[k] for k in ("loss", "tokens_dropped", "expert_share", "router_bias")})
+            if step == 2:  # time from here: compilation and warm-up are behind
+                t0 = time.perf_counter()
+            elif step > 2:
+                timed_tokens += tc.batch_size * tc.seq_len
+            steps.append(step + 1)
+            loads.append([round(float(r), 4) for r in load_ratios(m["expert_share"])])
+            bias_max.append(round(float(np.abs(m["router_bias"]).max()), 5))
+            losses.append(round(float(m["loss"]), 4))
+            dropped += int(m["tokens_dropped"])
+            if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
+                pause = time.perf_counter()
+                curve.append((step + 1, evaluate(state)))
+                t0 += time.perf_counter() - pause  # evaluations are not training time
+                log(f"step {step + 1:4d} worst load {max(loads[-1]):.2f} held-out loss {curve[-1][1]:.4f}")
+    worst = [max(row) for row in loads]
+    return {"layers": router_row_names(config), "steps": steps, "max_load": loads, "worst_max_load": worst,
+            "max_abs_bias": bias_max, "train_loss": losses, "eval": curve, "final_eval_loss": curve[-1][1],
+            "worst_max_load_at": {str(s): worst[s - 1] for s in (50, 100, 150, 200, 300) if s <= len(worst)},
+            "steady_at_or_below_2.0_from": first_step_at_or_below(steps, worst, 2.0),
+            "steady_at_or_below_1.3_from": first_step_at_or_below(steps, worst, 1.3),
+            "tokens_dropped": dropped, "tokens_per_s": timed_tokens / (time.perf_counter() - t0)}
+
+
+def chart(result: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_load, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, column in zip(result["layers"], np.asarray(result["max_load"]).T):
+        ax_load.plot(result["steps"], column, lw=1, label=name)
+    for level in (1.3, 2.0):
+        ax_load.axhline(level, color="grey", lw=0.8, ls="--")
+    ax_load.set(xlabel="step", ylabel="max / mean tokens per expert", title="expert load per MoE layer")
+    ax_load.legend()
+    steps, eval_losses = zip(*result["eval"])
+    ax_loss.plot(steps, eval_losses, "o-", label=f"held-out (final {result['final_eval_loss']:.3f})")
+    ax_loss.plot(result["steps"], result["train_loss"], lw=0.8, alpha=0.6, label="train")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="loss")
+    ax_loss.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", default="defaults", choices=sorted(VARIANTS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--chart", required=True)
+    p.add_argument("--preset", default="deepseek-v3-proxy")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, before the variant's")
+    a = p.parse_intermixed_args()
+    xla_flags.apply()
+    base = config_lib.load_preset(a.preset).replace(
+        **{"train.steps": a.steps, "train.eval_every": a.eval_every, **config_lib.parse_overrides(a.overrides)})
+    description, overrides = VARIANTS[a.variant]
+    config = base.replace(**overrides(base))
+    result = run(config, lambda m: print(f"{a.variant}: {m}", flush=True))
+    record = {"benchmark": "router-balance", "variant": a.variant, "description": description,
+              "environment": environment(), "preset": a.preset, "overrides": overrides(base),
+              "config": config.to_flat_dict(), **result}
+    write_json(a.out, record)
+    chart(result, a.chart, f"{a.preset} ({a.variant}), {config.train.batch_size} x {config.train.seq_len} tokens "
+                           "per step")
+    print(f"{a.variant}: worst layer max/mean at steps {result['worst_max_load_at']}; steady <= 2.0 from step "
+          f"{result['steady_at_or_below_2.0_from']}, <= 1.3 from step {result['steady_at_or_below_1.3_from']}; "
+          f"final held-out loss {result['final_eval_loss']:.4f}; {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

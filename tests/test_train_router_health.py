@@ -1,0 +1,113 @@
+"""Router health: the balancing dynamics recover a collapsed router, the step's expert shares, the warning line,
+and the router's rows in metrics.jsonl, TensorBoard and training.png."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig
+from dropless.moe.balance import max_load_ratio, tokens_per_expert, update_router_bias
+from dropless.moe.router import route
+from dropless.train import metrics as metrics_lib
+from dropless.train.step import expert_shares
+
+E, K, D, T = 8, 2, 64, 2048
+
+
+def collapsed_router(logit_std: float, gap: float = 6.0):
+    """Tokens of RMS about 1 sharing one direction (as a residual stream's mean does), a router whose logits
+    spread with `logit_std` across tokens (0.02 * sqrt(7168) = 1.7 for DeepSeek-V3's init), and whose expert 0
+    is aligned with the shared direction: every token scores expert 0 highest."""
+    key_x, key_w = jax.random.split(jax.random.key(0))
+    direction = jnp.ones((D,)) / jnp.sqrt(D)
+    x_TD = 3.0 * direction + jax.random.normal(key_x, (T, D))
+    kernel_DE = logit_std / jnp.sqrt(D) * jax.random.normal(key_w, (D, E))
+    return x_TD, kernel_DE.at[:, 0].add(gap * direction)
+
+
+def bias_dynamics(x_TD, kernel_DE, rate: float, steps: int):
+    """The aux-loss-free rule alone, the router's weights fixed: (max/mean load, expert 0's share of the tokens)
+    of each step's routing, the bias updated after each."""
+    moe = MoEConfig(num_experts=E, num_experts_per_tok=K, score_func="sigmoid", bias_update_rate=rate)
+
+    def step(bias_E, _):
+        routing = route(kernel_DE, bias_E, x_TD, moe)
+        counts_E = tokens_per_expert(routing.expert_ids_TK, E)
+        return update_router_bias(bias_E, counts_E, rate), (max_load_ratio(counts_E), counts_E[0] / T)
+    _, (ratios, share_0) = jax.lax.scan(step, jnp.zeros((E,)), None, length=steps)
+    return np.asarray(ratios), np.asarray(share_0)
+
+
+@pytest.mark.parametrize("rate, steps", [(0.01, 300), (0.001, 600)])
+def test_balancing_bias_recovers_a_collapsed_router(rate, steps):
+    ratios, share_0 = bias_dynamics(*collapsed_router(logit_std=1.7), rate, steps)
+    assert share_0[0] > 0.97  # starts collapsed: expert 0 in (nearly) every token's top-K
+    recovered = int(np.argmax(ratios <= 1.3)) + 1
+    print(f"rate {rate}: max/mean {ratios[0]:.2f} at the start, <= 1.3 from step {recovered}, {ratios[-1]:.2f} at the end")
+    assert np.max(ratios[-steps // 4:]) <= 1.3  # recovered, and stays so
+
+
+def test_expert_shares_are_the_fraction_of_tokens_per_expert():
+    counts_LE = jnp.asarray([[T * K, 0, 0, 0, 0, 0, 0, 0], [T * K // E] * E])
+    counts_LE = counts_LE.at[0, 1].set(T).at[0, 0].set(T)  # row 0: every token on experts 0 and 1
+    shares = np.asarray(expert_shares(counts_LE, K))
+    np.testing.assert_allclose(shares.sum(-1), K)
+    np.testing.assert_allclose(shares[0, :2], 1.0)
+    np.testing.assert_allclose(shares[1], K / E)
+    np.testing.assert_allclose(metrics_lib.load_ratios(shares), [E / K, 1.0])
+
+
+CONFIG = Config(model=ModelConfig(num_layers=4, first_dense_layers=1, layer_pattern="DMDM", mtp_layers=1),
+                moe=MoEConfig(num_experts=E, num_experts_per_tok=K, router_warn_share=0.6, router_warn_logs=3))
+
+
+def _shares(step: int, collapsed_rows: set[int]) -> list[list[float]]:
+    rows = []
+    for row in range(3):  # layers 1 and 3, then the MTP block
+        share = np.full(E, K / E)
+        if row in collapsed_rows:
+            share[:] = (K - 0.9) / (E - 1)
+            share[5] = 0.9
+        rows.append(share.tolist())
+    return rows
+
+
+def test_router_watch_warns_once_per_episode_naming_the_layer():
+    watch = metrics_lib.RouterWatch(CONFIG)
+    assert metrics_lib.router_row_names(CONFIG) == ["layer 1", "layer 3", "mtp 1"]
+    lines = {step: watch.update({"step": step, "expert_share": _shares(step, {1} if step != 50 else set())})
+             for step in range(10, 110, 10)}
+    assert [step for step, got in lines.items() if got] == [30, 80]  # 3 in a row; again 3 after the dip at 50
+    assert lines[30] == ["dropless: warning: layer 3 has sent 90% of its tokens to expert 5 (balanced: 25%) in each "
+                         "of the last 3 logged steps, since step 10; the router plots in training.png and "
+                         "TensorBoard show every layer (docs/training.md, \"Router health\")."]
+    assert watch.update({"step": 0, "loss": 1.0}) == []  # a model without MoE layers logs no shares
+
+
+@pytest.mark.parametrize("moe, message", [({"router_warn_share": 0.0}, "moe.router_warn_share=0.0 must be in"),
+                                          ({"router_warn_logs": 0}, "moe.router_warn_logs=0 must be > 0")])
+def test_bad_router_warning_settings_are_config_errors(moe, message):
+    with pytest.raises(ConfigError, match=message):
+        MoEConfig(**moe)
+
+
+def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG.to_dict()))
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    bias = np.linspace(-0.01, 0.01, 3 * E).reshape(3, E)
+    for step in range(10, 60, 10):
+        writer.write({"step": step, "loss": 5.0 - step / 100, "max_expert_load": 3.6,
+                      "expert_share": np.asarray(_shares(step, {0}), np.float32), "router_bias": bias * step})
+    writer.close()
+    records = metrics_lib.read_metrics(tmp_path)
+    np.testing.assert_allclose(records[-1]["expert_share"], _shares(50, {0}), atol=1e-6)
+    np.testing.assert_allclose(records[-1]["router_bias"], bias * 50, atol=1e-6)
+    events = b"".join(f.read_bytes() for f in (tmp_path / "tensorboard").iterdir())
+    for tag in (b"router/expert_load", b"router/max_load/row_2", b"router/bias/row_0"):
+        assert tag in events
+    assert metrics_lib.plot_run(tmp_path).stat().st_size > 10_000
