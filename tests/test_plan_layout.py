@@ -40,7 +40,9 @@ def _actual(config):
 
 @pytest.mark.parametrize("data,fsdp,expert", MESHES)
 @pytest.mark.parametrize("features", [{}, {"train.offload_optimizer": True},
-                                      {"train.optimizer_moments_dtype": "bfloat16"}])
+                                      {"train.optimizer_moments_dtype": "bfloat16"},
+                                      {"model.layer_pattern": "MD", "model.first_dense_layers": 0,
+                                       "model.mtp_layers": 1}])
 def test_state_bytes_equal_the_sharded_arrays(data, fsdp, expert, features):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (virtual) devices")

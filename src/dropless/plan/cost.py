@@ -29,7 +29,7 @@ from dropless.core.config import Config, ConfigError
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
 from dropless.plan.layout import Cluster, abstract_mesh, mesh_axes_of, model_facts, shard_shape
-from dropless.plan.memory import MemoryPlan, moe_buffers
+from dropless.plan.memory import MemoryPlan, blocks, moe_buffers
 
 # Passes over the saved activations per step: written in the forward, read in the backward, and their
 # cotangents written and read once.
@@ -120,7 +120,7 @@ def collectives(config: Config, sizes: dict[str, int], cluster: Cluster) -> list
         out.append(Collective("fsdp_reduce_scatter", int(scatter), fsdp_in_host))
     if allreduce:
         out.append(Collective("gradient_all_reduce", int(allreduce), devices <= cluster.gpus_per_host))
-    num_moe = transformer.layer_counts(m)[1]
+    num_moe = blocks(m)[1]
     if expert > 1 and num_moe:
         tokens = train.batch_size // micro * train.seq_len // devices
         buffers = moe_buffers(config, sizes, tokens)

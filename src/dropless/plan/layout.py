@@ -144,14 +144,14 @@ def state_bytes(config: Config, sizes: dict[str, int]) -> StateBytes:
             layer_gathered[path[0]] = (layer_gathered.get(path[0], 0)
                                        + math.prod(shard_shape(unsharded, spec.shape, spec.axes)) // per_layer)
     moments = jnp.dtype(config.train.optimizer_moments_dtype).itemsize
-    num_moe = transformer.layer_counts(config.model)[1]
+    router_rows = transformer.num_router_rows(config.model)  # the main MoE layers' and the MTP modules'
     largest = max(layer_local, key=layer_local.get) if layer_local else None
     return StateBytes(
         parameters=4 * elements,
         gradients=4 * elements,
         optimizer_state=2 * moments * elements + 4 * OPTIMIZER_COUNTS,
         optimizer_in_host=config.train.offload_optimizer,
-        model_state=4 * num_moe * config.moe.num_experts + 4,
+        model_state=4 * router_rows * config.moe.num_experts + 4,
         parameter_elements=elements,
         largest_layer_elements=layer_local.get(largest, 0),
         largest_layer_gathered=layer_gathered.get(largest, 0),

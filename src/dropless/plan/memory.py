@@ -54,6 +54,13 @@ RECOMPUTE_FACTOR = 0.9
 OFFLOADED_MOMENTS_AT_PEAK = 0.55
 
 
+def blocks(m) -> tuple[int, int]:
+    """(dense, MoE) transformer blocks of the training step: the main model's and the MTP modules'."""
+    dense, moe = transformer.layer_counts(m)
+    mtp_moe = transformer.mtp_moe_blocks(m)
+    return dense + m.mtp_layers - mtp_moe, moe + mtp_moe
+
+
 @dataclass(frozen=True)
 class Dims:
     """The sizes the per-token formulas read, for one microbatch on one device."""
@@ -236,7 +243,7 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
     train, m = config.train, config.model
     d = _dims(config, devices)
     T, c = d.tokens, d.c
-    num_dense, num_moe = transformer.layer_counts(m)
+    num_dense, num_moe = blocks(m)
     buffers = moe_buffers(config, sizes, T)
     layers = {"dense": (num_dense, layer_bytes(config, "dense", attention_backend, None, T)),
               "moe": (num_moe, layer_bytes(config, "moe", attention_backend, buffers, T))}
