@@ -1,16 +1,8 @@
-"""A few float32 training steps on random tokens, for tests/test_train_parallel.py; prints the losses as JSON.
-
-Run once per process as `python -m tests.parallel_train_worker '<json config overrides>'`. With the DROPLESS_*
-variables set, the process joins a multi-process run first (`dropless.core.distributed.initialize`), the
-mesh spans every process's devices, and each process feeds its own rows of the global batch.
-"""
+"""A few float32 training steps on random tokens, for tests/test_train_parallel.py: the losses, parameter checksums
+and dropped tokens of the step `dropless train` runs. In a multi-process run each process feeds its own rows of
+the global batch."""
 
 from __future__ import annotations
-
-import json
-import sys
-
-from dropless.core import distributed
 
 # Tiny preset, shorter sequences: the same model on the same batch, compiled and run in seconds on a CPU.
 OVERRIDES = {"train.dtype": "float32", "train.seq_len": 32, "train.warmup_steps": 1, "train.learning_rate": 1e-2}
@@ -43,8 +35,3 @@ def train_losses(overrides: dict, devices=None) -> dict:
     checksums = [float(jnp.sum(jnp.abs(leaf))) for leaf in jax.tree.leaves((state.params, state.model_state))]
     return {"losses": losses, "checksums": checksums, "tokens_dropped": dropped, "devices": mesh.size,
             "processes": jax.process_count()}
-
-
-if __name__ == "__main__":
-    distributed.initialize()
-    print(json.dumps(train_losses(json.loads(sys.argv[1]))), flush=True)

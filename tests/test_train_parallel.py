@@ -2,6 +2,7 @@
 
 Float32, the tiny preset's architecture at test_train.SMALL's widths on random tokens (tests/parallel_train_worker.py):
 the per-step losses and every trained parameter and router bias agree to 1e-5 relative, and nothing is dropped.
+Across two processes: the real `dropless train`, its losses equal to one process's.
 """
 
 import json
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from dropless.train.metrics import read_metrics
 from tests import parallel_train_worker
 from tests.test_train import SMALL
 
@@ -45,16 +47,12 @@ def test_expert_parallel_training_matches_one_device(one_device):
     _assert_same_training(expert_parallel, one_device)
 
 
-def test_unrolled_layers_with_expert_parallelism_match_the_scanned_step_on_one_device(one_device):
-    """`train.scan_layers=false` (deepseek-v3-proxy's setting) runs each layer's shard_map in straight-line code."""
-    unrolled = train_losses({"parallel.expert": 4, "parallel.data": 2, "train.scan_layers": False})
+def test_unrolled_layers_and_gradient_accumulation_with_expert_parallelism_match_one_device(one_device):
+    """`train.scan_layers=false` (deepseek-v3-proxy's setting: each layer's shard_map in straight-line code) and two
+    microbatches of 8 sequences over 8 devices (expert 4 x data 2) train as one scanned batch of 16 on one device."""
+    unrolled = train_losses({"parallel.expert": 4, "parallel.data": 2, "train.scan_layers": False,
+                             "train.grad_accum_steps": 2})
     _assert_same_training(unrolled, one_device)
-
-
-def test_gradient_accumulation_with_expert_parallelism_matches_one_batch_on_one_device(one_device):
-    """Two microbatches of 8 sequences over 8 devices (expert 4 x data 2) train as one batch of 16 on one device."""
-    accumulated = train_losses({"parallel.expert": 4, "parallel.data": 2, "train.grad_accum_steps": 2})
-    _assert_same_training(accumulated, one_device)
 
 
 def _free_port() -> int:
@@ -83,31 +81,30 @@ def run_two_processes(command: list[str]) -> list[str]:
     return [stdout for stdout, _ in outputs]
 
 
-def test_two_processes_with_the_expert_axis_across_them_match_one_process(one_device):
-    """jax.distributed on localhost, 2 CPU devices per process, parallel.expert=4: every expert group spans both."""
-    overrides = json.dumps({**NARROW, "parallel.data": 1, "parallel.expert": 4})
-    for stdout in run_two_processes([sys.executable, "-m", "tests.parallel_train_worker", overrides]):
-        result = json.loads(stdout.strip().splitlines()[-1])
-        assert result["processes"] == 2 and result["devices"] == 4
-        _assert_same_training(result, one_device)
-
-
-def test_dropless_train_runs_across_two_processes(tmp_path):
-    """The real CLI in two jax.distributed processes sharing one run directory, expert axis across both:
-    process 0 writes config, tokenizer and metrics, both take part in the checkpoint, nothing is dropped."""
+def test_dropless_train_across_two_processes_matches_one_process(tmp_path):
+    """The real CLI in two jax.distributed processes (2 CPU devices each) sharing one run directory, the expert axis
+    across both (parallel.expert=4): the losses equal one process's on 8 devices, process 0 writes config,
+    tokenizer and metrics, both take part in the checkpoint, nothing is dropped."""
     from dropless.train import checkpoint as ckpt
-    from tests.test_train import SMALL, write_corpus
+    from dropless.train.loop import train
+    from tests.test_train import small_config, write_corpus
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     write_corpus(corpus)
+    settings = {**SMALL, "parallel.expert": 4, "train.eval_every": 2, "train.checkpoint_every": 2, "train.steps": 3}
     run_dir = tmp_path / "run"
-    overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["parallel.data=1", "parallel.expert=4",
-                                                         "train.eval_every=2", "train.checkpoint_every=2"]
-    outputs = run_two_processes([sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus), "--steps",
-                                 "2", "--run-dir", str(run_dir), "--no-progress", *overrides])
+    outputs = run_two_processes([sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus),
+                                 "--run-dir", str(run_dir), "--no-progress", "parallel.data=1",
+                                 *(f"{k}={v}" for k, v in settings.items())])
     assert "4 cpu device(s)" in outputs[0] and "tokens dropped: 0" in outputs[0]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2]  # written once, by process 0
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3]  # written once, by process 0
     assert all(r["tokens_dropped"] == 0 for r in records if "loss" in r)
-    assert ckpt.latest_step(run_dir) == 2
+    assert ckpt.latest_step(run_dir) == 3
+    # One process, 8 devices (expert 4 x data 2), the same run: the same losses in float32 (step 3's loss follows
+    # two updates of every parameter and router bias).
+    train(small_config(corpus, **{**settings, "parallel.data": 2}), tmp_path / "one", progress=False,
+          log=lambda s: None)
+    one_losses = [r["loss"] for r in read_metrics(tmp_path / "one") if "loss" in r]
+    np.testing.assert_allclose([r["loss"] for r in records if "loss" in r], one_losses, rtol=1e-5)
