@@ -1,8 +1,8 @@
 """Faults injected into the real `dropless train`, in subprocesses, each compared with one uninterrupted run of
-the same config (the `reference` fixture, shared): SIGTERM and SIGINT at seeded points (one while a checkpoint is
-being written) and SIGKILL at 10 seeded points (8 at exact places, 2 at seeded wall-clock delays), each followed
-by a restart, end exactly (`==`) where the uninterrupted run ends; a learning rate that makes the loss non-finite
-stops the run with exit != 0, no checkpoint with non-finite weights and the good one kept."""
+the same config (the `reference` fixture, shared): SIGKILL at 10 seeded points (8 at exact places, 2 at seeded
+wall-clock delays), then SIGTERM and SIGINT at seeded points (one while a checkpoint is being written), each
+followed by a restart, end exactly (`==`) where the uninterrupted run ends; a learning rate that makes the loss
+non-finite stops the run with exit != 0, no checkpoint with non-finite weights and the good one kept."""
 
 from __future__ import annotations
 
@@ -177,41 +177,16 @@ def reference(tmp_path_factory) -> Reference:
     return Reference(root, corpus, cache, _start(root / "full", corpus, cache))
 
 
-def test_signals_stop_with_a_checkpoint_and_resume_exactly(reference):
-    corpus, cache = reference.corpus, reference.cache
-    rng = random.Random(19)
-    run = reference.root / "split"
-    # SIGTERM at a seeded step of a fresh run, twice: the second one, while stopping, changes nothing.
-    at = rng.randrange(2, 9)
-    fresh = _start(run, corpus, cache)
-    output = _signal_when(fresh, lambda: _logged_steps(run) >= at, signal.SIGTERM, times=2)
-    assert fresh.returncode == 143, output
-    first_stop = _stopped_at(output, "SIGTERM")
-    assert ckpt.latest_step(run) == first_stop
-    assert "Traceback" not in output
-    # SIGINT while a checkpoint is being written (or, should no save be caught in the act, a few steps on): the
-    # save finishes and the run stops after it.
-    resumed = _start(run, corpus, cache, "--resume")
-    output = _signal_when(resumed, lambda: _logged_steps(run) > first_stop and _saving(run)
-                          or _logged_steps(run) >= first_stop + 8, signal.SIGINT)
-    assert resumed.returncode == 130, output
-    second_stop = _stopped_at(output, "SIGINT")
-    assert first_stop < second_stop < STEPS and ckpt.latest_step(run) == second_stop
-    last = _start(run, corpus, cache, "--resume")
-    output, _ = last.communicate(timeout=600)
-    assert last.returncode == 0, output
-    reference.assert_same_run(run, [STEPS])
-
-
 # The SIGKILL test checkpoints every 2 steps (a setting that changes no loss), so that kills land in many saves.
 KILL_SETTINGS = {"train.checkpoint_every": 2, "train.keep_checkpoints": 20}
 KILLS = ["step"] * 4 + ["save"] * 4 + ["wall"] * 2
 
 
-def test_sigkill_at_seeded_points_each_restarted_exactly(reference):
+def test_sigkill_at_seeded_points_and_stop_signals_each_resumed_exactly(reference):
     """One run SIGKILLed 10 times, each followed by a restart: `--resume` from its newest checkpoint, or, before
-    the first one, the same command again. Each part's logged losses are compared when it dies, the whole run
-    and its checkpoints at the end."""
+    the first one, the same command again; then stopped by SIGTERM (sent twice) at a seeded step and by SIGINT
+    during a checkpoint save, each resumed. Each killed part's logged losses are compared when it dies, the whole
+    run and its checkpoints at the end."""
     corpus, cache, run = reference.corpus, reference.cache, reference.root / "killed"
     rng = random.Random(1019)
     kills = rng.sample(KILLS, len(KILLS))
@@ -242,10 +217,25 @@ def test_sigkill_at_seeded_points_each_restarted_exactly(reference):
         assert part == {step: want[step] for step in part}, point  # bit for bit
         landed.append(point)
         start = ckpt.latest_step(run) or 0
+    assert len(landed) == len(KILLS) and sum(p.startswith("save") for p in landed) == 4, landed
+    # SIGTERM at a seeded step, twice: the second one, while stopping, changes nothing.
+    at = start + random.Random(19).randrange(2, 5)
+    stopped = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
+    output = _signal_when(stopped, lambda: _logged_steps(run) >= at, signal.SIGTERM, times=2)
+    assert stopped.returncode == 143, output
+    first_stop = _stopped_at(output, "SIGTERM")
+    assert ckpt.latest_step(run) == first_stop and "Traceback" not in output
+    # SIGINT while a checkpoint is being written (or, should no save be caught in the act, a few steps on): the
+    # save finishes and the run stops after it.
+    resumed = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
+    output = _signal_when(resumed, lambda: _logged_steps(run) > first_stop and _saving(run)
+                          or _logged_steps(run) >= first_stop + 4, signal.SIGINT)
+    assert resumed.returncode == 130, output
+    second_stop = _stopped_at(output, "SIGINT")
+    assert first_stop < second_stop < STEPS and ckpt.latest_step(run) == second_stop
     last = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
     output, _ = last.communicate(timeout=600)
     assert last.returncode == 0, output
-    assert len(landed) == len(KILLS) and sum(p.startswith("save") for p in landed) == 4, landed
     reference.assert_same_run(run, [10, 20, 30, STEPS])
 
 
