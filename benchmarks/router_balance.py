@@ -21,13 +21,11 @@ import time
 import jax
 import numpy as np
 
+from dropless.bench import harness
 from dropless.bench.records import environment, write_json
 from dropless.core import config as config_lib
 from dropless.core import xla_flags
-from dropless.data.loader import load_token_dataset
-from dropless.train import setup as setup_lib
 from dropless.train.metrics import load_ratios, router_row_names
-from dropless.train.step import make_eval_step
 
 
 def _unit_router_std(config) -> float:
@@ -60,13 +58,7 @@ def first_step_at_or_below(steps: list[int], worst: list[float], level: float) -
 
 def run(config, log) -> dict:
     tc = config.train
-    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len)
-    setup = setup_lib.build(config)
-    state = setup_lib.init_state(setup)
-    eval_step = jax.jit(make_eval_step(config, setup.executor))
-    to_device = lambda b: jax.device_put(b, setup.batch_sharding)
-    eval_data = [to_device(b) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)]
-    evaluate = lambda s: float(np.mean(jax.device_get([eval_step(s.params, s.model_state, b) for b in eval_data])))
+    setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
     t0, timed_tokens = None, 0
     with dataset.prefetch(0, tc.batch_size, tc.steps, transform=to_device) as batches:

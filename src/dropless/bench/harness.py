@@ -26,8 +26,9 @@ import numpy as np
 
 from dropless.core import mesh as mesh_lib
 from dropless.core.config import Config
+from dropless.data.loader import load_token_dataset
 from dropless.train.setup import StepSetup, build, init_state  # noqa: F401  (the benchmarks' entry points)
-from dropless.train.step import TrainState
+from dropless.train.step import TrainState, make_eval_step
 
 GIB = 1024**3
 # A path's bf16 output against its f32 reference, before it is timed: correct paths stay well below (bf16 has
@@ -68,6 +69,27 @@ def peak_bytes(compiled) -> int | None:
         return None
     return int(stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
                + stats.temp_size_in_bytes)
+
+
+def training_run(config: Config):
+    """The trainer's step and held-out evaluation without its loop, for benchmarks that read every step: returns
+    (setup, state, dataset, to_device, evaluate), where `evaluate(state)` is the mean held-out loss over the run's
+    fixed held-out batches (`train.eval_batches`) and `to_device` places a batch for the step."""
+    tc = config.train
+    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, tc.seq_len)
+    setup = build(config)
+    state = init_state(setup)
+    eval_step = jax.jit(make_eval_step(config, setup.executor))
+
+    def to_device(batch):
+        return jax.device_put(batch, setup.batch_sharding)
+
+    eval_data = [to_device(b) for b in dataset.eval_batches(tc.eval_batches, tc.batch_size)]
+
+    def evaluate(s) -> float:
+        return float(np.mean(jax.device_get([eval_step(s.params, s.model_state, b) for b in eval_data])))
+
+    return setup, state, dataset, to_device, evaluate
 
 
 # ------------------------------------------------------------------------------------------------ timing
