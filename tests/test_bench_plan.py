@@ -61,7 +61,7 @@ def test_plan_command_errors_are_one_line(argv, message, capsys):
 
 def test_bench_memory_points_to_plan(capsys):
     assert cli.main(["bench", "memory", "--preset", "tiny"]) == 2
-    assert "'dropless bench memory' is now 'dropless plan'" in capsys.readouterr().err
+    assert "there is no 'dropless bench memory': 'dropless plan' reports the memory" in capsys.readouterr().err
 
 
 def test_rates_measure_a_table_the_planner_reads(tmp_path):

@@ -280,8 +280,8 @@ def _pass_through(argv: list[str]):
         return PASS_THROUGH[argv[0]], argv[1:]
     if argv[0] == "bench":
         if len(argv) >= 2 and argv[1] == "memory":
-            raise ConfigError("'dropless bench memory' is now 'dropless plan' (the same arguments, no compiling; "
-                              "--compiled adds XLA's figures); see 'dropless plan --help'.")
+            raise ConfigError("there is no 'dropless bench memory': 'dropless plan' reports the memory (the same "
+                              "arguments, no compiling; --compiled adds XLA's figures); see 'dropless plan --help'.")
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             raise ConfigError(f"dropless bench needs one of {', '.join(sorted(BENCHMARKS))}, "
                               "e.g. 'dropless bench gmm --help'.")
