@@ -54,7 +54,17 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
     the message, rather than deep inside XLA.
     """
     devices = list(jax.devices() if devices is None else devices)
-    count = len(devices)
+    shape = mesh_shape(parallel, len(devices), batch_size=batch_size, num_experts=num_experts,
+                       microbatch_size=microbatch_size)
+    grid = np.asarray(devices, dtype=object).reshape(shape)
+    # Auto axes: the compiler propagates shardings outside the MoE layer's explicit shard_map.
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_shape(parallel: ParallelConfig, count: int, *, batch_size: int | None = None,
+               num_experts: int | None = None, microbatch_size: int | None = None) -> tuple[int, int, int]:
+    """(data, fsdp, expert) sizes of the mesh over `count` devices, with `make_mesh`'s checks (no device needed:
+    `dropless.plan` sizes meshes of clusters it does not run on)."""
     inner = parallel.fsdp * parallel.expert
     if parallel.data == -1:
         if count % inner:
@@ -76,9 +86,7 @@ def make_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = N
     if microbatch_size is not None and microbatch_size % count:
         raise ConfigError(f"a microbatch (train.batch_size / train.grad_accum_steps = {microbatch_size} sequences) "
                           f"is not divisible by the {count} devices of the mesh; make it a multiple of {count}.")
-    grid = np.asarray(devices, dtype=object).reshape(data, parallel.fsdp, parallel.expert)
-    # Auto axes: the compiler propagates shardings outside the MoE layer's explicit shard_map.
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return data, parallel.fsdp, parallel.expert
 
 
 def _mesh_axes_of(logical: str | None) -> tuple[str, ...]:

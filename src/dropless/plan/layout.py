@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from dropless.core import params as params_lib
-from dropless.core.config import Config, ConfigError
-from dropless.core.mesh import MESH_AXES, logical_to_spec
+from dropless.core.config import Config
+from dropless.core.mesh import MESH_AXES, logical_to_spec, mesh_shape
 from dropless.models import transformer
 
 # int32 step counts in the optimizer state: AdamW's and the learning-rate schedule's (optax's `count`s).
@@ -40,21 +40,8 @@ class Cluster:
 
 def mesh_sizes(config: Config, devices: int) -> dict[str, int]:
     """{"data", "fsdp", "expert"} sizes for `devices`, with the divisibility checks of `core.mesh.make_mesh`."""
-    p, train = config.parallel, config.train
-    inner = p.fsdp * p.expert
-    if p.data == -1 and devices % inner:
-        raise ConfigError(f"parallel.fsdp={p.fsdp} x parallel.expert={p.expert} = {inner} does not divide the "
-                          f"{devices} devices; choose sizes whose product divides {devices}.")
-    data = devices // inner if p.data == -1 else p.data
-    if data * inner != devices:
-        raise ConfigError(f"parallel.data={data} x parallel.fsdp={p.fsdp} x parallel.expert={p.expert} = "
-                          f"{data * inner} but there are {devices} devices; make the product {devices} or set "
-                          "parallel.data=-1.")
-    micro = train.batch_size // train.grad_accum_steps
-    if micro % devices:
-        raise ConfigError(f"a microbatch (train.batch_size / train.grad_accum_steps = {micro} sequences) is not "
-                          f"divisible by the {devices} devices; make it a multiple of {devices}.")
-    return {"data": data, "fsdp": p.fsdp, "expert": p.expert}
+    micro = config.train.batch_size // config.train.grad_accum_steps
+    return dict(zip(MESH_AXES, mesh_shape(config.parallel, devices, microbatch_size=micro)))
 
 
 _MODELS: dict[str, tuple] = {}
