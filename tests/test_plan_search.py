@@ -38,9 +38,9 @@ def test_check_fit_refuses_with_the_shortfall_and_a_layout_that_fits():
     with pytest.raises(ConfigError, match=r"GiB over the 19\.0 GiB usable of H200's 20\.0 GiB .*set parallel\.data=-1 "
                                           r".*train\.auto_fit=true"):
         check_fit(config, cluster, 20)
-    fitted = check_fit(config, cluster, 20, auto_fit=True)
+    fitted = check_fit(config, cluster, 20, auto_fit=True).config
     assert make_plan(fitted, cluster, device_memory_gib=20).fits
-    assert check_fit(config, cluster, 1000) is config
+    assert check_fit(config, cluster, 1000).config is config
     with pytest.raises(ConfigError, match="no layout of this batch fits"):
         check_fit(config, cluster, 1)
 

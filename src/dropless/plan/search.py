@@ -71,17 +71,18 @@ def search(config: Config, cluster: Cluster, *, device_memory_gib: float | None 
 
 
 def check_fit(config: Config, cluster: Cluster, device_memory_gib: float | None = None, *,
-              auto_fit: bool = False, rates: dict | None = None, within_margin: bool = False) -> Config:
-    """`config` if its plan fits; with `auto_fit`, the fastest fitting layout; otherwise a ConfigError of one line
-    saying by how much it does not fit and which settings would. `within_margin`: also accept a peak that fits the
-    device's memory but not the plan's margin (`dropless train` warns about it instead of refusing)."""
+              auto_fit: bool = False, rates: dict | None = None, within_margin: bool = False) -> Plan:
+    """The plan of `config` if it fits; with `auto_fit`, the plan of the fastest fitting layout; otherwise a
+    ConfigError of one line saying by how much it does not fit and which settings would. `within_margin`: also
+    accept a peak that fits the device's memory but not the plan's margin (`dropless train` warns about it
+    instead of refusing; such a plan's `fits` is False)."""
     plan = make_plan(config, cluster, device_memory_gib=device_memory_gib, rates=rates)
     accepted = plan.fits or (within_margin and plan.memory.peak <= plan.device_memory_bytes)
     if accepted and not auto_fit:
-        return config
+        return plan
     best = search(config, cluster, device_memory_gib=device_memory_gib, rates=rates, limit=1)
     if auto_fit and best:
-        return best[0].config
+        return best[0]
     usable = (1 - FIT_MARGIN) * plan.device_memory_bytes
     over = (plan.memory.peak - usable) / GIB
     fix = (f"set {layout_overrides(best[0].config)} (predicted peak {best[0].memory.peak / GIB:.1f} GiB) or "

@@ -17,7 +17,7 @@ from dropless.models import transformer
 from dropless.ep import make_executor
 from dropless.core import mesh as mesh_lib
 from dropless.moe.executor import ExpertExecutor
-from dropless.plan import Cluster, check_fit, make_plan
+from dropless.plan import Cluster, check_fit
 from dropless.plan.cost import load_rates, rate_key
 from dropless.plan.report import FIT_MARGIN, layout_overrides
 from dropless.train import offload
@@ -80,14 +80,13 @@ def fit_check(config: Config, devices: Sequence[jax.Device] | None = None, log=p
     rates = load_rates()
     hosts = jax.process_count()
     cluster = Cluster(hosts, len(devices) // hosts, rate_key(rates, devices[0].device_kind, devices[0].platform))
-    fitted = check_fit(config, cluster, limit, auto_fit=config.train.auto_fit, rates=rates, within_margin=True)
-    if fitted is not config:
-        log(f"dropless: train.auto_fit chose {layout_overrides(fitted)}")
-    plan = make_plan(fitted, cluster, device_memory_gib=limit, rates=rates)
+    plan = check_fit(config, cluster, limit, auto_fit=config.train.auto_fit, rates=rates, within_margin=True)
+    if plan.config is not config:
+        log(f"dropless: train.auto_fit chose {layout_overrides(plan.config)}")
     if not plan.fits:  # within the device's memory, but not within the plan's margin
         log(f"dropless: warning: the plan's peak is {plan.memory.peak / 1024**3:.1f} GiB of the "
             f"{limit:.1f} GiB per device, within the model's {FIT_MARGIN:.0%} error; the run may not fit.")
-    return fitted
+    return plan.config
 
 
 def init_state(setup: StepSetup, init_weights: tuple | None = None) -> TrainState:
