@@ -317,8 +317,8 @@ def _output_head(params: dict, x_BSD: jax.Array, config: Config, dtype) -> jax.A
 
 
 def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, mesh):
-    """The MTP depths 1..D after the main model's normalised output `h_BSD`. Returns (logits per depth,
-    MoEStats of the MoE blocks or None)."""
+    """The MTP depths 1..D after the main model's normalised output `h_BSD`. Returns (logits per depth, the
+    MoEStats of each MoE block, [1, ...] each; none for dense blocks)."""
     config, dtype = layers.config, layers.dtype
     m = config.model
     moe_block = m.mtp_block == "moe"
@@ -341,7 +341,7 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
                 x_BSD, _ = body(x_BSD, module["block"])
             h_BSD = x_BSD
             logits.append(_output_head(params, rms_norm(x_BSD, module["head_norm"], m.rms_norm_eps), config, dtype))
-    return tuple(logits), (_concat_stats(stats, config, h_BSD) if stats else None)
+    return tuple(logits), stats
 
 
 def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
@@ -387,7 +387,6 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
     aux = {}
     if mtp and m.mtp_layers:
         aux["mtp_logits"], mtp_stats = _mtp_modules(params, state, tokens_BS, x_BSD, layers, mesh)
-        if mtp_stats is not None:
-            stats.append(mtp_stats)
+        stats += mtp_stats
     moe_stats = _concat_stats(stats, config, x_BSD)
     return logits_BSV, {"moe": moe_stats, "balance_loss": jnp.sum(moe_stats.balance_loss), **aux}

@@ -67,6 +67,15 @@ def load_ratios(shares_LE) -> np.ndarray:
     return shares_LE.max(-1) / np.maximum(shares_LE.mean(-1), 1e-12)
 
 
+def expert_loads(shares_LE) -> tuple[np.ndarray, float]:
+    """(load [..., L, E], its collapsed value E/K) from expert shares: load = share * E / K, 1 is balanced and E/K
+    means every token of the row went to the same K experts (K recovered from the shares, whose rows sum to K)."""
+    shares_LE = np.asarray(shares_LE, np.float64)
+    num_experts = shares_LE.shape[-1]
+    top_k = max(round(float(shares_LE.sum(-1).mean())), 1)
+    return shares_LE * num_experts / top_k, num_experts / top_k
+
+
 def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray:
     """uint8 [L*cell, E*cell, 3] heatmap for TensorBoard, white at `low` to dark red at `high`."""
     level = np.clip((np.asarray(values_LE, np.float64) - low) / max(high - low, 1e-12), 0.0, 1.0)
@@ -95,11 +104,9 @@ class MetricsWriter:
             self._router(np.asarray(clean["expert_share"]), clean.get("router_bias"), step)
 
     def _router(self, shares_LE: np.ndarray, bias_LE, step: int) -> None:
-        # Load = share * E / K: 1 is balanced; the image's scale ends at E/K, every token on the same K experts.
-        num_experts, top_k = shares_LE.shape[-1], round(float(shares_LE.sum(-1).mean()))
-        load_LE = shares_LE * num_experts / max(top_k, 1)
-        self._tensorboard.add_image("router/expert_load", _heat_image(load_LE, 1.0, num_experts / max(top_k, 1)),
-                                    step, dataformats="HWC")
+        load_LE, collapsed = expert_loads(shares_LE)  # the image's scale: balanced (1) to collapsed (E/K)
+        self._tensorboard.add_image("router/expert_load", _heat_image(load_LE, 1.0, collapsed), step,
+                                    dataformats="HWC")
         for row, ratio in enumerate(load_ratios(shares_LE)):
             self._tensorboard.add_scalar(f"router/max_load/row_{row}", float(ratio), step)
         if bias_LE is not None:
@@ -242,18 +249,17 @@ def _plot_router(fig, axes, routed: list[dict], names: list[str]) -> None:
     num_rows, num_experts = shares_NLE.shape[1:]
     if len(names) != num_rows:
         names = [f"row {row}" for row in range(num_rows)]
-    top_k = max(round(float(shares_NLE[-1].sum(-1).mean())), 1)
-    load_NLE = shares_NLE * num_experts / top_k
+    load_NLE, collapsed = expert_loads(shares_NLE)
     extent = dict(aspect="auto", interpolation="nearest", origin="lower", cmap="Reds")
     half = (steps[-1] - steps[0]) / (2 * (len(steps) - 1)) if len(steps) > 1 else 0.5  # cells centred on steps
     span = [steps[0] - half, steps[-1] + half, -0.5, num_rows - 0.5]
     ratio_NL = load_NLE.max(-1)
-    image = axes[0][2].imshow(ratio_NL.T, extent=span, vmin=1.0, vmax=num_experts / top_k, **extent)
+    image = axes[0][2].imshow(ratio_NL.T, extent=span, vmin=1.0, vmax=collapsed, **extent)
     axes[0][2].set(xlabel="step", title="max / mean load per layer")
     fig.colorbar(image, ax=axes[0][2])
     worst = int(np.argmax(ratio_NL[-1]))
     image = axes[1][0].imshow(load_NLE[:, worst].T, extent=[*span[:2], -0.5, num_experts - 0.5],
-                              vmin=0.0, vmax=num_experts / top_k, **extent)
+                              vmin=0.0, vmax=collapsed, **extent)
     axes[1][0].set(xlabel="step", ylabel="expert", title=f"expert load of {names[worst]} (worst at the end)")
     fig.colorbar(image, ax=axes[1][0])
     axes[1][1].plot(steps, np.sort(load_NLE[:, worst], axis=-1)[:, ::-1][:, :3])
