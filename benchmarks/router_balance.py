@@ -8,8 +8,9 @@ A variant is a named set of overrides (VARIANTS below) applied on top of the pre
 key=value pairs. The run is the very step `dropless train` runs (dropless.train.setup.build) on the run's batches
 (dropless.data), every step's per-layer expert shares read back (`expert_share`, dropless.train.step), the
 held-out loss every --eval-every steps on fixed held-out batches; no checkpoints are written. The record holds,
-per step, every MoE layer's max/mean load and the largest |router bias|, the held-out curve, the steps at which the
-worst layer's load first stays at or below 2.0 and 1.3, tokens/s and tokens dropped.
+per step, every MoE layer's max/mean load and the largest |router bias|, every 10 steps each layer's full expert
+shares and biases, the held-out curve, the steps at which the worst layer's load first stays at or below 2.0 and
+1.3, tokens/s and tokens dropped, and a probe of whether the bias steers the selection (`bias_probe`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ VARIANTS = {
     "router-std-small": ("router init std 0.1/sqrt(hidden): initial router logits of std 0.1",
                          lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c)}),
     "bias-rate-1e-2": ("bias_update_rate 1e-2 (the preset: 1e-3)", lambda c: {"moe.bias_update_rate": 0.01}),
+    "z-loss-1e-3": ("z_loss_weight 1e-3 (the preset: 0), ST-MoE's router z-loss against saturated scores",
+                    lambda c: {"moe.z_loss_weight": 1e-3}),
     "seq-aux-1e-2": ("seq_aux_loss_weight 1e-2 (the preset: 1e-4)", lambda c: {"moe.seq_aux_loss_weight": 0.01}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
@@ -56,14 +59,45 @@ def first_step_at_or_below(steps: list[int], worst: list[float], level: float) -
     return None
 
 
+TRACE_EVERY = 10  # steps between the full per-expert rows kept in the record
+
+
+def bias_probe(setup, state, batch) -> list[dict]:
+    """Whether the correction bias steers selection on this device: per router row, the most loaded expert's share
+    as it is, and again with that expert's bias set to -1e3 (which no score in [0, 1] can outweigh, so a share
+    that stays high there means the bias does not reach the selection)."""
+    from dropless.models.transformer import forward
+    from dropless.train.step import expert_shares
+
+    config = setup.config
+    k = config.moe.num_experts_per_tok
+
+    @jax.jit
+    def shares(params, model_state, tokens):
+        _, aux = forward(params, model_state, tokens, config, executor=setup.executor)
+        return expert_shares(aux["moe"].tokens_per_expert, k)
+
+    tokens = batch[:, :-1]  # a training batch holds S + 1 tokens per row (inputs and targets)
+    before = np.asarray(shares(state.params, state.model_state, tokens))
+    rows = []
+    for row, expert in enumerate(before.argmax(-1)):
+        bias = state.model_state["router_bias"].at[row, expert].set(-1e3)
+        after = np.asarray(shares(state.params, {**state.model_state, "router_bias": bias}, tokens))
+        rows.append({"row": row, "expert": int(expert), "share": round(float(before[row, expert]), 4),
+                     "share_with_bias_-1e3": round(float(after[row, expert]), 4)})
+    return rows
+
+
 def run(config, log) -> dict:
     tc = config.train
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
+    trace = {"steps": [], "expert_share": [], "router_bias": []}
     t0, timed_tokens = None, 0
     with dataset.prefetch(0, tc.batch_size, tc.steps, transform=to_device) as batches:
         for step in range(tc.steps):
-            state, metrics = setup.step(state, next(batches))
+            batch = next(batches)
+            state, metrics = setup.step(state, batch)
             m = jax.device_get({k: metrics[k] for k in ("loss", "tokens_dropped", "expert_share", "router_bias")})
             if step == 2:  # time from here: compilation and warm-up are behind
                 t0 = time.perf_counter()
@@ -74,13 +108,20 @@ def run(config, log) -> dict:
             bias_max.append(round(float(np.abs(m["router_bias"]).max()), 5))
             losses.append(round(float(m["loss"]), 4))
             dropped += int(m["tokens_dropped"])
+            if step == 0 or (step + 1) % TRACE_EVERY == 0:
+                trace["steps"].append(step + 1)
+                trace["expert_share"].append(np.round(np.asarray(m["expert_share"], np.float64), 4).tolist())
+                trace["router_bias"].append(np.round(np.asarray(m["router_bias"], np.float64), 4).tolist())
+            last_batch = batch
             if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
                 pause = time.perf_counter()
                 curve.append((step + 1, evaluate(state)))
                 t0 += time.perf_counter() - pause  # evaluations are not training time
                 log(f"step {step + 1:4d} worst load {max(loads[-1]):.2f} held-out loss {curve[-1][1]:.4f}")
     worst = [max(row) for row in loads]
-    return {"layers": router_row_names(config), "steps": steps, "max_load": loads, "worst_max_load": worst,
+    probe = bias_probe(setup, state, last_batch)
+    log(f"bias probe: {probe}")
+    return {"trace": trace, "bias_probe": probe, "layers": router_row_names(config), "steps": steps, "max_load": loads, "worst_max_load": worst,
             "max_abs_bias": bias_max, "train_loss": losses, "eval": curve, "final_eval_loss": curve[-1][1],
             "worst_max_load_at": {str(s): worst[s - 1] for s in (50, 100, 150, 200, 300) if s <= len(worst)},
             "steady_at_or_below_2.0_from": first_step_at_or_below(steps, worst, 2.0),

@@ -87,3 +87,21 @@ def test_plan_accuracy_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["benchmark"] == "plan-accuracy"
     table = plan_accuracy.markdown_table(record)
     assert table.startswith("| configuration |") and row["name"] in table
+
+
+def test_plan_accuracy_parts_cover_the_set_once_and_records_merge(monkeypatch):
+    names = [f"c{i}" for i in range(7)]
+    configs = [(name, "tiny", []) for name in names]
+    parts = [plan_accuracy.select_part(configs, f"{k}/3") for k in (1, 2, 3)]
+    assert [c[0] for part in parts for c in part] == names and all(parts)
+    with pytest.raises(ValueError, match="--part"):
+        plan_accuracy.select_part(configs, "4/3")
+    monkeypatch.setitem(plan_accuracy.CONFIG_SETS, "parts", configs)
+    previous = {"benchmark": "plan-accuracy", "config_set": "parts",
+                "configs": [{"name": n, "status": "ok", "old": True} for n in names[:3]]}
+    rows = [{"name": "c1", "status": "ok"}, {"name": "c2", "status": "not run: the time budget (--budget) ran out"},
+            {"name": "c4", "status": "ok"}]
+    merged = plan_accuracy.merged_rows(previous, rows, "parts")
+    # c1 re-measured replaces the old row; c2's old measurement survives a run that did not get to it.
+    assert [(r["name"], "old" in r) for r in merged] == [("c0", True), ("c1", False), ("c2", True), ("c4", False)]
+    assert plan_accuracy.merged_rows({**previous, "config_set": "h200"}, rows, "parts") == rows

@@ -1,7 +1,7 @@
 """`dropless bench plan-accuracy` (`make bench-plan`): the plan's predicted peak memory and step time against
 measured ones, per configuration, on this machine's first device.
 
-    dropless bench plan-accuracy --out benchmarks/results/plan-accuracy-h200.json
+    dropless bench plan-accuracy --out benchmarks/results/plan-accuracy-h200.json [--part 1/3]
     dropless bench plan-accuracy --set tiny --out /tmp/plan-accuracy.json          (CPU, the tests)
     dropless bench plan-accuracy --table benchmarks/results/plan-accuracy-h200.json  (the BENCHMARKS.md table)
 
@@ -37,8 +37,8 @@ TINY = ["model.num_layers=2", "model.hidden_size=32", "model.vocab_size=64", "mo
 QWEN = ("qwen3-30b-a3b", ["model.num_layers=4", "train.batch_size=4"])
 
 CONFIG_SETS = {
-    # Twelve configurations, so that the whole run (one parallel compile, then one process each) stays under 8
-    # minutes on one H200 machine.
+    # Twelve configurations: about 20 minutes on one H200 machine (a parallel compile, then ~70 s per process),
+    # so `make bench-plan` runs them in three parts of four, each under 10 minutes.
     "h200": [("proxy b1", PROXY, ["train.batch_size=1"])]
     + [(f"proxy b{b} remat={r}", PROXY, [f"train.batch_size={b}", f"train.remat={r}"])
        for b in (4, 8) for r in ("none", "moe", "full")]
@@ -142,14 +142,38 @@ def _failure(result: subprocess.CompletedProcess) -> str:
     return "error: " + (tail[-1][:300] if tail else f"exit {result.returncode}")
 
 
+def select_part(configs: list, part: str | None) -> list:
+    """Part "K/N": the K-th of N contiguous, nearly equal slices of `configs` (None: all of them)."""
+    if part is None:
+        return configs
+    try:
+        k, n = (int(v) for v in part.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise ValueError(f"--part {part!r} is not K/N with 1 <= K <= N; pass e.g. --part 1/3.")
+    return configs[(k - 1) * len(configs) // n:k * len(configs) // n]
+
+
+def merged_rows(previous: dict | None, rows: list[dict], config_set: str) -> list[dict]:
+    """This run's rows, with the rows of `previous` (an earlier record of the same set, e.g. another --part) for the
+    configurations this run did not measure, in the set's order."""
+    if not previous or previous.get("benchmark") != "plan-accuracy" or previous.get("config_set") != config_set:
+        return rows
+    by_name = {row["name"]: row for row in previous.get("configs", [])}
+    by_name.update({row["name"]: row for row in rows if row["status"] == "ok" or row["name"] not in by_name})
+    return [by_name[name] for name, _, _ in CONFIG_SETS[config_set] if name in by_name]
+
+
 def run(config_set: str, out: str | None, *, warmup: int, steps: int, seconds: float, budget: float,
-        device: str | None, log=print) -> dict:
-    """The whole benchmark: predictions, the compile process, one worker per configuration, the record."""
+        device: str | None, part: str | None = None, log=print) -> dict:
+    """The whole benchmark (or one `part` of it): predictions, the compile process, one worker per configuration,
+    the record. An existing record at `out` of the same set keeps the rows this run does not measure."""
     from dropless.bench.records import write_json
 
     start = time.perf_counter()
     jobs = [{"name": name, "preset": preset, "overrides": overrides}
-            for name, preset, overrides in CONFIG_SETS[config_set]]
+            for name, preset, overrides in select_part(CONFIG_SETS[config_set], part)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="dropless-plan-cache-") as cache_dir:
         try:
@@ -183,6 +207,7 @@ def run(config_set: str, out: str | None, *, warmup: int, steps: int, seconds: f
                         row["status"] = _failure(result)
                 except subprocess.TimeoutExpired:
                     row["status"] = "not run: the time budget (--budget) ran out"
+            row["environment"] = {k: env.get(k) for k in ("commit", "date", "device")}
             measured = row.get("measured") or {}
             if measured.get("peak_gib"):
                 row["peak_error"] = row["predicted"]["peak_gib"] / measured["peak_gib"] - 1
@@ -191,8 +216,10 @@ def run(config_set: str, out: str | None, *, warmup: int, steps: int, seconds: f
             log(f"{row['name']:32s} {row['status']:6.40s} " + " ".join(
                 f"{k} {row[k]:+.1%}" for k in ("peak_error", "step_error") if k in row))
             rows.append(row)
+    previous = json.loads(Path(out).read_text()) if out and Path(out).is_file() else None
     record = {"benchmark": "plan-accuracy", "environment": env, "device": device, "config_set": config_set,
-              "wall_s": time.perf_counter() - start, "targets": {"peak": 0.10, "step": 0.20}, "configs": rows}
+              "wall_s": time.perf_counter() - start, "targets": {"peak": 0.10, "step": 0.20},
+              "configs": merged_rows(previous, rows, config_set)}
     if out:
         write_json(out, record, indent=2)
     return record
@@ -233,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=460.0,
                         help="seconds for the whole run (default 460); configurations left when it ends are recorded "
                              "as not run")
+    parser.add_argument("--part", help="run only part K/N of the set (contiguous slices); the record at --out keeps "
+                                       "the other parts' rows")
     parser.add_argument("--compile", help=argparse.SUPPRESS)  # internal: the compile process's jobs
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one worker's job
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -247,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_one(json.loads(args.worker), args.cache, args.warmup, args.steps, args.seconds)))
         return 0
     record = run(args.set, args.out, warmup=args.warmup, steps=args.steps, seconds=args.seconds,
-                 budget=args.budget, device=args.device)
+                 budget=args.budget, device=args.device, part=args.part)
     print(markdown_table(record))
     return 0 if all(row["status"] == "ok" or row["status"].startswith("not run") for row in record["configs"]) else 1
 
