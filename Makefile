@@ -55,7 +55,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
   ctas32:NCCL_MIN_CTAS=32+NCCL_MAX_CTAS=32 proto_simple:NCCL_PROTO=Simple buffsize16M:NCCL_BUFFSIZE=16777216 \
   nthreads512:NCCL_NTHREADS=512 user_buffers:XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true
 
-BENCH_TARGETS := bench-gmm bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
+BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-router bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu
@@ -68,6 +68,15 @@ bench-gmm: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
 	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES) --skews dirichlet --backends dense,dropless --table \
 	  --out $(RESULTS)/gmm-$(GPU).json --chart $(BENCH_SCRATCH)/gmm-$(GPU).png
+
+# 1 GPU: fine-grained experts (256, 128 and 512 experts) beside dense, and the whole expert stage (permute ->
+# gate+up -> SwiGLU -> down -> unpermute) against its dense matmuls, for four models.
+FINE_SHAPES := dsv3-gate-up-e256,dsv3-down-e256,qwen3-gate-up,qwen3-down,qwen3-next-gate-up,qwen3-next-down
+bench-gmm-fine: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	$(DROPLESS) bench gmm --shapes $(FINE_SHAPES) --skews dirichlet --backends dense,dropless \
+	  --stages dsv3-e32,dsv3-e256,qwen3-30b-a3b,qwen3-next --stage-paths default --table \
+	  --out $(RESULTS)/gmm-fine-$(GPU).json --chart $(BENCH_SCRATCH)/gmm-fine-$(GPU).png
 
 # 1 GPU: every grouped-GEMM backend, shape and group-size skew (the default `bench gmm`), with its chart.
 bench-gmm-backends: $(BENCH_DEPS)

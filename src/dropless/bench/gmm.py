@@ -7,7 +7,9 @@ forward and forward+backward. Each path is checked against an f32 reference befo
 warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
 input sets, each batch ended by one device sync. Results: a list of records in JSON (see `RECORD_KEYS`).
 
-Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows inside groups.
+Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows inside groups. `--stages` adds
+the whole routed-expert stage (permute -> gate+up -> SwiGLU -> down -> unpermute) against its dense matmuls
+(dropless.bench.expert_stage) to the same record.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.bench import report
+from dropless.bench import expert_stage, report
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
@@ -56,6 +58,9 @@ SHAPES = {s.name: s for s in (
     ShapeSpec("mixtral-gate-up", 32768, 4096, 28672, 8, "Mixtral 8x7B gate+up"),
     ShapeSpec("qwen3-gate-up", 65536, 2048, 1536, 128, "Qwen3-30B-A3B gate+up"),
     ShapeSpec("qwen3-down", 65536, 768, 2048, 128, "Qwen3-30B-A3B down"),
+    # The finest-grained published layout: Qwen3-Next-80B-A3B, 512 experts of width 512 on hidden 2048.
+    ShapeSpec("qwen3-next-gate-up", 65536, 2048, 1024, 512, "Qwen3-Next-80B-A3B gate+up, 512 experts"),
+    ShapeSpec("qwen3-next-down", 65536, 512, 2048, 512, "Qwen3-Next-80B-A3B down, 512 experts"),
     ShapeSpec("tiny", 512, 128, 256, 4, "CPU smoke test"),
 )}
 DEFAULT_SHAPES = tuple(n for n in SHAPES if n != "tiny")
@@ -341,6 +346,10 @@ def parse_args(argv):
                    help=f"comma-separated shape classes from: {', '.join(SHAPES)} (default: all but tiny)")
     p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated, from {', '.join(SKEWS)}")
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {', '.join(BACKENDS)}")
+    p.add_argument("--stages", default="", help="comma-separated expert stages to measure as well, from: "
+                   f"{', '.join(expert_stage.STAGES)} (default: none)")
+    p.add_argument("--stage-paths", default=",".join(expert_stage.STAGE_PATHS),
+                   help=f"the stages' grouped GEMMs, from {', '.join(expert_stage.STAGE_PATHS)}")
     p.add_argument("--configs", help="a tuned-config table to use instead of the packaged one")
     p.add_argument("--out", default="benchmarks/results/gmm-{device}.json", help="results JSON ({device} is filled in)")
     p.add_argument("--chart", default="", help="PNG chart path (default: the --out path with .png)")
@@ -353,7 +362,10 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     shapes = [s for s in args.shapes.split(",") if s]
-    for name, allowed in ((shapes, SHAPES), (args.skews.split(","), SKEWS), (args.backends.split(","), BACKENDS)):
+    stages = [s for s in args.stages.split(",") if s]
+    stage_paths = [s for s in args.stage_paths.split(",") if s]
+    for name, allowed in ((shapes, SHAPES), (args.skews.split(","), SKEWS), (args.backends.split(","), BACKENDS),
+                          (stages, expert_stage.STAGES), (stage_paths, expert_stage.STAGE_PATHS)):
         bad = [x for x in name if x not in allowed]
         if bad:
             print(f"error: {', '.join(bad)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
@@ -365,9 +377,17 @@ def main(argv: list[str] | None = None) -> int:
         records += bench_shape(SHAPES[name], args.skews.split(","), args.backends.split(","),
                                plan_path=args.configs, seed=args.seed, batches=args.batches)
         write_json(out, records)  # after every shape: a timeout keeps what was done
-    write_chart(records, Path(args.chart) if args.chart else out.with_suffix(".png"))
+    for name in stages:
+        records += expert_stage.bench_stage(expert_stage.STAGES[name], stage_paths, environment(), seed=args.seed,
+                                            batches=args.batches)
+        write_json(out, records)
+    gemms = [r for r in records if not r["shape"].startswith("stage:")]
+    if gemms:
+        write_chart(gemms, Path(args.chart) if args.chart else out.with_suffix(".png"))
     if args.table:
-        print(markdown_table(records, args.skews.split(",")))
+        print(markdown_table(gemms, args.skews.split(",")))
+        if stages:
+            print(expert_stage.markdown_table(records))
     print(f"wrote {out}")
     return 0
 

@@ -1,0 +1,230 @@
+"""The whole routed-expert stage against its dense equivalent: `dropless bench gmm --stages NAME,...`.
+
+The stage is what a MoE layer runs between the router and the combine, on one device: permute (sort the token
+copies by expert) -> gate+up grouped GEMM -> SwiGLU -> down grouped GEMM -> unpermute (gather back and combine
+each token's K rows with its routing weights), `dropless.moe.executor.LocalExecutor` exactly as the layer calls
+it. Its dense equivalent is the two dense matmuls of equal FLOPs, [M, D] x [D, 2F] and [M, F] x [F, D] with
+M = T*K rows, each timed alone forward and forward+backward in the same run; the ratio of their summed time to
+the stage's says what the stage costs beyond its matmuls (the permutations, the activation, grouped-GEMM
+raggedness), so a fusion is measured where it pays.
+
+Routing: each token's K distinct experts drawn without replacement from expert weights ~ Dirichlet(1) (the
+`dirichlet` skew of the grouped-GEMM benchmark, per token), combine weights uniform in [0.5, 1.5). Before it is
+timed, the stage is checked against a per-(token, expert) float32 loop on a sample of tokens (outputs and input
+gradients). Records go into the grouped-GEMM benchmark's list (`backend` = "stage:<path>").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dropless.bench.harness import first_line, time_calls
+from dropless.fp8 import Recipe, experts_gmm
+from dropless.gmm.registry import make_gmm
+from dropless.moe.executor import LocalExecutor
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One model's routed-expert stage: T tokens, K experts each, hidden D, expert width F, E experts."""
+
+    name: str
+    tokens: int
+    top_k: int
+    hidden: int
+    width: int
+    experts: int
+    what: str
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    def flops(self) -> float:
+        """The stage's matmul FLOPs forward: gate+up 2*M*D*2F plus down 2*M*F*D."""
+        return 2.0 * self.rows * self.hidden * 3 * self.width
+
+
+STAGES = {s.name: s for s in (
+    StageSpec("dsv3-e32", 8192, 8, 7168, 2048, 32, "DeepSeek-V3 widths, 32 local experts, 8,192 tokens"),
+    StageSpec("dsv3-e256", 8192, 8, 7168, 2048, 256, "DeepSeek-V3 widths, 256 local experts, 8,192 tokens"),
+    StageSpec("qwen3-30b-a3b", 8192, 8, 2048, 768, 128, "Qwen3-30B-A3B, 128 experts, 8,192 tokens"),
+    StageSpec("qwen3-next", 8192, 10, 2048, 512, 512, "Qwen3-Next-80B-A3B, 512 experts, top-10, 8,192 tokens"),
+    StageSpec("tiny", 64, 2, 32, 16, 4, "CPU smoke test"),
+)}
+# Which grouped GEMM the stage runs: the layer's default (`moe.gmm_backend=auto`: ours on a GPU, XLA's
+# ragged_dot on a CPU), and each FP8 recipe through it.
+STAGE_PATHS = ("default", "fp8_blockwise", "fp8_rowwise")
+CHECK_TOKENS = 16
+# Error limits against the float32 loop: bf16 rounds h, the activation and y in turn (each 2^-9 relative), and
+# FP8 adds e4m3's rounding to both products (the grouped-GEMM benchmark's FP8 limit, once per product).
+STAGE_ERR_LIMIT = 2e-2
+FP8_STAGE_ERR_LIMIT = 0.16
+
+
+class _MoeCfg:
+    """The few `moe.*` settings the executor reads."""
+
+    gmm_backend = "auto"
+    capacity_factor = 1.25
+
+
+def stage_gmm(path: str):
+    recipe = None if path == "default" else Recipe(path.removeprefix("fp8_"), native=True)
+    return experts_gmm(_MoeCfg(), recipe) if recipe else make_gmm(_MoeCfg())
+
+
+def routing(spec: StageSpec, seed: int):
+    """(expert_ids [T, K] int32, distinct per token; weights [T, K] float32)."""
+    rng = np.random.default_rng(seed)
+    logits_E = np.log(rng.dirichlet(np.ones(spec.experts)))
+    gumbel_TE = rng.gumbel(size=(spec.tokens, spec.experts))
+    ids_TK = np.argsort(-(logits_E + gumbel_TE), axis=1)[:, :spec.top_k].astype(np.int32)
+    weights_TK = rng.uniform(0.5, 1.5, (spec.tokens, spec.top_k)).astype(np.float32)
+    return jnp.asarray(ids_TK), jnp.asarray(weights_TK)
+
+
+def operands(spec: StageSpec, seed: int):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    bf16 = jnp.bfloat16
+    x = jax.random.normal(keys[0], (spec.tokens, spec.hidden), bf16)
+    dy = jax.random.normal(keys[1], (spec.tokens, spec.hidden), jnp.float32)
+    experts = {"gate_up": (jax.random.normal(keys[2], (spec.experts, spec.hidden, 2 * spec.width), jnp.float32)
+                           / math.sqrt(spec.hidden)).astype(bf16),
+               "down": (jax.random.normal(keys[3], (spec.experts, spec.width, spec.hidden), jnp.float32)
+                        / math.sqrt(spec.width)).astype(bf16)}
+    return x, dy, experts
+
+
+def stage_programs(gmm, ids_TK, weights_TK):
+    """Jitted (fwd(x, experts) -> y, fwdbwd(x, experts, dy) -> (y, dx, d_experts)) of the stage."""
+    executor = LocalExecutor(gmm)
+
+    def fwd(x, experts):
+        return executor(x, ids_TK, weights_TK, experts)[0]
+
+    def fwdbwd(x, experts, dy):
+        y, pullback = jax.vjp(fwd, x, experts)
+        return (y, *pullback(dy))
+
+    return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def reference(x_TD, experts, ids_TK, weights_TK):
+    """y [t] = sum_k w[t, k] * SwiGLU_{e[t, k]}(x[t]) in float32, one (token, expert) pair at a time."""
+    width = experts["down"].shape[1]
+
+    def token(args):
+        x_D, ids_K, w_K = args
+
+        def pair(e_w):
+            e, w = e_w
+            h = x_D @ experts["gate_up"][e].astype(jnp.float32)
+            a = jax.nn.silu(h[:width]) * h[width:]
+            return w * (a @ experts["down"][e].astype(jnp.float32))
+
+        return jnp.sum(jax.lax.map(pair, (ids_K, w_K)), axis=0)
+
+    return jax.lax.map(token, (x_TD.astype(jnp.float32), ids_TK, weights_TK))
+
+
+def check(spec: StageSpec, fwdbwd, x, dy, experts, ids_TK, weights_TK) -> dict:
+    """Relative errors of the stage's output and input gradient on CHECK_TOKENS tokens against `reference`."""
+    y, dx, _ = fwdbwd(x, experts, dy)
+    pick = np.linspace(0, spec.tokens - 1, min(CHECK_TOKENS, spec.tokens)).astype(np.int32)
+
+    def ref_sample(x_sample):
+        return reference(x_sample, experts, ids_TK[pick], weights_TK[pick])
+
+    ref_y, pullback = jax.vjp(ref_sample, x[pick].astype(jnp.float32))
+    ref_dx, = pullback(dy[pick])
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+    return {"fwd": rel(y[pick], ref_y), "dlhs": rel(dx[pick], ref_dx)}
+
+
+def dense_reference(spec: StageSpec, batches: int) -> dict:
+    """The stage's two matmuls as dense matmuls of equal FLOPs, each forward and forward+backward: ms each."""
+    keys = jax.random.split(jax.random.key(7), 4)
+    bf16 = jnp.bfloat16
+    shapes = {"up": (spec.hidden, 2 * spec.width), "down": (spec.width, spec.hidden)}
+    out = {}
+    for name, (k, n) in shapes.items():
+        xs = [jax.random.normal(keys[i], (spec.rows, k), bf16) for i in (0, 1)]
+        w = (jax.random.normal(keys[2], (k, n), jnp.float32) / math.sqrt(k)).astype(bf16)
+        dy = jax.random.normal(keys[3], (spec.rows, n), bf16)
+        fwd = jax.jit(lambda x, w: jnp.dot(x, w))
+
+        def fb(x, w, dy):
+            out_, pullback = jax.vjp(lambda x, w: jnp.dot(x, w), x, w)
+            return (out_, *pullback(dy))
+
+        out[f"{name}_fwd_ms"] = time_calls(fwd, [(x, w) for x in xs], batches=batches) * 1e3
+        out[f"{name}_fwdbwd_ms"] = time_calls(jax.jit(fb), [(x, w, dy) for x in xs], batches=batches) * 1e3
+    return out
+
+
+def bench_stage(spec: StageSpec, paths, env: dict, *, seed: int = 0, batches: int = 5, log=print) -> list[dict]:
+    """The dense reference, then each path's stage: checked, then timed. One record each."""
+    x, dy, experts = operands(spec, seed)
+    ids_TK, weights_TK = routing(spec, seed)
+    base = {"shape": f"stage:{spec.name}", "m": spec.rows, "k": spec.hidden, "n": spec.width, "g": spec.experts,
+            "tokens": spec.tokens, "top_k": spec.top_k, "skew": "dirichlet"} | env
+    dense = dense_reference(spec, batches)
+    dense_fwd_ms = dense["up_fwd_ms"] + dense["down_fwd_ms"]
+    dense_fwdbwd_ms = dense["up_fwdbwd_ms"] + dense["down_fwdbwd_ms"]
+    flops = spec.flops()
+    records = [base | {"backend": "stage:dense", **dense, "fwd_ms": dense_fwd_ms, "fwdbwd_ms": dense_fwdbwd_ms,
+                       "fwd_tflops": flops / dense_fwd_ms / 1e9, "fwdbwd_tflops": 3 * flops / dense_fwdbwd_ms / 1e9,
+                       "error": None, "max_rel_err": None}]
+    log(f"stage {spec.name}: dense equivalent {dense_fwd_ms:.2f} ms fwd, {dense_fwdbwd_ms:.2f} ms fwd+bwd "
+        f"({records[0]['fwdbwd_tflops']:.0f} TF/s)")
+    for path in paths:
+        rec = base | {"backend": f"stage:{path}", "error": None, "max_rel_err": None,
+                      "dense_fwd_ms": dense_fwd_ms, "dense_fwdbwd_ms": dense_fwdbwd_ms}
+        try:
+            gmm = stage_gmm(path)
+            rec["gmm"] = gmm.name
+            fwd, fwdbwd = stage_programs(gmm, ids_TK, weights_TK)
+            rec["rel_err"] = check(spec, fwdbwd, x, dy, experts, ids_TK, weights_TK)
+            rec["max_rel_err"] = max(rec["rel_err"].values())
+            limit = STAGE_ERR_LIMIT if path == "default" else FP8_STAGE_ERR_LIMIT
+            if not rec["max_rel_err"] <= limit:
+                raise AssertionError(f"relative error {rec['rel_err']} > {limit}: not timed")
+            t_fwd = time_calls(fwd, [(x, experts)], batches=batches)
+            t_fb = time_calls(fwdbwd, [(x, experts, dy)], batches=batches)
+            rec |= {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3, "fwd_tflops": flops / t_fwd / 1e12,
+                    "fwdbwd_tflops": 3 * flops / t_fb / 1e12,
+                    "fwd_vs_dense": dense_fwd_ms / (t_fwd * 1e3), "fwdbwd_vs_dense": dense_fwdbwd_ms / (t_fb * 1e3)}
+            log(f"stage {spec.name} {path:14s} ({gmm.name}) fwd {rec['fwd_ms']:.2f} ms = {rec['fwd_vs_dense']:.0%} "
+                f"of dense, fwd+bwd {rec['fwdbwd_ms']:.2f} ms = {rec['fwdbwd_vs_dense']:.0%}, "
+                f"err {rec['max_rel_err']:.1e}")
+        except Exception as e:  # noqa: BLE001 - a failing path is a result, not a crash
+            rec["error"] = first_line(e)
+            log(f"stage {spec.name} {path:14s} FAILED: {rec['error']}")
+        records.append(rec)
+    return records
+
+
+def markdown_table(records: list[dict]) -> str:
+    """Per stage and path: fwd and fwd+bwd time, and the dense equivalent's share of it (1 = as fast as dense)."""
+    lines = ["| stage | path | fwd ms | fwd+bwd ms | dense equivalent fwd / fwd+bwd ms | stage vs dense (fwd / fwd+bwd) |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in records:
+        if not r["shape"].startswith("stage:") or r["backend"] == "stage:dense":
+            continue
+        name, path = r["shape"].removeprefix("stage:"), r["backend"].removeprefix("stage:")
+        if r.get("error"):
+            lines.append(f"| {name} | {path} | – | – | – | {r['error'][:60]} |")
+            continue
+        lines.append(f"| {name} | {path} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {r['dense_fwd_ms']:.2f} / "
+                     f"{r['dense_fwdbwd_ms']:.2f} | {r['fwd_vs_dense']:.0%} / **{r['fwdbwd_vs_dense']:.0%}** |")
+    return "\n".join(lines)

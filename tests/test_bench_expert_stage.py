@@ -1,0 +1,48 @@
+"""The expert-stage benchmark (`dropless bench gmm --stages`): its records, its check, its table, on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+
+from dropless.bench import expert_stage as stage
+from dropless.bench import gmm as bench
+
+
+def test_stage_records_and_table_from_bench_gmm(tmp_path, capsys):
+    out = tmp_path / "gmm-cpu.json"
+    assert bench.main(["--shapes", "", "--stages", "tiny", "--stage-paths", "default,fp8_blockwise",
+                       "--out", str(out), "--batches", "1", "--table"]) == 0
+    records = json.loads(out.read_text())
+    assert [r["backend"] for r in records] == ["stage:dense", "stage:default", "stage:fp8_blockwise"]
+    dense, default, fp8 = records
+    assert dense["fwd_ms"] == dense["up_fwd_ms"] + dense["down_fwd_ms"] > 0
+    for r in (default, fp8):
+        assert r["error"] is None and r["device"] and r["commit"] is not None
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwdbwd_vs_dense"] == dense["fwdbwd_ms"] / r["fwdbwd_ms"]
+    assert default["max_rel_err"] < stage.STAGE_ERR_LIMIT
+    assert 0 < fp8["max_rel_err"] < stage.FP8_STAGE_ERR_LIMIT  # e4m3 rounding is there, and bounded
+    assert "| tiny | default |" in capsys.readouterr().out
+
+
+def test_routing_draws_distinct_experts_per_token_with_skewed_loads():
+    spec = stage.STAGES["dsv3-e32"]
+    ids, weights = stage.routing(spec, seed=0)
+    ids = np.asarray(ids)
+    assert ids.shape == (spec.tokens, spec.top_k) and (np.sort(ids, 1)[:, 1:] != np.sort(ids, 1)[:, :-1]).all()
+    loads = np.bincount(ids.ravel(), minlength=spec.experts)
+    assert loads.max() > 2 * loads.min() and np.asarray(weights).min() >= 0.5
+
+
+def test_stage_check_catches_a_wrong_combine():
+    spec = stage.STAGES["tiny"]
+    x, dy, experts = stage.operands(spec, 0)
+    ids, weights = stage.routing(spec, 0)
+    _, fwdbwd = stage.stage_programs(stage.stage_gmm("default"), ids, weights)
+    good = stage.check(spec, fwdbwd, x, dy, experts, ids, weights)
+    assert max(good.values()) < stage.STAGE_ERR_LIMIT
+    _, wrong = stage.stage_programs(stage.stage_gmm("default"), ids, weights * jnp.asarray([1.0, 0.5]))
+    bad = stage.check(spec, wrong, x, dy, experts, ids, weights)
+    assert min(bad.values()) > 0.05
