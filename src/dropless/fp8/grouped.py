@@ -93,11 +93,9 @@ def aligned_transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe
 def transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe) -> Quantized:
     """aᵀ [X, M] in e4m3 of rows already expert-aligned (each group a multiple of 128 rows, so starting at one):
     one transpose fused with its quantization. The rows past sum(group_sizes) may hold anything (a grouped GEMM's
-    unwritten padding); they are zeroed in the same pass, so no NaN there reaches a scale."""
+    unwritten padding): they fill whole 128-row blocks of their own, whose scales no product reads."""
     m = a_MX.shape[0]
-    used_M = jnp.arange(m, dtype=jnp.int32) < jnp.sum(group_sizes_G)
-    aT_XM = jnp.where(used_M[:, None], a_MX, jnp.zeros((), a_MX.dtype)).T
-    return _quantized_copy(aT_XM, _block_groups(group_sizes_G, m // ALIGN, ALIGN), group_sizes_G.shape[0], recipe)
+    return _quantized_copy(a_MX.T, _block_groups(group_sizes_G, m // ALIGN, ALIGN), group_sizes_G.shape[0], recipe)
 
 
 @dataclass(frozen=True)
