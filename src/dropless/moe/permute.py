@@ -126,8 +126,8 @@ def unpermute(y_sorted_MD: jax.Array, info: PermuteInfo, weights_TK: jax.Array) 
     """Undo `permute` and combine: y_TD[t] = sum_k weights[t, k] * y_sorted[row_of_slot[t, k]], in float32.
 
     Only rows that hold a (token, expert) pair are read (`info.holds_pair_M`): padding rows (an aligned layout's
-    too), a sentinel's rows and rows past the buffer are ignored whatever they hold, and get zero gradient. `y_sorted` may also have fewer
-    rows than T*K (a bounded buffer, `permute(..., rows=...)`).
+    too), a sentinel's rows and rows past the buffer are ignored whatever they hold, and get zero gradient.
+    `y_sorted` may also have fewer rows than permute wrote (a bounded buffer, `permute(..., rows=...)`).
     One fused pass each way: the forward reads each slot's row once and writes y_TD; the backward writes each
     sorted row's cotangent, weight times its token's cotangent, directly in y_sorted's dtype (no [T, K, D]
     float32 intermediate, no separate cast), and reads y_sorted once for the weights' gradient.
