@@ -210,6 +210,35 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
         assert rel(got, want) < F32_RTOL
 
 
+def _gathered_operand_types(row_align: int, mode: str) -> set:
+    """The element types of the arrays every gather reads in Fp8Gmm's forward and backward, exported for CUDA."""
+    from jax import export
+
+    gmm = Fp8Gmm(Fp8Products(Recipe(mode, native=True), XlaGmm(), XlaContract()), row_align=row_align)
+
+    def fwd_bwd(x, w, gs, dy):
+        y, pullback = jax.vjp(lambda x, w: gmm(x, w, gs), x, w)
+        return y, *pullback(dy)
+
+    S, m = jax.ShapeDtypeStruct, 128 * 12
+    text = export.export(jax.jit(fwd_bwd), platforms=["cuda"])(
+        S((m, 256), jnp.bfloat16), S((4, 256, 256), jnp.bfloat16), S((4,), jnp.int32),
+        S((m, 256), jnp.bfloat16)).mlir_module()
+    # '"stablehlo.gather"(%a, %i) <{...}> : (tensor<256x1536xbf16>, tensor<...>) -> ...': the operand's type
+    operands = [line.split(": (tensor<", 1)[1].split(",", 1)[0] for line in text.splitlines()
+                if '"stablehlo.gather"' in line]
+    return {operand.rsplit("x", 1)[-1].rstrip(">") for operand in operands}
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_aligned_rows_need_no_gather_of_activations(mode):
+    """On expert-aligned rows the weight gradient's copies are plain transposes: no gather in the lowered program
+    reads the bf16 activations (only index tables and float32 scales), while rows end to end gather their
+    columns."""
+    assert "bf16" not in _gathered_operand_types(128, mode)
+    assert "bf16" in _gathered_operand_types(1, mode)
+
+
 def test_recipes_config_and_backend_choice():
     assert make_recipe("off") is None
     assert make_recipe("blockwise") == Recipe("blockwise", native=False)  # no GPU here
