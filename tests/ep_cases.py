@@ -151,6 +151,19 @@ class NanPaddingGmm(XlaGmm):
                                                      jnp.nan)
 
 
+class AlignedNanPaddingGmm(NanPaddingGmm):
+    """NanPaddingGmm asking for expert-aligned rows (`row_align`, dropless.gmm.api), as the FP8 backend does: the
+    permutation leaves zero rows inside each group and NaN reaches only the rows past the groups. Group sizes off
+    the alignment (a caller that ignored it) make the whole output NaN."""
+
+    row_align = 8
+
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+        out_MN = super().__call__(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type,
+                                  zero_padding=zero_padding)
+        return jnp.where(jnp.all(group_sizes_G % self.row_align == 0), out_MN, jnp.nan)
+
+
 def assert_executor_matches_local(executor, *inputs):
     """The executor's output and its gradients w.r.t. x, weights and experts equal LocalExecutor's; its stats."""
     (_, (y_want, _)), grads_want = executor_grads(LocalExecutor(XlaGmm()), *inputs)

@@ -11,7 +11,8 @@ import pytest
 from dropless.ep import AllGather, Auto, Chunked
 from dropless.moe import moe_layer
 from tests.ep_cases import (
-    BATCH, EXPERTS, MOE, SEQ, SKEWED_BIAS, STRATEGIES, NanPaddingGmm, assert_executor_matches_local,
+    BATCH, EXPERTS, MOE, SEQ, SKEWED_BIAS, STRATEGIES, AlignedNanPaddingGmm, NanPaddingGmm,
+    assert_executor_matches_local,
     assert_matches_single_device, balanced_inputs, equations, executor, executor_loss, problem)
 
 
@@ -52,6 +53,16 @@ def test_padding_rows_of_the_grouped_gemms_never_reach_the_result(name, local_bu
     ids_TK = np.stack([rng.choice(EXPERTS, 2, replace=False) for _ in range(BATCH * SEQ)])
     nan_padding = executor(STRATEGIES[name], 2, local_buffer_factor, gmm=NanPaddingGmm())
     assert_executor_matches_local(nan_padding, *balanced_inputs(ids_TK))
+
+
+@pytest.mark.parametrize("local_buffer_factor", [0.0, 1.0])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_expert_aligned_local_rows_equal_single_device(name, local_buffer_factor):
+    """A grouped GEMM that asks for expert-aligned rows (the FP8 one's layout, here at 8 rows in float32) gets them
+    in every strategy's local stage, worst-case and bounded buffers alike: the single-device result, exactly."""
+    for case in (problem(seed=4), problem(seed=9, bias_E=SKEWED_BIAS)):
+        assert_matches_single_device(STRATEGIES[name], 2, case, local_buffer_factor=local_buffer_factor,
+                                     gmm=AlignedNanPaddingGmm())
 
 
 @pytest.mark.parametrize("strategy", [*STRATEGIES.values(), Auto(), Chunked(AllGather(), 2)],

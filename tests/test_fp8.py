@@ -129,6 +129,57 @@ def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
     np.testing.assert_array_equal(np.asarray(dx)[sum(sizes):], 0.0)
 
 
+def _aligned(a_MX, sizes, poison=np.nan):
+    """The rows in the expert-aligned layout of dropless.moe.permute(row_align=128): group g from row 128 * first_g
+    on, zeros after its rows, `poison` past the last group (rows a grouped GEMM may leave unwritten)."""
+    padded = [-(-s // 128) * 128 for s in sizes]
+    num_rows = 128 * (-(-a_MX.shape[0] // 128) + len(sizes))
+    out = np.zeros((num_rows, a_MX.shape[1]), a_MX.dtype)
+    out[sum(padded):] = poison
+    src = dst = 0
+    for s, p in zip(sizes, padded):
+        out[dst:dst + s] = a_MX[src:src + s]
+        src, dst = src + s, dst + p
+    return out, np.asarray(padded, np.int32)
+
+
+def _unaligned(a_PX, sizes):
+    """The inverse of `_aligned`: each group's rows end to end."""
+    starts = np.cumsum([0] + [-(-s // 128) * 128 for s in sizes])
+    return np.concatenate([a_PX[st:st + s] for st, s in zip(starts, sizes)])
+
+
+@pytest.mark.parametrize("mode, case", [(mode, "uneven") for mode in MODES]
+                         + [("blockwise", "skewed"), ("rowwise", "skewed"), ("mxfp8", "empty")])
+def test_grouped_fp8_on_aligned_rows_equals_the_gathered_path_and_the_reference(mode, case):
+    """Fp8Gmm(row_align=128) on expert-aligned rows (plain transposes for the weight gradient) against Fp8Gmm on
+    the same rows end to end (gathered aligned copies) and the float64 reference; the rows past the last group hold
+    NaN and are never read."""
+    sizes, rows = GROUPS[case]
+    x, w, gs, dy = _grouped_case(sizes, rows)
+    x_al, gs_al = _aligned(x, sizes)
+    dy_al, _ = _aligned(dy, sizes)
+    products = Fp8Products(Recipe(mode), XlaGmm(), XlaContract())
+    results = []
+    for gmm, x_, gs_, dy_ in ((Fp8Gmm(products), x, gs, dy), (Fp8Gmm(products, row_align=128), x_al, gs_al, dy_al)):
+        y, pullback = jax.vjp(lambda x, w: gmm(x, w, jnp.asarray(gs_), preferred_element_type=jnp.float32),
+                              jnp.asarray(x_), jnp.asarray(w))
+        results.append((np.asarray(y), *map(np.asarray, pullback(jnp.asarray(dy_)))))
+    (y, dx, dw), (y_al, dx_al, dw_al) = results
+    n = sum(sizes)
+    np.testing.assert_array_equal(y_al[sum(gs_al):], 0.0)  # past the groups: zero output, zero gradient
+    np.testing.assert_array_equal(dx_al[sum(gs_al):], 0.0)
+    exact = ref.grouped(x, w, sizes, dy, mode)
+    got = (_unaligned(y_al, sizes), _unaligned(dx_al, sizes), dw_al)
+    for name, got, gathered, want in zip(("y", "dx", "dW"), got, (y[:n], dx[:n], dw),
+                                         (exact[0][:n], exact[1][:n], exact[2])):
+        assert np.all(np.isfinite(got)), name
+        if np.linalg.norm(want) == 0:
+            np.testing.assert_array_equal(got, 0.0)
+        else:
+            assert rel(got, gathered) < F32_RTOL and rel(got, want) < F32_RTOL, name
+
+
 def test_aligned_copy_puts_each_expert_at_a_multiple_of_128():
     source, valid, block_group = aligned_sources(jnp.asarray([3, 0, 130, 1], jnp.int32), 140, 128)
     valid, source = np.asarray(valid), np.asarray(source)
@@ -138,15 +189,19 @@ def test_aligned_copy_puts_each_expert_at_a_multiple_of_128():
     np.testing.assert_array_equal(np.asarray(block_group), [0, 2, 2, 3, 4, 4])
 
 
+@pytest.mark.parametrize("row_align", [1, 128])
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
-def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode):
-    """The native products (dropless.gmm.fp8_mosaic) against the dequantized ones on the same operands."""
+def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, row_align):
+    """The native products (dropless.gmm.fp8_mosaic) against the dequantized ones on the same operands, on rows end
+    to end and on expert-aligned rows (whose rows past the groups hold NaN)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     x, w, gs, dy = _grouped_case([50, 0, 70], 130, k=256, n=256)
+    if row_align > 1:
+        (x, gs), (dy, _) = _aligned(x, [50, 0, 70]), _aligned(dy, [50, 0, 70])
     results = []
     for native in (False, True):
-        gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()))
+        gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()), row_align=row_align)
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
             y, pullback = jax.vjp(lambda x, w: gmm(x, w, jnp.asarray(gs), preferred_element_type=jnp.float32),
                                   jnp.asarray(x), jnp.asarray(w))
@@ -155,13 +210,47 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode):
         assert rel(got, want) < F32_RTOL
 
 
+def _gathered_operand_types(row_align: int, mode: str) -> set:
+    """The element types of the arrays every gather reads in Fp8Gmm's forward and backward, exported for CUDA."""
+    from jax import export
+
+    gmm = Fp8Gmm(Fp8Products(Recipe(mode, native=True), XlaGmm(), XlaContract()), row_align=row_align)
+
+    def fwd_bwd(x, w, gs, dy):
+        y, pullback = jax.vjp(lambda x, w: gmm(x, w, gs), x, w)
+        return y, *pullback(dy)
+
+    S, m = jax.ShapeDtypeStruct, 128 * 12
+    text = export.export(jax.jit(fwd_bwd), platforms=["cuda"])(
+        S((m, 256), jnp.bfloat16), S((4, 256, 256), jnp.bfloat16), S((4,), jnp.int32),
+        S((m, 256), jnp.bfloat16)).mlir_module()
+    # '"stablehlo.gather"(%a, %i) <{...}> : (tensor<256x1536xbf16>, tensor<...>) -> ...': the operand's type
+    operands = [line.split(": (tensor<", 1)[1].split(",", 1)[0] for line in text.splitlines()
+                if '"stablehlo.gather"' in line]
+    return {operand.rsplit("x", 1)[-1].rstrip(">") for operand in operands}
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_aligned_rows_need_no_gather_of_activations(mode):
+    """On expert-aligned rows the weight gradient's copies are plain transposes: no gather in the lowered program
+    reads the bf16 activations (only index tables and float32 scales), while rows end to end gather their
+    columns."""
+    assert "bf16" not in _gathered_operand_types(128, mode)
+    assert "bf16" in _gathered_operand_types(1, mode)
+
+
 def test_recipes_config_and_backend_choice():
     assert make_recipe("off") is None
     assert make_recipe("blockwise") == Recipe("blockwise", native=False)  # no GPU here
     with pytest.raises(ValueError, match="not one of"):
         Recipe("e5m2")
     config = load_preset("tiny").replace(**{"train.fp8": "blockwise"})
-    assert isinstance(experts_gmm(config.moe, make_recipe("blockwise", native=True)), Fp8Gmm)
+    gmm = experts_gmm(config.moe, make_recipe("blockwise", native=True))
+    assert isinstance(gmm, Fp8Gmm) and gmm.row_align == 128  # the routed experts' permutation aligns the rows
+    with pytest.raises(ValueError, match="row_align=64"):
+        Fp8Gmm(gmm.products, row_align=64)
+    with pytest.raises(ValueError, match="multiple of 128 rows, got 130"):
+        gmm(jnp.zeros((130, 256)), jnp.zeros((2, 256, 256)), jnp.asarray([128, 0]))
     # under the xla backend the recipe runs dequantized even where it could run the kernels
     gmm = experts_gmm(config.moe.replace(gmm_backend="xla") if hasattr(config.moe, "replace") else
                       config.replace(**{"moe.gmm_backend": "xla"}).moe, make_recipe("blockwise", native=True))

@@ -5,6 +5,7 @@ gradients are held to FP8_BOUND, the whole model's gradients to MODEL_GRAD_BOUND
 ran in float32 fails.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -17,7 +18,7 @@ from dropless.core.mesh import make_mesh
 from dropless.ep import ExpertParallelExecutor
 from dropless.fp8 import experts_gmm, make_recipe
 from dropless.models import transformer
-from dropless.moe import moe_layer
+from dropless.moe import LocalExecutor, moe_layer
 from dropless.train.step import loss_fn
 from tests.ep_cases import FAST_COMPILE, MESHES, MOE, STRATEGIES, problem
 from tests.parallel_train_worker import OVERRIDES
@@ -79,6 +80,30 @@ def test_fp8_moe_layer_on_every_mesh_is_within_the_bound_of_the_float32_single_d
 def test_fp8_moe_layer_under_another_dispatch_strategy(case):
     *inputs, want = case
     assert_within_fp8_bound(layer("rowwise", "allgather", 4, *inputs), want)
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise", "mxfp8"])
+def test_fp8_moe_layer_on_expert_aligned_rows_equals_it_on_rows_end_to_end(case, mode):
+    """The routed experts' permutation in the FP8 GEMM's layout (row_align=128, zero rows between the experts)
+    against the contiguous layout with gathered weight-gradient copies: the same numbers, to float32 rounding."""
+    params, bias_E, x_BSD, cotangent_BSD, _ = case
+    gmm = experts_gmm(MOE, make_recipe(mode))
+    assert gmm.row_align == 128
+
+    @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
+    def run(row_align, params, x_BSD):
+        executor = LocalExecutor(dataclasses.replace(gmm, row_align=row_align))
+
+        def loss(params, x_BSD):
+            y_BSD, _ = moe_layer(params, bias_E, x_BSD, MOE, compute_dtype=jnp.float32, executor=executor)
+            return jnp.sum(y_BSD * cotangent_BSD), y_BSD
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
+
+    (_, y_want), grads_want = run(1, params, x_BSD)
+    (_, y_got), grads_got = run(128, params, x_BSD)
+    assert rel(y_got, y_want) < 1e-6
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads_got), jax.tree.leaves(grads_want)):
+        assert rel(g, w) < 1e-5, jax.tree_util.keystr(path)
 
 
 def test_fp8_model_with_remat_is_within_the_bound_of_float32():

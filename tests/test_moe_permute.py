@@ -74,18 +74,23 @@ def test_sentinel_ids_sort_last_and_padding_rows_get_no_gradient():
     np.testing.assert_array_equal(grad_RD, np.r_[np.ones((5, 2)), np.zeros((6, 2))])
 
 
-def test_rows_that_hold_no_pair_are_never_read():
-    """A grouped GEMM may leave the sentinels' rows (and a buffer's padding) unwritten: NaN there must not reach
-    the combine, its weights' gradient, or the token gradient of `permute`."""
+@pytest.mark.parametrize("row_align", [1, 4])
+def test_rows_that_hold_no_pair_are_never_read(row_align):
+    """A grouped GEMM may leave the sentinels' rows (and a buffer's padding, an aligned layout's too) unwritten:
+    NaN there must not reach the combine, its weights' gradient, or the token gradient of `permute`."""
     x_TD = jnp.arange(8.0).reshape(4, 2)
     ids_TK = jnp.array([[1, 3], [0, 3], [3, 1], [1, 0]], jnp.int32)  # 3 = "not on this device" for E = 3
     weights_TK = jnp.array([[0.5, 0.0], [0.25, 0.0], [0.0, 1.0], [2.0, 3.0]])
-    _, _, info = permute(x_TD, ids_TK, 3)
-    assert int(info.num_valid) == 5
+    _, _, info = permute(x_TD, ids_TK, 3, row_align=row_align)
+    assert int(np.sum(info.holds_pair_M)) == 5
+    if row_align == 1:  # the pairs are the first rows; aligned, they are not (expert 0's 2 rows, then 4 from row 4)
+        np.testing.assert_array_equal(np.flatnonzero(info.holds_pair_M), range(5))
+    else:
+        np.testing.assert_array_equal(np.flatnonzero(info.holds_pair_M), [0, 1, 4, 5, 6])
 
     def combine(x_TD, weights_TK):
-        x_sorted_MD, _, info = permute(x_TD, ids_TK, 3)
-        poisoned_MD = jnp.where(jnp.arange(8)[:, None] < info.num_valid, x_sorted_MD, jnp.nan)
+        x_sorted_MD, _, info = permute(x_TD, ids_TK, 3, row_align=row_align)
+        poisoned_MD = jnp.where(info.holds_pair_M[:, None], x_sorted_MD, jnp.nan)
         return jnp.sum(unpermute(poisoned_MD, info, weights_TK) ** 2)
 
     def clean(x_TD, weights_TK):  # the same sum over the five real pairs only
@@ -97,3 +102,64 @@ def test_rows_that_hold_no_pair_are_never_read():
     want = jax.value_and_grad(clean, argnums=(0, 1))(x_TD, weights_TK)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-6)  # finite, and a sentinel's weight gets no gradient
+
+
+def _routing(kind, num_tokens, top_k, num_experts, seed):
+    """Distinct expert ids per token: skewed (some experts empty), all on expert 0's neighbours, or with
+    sentinels (ids >= E, "not on this device") in some slots."""
+    rng = np.random.default_rng(seed)
+    if kind == "one_expert":  # every token's first choice is expert 2; the other columns are sentinels
+        ids = np.full((num_tokens, top_k), num_experts)
+        ids[:, 0] = 2
+        return ids
+    p = rng.dirichlet(np.full(num_experts, 0.3))
+    ids = np.stack([rng.choice(num_experts, top_k, replace=False, p=p) for _ in range(num_tokens)])
+    if kind == "sentinels":
+        ids = np.where(rng.uniform(size=ids.shape) < 0.4, num_experts + rng.integers(0, 3, ids.shape), ids)
+    return ids
+
+
+@pytest.mark.parametrize("kind, bounded", [("skewed", False), ("one_expert", False), ("sentinels", False),
+                                           ("sentinels", True), ("skewed", True)])
+@pytest.mark.parametrize("row_align", [8, 128])
+def test_aligned_permutation_equals_the_contiguous_one(kind, bounded, row_align):
+    """permute(row_align=a): each expert's rows from a multiple of a, zero rows between, padded group sizes; and
+    through a grouped GEMM and unpermute the same outputs and gradients (x, weights, W) as the contiguous layout."""
+    num_tokens, top_k, num_experts = 37, 3, 6
+    ids_TK = jnp.asarray(_routing(kind, num_tokens, top_k, num_experts, seed=row_align), jnp.int32)
+    rng = np.random.default_rng(1)
+    x_TD = jnp.asarray(rng.normal(size=(num_tokens, 5)), jnp.float32)
+    w_EDF = jnp.asarray(rng.normal(size=(num_experts, 5, 4)), jnp.float32)
+    w_back_EFD = jnp.asarray(rng.normal(size=(num_experts, 4, 5)), jnp.float32)
+    weights_TK = jnp.asarray(rng.uniform(size=(num_tokens, top_k)), jnp.float32)
+    pairs = int(np.sum(np.asarray(ids_TK) < num_experts))
+    rows = pairs + 3 if bounded else None
+
+    def layer(x_TD, weights_TK, w_EDF, align):
+        x_sorted_MD, group_sizes_E, info = permute(x_TD, ids_TK, num_experts, rows, row_align=align)
+        h_MF = jnp.tanh(jax.lax.ragged_dot(x_sorted_MD, w_EDF, group_sizes_E))
+        y_MD = jax.lax.ragged_dot(h_MF, w_back_EFD, group_sizes_E)
+        return jnp.sum(jnp.sin(unpermute(y_MD, info, weights_TK))), (x_sorted_MD, group_sizes_E, info)
+
+    grad = jax.jit(jax.value_and_grad(layer, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    (want, _), want_grads = grad(x_TD, weights_TK, w_EDF, 1)
+    (got, (x_sorted_MD, group_sizes_E, info)), got_grads = grad(x_TD, weights_TK, w_EDF, row_align)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+    counts_E = np.bincount(np.asarray(ids_TK).ravel(), minlength=num_experts)[:num_experts]
+    np.testing.assert_array_equal(info.pairs_E, counts_E)
+    np.testing.assert_array_equal(group_sizes_E, -(-counts_E // row_align) * row_align)
+    assert x_sorted_MD.shape[0] == row_align * (-(-(rows or num_tokens * top_k) // row_align) + num_experts)
+    # Expert e's pairs are the first counts[e] rows of its run, in token order; every other row is zero.
+    first_E = np.cumsum(group_sizes_E) - group_sizes_E
+    holds = np.zeros(x_sorted_MD.shape[0], bool)
+    flat_ids = np.asarray(ids_TK).ravel()
+    for e in range(num_experts):
+        run = slice(first_E[e], first_E[e] + counts_E[e])
+        holds[run] = True
+        tokens = np.flatnonzero(flat_ids == e) // top_k
+        np.testing.assert_array_equal(np.asarray(x_sorted_MD)[run], np.asarray(x_TD)[tokens])
+    np.testing.assert_array_equal(info.holds_pair_M, holds)
+    np.testing.assert_array_equal(np.asarray(x_sorted_MD)[~holds], 0.0)

@@ -81,6 +81,12 @@ def test_moe_buffers_follow_the_expert_parallel_strategies():
     assert alltoall.worst_received_rows == 8 * 1024  # the worst-case exchange's slots: a token once per device
     gather = moe_buffers(config.replace(**{"moe.dispatch": "allgather"}), {"data": 1, "fsdp": 1, "expert": 8}, 1024)
     assert gather.received_rows == 8 * 1024 and gather.exchange_rows == 7 * 1024
+    # Under FP8 each local expert's rows start at a multiple of 128: up to 127 zero rows more per expert.
+    fp8 = config.replace(**{"train.fp8": "blockwise"})
+    assert moe_buffers(fp8, {"data": 1, "fsdp": 1, "expert": 1}, 1024).local_rows == 2048 + 8 * 128
+    fp8_alltoall = moe_buffers(fp8.replace(**{"moe.dispatch": "alltoall"}), {"data": 1, "fsdp": 1, "expert": 8}, 1024)
+    assert fp8_alltoall.local_rows == 128 * (math.ceil(alltoall.local_rows / 128) + 1)
+    assert fp8_alltoall.worst_rows == 128 * (math.ceil(alltoall.worst_rows / 128) + 1)
     plan = plan_memory(config.replace(**{"moe.dispatch": "alltoall", "train.batch_size": 8,
                                          "parallel.expert": 8, "train.seq_len": 8}),
                        {"data": 1, "fsdp": 1, "expert": 8})

@@ -5,6 +5,12 @@ beside the whole FP8 product and the bf16 one, on one GPU (make bench-fp8-breakd
 
 One line of JSON per piece: ms (median of batches of back-to-back calls, dropless.bench.harness.time_calls) and, for
 GEMMs, TF/s = 2 * rows * K * N / time. Group sizes: Dirichlet(alpha=1), seed 0.
+
+Two layouts of the same rows: end to end (the pieces without a suffix: Fp8Gmm builds the weight gradient's
+expert-aligned copies by a column gather) and expert-aligned ("(aligned rows)": each group from a multiple of 128
+on, zero rows between, as the routed experts' permutation writes them; the copies are plain transposes). The
+aligned pieces' TF/s count the real rows' FLOPs only, so the two layouts' figures compare directly. The permute
+pieces time the routed experts' permutation of rows / 8 tokens at top-8 into each layout.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ import numpy as np
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, write_json
 from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
-from dropless.fp8.grouped import Fp8Products, aligned_transposed
+from dropless.fp8.grouped import ALIGN, Fp8Products, aligned_sources, aligned_transposed, transposed
 from dropless.fp8.recipe import weight_copies
 from dropless.gmm import fp8_mosaic
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
+from dropless.moe.permute import permute
 from dropless.ops.fp8 import quantize
 
 
@@ -50,6 +57,14 @@ def main() -> None:
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     flops = 2.0 * m * k * n
     records = []
+    # The same rows expert-aligned: group g from row 128 * first_g on, zeros after its rows.
+    source_P, valid_P, _ = aligned_sources(sizes, m, ALIGN)
+    align_rows = lambda a: jnp.where(valid_P[:, None], a[source_P], 0)
+    x_al, dy_al = align_rows(x), align_rows(dy)
+    sizes_al = ALIGN * -(-sizes // ALIGN)
+    top_k = min(8, g)
+    tokens = m // top_k
+    ids_TK = jax.lax.top_k(jax.random.normal(jax.random.key(1), (tokens, g)), top_k)[1].astype(jnp.int32)
 
     def emit(name, fn, *args, gemm_flops=None):
         try:
@@ -64,6 +79,9 @@ def main() -> None:
     emit("bf16 gmm fwd", lambda x, w: bf16(x, w, sizes), x, w, gemm_flops=flops)
     emit("bf16 gmm fwd+bwd", lambda x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, sizes), x, w, dy), x, w, dy,
          gemm_flops=3 * flops)
+    for align in (1, ALIGN):
+        emit(f"permute top-{top_k} x [T,K] -> [rows,K]" + (" (aligned rows)" if align > 1 else ""),
+             lambda x: permute(x, ids_TK, g, row_align=align)[0], x[:tokens])
     for mode in a.modes.split(","):
         r = Recipe(mode, native=True)
         emit(f"{mode} quantize x [M,K]", lambda x: quantize(x, r.operand(2)), x)
@@ -81,6 +99,12 @@ def main() -> None:
         emit(f"{mode} Fp8Gmm fwd", lambda x, w: fp8(x, w, sizes), x, w, gemm_flops=flops)
         emit(f"{mode} Fp8Gmm fwd+bwd", lambda x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, sizes), x, w, dy),
              x, w, dy, gemm_flops=3 * flops)
+        fp8_al = Fp8Gmm(Fp8Products(r, bf16, TunedContract()), row_align=ALIGN)
+        emit(f"{mode} x^T copy (aligned rows)", lambda x: transposed(x, sizes_al, r), x_al)
+        emit(f"{mode} Fp8Gmm fwd (aligned rows)", lambda x, w: fp8_al(x, w, sizes_al), x_al, w, gemm_flops=flops)
+        emit(f"{mode} Fp8Gmm fwd+bwd (aligned rows)",
+             lambda x, w, dy: fwd_bwd(lambda x, w: fp8_al(x, w, sizes_al), x, w, dy), x_al, w, dy_al,
+             gemm_flops=3 * flops)
         emit(f"{mode} dense fp8_matmul fwd", lambda x, w: fp8_matmul(x, w[0], r), x, w, gemm_flops=flops)
         emit(f"{mode} dense fp8_matmul fwd+bwd",
              lambda x, w, dy: fwd_bwd(lambda x, w: fp8_matmul(x, w[0], r), x, w, dy), x, w, dy,

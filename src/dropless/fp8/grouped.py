@@ -10,10 +10,14 @@ exactly dequantized bf16 operands through the wrapped backend (the same arithmet
   drhs  dW = xᵀ · dy          transposed, expert-aligned copies xᵀ [K, P], dyᵀ [N, P]
 
 The weight gradient contracts the (ragged) token axis, so its operands are transposed copies in which each
-expert's rows start at a multiple of 128 and are zero-padded to it (`aligned_sources`): a 128-token scale tile
-then never straddles two experts, and the kernel needs no masking (8-bit shared memory has no pointwise ops on
-Hopper). The forward keeps xᵀ in e4m3 for the backward instead of x in bf16, and quantizes each weight once for
-both of its products. A copy is one transpose, then a column gather fused with its quantization.
+expert's rows start at a multiple of 128 and are zero-padded to it: a 128-token scale tile then never straddles
+two experts, and the kernel needs no masking (8-bit shared memory has no pointwise ops on Hopper). The routed
+experts' permutation writes its rows in that layout already (`row_align` = 128, dropless.gmm.api; experts_gmm
+builds that Fp8Gmm), so each copy is one transpose fused with its quantization (`transposed`). A caller whose
+groups lie end to end (row_align = 1) gets copies built by a transpose and a column gather (`aligned_sources`,
+`aligned_transposed`): a pass that reads the rows at scattered columns, several times the plain transpose's cost.
+The forward keeps xᵀ in e4m3 for the backward instead of x in bf16, and quantizes each weight once for both of
+its products.
 """
 
 from __future__ import annotations
@@ -30,27 +34,30 @@ from dropless.core.varying import sum_like, varying_like
 from dropless.fp8.recipe import Recipe, weight_copies
 from dropless.gmm import fp8_mosaic, make_gmm
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
-from dropless.gmm.api import GroupedMatmul, zero_padding_rows
+from dropless.gmm.api import GroupedMatmul, aligned_rows, zero_padding_rows
 from dropless.gmm.vjp import ContractProduct
 from dropless.gmm.xla import XlaContract
 from dropless.ops.fp8 import Quantized, block_amax, dequantize, power_of_two_scale, quantize, quantize_with_scales
 
+ALIGN = fp8_mosaic.SCALE_BLOCK  # 128: the weight gradient's token tiles, each inside one expert
 
-def aligned_rows(num_rows: int, num_groups: int, align: int) -> int:
-    """P, the static length of an expert-aligned copy of `num_rows` rows in `num_groups` groups."""
-    return align * (-(-num_rows // align) + num_groups)
+
+def _block_groups(group_sizes_G: jax.Array, num_blocks: int, align: int) -> jax.Array:
+    """The group of each `align`-row block of an expert-aligned layout [num_blocks] int32, G past the last group."""
+    _, blocks_G = fp8_mosaic.aligned_layout(group_sizes_G, align)
+    return jnp.searchsorted(jnp.cumsum(blocks_G), jnp.arange(num_blocks, dtype=jnp.int32),
+                            side="right").astype(jnp.int32)
 
 
 def aligned_sources(group_sizes_G: jax.Array, num_rows: int, align: int):
-    """For each position p of the aligned copy: (source row [P] int32, valid [P] bool, group of each align-block
-    [P / align] int32, G for blocks past the last group)."""
+    """For each position p of the aligned copy of rows laid end to end: (source row [P] int32, valid [P] bool,
+    group of each align-block [P / align] int32, G for blocks past the last group)."""
     g = group_sizes_G.shape[0]
     p = aligned_rows(num_rows, g, align)
     sizes_G = jnp.maximum(group_sizes_G.astype(jnp.int32), 0)
-    first_G, blocks_G = fp8_mosaic.aligned_layout(sizes_G, align)
+    first_G, _ = fp8_mosaic.aligned_layout(sizes_G, align)
     offsets_G = jnp.cumsum(sizes_G) - sizes_G
-    block_group_B = jnp.searchsorted(jnp.cumsum(blocks_G), jnp.arange(p // align, dtype=jnp.int32),
-                                     side="right").astype(jnp.int32)
+    block_group_B = _block_groups(sizes_G, p // align, align)
     group_P = jnp.repeat(block_group_B, align, total_repeat_length=p)
     safe_P = jnp.minimum(group_P, g - 1)
     within_P = jnp.arange(p, dtype=jnp.int32) - align * first_G[safe_P]
@@ -59,23 +66,36 @@ def aligned_sources(group_sizes_G: jax.Array, num_rows: int, align: int):
     return source_P, valid_P, block_group_B
 
 
-def aligned_transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe) -> Quantized:
-    """aᵀ [X, P] in e4m3, each expert's rows from a multiple of 128 on, zeros between; scales per
-    (1, recipe.contract_block) block [X, P / block], for rowwise one value per expert over its blocks."""
+def _quantized_copy(aT_XP: jax.Array, block_group_B: jax.Array, num_groups: int, recipe: Recipe) -> Quantized:
+    """An expert-aligned copy aᵀ [X, P] in e4m3: per (1, recipe.contract_block) block, for rowwise one scale per
+    expert and feature over its 128-row blocks (`block_group_B`: each block's expert, G for none)."""
     block = recipe.contract_block
-    source_P, valid_P, block_group_B = aligned_sources(group_sizes_G, a_MX.shape[0], 128)
+    if recipe.mode != "rowwise":
+        return quantize(aT_XP, (1, block))
+    amax_BX = block_amax(aT_XP, (1, block)).T
+    group_amax_GX = jax.ops.segment_max(amax_BX, block_group_B, num_segments=num_groups + 1)
+    scales_XB = power_of_two_scale(jnp.maximum(group_amax_GX, 0.0))[block_group_B].T
+    return quantize_with_scales(aT_XP, scales_XB, (1, block))
+
+
+def aligned_transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe) -> Quantized:
+    """aᵀ [X, P] in e4m3 of rows laid end to end: each expert's rows from a multiple of 128 on, zeros between;
+    scales per (1, recipe.contract_block) block [X, P / block], for rowwise one value per expert over its blocks."""
+    source_P, valid_P, block_group_B = aligned_sources(group_sizes_G, a_MX.shape[0], ALIGN)
     # Transpose first, then gather columns: neighbouring outputs then read neighbouring inputs. Fused into one
     # pass, the row gather read x[source[p], k] for consecutive p, K elements apart (8x slower on an H200 at
     # DeepSeek-V3's gate+up); the barrier keeps XLA from fusing the transpose into the gather.
     aT_XM = jax.lax.optimization_barrier(a_MX.T)
     aT_XP = jnp.where(valid_P[None, :], jnp.take(aT_XM, source_P, axis=1), 0)
-    if recipe.mode != "rowwise":
-        return quantize(aT_XP, (1, block))
-    g = group_sizes_G.shape[0]
-    amax_BX = block_amax(aT_XP, (1, block)).T
-    group_amax_GX = jax.ops.segment_max(amax_BX, block_group_B, num_segments=g + 1)
-    scales_XB = power_of_two_scale(jnp.maximum(group_amax_GX, 0.0))[block_group_B].T
-    return quantize_with_scales(aT_XP, scales_XB, (1, block))
+    return _quantized_copy(aT_XP, block_group_B, group_sizes_G.shape[0], recipe)
+
+
+def transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe) -> Quantized:
+    """aᵀ [X, M] in e4m3 of rows already expert-aligned (each group a multiple of 128 rows, so starting at one):
+    one transpose fused with its quantization. The rows past sum(group_sizes) may hold anything (a grouped GEMM's
+    unwritten padding): they fill whole 128-row blocks of their own, whose scales no product reads."""
+    m = a_MX.shape[0]
+    return _quantized_copy(a_MX.T, _block_groups(group_sizes_G, m // ALIGN, ALIGN), group_sizes_G.shape[0], recipe)
 
 
 @dataclass(frozen=True)
@@ -128,30 +148,33 @@ class Fp8Products:
         return self.dequantized_contract(a_PK, b_PN, 128 * blocks_G, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def fp8_gmm(x_MK, w_GKN, group_sizes_G, products: Fp8Products, dtypes: tuple, zero_padding: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def fp8_gmm(x_MK, w_GKN, group_sizes_G, products: Fp8Products, dtypes: tuple, zero_padding: bool, aligned: bool):
     """out_MN[m] = x[m] · W[g(m)] with e4m3 operands (module docstring), differentiable in x and W.
-    dtypes: (output, x's, W's): the gradients come back in their primal's dtype."""
-    return _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding)[0]
+    dtypes: (output, x's, W's): the gradients come back in their primal's dtype. `aligned`: the rows are
+    expert-aligned (Fp8Gmm.row_align), so the weight gradient's copies are plain transposes."""
+    return _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned)[0]
 
 
-def _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding):
+def _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned):
     r = products.recipe
     w_fwd, w_dlhs = weight_copies(w_GKN, r)
     y_MN = products.rows(quantize(x_MK, r.operand(2)), w_fwd, group_sizes_G, "fwd", dtypes[0])
     y_MN = varying_like(y_MN, x_MK, w_GKN, group_sizes_G)
     if zero_padding:
         y_MN = zero_padding_rows(y_MN, group_sizes_G)
-    return y_MN, (aligned_transposed(x_MK, group_sizes_G, r), w_dlhs, group_sizes_G)
+    copy = transposed if aligned else aligned_transposed
+    return y_MN, (copy(x_MK, group_sizes_G, r), w_dlhs, group_sizes_G)
 
 
-def _bwd(products, dtypes, zero_padding, residuals, dy_MN):
+def _bwd(products, dtypes, zero_padding, aligned, residuals, dy_MN):
     xT, w_dlhs, group_sizes_G = residuals
     r = products.recipe
     _, x_dtype, w_dtype = dtypes
     dy_MN = dy_MN.astype(x_dtype)
     dx_MK = products.rows(quantize(dy_MN, r.operand(2)), w_dlhs, group_sizes_G, "dlhs", x_dtype)
-    dw_GKN = products.contract(xT, aligned_transposed(dy_MN, group_sizes_G, r), group_sizes_G, w_dtype)
+    copy = transposed if aligned else aligned_transposed
+    dw_GKN = products.contract(xT, copy(dy_MN, group_sizes_G, r), group_sizes_G, w_dtype)
     return (varying_like(zero_padding_rows(dx_MK, group_sizes_G), xT.values, w_dlhs.values),
             sum_like(dw_GKN, w_dlhs.values, xT.values), None)
 
@@ -161,14 +184,28 @@ fp8_gmm.defvjp(_fwd, _bwd)
 
 @dataclass(frozen=True)
 class Fp8Gmm(GroupedMatmul):
-    """The routed experts' grouped GEMM under `train.fp8` (module docstring); counts no dropped rows."""
+    """The routed experts' grouped GEMM under `train.fp8` (module docstring); counts no dropped rows.
+
+    `row_align` (dropless.gmm.api): 128 asks the caller for expert-aligned rows (the routed experts' permutation
+    writes them), and the weight gradient's copies are plain transposes; 1 takes groups laid end to end and
+    builds the aligned copies by a column gather."""
 
     name: ClassVar[str] = "fp8"
     products: Fp8Products
+    row_align: int = 1
+
+    def __post_init__(self):
+        if self.row_align not in (1, ALIGN):
+            raise ValueError(f"Fp8Gmm row_align={self.row_align}: use {ALIGN} (expert-aligned rows) or 1 (any).")
 
     def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+        aligned = self.row_align > 1
+        if aligned and lhs_MK.shape[0] % ALIGN:
+            raise ValueError(f"Fp8Gmm with row_align={ALIGN} takes a multiple of {ALIGN} rows, got "
+                             f"{lhs_MK.shape[0]}; permute with row_align={ALIGN} (dropless.moe.permute).")
         dtypes = (jnp.dtype(preferred_element_type or lhs_MK.dtype), lhs_MK.dtype, rhs_GKN.dtype)
-        return fp8_gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), self.products, dtypes, zero_padding)
+        return fp8_gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), self.products, dtypes, zero_padding,
+                       aligned)
 
 
 def experts_gmm(moe_cfg, recipe: Recipe | None) -> GroupedMatmul:
@@ -181,4 +218,4 @@ def experts_gmm(moe_cfg, recipe: Recipe | None) -> GroupedMatmul:
     ours = isinstance(inner, DroplessMosaicGmm)
     products = Fp8Products(dataclasses.replace(recipe, native=recipe.native and ours), inner,
                            TunedContract() if ours else XlaContract())
-    return Fp8Gmm(products)
+    return Fp8Gmm(products, row_align=ALIGN)  # the routed experts' permutation writes the aligned layout

@@ -9,6 +9,13 @@ zeroing is a pass of its own over the output wherever XLA cannot fuse it into th
 input gradients are zero either way. `dropped_rows(group_sizes_G, num_rows)` counts the rows a backend did not
 compute (always 0 except for `capacity`).
 
+`row_align`: the layout a backend asks of its caller. 1 (every backend but the FP8 one): groups lie end to end.
+A > 1: each group starts at a multiple of `row_align` rows and its size is a multiple of it, the rows a group holds
+beyond its (token, expert) pairs being zeros, in a buffer of `aligned_rows(pairs, G, row_align)` rows; the
+permutation (dropless.moe.permute) writes that layout. Zero rows change no product (forward, input gradient,
+weight gradient, SwiGLU), so the results are exact; the FP8 weight gradient then reads its 128-token scale tiles
+from a plain transpose (dropless.fp8.grouped).
+
 The backends and their names are in `dropless.gmm.registry`.
 """
 
@@ -38,6 +45,7 @@ class GroupedMatmul:
     `name` is the `moe.gmm_backend` value that builds it."""
 
     name: ClassVar[str] = "abstract"
+    row_align: int = 1  # the layout asked of the caller (module docstring)
 
     def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
                  preferred_element_type=None, zero_padding: bool = True) -> jax.Array:
@@ -47,6 +55,12 @@ class GroupedMatmul:
         """Rows of the grouped GEMM that were not computed (their output is zero). Dropless backends: 0."""
         del group_sizes_G, num_rows
         return jnp.zeros((), jnp.int32)
+
+
+def aligned_rows(num_rows: int, num_groups: int, align: int) -> int:
+    """The static length of a buffer holding `num_rows` rows in `num_groups` groups, each padded to a multiple of
+    `align`: at most align - 1 padding rows per group, in whole blocks of `align`."""
+    return num_rows if align == 1 else align * (-(-num_rows // align) + num_groups)
 
 
 def row_mask(num_rows: int, group_sizes_G: jax.Array) -> jax.Array:

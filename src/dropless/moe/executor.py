@@ -56,6 +56,9 @@ class ExpertExecutor(Protocol):
 class LocalExecutor:
     """Single device: permute -> grouped GEMM (SwiGLU) -> unpermute and weighted combine in float32.
 
+    The permutation writes the layout the grouped GEMM asks for (`gmm.row_align`, dropless.gmm.api): under FP8
+    each expert's rows from a multiple of 128 on.
+
     `rows`: keep only this many sorted rows (a bounded buffer; default all T*K). Exact only when at most `rows`
     (token, expert) pairs name an expert here (ids >= E are "none"); the caller checks that on the device.
     `remat_activation`: see dropless.moe.experts.routed_experts.
@@ -81,9 +84,12 @@ class LocalExecutor:
     def __call__(self, x_TD, expert_ids_TK, weights_TK, experts):
         num_experts = experts["gate_up"].shape[0]
         with jax.named_scope("permute"):
-            x_sorted_MD, group_sizes_E, info = permute(x_TD, expert_ids_TK, num_experts, self.rows)
+            x_sorted_MD, group_sizes_E, info = permute(x_TD, expert_ids_TK, num_experts, self.rows,
+                                                       self.gmm.row_align)
         y_sorted_MD = routed_experts(x_sorted_MD, group_sizes_E, experts, self.gmm,
                                      remat_activation=self.remat_activation)
         with jax.named_scope("unpermute"):
             y_TD = unpermute(y_sorted_MD, info, weights_TK)
-        return y_TD, ExecutorStats.single_device(self.gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0]))
+        # Dropped pairs are counted from the real group sizes and rows, not an aligned layout's padded ones.
+        num_rows = expert_ids_TK.size if self.rows is None else self.rows
+        return y_TD, ExecutorStats.single_device(self.gmm.dropped_rows(info.pairs_E, num_rows))

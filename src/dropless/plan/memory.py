@@ -36,7 +36,8 @@ import jax.numpy as jnp
 
 from dropless.core.config import Config
 from dropless.ep.plan import balanced_rows, worst_case_rows
-from dropless.gmm.api import TMA_ROW_ALIGNMENT
+from dropless.fp8.grouped import ALIGN as FP8_ROW_ALIGN
+from dropless.gmm.api import TMA_ROW_ALIGNMENT, aligned_rows
 from dropless.models import transformer
 from dropless.plan.layout import StateBytes, model_facts, state_bytes
 
@@ -117,8 +118,12 @@ def moe_buffers(config: Config, sizes: dict[str, int], tokens: int) -> MoEBuffer
     moe = config.moe
     P, K = sizes["expert"], moe.num_experts_per_tok
     pairs = tokens * K
+    # Under FP8 the permutation starts each local expert's rows at a multiple of 128 (dropless.moe.permute): the
+    # buffers hold up to 127 zero rows more per expert.
+    align = FP8_ROW_ALIGN if config.train.fp8 != "off" else 1
     if P == 1:
-        return MoEBuffers("local", pairs, pairs, pairs, 0, 0, False)
+        rows = aligned_rows(pairs, moe.num_experts, align)
+        return MoEBuffers("local", pairs, rows, rows, 0, 0, False)
     G = moe.num_experts // P
     dedup = moe.dedup
     J = min(K, G) if dedup else 1
@@ -139,7 +144,8 @@ def moe_buffers(config: Config, sizes: dict[str, int], tokens: int) -> MoEBuffer
     factor = moe.local_buffer_factor
     bound = worst if factor <= 0 else min(worst, TMA_ROW_ALIGNMENT * math.ceil(factor * pairs / TMA_ROW_ALIGNMENT))
     both = P * worst_slots if strategy == "alltoall" and normal < worst_slots else 0
-    return MoEBuffers(strategy, pairs, bound, worst, received, sent, dedup, both)
+    return MoEBuffers(strategy, pairs, aligned_rows(bound, G, align), aligned_rows(worst, G, align), received, sent,
+                      dedup, both)
 
 
 def _moe_row_bytes(config: Config, c: int, fp8: bool) -> int:
