@@ -151,6 +151,8 @@ bench-fp8: $(BENCH_DEPS)
 	  --backends dense,dense_fp8,dropless,fp8_rowwise,fp8_blockwise --out $(RESULTS)/fp8-gmm-$(GPU).json \
 	  --chart $(BENCH_SCRATCH)/fp8-gmm-$(GPU).png
 	$(BENCH_PYTHON) benchmarks/fp8/breakdown.py --out $(RESULTS)/fp8-breakdown-$(GPU).json
+	$(DROPLESS) bench gmm --shapes '' --stages dsv3-e32 --stage-paths default,fp8_blockwise,fp8_rowwise --table \
+	  --out $(RESULTS)/fp8-stage-$(GPU).json
 	DROPLESS_COMMIT=$$(git rev-parse --short HEAD) $(BENCH_PYTHON) benchmarks/fp8/kernel_check.py > $(RESULTS)/fp8-kernels-$(GPU).jsonl
 	for recipe in off blockwise rowwise; do $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
 	  --record $(BENCH_SCRATCH)/fp8-step-$$recipe.json train.fp8=$$recipe || exit 1; done
