@@ -44,6 +44,8 @@ VARIANTS = {
     "bias-rate-1e-2": ("bias_update_rate 1e-2 (the preset: 1e-3)", lambda c: {"moe.bias_update_rate": 0.01}),
     "z-loss-1e-3": ("z_loss_weight 1e-3 (the preset: 0), ST-MoE's router z-loss against saturated scores",
                     lambda c: {"moe.z_loss_weight": 1e-3}),
+    "aux-1e-2": ("aux_loss_weight 1e-2 (the preset: 0), the Switch/GShard batch balance loss",
+                 lambda c: {"moe.aux_loss_weight": 0.01}),
     "seq-aux-1e-2": ("seq_aux_loss_weight 1e-2 (the preset: 1e-4)", lambda c: {"moe.seq_aux_loss_weight": 0.01}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
