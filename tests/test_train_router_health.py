@@ -105,9 +105,46 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
                       "expert_share": np.asarray(_shares(step, {0}), np.float32), "router_bias": bias * step})
     writer.close()
     records = metrics_lib.read_metrics(tmp_path)
-    np.testing.assert_allclose(records[-1]["expert_share"], _shares(50, {0}), atol=1e-6)
-    np.testing.assert_allclose(records[-1]["router_bias"], bias * 50, atol=1e-6)
+    assert [r["step"] for r in records] == [10, 20, 30, 40, 50] and "expert_share" not in records[-1]
+    router = metrics_lib.read_router(tmp_path)
+    assert list(router["step"]) == [10, 20, 30, 40, 50]
+    # float16: 3 significant digits of each share, and of each bias (a few 1e-5 here)
+    np.testing.assert_allclose(router["expert_share"][-1], _shares(50, {0}), rtol=1e-3)
+    np.testing.assert_allclose(router["router_bias"][-1], bias * 50, rtol=1e-3, atol=1e-7)
     events = b"".join(f.read_bytes() for f in (tmp_path / "tensorboard").iterdir())
     for tag in (b"router/expert_load", b"router/max_load/row_2", b"router/bias/row_0"):
         assert tag in events
     assert metrics_lib.plot_run(tmp_path).stat().st_size > 10_000
+
+
+def test_router_history_stays_out_of_metrics_jsonl_and_resumes_with_it(tmp_path):
+    """At DeepSeek-V3's 59 router rows x 256 experts a metrics line stays small; a resumed run keeps the router
+    records of the steps it does not recompute, and a record torn by a kill is dropped, in both files."""
+    rows, experts = 59, 256
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    rng = np.random.default_rng(0)
+    for step in (10, 20, 30):
+        writer.write({"step": step, "loss": 1.0, "expert_share": rng.dirichlet(np.ones(experts), rows) * 8,
+                      "router_bias": rng.normal(0, 0.1, (rows, experts))})
+    writer.close()
+    assert max(len(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()) < 1000
+    with (tmp_path / "router.bin").open("ab") as torn:
+        torn.write(b"\0" * 100)
+    assert list(metrics_lib.read_router(tmp_path)["step"]) == [10, 20, 30]
+    kept = metrics_lib.keep_records_through(tmp_path, 20)
+    assert [r["step"] for r in kept] == [10, 20]
+    assert list(metrics_lib.read_router(tmp_path)["step"]) == [10, 20]
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    writer.write({"step": 30, "loss": 1.0, "expert_share": np.full((rows, experts), 8 / experts),
+                  "router_bias": np.zeros((rows, experts))})
+    writer.close()
+    router = metrics_lib.read_router(tmp_path)
+    assert list(router["step"]) == [10, 20, 30] and np.allclose(router["expert_share"][-1], 8 / experts, rtol=1e-3)
+    assert (tmp_path / "router.bin").stat().st_size == 3 * router.dtype.itemsize
+
+
+def test_unreadable_router_header_is_one_clear_error(tmp_path):
+    (tmp_path / "router.json").write_text("{not json")
+    (tmp_path / "router.bin").write_bytes(b"")
+    with pytest.raises(metrics_lib.MetricsError, match="delete it and router.bin"):
+        metrics_lib.read_router(tmp_path)

@@ -129,7 +129,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             what = "a different config" if saved is not None and saved != config else "a run"
             raise ConfigError(f"{run_dir} already holds {what}; pass --resume to continue it, --overwrite to "
                               "replace it, or choose another --run-dir.")
-        for name in ("checkpoints", "metrics.jsonl", "tensorboard", "training.png", "config.json"):
+        for name in ("checkpoints", "metrics.jsonl", "router.bin", "router.json", "tensorboard", "training.png",
+                     "config.json"):
             target = run_dir / name
             if target.is_dir():
                 shutil.rmtree(target)

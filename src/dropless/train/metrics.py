@@ -1,5 +1,5 @@
-"""Training metrics: throughput formulas, the three sinks (metrics.jsonl, TensorBoard, a PNG at the end) and the
-router watch.
+"""Training metrics: throughput formulas, the sinks (metrics.jsonl, router.bin, TensorBoard, a PNG at the end) and
+the router watch.
 
 Definitions (also in docs/training.md):
     tokens_per_s       = global tokens in the logged steps / wall seconds they took
@@ -9,6 +9,11 @@ Definitions (also in docs/training.md):
     router_bias[l][e]  = the aux-loss-free correction bias after the step
 `model_flops_per_token` is in `dropless.models.flops` (6 x active matmul parameters + the causal attention term).
 The router rows are the MoE layers in model order, then the MTP modules' MoE blocks (`router_row_names`).
+
+The router rows go to RUN_DIR/router.bin, not metrics.jsonl: at DeepSeek-V3's size they are 59 x 256 values each,
+which as JSON made every logged line ~240 KB. router.bin holds one fixed-size record per logged step (`step` int64,
+then `expert_share` and `router_bias`, each [rows, E] float16: 3 significant digits, a bias step of 1e-3 still
+resolved up to |bias| ~ 2), described by RUN_DIR/router.json; `read_router` maps it as a NumPy structured array.
 """
 
 from __future__ import annotations
@@ -83,25 +88,79 @@ def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray
     return (255 * np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1)).astype(np.uint8)
 
 
+ROUTER_KEYS = ("expert_share", "router_bias")
+
+
+def router_record_dtype(rows: int, experts: int) -> np.dtype:
+    """One router.bin record: the logged step and its [rows, experts] shares and biases."""
+    return np.dtype([("step", "<i8"), ("expert_share", "<f2", (rows, experts)), ("router_bias", "<f2", (rows, experts))])
+
+
+def read_router(run_dir: Path) -> np.ndarray | None:
+    """RUN_DIR/router.bin as a read-only structured array [logged steps] (fields `step`, `expert_share`,
+    `router_bias`), memory-mapped; None for a run without router rows. A torn last record is left out."""
+    header, path = Path(run_dir) / "router.json", Path(run_dir) / "router.bin"
+    if not header.is_file() or not path.is_file():
+        return None
+    try:
+        meta = json.loads(header.read_text())
+        dtype = router_record_dtype(int(meta["rows"]), int(meta["experts"]))
+    except (ValueError, KeyError, TypeError):
+        raise MetricsError(f"{header} is not a router header; delete it and router.bin (the router history) "
+                           "and run again.") from None
+    count = path.stat().st_size // dtype.itemsize
+    if count == 0:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype, mode="r", shape=(count,))
+
+
 class MetricsWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard; the router
-    rows (`expert_share`, `router_bias`) become a heatmap image, per-row load scalars and bias histograms."""
+    rows (`expert_share`, `router_bias`) go to RUN_DIR/router.bin (module docstring) and become a TensorBoard
+    heatmap image, per-row load scalars and bias histograms."""
 
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
-        self._tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self._router_file = None
+        self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def write(self, record: dict) -> None:
-        clean = {k: _jsonable(v) for k, v in record.items()}
+        clean = {k: _jsonable(v) for k, v in record.items() if k not in ROUTER_KEYS}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
         step = int(clean["step"])
         for key, value in clean.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, step)
-        if clean.get("expert_share") is not None:
-            self._router(np.asarray(clean["expert_share"]), clean.get("router_bias"), step)
+        if record.get("expert_share") is not None:
+            shares = np.asarray(record["expert_share"], np.float64)
+            bias = record.get("router_bias")
+            bias = np.full_like(shares, np.nan) if bias is None else np.asarray(bias, np.float64)
+            self._append_router(step, shares, bias)
+            self._router(shares, bias, step)
+
+    def _append_router(self, step: int, shares_LE: np.ndarray, bias_LE: np.ndarray) -> None:
+        dtype = router_record_dtype(*shares_LE.shape)
+        if self._router_file is None:
+            header = self.run_dir / "router.json"
+            meta = {"rows": shares_LE.shape[0], "experts": shares_LE.shape[1],
+                    "format": "little-endian records: step int64, expert_share float16 [rows, experts], "
+                              "router_bias float16 [rows, experts]; dropless.train.metrics.read_router"}
+            if header.is_file() and json.loads(header.read_text()).get("rows") != meta["rows"]:
+                raise MetricsError(f"{header} describes another model's router rows; delete it and router.bin "
+                                   "and run again.")
+            header.write_text(json.dumps(meta) + "\n")
+            self._router_file = (self.run_dir / "router.bin").open("ab")
+            torn = self._router_file.tell() % dtype.itemsize  # a record cut short by a kill: drop it
+            if torn:
+                self._router_file.truncate(self._router_file.tell() - torn)
+                self._router_file.seek(0, os.SEEK_END)
+        entry = np.zeros((), dtype)
+        entry["step"], entry["expert_share"], entry["router_bias"] = step, shares_LE, bias_LE
+        self._router_file.write(entry.tobytes())
+        self._router_file.flush()
 
     def _router(self, shares_LE: np.ndarray, bias_LE, step: int) -> None:
         load_LE, collapsed = expert_loads(shares_LE)  # the image's scale: balanced (1) to collapsed (E/K)
@@ -115,6 +174,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+        if self._router_file is not None:
+            self._router_file.close()
         self._tensorboard.close()
 
 
@@ -202,12 +263,18 @@ def keep_records_through(run_dir: Path, last_step: int) -> list[dict]:
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
+    router = read_router(run_dir)
+    if router is not None:  # its records of steps <= last_step, likewise (one truncation: whole records either way)
+        keep = int(np.searchsorted(np.asarray(router["step"]), last_step, side="right"))
+        size = keep * router.dtype.itemsize
+        del router
+        os.truncate(Path(run_dir) / "router.bin", size)
     return kept
 
 
 def plot_run(run_dir: Path) -> Path | None:
     """Write RUN_DIR/training.png: train and held-out loss, and expert load (max/mean), over steps; with router
-    rows in the records, also each row's max/mean load over steps, the worst row's per-expert load over steps and
+    rows (router.bin), also each row's max/mean load over steps, the worst row's per-expert load over steps and
     the router bias at the last logged step, as heatmaps."""
     records = read_metrics(run_dir)
     train = [r for r in records if r.get("loss") is not None]
@@ -218,9 +285,10 @@ def plot_run(run_dir: Path) -> Path | None:
     # here, once a run has ended: importing it costs every `dropless` process 0.6 s on a CPU, most of them no plot.
     from matplotlib.figure import Figure
 
-    routed = [r for r in train if r.get("expert_share")]
-    fig = Figure(figsize=(15, 7.6) if routed else (10, 3.6))
-    axes = fig.subplots(2, 3) if routed else [fig.subplots(1, 2)]
+    routed = read_router(run_dir)
+    routed = routed if routed is not None and len(routed) else None
+    fig = Figure(figsize=(15, 7.6) if routed is not None else (10, 3.6))
+    axes = fig.subplots(2, 3) if routed is not None else [fig.subplots(1, 2)]
     ax_loss, ax_load = axes[0][0], axes[0][1]
     if train:
         ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
@@ -233,7 +301,7 @@ def plot_run(run_dir: Path) -> Path | None:
         ax_load.plot([r["step"] for r in loads], [r["max_expert_load"] for r in loads])
     ax_load.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax_load.set(xlabel="step", ylabel="max / mean tokens per expert", title="expert load (worst layer)")
-    if routed:
+    if routed is not None:
         config_path = Path(run_dir) / "config.json"
         names = router_row_names(config_lib.load(config_path)) if config_path.is_file() else []
         _plot_router(fig, axes, routed, names)
@@ -243,9 +311,9 @@ def plot_run(run_dir: Path) -> Path | None:
     return out
 
 
-def _plot_router(fig, axes, routed: list[dict], names: list[str]) -> None:
-    steps = [r["step"] for r in routed]
-    shares_NLE = np.asarray([r["expert_share"] for r in routed], np.float64)
+def _plot_router(fig, axes, routed: np.ndarray, names: list[str]) -> None:
+    steps = [int(s) for s in routed["step"]]
+    shares_NLE = np.asarray(routed["expert_share"], np.float64)
     num_rows, num_experts = shares_NLE.shape[1:]
     if len(names) != num_rows:
         names = [f"row {row}" for row in range(num_rows)]
@@ -265,9 +333,8 @@ def _plot_router(fig, axes, routed: list[dict], names: list[str]) -> None:
     axes[1][1].plot(steps, np.sort(load_NLE[:, worst], axis=-1)[:, ::-1][:, :3])
     axes[1][1].axhline(1.0, color="grey", lw=0.8, ls="--")
     axes[1][1].set(xlabel="step", ylabel="load (1 = balanced)", title=f"{names[worst]}: its three busiest experts")
-    bias = routed[-1].get("router_bias")
-    if bias is not None:
-        bias_LE = np.asarray(bias, np.float64)
+    bias_LE = np.asarray(routed["router_bias"][-1], np.float64)
+    if np.isfinite(bias_LE).all():
         limit = max(float(np.abs(bias_LE).max()), 1e-9)
         image = axes[1][2].imshow(bias_LE, aspect="auto", interpolation="nearest", origin="lower", cmap="RdBu_r",
                                   vmin=-limit, vmax=limit)
