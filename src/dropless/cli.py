@@ -149,9 +149,15 @@ def cmd_generate(args) -> int:
     tokenizer = read_tokenizer_file(tokenizer_path)
     config, params, state = _load_for_inference(args)
     stop_id = tokenizer.token_to_id("<|endoftext|>")
+    stats: dict = {}
     ids = generate(config, params, state, tokenizer.encode(args.prompt).ids, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id)
+                   temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id,
+                   speculative=args.speculative, stats=stats)
     print(args.prompt + tokenizer.decode(ids))
+    if args.speculative:
+        rate = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
+        print(f"dropless: {len(ids)} tokens in {stats['forwards']} forward passes; MTP drafts accepted: "
+              f"{stats['accepted']} of {stats['drafted']} ({rate:.0%})", file=sys.stderr)
     return 0
 
 
@@ -241,6 +247,9 @@ def make_parser() -> argparse.ArgumentParser:
             p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
             p.add_argument("--top-p", type=float, default=0.95)
             p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--speculative", action="store_true",
+                           help="draft each next token with the model's MTP module and verify it in the same pass "
+                                "(same output distribution; greedy output unchanged)")
         else:
             p.add_argument("--tokens", required=True, help=".npy int array [batch, seq]")
             p.add_argument("--out", required=True, help="where to write the .npy float32 [batch, seq, vocab]")

@@ -2,6 +2,15 @@
 
 The model has no KV cache here: each new token re-runs the forward over a fixed-length window, so one
 compiled program serves every step. That is plenty for inspecting what a small model learned.
+
+With `speculative` (a model with MTP modules, `model.mtp_layers` > 0) each forward pass also checks a token
+drafted by the first MTP module and, when it holds, yields two tokens instead of one: the pass verifies the draft
+at position L (the main model's distribution p there against the draft's q: greedy accepts when argmax p is the
+draft; sampling accepts with probability min(1, p(d) / q(d)) and otherwise samples max(0, p - q), renormalised,
+which leaves every token distributed exactly as p — Leviathan et al., 2023), then, the draft accepted, takes the
+main model's token at L + 1 from the same pass. The MTP module then drafts the next token from the pass's final
+hidden state (`transformer.mtp_logits`: one transformer block, the main model is not run again). Greedy output
+equals plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -18,6 +27,11 @@ def sample_next(logits_V: jax.Array, key: jax.Array, temperature: float, top_p: 
     """One token id from the final-position logits. temperature = 0 means greedy."""
     if temperature == 0.0:
         return jnp.argmax(logits_V).astype(jnp.int32)
+    return jax.random.categorical(key, truncated_logits(logits_V, temperature, top_p)).astype(jnp.int32)
+
+
+def truncated_logits(logits_V: jax.Array, temperature: float, top_p: float) -> jax.Array:
+    """The logits `sample_next` samples from at temperature > 0: scaled, and -inf outside the top-p nucleus."""
     logits_V = logits_V / temperature
     if top_p < 1.0:
         order_V = jnp.argsort(-logits_V)
@@ -26,19 +40,44 @@ def sample_next(logits_V: jax.Array, key: jax.Array, temperature: float, top_p: 
         keep_sorted = jnp.cumsum(probs_sorted) - probs_sorted < top_p
         keep_V = jnp.zeros_like(keep_sorted).at[order_V].set(keep_sorted)
         logits_V = jnp.where(keep_V, logits_V, -jnp.inf)
-    return jax.random.categorical(key, logits_V).astype(jnp.int32)
+    return logits_V
+
+
+def verify_draft(p_logits_V: jax.Array, q_logits_V: jax.Array, draft: jax.Array, key: jax.Array,
+                 temperature: float, top_p: float) -> tuple[jax.Array, jax.Array]:
+    """(accepted, token): whether the main model keeps `draft` (drawn from the draft logits q), and the token it
+    emits at that position: the draft when accepted, else one from the corrected distribution (module docstring)."""
+    if temperature == 0.0:
+        token = jnp.argmax(p_logits_V).astype(jnp.int32)
+        return token == draft, token
+    p_V = jax.nn.softmax(truncated_logits(p_logits_V, temperature, top_p))
+    q_V = jax.nn.softmax(truncated_logits(q_logits_V, temperature, top_p))
+    accept_key, residual_key = jax.random.split(key)
+    accepted = jax.random.uniform(accept_key) * q_V[draft] < p_V[draft]  # u < p(d) / q(d), q(d) > 0 as d ~ q
+    residual_V = jnp.maximum(p_V - q_V, 0.0)
+    residual_V = jnp.where(jnp.sum(residual_V) > 0, residual_V, p_V)  # p = q: a rejection never happens
+    resampled = jax.random.categorical(residual_key, jnp.log(residual_V)).astype(jnp.int32)
+    return accepted, jnp.where(accepted, draft, resampled)
 
 
 def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_tokens: int = 64,
              temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
-             stop_id: int | None = None) -> list[int]:
-    """Continue `prompt_ids`; returns only the new ids (stopping early at `stop_id`)."""
+             stop_id: int | None = None, speculative: bool = False, stats: dict | None = None) -> list[int]:
+    """Continue `prompt_ids`; returns only the new ids (stopping early at `stop_id`). `speculative`: draft with
+    the MTP module (module docstring); `stats`, if given, receives the forward passes run and the drafts made
+    and accepted."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
     if not prompt_ids:
         raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
+    if speculative and not config.model.mtp_layers:
+        raise ConfigError("--speculative drafts tokens with the model's MTP module, and this model has none "
+                          "(model.mtp_layers=0); drop --speculative.")
     window = config.model.max_seq_len if config.model.max_seq_len <= 1024 else 1024
     config = config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
+    if speculative:
+        return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
+                                     stop_id, window, {} if stats is None else stats)
 
     @jax.jit
     def next_token(params, state, tokens_1S, length, key):
@@ -58,4 +97,61 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
             break
         ids.append(token)
         new.append(token)
+    if stats is not None:
+        stats.update(forwards=len(new) + (len(new) < max_new_tokens), drafted=0, accepted=0)
+    return new
+
+
+def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tokens: int, temperature: float,
+                          top_p: float, seed: int, stop_id, window: int, stats: dict) -> list[int]:
+    """`generate` with MTP drafts: one jitted pass per iteration verifies the pending draft, emits one or two
+    tokens and drafts the next (module docstring). The context keeps two free positions of the window: the
+    draft's and the token after it."""
+    @jax.jit
+    def step(params, state, tokens_1S, length, has_draft, draft, q_logits_V, key):
+        logits_1SV, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
+        k_verify, k_first, k_second, k_draft = jax.random.split(key, 4)
+        accepted, verified = verify_draft(logits_1SV[0, length - 1], q_logits_V, draft, k_verify, temperature, top_p)
+        plain = sample_next(logits_1SV[0, length - 1], k_first, temperature, top_p)
+        accepted = accepted & has_draft
+        first = jnp.where(has_draft, verified, plain)  # the token at position `length`
+        second = sample_next(logits_1SV[0, length], k_second, temperature, top_p)  # at length + 1, if accepted
+        # The MTP module reads the tokens through the position after the last emitted one's predecessor.
+        tokens_1S = tokens_1S.at[0, length].set(first).at[0, length + 1].set(jnp.where(accepted, second, 0))
+        last = jnp.where(accepted, length, length - 1)
+        draft_logits_V = transformer.mtp_logits(params, state, tokens_1S, aux["hidden"], config)[0][0, last]
+        new_draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
+        return accepted, first, second, new_draft, draft_logits_V
+
+    ids = list(prompt_ids)
+    key = jax.random.key(seed)
+    new: list[int] = []
+    has_draft, draft = False, 0
+    q_logits_V = jnp.zeros((config.model.vocab_size,), jnp.float32)
+    forwards = drafted = accepted_total = 0
+    while len(new) < max_new_tokens:
+        context = ids[-(window - 2):]
+        tokens_1S = np.zeros((1, window), np.int32)
+        tokens_1S[0, :len(context)] = context
+        if has_draft:
+            tokens_1S[0, len(context)] = draft
+        key, sub = jax.random.split(key)
+        accepted, first, second, next_draft, next_q = step(params, state, jnp.asarray(tokens_1S), len(context),
+                                                           has_draft, draft, q_logits_V, sub)
+        forwards += 1
+        drafted += has_draft
+        accepted = bool(accepted)
+        accepted_total += accepted
+        emitted = [int(first), int(second)] if accepted else [int(first)]
+        stopped = False
+        for token in emitted[:max_new_tokens - len(new)]:
+            if stop_id is not None and token == stop_id:
+                stopped = True
+                break
+            ids.append(token)
+            new.append(token)
+        if stopped:
+            break
+        has_draft, draft, q_logits_V = True, int(next_draft), next_q
+    stats.update(forwards=forwards, drafted=drafted, accepted=accepted_total)
     return new

@@ -344,15 +344,28 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
     return tuple(logits), stats
 
 
+def mtp_logits(params: dict, state: dict, tokens_BS: jax.Array, hidden_BSD: jax.Array, config: Config):
+    """The MTP modules alone, after a main forward pass that returned its `hidden` (`forward(..., hidden=True)`):
+    D float32 [B, S, V] arrays, depth k's position i scoring token i+k+1 from the main model's state at i and the
+    tokens up to i+k. For drafting tokens (speculative decoding): the main model is not run again."""
+    dtype = compute_dtype(config)
+    executor = LocalExecutor.from_config(config.moe, make_recipe(config.train.fp8))
+    cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(config.model), config.model.rope_theta,
+                                 config.model.rope_scaling)
+    layers = _Layers(config, executor, cos_SP, sin_SP, dtype)
+    return _mtp_modules(params, state, tokens_BS, hidden_BSD, layers, None)[0]
+
+
 def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
-            executor: ExpertExecutor | None = None, mtp: bool = False):
+            executor: ExpertExecutor | None = None, mtp: bool = False, hidden: bool = False):
     """Logits for next-token prediction. Returns (logits_BSV float32, aux).
 
     aux = {"moe": MoEStats stacked over the MoE layers [Lmoe, ...], "balance_loss": their summed
     `balance_loss`, the term to add to the training loss}. With `mtp` (training) and `model.mtp_layers` = D > 0,
     also "mtp_logits": D float32 [B, S, V] arrays, depth k's position i scoring token i+k+1 (positions S-k..
     S-1 have no target), and the MTP modules' MoE blocks follow the MoE layers in "moe" and "balance_loss"
-    (`num_router_rows`). `executor` (built once: `dropless.ep.make_executor`) is handed to every
+    (`num_router_rows`). With `hidden`, also "hidden": the final-normed [B, S, D] state the output head and the
+    MTP modules read (`mtp_logits`). `executor` (built once: `dropless.ep.make_executor`) is handed to every
     `dropless.moe.moe_layer`; None = the one-device `LocalExecutor` for `config.moe`.
     """
     m = config.model
@@ -388,5 +401,7 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
     if mtp and m.mtp_layers:
         aux["mtp_logits"], mtp_stats = _mtp_modules(params, state, tokens_BS, x_BSD, layers, mesh)
         stats += mtp_stats
+    if hidden:
+        aux["hidden"] = x_BSD
     moe_stats = _concat_stats(stats, config, x_BSD)
     return logits_BSV, {"moe": moe_stats, "balance_loss": jnp.sum(moe_stats.balance_loss), **aux}

@@ -1,0 +1,91 @@
+"""Speculative decoding with the MTP module (`dropless generate --speculative`): the acceptance rule leaves every
+token distributed as the main model's, greedy output equals plain greedy decoding, and accepted drafts yield two
+tokens per forward pass."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.core.config import ConfigError
+from dropless.models import generate as gen
+from dropless.models import transformer
+from tests.test_models_mtp import CONFIG
+
+MODEL = CONFIG.replace(**{"model.mtp_layers": 1, "model.max_seq_len": 32})
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_verified_drafts_leave_tokens_distributed_as_the_main_model(temperature, top_p):
+    p_logits = jnp.asarray([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    q_logits = jnp.asarray([0.0, 2.0, -1.0, 1.0, 0.5, 0.0])  # a poor draft: most of its mass where p has little
+
+    def one(key):
+        k_draft, k_verify = jax.random.split(key)
+        draft = gen.sample_next(q_logits, k_draft, temperature, top_p)
+        return gen.verify_draft(p_logits, q_logits, draft, k_verify, temperature, top_p)
+
+    n = 200_000
+    accepted, tokens = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), n))
+    got = np.bincount(np.asarray(tokens), minlength=6) / n
+    want = np.asarray(jax.nn.softmax(gen.truncated_logits(p_logits, temperature, top_p)))
+    np.testing.assert_allclose(got, want, atol=4 * np.sqrt(0.25 / n))
+    assert 0.05 < float(np.mean(accepted)) < 0.95  # both branches ran
+    q = np.asarray(jax.nn.softmax(gen.truncated_logits(q_logits, temperature, top_p)))
+    assert np.isclose(np.mean(accepted), np.minimum(q, want).sum(), atol=0.01)  # the acceptance rate is sum min(p, q)
+
+
+@pytest.fixture(scope="module")
+def model():
+    params = jax.jit(lambda key: transformer.init_params(key, MODEL))(jax.random.key(3))
+    return params, transformer.init_state(MODEL)
+
+
+def test_speculative_greedy_equals_plain_greedy(model):
+    params, state = model
+    prompt = [5, 9, 2, 7]
+    plain = gen.generate(MODEL, params, state, prompt, max_new_tokens=12, temperature=0.0)
+    stats: dict = {}
+    fast = gen.generate(MODEL, params, state, prompt, max_new_tokens=12, temperature=0.0, speculative=True,
+                        stats=stats)
+    assert fast == plain and len(plain) == 12
+    assert stats["drafted"] == stats["forwards"] - 1 and stats["forwards"] == 12 - stats["accepted"]
+
+
+def test_accepted_drafts_give_two_tokens_per_pass(model, monkeypatch):
+    """With an oracle in place of the MTP module (the main model's own next-token logits), every draft holds: the
+    output is plain greedy's, in half the forward passes."""
+    params, state = model
+
+    def oracle(params, state, tokens_BS, hidden_BSD, config):
+        logits_BSV, _ = transformer.forward(params, state, tokens_BS, config)
+        return (jnp.roll(logits_BSV, -1, axis=1),)  # position i: the main model's prediction of token i + 2
+
+    plain = gen.generate(MODEL, params, state, [1, 2, 3], max_new_tokens=11, temperature=0.0)
+    monkeypatch.setattr(transformer, "mtp_logits", oracle)
+    stats: dict = {}
+    fast = gen.generate(MODEL, params, state, [1, 2, 3], max_new_tokens=11, temperature=0.0, speculative=True,
+                        stats=stats)
+    assert fast == plain
+    assert stats["accepted"] == stats["drafted"] == 5 and stats["forwards"] == 6
+
+
+def test_speculative_sampling_stops_at_the_stop_token_and_the_budget(model):
+    params, state = model
+    stats: dict = {}
+    out = gen.generate(MODEL, params, state, [4, 4], max_new_tokens=7, temperature=1.0, seed=1, speculative=True,
+                       stats=stats)
+    assert len(out) == 7 and stats["forwards"] <= 7
+    stop = out[3]
+    cut = gen.generate(MODEL, params, state, [4, 4], max_new_tokens=7, temperature=1.0, seed=1, speculative=True,
+                       stop_id=stop)
+    assert cut == out[:out.index(stop)]
+
+
+def test_speculative_needs_an_mtp_module(model):
+    params, state = model
+    plain = MODEL.replace(**{"model.mtp_layers": 0})
+    with pytest.raises(ConfigError, match="model.mtp_layers=0"):
+        gen.generate(plain, params, state, [1], speculative=True)
