@@ -45,4 +45,22 @@ def test_stage_check_catches_a_wrong_combine():
     assert max(good.values()) < stage.STAGE_ERR_LIMIT
     _, wrong = stage.stage_programs(stage.stage_gmm("default"), ids, weights * jnp.asarray([1.0, 0.5]))
     bad = stage.check(spec, wrong, x, dy, experts, ids, weights)
-    assert min(bad.values()) > 0.05
+    assert min(bad.values()) > 0.05  # output and both gradients
+
+
+def test_stage_check_catches_a_wrong_weight_gradient():
+    """A stage whose output and input gradient are right but whose weight gradient is not (halved for one
+    expert, or two experts' gradients swapped) fails the check's weight-gradient part alone."""
+    spec = stage.STAGES["tiny"]
+    x, dy, experts = stage.operands(spec, 0)
+    ids, weights = stage.routing(spec, 0)
+    _, fwdbwd = stage.stage_programs(stage.stage_gmm("default"), ids, weights)
+    good = stage.check(spec, fwdbwd, x, dy, experts, ids, weights)
+    assert set(good) == {"fwd", "dlhs", "drhs"} and max(good.values()) < stage.STAGE_ERR_LIMIT
+    for wrong_grad in (lambda g: g.at[1].multiply(0.5), lambda g: g[jnp.asarray([1, 0, 2, 3])]):
+        def wrong(x, experts, dy, wrong_grad=wrong_grad):
+            y, dx, d_experts = fwdbwd(x, experts, dy)
+            return y, dx, {**d_experts, "down": wrong_grad(d_experts["down"])}
+
+        bad = stage.check(spec, wrong, x, dy, experts, ids, weights)
+        assert bad["fwd"] == good["fwd"] and bad["dlhs"] == good["dlhs"] and bad["drhs"] > 0.05, bad

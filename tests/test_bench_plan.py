@@ -105,3 +105,25 @@ def test_plan_accuracy_parts_cover_the_set_once_and_records_merge(monkeypatch):
     # c1 re-measured replaces the old row; c2's old measurement survives a run that did not get to it.
     assert [(r["name"], "old" in r) for r in merged] == [("c0", True), ("c1", False), ("c2", True), ("c4", False)]
     assert plan_accuracy.merged_rows({**previous, "config_set": "h200"}, rows, "parts") == rows
+
+
+def test_plan_accuracy_a_failure_replaces_an_older_row_and_other_parts_set_no_exit_status(monkeypatch, capsys):
+    configs = [(f"c{i}", "tiny", []) for i in range(4)]
+    monkeypatch.setitem(plan_accuracy.CONFIG_SETS, "parts", configs)
+    predicted = {"peak_gib": 1.0, "step_ms": 1.0, "fits": True}
+    previous = {"benchmark": "plan-accuracy", "config_set": "parts",
+                "configs": [{"name": n, "status": "ok", "predicted": predicted} for n in ("c0", "c1")]}
+    failed = [{"name": "c0", "status": "error: out of memory", "predicted": predicted}]
+    merged = plan_accuracy.merged_rows(previous, failed, "parts")
+    assert [(r["name"], r["status"]) for r in merged] == [("c0", "error: out of memory"), ("c1", "ok")]
+
+    def run_ok(config_set, out, *, part, **_):  # every configuration of `part` measured, merged into `merged`
+        ran = [{"name": name, "status": "ok", "predicted": predicted}
+               for name, _, _ in plan_accuracy.select_part(configs, part)]
+        return {"configs": plan_accuracy.merged_rows({**previous, "configs": merged}, ran, config_set)}
+
+    monkeypatch.setattr(plan_accuracy, "run", run_ok)
+    assert plan_accuracy.main(["--set", "parts", "--part", "2/2"]) == 0  # c0's failure is part 1's, not this run's
+    monkeypatch.setattr(plan_accuracy, "run", lambda config_set, out, *, part, **_: {"configs": merged})
+    assert plan_accuracy.main(["--set", "parts", "--part", "1/2"]) == 1
+    capsys.readouterr()

@@ -151,14 +151,15 @@ def _unaligned(a_PX, sizes):
 
 @pytest.mark.parametrize("mode, case", [(mode, "uneven") for mode in MODES]
                          + [("blockwise", "skewed"), ("rowwise", "skewed"), ("mxfp8", "empty")])
-def test_grouped_fp8_on_aligned_rows_equals_the_gathered_path_and_the_reference(mode, case):
+@pytest.mark.parametrize("poison", [np.nan, 1e30])
+def test_grouped_fp8_on_aligned_rows_equals_the_gathered_path_and_the_reference(mode, case, poison):
     """Fp8Gmm(row_align=128) on expert-aligned rows (plain transposes for the weight gradient) against Fp8Gmm on
     the same rows end to end (gathered aligned copies) and the float64 reference; the rows past the last group hold
-    NaN and are never read."""
+    NaN or huge values and are never read (a huge value in an expert's rowwise scale would flush its rows to 0)."""
     sizes, rows = GROUPS[case]
     x, w, gs, dy = _grouped_case(sizes, rows)
-    x_al, gs_al = _aligned(x, sizes)
-    dy_al, _ = _aligned(dy, sizes)
+    x_al, gs_al = _aligned(x, sizes, poison)
+    dy_al, _ = _aligned(dy, sizes, poison)
     products = Fp8Products(Recipe(mode), XlaGmm(), XlaContract())
     results = []
     for gmm, x_, gs_, dy_ in ((Fp8Gmm(products), x, gs, dy), (Fp8Gmm(products, row_align=128), x_al, gs_al, dy_al)):
@@ -193,12 +194,14 @@ def test_aligned_copy_puts_each_expert_at_a_multiple_of_128():
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, row_align):
     """The native products (dropless.gmm.fp8_mosaic) against the dequantized ones on the same operands, on rows end
-    to end and on expert-aligned rows (whose rows past the groups hold NaN)."""
+    to end and on expert-aligned rows (whose rows past the groups hold inf; the last group is empty there, so its
+    rowwise scale is NaN, a block's past the groups, which the kernel must not read)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    x, w, gs, dy = _grouped_case([50, 0, 70], 130, k=256, n=256)
+    sizes = [50, 0, 70] if row_align == 1 else [50, 0, 70, 0]
+    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
     if row_align > 1:
-        (x, gs), (dy, _) = _aligned(x, [50, 0, 70]), _aligned(dy, [50, 0, 70])
+        (x, gs), (dy, _) = _aligned(x, sizes, np.inf), _aligned(dy, sizes, np.inf)
     results = []
     for native in (False, True):
         gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()), row_align=row_align)

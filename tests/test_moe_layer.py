@@ -138,3 +138,25 @@ def test_shape_mismatches_raise_one_clear_error():
         call(p={k: v for k, v in params.items() if k != "shared"})
     with pytest.raises(MoEError, match=r"expects \(8, 8\)"):
         call(c=dataclasses.replace(cfg, num_experts=8))
+
+
+@pytest.mark.parametrize("rows", [None, 32, 200])
+def test_local_executor_reports_the_pairs_its_capacity_gemm_drops(rows):
+    """LocalExecutor counts dropped pairs for the rows the grouped GEMM gets (at most T*K, whatever `rows` asks):
+    the same count as the capacity GEMM's own on the permuted rows, none left out of the output silently."""
+    from dropless.gmm.capacity import CapacityGmm
+    from dropless.moe import LocalExecutor
+    from dropless.moe.permute import permute
+
+    rng = np.random.default_rng(0)
+    num_tokens, top_k, num_experts, hidden, width = 16, 2, 4, 6, 5
+    ids_TK = jnp.asarray(np.stack([rng.choice(num_experts, top_k, replace=False, p=[0.7, 0.1, 0.1, 0.1])
+                                   for _ in range(num_tokens)]), jnp.int32)
+    experts = {"gate_up": jnp.asarray(rng.normal(size=(num_experts, hidden, 2 * width)), jnp.float32),
+               "down": jnp.asarray(rng.normal(size=(num_experts, width, hidden)), jnp.float32)}
+    x_TD = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)
+    gmm = CapacityGmm(capacity_factor=1.0)
+    _, stats = LocalExecutor(gmm, rows)(x_TD, ids_TK, jnp.ones((num_tokens, top_k)), experts)
+    x_sorted_MD, group_sizes_E, _ = permute(x_TD, ids_TK, num_experts, rows)
+    want = gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0])
+    assert int(want) > 0 and int(stats.tokens_dropped) == int(want)

@@ -10,8 +10,9 @@ raggedness), so a fusion is measured where it pays.
 
 Routing: each token's K distinct experts drawn without replacement from expert weights ~ Dirichlet(1) (the
 `dirichlet` skew of the grouped-GEMM benchmark, per token), combine weights uniform in [0.5, 1.5). Before it is
-timed, the stage is checked against a per-(token, expert) float32 loop on a sample of tokens (outputs and input
-gradients). Records go into the grouped-GEMM benchmark's list (`backend` = "stage:<path>").
+timed, the stage is checked against a per-(token, expert) float32 loop on a sample of tokens (outputs, input
+gradients, and each expert's weight gradient projected on its weights). Records go into the grouped-GEMM
+benchmark's list (`backend` = "stage:<path>").
 """
 
 from __future__ import annotations
@@ -115,40 +116,59 @@ def stage_programs(gmm, ids_TK, weights_TK):
     return jax.jit(fwd), jax.jit(fwdbwd)
 
 
-def reference(x_TD, experts, ids_TK, weights_TK):
-    """y [t] = sum_k w[t, k] * SwiGLU_{e[t, k]}(x[t]) in float32, one (token, expert) pair at a time."""
+def reference(x_TD, experts, ids_TK, weights_TK, dy_TD):
+    """The stage in float32, one (token, expert) pair at a time: (y [T, D] = sum_k w[t, k] * SwiGLU_{e[t, k]}(x[t]),
+    dx [T, D] for the cotangent dy, and each expert's weight-gradient projections [E, 2]: <dW, W> for gate+up and
+    for down, i.e. the derivative of <y, dy> as that expert's weight is scaled). Each pair's gradients are taken
+    inside the loop, so no residual of the loop is kept (a pair's weights in float32 are 117 MB at DeepSeek-V3)."""
     width = experts["down"].shape[1]
 
-    def token(args):
-        x_D, ids_K, w_K = args
+    def pair(args):
+        x_D, dy_D, e, w = args
+        up, down = experts["gate_up"][e].astype(jnp.float32), experts["down"][e].astype(jnp.float32)
 
-        def pair(e_w):
-            e, w = e_w
-            h = x_D @ experts["gate_up"][e].astype(jnp.float32)
-            a = jax.nn.silu(h[:width]) * h[width:]
-            return w * (a @ experts["down"][e].astype(jnp.float32))
+        def y_of(x_D, scale_up, scale_down):
+            h = x_D @ (scale_up * up)
+            return w * ((jax.nn.silu(h[:width]) * h[width:]) @ (scale_down * down))
 
-        return jnp.sum(jax.lax.map(pair, (ids_K, w_K)), axis=0)
+        y_D, pullback = jax.vjp(lambda x_D: y_of(x_D, 1.0, 1.0), x_D)
+        _, y_up_D = jax.jvp(lambda s: y_of(x_D, s, 1.0), (1.0,), (1.0,))
+        _, y_down_D = jax.jvp(lambda s: y_of(x_D, 1.0, s), (1.0,), (1.0,))
+        return y_D, pullback(dy_D)[0], jnp.stack([y_up_D @ dy_D, y_down_D @ dy_D])
 
-    return jax.lax.map(token, (x_TD.astype(jnp.float32), ids_TK, weights_TK))
+    top_k = ids_TK.shape[1]
+    x_MD = jnp.repeat(x_TD.astype(jnp.float32), top_k, axis=0)
+    dy_MD = jnp.repeat(dy_TD.astype(jnp.float32), top_k, axis=0)
+    y_MD, dx_MD, projections_M2 = jax.lax.map(pair, (x_MD, dy_MD, ids_TK.reshape(-1), weights_TK.reshape(-1)))
+    per_token = lambda a_MD: jnp.sum(a_MD.reshape(-1, top_k, a_MD.shape[-1]), axis=1)
+    num_experts = experts["down"].shape[0]
+    return per_token(y_MD), per_token(dx_MD), jax.ops.segment_sum(projections_M2, ids_TK.reshape(-1), num_experts)
+
+
+@jax.jit
+def weight_projections(d_experts, experts):
+    """[E, 2]: <dW_e, W_e> for gate+up and down, accumulated in float32 (no float32 copy of the weights)."""
+    dot = lambda g, w: jnp.einsum("ekn,ekn->e", g, w.astype(g.dtype), preferred_element_type=jnp.float32)
+    return jnp.stack([dot(d_experts["gate_up"], experts["gate_up"]), dot(d_experts["down"], experts["down"])], -1)
 
 
 def check(spec: StageSpec, fwdbwd, x, dy, experts, ids_TK, weights_TK) -> dict:
-    """Relative errors of the stage's output and input gradient on CHECK_TOKENS tokens against `reference`."""
-    y, dx, _ = fwdbwd(x, experts, dy)
+    """Relative errors of the stage's output, input gradient and weight gradient (`reference`'s projections) on
+    CHECK_TOKENS tokens against `reference`. The weight gradient is the stage's for a cotangent that is zero but
+    on those tokens, so it holds exactly their pairs' contributions."""
     pick = np.linspace(0, spec.tokens - 1, min(CHECK_TOKENS, spec.tokens)).astype(np.int32)
-
-    def ref_sample(x_sample):
-        return reference(x_sample, experts, ids_TK[pick], weights_TK[pick])
-
-    ref_y, pullback = jax.vjp(ref_sample, x[pick].astype(jnp.float32))
-    ref_dx, = pullback(dy[pick])
+    y, dx = fwdbwd(x, experts, dy)[:2]  # the weight gradient, as large as the weights, is not kept
+    y, dx = np.asarray(y[pick]), np.asarray(dx[pick])
+    _, _, d_experts = fwdbwd(x, experts, jnp.zeros_like(dy).at[pick].set(dy[pick]))
+    projections = np.asarray(weight_projections(d_experts, experts))
+    del d_experts
+    ref_y, ref_dx, ref_projections = reference(x[pick], experts, ids_TK[pick], weights_TK[pick], dy[pick])
 
     def rel(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
-    return {"fwd": rel(y[pick], ref_y), "dlhs": rel(dx[pick], ref_dx)}
+    return {"fwd": rel(y, ref_y), "dlhs": rel(dx, ref_dx), "drhs": rel(projections, ref_projections)}
 
 
 def dense_reference(spec: StageSpec, batches: int) -> dict:

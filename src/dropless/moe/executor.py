@@ -90,6 +90,7 @@ class LocalExecutor:
                                      remat_activation=self.remat_activation)
         with jax.named_scope("unpermute"):
             y_TD = unpermute(y_sorted_MD, info, weights_TK)
-        # Dropped pairs are counted from the real group sizes and rows, not an aligned layout's padded ones.
-        num_rows = expert_ids_TK.size if self.rows is None else self.rows
+        # Dropped pairs are counted from the real group sizes and rows, not an aligned layout's padded ones: the
+        # rows permute keeps, at most all T*K (a `rows` above that keeps them all).
+        num_rows = expert_ids_TK.size if self.rows is None else min(self.rows, expert_ids_TK.size)
         return y_TD, ExecutorStats.single_device(self.gmm.dropped_rows(info.pairs_E, num_rows))
