@@ -95,6 +95,7 @@ def run(config, log) -> dict:
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
     trace = {"steps": [], "expert_share": [], "router_bias": []}
+    last_batch = None
     t0, timed_tokens = None, 0
     with dataset.prefetch(0, tc.batch_size, tc.steps, transform=to_device) as batches:
         for step in range(tc.steps):
@@ -121,7 +122,7 @@ def run(config, log) -> dict:
                 t0 += time.perf_counter() - pause  # evaluations are not training time
                 log(f"step {step + 1:4d} worst load {max(loads[-1]):.2f} held-out loss {curve[-1][1]:.4f}")
     worst = [max(row) for row in loads]
-    probe = bias_probe(setup, state, last_batch)
+    probe = bias_probe(setup, state, last_batch) if tc.steps else []
     log(f"bias probe: {probe}")
     return {"trace": trace, "bias_probe": probe, "layers": router_row_names(config), "steps": steps, "max_load": loads, "worst_max_load": worst,
             "max_abs_bias": bias_max, "train_loss": losses, "eval": curve, "final_eval_loss": curve[-1][1],
