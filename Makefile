@@ -1,7 +1,8 @@
 # The two commands: `make train` (set up, then train the tiny preset on the embedded corpus)
 # and `make test` (set up, then run the whole suite on 8 virtual CPU devices). The tests compile many small
 # programs: XLA's CPU backend optimisation is off (compile time, not numbers, is what tiny tests spend) and
-# compiled programs are cached in .jax_cache across the processes of one run.
+# compiled programs are cached in .jax_cache across the processes of one run. Each worker takes whole files, the
+# longest first (tests/conftest.py), so that the two end together.
 SHELL := /bin/bash
 # The first interpreter that really runs and is >= 3.12 (a pyenv shim can exist and still fail).
 PYTHON312 := $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.12*/bin/python3.12 \
@@ -29,7 +30,7 @@ train: setup
 test: setup
 	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 $$XLA_FLAGS" \
 	  JAX_PLATFORMS=cpu JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	  $(VENV)/bin/python -m pytest -n 2 --dist loadfile --durations=10 $(PYTEST_ARGS)
+	  $(VENV)/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .jax_cache

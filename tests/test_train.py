@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -45,22 +46,29 @@ def small_config(corpus: Path, **overrides) -> config_lib.Config:
     return config_lib.load_preset("tiny").replace(**{**SMALL, "data.source": str(corpus), **overrides})
 
 
-def test_training_reduces_held_out_loss_and_drops_nothing(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus) -> tuple[config_lib.Config, Path, object]:
+    """(config, run directory, summary) of one 40-step training, shared by the tests that only read it."""
     config = small_config(corpus, **{"train.steps": 40, "train.eval_every": 40, "train.checkpoint_every": 40,
                                      "train.learning_rate": 1e-2})
-    summary = train(config, tmp_path / "run", progress=False, log=lambda s: None)
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    return config, run_dir, train(config, run_dir, progress=False, log=lambda s: None)
+
+
+def test_training_reduces_held_out_loss_and_drops_nothing(trained):
+    _, run_dir, summary = trained
     first, last = summary.eval_losses[0][1], summary.eval_losses[-1][1]
     assert last < 0.6 * first, summary.eval_losses
-    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
     assert len(records) == 40
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
                 "tokens_dropped", "max_expert_load"):
         assert key in records[-1], key
     assert all(r["tokens_dropped"] == 0 for r in records)
     assert records[-1]["mfu"] is None  # no known peak on a CPU
-    assert (tmp_path / "run" / "training.png").stat().st_size > 0
-    assert list((tmp_path / "run" / "tensorboard").iterdir())
-    assert ckpt.latest_step(tmp_path / "run") == 40
+    assert (run_dir / "training.png").stat().st_size > 0
+    assert list((run_dir / "tensorboard").iterdir())
+    assert ckpt.latest_step(run_dir) == 40
 
 
 def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
@@ -106,9 +114,9 @@ def test_metrics_keep_each_step_once_and_tolerate_a_torn_last_line(tmp_path):
         read_metrics(tmp_path)
 
 
-def test_run_dir_with_other_config_is_refused(tmp_path, corpus):
-    config = small_config(corpus, **{"train.steps": 1, "train.eval_every": 100, "train.checkpoint_every": 1})
-    train(config, tmp_path / "run", progress=False, log=lambda s: None)
+def test_run_dir_with_other_config_is_refused(tmp_path, trained):
+    config, run_dir, _ = trained
+    shutil.copytree(run_dir, tmp_path / "run")  # a run with a checkpoint, of its own
     other = config.replace(**{"moe.num_experts_per_tok": 1})
     with pytest.raises(config_lib.ConfigError, match="already holds a different config"):
         train(other, tmp_path / "run", progress=False, log=lambda s: None)

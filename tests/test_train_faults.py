@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from dropless.train import checkpoint as ckpt
-from dropless.train.loop import TrainingDiverged, train
+from dropless.train.loop import TrainingDiverged
 from dropless.train.metrics import read_metrics
-from tests.test_train import SMALL, small_config, write_corpus
+from tests.test_train import SMALL, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,10 +170,16 @@ class Reference:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Reference:
+def workspace(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(a directory for the runs, the corpus, the compilation cache every subprocess of this file shares)."""
     root = tmp_path_factory.mktemp("faults")
     (root / "corpus").mkdir()
-    corpus, cache = write_corpus(root / "corpus"), root / "cache"
+    return root, write_corpus(root / "corpus"), root / "cache"
+
+
+@pytest.fixture(scope="module")
+def reference(workspace) -> Reference:
+    root, corpus, cache = workspace
     return Reference(root, corpus, cache, _start(root / "full", corpus, cache))
 
 
@@ -239,30 +245,33 @@ def test_sigkill_at_seeded_points_and_stop_signals_each_resumed_exactly(referenc
     reference.assert_same_run(run, [10, 20, 30, STEPS])
 
 
-def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
-    (tmp_path / "corpus").mkdir()
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace):
+    """The real command on one device, as the faulted runs above (what is tested is the loop's guard, not the mesh):
+    TrainingDiverged ends it with its exit status and one line."""
+    root, corpus, cache = workspace
+    run = root / "diverged"
     # Warm-up to a learning rate that blows the weights up after step 2: every later step's loss is non-finite.
-    config = small_config(write_corpus(tmp_path / "corpus"), **{
-        "train.steps": 12, "train.eval_every": 100, "train.checkpoint_every": 2, "train.keep_checkpoints": 2,
-        "train.learning_rate": 1e30, "train.max_nonfinite_steps": 3})
-    lines = []
-    with pytest.raises(TrainingDiverged) as caught:
-        train(config, tmp_path / "run", progress=False, log=lines.append)
-    message = str(caught.value)
-    assert caught.value.exit_status == 3 and "\n" not in message, message
-    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    process = _start(run, corpus, cache, steps=12, settings={
+        "train.checkpoint_every": 2, "train.keep_checkpoints": 2, "train.learning_rate": 1e30,
+        "train.max_nonfinite_steps": 3})
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == TrainingDiverged.exit_status == 3, output
+    last_line = output.rstrip().splitlines()[-1]
+    assert last_line.startswith("dropless: error: Training diverged: ") and "Traceback" not in output, output
+    message = last_line.removeprefix("dropless: error: ")  # one line: a message with a newline would end otherwise
+    records = [r for r in read_metrics(run) if "loss" in r]
     bad = [r["step"] for r in records if r["nonfinite"]]
     assert bad and all(r["nonfinite"] == 0 for r in records if r["step"] < bad[0]), records
-    last_good = ckpt.latest_step(tmp_path / "run")
+    last_good = ckpt.latest_step(run)
     assert f"not finite at steps {bad[0]}-{bad[0] + 2}" in message, message
     assert f"the last good checkpoint is step {last_good} " in message, message
     assert last_good <= bad[0] + 2
-    with ckpt.manager(tmp_path / "run", read_only=True) as mngr:
+    with ckpt.manager(run, read_only=True) as mngr:
         kept = sorted(mngr.all_steps())
     for step in kept:
-        assert all(np.isfinite(w).all() for w in _weights(tmp_path / "run", step)), step
+        assert all(np.isfinite(w).all() for w in _weights(run, step)), step
     # A skipped step leaves the weights as they were: every checkpoint from the last applied step on holds them.
-    frozen = [_weights(tmp_path / "run", step) for step in kept if step >= bad[0] - 1]
+    frozen = [_weights(run, step) for step in kept if step >= bad[0] - 1]
     assert len(frozen) == 2, (kept, bad)
     for a, b in zip(*frozen):
         np.testing.assert_array_equal(a, b)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import logging
 import os
 import shutil
 import time
@@ -38,6 +39,28 @@ from dropless.models import transformer
 
 ITEMS = ("model", "optimizer", "digest")
 _STRAGGLERS_S = 0.2
+
+# orbax writes an array replicated over N devices as N slices, one per replica, so that they write in parallel;
+# each slice is a device computation, compiled the first time a checkpoint meets its shape. An array whose slices
+# would be under 1 MiB (a model's norms, biases and router biases; every array of a small model) gains nothing
+# from that and is written whole by its first replica (as orbax writes every array where JAX_PLATFORMS names a GPU).
+_MIN_REPLICA_SLICE_BYTES = 1 << 20
+
+
+def _write_small_replicated_arrays_whole() -> None:
+    default = ocp.type_handlers.get_type_handler(jax.Array)
+    handler = ocp.type_handlers.ArrayHandler(array_metadata_store=default._array_metadata_store,  # the same store
+                                             min_slice_bytes_for_replica_parallel=_MIN_REPLICA_SLICE_BYTES)
+    absl_log = logging.getLogger("absl")  # orbax notes each override as a warning: this one is ours, not the user's
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl_log.setLevel(level)
+
+
+_write_small_replicated_arrays_whole()
 
 
 class CheckpointError(ValueError):
