@@ -49,8 +49,11 @@ _MIN_REPLICA_SLICE_BYTES = 1 << 20
 
 def _write_small_replicated_arrays_whole() -> None:
     default = ocp.type_handlers.get_type_handler(jax.Array)
-    handler = ocp.type_handlers.ArrayHandler(array_metadata_store=default._array_metadata_store,  # the same store
-                                             min_slice_bytes_for_replica_parallel=_MIN_REPLICA_SLICE_BYTES)
+    try:  # the handler's private store keeps the saved format; an orbax without either keeps its own default
+        handler = ocp.type_handlers.ArrayHandler(array_metadata_store=default._array_metadata_store,
+                                                 min_slice_bytes_for_replica_parallel=_MIN_REPLICA_SLICE_BYTES)
+    except (AttributeError, TypeError):
+        return
     absl_log = logging.getLogger("absl")  # orbax notes each override as a warning: this one is ours, not the user's
     level = absl_log.level
     absl_log.setLevel(logging.ERROR)
