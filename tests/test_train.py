@@ -98,9 +98,11 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
     assert ckpt.load_run_config(tmp_path / "split").train.schedule_steps == 6
     _, params_full, state_full = ckpt.load_model(tmp_path / "full")
     _, params_split, state_split = ckpt.load_model(tmp_path / "split", step=6)
-    for a, b in zip(*(map(np.asarray, __import__("jax").tree.leaves(t)) for t in (
-            (params_full, state_full), (params_split, state_split)))):
-        np.testing.assert_array_equal(a, b)
+    leaves_full, leaves_split = (__import__("jax").tree.leaves(t) for t in ((params_full, state_full),
+                                                                          (params_split, state_split)))
+    assert len(leaves_full) == len(leaves_split) > 10
+    for a, b in zip(leaves_full, leaves_split, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_metrics_keep_each_step_once_and_tolerate_a_torn_last_line(tmp_path):
