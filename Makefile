@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-router bench-strategy-cost bench-collectives bench-plan
-.PHONY: $(BENCH_TARGETS) bench-needs-gpu
+.PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
 
@@ -69,6 +69,12 @@ bench-gmm: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
 	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES) --skews dirichlet --backends dense,dropless --table \
 	  --out $(RESULTS)/gmm-$(GPU).json --chart $(BENCH_SCRATCH)/gmm-$(GPU).png
+
+# Any machine: speculative decoding with the MTP module against plain decoding, on a run trained with
+# model.mtp_layers >= 1 (e.g. `make train ARGS="model.mtp_layers=1"`); RUN=its run directory.
+bench-speculative: setup
+	@test -n "$(RUN)" || { echo "pass RUN=<a run directory trained with model.mtp_layers >= 1>" >&2; exit 1; }
+	$(VENV)/bin/python benchmarks/speculative.py --run-dir $(RUN) --out $(RESULTS)/speculative-$(or $(GPU),cpu).json
 
 # 1 GPU: fine-grained experts (256, 128 and 512 experts) beside dense, and the whole expert stage (permute ->
 # gate+up -> SwiGLU -> down -> unpermute) against its dense matmuls, for four models.

@@ -54,7 +54,7 @@ def test_speculative_greedy_equals_plain_greedy(model):
     assert stats["drafted"] == stats["forwards"] - 1 and stats["forwards"] == 12 - stats["accepted"]
 
 
-def test_accepted_drafts_give_two_tokens_per_pass(model, monkeypatch):
+def test_accepted_drafts_give_two_tokens_per_pass(model, monkeypatch, request):
     """With an oracle in place of the MTP module (the main model's own next-token logits), every draft holds: the
     output is plain greedy's, in half the forward passes."""
     params, state = model
@@ -65,6 +65,8 @@ def test_accepted_drafts_give_two_tokens_per_pass(model, monkeypatch):
 
     plain = gen.generate(MODEL, params, state, [1, 2, 3], max_new_tokens=11, temperature=0.0)
     monkeypatch.setattr(transformer, "mtp_logits", oracle)
+    gen._speculative_step.cache_clear()  # compiled programs are cached per config: trace one with the oracle
+    request.addfinalizer(gen._speculative_step.cache_clear)
     stats: dict = {}
     fast = gen.generate(MODEL, params, state, [1, 2, 3], max_new_tokens=11, temperature=0.0, speculative=True,
                         stats=stats)

@@ -15,6 +15,8 @@ equals plain greedy decoding token for token.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,10 +81,7 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
                                      stop_id, window, {} if stats is None else stats)
 
-    @jax.jit
-    def next_token(params, state, tokens_1S, length, key):
-        logits_1SV, _ = transformer.forward(params, state, tokens_1S, config)
-        return sample_next(logits_1SV[0, length - 1], key, temperature, top_p)
+    next_token = _plain_step(config, temperature, top_p)
 
     ids = list(prompt_ids)
     key = jax.random.key(seed)
@@ -107,21 +106,7 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     """`generate` with MTP drafts: one jitted pass per iteration verifies the pending draft, emits one or two
     tokens and drafts the next (module docstring). The context keeps two free positions of the window: the
     draft's and the token after it."""
-    @jax.jit
-    def step(params, state, tokens_1S, length, has_draft, draft, q_logits_V, key):
-        logits_1SV, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
-        k_verify, k_first, k_second, k_draft = jax.random.split(key, 4)
-        accepted, verified = verify_draft(logits_1SV[0, length - 1], q_logits_V, draft, k_verify, temperature, top_p)
-        plain = sample_next(logits_1SV[0, length - 1], k_first, temperature, top_p)
-        accepted = accepted & has_draft
-        first = jnp.where(has_draft, verified, plain)  # the token at position `length`
-        second = sample_next(logits_1SV[0, length], k_second, temperature, top_p)  # at length + 1, if accepted
-        # The MTP module reads the tokens through the position after the last emitted one's predecessor.
-        tokens_1S = tokens_1S.at[0, length].set(first).at[0, length + 1].set(jnp.where(accepted, second, 0))
-        last = jnp.where(accepted, length, length - 1)
-        draft_logits_V = transformer.mtp_logits(params, state, tokens_1S, aux["hidden"], config)[0][0, last]
-        new_draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
-        return accepted, first, second, new_draft, draft_logits_V
+    step = _speculative_step(config, temperature, top_p)
 
     ids = list(prompt_ids)
     key = jax.random.key(seed)
@@ -155,3 +140,37 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
         has_draft, draft, q_logits_V = True, int(next_draft), next_q
     stats.update(forwards=forwards, drafted=drafted, accepted=accepted_total)
     return new
+
+
+@functools.lru_cache(maxsize=8)
+def _plain_step(config: Config, temperature: float, top_p: float):
+    """The jitted next-token program, one per (config, sampling settings): later calls reuse its compilation."""
+    @jax.jit
+    def next_token(params, state, tokens_1S, length, key):
+        logits_1SV, _ = transformer.forward(params, state, tokens_1S, config)
+        return sample_next(logits_1SV[0, length - 1], key, temperature, top_p)
+
+    return next_token
+
+
+@functools.lru_cache(maxsize=8)
+def _speculative_step(config: Config, temperature: float, top_p: float):
+    """The jitted speculative iteration: verify the pending draft, emit one or two tokens, draft the next."""
+    @jax.jit
+    def step(params, state, tokens_1S, length, has_draft, draft, q_logits_V, key):
+        logits_1SV, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
+        k_verify, k_first, k_second, k_draft = jax.random.split(key, 4)
+        accepted, verified = verify_draft(logits_1SV[0, length - 1], q_logits_V, draft, k_verify, temperature, top_p)
+        plain = sample_next(logits_1SV[0, length - 1], k_first, temperature, top_p)
+        accepted = accepted & has_draft
+        first = jnp.where(has_draft, verified, plain)  # the token at position `length`
+        second = sample_next(logits_1SV[0, length], k_second, temperature, top_p)  # at length + 1, if accepted
+        # The tokens as emitted (the MTP module at position i reads token i + 1); its depth-1 logits at `last`, the
+        # position before the last emitted token, draft the token after that one.
+        tokens_1S = tokens_1S.at[0, length].set(first).at[0, length + 1].set(jnp.where(accepted, second, 0))
+        last = jnp.where(accepted, length, length - 1)
+        draft_logits_V = transformer.mtp_logits(params, state, tokens_1S, aux["hidden"], config)[0][0, last]
+        new_draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
+        return accepted, first, second, new_draft, draft_logits_V
+
+    return step
