@@ -73,11 +73,20 @@ def _dense_case(seed=0, t=200, k=256, n=384):
             wide_range(rng, (t, n)).astype(np.float32))
 
 
+def fwd_bwd(f, x, w, gs, dy):
+    """(f(x, w, gs), dx, dw) for cotangent dy, as one jitted program (op by op, each of the quantizers' operations
+    compiled on its own took most of these tests' time); gs may be None (a dense product)."""
+    def run(x, w, gs, dy):
+        y, pullback = jax.vjp(lambda x, w: f(x, w, gs), x, w)
+        return (y, *pullback(dy))
+
+    return jax.jit(run)(jnp.asarray(x), jnp.asarray(w), None if gs is None else jnp.asarray(gs), jnp.asarray(dy))
+
+
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_dense_fp8_matmul_and_its_gradients_match_the_float64_reference(mode):
     x, w, dy = _dense_case()
-    y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe(mode), jnp.float32), jnp.asarray(x), jnp.asarray(w))
-    dx, dw = pullback(jnp.asarray(dy))
+    y, dx, dw = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe(mode), jnp.float32), x, w, None, dy)
     for got, want in zip((y, dx, dw), ref.dense(x, w, dy, mode)):
         assert rel(got, want) < F32_RTOL
 
@@ -89,12 +98,12 @@ def test_mxfp8_goes_through_scaled_dot_general_within_mx_rounding():
     x = rng.normal(size=(2, 50, 80)).astype(np.float32)
     w = (rng.normal(size=(80, 100)) * 0.1).astype(np.float32)
     dy = rng.normal(size=(2, 50, 100)).astype(np.float32)
-    y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe("mxfp8"), jnp.float32), jnp.asarray(x),
-                          jnp.asarray(w))
-    dx, dw = pullback(jnp.asarray(dy))
+    y, dx, dw = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe("mxfp8"), jnp.float32), x, w, None, dy)
     want = (x @ w, dy @ w.T, np.einsum("btk,btn->kn", x, dy))
     for got, exact in zip((y, dx, dw), want):
         assert 0 < rel(got, exact) < 0.08
+
+
 
 
 def _grouped_case(sizes, rows, seed=0, k=256, n=128):
@@ -115,9 +124,7 @@ def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
     sizes, rows = GROUPS[case]
     x, w, gs, dy = _grouped_case(sizes, rows)
     gmm = Fp8Gmm(Fp8Products(Recipe(mode), XlaGmm(), XlaContract()))
-    y, pullback = jax.vjp(lambda x, w: gmm(x, w, jnp.asarray(gs), preferred_element_type=jnp.float32),
-                          jnp.asarray(x), jnp.asarray(w))
-    dx, dw = pullback(jnp.asarray(dy))
+    y, dx, dw = fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x, w, gs, dy)
     want = ref.grouped(x, w, sizes, dy, mode)
     for got, exact in zip((y, dx, dw), want):
         assert np.all(np.isfinite(np.asarray(got)))
@@ -163,9 +170,8 @@ def test_grouped_fp8_on_aligned_rows_equals_the_gathered_path_and_the_reference(
     products = Fp8Products(Recipe(mode), XlaGmm(), XlaContract())
     results = []
     for gmm, x_, gs_, dy_ in ((Fp8Gmm(products), x, gs, dy), (Fp8Gmm(products, row_align=128), x_al, gs_al, dy_al)):
-        y, pullback = jax.vjp(lambda x, w: gmm(x, w, jnp.asarray(gs_), preferred_element_type=jnp.float32),
-                              jnp.asarray(x_), jnp.asarray(w))
-        results.append((np.asarray(y), *map(np.asarray, pullback(jnp.asarray(dy_)))))
+        out = fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x_, w, gs_, dy_)
+        results.append(tuple(map(np.asarray, out)))
     (y, dx, dw), (y_al, dx_al, dw_al) = results
     n = sum(sizes)
     np.testing.assert_array_equal(y_al[sum(gs_al):], 0.0)  # past the groups: zero output, zero gradient
@@ -206,9 +212,7 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
     for native in (False, True):
         gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()), row_align=row_align)
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            y, pullback = jax.vjp(lambda x, w: gmm(x, w, jnp.asarray(gs), preferred_element_type=jnp.float32),
-                                  jnp.asarray(x), jnp.asarray(w))
-            results.append((y, *pullback(jnp.asarray(dy))))
+            results.append(fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x, w, gs, dy))
     for got, want in zip(*results[::-1]):
         assert rel(got, want) < F32_RTOL
 

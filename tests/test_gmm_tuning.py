@@ -204,10 +204,15 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
     def loss(gmm, x, w):
         return jnp.sum(jnp.where(live, gmm(x, w).astype(jnp.float32) * cot, 0))
 
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    @jax.jit  # one program: op by op, the interpreter's and the VJP's operations each compiled on their own
+    def run(x, w):
         out = tuned_gmm(x, w, sizes, plan, jnp.float32)
         unzeroed = tuned_gmm(x, w, sizes, plan, jnp.float32, False)  # padding rows left as the kernel left them
-        dx, dw = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32), x, w), (0, 1))(x, w)
+        grads = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32), x, w), (0, 1))
+        return out, unzeroed, *grads(x, w)
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out, unzeroed, dx, dw = run(x, w)
     assert (unzeroed[:188] == out[:188]).all()
     assert out.dtype == jnp.float32 and dx.dtype == x.dtype and dw.dtype == w.dtype
     x_clean = jnp.where(live, x, 0)
