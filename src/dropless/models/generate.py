@@ -87,11 +87,9 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
     key = jax.random.key(seed)
     new: list[int] = []
     for _ in range(max_new_tokens):
-        context = ids[-window:]
-        tokens_1S = np.zeros((1, window), np.int32)
-        tokens_1S[0, :len(context)] = context
+        tokens_1S, length = _window(ids, window)
         key, sub = jax.random.split(key)
-        token = int(next_token(params, state, jnp.asarray(tokens_1S), len(context), sub))
+        token = int(next_token(params, state, tokens_1S, length, sub))
         if stop_id is not None and token == stop_id:
             break
         ids.append(token)
@@ -99,6 +97,17 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
     if stats is not None:
         stats.update(forwards=len(new) + (len(new) < max_new_tokens), drafted=0, accepted=0)
     return new
+
+
+def _window(ids: list[int], window: int, free: int = 0, draft: int | None = None) -> tuple[jax.Array, int]:
+    """([1, window] int32 tokens, context length): the last window - free ids from position 0, zeros after them,
+    and `draft` (if any) at the first position after the context."""
+    context = ids[-(window - free):]
+    tokens_1S = np.zeros((1, window), np.int32)
+    tokens_1S[0, :len(context)] = context
+    if draft is not None:
+        tokens_1S[0, len(context)] = draft
+    return jnp.asarray(tokens_1S), len(context)
 
 
 def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tokens: int, temperature: float,
@@ -115,14 +124,10 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     q_logits_V = jnp.zeros((config.model.vocab_size,), jnp.float32)
     forwards = drafted = accepted_total = 0
     while len(new) < max_new_tokens:
-        context = ids[-(window - 2):]
-        tokens_1S = np.zeros((1, window), np.int32)
-        tokens_1S[0, :len(context)] = context
-        if has_draft:
-            tokens_1S[0, len(context)] = draft
+        tokens_1S, length = _window(ids, window, free=2, draft=draft if has_draft else None)
         key, sub = jax.random.split(key)
-        accepted, first, second, next_draft, next_q = step(params, state, jnp.asarray(tokens_1S), len(context),
-                                                           has_draft, draft, q_logits_V, sub)
+        accepted, first, second, next_draft, next_q = step(params, state, tokens_1S, length, has_draft, draft,
+                                                           q_logits_V, sub)
         forwards += 1
         drafted += has_draft
         accepted = bool(accepted)

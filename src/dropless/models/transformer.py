@@ -284,6 +284,15 @@ class _Layers:
                                        prevent_cse=not config.train.scan_layers)
         self.moe_block = moe_block
 
+    @classmethod
+    def for_sequence(cls, config: Config, executor: ExpertExecutor | None, seq_len: int) -> "_Layers":
+        """The layers of one forward pass over `seq_len` positions; executor None = the one-device LocalExecutor."""
+        if executor is None:
+            executor = LocalExecutor.from_config(config.moe, make_recipe(config.train.fp8))
+        m = config.model
+        cos_SP, sin_SP = rope_tables(seq_len, rotary_dim(m), m.rope_theta, m.rope_scaling)
+        return cls(config, executor, cos_SP, sin_SP, compute_dtype(config))
+
     def _moe_block(self, moe_params, bias_E, h_BSD):
         y_BSD, stats = moe_layer(moe_params, bias_E, h_BSD, self.config.moe, compute_dtype=self.dtype,
                                  executor=self.executor, recipe=self.recipe)
@@ -348,11 +357,7 @@ def mtp_logits(params: dict, state: dict, tokens_BS: jax.Array, hidden_BSD: jax.
     """The MTP modules alone, after a main forward pass that returned its `hidden` (`forward(..., hidden=True)`):
     D float32 [B, S, V] arrays, depth k's position i scoring token i+k+1 from the main model's state at i and the
     tokens up to i+k. For drafting tokens (speculative decoding): the main model is not run again."""
-    dtype = compute_dtype(config)
-    executor = LocalExecutor.from_config(config.moe, make_recipe(config.train.fp8))
-    cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(config.model), config.model.rope_theta,
-                                 config.model.rope_scaling)
-    layers = _Layers(config, executor, cos_SP, sin_SP, dtype)
+    layers = _Layers.for_sequence(config, None, tokens_BS.shape[1])
     return _mtp_modules(params, state, tokens_BS, hidden_BSD, layers, None)[0]
 
 
@@ -369,13 +374,10 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
     `dropless.moe.moe_layer`; None = the one-device `LocalExecutor` for `config.moe`.
     """
     m = config.model
-    dtype = compute_dtype(config)
-    executor = LocalExecutor.from_config(config.moe, make_recipe(config.train.fp8)) if executor is None else executor
-    mesh = executor.mesh
+    layers = _Layers.for_sequence(config, executor, tokens_BS.shape[1])
+    dtype, mesh = layers.dtype, layers.mesh
     with jax.named_scope("embed"):
         x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)
-    cos_SP, sin_SP = rope_tables(tokens_BS.shape[1], rotary_dim(m), m.rope_theta, m.rope_scaling)
-    layers = _Layers(config, executor, cos_SP, sin_SP, dtype)
     scan = config.train.scan_layers
     dense_body = _layer_checkpoint(layers.dense, config.train, in_scan=scan)
     moe_body = _layer_checkpoint(layers.moe, config.train, in_scan=scan)
