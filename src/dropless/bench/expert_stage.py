@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dropless.bench.harness import first_line, time_calls
+from dropless.core.config import MoEConfig
 from dropless.fp8 import Recipe, experts_gmm
-from dropless.gmm.registry import make_gmm
 from dropless.moe.executor import LocalExecutor
 
 
@@ -68,16 +68,10 @@ STAGE_ERR_LIMIT = 2e-2
 FP8_STAGE_ERR_LIMIT = 0.16
 
 
-class _MoeCfg:
-    """The few `moe.*` settings the executor reads."""
-
-    gmm_backend = "auto"
-    capacity_factor = 1.25
-
-
 def stage_gmm(path: str):
+    """The stage's grouped GEMM: `moe.gmm_backend`'s default, wrapped in Fp8Gmm for an FP8 path."""
     recipe = None if path == "default" else Recipe(path.removeprefix("fp8_"), native=True)
-    return experts_gmm(_MoeCfg(), recipe) if recipe else make_gmm(_MoeCfg())
+    return experts_gmm(MoEConfig(), recipe)
 
 
 def routing(spec: StageSpec, seed: int):

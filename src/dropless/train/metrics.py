@@ -180,7 +180,7 @@ class MetricsWriter:
 
 
 def _jsonable(value):
-    if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:  # router rows: nested lists, 6 digits
+    if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:  # an array field: nested lists, 6 digits
         return np.round(np.asarray(value, np.float64), 6).tolist()
     if hasattr(value, "item"):
         value = value.item()
