@@ -18,7 +18,9 @@ def test_one_step_saves_its_record(tmp_path, capsys):
     assert saved["record"]["status"] == "ok" and saved["record"]["steps_timed"] == 3
     assert saved["overrides"] == ["model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]
     assert saved["config"]["train"]["seq_len"] == 16 and saved["environment"]["platform"] == "cpu"
-    assert "step " in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "step " in printed.out and "compiled" not in printed.out
+    assert "dropless: lowered step in" in printed.err and "dropless: compiled step in" in printed.err
     (tmp_path / "file").write_text("")
     assert step.main(["--preset", "tiny", "--warmup", "0", "--steps", "1", "--seconds", "0", "--record",
                       str(tmp_path / "file" / "step.json"), "model.num_layers=2", "train.batch_size=8",

@@ -1,10 +1,12 @@
 """Where an FP8 grouped GEMM's time goes: each quantization pass and each kernel of the blockwise recipe, timed alone,
-beside the whole FP8 product and the bf16 one, on one GPU (make bench-fp8-breakdown).
+beside the whole FP8 product and the bf16 one, on one GPU (part of `make bench-fp8`).
 
     python benchmarks/fp8/breakdown.py --out fp8-breakdown.json [--rows 65536 --k 7168 --n 4096 --groups 32]
 
 One line of JSON per piece: ms (median of batches of back-to-back calls, dropless.bench.harness.time_calls) and, for
-GEMMs, TF/s = 2 * rows * K * N / time. Group sizes: Dirichlet(alpha=1), seed 0.
+GEMMs, TF/s = 2 * rows * K * N / time; the record is rewritten after every piece (`complete` false until the last),
+so a call cut short keeps what it timed. Group sizes: Dirichlet(alpha=1), seed 0, passed (with the routing ids) as
+runtime operands as in training (a constant would let XLA fold the index arithmetic that a step computes).
 
 Two layouts of the same rows: end to end (the pieces without a suffix: Fp8Gmm builds the weight gradient's
 expert-aligned copies by a column gather) and expert-aligned ("(aligned rows)": each group from a multiple of 128
@@ -57,6 +59,11 @@ def main() -> None:
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     flops = 2.0 * m * k * n
     records = []
+    env = environment()
+
+    def save(complete: bool) -> None:
+        write_json(a.out, {"benchmark": "fp8-breakdown", "environment": env, "complete": complete,
+                           "shape": {"rows": m, "k": k, "n": n, "groups": g}, "records": records})
     # The same rows expert-aligned: group g from row 128 * first_g on, zeros after its rows.
     source_P, valid_P, _ = aligned_sources(sizes, m, ALIGN)
     align_rows = lambda a: jnp.where(valid_P[:, None], a[source_P], 0)
@@ -67,6 +74,7 @@ def main() -> None:
     ids_TK = jax.lax.top_k(jax.random.normal(jax.random.key(1), (tokens, g)), top_k)[1].astype(jnp.int32)
 
     def emit(name, fn, *args, gemm_flops=None):
+        """Time fn(*args). Group sizes and routing ids are among the args, runtime operands as in a step."""
         try:
             t = time_calls(jax.jit(fn), [args])
             rec = {"piece": name, "ms": t * 1e3} | ({"tflops": gemm_flops / t / 1e12} if gemm_flops else {})
@@ -74,44 +82,44 @@ def main() -> None:
             rec = {"piece": name, "error": str(e).split("\n")[0][:300]}
         print(json.dumps(rec), flush=True)
         records.append(rec)
+        save(complete=False)  # a call cut short still leaves every piece timed so far
 
     bf16 = DroplessMosaicGmm()
-    emit("bf16 gmm fwd", lambda x, w: bf16(x, w, sizes), x, w, gemm_flops=flops)
-    emit("bf16 gmm fwd+bwd", lambda x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, sizes), x, w, dy), x, w, dy,
+    emit("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), sizes, x, w, gemm_flops=flops)
+    emit("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), sizes, x, w, dy,
          gemm_flops=3 * flops)
     for align in (1, ALIGN):
         emit(f"permute top-{top_k} x [T,K] -> [rows,K]" + (" (aligned rows)" if align > 1 else ""),
-             lambda x: permute(x, ids_TK, g, row_align=align)[0], x[:tokens])
+             lambda ids, x: permute(x, ids, g, row_align=align)[0], ids_TK, x[:tokens])
     for mode in a.modes.split(","):
         r = Recipe(mode, native=True)
         emit(f"{mode} quantize x [M,K]", lambda x: quantize(x, r.operand(2)), x)
         emit(f"{mode} weight copies (W^T and W)", lambda w: weight_copies(w, r), w)
-        emit(f"{mode} aligned x^T copy", lambda x: aligned_transposed(x, sizes, r), x)
+        emit(f"{mode} aligned x^T copy", lambda gs, x: aligned_transposed(x, gs, r), sizes, x)
         xq = quantize(x, r.operand(2))
         wt, wq = weight_copies(w, r)
         tile = fp8_mosaic.default_tile("fwd", m, k, n, g, mode)
         ls = xq.scales[:, 0] if mode == "rowwise" else xq.scales.T
         rs = wt.scales[..., 0] if mode == "rowwise" else wt.scales
         emit(f"{mode} gmm_nt kernel alone (fwd)",
-             lambda a_, b_, s1, s2: fp8_mosaic.gmm_nt(a_, b_, sizes, tile, scaling=mode, lhs_scale=s1, rhs_scale=s2),
-             xq.values, wt.values, ls, rs, gemm_flops=flops)
+             lambda gs, a_, b_, s1, s2: fp8_mosaic.gmm_nt(a_, b_, gs, tile, scaling=mode, lhs_scale=s1, rhs_scale=s2),
+             sizes, xq.values, wt.values, ls, rs, gemm_flops=flops)
         fp8 = Fp8Gmm(Fp8Products(r, bf16, TunedContract()))
-        emit(f"{mode} Fp8Gmm fwd", lambda x, w: fp8(x, w, sizes), x, w, gemm_flops=flops)
-        emit(f"{mode} Fp8Gmm fwd+bwd", lambda x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, sizes), x, w, dy),
-             x, w, dy, gemm_flops=3 * flops)
+        emit(f"{mode} Fp8Gmm fwd", lambda gs, x, w: fp8(x, w, gs), sizes, x, w, gemm_flops=flops)
+        emit(f"{mode} Fp8Gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy),
+             sizes, x, w, dy, gemm_flops=3 * flops)
         fp8_al = Fp8Gmm(Fp8Products(r, bf16, TunedContract()), row_align=ALIGN)
-        emit(f"{mode} x^T copy (aligned rows)", lambda x: transposed(x, sizes_al, r), x_al)
-        emit(f"{mode} Fp8Gmm fwd (aligned rows)", lambda x, w: fp8_al(x, w, sizes_al), x_al, w, gemm_flops=flops)
+        emit(f"{mode} x^T copy (aligned rows)", lambda gs, x: transposed(x, gs, r), sizes_al, x_al)
+        emit(f"{mode} Fp8Gmm fwd (aligned rows)", lambda gs, x, w: fp8_al(x, w, gs), sizes_al, x_al, w, gemm_flops=flops)
         emit(f"{mode} Fp8Gmm fwd+bwd (aligned rows)",
-             lambda x, w, dy: fwd_bwd(lambda x, w: fp8_al(x, w, sizes_al), x, w, dy), x_al, w, dy_al,
+             lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8_al(x, w, gs), x, w, dy), sizes_al, x_al, w, dy_al,
              gemm_flops=3 * flops)
         emit(f"{mode} dense fp8_matmul fwd", lambda x, w: fp8_matmul(x, w[0], r), x, w, gemm_flops=flops)
         emit(f"{mode} dense fp8_matmul fwd+bwd",
              lambda x, w, dy: fwd_bwd(lambda x, w: fp8_matmul(x, w[0], r), x, w, dy), x, w, dy,
              gemm_flops=3 * flops)
     emit("bf16 dense fwd", lambda x, w: x @ w[0], x, w, gemm_flops=flops)
-    write_json(a.out, {"benchmark": "fp8-breakdown", "environment": environment(),
-                       "shape": {"rows": m, "k": k, "n": n, "groups": g}, "records": records})
+    save(complete=True)
 
 
 if __name__ == "__main__":

@@ -95,13 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     return _one_step(args, config, timing)
 
 
+def _progress(line: str) -> None:
+    """Lowering and compiling a large step take minutes: say where it is on stderr (the result stays on stdout)."""
+    print("dropless: " + line.strip().removeprefix("dropless: "), file=sys.stderr, flush=True)
+
+
 def _one_step(args, config, timing: dict) -> int:
     """Time the step of `config` on all devices, print one line, and save it with --record."""
     gpu = jax.default_backend() == "gpu"
     dense = dense_matmul_tflops() if gpu else None
     peak = metrics_lib.device_peak_tflops(jax.devices()[0].device_kind)
-    programs = compile_variants(config, [Variant("step", devices=jax.device_count(), pgle=args.pgle)],
-                                log=lambda s: None)
+    programs = compile_variants(config, [Variant("step", devices=jax.device_count(), pgle=args.pgle)], log=_progress)
     runner = Runner(dense, peak, math.inf, **timing)
     record = runner.run(programs["step"])
     if record["status"] != "ok":
