@@ -217,6 +217,45 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
         assert rel(got, want) < F32_RTOL
 
 
+def test_dense_blockwise_kernel_writes_the_output_dtype_in_the_gpu_interpreter():
+    """The dense blockwise product runs our kernel with one group: against the dequantized path in float32, and
+    with bf16 operands its bf16 output and input gradient are the float32 ones rounded once (the kernel's epilogue
+    writes bf16, no float32 copy), the weight gradient (float32, the master's dtype) unchanged."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    x, w, dy = _dense_case(t=64, k=256, n=256)
+    x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))  # exact in bf16 and float32
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        native = Recipe("blockwise", native=True)
+        f32 = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, native), x, w, None, dy)
+        bf16 = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, native), jnp.asarray(x, jnp.bfloat16), w, None,
+                       jnp.asarray(dy, jnp.bfloat16))
+    dequantized = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe("blockwise", native=False)), x, w, None, dy)
+    for got, want in zip(f32, dequantized):
+        assert got.dtype == jnp.float32 and rel(got, want) < F32_RTOL
+    assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+    np.testing.assert_array_equal(np.asarray(bf16[0]), np.asarray(f32[0].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(bf16[1]), np.asarray(f32[1].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(bf16[2]), np.asarray(f32[2]))
+
+
+def test_dense_blockwise_kernel_output_is_bf16_in_the_program_for_cuda():
+    """With bf16 operands the kernel's own result is bf16: no float32 [T, N] or [T, K] array leaves it."""
+    from jax import export
+
+    def run(x, w, dy):
+        y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe("blockwise", native=True)), x, w)
+        return y, *pullback(dy)
+
+    S = jax.ShapeDtypeStruct
+    text = export.export(jax.jit(run), platforms=["cuda"])(
+        S((256, 512), jnp.bfloat16), S((512, 256), jnp.float32), S((256, 256), jnp.bfloat16)).mlir_module()
+    results = [line.rsplit("->", 1)[1].split(" loc(")[0].strip() for line in text.splitlines()
+               if "custom_call @mosaic_gpu" in line]
+    # forward y [T, N], input gradient dx [T, K], weight gradient dW [1, K, N] (float32, the master's dtype)
+    assert sorted(results) == sorted(["tensor<256x256xbf16>", "tensor<256x512xbf16>", "tensor<1x512x256xf32>"])
+
+
 def _gathered_operand_types(row_align: int, mode: str) -> set:
     """The element types of the arrays every gather reads in Fp8Gmm's forward and backward, exported for CUDA."""
     from jax import export

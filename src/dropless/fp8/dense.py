@@ -76,7 +76,7 @@ def _fp8_matmul_2d(x_TK, w_KN, recipe: Recipe, dtypes: tuple):
 
 def _fwd(x_TK, w_KN, recipe, dtypes):
     w_fwd, w_dlhs = weight_copies(w_KN, recipe)
-    y_TN = rows_product(quantize(x_TK, recipe.operand(2)), w_fwd, recipe).astype(dtypes[0])
+    y_TN = rows_product(quantize(x_TK, recipe.operand(2)), w_fwd, recipe, out_dtype=dtypes[0])
     return y_TN, (_transposed(x_TK, recipe), w_dlhs)
 
 
@@ -84,7 +84,7 @@ def _bwd(recipe, dtypes, residuals, dy_TN):
     xT, w_dlhs = residuals
     _, x_dtype, w_dtype = dtypes
     dy_TN = dy_TN.astype(x_dtype)
-    dx_TK = rows_product(quantize(dy_TN, recipe.operand(2)), w_dlhs, recipe, "dlhs").astype(x_dtype)
+    dx_TK = rows_product(quantize(dy_TN, recipe.operand(2)), w_dlhs, recipe, "dlhs", out_dtype=x_dtype)
     dw_KN = contract_product(xT, _transposed(dy_TN, recipe), recipe).astype(w_dtype)
     return dx_TK, dw_KN
 
@@ -98,19 +98,20 @@ def _dequantized_nt(a: Quantized, a_block, b: Quantized, b_block) -> jax.Array:
     return jax.lax.dot_general(a_, b_, NT, preferred_element_type=jnp.float32)
 
 
-def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd") -> jax.Array:
-    """a [T, C] · b [O, C]ᵀ, float32 [T, O]; a scaled per recipe.operand, b per recipe.weight. `product`: fwd
-    (C = the layer's k, O = n) or dlhs (C = n, O = k)."""
+def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd", out_dtype=jnp.float32) -> jax.Array:
+    """a [T, C] · b [O, C]ᵀ, [T, O] in out_dtype (float32 accumulation, one rounding to out_dtype); a scaled per
+    recipe.operand, b per recipe.weight. `product`: fwd (C = the layer's k, O = n) or dlhs (C = n, O = k). Our
+    kernel writes out_dtype from its epilogue: a bf16 layer's output never exists in float32 in memory."""
     if recipe.mode == "rowwise":
         y = jax.lax.dot_general(a.values, b.values, NT, preferred_element_type=jnp.float32)
-        return y * a.scales * b.scales.T
+        return (y * a.scales * b.scales.T).astype(out_dtype)
     (t, c), o = a.values.shape, b.values.shape[0]
     k, n = (c, o) if product == "fwd" else (o, c)
     if recipe.native and fp8_mosaic.fits(product, k, n, recipe.mode):
         tile = fp8_mosaic.default_tile(product, t, k, n, 1, recipe.mode)
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
-                                 lhs_scale=a.scales.T, rhs_scale=b.scales[None], out_dtype=jnp.float32)
-    return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2))
+                                 lhs_scale=a.scales.T, rhs_scale=b.scales[None], out_dtype=out_dtype)
+    return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
 
 
 def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
