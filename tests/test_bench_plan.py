@@ -89,6 +89,19 @@ def test_plan_accuracy_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):
     assert table.startswith("| configuration |") and row["name"] in table
 
 
+def test_plan_accuracy_table_marks_a_row_whose_steps_spread():
+    """A median of steps that spread 44% (a step sharing the host with compiles) is marked; a steady one is not."""
+    def row(name, steps):
+        return {"name": name, "status": "ok", "predicted": {"peak_gib": 1.0, "step_ms": 200.0},
+                "measured": {"peak_gib": 1.0, "step_ms": sorted(steps)[len(steps) // 2], "step_ms_all": steps},
+                "peak_error": 0.0, "step_error": -0.5}
+    table = plan_accuracy.markdown_table({"configs": [row("noisy", [720.9, 712.1, 666.6, 547.1, 578.2, 500.3]),
+                                                      row("steady", [438.9, 442.8, 431.8])]})
+    noisy, steady = (line for line in table.splitlines() if line.startswith(("| noisy", "| steady")))
+    assert "steps spread 44%" in noisy and "spread" not in steady
+    assert plan_accuracy.step_spread([500.0, 550.0]) == pytest.approx(0.10)
+
+
 def test_plan_accuracy_parts_cover_the_set_once_and_records_merge(monkeypatch):
     names = [f"c{i}" for i in range(7)]
     configs = [(name, "tiny", []) for name in names]

@@ -5,14 +5,16 @@ present device) gives dense-matmul, grouped-GEMM (by shape class), attention, HB
 each with its source. The step's time is
 
     compute (dense matmuls, grouped GEMMs, attention; + the recomputed forward under remat)
-  + memory-bound passes (activations written and read, the loss over the vocabulary, the optimizer update)
+  + memory-bound passes (activations written and read, and written again where remat recomputes them; the loss
+    over the vocabulary; the optimizer update)
   + the expert-parallel exchanges (on the critical path of every MoE layer)
   + the FSDP gathers and gradient reductions that the compute does not hide
   + host copies (an offloaded optimizer state or offloaded activations)
   + under `train.scan_layers`, the stacked buffers' passes (`SCAN_TIME_FACTOR`)
   + a fixed per-step overhead.
 
-FLOPs are `dropless.models.flops`'s model FLOPs (forward + backward) plus the recomputation remat adds.
+FLOPs are `dropless.models.flops`'s model FLOPs (forward + backward) plus the recomputation remat adds, each kind
+at its own rate (`step_flops`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from dropless.plan.memory import MemoryPlan, blocks, moe_buffers
 # Passes over the saved activations per step: written in the forward, read in the backward, and their
 # cotangents written and read once.
 ACTIVATION_PASSES = 4
+# Passes over the activations remat does not keep: the forward writes them and drops them, the recomputation
+# writes them again, the backward reads them, and their cotangents are written and read.
+RECOMPUTED_PASSES = ACTIVATION_PASSES + 1
 # Under `jax.lax.scan` the step writes every layer's residuals into stacked buffers (dynamic-update-slice) and
 # zero-fills stacked gradient accumulators: the scanned proxy runs 1.16x (4 x 2,048 tokens) and 1.21x (1 x 2,048)
 # the unrolled one's time (benchmarks/results/step-h200.json, step-batch1-h200.json: rung 4 against 5:unrolled).
@@ -135,8 +140,15 @@ def collectives(config: Config, sizes: dict[str, int], cluster: Cluster) -> list
 
 
 def step_flops(config: Config) -> dict[str, float]:
-    """Global FLOPs of one step by kind: dense matmuls, grouped GEMMs, attention scores, and the recomputed
-    forward under remat (model FLOPs exclude it)."""
+    """Global FLOPs of one step by kind: dense matmuls, grouped GEMMs, attention scores, and the forward that
+    remat recomputes in the backward pass (model FLOPs exclude it), in total and by the same kinds.
+
+    A recomputed forward costs a third of its blocks' forward + backward: under `full` every layer's matmuls
+    (the output head stays outside the layers), grouped GEMMs and attention scores; under `moe` each MoE block's
+    router, shared experts and grouped GEMMs. A block's last projection whose output is only added to the
+    residual stream (the shared experts' and the dense MLP's down projection) is not needed by the backward
+    pass, and JAX's partial evaluation leaves it out of the recomputation; the routed experts' down projection
+    stays in it (the gradient of the routing weights reads its output)."""
     train, moe = config.train, config.moe
     tokens = train.batch_size * train.seq_len
     _, parts, (_, active) = model_facts(config)
@@ -145,15 +157,18 @@ def step_flops(config: Config) -> dict[str, float]:
     matmul = active - (0 if config.model.tie_embeddings else parts["embed"])
     dense = 6 * matmul - routed
     attention = flops_lib.attention_flops_per_token(config, train.seq_len)
-    recompute = 0.0
+    again = {"dense": 0.0, "grouped": 0.0, "attention": 0.0}
     if train.remat == "full":
         head = parts["lm_head"] if not config.model.tie_embeddings else parts["embed"]
-        recompute = (dense - 6 * head + routed + attention) / 3
+        unused = (parts["shared_experts"] + parts["dense_mlp"]) / 3  # their down projections
+        again = {"dense": (dense - 6 * head - 6 * unused) / 3, "grouped": routed / 3, "attention": attention / 3}
     elif train.remat == "moe":
-        shared = 6 * parts["shared_experts"] + 6 * parts["router"]
-        recompute = (routed + shared) / 3
+        again = {"dense": (6 * parts["shared_experts"] * 2 / 3 + 6 * parts["router"]) / 3, "grouped": routed / 3,
+                 "attention": 0.0}
     return {"dense": tokens * dense, "grouped": tokens * routed, "attention": tokens * attention,
-            "recompute": tokens * recompute, "model": tokens * (6 * matmul + attention)}
+            "recompute": tokens * sum(again.values()),
+            **{f"recompute_{kind}": tokens * value for kind, value in again.items()},
+            "model": tokens * (6 * matmul + attention)}
 
 
 def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: MemoryPlan, rates: dict) -> dict:
@@ -166,20 +181,16 @@ def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: M
     gmm_rate = rates["gmm_tflops"]["many_experts" if local_experts > 64 else "few_experts"]
     if fp8:
         gmm_rate *= rates["gmm_tflops"].get("fp8_factor", 1.0)
-    recompute = f["recompute"]
-    total = f["dense"] + f["grouped"] + f["attention"]
-    dense_share = f["dense"] / total if total else 1.0
-    grouped_share = f["grouped"] / total if total else 0.0
-    compute = ((f["dense"] + recompute * dense_share) / (rates["dense_tflops"] * 1e12)
-               + (f["grouped"] + recompute * grouped_share) / (gmm_rate * 1e12)
-               + f["attention"] * (1 + (1 / 3 if train.remat == "full" else 0)) / (rates["attention_tflops"] * 1e12)
-               ) / devices
+    compute = ((f["dense"] + f["recompute_dense"]) / (rates["dense_tflops"] * 1e12)
+               + (f["grouped"] + f["recompute_grouped"]) / (gmm_rate * 1e12)
+               + (f["attention"] + f["recompute_attention"]) / (rates["attention_tflops"] * 1e12)) / devices
     hbm = rates["hbm_gbps"] * 1e9
     micro = train.grad_accum_steps
     logits = train.batch_size * train.seq_len // devices * config.model.vocab_size * 4
     moments = memory.optimizer_state
     optimizer_bytes = 2 * memory.parameters + memory.gradient_buffers + 2 * moments
-    memory_bound = (ACTIVATION_PASSES * memory.activations * micro + LOGIT_PASSES * logits + optimizer_bytes) / hbm
+    activation_bytes = ACTIVATION_PASSES * memory.activations + RECOMPUTED_PASSES * memory.recomputed_activations
+    memory_bound = (activation_bytes * micro + LOGIT_PASSES * logits + optimizer_bytes) / hbm
     comm = collectives(config, sizes, cluster)
     exposed_ep = sum(x.seconds(rates) for x in comm if x.name.startswith("moe_"))
     hidden = sum(x.seconds(rates) for x in comm if not x.name.startswith("moe_"))

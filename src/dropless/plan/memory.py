@@ -215,6 +215,9 @@ class MemoryPlan:
     temporaries: dict[str, int]  # the candidates for the largest temporary
     moe_buffers: dict = field(default_factory=dict)
     update_phase: int = 0  # the optimizer update's peak with an offloaded optimizer state
+    # What the layers write without remat and do not keep under it: the recomputation writes it again in the
+    # backward pass, one block at a time (a time cost, not part of the peak).
+    recomputed_activations: int = 0
 
     @property
     def largest_temporary(self) -> tuple[str, int]:
@@ -253,11 +256,12 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
     buffers = moe_buffers(config, sizes, T)
     layers = {"dense": (num_dense, layer_bytes(config, "dense", attention_backend, None, T)),
               "moe": (num_moe, layer_bytes(config, "moe", attention_backend, buffers, T))}
-    device_tok = host_tok = 0
+    device_tok = host_tok = recomputed_tok = 0
     for kind, (count, lb) in layers.items():
         dev, host = saved_per_token(config, lb, kind)
         device_tok += count * dev
         host_tok += count * host
+        recomputed_tok += count * (lb.residual + lb.attention + lb.mlp - dev - host)
     scan_extra = SCAN_RESIDUAL_EXTRA * device_tok if train.scan_layers else 0
     V = m.vocab_size
     loss_tok = V * 4 + m.hidden_size * c  # log-softmax (float32) and the lm_head's input
@@ -320,4 +324,5 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         optimizer_state=state.optimizer_state, optimizer_in_host=state.optimizer_in_host,
         model_state_and_batch=model_state_and_batch, activations=activations,
         activations_in_host=int(T * host_tok), weight_copies=weight_copies, temporaries=temporaries,
-        moe_buffers=buffers.__dict__ if num_moe else {}, update_phase=update_phase)
+        moe_buffers=buffers.__dict__ if num_moe else {}, update_phase=update_phase,
+        recomputed_activations=int(T * recomputed_tok))

@@ -1,0 +1,156 @@
+"""`dropless.plan.cost`: the step's FLOPs by kind and remat mode against the matmuls of the real training step
+(its jaxpr, and the program XLA compiles from it), and the time terms that follow from them."""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+
+import jax
+import pytest
+from jax.extend import core as jex_core
+
+from dropless.bench import harness
+from dropless.core.config import load_preset
+from dropless.plan import Cluster, make_plan
+from dropless.plan.cost import ACTIVATION_PASSES, RECOMPUTED_PASSES, device_rates, load_rates, step_flops
+from dropless.plan.layout import model_facts
+from tests.micro_config import micro_config
+
+REMAT = ("none", "moe", "full")
+SMALL_GQA = {"model.num_layers": 2, "model.hidden_size": 64, "model.vocab_size": 128, "model.num_heads": 4,
+             "model.num_kv_heads": 2, "model.head_dim": 16, "moe.num_experts": 8, "moe.expert_intermediate_size": 32,
+             "train.batch_size": 2, "train.seq_len": 16, "moe.gmm_backend": "xla"}
+# One small model of each family: MLA with a dense layer and a shared expert (the DeepSeek-V3 shape), and GQA
+# with q/k norms, 8 experts of which the router picks 8 (Qwen3) or 2 (Mixtral); scanned and unrolled layers.
+FAMILIES = {
+    "deepseek_v3": lambda **o: micro_config(**{"train.scan_layers": False, **o}),
+    "qwen3_moe": lambda **o: load_preset("qwen3-30b-a3b").replace(**{**SMALL_GQA, **o}),
+    "mixtral": lambda **o: load_preset("mixtral-8x7b").replace(**{**SMALL_GQA, "train.scan_layers": False, **o}),
+}
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jex_core.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jex_core.Jaxpr):
+                yield item
+
+
+def matmul_flops(jaxpr, counts=None, times: int = 1) -> collections.Counter:
+    """FLOPs and counts of the dense (`dot_general`) and grouped (`ragged_dot_general`) matmuls a jaxpr runs, with
+    every scan body counted once per iteration. A grouped matmul does each row's product once: its output holds
+    a group axis only when the ragged rows are contracted (the weight gradient), and that axis is no extra work."""
+    counts = collections.Counter() if counts is None else counts
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("dot_general", "ragged_dot_general"):
+            lhs, out = eqn.invars[0].aval, eqn.outvars[0].aval
+            numbers = eqn.params["dimension_numbers"] if name == "dot_general" else \
+                eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+            contracted = math.prod(lhs.shape[d] for d in numbers[0][0])
+            flops = 2 * math.prod(out.shape) * contracted
+            if name == "ragged_dot_general":
+                groups = eqn.invars[2].aval.shape[-1]
+                ragged = eqn.params["ragged_dot_dimension_numbers"].lhs_ragged_dimensions
+                flops //= groups if set(ragged) & set(numbers[0][0]) else 1
+            kind = "dense" if name == "dot_general" else "grouped"
+            counts[kind] += times * flops
+            counts[f"{kind}_ops"] += times
+        for sub in _sub_jaxprs(eqn):
+            matmul_flops(sub, counts, times * (eqn.params["length"] if name == "scan" else 1))
+    return counts
+
+
+def norm_flops(config) -> int:
+    """6 FLOPs per token for each norm weight: the plan's dense FLOPs count them as matmul parameters
+    (`dropless.models.flops`: a negligible 2 * D per layer at real widths, a percent at these)."""
+    tokens = config.train.batch_size * config.train.seq_len
+    return 6 * tokens * sum(math.prod(spec.shape) for name, spec in model_facts(config)[0] if name[-1].endswith("norm"))
+
+
+def step_matmuls(config) -> collections.Counter:
+    setup = harness.build(config, jax.devices()[:1])
+    return matmul_flops(jax.make_jaxpr(setup.step)(*harness.abstract_args(setup)).jaxpr)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    """(family, {remat: (config, the training step's matmul FLOPs)})."""
+    build = FAMILIES[request.param]
+    return request.param, {remat: (cfg := build(**{"train.remat": remat}), step_matmuls(cfg)) for remat in REMAT}
+
+
+def test_the_plans_flops_are_the_training_steps_matmuls(family):
+    """Per remat mode, the plan's grouped FLOPs (+ their recomputation) are exactly the step's grouped matmuls,
+    and its dense + attention FLOPs the step's dense matmuls; XLA's attention einsum computes the masked half of
+    the causal scores too, so the step runs twice the plan's (causal) attention FLOPs. The plan's only excess is
+    its norm weights (6 FLOPs per token each, a third of that again when recomputed)."""
+    name, runs = family
+    for remat, (config, counted) in runs.items():
+        f = step_flops(config)
+        assert counted["grouped"] == f["grouped"] + f["recompute_grouped"], (name, remat)
+        dense = f["dense"] + f["recompute_dense"] + 2 * (f["attention"] + f["recompute_attention"])
+        assert 0 <= dense - counted["dense"] <= norm_flops(config) * 4 / 3, (name, remat, counted["dense"], dense)
+
+
+def test_the_recomputed_forward_is_what_each_remat_mode_adds(family):
+    """What remat adds over `none`, by kind: under `moe` the MoE blocks' grouped GEMMs, router and shared experts'
+    gate and up projections, under `full` every layer's matmuls but the output head and the down projections
+    whose output only joins the residual stream; one recomputed forward, no more."""
+    name, runs = family
+    none = runs["none"][1]
+    for remat in ("moe", "full"):
+        config, counted = runs[remat]
+        f = step_flops(config)
+        assert counted["grouped"] - none["grouped"] == f["recompute_grouped"] > 0, (name, remat)
+        added = counted["dense"] - none["dense"]
+        expected = f["recompute_dense"] + 2 * f["recompute_attention"]
+        assert 0 <= expected - added <= norm_flops(config) / 3, (name, remat, added, expected)
+        assert f["recompute"] == f["recompute_dense"] + f["recompute_grouped"] + f["recompute_attention"]
+    # Under `moe` the forward of each MoE block's grouped GEMMs runs again (gate+up, down: 2 per layer)
+    moe_layers = runs["none"][0].model.num_layers - runs["none"][0].model.first_dense_layers
+    assert runs["moe"][1]["grouped_ops"] - none["grouped_ops"] == 2 * moe_layers
+    assert runs["full"][1]["grouped_ops"] == runs["moe"][1]["grouped_ops"]
+
+
+def test_xla_compiles_one_recomputation_per_remat_mode():
+    """The compiled program (XLA:CPU, scanned layers) keeps exactly the matmuls the jaxpr asks for: the
+    recomputed forward is neither merged away nor run twice. (On the CPU a grouped matmul compiles to dots.)"""
+    for remat in REMAT:
+        config = FAMILIES["qwen3_moe"](**{"train.remat": remat, "train.scan_layers": False})
+        counted = step_matmuls(config)
+        setup = harness.build(config, jax.devices()[:1])
+        text = harness.lower(setup).compile().as_text()
+        assert len(re.findall(r" dot\(", text)) == counted["dense_ops"] + counted["grouped_ops"], remat
+
+
+def test_compute_time_is_each_kinds_flops_at_its_own_rate():
+    """The compute term charges the recomputed grouped GEMMs at the grouped-GEMM rate and the recomputed
+    attention at the attention rate, whatever the share of the output head in the dense FLOPs."""
+    rates = device_rates(load_rates(), "H200")
+    for remat in REMAT:
+        config = load_preset("qwen3-30b-a3b").replace(**{"model.num_layers": 4, "train.batch_size": 4,
+                                                         "train.remat": remat})
+        plan = make_plan(config, Cluster(1, 1, "H200"))
+        f = plan.time["flops"]
+        expected = ((f["dense"] + f["recompute_dense"]) / rates["dense_tflops"]
+                    + (f["grouped"] + f["recompute_grouped"]) / rates["gmm_tflops"]["many_experts"]
+                    + (f["attention"] + f["recompute_attention"]) / rates["attention_tflops"]) / 1e12
+        assert plan.time["terms_s"]["compute"] == pytest.approx(expected, rel=1e-9), remat
+
+
+def test_remat_moves_activation_traffic_into_the_recomputation():
+    """What remat does not keep is still written and read (once more, by the recomputation): kept +
+    recomputed is the whole of what the layers save without remat, and the memory-bound term grows."""
+    none = make_plan(FAMILIES["deepseek_v3"](), Cluster(1, 1, "H200"))
+    for remat in ("moe", "full"):
+        plan = make_plan(FAMILIES["deepseek_v3"](**{"train.remat": remat}), Cluster(1, 1, "H200"))
+        m = plan.memory
+        assert m.activations < none.memory.activations
+        assert m.activations + m.recomputed_activations == none.memory.activations, remat
+        assert plan.time["terms_s"]["memory_bound"] > none.time["terms_s"]["memory_bound"], remat
+    assert none.memory.recomputed_activations == 0 and RECOMPUTED_PASSES == ACTIVATION_PASSES + 1
