@@ -1,11 +1,19 @@
-"""The docs state what the code is: the architecture page's layers are the import contract's, and the
-configuration page's key table is what `dropless.core.config` declares."""
+"""The docs state what the code is: the architecture page's layers are the import contract's, the
+configuration page's key table is what `dropless.core.config` declares, and the planning page's examples are
+what `dropless plan` and `dropless train`'s fit check print."""
 
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+
+from dropless import cli
+from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.plan import Cluster, check_fit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,3 +61,38 @@ def test_architecture_page_lists_every_module_of_each_package():
         if (package_dir / "__init__.py").exists() and package_dir.name != "presets":
             modules = {p.stem for p in package_dir.glob("*.py") if p.stem != "__init__"}
             assert listed.get(package_dir.name) == modules, package_dir.name
+
+
+def _page_examples(page: str, command: str) -> list[tuple[list[str], str]]:
+    """(argv, the lines shown under it) of each fenced block of docs/`page` that starts with `$ dropless
+    <command>`."""
+    blocks, block = [], None
+    for line in (ROOT / "docs" / page).read_text().splitlines():
+        if line.startswith("```"):
+            blocks, block = (blocks + [block], None) if block is not None else (blocks, [])
+        elif block is not None:
+            block.append(line)
+    examples = []
+    for first, *shown in filter(None, blocks):
+        if first.startswith(f"$ dropless {command} "):
+            examples.append((shlex.split(first)[3:], "\n".join(shown)))
+    return examples
+
+
+def test_planning_page_plan_examples_are_what_the_command_prints(capsys):
+    examples = _page_examples("planning.md", "plan")
+    assert examples, "docs/planning.md shows no `$ dropless plan` example"
+    for argv, shown in examples:
+        assert cli.main(["plan", *argv]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == shown, shlex.join(argv)
+
+
+def test_planning_page_train_refusal_is_the_fit_checks_message_on_one_h200():
+    # On a GPU, `dropless train` checks against the device's limit; the page's H200 is the rate table's 125.8 GiB.
+    ((argv, shown),) = _page_examples("planning.md", "train")
+    preset = argv[argv.index("--preset") + 1]
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    config = build_config(preset, parse_overrides(overrides))
+    with pytest.raises(ConfigError) as refusal:
+        check_fit(config, Cluster(1, 1, "H200"), within_margin=True)
+    assert f"dropless: error: {refusal.value}" == shown
