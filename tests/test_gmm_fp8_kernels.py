@@ -199,13 +199,18 @@ def test_lowering_fails_when_the_stages_do_not_fit_and_the_stage_count_is_the_la
         product, scaling, monkeypatch):
     """The check above can fail: one stage more than `_stages` picks (for a float32 output, where it drops
     stages) exceeds shared memory, so the pick is also the largest that fits."""
+    def retrace(stages):  # the kernels are jitted: a program traced before would not call the patched _stages
+        fp8_mosaic.gmm_nt.clear_cache()
+        fp8_mosaic.gmm_tn_aligned.clear_cache()
+        monkeypatch.setattr(fp8_mosaic, "_stages", stages)
+
     tile = FP8_TILES[(product, scaling)]
     chosen = []
     pick = fp8_mosaic._stages
-    monkeypatch.setattr(fp8_mosaic, "_stages", lambda *a: chosen.append(pick(*a)) or chosen[-1])
+    retrace(lambda *a: chosen.append(pick(*a)) or chosen[-1])
     _lower(product, scaling, tile, 8192, 2048, 7168, 8, jnp.float32)
     assert chosen[-1] < tile.num_stages
-    monkeypatch.setattr(fp8_mosaic, "_stages", lambda *a: chosen[0] + 1)
+    retrace(lambda *a: chosen[0] + 1)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         _lower(product, scaling, tile, 8192, 2048, 7168, 8, jnp.float32)
 

@@ -12,6 +12,7 @@ silently, because a benchmark that quietly ran the XLA path would report the wro
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,6 +32,9 @@ CONTRACT_KERNELS = {"dropless": mosaic.grouped_matmul_tn, "dropless_ws": mosaic_
                     "tokamax": tokamax.tiled_contract}
 
 
+# Each entry is one jitted program per (config, shapes): a step that calls one kernel from many places (layers,
+# the recomputed forward) lowers it once, and the program's profile names it.
+@functools.partial(jax.jit, static_argnames=("config", "transpose_rhs", "out_dtype"))
 def ragged_rows(lhs_MK, rhs, group_sizes_G, config: ProductConfig, *, transpose_rhs: bool, out_dtype):
     """out[m] = lhs[m] · rhs[g(m)] (or rhs[g(m)]ᵀ) by the config's kernel and tile; rows past sum(group_sizes)
     unwritten."""
@@ -38,6 +42,7 @@ def ragged_rows(lhs_MK, rhs, group_sizes_G, config: ProductConfig, *, transpose_
                                        out_dtype=out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
 def ragged_contract(lhs_MK, rhs_MN, group_sizes_G, config: ProductConfig, *, out_dtype):
     """out[g] = lhs[rows of g]ᵀ · rhs[rows of g], [G, K, N], by the config's kernel and tile."""
     return CONTRACT_KERNELS[config.kernel](lhs_MK, rhs_MN, group_sizes_G, config.tile, out_dtype=out_dtype)

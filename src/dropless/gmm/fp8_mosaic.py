@@ -258,6 +258,9 @@ def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int)
                          f"output columns ({out_cols}) of 2 * block_n = {cta_n}; see fits().")
 
 
+# One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
+# from the recomputed forward lowers its kernel once (lowering a kernel costs ~1 s of host time).
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
            lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
     """out[m] = lhs[m] · rhs[g(m)]ᵀ, scaled, [M, N]; rows past sum(group_sizes) are left unwritten.
@@ -353,6 +356,7 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
 
 
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype"))
 def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                    scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32) -> jax.Array:
     """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
