@@ -253,3 +253,22 @@ def test_gmm_tn_aligned_rejects_a_row_block_other_than_the_group_alignment():
     with pytest.raises(ValueError, match="block_k must be 128"):
         gmm_tn_aligned(xT, dyT, jnp.array([10, 0], jnp.int32), TileConfig(64, 64, 64, 2), scaling="rowwise",
                        lhs_scale=jnp.ones((2, 128)), rhs_scale=jnp.ones((2, 256)))
+
+
+def test_a_kernel_called_from_several_places_is_lowered_once():
+    """Layers and the recomputed forward call the same product many times: the program holds one copy of each
+    distinct kernel (each lowering costs host time, and the GPU compiles each copy), and a second shape its own."""
+    tile = FP8_TILES[("fwd", "blockwise")]
+    m, k, n, g = 8192, 2048, 4096, 8
+
+    def nt(a, b, gs, ls, rs):
+        return gmm_nt(a, b, gs, tile, scaling="blockwise", lhs_scale=ls, rhs_scale=rs)
+
+    def three_calls(a, b, gs, ls, rs):
+        half = nt(a[: m // 2], b, gs, ls[:, : m // 2], rs)  # another shape: another kernel
+        return nt(a, b, gs, ls, rs) + nt(a, b, gs, ls, rs), half
+
+    operands = (S((m, k), FP8), S((g, n, k), FP8), S((g,), jnp.int32), S((k // SCALE_BLOCK, m), jnp.float32),
+                S((g, n // SCALE_BLOCK, k // SCALE_BLOCK), jnp.float32))
+    text = export.export(jax.jit(three_calls), platforms=["cuda"])(*operands).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 2
