@@ -9,8 +9,10 @@ key=value pairs. The run is the very step `dropless train` runs (dropless.train.
 (dropless.data), every step's per-layer expert shares read back (`expert_share`, dropless.train.step), the
 held-out loss every --eval-every steps on fixed held-out batches; no checkpoints are written. The record holds,
 per step, every MoE layer's max/mean load and the largest |router bias|, every 10 steps each layer's full expert
-shares and biases, the held-out curve, the steps at which the worst layer's load first stays at or below 2.0 and
-1.3, tokens/s and tokens dropped, and a probe of whether the bias steers the selection (`bias_probe`).
+shares and biases and the share of its selection scores' and logits' variance that differs by token
+(`dropless.moe.balance.token_variance_share`: near 0, every token routes alike), the held-out curve, the steps
+at which the worst layer's load first stays at or below 2.0 and 1.3, tokens/s and tokens dropped, and a probe of
+whether the bias steers the selection (`bias_probe`).
 """
 
 from __future__ import annotations
@@ -94,14 +96,15 @@ def run(config, log) -> dict:
     tc = config.train
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
-    trace = {"steps": [], "expert_share": [], "router_bias": []}
+    trace = {"steps": [], "expert_share": [], "router_bias": [], "router_token_share": [], "router_logit_token_share": []}
     last_batch = None
     t0, timed_tokens = None, 0
     with dataset.prefetch(0, tc.batch_size, tc.steps, transform=to_device) as batches:
         for step in range(tc.steps):
             batch = next(batches)
             state, metrics = setup.step(state, batch)
-            m = jax.device_get({k: metrics[k] for k in ("loss", "tokens_dropped", "expert_share", "router_bias")})
+            m = jax.device_get({k: metrics[k] for k in ("loss", "tokens_dropped", "expert_share", "router_bias",
+                                                        "router_token_share", "router_logit_token_share")})
             if step == 2:  # time from here: compilation and warm-up are behind
                 t0 = time.perf_counter()
             elif step > 2:
@@ -115,12 +118,16 @@ def run(config, log) -> dict:
                 trace["steps"].append(step + 1)
                 trace["expert_share"].append(np.round(np.asarray(m["expert_share"], np.float64), 4).tolist())
                 trace["router_bias"].append(np.round(np.asarray(m["router_bias"], np.float64), 4).tolist())
+                for key in ("router_token_share", "router_logit_token_share"):
+                    trace[key].append(np.round(np.asarray(m[key], np.float64), 4).tolist())
             last_batch = batch
             if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
                 pause = time.perf_counter()
                 curve.append((step + 1, evaluate(state)))
                 t0 += time.perf_counter() - pause  # evaluations are not training time
-                log(f"step {step + 1:4d} worst load {max(loads[-1]):.2f} held-out loss {curve[-1][1]:.4f}")
+                log(f"step {step + 1:4d} worst load {max(loads[-1]):.2f} held-out loss {curve[-1][1]:.4f}; share of "
+                    f"the selection scores' / logits' variance that is per token (lowest layer) "
+                    f"{np.min(m['router_token_share']):.3f} / {np.min(m['router_logit_token_share']):.3f}")
     worst = [max(row) for row in loads]
     probe = bias_probe(setup, state, last_batch) if tc.steps else []
     log(f"bias probe: {probe}")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig
-from dropless.moe.balance import max_load_ratio, tokens_per_expert, update_router_bias
+from dropless.moe.balance import max_load_ratio, token_variance_share, tokens_per_expert, update_router_bias
 from dropless.moe.router import route
 from dropless.train import metrics as metrics_lib
 from dropless.train.step import expert_shares
@@ -50,6 +50,48 @@ def test_balancing_bias_recovers_a_collapsed_router(rate, steps):
     recovered = int(np.argmax(ratios <= 1.3)) + 1
     print(f"rate {rate}: max/mean {ratios[0]:.2f} at the start, <= 1.3 from step {recovered}, {ratios[-1]:.2f} at the end")
     assert np.max(ratios[-steps // 4:]) <= 1.3  # recovered, and stays so
+
+
+def _token_share_reference(values_TE) -> float:
+    v = np.asarray(values_TE, np.float64)
+    per_token = v.var(axis=0).mean()
+    return per_token / (per_token + v.mean(axis=0).var())
+
+
+def test_token_variance_share_says_whether_routing_depends_on_the_token():
+    rng = np.random.default_rng(0)
+    noise_TE, offset_E = rng.normal(size=(T, E)), rng.normal(size=E)
+    assert float(token_variance_share(jnp.asarray(noise_TE - noise_TE.mean(0)))) == pytest.approx(1.0)
+    assert float(token_variance_share(jnp.tile(offset_E, (T, 1)))) == pytest.approx(0.0, abs=1e-12)
+    for scale in (0.1, 1.0, 10.0):
+        values = offset_E * scale + noise_TE
+        assert float(token_variance_share(jnp.asarray(values))) == pytest.approx(_token_share_reference(values),
+                                                                                  rel=1e-5)
+    # The collapsed router of the bias test: its shared input direction puts a common part in the logits
+    # (low share), which a router without that expert's alignment does not have.
+    x_TD, kernel_DE = collapsed_router(logit_std=1.7)
+    _, plain_DE = collapsed_router(logit_std=1.7, gap=0.0)
+    collapsed, plain = (float(token_variance_share(x_TD @ k)) for k in (kernel_DE, plain_DE))
+    assert collapsed < 0.3 < plain
+
+
+def test_the_moe_layer_reports_the_selection_scores_and_logits_token_shares():
+    """score_token_share is of what selection ranks (the scores plus the bias), logit_token_share of the logits."""
+    from dropless.moe import init_moe, moe_layer
+    from dropless.moe.router import router_logits
+
+    moe = MoEConfig(num_experts=E, num_experts_per_tok=K, score_func="sigmoid", expert_intermediate_size=16,
+                    gmm_backend="xla")
+    params = init_moe(jax.random.key(1), D, moe, 0.1)
+    x_TD, _ = collapsed_router(logit_std=1.7)
+    bias_E = jnp.linspace(-0.5, 0.5, E)
+    _, stats = moe_layer(params, bias_E, x_TD[None, :256], moe, compute_dtype=jnp.float32)
+    logits = np.asarray(router_logits(params["router"]["kernel"], x_TD[:256]), np.float64)
+    choice = 1 / (1 + np.exp(-logits)) + np.asarray(bias_E)
+    assert float(stats.logit_token_share) == pytest.approx(_token_share_reference(logits), rel=1e-4)
+    assert float(stats.score_token_share) == pytest.approx(_token_share_reference(choice), rel=1e-4)
+    assert float(stats.score_token_share) < float(moe_layer(params, jnp.zeros(E), x_TD[None, :256], moe,
+                                                            compute_dtype=jnp.float32)[1].score_token_share)
 
 
 def test_expert_shares_are_the_fraction_of_tokens_per_expert():

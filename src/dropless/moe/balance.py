@@ -52,6 +52,20 @@ def seq_aux_loss(probs_BSE: jax.Array, expert_ids_BSK: jax.Array) -> jax.Array:
     return jnp.mean(_balance(count_BE, probs_BSE, expert_ids_BSK.shape[-1]))
 
 
+def token_variance_share(values_TE: jax.Array) -> jax.Array:
+    """How much of a layer's routing varies by token: mean_e var_t(v) / (mean_e var_t(v) + var_e(mean_t v)).
+
+    1: the experts' values differ only token by token (no expert ahead for every token); 0: every token carries
+    the same values, so every token chooses the same experts whatever the bias does to them. Of the selection
+    scores (scores + bias) it says whether the choice depends on the token at all; of the logits, whether the
+    router itself has lost the token (a common part of the router's input dominating its logits)."""
+    values_TE = jax.lax.stop_gradient(values_TE).astype(jnp.float32)
+    mean_E = jnp.mean(values_TE, axis=0)
+    per_token = jnp.mean(jnp.mean(jnp.square(values_TE - mean_E), axis=0))
+    common = jnp.mean(jnp.square(mean_E - jnp.mean(mean_E)))
+    return per_token / jnp.maximum(per_token + common, 1e-30)
+
+
 def z_loss(logits_TE: jax.Array) -> jax.Array:
     """Router z-loss: penalises large logits, which make the softmax/sigmoid saturate."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))

@@ -14,6 +14,7 @@ import functools
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from dropless.core import params as params_lib
 from dropless.core.errors import MoEError
@@ -22,7 +23,7 @@ from dropless.moe import balance
 from dropless.fp8 import Recipe
 from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, swiglu_params
-from dropless.moe.router import Routing, route
+from dropless.moe.router import Routing, route, scores_from_logits
 
 
 class MoEStats(NamedTuple):
@@ -39,6 +40,10 @@ class MoEStats(NamedTuple):
     dispatch_overflowed: jax.Array  # int32 1 if alltoall slots or a local expert buffer overflowed (worst case ran)
     rows_sent: jax.Array  # int32 token rows sent between devices (dispatch; combine returns as many)
     rows_sent_without_dedup: jax.Array  # int32 rows one copy per remote (token, expert) pair would need
+    # Router health (balance.token_variance_share): the share of the selection scores' (scores + bias) and of
+    # the logits' variance that differs from token to token; near 0, every token routes alike.
+    score_token_share: jax.Array
+    logit_token_share: jax.Array
 
 
 def moe_params(hidden_size: int, moe_cfg) -> Specs:
@@ -81,7 +86,8 @@ def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
                 "pass one bias per expert (zeros when the aux-loss-free bias is unused)")
 
 
-def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg) -> MoEStats:
+def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg,
+              router_bias_E: jax.Array | None = None) -> MoEStats:
     num_tokens, top_k = routing.expert_ids_TK.shape
     seq_len = num_tokens // batch_size
     counts_E = balance.tokens_per_expert(routing.expert_ids_TK, moe_cfg.num_experts)
@@ -90,9 +96,13 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
                                    routing.expert_ids_TK.reshape(batch_size, seq_len, top_k))
     z = balance.z_loss(routing.logits_TE)
     total = moe_cfg.aux_loss_weight * aux + moe_cfg.seq_aux_loss_weight * seq_aux + moe_cfg.z_loss_weight * z
+    choice_TE = scores_from_logits(routing.logits_TE, moe_cfg.score_func)  # what selection ranks, as route() does
+    if router_bias_E is not None:
+        choice_TE = choice_TE + router_bias_E.astype(jnp.float32)
     return MoEStats(counts_E, balance.max_load_ratio(counts_E), executor_stats.tokens_dropped,
                     aux, seq_aux, z, total, executor_stats.dispatch_overflowed, executor_stats.rows_sent,
-                    executor_stats.rows_sent_without_dedup)
+                    executor_stats.rows_sent_without_dedup, balance.token_variance_share(choice_TE),
+                    balance.token_variance_share(routing.logits_TE))
 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
@@ -113,4 +123,5 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     if "shared" in params:
         with jax.named_scope("shared"):
             y_TD = y_TD + dense_swiglu(x_TD, params["shared"], recipe)
-    return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), moe_stats(routing, executor_stats, batch, moe_cfg)
+    stats = moe_stats(routing, executor_stats, batch, moe_cfg, router_bias_E)
+    return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), stats

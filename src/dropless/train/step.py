@@ -105,6 +105,9 @@ def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
         "rows_sent_without_dedup": jnp.sum(moe.rows_sent_without_dedup).astype(jnp.int32),
         # Router health (dropless.train.metrics draws and watches them): one row per MoE layer, then per MTP block.
         "expert_share": expert_shares(moe.tokens_per_expert, top_k),
+        # [L] each: how much of the selection scores' / the logits' variance differs by token (1: all of it)
+        "router_token_share": moe.score_token_share,
+        "router_logit_token_share": moe.logit_token_share,
     }
 
 
