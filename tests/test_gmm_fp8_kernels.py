@@ -257,7 +257,7 @@ def test_gmm_tn_aligned_rejects_a_row_block_other_than_the_group_alignment():
 
 def test_a_kernel_called_from_several_places_is_lowered_once():
     """Layers and the recomputed forward call the same product many times: the program holds one copy of each
-    distinct kernel (each lowering costs host time, and the GPU compiles each copy), and a second shape its own."""
+    distinct kernel (each lowering costs host time), and a second shape its own."""
     tile = FP8_TILES[("fwd", "blockwise")]
     m, k, n, g = 8192, 2048, 4096, 8
 

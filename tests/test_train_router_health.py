@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig
-from dropless.moe.balance import max_load_ratio, token_variance_share, tokens_per_expert, update_router_bias
+from dropless.moe.balance import (max_load_ratio, routing_moments, token_variance_share, tokens_per_expert,
+                                  update_router_bias)
 from dropless.moe.router import route
 from dropless.train import metrics as metrics_lib
 from dropless.train.step import expert_shares
@@ -54,29 +55,40 @@ def test_balancing_bias_recovers_a_collapsed_router(rate, steps):
 
 def _token_share_reference(values_TE) -> float:
     v = np.asarray(values_TE, np.float64)
+    v = v - v.mean(axis=1, keepdims=True)  # a token's common shift changes none of its choices
     per_token = v.var(axis=0).mean()
     return per_token / (per_token + v.mean(axis=0).var())
+
+
+def _token_share(values_TE) -> float:
+    return float(token_variance_share(routing_moments(jnp.asarray(values_TE)), values_TE.shape[0]))
 
 
 def test_token_variance_share_says_whether_routing_depends_on_the_token():
     rng = np.random.default_rng(0)
     noise_TE, offset_E = rng.normal(size=(T, E)), rng.normal(size=E)
-    assert float(token_variance_share(jnp.asarray(noise_TE - noise_TE.mean(0)))) == pytest.approx(1.0)
-    assert float(token_variance_share(jnp.tile(offset_E, (T, 1)))) == pytest.approx(0.0, abs=1e-12)
+    assert _token_share(noise_TE - noise_TE.mean(0)) == pytest.approx(1.0)
+    assert _token_share(np.tile(offset_E, (T, 1))) == pytest.approx(0.0, abs=1e-6)
+    # A shift per token, however large, leaves every token's ranking the same: collapsed (all choose alike).
+    shifted = rng.normal(0, 3.0, size=(T, 1)) + np.linspace(0, 1, E)
+    assert _token_share(shifted) < 1e-3
     for scale in (0.1, 1.0, 10.0):
-        values = offset_E * scale + noise_TE
-        assert float(token_variance_share(jnp.asarray(values))) == pytest.approx(_token_share_reference(values),
-                                                                                  rel=1e-5)
+        values = offset_E * scale + noise_TE + rng.normal(0, 2.0, size=(T, 1))
+        assert _token_share(values) == pytest.approx(_token_share_reference(values), rel=1e-4)
+    # Moments add: two halves of a batch (microbatches, devices) give the whole batch's share.
+    values = offset_E + noise_TE
+    halves = routing_moments(jnp.asarray(values[: T // 2])) + routing_moments(jnp.asarray(values[T // 2:]))
+    assert float(token_variance_share(halves, T)) == pytest.approx(_token_share(values), rel=1e-5)
     # The collapsed router of the bias test: its shared input direction puts a common part in the logits
-    # (low share), which a router without that expert's alignment does not have.
+    # (a low share), which the same router without that expert's alignment does not have.
     x_TD, kernel_DE = collapsed_router(logit_std=1.7)
     _, plain_DE = collapsed_router(logit_std=1.7, gap=0.0)
-    collapsed, plain = (float(token_variance_share(x_TD @ k)) for k in (kernel_DE, plain_DE))
+    collapsed, plain = (_token_share(np.asarray(x_TD @ k)) for k in (kernel_DE, plain_DE))
     assert collapsed < 0.3 < plain
 
 
-def test_the_moe_layer_reports_the_selection_scores_and_logits_token_shares():
-    """score_token_share is of what selection ranks (the scores plus the bias), logit_token_share of the logits."""
+def test_the_moe_layer_reports_the_selection_scores_and_logits_moments():
+    """score_moments are of what selection ranks (the scores plus the bias), logit_moments of the logits."""
     from dropless.moe import init_moe, moe_layer
     from dropless.moe.router import router_logits
 
@@ -88,10 +100,14 @@ def test_the_moe_layer_reports_the_selection_scores_and_logits_token_shares():
     _, stats = moe_layer(params, bias_E, x_TD[None, :256], moe, compute_dtype=jnp.float32)
     logits = np.asarray(router_logits(params["router"]["kernel"], x_TD[:256]), np.float64)
     choice = 1 / (1 + np.exp(-logits)) + np.asarray(bias_E)
-    assert float(stats.logit_token_share) == pytest.approx(_token_share_reference(logits), rel=1e-4)
-    assert float(stats.score_token_share) == pytest.approx(_token_share_reference(choice), rel=1e-4)
-    assert float(stats.score_token_share) < float(moe_layer(params, jnp.zeros(E), x_TD[None, :256], moe,
-                                                            compute_dtype=jnp.float32)[1].score_token_share)
+    assert int(stats.tokens_routed) == 256
+    for moments, values in ((stats.logit_moments, logits), (stats.score_moments, choice)):
+        centred = values - values.mean(axis=1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(moments), [centred.sum(0), np.square(centred).sum(0)],
+                                   rtol=1e-4, atol=1e-3)
+    unbiased = moe_layer(params, jnp.zeros(E), x_TD[None, :256], moe, compute_dtype=jnp.float32)[1]
+    assert (float(token_variance_share(stats.score_moments, 256))
+            < float(token_variance_share(unbiased.score_moments, 256)))
 
 
 def test_expert_shares_are_the_fraction_of_tokens_per_expert():
@@ -144,17 +160,20 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
     bias = np.linspace(-0.01, 0.01, 3 * E).reshape(3, E)
     for step in range(10, 60, 10):
         writer.write({"step": step, "loss": 5.0 - step / 100, "max_expert_load": 3.6,
-                      "expert_share": np.asarray(_shares(step, {0}), np.float32), "router_bias": bias * step})
+                      "expert_share": np.asarray(_shares(step, {0}), np.float32), "router_bias": bias * step,
+                      "router_token_share": np.asarray([0.9, 0.5, 0.1]), "router_logit_token_share": [0.8, 0.4, 0.2]})
     writer.close()
     records = metrics_lib.read_metrics(tmp_path)
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50] and "expert_share" not in records[-1]
+    assert records[-1]["router_token_share"] == [0.9, 0.5, 0.1]  # per row, small: they stay in metrics.jsonl
     router = metrics_lib.read_router(tmp_path)
     assert list(router["step"]) == [10, 20, 30, 40, 50]
     # float16: 3 significant digits of each share, and of each bias (a few 1e-5 here)
     np.testing.assert_allclose(router["expert_share"][-1], _shares(50, {0}), rtol=1e-3)
     np.testing.assert_allclose(router["router_bias"][-1], bias * 50, rtol=1e-3, atol=1e-7)
     events = b"".join(f.read_bytes() for f in (tmp_path / "tensorboard").iterdir())
-    for tag in (b"router/expert_load", b"router/max_load/row_2", b"router/bias/row_0"):
+    for tag in (b"router/expert_load", b"router/max_load/row_2", b"router/bias/row_0", b"router/token_share/row_2",
+                b"router/logit_token_share/row_0"):
         assert tag in events
     assert metrics_lib.plot_run(tmp_path).stat().st_size > 10_000
 

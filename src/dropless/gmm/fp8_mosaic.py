@@ -259,7 +259,7 @@ def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int)
 
 
 # One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
-# from the recomputed forward lowers its kernel once (lowering a kernel costs ~1 s of host time).
+# from the recomputed forward lowers its kernel once (each lowering runs Mosaic GPU's compiler passes on the host).
 @functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
            lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:

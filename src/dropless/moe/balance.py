@@ -52,16 +52,26 @@ def seq_aux_loss(probs_BSE: jax.Array, expert_ids_BSK: jax.Array) -> jax.Array:
     return jnp.mean(_balance(count_BE, probs_BSE, expert_ids_BSK.shape[-1]))
 
 
-def token_variance_share(values_TE: jax.Array) -> jax.Array:
-    """How much of a layer's routing varies by token: mean_e var_t(v) / (mean_e var_t(v) + var_e(mean_t v)).
+def routing_moments(values_TE: jax.Array) -> jax.Array:
+    """[2, E] float32: the sums over tokens of v and v², where v is each token's values minus their mean over the
+    experts (a shift common to all of one token's experts changes no choice). Sums add over microbatches and
+    devices, so `token_variance_share` of summed moments is the whole batch's."""
+    v_TE = jax.lax.stop_gradient(values_TE).astype(jnp.float32)
+    v_TE = v_TE - jnp.mean(v_TE, axis=-1, keepdims=True)
+    return jnp.stack([jnp.sum(v_TE, axis=0), jnp.sum(jnp.square(v_TE), axis=0)])
 
-    1: the experts' values differ only token by token (no expert ahead for every token); 0: every token carries
-    the same values, so every token chooses the same experts whatever the bias does to them. Of the selection
-    scores (scores + bias) it says whether the choice depends on the token at all; of the logits, whether the
-    router itself has lost the token (a common part of the router's input dominating its logits)."""
-    values_TE = jax.lax.stop_gradient(values_TE).astype(jnp.float32)
-    mean_E = jnp.mean(values_TE, axis=0)
-    per_token = jnp.mean(jnp.mean(jnp.square(values_TE - mean_E), axis=0))
+
+def token_variance_share(moments_2E: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The share of a layer's routing that varies by token, from `routing_moments` over `tokens` tokens:
+    mean_e var_t(v) / (mean_e var_t(v) + var_e(mean_t v)).
+
+    1: which experts score high differs from token to token, no expert is ahead for every token; 0: every token
+    ranks the experts alike, so every token chooses the same experts whatever the bias does to them. Of the
+    selection scores (scores + bias) it says whether the choice depends on the token at all; of the logits,
+    whether the router itself has lost the token (a common part of its input dominating its logits)."""
+    n = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+    mean_E = moments_2E[0] / n
+    per_token = jnp.mean(jnp.maximum(moments_2E[1] / n - jnp.square(mean_E), 0.0))
     common = jnp.mean(jnp.square(mean_E - jnp.mean(mean_E)))
     return per_token / jnp.maximum(per_token + common, 1e-30)
 

@@ -40,10 +40,11 @@ class MoEStats(NamedTuple):
     dispatch_overflowed: jax.Array  # int32 1 if alltoall slots or a local expert buffer overflowed (worst case ran)
     rows_sent: jax.Array  # int32 token rows sent between devices (dispatch; combine returns as many)
     rows_sent_without_dedup: jax.Array  # int32 rows one copy per remote (token, expert) pair would need
-    # Router health (balance.token_variance_share): the share of the selection scores' (scores + bias) and of
-    # the logits' variance that differs from token to token; near 0, every token routes alike.
-    score_token_share: jax.Array
-    logit_token_share: jax.Array
+    # Router health: balance.routing_moments [2, E] of the selection scores (scores + bias) and of the logits over
+    # the layer's tokens_routed tokens (summed over microbatches; balance.token_variance_share reads them).
+    score_moments: jax.Array
+    logit_moments: jax.Array
+    tokens_routed: jax.Array  # int32
 
 
 def moe_params(hidden_size: int, moe_cfg) -> Specs:
@@ -101,8 +102,8 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
         choice_TE = choice_TE + router_bias_E.astype(jnp.float32)
     return MoEStats(counts_E, balance.max_load_ratio(counts_E), executor_stats.tokens_dropped,
                     aux, seq_aux, z, total, executor_stats.dispatch_overflowed, executor_stats.rows_sent,
-                    executor_stats.rows_sent_without_dedup, balance.token_variance_share(choice_TE),
-                    balance.token_variance_share(routing.logits_TE))
+                    executor_stats.rows_sent_without_dedup, balance.routing_moments(choice_TE),
+                    balance.routing_moments(routing.logits_TE), jnp.asarray(num_tokens, jnp.int32))
 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,

@@ -7,6 +7,11 @@ Definitions (also in docs/training.md):
     mfu                = tflops_per_device / the device's dense bf16 peak (null where the peak is unknown, e.g. CPU)
     expert_share[l][e] = the fraction of router row l's tokens that chose expert e (a row sums to K; balanced K/E)
     router_bias[l][e]  = the aux-loss-free correction bias after the step
+    router_token_share[l], router_logit_token_share[l]
+                       = the share of row l's selection scores' (scores + bias) / logits' variance over the step's
+                         tokens that differs by token, each token's mean over experts removed first
+                         (dropless.moe.balance.token_variance_share: 1 = no expert ahead for every token, 0 = every
+                         token ranks the experts alike); in metrics.jsonl and as TensorBoard scalars per row
 `model_flops_per_token` is in `dropless.models.flops` (6 x active matmul parameters + the causal attention term).
 The router rows are the MoE layers in model order, then the MTP modules' MoE blocks (`router_row_names`).
 
@@ -89,6 +94,7 @@ def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray
 
 
 ROUTER_KEYS = ("expert_share", "router_bias")
+TOKEN_SHARE_KEYS = ("router_token_share", "router_logit_token_share")
 
 
 def router_record_dtype(rows: int, experts: int) -> np.dtype:
@@ -134,6 +140,9 @@ class MetricsWriter:
         for key, value in clean.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self._tensorboard.add_scalar(key, value, step)
+        for key in TOKEN_SHARE_KEYS:  # one TensorBoard scalar per router row
+            for row, share in enumerate(np.atleast_1d(np.asarray(clean.get(key, []), np.float64))):
+                self._tensorboard.add_scalar(f"router/{key.removeprefix('router_')}/row_{row}", float(share), step)
         if record.get("expert_share") is not None:
             shares = np.asarray(record["expert_share"], np.float64)
             bias = record.get("router_bias")

@@ -30,7 +30,7 @@ import optax
 from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
-from dropless.moe.balance import max_load_ratio
+from dropless.moe.balance import max_load_ratio, token_variance_share
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -106,8 +106,8 @@ def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
         # Router health (dropless.train.metrics draws and watches them): one row per MoE layer, then per MTP block.
         "expert_share": expert_shares(moe.tokens_per_expert, top_k),
         # [L] each: how much of the selection scores' / the logits' variance differs by token (1: all of it)
-        "router_token_share": moe.score_token_share,
-        "router_logit_token_share": moe.logit_token_share,
+        "router_token_share": jax.vmap(token_variance_share)(moe.score_moments, moe.tokens_routed),
+        "router_logit_token_share": jax.vmap(token_variance_share)(moe.logit_moments, moe.tokens_routed),
     }
 
 
@@ -130,9 +130,10 @@ def microbatches(batch_BS1: jax.Array, count: int) -> jax.Array:
     return jnp.swapaxes(batch_BS1.reshape(rows // count, count, width), 0, 1)
 
 
-# How the MoE statistics of N microbatches combine into the step's: counts add (the load ratio is then the whole
-# step's, from the summed loads), losses (means over their microbatch) average.
-_STATS_SUMMED = ("tokens_per_expert", "tokens_dropped", "dispatch_overflowed", "rows_sent", "rows_sent_without_dedup")
+# How the MoE statistics of N microbatches combine into the step's: counts and the router's moments add (the load
+# ratio and the token shares are then the whole step's), losses (means over their microbatch) average.
+_STATS_SUMMED = ("tokens_per_expert", "tokens_dropped", "dispatch_overflowed", "rows_sent", "rows_sent_without_dedup",
+                 "score_moments", "logit_moments", "tokens_routed")
 
 
 def merge_microbatch_stats(stats_N):
