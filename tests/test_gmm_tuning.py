@@ -454,6 +454,21 @@ def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     assert exported.platforms == ("cuda",)
 
 
+def test_a_bf16_kernel_called_from_several_places_is_lowered_once():
+    """One copy per distinct (config, shapes) in the program, as the layers and the recomputed forward call it."""
+    config, bf16 = ProductConfig("dropless", TileConfig(128, 128, 64, 4)), jnp.bfloat16
+    rows = lambda a, b, gs: ragged_rows(a, b, gs, config, transpose_rhs=False, out_dtype=bf16)
+
+    def calls(a, b, gs, dy):
+        return rows(a, b, gs) + rows(a, b, gs), ragged_contract(a, dy, gs, config, out_dtype=bf16), \
+            ragged_contract(a, dy, gs, config, out_dtype=bf16)
+
+    S = jax.ShapeDtypeStruct
+    text = export.export(jax.jit(calls), platforms=["cuda"])(
+        S((8192, 1024), bf16), S((8, 1024, 2048), bf16), S((8,), jnp.int32), S((8192, 2048), bf16)).mlir_module()
+    assert text.count("custom_call @mosaic_gpu") == 2
+
+
 def test_lowering_for_cuda_catches_what_the_gpu_refused():
     """A 64x256 forward tile failed Mosaic GPU's layout inference on the H200 (tune-gmm, 2026-11-30); lowering on the
     CPU fails the same way, so the check above can fail."""
