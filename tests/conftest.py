@@ -10,8 +10,9 @@ together. LONGEST_FIRST lists the files of a minute or more, longest first (meas
 from __future__ import annotations
 
 LONGEST_FIRST = (
-    "test_train_faults.py", "test_train_parallel.py", "test_cli.py", "test_train.py", "test_bench_ep.py",
-    "test_train_checkpoint.py", "test_bench_scale.py", "test_bench_step.py", "test_fp8_model.py", "test_models_mtp.py",
+    "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_fp8.py", "test_gmm_tuning.py",
+    "test_models_transformer.py", "test_bench_step.py", "test_cli.py", "test_train.py", "test_bench_ep.py",
+    "test_train_checkpoint.py", "test_bench_scale.py", "test_models_mtp.py",
 )
 
 

@@ -74,7 +74,8 @@ def test_presets_lists_every_preset():
 def test_train_then_generate_and_resume_through_the_cli(tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus")
-    overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["train.eval_every=4", "train.checkpoint_every=2"]
+    overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["train.eval_every=4", "train.checkpoint_every=2",
+                                                          "train.plot=false"]  # test_train reads training.png
     run_dir = tmp_path / "run"
     first = run_cli("train", "--data", str(corpus), "--steps", "2", "--run-dir", str(run_dir), "--no-progress",
                     *overrides)
@@ -103,7 +104,8 @@ def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path, capsys):
     run_dir = tmp_path / "run"
     result = run_cli("train", "--init-from-hf", str(fixture), "--data", str(tokens), "--steps", "2",
                      "--run-dir", str(run_dir), "--no-progress", "train.batch_size=8", "train.seq_len=16",
-                     "train.eval_batches=1", "train.log_every=1", "train.dtype=float32", one_device=True)
+                     "train.eval_batches=1", "train.log_every=1", "train.dtype=float32", "train.plot=false",
+                     one_device=True)
     assert result.returncode == 0, result.stderr
     saved = json.loads((run_dir / "config.json").read_text())
     assert saved["model"]["family"] == "mixtral" and saved["model"]["hidden_size"] == 32

@@ -72,20 +72,23 @@ def test_training_reduces_held_out_loss_and_drops_nothing(trained):
 
 
 def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
-    # Split inside the warm-up (4 steps), where a changed schedule horizon would change the learning rate.
+    # Split inside the warm-up (4 steps), where a changed schedule horizon would change the learning rate. No
+    # training.png (train.plot=false) until the resumed part, which may turn it on: a resume may change it.
     config = small_config(corpus, **{"train.steps": 6, "train.eval_every": 100, "train.checkpoint_every": 3,
-                                     "train.warmup_steps": 4})
+                                     "train.warmup_steps": 4, "train.plot": False})
     train(config, tmp_path / "full", progress=False, log=lambda s: None)
     # Stopped early at step 3 of a 6-step schedule (the horizon is explicit, so the first part's is 6 too), then
     # extended past it: the saved horizon holds, so steps 1-6 are the uninterrupted run's.
     train(config.replace(**{"train.steps": 3, "train.schedule_steps": 6}), tmp_path / "split", progress=False,
           log=lambda s: None)
+    assert not (tmp_path / "split" / "training.png").exists() and (tmp_path / "split" / "metrics.jsonl").is_file()
     # As a kill after a later, unsaved step leaves it: a record past the checkpoint, then a torn line.
     with (tmp_path / "split" / "metrics.jsonl").open("a") as metrics:
         metrics.write(json.dumps({"step": 4, "loss": 99.0}) + '\n{"step": 5, "lo')
-    summary = train(config.replace(**{"train.steps": 8}), tmp_path / "split", resume=True, progress=False,
-                    log=lambda s: None)
+    summary = train(config.replace(**{"train.steps": 8, "train.plot": True}), tmp_path / "split", resume=True,
+                    progress=False, log=lambda s: None)
     assert summary.eval_losses[0][0] == 0  # the run's first evaluation, from metrics.jsonl
+    assert (tmp_path / "split" / "training.png").stat().st_size > 0
 
     def losses(run):
         return {r["step"]: r["loss"] for r in read_metrics(tmp_path / run) if "loss" in r}

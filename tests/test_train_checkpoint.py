@@ -208,7 +208,7 @@ def test_resume_on_another_mesh_continues_the_same_losses(tmp_path, corpus):
     """Saved on 8 devices as expert 4 x data 2, resumed as data 8 (one expert group): the losses of the
     uninterrupted run, to float32 rounding."""
     base = {"train.eval_every": 100, "train.checkpoint_every": 1, "train.warmup_steps": 1, "train.steps": 2,
-            "model.num_layers": 2}
+            "model.num_layers": 2, "train.plot": False}
     quiet = {"progress": False, "log": lambda s: None}
     train(small_config(corpus, **base, **{"parallel.expert": 4, "parallel.data": 2}), tmp_path / "full", **quiet)
     shutil.copytree(tmp_path / "full", tmp_path / "split")  # as if the first run had stopped after step 1

@@ -92,7 +92,8 @@ def test_dropless_train_across_two_processes_matches_one_process(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     write_corpus(corpus)
-    settings = {**SMALL, "parallel.expert": 4, "train.eval_every": 2, "train.checkpoint_every": 2, "train.steps": 3}
+    settings = {**SMALL, "parallel.expert": 4, "train.eval_every": 2, "train.checkpoint_every": 2, "train.steps": 3,
+                "train.plot": False}
     run_dir = tmp_path / "run"
     outputs = run_two_processes([sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus),
                                  "--run-dir", str(run_dir), "--no-progress", "parallel.data=1",

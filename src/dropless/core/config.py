@@ -257,6 +257,9 @@ class TrainConfig:
     eval_batches: int = 4
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
+    # draw RUN_DIR/training.png when the run ends; false skips its few seconds of matplotlib where no one looks
+    # at the picture (sweeps and CI read metrics.jsonl)
+    plot: bool = True
     offload_optimizer: bool = False
     offload: str = ""  # comma-separated activation names to offload to pinned host memory
     optimizer_moments_dtype: Literal["float32", "bfloat16"] = "float32"

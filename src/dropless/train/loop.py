@@ -52,9 +52,9 @@ from dropless.train.step import TrainState, make_eval_step
 # `train.schedule_steps` changes the learning rate from the resumed step on, and only when given explicitly: a
 # resumed run keeps the saved horizon otherwise, whatever its `train.steps`.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.checkpoint_every",
-                     "train.keep_checkpoints", "train.eval_batches", "data.prefetch", "train.schedule_steps",
-                     "train.stop_signals", "train.max_nonfinite_steps", "train.device_memory_gib", "train.auto_fit",
-                     "parallel.data", "parallel.fsdp", "parallel.expert"}
+                     "train.keep_checkpoints", "train.eval_batches", "train.plot", "data.prefetch",
+                     "train.schedule_steps", "train.stop_signals", "train.max_nonfinite_steps",
+                     "train.device_memory_gib", "train.auto_fit", "parallel.data", "parallel.fsdp", "parallel.expert"}
 
 # The exit status for a run stopped by the divergence guard (a finished run: 0; a user error: 2).
 EXIT_DIVERGED = 3
@@ -226,7 +226,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
             bar.close()
             if writer is not None:
                 writer.close()
-        if primary:
+        if primary and tc.plot:
             metrics_lib.plot_run(run_dir)
     return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
                       tokens_dropped_total, stopped_by)
