@@ -13,6 +13,7 @@ from jax.extend import core as jex_core
 
 from dropless.bench import harness
 from dropless.core.config import load_preset
+from dropless.models.flops import model_flops_per_token
 from dropless.plan import Cluster, make_plan
 from dropless.plan.cost import ACTIVATION_PASSES, RECOMPUTED_PASSES, device_rates, load_rates, step_flops
 from dropless.plan.layout import model_facts
@@ -92,10 +93,13 @@ def test_the_plans_flops_are_the_training_steps_matmuls(family):
     """Per remat mode, the plan's grouped FLOPs (+ their recomputation) are exactly the step's grouped matmuls,
     and its dense + attention FLOPs the step's dense matmuls; XLA's attention einsum computes the masked half of
     the causal scores too, so the step runs twice the plan's (causal) attention FLOPs. The plan's only excess is
-    its norm weights (6 FLOPs per token each, a third of that again when recomputed)."""
+    its norm weights (6 FLOPs per token each, a third of that again when recomputed). Its model FLOPs are
+    `dropless.models.flops`'."""
     name, runs = family
     for remat, (config, counted) in runs.items():
         f = step_flops(config)
+        tokens = config.train.batch_size * config.train.seq_len
+        assert f["model"] == tokens * model_flops_per_token(config, config.train.seq_len), (name, remat)
         assert counted["grouped"] == f["grouped"] + f["recompute_grouped"], (name, remat)
         dense = f["dense"] + f["recompute_dense"] + 2 * (f["attention"] + f["recompute_attention"])
         assert 0 <= dense - counted["dense"] <= norm_flops(config) * 4 / 3, (name, remat, counted["dense"], dense)
