@@ -13,19 +13,24 @@ from jax.extend import core as jex_core
 
 from dropless.bench import harness
 from dropless.core.config import load_preset
+from dropless.models.flops import model_flops_per_token
 from dropless.plan import Cluster, make_plan
 from dropless.plan.cost import ACTIVATION_PASSES, RECOMPUTED_PASSES, device_rates, load_rates, step_flops
 from dropless.plan.layout import model_facts
+from dropless.plan.memory import blocks
 from tests.micro_config import micro_config
 
 REMAT = ("none", "moe", "full")
 SMALL_GQA = {"model.num_layers": 2, "model.hidden_size": 64, "model.vocab_size": 128, "model.num_heads": 4,
              "model.num_kv_heads": 2, "model.head_dim": 16, "moe.num_experts": 8, "moe.expert_intermediate_size": 32,
              "train.batch_size": 2, "train.seq_len": 16, "moe.gmm_backend": "xla"}
-# One small model of each family: MLA with a dense layer and a shared expert (the DeepSeek-V3 shape), and GQA
-# with q/k norms, 8 experts of which the router picks 8 (Qwen3) or 2 (Mixtral); scanned and unrolled layers.
+# One small model of each family: MLA with a dense layer and a shared expert (the DeepSeek-V3 shape), the same
+# with one MTP module (its own MoE block, input projection and pass through the output head), and GQA with q/k
+# norms, 8 experts of which the router picks 8 (Qwen3) or 2 (Mixtral); scanned and unrolled layers. (The MTP
+# modules run unrolled either way, so their jaxpr's matmuls do not depend on `train.scan_layers`.)
 FAMILIES = {
     "deepseek_v3": lambda **o: micro_config(**{"train.scan_layers": False, **o}),
+    "deepseek_v3_mtp": lambda **o: micro_config(**{"model.mtp_layers": 1, **o}),
     "qwen3_moe": lambda **o: load_preset("qwen3-30b-a3b").replace(**{**SMALL_GQA, **o}),
     "mixtral": lambda **o: load_preset("mixtral-8x7b").replace(**{**SMALL_GQA, "train.scan_layers": False, **o}),
 }
@@ -88,10 +93,13 @@ def test_the_plans_flops_are_the_training_steps_matmuls(family):
     """Per remat mode, the plan's grouped FLOPs (+ their recomputation) are exactly the step's grouped matmuls,
     and its dense + attention FLOPs the step's dense matmuls; XLA's attention einsum computes the masked half of
     the causal scores too, so the step runs twice the plan's (causal) attention FLOPs. The plan's only excess is
-    its norm weights (6 FLOPs per token each, a third of that again when recomputed)."""
+    its norm weights (6 FLOPs per token each, a third of that again when recomputed). Its model FLOPs are
+    `dropless.models.flops`'."""
     name, runs = family
     for remat, (config, counted) in runs.items():
         f = step_flops(config)
+        tokens = config.train.batch_size * config.train.seq_len
+        assert f["model"] == tokens * model_flops_per_token(config, config.train.seq_len), (name, remat)
         assert counted["grouped"] == f["grouped"] + f["recompute_grouped"], (name, remat)
         dense = f["dense"] + f["recompute_dense"] + 2 * (f["attention"] + f["recompute_attention"])
         assert 0 <= dense - counted["dense"] <= norm_flops(config) * 4 / 3, (name, remat, counted["dense"], dense)
@@ -99,8 +107,9 @@ def test_the_plans_flops_are_the_training_steps_matmuls(family):
 
 def test_the_recomputed_forward_is_what_each_remat_mode_adds(family):
     """What remat adds over `none`, by kind: under `moe` the MoE blocks' grouped GEMMs, router and shared experts'
-    gate and up projections, under `full` every layer's matmuls but the output head and the down projections
-    whose output only joins the residual stream; one recomputed forward, no more."""
+    gate and up projections, under `full` every block's matmuls but the down projections whose output only joins
+    the residual stream (the output head and the MTP input projections are outside the blocks); one recomputed
+    forward, no more."""
     name, runs = family
     none = runs["none"][1]
     for remat in ("moe", "full"):
@@ -111,9 +120,10 @@ def test_the_recomputed_forward_is_what_each_remat_mode_adds(family):
         expected = f["recompute_dense"] + 2 * f["recompute_attention"]
         assert 0 <= expected - added <= norm_flops(config) / 3, (name, remat, added, expected)
         assert f["recompute"] == f["recompute_dense"] + f["recompute_grouped"] + f["recompute_attention"]
-    # Under `moe` the forward of each MoE block's grouped GEMMs runs again (gate+up, down: 2 per layer)
-    moe_layers = runs["none"][0].model.num_layers - runs["none"][0].model.first_dense_layers
-    assert runs["moe"][1]["grouped_ops"] - none["grouped_ops"] == 2 * moe_layers
+    # Under `moe` the forward of each MoE block's grouped GEMMs runs again (gate+up, down: 2 per MoE layer and
+    # MTP MoE block)
+    moe_blocks = blocks(runs["none"][0].model)[1]
+    assert runs["moe"][1]["grouped_ops"] - none["grouped_ops"] == 2 * moe_blocks
     assert runs["full"][1]["grouped_ops"] == runs["moe"][1]["grouped_ops"]
 
 

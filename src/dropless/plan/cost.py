@@ -139,32 +139,58 @@ def collectives(config: Config, sizes: dict[str, int], cluster: Cluster) -> list
     return out
 
 
+def _layer_weight(path: tuple[str, ...]) -> tuple[str, ...] | None:
+    """A weight's path inside its transformer block (the main model's layers and each MTP module's block, the
+    part `train.remat` checkpoints), or None for a weight outside every block (the embedding, the output head,
+    the final norm, and each MTP module's input norms, `eh_proj` and head norm)."""
+    if path[0] in ("dense_layers", "moe_layers"):
+        return path[1:]
+    if path[:2] == ("mtp", "block"):
+        return path[2:]
+    return None
+
+
+def _recomputed_weights(config: Config) -> tuple[int, int]:
+    """(every block's, the MoE blocks') weights whose forward matmul a recomputed block runs again, routed
+    experts aside (they count as grouped GEMMs). A block's last projection whose output is only added to the
+    residual stream (the dense MLP's and the shared experts' `down`) is not needed by the backward pass, and
+    JAX's partial evaluation leaves it out of the recomputation; the routed experts' down projection stays in
+    it (the gradient of the routing weights reads its output)."""
+    layers = moe = 0
+    for path, spec in model_facts(config)[0]:
+        block = _layer_weight(path)
+        if block is None or block[:2] == ("moe", "experts") or (block[-1] == "down" and block[0] in ("mlp", "moe")):
+            continue
+        size = math.prod(spec.shape)
+        layers += size
+        moe += size if block[0] == "moe" else 0  # the router and the shared experts' gate/up projection
+    return layers, moe
+
+
 def step_flops(config: Config) -> dict[str, float]:
     """Global FLOPs of one step by kind: dense matmuls, grouped GEMMs, attention scores, and the forward that
     remat recomputes in the backward pass (model FLOPs exclude it), in total and by the same kinds.
 
-    A recomputed forward costs a third of its blocks' forward + backward: under `full` every layer's matmuls
-    (the output head stays outside the layers), grouped GEMMs and attention scores; under `moe` each MoE block's
-    router, shared experts and grouped GEMMs. A block's last projection whose output is only added to the
-    residual stream (the shared experts' and the dense MLP's down projection) is not needed by the backward
-    pass, and JAX's partial evaluation leaves it out of the recomputation; the routed experts' down projection
-    stays in it (the gradient of the routing weights reads its output)."""
-    train, moe = config.train, config.moe
+    The MTP modules count like the main model: their routed experts as grouped GEMMs, their blocks' other
+    weights, input projection and application of the shared output head as dense matmuls. A recomputed forward
+    costs a third of its blocks' forward + backward: under `full` every block's matmuls (main layers and MTP
+    blocks; the output head and the MTP input projections stay outside them), grouped GEMMs and attention
+    scores; under `moe` each MoE block's router, shared experts and grouped GEMMs (`_recomputed_weights`)."""
+    train, moe, m = config.train, config.moe, config.model
     tokens = train.batch_size * train.seq_len
     _, parts, (_, active) = model_facts(config)
-    routed = 6 * parts["routed_experts"] * moe.num_experts_per_tok // moe.num_experts
+    routed = 6 * (parts["routed_experts"] + parts["mtp_routed_experts"]) * moe.num_experts_per_tok // moe.num_experts
     # flops.matmul_params_per_token and model_flops_per_token, from the cached counts
-    matmul = active - (0 if config.model.tie_embeddings else parts["embed"])
+    head = parts["embed"] if m.tie_embeddings else parts["lm_head"]
+    matmul = active - (0 if m.tie_embeddings else parts["embed"]) + m.mtp_layers * head
     dense = 6 * matmul - routed
     attention = flops_lib.attention_flops_per_token(config, train.seq_len)
     again = {"dense": 0.0, "grouped": 0.0, "attention": 0.0}
-    if train.remat == "full":
-        head = parts["lm_head"] if not config.model.tie_embeddings else parts["embed"]
-        unused = (parts["shared_experts"] + parts["dense_mlp"]) / 3  # their down projections
-        again = {"dense": (dense - 6 * head - 6 * unused) / 3, "grouped": routed / 3, "attention": attention / 3}
-    elif train.remat == "moe":
-        again = {"dense": (6 * parts["shared_experts"] * 2 / 3 + 6 * parts["router"]) / 3, "grouped": routed / 3,
-                 "attention": 0.0}
+    if train.remat in ("moe", "full"):
+        layer_weights, moe_weights = _recomputed_weights(config)
+        recomputed = layer_weights if train.remat == "full" else moe_weights
+        again = {"dense": 2 * recomputed, "grouped": routed / 3,
+                 "attention": attention / 3 if train.remat == "full" else 0.0}
     return {"dense": tokens * dense, "grouped": tokens * routed, "attention": tokens * attention,
             "recompute": tokens * sum(again.values()),
             **{f"recompute_{kind}": tokens * value for kind, value in again.items()},
