@@ -117,6 +117,34 @@ def test_mtp_on_an_8_device_mesh_with_remat_and_scan_gives_the_same_numbers(one_
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
 
 
+def _checkpoints(jaxpr, in_scan=False):
+    """(in a scan body?, prevent_cse) of every remat region of a jaxpr, nested ones included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("remat2", "checkpoint"):  # jax.checkpoint's primitive
+            found.append((in_scan, eqn.params["prevent_cse"]))
+        inner = in_scan or eqn.primitive.name == "scan"
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _checkpoints(sub, inner)
+    return found
+
+
+def test_remat_moe_keeps_the_mtp_blocks_recomputation_outside_the_scan():
+    """Under remat=moe with scanned layers, the MTP modules' MoE blocks run outside the scan: their checkpoint must
+    prevent CSE there (XLA would otherwise merge the recomputation into the forward and keep the activations),
+    while the scanned layers' may leave it off."""
+    config = CONFIG.replace(**{"train.remat": "moe", "train.scan_layers": True, "model.num_layers": 2})
+    params, state, batch = _setup(config)
+    jaxpr = jax.make_jaxpr(lambda p: loss_fn(p, state, batch, config)[0])(params).jaxpr  # the forward's regions
+    regions = _checkpoints(jaxpr)
+    outside = [cse for in_scan, cse in regions if not in_scan]
+    assert len(outside) == DEPTH and all(outside)  # one per MTP module
+    assert [cse for in_scan, cse in regions if in_scan] == [False]  # the scanned MoE layer's
+
+
 def test_bad_mtp_settings_are_config_errors():
     with pytest.raises(ConfigError, match="model.mtp_layers=-1 must be >= 0"):
         ModelConfig(mtp_layers=-1)

@@ -31,6 +31,7 @@ with `checkpoint_name`, so any `jax.checkpoint` policy can refer to them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -278,11 +279,14 @@ class _Layers:
         self.config, self.executor, self.cos_SP, self.sin_SP, self.dtype = config, executor, cos_SP, sin_SP, dtype
         self.recipe = make_recipe(config.train.fp8)
         self.mesh = executor.mesh  # the attention kernel runs per batch shard over the same mesh
-        moe_block = self._moe_block
-        if config.train.remat == "moe":
-            moe_block = jax.checkpoint(moe_block, policy=jax.checkpoint_policies.nothing_saveable,
-                                       prevent_cse=not config.train.scan_layers)
-        self.moe_block = moe_block
+        def remat_moe(in_scan: bool):
+            if config.train.remat != "moe":
+                return self._moe_block
+            # Outside a scan, XLA would merge the recomputation with the forward (CSE) and keep the activations.
+            return jax.checkpoint(self._moe_block, policy=jax.checkpoint_policies.nothing_saveable,
+                                  prevent_cse=not in_scan)
+        self.moe_block = remat_moe(in_scan=config.train.scan_layers)  # the main layers
+        self.moe_block_unscanned = remat_moe(in_scan=False)  # the MTP modules, never scanned
 
     @classmethod
     def for_sequence(cls, config: Config, executor: ExpertExecutor | None, seq_len: int) -> "_Layers":
@@ -309,13 +313,14 @@ class _Layers:
             y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, self.recipe), "mlp_out")
         return x_BSD + y_BSD, None
 
-    def moe(self, x_BSD, layer_and_bias):
+    def moe(self, x_BSD, layer_and_bias, *, unscanned: bool = False):
         layer, bias_E = layer_and_bias
         m = self.config.model
         x_BSD = self.attention(layer, x_BSD)
         with jax.named_scope("moe"):
             h_BSD = checkpoint_name(rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps), "moe_in")
-            y_BSD, stats = self.moe_block(layer["moe"], bias_E, h_BSD)
+            block = self.moe_block_unscanned if unscanned else self.moe_block
+            y_BSD, stats = block(layer["moe"], bias_E, h_BSD)
             y_BSD = checkpoint_name(y_BSD, "moe_out")
         return x_BSD + y_BSD, stats
 
@@ -331,7 +336,8 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
     config, dtype = layers.config, layers.dtype
     m = config.model
     moe_block = m.mtp_block == "moe"
-    body = _layer_checkpoint(layers.moe if moe_block else layers.dense, config.train, in_scan=False)
+    body = _layer_checkpoint(functools.partial(layers.moe, unscanned=True) if moe_block else layers.dense,
+                             config.train, in_scan=False)
     first_bias_row = layer_counts(m)[1]
     logits, stats = [], []
     for k in range(1, m.mtp_layers + 1):
