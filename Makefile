@@ -30,7 +30,7 @@ train: setup
 test: setup
 	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 $$XLA_FLAGS" \
 	  JAX_PLATFORMS=cpu JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	  $(VENV)/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
+	  $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .jax_cache

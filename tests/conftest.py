@@ -1,8 +1,8 @@
 """Suite-wide ordering for `make test`: the longest files run first.
 
-`make test` gives each of its two workers whole files (`--dist loadfile`), one at a time from the front of the
+`make test` gives each of its workers whole files (`--dist loadfile`), one at a time from the front of the
 collection order (`--no-loadscope-reorder`). Started last, a file of several minutes keeps one worker busy after
-the other has run out of work; started first, it runs beside the many short files, and both workers end
+the others have run out of work; started first, it runs beside the many short files, and the workers end
 together. LONGEST_FIRST lists the files of a minute or more, longest first (measured on 2 CPU cores with
 --durations); every other file keeps its place after them.
 """
