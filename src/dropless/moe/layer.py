@@ -23,7 +23,7 @@ from dropless.moe import balance
 from dropless.fp8 import Recipe
 from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, swiglu_params
-from dropless.moe.router import Routing, route, scores_from_logits
+from dropless.moe.router import Routing, route
 
 
 class MoEStats(NamedTuple):
@@ -87,8 +87,7 @@ def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
                 "pass one bias per expert (zeros when the aux-loss-free bias is unused)")
 
 
-def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg,
-              router_bias_E: jax.Array | None = None) -> MoEStats:
+def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg) -> MoEStats:
     num_tokens, top_k = routing.expert_ids_TK.shape
     seq_len = num_tokens // batch_size
     counts_E = balance.tokens_per_expert(routing.expert_ids_TK, moe_cfg.num_experts)
@@ -97,12 +96,9 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
                                    routing.expert_ids_TK.reshape(batch_size, seq_len, top_k))
     z = balance.z_loss(routing.logits_TE)
     total = moe_cfg.aux_loss_weight * aux + moe_cfg.seq_aux_loss_weight * seq_aux + moe_cfg.z_loss_weight * z
-    choice_TE = scores_from_logits(routing.logits_TE, moe_cfg.score_func)  # what selection ranks, as route() does
-    if router_bias_E is not None:
-        choice_TE = choice_TE + router_bias_E.astype(jnp.float32)
     return MoEStats(counts_E, balance.max_load_ratio(counts_E), executor_stats.tokens_dropped,
                     aux, seq_aux, z, total, executor_stats.dispatch_overflowed, executor_stats.rows_sent,
-                    executor_stats.rows_sent_without_dedup, balance.routing_moments(choice_TE),
+                    executor_stats.rows_sent_without_dedup, balance.routing_moments(routing.choice_TE),
                     balance.routing_moments(routing.logits_TE), jnp.asarray(num_tokens, jnp.int32))
 
 
@@ -124,5 +120,5 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     if "shared" in params:
         with jax.named_scope("shared"):
             y_TD = y_TD + dense_swiglu(x_TD, params["shared"], recipe)
-    stats = moe_stats(routing, executor_stats, batch, moe_cfg, router_bias_E)
+    stats = moe_stats(routing, executor_stats, batch, moe_cfg)
     return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), stats

@@ -26,6 +26,7 @@ class Routing(NamedTuple):
     weights_TK: jax.Array  # float32 combine weights
     logits_TE: jax.Array  # float32 router logits (for the z-loss)
     probs_TE: jax.Array  # float32 scores normalised to sum to 1 over experts (for the balancing losses)
+    choice_TE: jax.Array  # float32 selection scores (scores + bias, no gradient): what the top-k ranks
 
 
 def router_logits(kernel_DE: jax.Array, x_TD: jax.Array) -> jax.Array:
@@ -80,4 +81,4 @@ def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_c
         probs_TE = scores_TE
     else:
         probs_TE = scores_TE / (jnp.sum(scores_TE, axis=-1, keepdims=True) + 1e-20)
-    return Routing(expert_ids_TK, weights_TK, logits_TE, probs_TE)
+    return Routing(expert_ids_TK, weights_TK, logits_TE, probs_TE, choice_TE)
