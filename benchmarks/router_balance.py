@@ -49,6 +49,11 @@ VARIANTS = {
     "aux-1e-2": ("aux_loss_weight 1e-2 (the preset: 0), the Switch/GShard batch balance loss",
                  lambda c: {"moe.aux_loss_weight": 0.01}),
     "seq-aux-1e-2": ("seq_aux_loss_weight 1e-2 (the preset: 1e-4)", lambda c: {"moe.seq_aux_loss_weight": 0.01}),
+    "router-lr-0.1": ("router_lr_scale 0.1: the routers' Adam updates a tenth of the other weights'",
+                      lambda c: {"train.router_lr_scale": 0.1}),
+    "router-lr-0.01": ("router_lr_scale 0.01", lambda c: {"train.router_lr_scale": 0.01}),
+    "router-lr-0.1-bias-1e-2": ("router_lr_scale 0.1 and bias_update_rate 1e-2",
+                                lambda c: {"train.router_lr_scale": 0.1, "moe.bias_update_rate": 0.01}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
                                               "moe.bias_update_rate": 0.01}),
@@ -124,7 +129,8 @@ def run(config, log) -> dict:
             if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
                 pause = time.perf_counter()
                 curve.append((step + 1, evaluate(state)))
-                t0 += time.perf_counter() - pause  # evaluations are not training time
+                if t0 is not None:  # evaluations are not training time
+                    t0 += time.perf_counter() - pause
                 log(f"step {step + 1:4d} worst load {max(loads[-1]):.2f} held-out loss {curve[-1][1]:.4f}; share of "
                     f"the selection scores' / logits' variance that is per token (lowest layer) "
                     f"{np.min(m['router_token_share']):.3f} / {np.min(m['router_logit_token_share']):.3f}")

@@ -248,6 +248,11 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # The routers' learning rate as a multiple of learning_rate. Adam moves every weight by about the learning rate
+    # per step, so a router row whose gradient points the same way for every token (the hidden states' common
+    # part) moves its logit by ~learning_rate x hidden_size per step, for all tokens alike; a smaller scale keeps
+    # that drift within what the balancing bias can follow (docs/training.md, "Router health").
+    router_lr_scale: float = 1.0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights are float32
     fp8: Literal["off", "rowwise", "blockwise", "mxfp8"] = "off"
     remat: Literal["none", "moe", "full"] = "none"
@@ -301,6 +306,7 @@ class TrainConfig:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.weight_decay", self.weight_decay, allow_zero=True)
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
+        _positive("train.router_lr_scale", self.router_lr_scale)
         unknown = [name for name in self.offload_names if name not in ACTIVATION_NAMES]
         _require(not unknown, f"train.offload names unknown activation(s) {', '.join(unknown)}; "
                               f"choose from {', '.join(ACTIVATION_NAMES)}.")

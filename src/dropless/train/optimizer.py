@@ -1,4 +1,5 @@
-"""AdamW with linear warm-up and cosine decay, global-norm clipping, and weight decay on matrices only."""
+"""AdamW with linear warm-up and cosine decay, global-norm clipping, weight decay on matrices only, and the routers'
+learning rate scaled by `train.router_lr_scale`."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def weight_decay_mask(params):
     return jax.tree_util.tree_map_with_path(_is_decayed, params)
 
 
+def is_router_weight(path: tuple, leaf: jax.Array) -> bool:
+    """The routers' weight matrices: leaves under a "router" key (dense-layer and MTP blocks have none)."""
+    return any(getattr(k, "key", None) == "router" for k in path)
+
+
+def router_mask(params):
+    return jax.tree_util.tree_map_with_path(is_router_weight, params)
+
+
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
     parts = []
     if train.grad_clip > 0:
@@ -47,5 +57,9 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
             mask=weight_decay_mask,
         )
     )
+    if train.router_lr_scale != 1.0:
+        # After AdamW, so the routers' whole update (weight decay included) is scaled, as a per-group learning
+        # rate would be; no state, so checkpoints of runs without it keep their layout.
+        parts.append(optax.masked(optax.scale(train.router_lr_scale), router_mask))
     # bfloat16 moments (both of them) and host offloading of the optimizer state: dropless.train.offload.
     return apply_memory_features(optax.chain(*parts), train)
