@@ -54,6 +54,8 @@ VARIANTS = {
     "router-lr-0.01": ("router_lr_scale 0.01", lambda c: {"train.router_lr_scale": 0.01}),
     "router-lr-0.1-bias-1e-2": ("router_lr_scale 0.1 and bias_update_rate 1e-2",
                                 lambda c: {"train.router_lr_scale": 0.1, "moe.bias_update_rate": 0.01}),
+    "router-lr-0.1-bias-3e-2": ("router_lr_scale 0.1 and bias_update_rate 3e-2",
+                                lambda c: {"train.router_lr_scale": 0.1, "moe.bias_update_rate": 0.03}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
                                               "moe.bias_update_rate": 0.01}),
