@@ -248,10 +248,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
-    # The routers' learning rate as a multiple of learning_rate. Adam moves every weight by about the learning rate
-    # per step, so a router row whose gradient points the same way for every token (the hidden states' common
-    # part) moves its logit by ~learning_rate x hidden_size per step, for all tokens alike; a smaller scale keeps
-    # that drift within what the balancing bias can follow (docs/training.md, "Router health").
+    # The routers' learning rate as a multiple of learning_rate (AdamW's whole update of every router matrix,
+    # weight decay included): a slower router leaves the balancing bias less drift to follow (docs/training.md,
+    # "Router health", measures it on the proxy).
     router_lr_scale: float = 1.0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights are float32
     fp8: Literal["off", "rowwise", "blockwise", "mxfp8"] = "off"

@@ -1,0 +1,78 @@
+"""The optimizer: train.router_lr_scale scales exactly the routers' updates and nothing else."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.core import config as config_lib
+from dropless.train.optimizer import make_optimizer, router_mask
+
+
+def _params():
+    k = iter(jax.random.split(jax.random.key(0), 4))
+    return {"layers": {"moe": {"router": {"kernel": jax.random.normal(next(k), (16, 4))},
+                               "experts": {"w_down": jax.random.normal(next(k), (4, 8, 16))}},
+                       "attn_norm": jax.random.normal(next(k), (16,))},
+            "embed": jax.random.normal(next(k), (32, 16))}
+
+
+def _updates(scale, steps=3):
+    train = config_lib.TrainConfig(router_lr_scale=scale, learning_rate=1e-2, warmup_steps=0, steps=10)
+    opt = make_optimizer(train)
+    params = _params()
+    state = opt.init(params)
+    grads = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)  # the same gradients each step
+    out = []
+    for _ in range(steps):
+        updates, state = opt.update(grads, state, params)
+        out.append(updates)
+    return out, state
+
+
+def test_router_updates_scaled_others_unchanged():
+    base, _ = _updates(1.0)
+    scaled, _ = _updates(0.25)
+    for u0, u1 in zip(base, scaled):
+        r0, r1 = u0["layers"]["moe"]["router"]["kernel"], u1["layers"]["moe"]["router"]["kernel"]
+        assert float(jnp.abs(r0).max()) > 0
+        np.testing.assert_allclose(np.asarray(r1), 0.25 * np.asarray(r0), rtol=1e-6)
+        for path in (("layers", "moe", "experts", "w_down"), ("layers", "attn_norm"), ("embed",)):
+            a, b = u0, u1
+            for key in path:
+                a, b = a[key], b[key]
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_router_mask_finds_only_routers():
+    mask = router_mask(_params())
+    assert jax.tree.leaves(mask).count(True) == 1 and mask["layers"]["moe"]["router"]["kernel"]
+
+
+def test_scale_one_keeps_the_state_layout():
+    """Without a scale the optimizer state is AdamW's own, so checkpoints of such runs keep their layout."""
+    _, plain = _updates(1.0, steps=1)
+    _, scaled = _updates(0.5, steps=1)
+    assert len(jax.tree.leaves(plain)) == len(jax.tree.leaves(scaled))
+    assert jax.tree.structure(plain) != jax.tree.structure(scaled)
+    reference = make_optimizer(config_lib.TrainConfig()).init(_params())
+    assert jax.tree.structure(plain) == jax.tree.structure(reference)
+
+
+def test_scale_must_be_positive():
+    with pytest.raises(config_lib.ConfigError, match="train.router_lr_scale"):
+        config_lib.TrainConfig(router_lr_scale=0.0)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"train.scan_layers": False, "model.mtp_layers": 1}])
+def test_router_mask_on_a_model(overrides):
+    """On the tiny preset's parameters (scanned or not, with an MTP block): every router matrix, nothing else."""
+    from dropless.models.transformer import init_params
+
+    cfg = config_lib.load_preset("tiny").replace(**overrides)
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg))
+    flagged = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(router_mask(params)) if m]
+    assert flagged and all("'router'" in name and name.endswith("['kernel']") for name in flagged)
+    routers = sum(leaf.shape[0] if leaf.ndim == 3 else 1 for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+                  if "'router'" in jax.tree_util.keystr(path))
+    assert routers == cfg.model.num_layers - cfg.model.first_dense_layers + cfg.model.mtp_layers
