@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig
-from dropless.moe.balance import (max_load_ratio, routing_moments, token_variance_share, tokens_per_expert,
-                                  update_router_bias)
+from dropless.moe.balance import (center_router_bias, max_load_ratio, routing_moments, token_variance_share,
+                                  tokens_per_expert, update_router_bias)
 from dropless.moe.router import route
 from dropless.train import metrics as metrics_lib
 from dropless.train.step import expert_shares
@@ -209,3 +209,56 @@ def test_unreadable_router_header_is_one_clear_error(tmp_path):
     (tmp_path / "router.bin").write_bytes(b"")
     with pytest.raises(metrics_lib.MetricsError, match="delete it and router.bin"):
         metrics_lib.read_router(tmp_path)
+
+
+def test_center_router_bias_equalises_the_mean_selection_scores():
+    rng = np.random.default_rng(1)
+    scores_LTE = jnp.asarray(rng.uniform(size=(3, T, E)) + rng.normal(0, 0.3, size=(3, 1, E)))
+    bias_LE = jnp.asarray(rng.normal(0, 0.1, size=(3, E)), jnp.float32)
+    moments = jax.vmap(routing_moments)(scores_LTE + bias_LE[:, None])
+    tokens = jnp.full((3,), T, jnp.int32)
+
+    def offsets(bias):  # each expert's mean selection score minus the mean over experts, float64
+        v = np.asarray(scores_LTE, np.float64) + np.asarray(bias, np.float64)[:, None]
+        mean_LE = v.mean(axis=1)
+        return mean_LE - mean_LE.mean(axis=1, keepdims=True)
+
+    assert np.abs(offsets(bias_LE)).max() > 0.1
+    np.testing.assert_allclose(offsets(center_router_bias(bias_LE, moments, tokens, 1.0)), 0.0, atol=1e-5)
+    np.testing.assert_allclose(offsets(center_router_bias(bias_LE, moments, tokens, 0.3)), 0.7 * offsets(bias_LE),
+                               atol=1e-5)
+    np.testing.assert_array_equal(center_router_bias(bias_LE, moments, tokens, 0.0), bias_LE)
+
+
+def herd_dynamics(rate: float, center_rate: float, steps: int = 300):
+    """A router whose input is a common direction (RMS 3) that turns a little every step plus a small per-token
+    part (RMS 0.1): the logits' per-token share is ~7%, every token ranks the experts alike, and the ranking drifts,
+    as the proxy's hidden states do early in training. The router's weights are fixed; the bias rules act after
+    each step. Returns each step's max/mean load."""
+    key_x, key_w, key_d = jax.random.split(jax.random.key(0), 3)
+    per_token_TD = 0.1 * jax.random.normal(key_x, (T, D))
+    kernel_DE = 1.7 / jnp.sqrt(D) * jax.random.normal(key_w, (D, E))
+    moe = MoEConfig(num_experts=E, num_experts_per_tok=K, score_func="sigmoid", bias_update_rate=rate)
+
+    def turn(d, fresh):
+        d = d + 0.05 * fresh
+        return d, d / jnp.linalg.norm(d)
+    fresh = jax.random.normal(key_d, (steps, D))
+    _, directions = jax.lax.scan(turn, fresh[0], fresh)
+
+    def step(bias_E, direction_D):
+        routing = route(kernel_DE, bias_E, 3.0 * direction_D + per_token_TD, moe)
+        counts_E = tokens_per_expert(routing.expert_ids_TK, E)
+        bias_E = center_router_bias(bias_E, routing_moments(routing.choice_TE), T, center_rate)
+        return update_router_bias(bias_E, counts_E, rate), max_load_ratio(counts_E)
+    _, ratios = jax.lax.scan(step, jnp.zeros((E,)), directions)
+    return np.asarray(ratios)
+
+
+def test_centring_ends_a_drifting_herd_that_the_sign_rule_follows_too_slowly():
+    sign_only = herd_dynamics(1e-3, 0.0)
+    centred = herd_dynamics(1e-3, 1.0)
+    print(f"mean max/mean over steps 50-300: sign rule {sign_only[50:].mean():.2f}, centred {centred[50:].mean():.2f}")
+    assert sign_only[0] == centred[0] == pytest.approx(E / K)  # both start with every token on the same K
+    assert np.all(sign_only[:20] > 3.5) and sign_only[50:].mean() > 2.2  # the sign rule: a slow chase
+    assert np.all(centred[1:] < 3.0) and centred[50:].mean() < 1.5  # centred: no herd after the first update

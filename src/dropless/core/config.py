@@ -178,6 +178,9 @@ class MoEConfig:
     topk_group: int = 1
     # Aux-loss-free balancing: bias += rate * sign(mean_load - load) after each step; 0 = off.
     bias_update_rate: float = 0.0
+    # After each step the bias also moves every expert's mean selection score over the step's tokens this fraction
+    # of the way to the mean over experts (dropless.moe.balance.center_router_bias); 0 = off, 1 = equal means.
+    bias_center_rate: float = 0.0
     # Balancing losses, each weighted; 0 = off.
     aux_loss_weight: float = 0.0
     seq_aux_loss_weight: float = 0.0
@@ -226,6 +229,9 @@ class MoEConfig:
             _require(self.topk_group * per_group >= self.num_experts_per_tok,
                      f"moe.topk_group={self.topk_group} groups of {per_group} experts cannot hold "
                      f"moe.num_experts_per_tok={self.num_experts_per_tok}; raise moe.topk_group.")
+        _require(0.0 <= self.bias_center_rate <= 1.0,
+                 f"moe.bias_center_rate={self.bias_center_rate} must be in [0, 1]: the fraction of the way to equal "
+                 "mean selection scores the bias moves each step.")
         for key in ("bias_update_rate", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight"):
             _positive(f"moe.{key}", getattr(self, key), allow_zero=True)
         _positive("moe.capacity_factor", self.capacity_factor)

@@ -81,6 +81,20 @@ def z_loss(logits_TE: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))
 
 
+def center_router_bias(bias_E: jax.Array, score_moments_2E: jax.Array, tokens: jax.Array, rate: float) -> jax.Array:
+    """Move each expert's mean selection score (scores + bias, over the step's tokens, each token's mean over the
+    experts removed: `routing_moments`) `rate` of the way to the mean over the experts, through the bias.
+
+    When every token ranks the experts alike (a common part of the router's input dominating its logits), the
+    experts whose mean score is ahead win every token and the sign rule of `update_router_bias`, a fixed step
+    per update, only rotates which ones; equal means leave the choice to each token's own spread. rate = 1
+    equalises them in one update, as seen on the step's tokens. Works on any leading axes, like
+    `update_router_bias`."""
+    n = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)[..., None]
+    offset_E = score_moments_2E[..., 0, :] / n  # mean_t(v_e) - mean over experts: zero mean over E
+    return (bias_E.astype(jnp.float32) - rate * offset_E).astype(bias_E.dtype)
+
+
 def update_router_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float) -> jax.Array:
     """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean_load - load), outside the gradient.
 

@@ -30,7 +30,7 @@ import optax
 from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
-from dropless.moe.balance import max_load_ratio, token_variance_share
+from dropless.moe.balance import center_router_bias, max_load_ratio, token_variance_share
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -111,12 +111,17 @@ def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
     }
 
 
-def update_router_biases(model_state, aux, rate: float):
-    """Apply the aux-loss-free bias rule to every MoE layer (vectorised over the stacked layer axis)."""
-    if rate == 0.0 or "router_bias" not in model_state or aux.get("moe") is None:
+def update_router_biases(model_state, aux, rate: float, center_rate: float = 0.0):
+    """Apply the aux-loss-free bias rule (and, with center_rate > 0, the mean-score centring) to every router row
+    (vectorised over the stacked row axis)."""
+    if (rate == 0.0 and center_rate == 0.0) or "router_bias" not in model_state or aux.get("moe") is None:
         return model_state
-    bias_LE = jax.vmap(update_router_bias, in_axes=(0, 0, None))(
-        model_state["router_bias"], aux["moe"].tokens_per_expert, rate)
+    stats = aux["moe"]
+    bias_LE = model_state["router_bias"]
+    if center_rate > 0.0:
+        bias_LE = center_router_bias(bias_LE, stats.score_moments, stats.tokens_routed, center_rate)
+    if rate > 0.0:
+        bias_LE = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias_LE, stats.tokens_per_expert, rate)
     return {**model_state, "router_bias": bias_LE}
 
 
@@ -182,7 +187,8 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
             state.params, state.model_state, batch_BS1, config, executor)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate)
+        model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate,
+                                           config.moe.bias_center_rate)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
         params, opt_state, model_state = where_tree(
