@@ -91,3 +91,27 @@ def test_non_finite_numbers_are_refused(value):
     for key in ("train.learning_rate", "train.grad_clip", "moe.routed_scaling_factor", "data.eval_fraction"):
         with pytest.raises(ConfigError, match=f"{key}=.* must be a finite number"):
             CONFIG.replace(**{key: value})
+
+
+def test_bias_centring_equalises_the_step_s_mean_selection_scores(batch_and_state):
+    """moe.bias_center_rate=1 through the step's own statistics: routing the same batch again with the updated
+    bias, the first router row's experts have equal mean selection scores (the later rows' inputs change with the
+    first layer's new choices, so theirs come close); the sign rule adds its step on top."""
+    from dropless.train.step import update_router_biases
+
+    params, state, batch, whole = batch_and_state
+    (_, (_, aux)), _ = whole
+    stats = aux["moe"]
+    offsets = lambda moments, tokens: np.asarray(moments)[:, 0] / np.asarray(tokens)[:, None]
+    before = offsets(stats.score_moments, stats.tokens_routed)
+    assert np.abs(before).max(axis=1).min() > 1e-3
+    centred = update_router_biases(state, aux, 0.0, 1.0)
+    again = jax.jit(lambda p, s: accumulated_value_and_grad(p, s, batch, CONFIG))(params, centred)
+    (_, (_, aux_again)), _ = again
+    after = offsets(aux_again["moe"].score_moments, aux_again["moe"].tokens_routed)
+    np.testing.assert_allclose(after[0], 0.0, atol=2e-6)
+    assert np.all(np.abs(after[1:]).max(axis=1) < 0.1 * np.abs(before[1:]).max(axis=1))
+    both = update_router_biases(state, aux, 1e-3, 1.0)
+    signs = np.sign(np.mean(stats.tokens_per_expert, axis=1, keepdims=True) - np.asarray(stats.tokens_per_expert))
+    np.testing.assert_allclose(np.asarray(both["router_bias"]) - np.asarray(centred["router_bias"]), 1e-3 * signs,
+                               atol=1e-7)
