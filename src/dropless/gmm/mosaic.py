@@ -17,10 +17,8 @@ never lets them reach the accumulator. Inputs must be bf16 or f16 with dims that
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
+import importlib
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, NamedTuple
 
 import jax
@@ -31,24 +29,21 @@ from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.gmm.tuning import TileConfig
 
 
-def _imported_on_first_use(name: str) -> ModuleType:
-    """Module `name`, executed on its first attribute access (importlib.util.LazyLoader); `import name` and
-    `from parent import child` elsewhere get the same module."""
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.find_spec(name)
-    spec.loader = importlib.util.LazyLoader(spec.loader)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    parent, _, child = name.rpartition(".")
-    setattr(sys.modules[parent], child, module)
-    return module
+class _ImportedOnFirstUse:
+    """Module `name`'s attributes, the module imported on the first one asked for. importlib's per-module lock
+    makes a thread that asks while another imports it wait for the whole module (kernels are traced in several
+    threads at once: bench.harness.compile_in_threads)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
 
 
 # Mosaic GPU takes ~0.8 s of a process's start-up to import on a CPU, and only a kernel built here (for a GPU or its
 # interpreter) uses it: it loads then, not with every `dropless` command. The kernel modules share this one.
-plgpu = _imported_on_first_use("jax.experimental.pallas.mosaic_gpu")
+plgpu = _ImportedOnFirstUse("jax.experimental.pallas.mosaic_gpu")
 
 # Row tiles of a group start at its first row rounded down to TMA_ROW_ALIGNMENT rows, so the TMA box starts on
 # a sublane-aligned row (tokamax does the same); the few rows before the group are computed and not stored.
