@@ -128,8 +128,21 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+# run directory -> ((size, mtime) of its metrics.jsonl, the last step logged in it)
+_LAST_LOGGED: dict[Path, tuple[tuple[int, int], int]] = {}
+
+
 def _logged_steps(run_dir: Path) -> int:
-    return max(_losses(run_dir), default=0)
+    """The last step `run_dir` logged. Polled every 2 ms while a run trains: the file is parsed again only when
+    its size or modification time has changed (parsing it each time took a third of a CPU core)."""
+    try:
+        stat = (run_dir / "metrics.jsonl").stat()
+    except FileNotFoundError:
+        return 0
+    version = (stat.st_size, stat.st_mtime_ns)
+    if run_dir not in _LAST_LOGGED or _LAST_LOGGED[run_dir][0] != version:
+        _LAST_LOGGED[run_dir] = (version, max(_losses(run_dir), default=0))
+    return _LAST_LOGGED[run_dir][1]
 
 
 def _saving(run_dir: Path) -> bool:

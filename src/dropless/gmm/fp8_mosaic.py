@@ -38,10 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import max_row_tiles, num_sms, row_tiles, store_rows, swizzled
+from dropless.gmm.mosaic import max_row_tiles, num_sms, plgpu, row_tiles, store_rows, swizzled
 from dropless.gmm.mosaic_ws import BARRIER_BYTES, CONSUMERS, MEMORY_REGISTERS
 from dropless.gmm.tuning import SMEM_BYTES, TileConfig
 

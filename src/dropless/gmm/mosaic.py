@@ -17,16 +17,33 @@ never lets them reach the accumulator. Inputs must be bf16 or f16 with dims that
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.gmm.tuning import TileConfig
+
+
+class _ImportedOnFirstUse:
+    """Module `name`'s attributes, the module imported on the first one asked for. importlib's per-module lock
+    makes a thread that asks while another imports it wait for the whole module (kernels are traced in several
+    threads at once: bench.harness.compile_in_threads)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+# Mosaic GPU takes ~0.8 s of a process's start-up to import on a CPU, and only a kernel built here (for a GPU or its
+# interpreter) uses it: it loads then, not with every `dropless` command. The kernel modules share this one.
+plgpu = _ImportedOnFirstUse("jax.experimental.pallas.mosaic_gpu")
 
 # Row tiles of a group start at its first row rounded down to TMA_ROW_ALIGNMENT rows, so the TMA box starts on
 # a sublane-aligned row (tokamax does the same); the few rows before the group are computed and not stored.

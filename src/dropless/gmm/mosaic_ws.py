@@ -28,11 +28,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, row_steps, row_tiles, store_rows, swizzled,
-                                 zero_rows_outside_group)
+from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, plgpu, row_steps, row_tiles, store_rows,
+                                 swizzled, zero_rows_outside_group)
 from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
