@@ -244,7 +244,8 @@ def test_sigkill_at_seeded_points_and_stop_signals_each_resumed_exactly(referenc
         assert part == {step: want[step] for step in part}, point  # bit for bit
         landed.append(point)
         start = ckpt.latest_step(run) or 0
-    assert len(landed) == len(KILLS) and sum(p.startswith("save") for p in landed) == 4, landed
+        if kind == "save":  # it died inside that save: the checkpoint of `at` never became one
+            assert start < at, (point, start)
     # SIGTERM at a seeded step, twice: the second one, while stopping, changes nothing.
     at = start + random.Random(19).randrange(2, 5)
     stopped = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
