@@ -7,6 +7,9 @@ multiplies in float64, to float32 rounding: dequantized operands are exact, so o
 differs. The e4m3 kernels (Pallas's GPU interpreter) equal the dequantized path to float32 rounding.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,20 +76,42 @@ def _dense_case(seed=0, t=200, k=256, n=384):
             wide_range(rng, (t, n)).astype(np.float32))
 
 
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """fp8_matmul under `recipe`, as a value: equal products are one static argument of `fwd_bwd`'s program."""
+    recipe: Recipe
+    out_dtype: object = None
+
+    def __call__(self, x, w, _):
+        return fp8_matmul(x, w, self.recipe, self.out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """A grouped GEMM with float32 output, as a value (see Dense)."""
+    gmm: Fp8Gmm
+
+    def __call__(self, x, w, gs):
+        return self.gmm(x, w, gs, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fwd_bwd(f, x, w, gs, dy):
+    y, pullback = jax.vjp(lambda x, w: f(x, w, gs), x, w)
+    return (y, *pullback(dy))
+
+
 def fwd_bwd(f, x, w, gs, dy):
     """(f(x, w, gs), dx, dw) for cotangent dy, as one jitted program (op by op, each of the quantizers' operations
-    compiled on its own took most of these tests' time); gs may be None (a dense product)."""
-    def run(x, w, gs, dy):
-        y, pullback = jax.vjp(lambda x, w: f(x, w, gs), x, w)
-        return (y, *pullback(dy))
-
-    return jax.jit(run)(jnp.asarray(x), jnp.asarray(w), None if gs is None else jnp.asarray(gs), jnp.asarray(dy))
+    compiled on its own took most of these tests' time); gs may be None (a dense product). `f` is a Dense or
+    Grouped value, so that equal products on operands of the same shapes share one compilation across tests."""
+    return _fwd_bwd(f, jnp.asarray(x), jnp.asarray(w), None if gs is None else jnp.asarray(gs), jnp.asarray(dy))
 
 
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_dense_fp8_matmul_and_its_gradients_match_the_float64_reference(mode):
     x, w, dy = _dense_case()
-    y, dx, dw = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe(mode), jnp.float32), x, w, None, dy)
+    y, dx, dw = fwd_bwd(Dense(Recipe(mode), jnp.float32), x, w, None, dy)
     for got, want in zip((y, dx, dw), ref.dense(x, w, dy, mode)):
         assert rel(got, want) < F32_RTOL
 
@@ -98,7 +123,7 @@ def test_mxfp8_goes_through_scaled_dot_general_within_mx_rounding():
     x = rng.normal(size=(2, 50, 80)).astype(np.float32)
     w = (rng.normal(size=(80, 100)) * 0.1).astype(np.float32)
     dy = rng.normal(size=(2, 50, 100)).astype(np.float32)
-    y, dx, dw = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe("mxfp8"), jnp.float32), x, w, None, dy)
+    y, dx, dw = fwd_bwd(Dense(Recipe("mxfp8"), jnp.float32), x, w, None, dy)
     want = (x @ w, dy @ w.T, np.einsum("btk,btn->kn", x, dy))
     for got, exact in zip((y, dx, dw), want):
         assert 0 < rel(got, exact) < 0.08
@@ -124,7 +149,7 @@ def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
     sizes, rows = GROUPS[case]
     x, w, gs, dy = _grouped_case(sizes, rows)
     gmm = Fp8Gmm(Fp8Products(Recipe(mode), XlaGmm(), XlaContract()))
-    y, dx, dw = fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x, w, gs, dy)
+    y, dx, dw = fwd_bwd(Grouped(gmm), x, w, gs, dy)
     want = ref.grouped(x, w, sizes, dy, mode)
     for got, exact in zip((y, dx, dw), want):
         assert np.all(np.isfinite(np.asarray(got)))
@@ -170,7 +195,7 @@ def test_grouped_fp8_on_aligned_rows_equals_the_gathered_path_and_the_reference(
     products = Fp8Products(Recipe(mode), XlaGmm(), XlaContract())
     results = []
     for gmm, x_, gs_, dy_ in ((Fp8Gmm(products), x, gs, dy), (Fp8Gmm(products, row_align=128), x_al, gs_al, dy_al)):
-        out = fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x_, w, gs_, dy_)
+        out = fwd_bwd(Grouped(gmm), x_, w, gs_, dy_)
         results.append(tuple(map(np.asarray, out)))
     (y, dx, dw), (y_al, dx_al, dw_al) = results
     n = sum(sizes)
@@ -212,7 +237,7 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
     for native in (False, True):
         gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()), row_align=row_align)
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            results.append(fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x, w, gs, dy))
+            results.append(fwd_bwd(Grouped(gmm), x, w, gs, dy))
     for got, want in zip(*results[::-1]):
         assert rel(got, want) < F32_RTOL
 
@@ -227,10 +252,10 @@ def test_dense_blockwise_kernel_writes_the_output_dtype_in_the_gpu_interpreter()
     x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))  # exact in bf16 and float32
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         native = Recipe("blockwise", native=True)
-        f32 = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, native), x, w, None, dy)
-        bf16 = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, native), jnp.asarray(x, jnp.bfloat16), w, None,
+        f32 = fwd_bwd(Dense(native), x, w, None, dy)
+        bf16 = fwd_bwd(Dense(native), jnp.asarray(x, jnp.bfloat16), w, None,
                        jnp.asarray(dy, jnp.bfloat16))
-    dequantized = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe("blockwise", native=False)), x, w, None, dy)
+    dequantized = fwd_bwd(Dense(Recipe("blockwise", native=False)), x, w, None, dy)
     for got, want in zip(f32, dequantized):
         assert got.dtype == jnp.float32 and rel(got, want) < F32_RTOL
     assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
