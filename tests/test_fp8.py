@@ -28,6 +28,12 @@ MODES = ("rowwise", "blockwise", "mxfp8")
 F32_RTOL = 2e-6
 
 
+# The quantizer as one program per block shape: op by op, each of its operations compiled on its own took most of
+# the quantizer tests' time.
+jit_quantize = jax.jit(quantize, static_argnums=1)
+jit_dequantize = jax.jit(dequantize, static_argnums=1)
+
+
 def rel(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
@@ -42,12 +48,12 @@ def wide_range(rng, shape):
 def test_quantizer_matches_the_float64_reference_and_its_error_bound(block):
     rng = np.random.default_rng(0)
     x = wide_range(rng, (300, 260)).astype(np.float32)
-    q = quantize(jnp.asarray(x), block)
+    q = jit_quantize(jnp.asarray(x), block)
     want_values, want_scales = ref.quantize(x, block)
     np.testing.assert_array_equal(np.asarray(q.scales), want_scales)
     np.testing.assert_array_equal(np.asarray(q.values.astype(jnp.float32)), want_values)
     assert q.values.dtype == FP8 and np.all(np.log2(want_scales) == np.round(np.log2(want_scales)))
-    deq = np.asarray(dequantize(q, block), np.float64)
+    deq = np.asarray(jit_dequantize(q, block), np.float64)
     # each value's bound: half an e4m3 ulp of it, or half the subnormal spacing of its block's scale
     scales = np.ones_like(x, np.float64)
     ext = [n if b is None else b for n, b in zip(x.shape, block)]
@@ -60,8 +66,8 @@ def test_quantizer_matches_the_float64_reference_and_its_error_bound(block):
 def test_quantizer_at_the_range_limits_and_with_non_finite_values():
     x = jnp.asarray([[E4M3_MAX, -E4M3_MAX, 1.0, 0.0], [3e38, -3e38, 1e-38, 0.0], [0.0] * 4,
                      [1e-45, 0.0, 0.0, 0.0], [jnp.inf, 1.0, 0.0, 0.0], [jnp.nan, 1.0, 0.0, 0.0]], jnp.float32)
-    q = quantize(x, (1, None))
-    deq = np.asarray(dequantize(q, (1, None)))
+    q = jit_quantize(x, (1, None))
+    deq = np.asarray(jit_dequantize(q, (1, None)))
     np.testing.assert_array_equal(deq[0], [E4M3_MAX, -E4M3_MAX, 1.0, 0.0])  # 448 is its own scale's maximum
     assert np.all(np.isfinite(deq[:4])) and abs(deq[1, 0] / 3e38 - 1) < 2 ** -4
     np.testing.assert_array_equal(deq[2], 0.0)  # an all-zero block: scale 1, zeros
