@@ -28,8 +28,8 @@ MODES = ("rowwise", "blockwise", "mxfp8")
 F32_RTOL = 2e-6
 
 
-# The quantizer as one program per block shape: op by op, each of its operations compiled on its own took most of
-# the quantizer tests' time.
+# The quantizer as one program per block shape: op by op, each of its operations compiles on its own, which costs
+# most of the quantizer tests' time.
 jit_quantize = jax.jit(quantize, static_argnums=1)
 jit_dequantize = jax.jit(dequantize, static_argnums=1)
 
