@@ -7,6 +7,9 @@ multiplies in float64, to float32 rounding: dequantized operands are exact, so o
 differs. The e4m3 kernels (Pallas's GPU interpreter) equal the dequantized path to float32 rounding.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +28,12 @@ MODES = ("rowwise", "blockwise", "mxfp8")
 F32_RTOL = 2e-6
 
 
+# The quantizer as one program per block shape: op by op, each of its operations compiles on its own, which costs
+# most of the quantizer tests' time.
+jit_quantize = jax.jit(quantize, static_argnums=1)
+jit_dequantize = jax.jit(dequantize, static_argnums=1)
+
+
 def rel(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
@@ -39,12 +48,12 @@ def wide_range(rng, shape):
 def test_quantizer_matches_the_float64_reference_and_its_error_bound(block):
     rng = np.random.default_rng(0)
     x = wide_range(rng, (300, 260)).astype(np.float32)
-    q = quantize(jnp.asarray(x), block)
+    q = jit_quantize(jnp.asarray(x), block)
     want_values, want_scales = ref.quantize(x, block)
     np.testing.assert_array_equal(np.asarray(q.scales), want_scales)
     np.testing.assert_array_equal(np.asarray(q.values.astype(jnp.float32)), want_values)
     assert q.values.dtype == FP8 and np.all(np.log2(want_scales) == np.round(np.log2(want_scales)))
-    deq = np.asarray(dequantize(q, block), np.float64)
+    deq = np.asarray(jit_dequantize(q, block), np.float64)
     # each value's bound: half an e4m3 ulp of it, or half the subnormal spacing of its block's scale
     scales = np.ones_like(x, np.float64)
     ext = [n if b is None else b for n, b in zip(x.shape, block)]
@@ -57,8 +66,8 @@ def test_quantizer_matches_the_float64_reference_and_its_error_bound(block):
 def test_quantizer_at_the_range_limits_and_with_non_finite_values():
     x = jnp.asarray([[E4M3_MAX, -E4M3_MAX, 1.0, 0.0], [3e38, -3e38, 1e-38, 0.0], [0.0] * 4,
                      [1e-45, 0.0, 0.0, 0.0], [jnp.inf, 1.0, 0.0, 0.0], [jnp.nan, 1.0, 0.0, 0.0]], jnp.float32)
-    q = quantize(x, (1, None))
-    deq = np.asarray(dequantize(q, (1, None)))
+    q = jit_quantize(x, (1, None))
+    deq = np.asarray(jit_dequantize(q, (1, None)))
     np.testing.assert_array_equal(deq[0], [E4M3_MAX, -E4M3_MAX, 1.0, 0.0])  # 448 is its own scale's maximum
     assert np.all(np.isfinite(deq[:4])) and abs(deq[1, 0] / 3e38 - 1) < 2 ** -4
     np.testing.assert_array_equal(deq[2], 0.0)  # an all-zero block: scale 1, zeros
@@ -73,20 +82,42 @@ def _dense_case(seed=0, t=200, k=256, n=384):
             wide_range(rng, (t, n)).astype(np.float32))
 
 
+@dataclasses.dataclass(frozen=True)
+class Dense:
+    """fp8_matmul under `recipe`, as a value: equal products are one static argument of `fwd_bwd`'s program."""
+    recipe: Recipe
+    out_dtype: object = None
+
+    def __call__(self, x, w, _):
+        return fp8_matmul(x, w, self.recipe, self.out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """A grouped GEMM with float32 output, as a value (see Dense)."""
+    gmm: Fp8Gmm
+
+    def __call__(self, x, w, gs):
+        return self.gmm(x, w, gs, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fwd_bwd(f, x, w, gs, dy):
+    y, pullback = jax.vjp(lambda x, w: f(x, w, gs), x, w)
+    return (y, *pullback(dy))
+
+
 def fwd_bwd(f, x, w, gs, dy):
     """(f(x, w, gs), dx, dw) for cotangent dy, as one jitted program (op by op, each of the quantizers' operations
-    compiled on its own took most of these tests' time); gs may be None (a dense product)."""
-    def run(x, w, gs, dy):
-        y, pullback = jax.vjp(lambda x, w: f(x, w, gs), x, w)
-        return (y, *pullback(dy))
-
-    return jax.jit(run)(jnp.asarray(x), jnp.asarray(w), None if gs is None else jnp.asarray(gs), jnp.asarray(dy))
+    compiled on its own took most of these tests' time); gs may be None (a dense product). `f` is a Dense or
+    Grouped value, so that equal products on operands of the same shapes share one compilation across tests."""
+    return _fwd_bwd(f, jnp.asarray(x), jnp.asarray(w), None if gs is None else jnp.asarray(gs), jnp.asarray(dy))
 
 
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_dense_fp8_matmul_and_its_gradients_match_the_float64_reference(mode):
     x, w, dy = _dense_case()
-    y, dx, dw = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe(mode), jnp.float32), x, w, None, dy)
+    y, dx, dw = fwd_bwd(Dense(Recipe(mode), jnp.float32), x, w, None, dy)
     for got, want in zip((y, dx, dw), ref.dense(x, w, dy, mode)):
         assert rel(got, want) < F32_RTOL
 
@@ -98,7 +129,7 @@ def test_mxfp8_goes_through_scaled_dot_general_within_mx_rounding():
     x = rng.normal(size=(2, 50, 80)).astype(np.float32)
     w = (rng.normal(size=(80, 100)) * 0.1).astype(np.float32)
     dy = rng.normal(size=(2, 50, 100)).astype(np.float32)
-    y, dx, dw = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe("mxfp8"), jnp.float32), x, w, None, dy)
+    y, dx, dw = fwd_bwd(Dense(Recipe("mxfp8"), jnp.float32), x, w, None, dy)
     want = (x @ w, dy @ w.T, np.einsum("btk,btn->kn", x, dy))
     for got, exact in zip((y, dx, dw), want):
         assert 0 < rel(got, exact) < 0.08
@@ -124,7 +155,7 @@ def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
     sizes, rows = GROUPS[case]
     x, w, gs, dy = _grouped_case(sizes, rows)
     gmm = Fp8Gmm(Fp8Products(Recipe(mode), XlaGmm(), XlaContract()))
-    y, dx, dw = fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x, w, gs, dy)
+    y, dx, dw = fwd_bwd(Grouped(gmm), x, w, gs, dy)
     want = ref.grouped(x, w, sizes, dy, mode)
     for got, exact in zip((y, dx, dw), want):
         assert np.all(np.isfinite(np.asarray(got)))
@@ -170,7 +201,7 @@ def test_grouped_fp8_on_aligned_rows_equals_the_gathered_path_and_the_reference(
     products = Fp8Products(Recipe(mode), XlaGmm(), XlaContract())
     results = []
     for gmm, x_, gs_, dy_ in ((Fp8Gmm(products), x, gs, dy), (Fp8Gmm(products, row_align=128), x_al, gs_al, dy_al)):
-        out = fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x_, w, gs_, dy_)
+        out = fwd_bwd(Grouped(gmm), x_, w, gs_, dy_)
         results.append(tuple(map(np.asarray, out)))
     (y, dx, dw), (y_al, dx_al, dw_al) = results
     n = sum(sizes)
@@ -188,7 +219,8 @@ def test_grouped_fp8_on_aligned_rows_equals_the_gathered_path_and_the_reference(
 
 
 def test_aligned_copy_puts_each_expert_at_a_multiple_of_128():
-    source, valid, block_group = aligned_sources(jnp.asarray([3, 0, 130, 1], jnp.int32), 140, 128)
+    sources = jax.jit(aligned_sources, static_argnums=(1, 2))  # one program, not op by op
+    source, valid, block_group = sources(jnp.asarray([3, 0, 130, 1], jnp.int32), 140, 128)
     valid, source = np.asarray(valid), np.asarray(source)
     assert source.shape == (128 * (2 + 4),)
     np.testing.assert_array_equal(np.flatnonzero(valid), list(range(0, 3)) + list(range(128, 258)) + [384])
@@ -212,7 +244,7 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
     for native in (False, True):
         gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()), row_align=row_align)
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            results.append(fwd_bwd(lambda x, w, gs: gmm(x, w, gs, preferred_element_type=jnp.float32), x, w, gs, dy))
+            results.append(fwd_bwd(Grouped(gmm), x, w, gs, dy))
     for got, want in zip(*results[::-1]):
         assert rel(got, want) < F32_RTOL
 
@@ -227,10 +259,10 @@ def test_dense_blockwise_kernel_writes_the_output_dtype_in_the_gpu_interpreter()
     x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))  # exact in bf16 and float32
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         native = Recipe("blockwise", native=True)
-        f32 = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, native), x, w, None, dy)
-        bf16 = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, native), jnp.asarray(x, jnp.bfloat16), w, None,
+        f32 = fwd_bwd(Dense(native), x, w, None, dy)
+        bf16 = fwd_bwd(Dense(native), jnp.asarray(x, jnp.bfloat16), w, None,
                        jnp.asarray(dy, jnp.bfloat16))
-    dequantized = fwd_bwd(lambda x, w, _: fp8_matmul(x, w, Recipe("blockwise", native=False)), x, w, None, dy)
+    dequantized = fwd_bwd(Dense(Recipe("blockwise", native=False)), x, w, None, dy)
     for got, want in zip(f32, dequantized):
         assert got.dtype == jnp.float32 and rel(got, want) < F32_RTOL
     assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]

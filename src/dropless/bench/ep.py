@@ -101,9 +101,12 @@ def paired_rounds(baseline, baseline_args, program, args, rounds: int, target_s:
 def _compiled(lowered, options: dict):
     """(`lowered` compiled with `options` to be timed, and again without command buffers to be profiled:
     kernels inside CUDA graphs name no HLO instruction, dropless.bench.profile). Once per program, for every
-    routing it is run with."""
-    return (lowered.compile(compiler_options=options or None),
-            lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS}))
+    routing it is run with. Off the GPU there are no CUDA graphs: the one program serves both (as in
+    dropless.bench.scale and dropless.bench.profile)."""
+    compiled = lowered.compile(compiler_options=options or None)
+    if jax.default_backend() != "gpu":
+        return compiled, compiled
+    return compiled, lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS})
 
 
 def _profile(compiled, args, iters: int, keep: Path | None = None) -> dict:
