@@ -38,6 +38,8 @@ class _ImportedOnFirstUse:
         self._name = name
 
     def __getattr__(self, attr: str):
+        if attr.startswith("_"):  # the proxy's own names (copy and pickle probe them before _name is set)
+            raise AttributeError(attr)
         return getattr(importlib.import_module(self._name), attr)
 
 

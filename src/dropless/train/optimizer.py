@@ -35,7 +35,7 @@ def weight_decay_mask(params):
 
 
 def is_router_weight(path: tuple, leaf: jax.Array) -> bool:
-    """The routers' weight matrices: leaves under a "router" key (dense-layer and MTP blocks have none)."""
+    """The routers' weight matrices: leaves under a "router" key (dense layers and dense MTP blocks have none)."""
     return any(getattr(k, "key", None) == "router" for k in path)
 
 
