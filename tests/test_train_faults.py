@@ -28,8 +28,8 @@ from tests.test_train import SMALL, write_corpus
 ROOT = Path(__file__).resolve().parent.parent
 
 # The CLI's train command, exiting with what train() reports (RunSummary.exit_status), whatever the CLI itself
-# returns for a run that a signal stopped. With FAULT_KILL set (the SIGKILL test), the process SIGKILLs itself at
-# one exact place, which a wall-clock kill would hit only by chance:
+# returns for a run that a signal stopped. With FAULT_KILL set, the process sends itself FAULT_SIGNAL (default
+# SIGKILL) at one exact place, which a signal from outside would hit only by chance:
 #   step:S      just after step S's metrics record is written, before any checkpoint of step S;
 #   save:C:N    at the N-th metadata file orbax writes while saving checkpoint C (its temporary directory holds
 #               the arrays, not yet renamed into place); orbax writes 12 here, all before the rename. A save that
@@ -47,7 +47,8 @@ fault = os.environ.get("FAULT_KILL")
 if fault:
     kind, *at = fault.split(":")
     at = [int(n) for n in at]
-    die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    number = signal.Signals[os.environ.get("FAULT_SIGNAL", "SIGKILL")]
+    die = lambda: os.kill(os.getpid(), number)
     if kind == "step":
         write = loop.metrics_lib.MetricsWriter.write
         def write_then_die(self, record):
@@ -61,7 +62,7 @@ if fault:
         def watched_save(mngr, step, *args, **kwargs):
             saving.append(step)
             save(mngr, step, *args, **kwargs)
-            if step == at[0]:
+            if step == at[0] and number == signal.SIGKILL:
                 die()
             saving.pop()
         loop.ckpt.save = watched_save
@@ -152,12 +153,6 @@ def _written_since(run_dir: Path, time_ns: int) -> bool:
         return (run_dir / "metrics.jsonl").stat().st_mtime_ns > time_ns
     except FileNotFoundError:
         return False
-
-
-def _saving(run_dir: Path) -> bool:
-    """An orbax checkpoint being written: its temporary directory exists."""
-    directory = run_dir / "checkpoints"
-    return directory.is_dir() and any("tmp" in p.name for p in directory.iterdir())
 
 
 def _weights(run_dir: Path, step: int | None = None) -> list[np.ndarray]:
@@ -259,19 +254,23 @@ def test_sigkill_at_seeded_points_and_stop_signals_each_resumed_exactly(referenc
             assert start == at - every, (point, start)
     # SIGTERM at a seeded step, twice: the second one, while stopping, changes nothing.
     at = start + random.Random(19).randrange(2, 5)
+    launched = time.time_ns()
     stopped = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
-    output = _signal_when(stopped, lambda: _logged_steps(run) >= at, signal.SIGTERM, times=2)
+    output = _signal_when(stopped, lambda: _written_since(run, launched) and _logged_steps(run) >= at,
+                          signal.SIGTERM, times=2)
     assert stopped.returncode == 143, output
     first_stop = _stopped_at(output, "SIGTERM")
     assert ckpt.latest_step(run) == first_stop and "Traceback" not in output
-    # SIGINT while a checkpoint is being written (or, should no save be caught in the act, a few steps on): the
-    # save finishes and the run stops after it.
-    resumed = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
-    output = _signal_when(resumed, lambda: _logged_steps(run) > first_stop and _saving(run)
-                          or _logged_steps(run) >= first_stop + 4, signal.SIGINT)
+    # SIGINT while a checkpoint is being written, at a seeded one of its files: the save finishes and the run
+    # stops after it, with that checkpoint.
+    every = KILL_SETTINGS["train.checkpoint_every"]
+    during = (first_stop // every + 1) * every
+    resumed = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS,
+                     env={"FAULT_KILL": f"save:{during}:{random.Random(23).randint(1, 12)}", "FAULT_SIGNAL": "SIGINT"})
+    output, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 130, output
     second_stop = _stopped_at(output, "SIGINT")
-    assert first_stop < second_stop < STEPS and ckpt.latest_step(run) == second_stop
+    assert second_stop == during < STEPS and ckpt.latest_step(run) == during, output
     last = _start(run, corpus, cache, "--resume", settings=KILL_SETTINGS)
     output, _ = last.communicate(timeout=600)
     assert last.returncode == 0, output

@@ -262,3 +262,36 @@ def test_centring_ends_a_drifting_herd_that_the_sign_rule_follows_too_slowly():
     assert sign_only[0] == centred[0] == pytest.approx(E / K)  # both start with every token on the same K
     assert np.all(sign_only[:20] > 3.5) and sign_only[50:].mean() > 2.2  # the sign rule: a slow chase
     assert np.all(centred[1:] < 3.0) and centred[50:].mean() < 1.5  # centred: no herd after the first update
+
+
+def _router_record(step, rows=2, experts=8):
+    return {"step": step, "loss": 1.0, "expert_share": np.full((rows, experts), 2 / experts),
+            "router_bias": np.zeros((rows, experts))}
+
+
+def test_router_header_is_renamed_into_place_and_checked_when_a_run_reopens(tmp_path, monkeypatch):
+    """A kill while the header is written leaves no header or a whole one (written beside, then renamed), so a
+    resumed run can always open its router history; a header that is not one, or of another shape, is one clear
+    error when the writer reopens it."""
+    class Killed(BaseException):
+        pass
+
+    def killed(*_):
+        raise Killed
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    monkeypatch.setattr(metrics_lib.os, "replace", killed)
+    with pytest.raises(Killed):
+        writer.write(_router_record(1))
+    monkeypatch.undo()
+    assert not (tmp_path / "router.json").exists()
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    writer.write(_router_record(1))
+    writer.close()
+    assert json.loads((tmp_path / "router.json").read_text())["experts"] == 8
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    with pytest.raises(metrics_lib.MetricsError, match="another model's router rows"):
+        writer.write(_router_record(2, experts=4))
+    (tmp_path / "router.json").write_text("")  # what an unprotected write cut by a kill leaves
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    with pytest.raises(metrics_lib.MetricsError, match="is not a router header; delete it and router.bin"):
+        writer.write(_router_record(2))

@@ -160,10 +160,20 @@ class MetricsWriter:
             meta = {"rows": shares_LE.shape[0], "experts": shares_LE.shape[1],
                     "format": "little-endian records: step int64, expert_share float16 [rows, experts], "
                               "router_bias float16 [rows, experts]; dropless.train.metrics.read_router"}
-            if header.is_file() and json.loads(header.read_text()).get("rows") != meta["rows"]:
-                raise MetricsError(f"{header} describes another model's router rows; delete it and router.bin "
-                                   "and run again.")
-            header.write_text(json.dumps(meta) + "\n")
+            if header.is_file():
+                try:
+                    saved = json.loads(header.read_text())
+                    shape = (saved.get("rows"), saved.get("experts"))
+                except (ValueError, AttributeError):
+                    raise MetricsError(f"{header} is not a router header; delete it and router.bin (the router "
+                                       "history) and run again.") from None
+                if shape != (meta["rows"], meta["experts"]):
+                    raise MetricsError(f"{header} describes another model's router rows; delete it and router.bin "
+                                       "and run again.")
+            else:  # written beside and renamed into place: a kill leaves no header or a whole one
+                temporary = header.with_name(header.name + ".tmp")
+                temporary.write_text(json.dumps(meta) + "\n")
+                os.replace(temporary, header)
             self._router_file = (self.run_dir / "router.bin").open("ab")
             torn = self._router_file.tell() % dtype.itemsize  # a record cut short by a kill: drop it
             if torn:
