@@ -133,14 +133,18 @@ def param_specs(config: Config) -> Specs:
     return specs
 
 
+def is_router_weight(path: tuple, leaf=None) -> bool:
+    """A routers' weight matrix: a leaf under a "router" key (dense layers and dense MTP blocks have none)."""
+    return any(getattr(k, "key", None) == "router" for k in path)
+
+
 def init_params(key: jax.Array, config: Config) -> dict:
     """Float32 parameters: normal(0, model.init_std) matrices (the routers': normal(0, model.router_init_std) when
     it is set), ones for norm weights, every matrix a slice of one normal draw (`dropless.core.params.init_one_draw`)."""
     m = config.model
     params = params_lib.init_one_draw(key, param_specs(config), m.init_std)
     if m.router_init_std:  # the same draw, rescaled: every other weight keeps its value
-        rescale = lambda path, leaf: (leaf * (m.router_init_std / m.init_std)
-                                      if any(getattr(k, "key", None) == "router" for k in path) else leaf)
+        rescale = lambda path, leaf: leaf * (m.router_init_std / m.init_std) if is_router_weight(path) else leaf
         params = jax.tree_util.tree_map_with_path(rescale, params)
     return params
 

@@ -7,6 +7,7 @@ import jax
 import optax
 
 from dropless.core.config import TrainConfig
+from dropless.models.transformer import is_router_weight
 from dropless.train.offload import apply_memory_features
 
 
@@ -32,11 +33,6 @@ def _is_decayed(path: tuple, leaf: jax.Array) -> bool:
 
 def weight_decay_mask(params):
     return jax.tree_util.tree_map_with_path(_is_decayed, params)
-
-
-def is_router_weight(path: tuple, leaf: jax.Array) -> bool:
-    """The routers' weight matrices: leaves under a "router" key (dense layers and dense MTP blocks have none)."""
-    return any(getattr(k, "key", None) == "router" for k in path)
 
 
 def router_mask(params):
