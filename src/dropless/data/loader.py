@@ -24,7 +24,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -32,6 +31,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from dropless.core.config import DataConfig
+from dropless.core.files import write_atomic
 from dropless.data import corpus as corpus_lib
 from dropless.data.corpus import Corpus, DataError
 from dropless.data.prefetch import Prefetcher
@@ -264,7 +264,7 @@ def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, c
         tokenizer = train_bpe(texts(), vocab_size)
     if run_file is not None:
         tokenizer.save(run_file)
-        _write_atomic(origin_file, json.dumps(origin).encode())
+        write_atomic(origin_file, json.dumps(origin).encode())
     return tokenizer
 
 
@@ -286,7 +286,7 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
         if cache_file is not None:
             for stale in cache_dir.glob("tokens-*.npz"):
                 stale.unlink()
-            _write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
+            write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
     return tokens, lengths
 
 
@@ -334,13 +334,6 @@ def _npz_bytes(**arrays: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a private temporary file, so readers (and other processes) never see a partial file."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _read_json(path: Path | None):

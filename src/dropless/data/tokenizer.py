@@ -13,6 +13,7 @@ from typing import Iterable
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from dropless.core.files import write_atomic
 from dropless.data.corpus import DataError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -54,10 +55,7 @@ class TextTokenizer:
 
     def save(self, path: Path) -> None:
         """Write tokenizer.json atomically (a crash never leaves a half-written file)."""
-        path = Path(path)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(self.hf.to_str(pretty=True))
-        os.replace(tmp, path)
+        write_atomic(path, self.hf.to_str(pretty=True))
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> TextTokenizer:

@@ -32,6 +32,7 @@ import numpy as np
 
 from dropless.core import config as config_lib
 from dropless.core.config import Config
+from dropless.core.files import write_atomic
 
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by jax `device_kind`.
 PEAK_BF16_TFLOPS = {
@@ -101,18 +102,23 @@ def router_record_dtype(rows: int, experts: int) -> np.dtype:
     return np.dtype([("step", "<i8"), ("expert_share", "<f2", (rows, experts)), ("router_bias", "<f2", (rows, experts))])
 
 
+def _router_header_shape(header: Path) -> tuple[int, int]:
+    """(rows, experts) of a router.json; MetricsError naming the file and the fix when it is not one."""
+    try:
+        meta = json.loads(header.read_text())
+        return int(meta["rows"]), int(meta["experts"])
+    except (ValueError, KeyError, TypeError):
+        raise MetricsError(f"{header} is not a router header; delete it and router.bin (the router history) "
+                           "and run again.") from None
+
+
 def read_router(run_dir: Path) -> np.ndarray | None:
     """RUN_DIR/router.bin as a read-only structured array [logged steps] (fields `step`, `expert_share`,
     `router_bias`), memory-mapped; None for a run without router rows. A torn last record is left out."""
     header, path = Path(run_dir) / "router.json", Path(run_dir) / "router.bin"
     if not header.is_file() or not path.is_file():
         return None
-    try:
-        meta = json.loads(header.read_text())
-        dtype = router_record_dtype(int(meta["rows"]), int(meta["experts"]))
-    except (ValueError, KeyError, TypeError):
-        raise MetricsError(f"{header} is not a router header; delete it and router.bin (the router history) "
-                           "and run again.") from None
+    dtype = router_record_dtype(*_router_header_shape(header))
     count = path.stat().st_size // dtype.itemsize
     if count == 0:
         return np.zeros(0, dtype)
@@ -161,19 +167,11 @@ class MetricsWriter:
                     "format": "little-endian records: step int64, expert_share float16 [rows, experts], "
                               "router_bias float16 [rows, experts]; dropless.train.metrics.read_router"}
             if header.is_file():
-                try:
-                    saved = json.loads(header.read_text())
-                    shape = (saved.get("rows"), saved.get("experts"))
-                except (ValueError, AttributeError):
-                    raise MetricsError(f"{header} is not a router header; delete it and router.bin (the router "
-                                       "history) and run again.") from None
-                if shape != (meta["rows"], meta["experts"]):
+                if _router_header_shape(header) != (meta["rows"], meta["experts"]):
                     raise MetricsError(f"{header} describes another model's router rows; delete it and router.bin "
                                        "and run again.")
-            else:  # written beside and renamed into place: a kill leaves no header or a whole one
-                temporary = header.with_name(header.name + ".tmp")
-                temporary.write_text(json.dumps(meta) + "\n")
-                os.replace(temporary, header)
+            else:  # a kill leaves no header or a whole one
+                write_atomic(header, json.dumps(meta) + "\n")
             self._router_file = (self.run_dir / "router.bin").open("ab")
             torn = self._router_file.tell() % dtype.itemsize  # a record cut short by a kill: drop it
             if torn:
