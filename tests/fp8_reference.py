@@ -17,7 +17,8 @@ def quantize(x, block):
     for idx in np.ndindex(*counts):
         sl = tuple(slice(i * b, (i + 1) * b) for i, b in zip(idx, ext))
         amax = np.abs(x[sl]).max() if x[sl].size else 0.0
-        s = 1.0 if amax == 0 else 2.0 ** np.ceil(np.log2(amax / E4M3_MAX))
+        # at least 2^-126: a scale and its inverse stay normal float32 numbers (docs/fp8.md)
+        s = 1.0 if amax == 0 else 2.0 ** max(np.ceil(np.log2(amax / E4M3_MAX)), -126)
         if amax > 0 and amax / s > E4M3_MAX:  # log2 rounding: never let the block overflow
             s *= 2
         scales[idx] = s

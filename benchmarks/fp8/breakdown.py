@@ -12,12 +12,15 @@ Two layouts of the same rows: end to end (the pieces without a suffix: Fp8Gmm bu
 expert-aligned copies by a column gather) and expert-aligned ("(aligned rows)": each group from a multiple of 128
 on, zero rows between, as the routed experts' permutation writes them; the copies are plain transposes). The
 aligned pieces' TF/s count the real rows' FLOPs only, so the two layouts' figures compare directly. The permute
-pieces time the routed experts' permutation of rows / 8 tokens at top-8 into each layout.
+pieces time the routed experts' permutation of rows / 8 tokens at top-8 into each layout. Blockwise quantizes
+each operand's two layouts in one pass (dropless.ops.fp8_pairs); the ", two passes" pieces run the quantizer once
+per layout instead, in the same call, and a first record checks that both give the same bits on this GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import jax
@@ -32,6 +35,7 @@ from dropless.fp8.recipe import weight_copies
 from dropless.gmm import fp8_mosaic
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
 from dropless.moe.permute import permute
+from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import quantize
 
 
@@ -39,6 +43,19 @@ def fwd_bwd(f, x, w, dy):
     """The output and both gradients: returning the output keeps XLA from dropping the forward GEMM."""
     y, pullback = jax.vjp(f, x, w)
     return y, *pullback(dy)
+
+
+def check_pairs(x, w, records) -> None:
+    """The one-pass kernel's bits against the quantizer's on this GPU (finite operands), one record."""
+    rec = {"piece": "quantize_pair bits equal quantize's (x tiles, W blocks)"}
+    for name, a, kind in (("x", x, "tiles"), ("w", w, "blocks")):
+        got = jax.jit(lambda a: fp8_pairs.quantize_pair(a, kind))(a)
+        want = jax.jit(lambda a: fp8_pairs.quantize_pair_reference(a, kind))(a)
+        rec[name] = all(bool(jnp.array_equal(g.view(jnp.uint8) if g.dtype.itemsize == 1 else g, v.view(jnp.uint8)
+                                             if v.dtype.itemsize == 1 else v))
+                        for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    print(json.dumps(rec), flush=True)
+    records.append(rec)
 
 
 def main() -> None:
@@ -94,6 +111,20 @@ def main() -> None:
     for mode in a.modes.split(","):
         r = Recipe(mode, native=True)
         emit(f"{mode} quantize x [M,K]", lambda x: quantize(x, r.operand(2)), x)
+        if r.fused_pairs:  # the one-pass quantizer of both layouts against the quantizer run once per layout
+            check_pairs(x, w, records)
+            two_pass = dataclasses.replace(r, fuse_pairs=False)
+            emit(f"{mode} weight copies (W^T and W), two passes", lambda w: weight_copies(w, two_pass), w)
+            emit(f"{mode} x and x^T (aligned rows), two passes",
+                 lambda gs, x: (quantize(x, r.operand(2)), transposed(x, gs, r)), sizes_al, x_al)
+            emit(f"{mode} x and x^T (aligned rows), one pass", lambda x: fp8_pairs.quantize_pair(x, "tiles"), x_al)
+            fp8_two = Fp8Gmm(Fp8Products(two_pass, bf16, TunedContract()), row_align=ALIGN)
+            emit(f"{mode} Fp8Gmm fwd+bwd (aligned rows), two passes",
+                 lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8_two(x, w, gs), x, w, dy), sizes_al, x_al, w, dy_al,
+                 gemm_flops=3 * flops)
+            emit(f"{mode} dense fp8_matmul fwd+bwd, two passes",
+                 lambda x, w, dy: fwd_bwd(lambda x, w: fp8_matmul(x, w[0], two_pass), x, w, dy), x, w, dy,
+                 gemm_flops=3 * flops)
         emit(f"{mode} weight copies (W^T and W)", lambda w: weight_copies(w, r), w)
         emit(f"{mode} aligned x^T copy", lambda gs, x: aligned_transposed(x, gs, r), sizes, x)
         xq = quantize(x, r.operand(2))
@@ -119,6 +150,8 @@ def main() -> None:
              lambda x, w, dy: fwd_bwd(lambda x, w: fp8_matmul(x, w[0], r), x, w, dy), x, w, dy,
              gemm_flops=3 * flops)
     emit("bf16 dense fwd", lambda x, w: x @ w[0], x, w, gemm_flops=flops)
+    emit("bf16 dense fwd+bwd", lambda x, w, dy: fwd_bwd(lambda x, w: x @ w[0], x, w, dy), x, w, dy,
+         gemm_flops=3 * flops)
     save(complete=True)
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe, weight_copies
 from dropless.gmm import fp8_mosaic
+from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import Quantized, dequantize, quantize
 from dropless.ops.matmul import matmul_f32_out
 
@@ -62,10 +63,15 @@ def _mxfp8_matmul(x_TK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:
     return y_TN[:t, :n].astype(out_dtype)
 
 
-def _transposed(a_TX: jax.Array, recipe: Recipe) -> Quantized:
-    """aᵀ [X, T'] contraction-last for the weight gradient, T' = T rounded up to whole 128-token tiles (zeros)."""
-    a_TX = jnp.pad(a_TX, ((0, -a_TX.shape[0] % BLOCK), (0, 0)))
-    return quantize(a_TX.T, recipe.operand(2))
+def _rows_and_transposed(a_TX: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
+    """(a [T, X] per recipe.operand for a rows product, aᵀ [X, T'] contraction-last for the weight gradient, T' = T
+    rounded up to whole 128-token tiles of zeros); from one pass over a where the recipe fuses them."""
+    padded_TX = jnp.pad(a_TX, ((0, -a_TX.shape[0] % BLOCK), (0, 0)))
+    if recipe.fused_pairs and fp8_pairs.fits(padded_TX.shape):
+        rows, transposed = fp8_pairs.quantize_pair(padded_TX, "tiles")
+        t = a_TX.shape[0]
+        return Quantized(rows.values[:t], rows.scales[:t]), transposed
+    return quantize(a_TX, recipe.operand(2)), quantize(padded_TX.T, recipe.operand(2))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -76,16 +82,17 @@ def _fp8_matmul_2d(x_TK, w_KN, recipe: Recipe, dtypes: tuple):
 
 def _fwd(x_TK, w_KN, recipe, dtypes):
     w_fwd, w_dlhs = weight_copies(w_KN, recipe)
-    y_TN = rows_product(quantize(x_TK, recipe.operand(2)), w_fwd, recipe, out_dtype=dtypes[0])
-    return y_TN, (_transposed(x_TK, recipe), w_dlhs)
+    x_q, xT = _rows_and_transposed(x_TK, recipe)
+    y_TN = rows_product(x_q, w_fwd, recipe, out_dtype=dtypes[0])
+    return y_TN, (xT, w_dlhs)
 
 
 def _bwd(recipe, dtypes, residuals, dy_TN):
     xT, w_dlhs = residuals
     _, x_dtype, w_dtype = dtypes
-    dy_TN = dy_TN.astype(x_dtype)
-    dx_TK = rows_product(quantize(dy_TN, recipe.operand(2)), w_dlhs, recipe, "dlhs", out_dtype=x_dtype)
-    dw_KN = contract_product(xT, _transposed(dy_TN, recipe), recipe).astype(w_dtype)
+    dy_q, dyT = _rows_and_transposed(dy_TN.astype(x_dtype), recipe)
+    dx_TK = rows_product(dy_q, w_dlhs, recipe, "dlhs", out_dtype=x_dtype)
+    dw_KN = contract_product(xT, dyT, recipe).astype(w_dtype)
     return dx_TK, dw_KN
 
 

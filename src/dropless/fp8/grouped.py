@@ -37,6 +37,7 @@ from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
 from dropless.gmm.api import GroupedMatmul, aligned_rows, zero_padding_rows
 from dropless.gmm.vjp import ContractProduct
 from dropless.gmm.xla import XlaContract
+from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import Quantized, block_amax, dequantize, power_of_two_scale, quantize, quantize_with_scales
 
 ALIGN = fp8_mosaic.SCALE_BLOCK  # 128: the weight gradient's token tiles, each inside one expert
@@ -156,25 +157,34 @@ def fp8_gmm(x_MK, w_GKN, group_sizes_G, products: Fp8Products, dtypes: tuple, ze
     return _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned)[0]
 
 
+def _rows_and_copy(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe, aligned: bool):
+    """(a [M, X] quantized per recipe.operand for a rows product, its expert-aligned transposed copy aᵀ for the
+    weight gradient): from one pass over a where the recipe fuses them (expert-aligned rows, blockwise: the copy's
+    128-token tiles are the 128-row tiles of a)."""
+    if aligned and recipe.fused_pairs and fp8_pairs.fits(a_MX.shape):
+        return fp8_pairs.quantize_pair(a_MX, "tiles")
+    copy = transposed if aligned else aligned_transposed
+    return quantize(a_MX, recipe.operand(2)), copy(a_MX, group_sizes_G, recipe)
+
+
 def _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned):
     r = products.recipe
     w_fwd, w_dlhs = weight_copies(w_GKN, r)
-    y_MN = products.rows(quantize(x_MK, r.operand(2)), w_fwd, group_sizes_G, "fwd", dtypes[0])
+    x_q, xT = _rows_and_copy(x_MK, group_sizes_G, r, aligned)
+    y_MN = products.rows(x_q, w_fwd, group_sizes_G, "fwd", dtypes[0])
     y_MN = varying_like(y_MN, x_MK, w_GKN, group_sizes_G)
     if zero_padding:
         y_MN = zero_padding_rows(y_MN, group_sizes_G)
-    copy = transposed if aligned else aligned_transposed
-    return y_MN, (copy(x_MK, group_sizes_G, r), w_dlhs, group_sizes_G)
+    return y_MN, (xT, w_dlhs, group_sizes_G)
 
 
 def _bwd(products, dtypes, zero_padding, aligned, residuals, dy_MN):
     xT, w_dlhs, group_sizes_G = residuals
     r = products.recipe
     _, x_dtype, w_dtype = dtypes
-    dy_MN = dy_MN.astype(x_dtype)
-    dx_MK = products.rows(quantize(dy_MN, r.operand(2)), w_dlhs, group_sizes_G, "dlhs", x_dtype)
-    copy = transposed if aligned else aligned_transposed
-    dw_GKN = products.contract(xT, copy(dy_MN, group_sizes_G, r), group_sizes_G, w_dtype)
+    dy_q, dyT = _rows_and_copy(dy_MN.astype(x_dtype), group_sizes_G, r, aligned)
+    dx_MK = products.rows(dy_q, w_dlhs, group_sizes_G, "dlhs", x_dtype)
+    dw_GKN = products.contract(xT, dyT, group_sizes_G, w_dtype)
     return (varying_like(zero_padding_rows(dx_MK, group_sizes_G), xT.values, w_dlhs.values),
             sum_like(dw_GKN, w_dlhs.values, xT.values), None)
 

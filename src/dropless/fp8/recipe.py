@@ -21,7 +21,8 @@ outlier spends the whole row's range); `mxfp8` is OCP's MX format (power-of-two 
 hardware format, run here as its exact arithmetic. Every scale is a power of two (dropless.ops.fp8).
 
 `native`: run e4m3 GEMMs (our Mosaic GPU kernels for the grouped products and for blockwise dense ones; XLA's
-cuBLASLt call for rowwise dense ones). Otherwise, and for a shape the kernels do not take, each product
+cuBLASLt call for rowwise dense ones), and under blockwise quantize each operand's two layouts in one pass
+(`dropless.ops.fp8_pairs`: the same bits as two calls of the quantizer). Otherwise, and for a shape the kernels do not take, each product
 dequantizes its operands exactly to bf16 and multiplies them with float32 accumulation: the same products and
 the same result to float32 rounding, at bf16 speed. So the recipe's numerics are the same on every backend and
 the CPU tests check them.
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import BlockShape, Quantized, quantize
 
 BLOCK = 128  # blockwise tile and weight-block extent (DeepSeek-V3)
@@ -43,10 +45,12 @@ MODES = ("rowwise", "blockwise", "mxfp8")
 
 @dataclass(frozen=True)
 class Recipe:
-    """One FP8 recipe (`mode`, module docstring) and whether its products run e4m3 kernels (`native`)."""
+    """One FP8 recipe (`mode`, module docstring), whether its products run e4m3 kernels (`native`) and, blockwise
+    and native, quantize each operand's two layouts in one pass (`fuse_pairs`)."""
 
     mode: str
     native: bool = False
+    fuse_pairs: bool = True  # False: each layout quantized by its own pass (the benchmarks' comparison)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -68,6 +72,11 @@ class Recipe:
         return self.operand(ndim)
 
     @property
+    def fused_pairs(self) -> bool:
+        """Whether each operand's two layouts come from one pass (`dropless.ops.fp8_pairs`): blockwise, native."""
+        return self.native and self.mode == "blockwise" and self.fuse_pairs
+
+    @property
     def contract_block(self) -> int:
         """Extent of a drhs operand's blocks along the tokens; rowwise shares one scale per expert over them."""
         return MX_BLOCK if self.mode == "mxfp8" else BLOCK
@@ -77,6 +86,9 @@ def weight_copies(w: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
     """(Wᵀ [..., N, K] for the forward, W [..., K, N] for the input gradient), each contraction-last, for a weight
     [K, N] or stacked [G, K, N]. Under blockwise one set of 128 x 128 block scales serves both copies."""
     swap = lambda a: jnp.swapaxes(a, -1, -2)
+    if recipe.fused_pairs and fp8_pairs.fits(w.shape):
+        w_q, wT_q = fp8_pairs.quantize_pair(w, "blocks")
+        return wT_q, w_q
     if recipe.mode == "blockwise":
         q = quantize(w, recipe.weight(w.ndim))
         return Quantized(swap(q.values), swap(q.scales)), q

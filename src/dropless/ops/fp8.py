@@ -5,9 +5,9 @@ the whole axis) and stores each block as float8_e4m3fn values with one float32 s
 scales of the recipes (`train.fp8`, dropless.fp8) are block shapes of this one function: a [M, K] activation per
 row is (1, None), per 1x128 tile (1, 128), a weight per 128x128 block (128, 128).
 
-Every scale is a power of two: the smallest 2^e with amax / 2^e <= 448 (e4m3's largest finite value). A power
-of two divides and multiplies exactly, so dequantizing is exact in any format with e4m3's exponent range (bf16,
-float32): an e4m3 GEMM and "dequantize, then multiply in bf16 or float32 with float32 accumulation" compute the
+Every scale is a power of two: the smallest 2^e with amax / 2^e <= 448 (e4m3's largest finite value), read
+exactly off amax's bits, and at least 2^-126. A power of two divides and multiplies exactly, so dequantizing is
+exact in any format with e4m3's exponent range (bf16, float32): an e4m3 GEMM and "dequantize, then multiply in bf16 or float32 with float32 accumulation" compute the
 same products, which is what lets the CPU and every non-FP8 backend run FP8 numerics exactly (and lets the tests
 compare the kernels with a float64 reference to float32 rounding). The price is at most one binade of range
 against amax/448 scaling; OCP's MX formats and DeepSeek's later checkpoints (UE8M0 scales) make the same choice.
@@ -37,14 +37,27 @@ class Quantized(NamedTuple):
     scales: jax.Array
 
 
+def scale_exponent(amax: jax.Array) -> jax.Array:
+    """int32 e of the smallest power of two 2^e with amax / 2^e <= E4M3_MAX, read exactly off amax's bits (no
+    rounded division): amax = (1 + f) 2^a and 448 = 1.75 * 2^8, so e = a - 8 when f <= 0.75 and a - 7 otherwise;
+    0 where amax is 0; within [-126, 127], so 2^e and 2^-e are normal float32 numbers (a block of subnormal
+    magnitudes gets 2^-126 and quantizes to e4m3's subnormals and zeros). Meaningless where amax is not finite."""
+    bits = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
+    exponent = jax.lax.shift_right_logical(bits, 23) - 127
+    exponent = exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+    return jnp.where(amax > 0, jnp.clip(exponent, -126, 127), 0)
+
+
+def exp2_int(exponent: jax.Array) -> jax.Array:
+    """2.0 ** exponent in float32 for int32 exponents in [-126, 127], built from the bits (exact)."""
+    return jax.lax.bitcast_convert_type(jax.lax.shift_left(exponent + 127, 23), jnp.float32)
+
+
 def power_of_two_scale(amax: jax.Array) -> jax.Array:
-    """The smallest power of two s with amax / s <= E4M3_MAX; 1 where amax is 0, NaN where it is not finite."""
+    """The smallest power of two s with amax / s <= E4M3_MAX (`scale_exponent`); 1 where amax is 0, NaN where it
+    is not finite."""
     amax = amax.astype(jnp.float32)
-    mantissa, exponent = jnp.frexp(amax / E4M3_MAX)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
-    exponent = exponent - (mantissa == 0.5).astype(exponent.dtype)  # an exact power of two is its own ceiling
-    scale = jnp.ldexp(jnp.ones_like(amax), exponent)
-    scale = jnp.where(amax > 0, scale, 1.0)
-    return jnp.where(jnp.isfinite(amax), scale, jnp.nan)
+    return jnp.where(jnp.isfinite(amax), exp2_int(scale_exponent(amax)), jnp.nan)
 
 
 def _blocks(shape: Sequence[int], block: BlockShape) -> tuple[tuple[int, ...], tuple[int, ...]]:

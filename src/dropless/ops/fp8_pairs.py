@@ -1,0 +1,138 @@
+"""An FP8 operand in both layouts its products read, quantized in one pass (a Pallas Triton kernel on GPUs).
+
+Training y = x · W reads every operand twice, in two layouts (dropless.fp8.recipe): the activation x as rows
+[M, K] for the forward and transposed, xᵀ [K, M], for the weight gradient; the output gradient dy likewise; the
+weight as W [K, N] for the input gradient and Wᵀ [N, K] for the forward. Each layout is contraction-last with its
+own scales, and quantized separately each costs a read of the bf16 operand for its block maxima, another for its
+values, and (transposed) a strided write. `quantize_pair` reads each 128 x 128 tile once, takes its maxima along
+both axes in registers, and writes both e4m3 layouts and their scales:
+
+  kind="tiles"   activations and gradients, blockwise: rows per 1 x 128 tile of the columns, the transposed copy
+                 per 1 x 128 tile of the rows (DeepSeek-V3's 128-token tiles of the weight gradient)
+  kind="blocks"  weights, blockwise: one scale per 128 x 128 block, shared by both layouts
+
+The results are bit for bit those of `dropless.ops.fp8.quantize` on x and on its transpose (the same scale
+exponents, read off the maxima's bits; the values multiplied by the exact inverse of a power of two; one rounding
+to e4m3), which `quantize_pair_reference` computes and the tests compare against in Pallas's interpreter.
+
+The kernel is written for Pallas's Triton backend (which JAX marks deprecated in favour of Mosaic GPU, where the
+project's GEMM kernels live): a reduction, a register transpose and an 8-bit store per tile are what Triton
+compiles directly, and the kernel is memory-bound, so the backend's matrix-unit features do not matter here.
+
+Suffixes: R rows, C columns (both multiples of 128), Rb = R/128, Cb = C/128; leading axes (a stacked weight's
+experts) pass through.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dropless.ops.fp8 import FP8, Quantized, exp2_int, quantize, scale_exponent
+
+TILE = 128
+KINDS = ("tiles", "blocks")
+# Warps per 128 x 128 tile: each program holds its tile (64 KiB in float32) in registers across the two stores.
+NUM_WARPS = 8
+
+
+def fits(shape: tuple[int, ...]) -> bool:
+    """Whether quantize_pair takes an operand of this shape: 2-d or more, its last two axes multiples of 128."""
+    return len(shape) >= 2 and shape[-1] % TILE == 0 and shape[-2] % TILE == 0 and all(shape)
+
+
+def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None) -> tuple[Quantized, Quantized]:
+    """(x [..., R, C] quantized contraction-last over C, xᵀ [..., C, R] quantized contraction-last over R), e4m3,
+    in one pass over x (module docstring). Off a GPU the same bits come from `quantize_pair_reference`, unless
+    `interpret` asks for the kernel in Pallas's interpreter (the tests)."""
+    if kind not in KINDS:
+        raise ValueError(f"quantize_pair kind={kind!r}: choose from {KINDS}")
+    if not fits(x.shape):
+        raise ValueError(f"quantize_pair takes [..., R, C] with R and C multiples of {TILE}, got {x.shape}")
+    if interpret is None:
+        if jax.default_backend() != "gpu":
+            return quantize_pair_reference(x, kind)
+        interpret = False
+    lead, (r, c) = x.shape[:-2], x.shape[-2:]
+    x_BRC = x.reshape(-1, r, c)
+    rows, cols, scales, *scales_t = _launch(x_BRC, kind, interpret)
+    rows, cols = rows.reshape(*lead, r, c), cols.reshape(*lead, c, r)
+    if kind == "blocks":
+        scales = scales.reshape(*lead, r // TILE, c // TILE)
+        return Quantized(rows, scales), Quantized(cols, jnp.swapaxes(scales, -1, -2))
+    [scales_t] = scales_t
+    # The kernel stores the scales with the quantized axis leading ([Cb, R] and [Rb, C]): contiguous 128-wide rows.
+    scales = jnp.swapaxes(scales.reshape(*lead, c // TILE, r), -1, -2)
+    scales_t = jnp.swapaxes(scales_t.reshape(*lead, r // TILE, c), -1, -2)
+    return Quantized(rows, scales), Quantized(cols, scales_t)
+
+
+def quantize_pair_reference(x: jax.Array, kind: str) -> tuple[Quantized, Quantized]:
+    """quantize_pair through `quantize`, one layout at a time: the same bits, two passes."""
+    lead = (1,) * (x.ndim - 2)
+    if kind == "blocks":
+        q = quantize(x, (*lead, TILE, TILE))
+        swap = functools.partial(jnp.swapaxes, axis1=-1, axis2=-2)
+        return q, Quantized(swap(q.values), swap(q.scales))
+    return quantize(x, (*lead, 1, TILE)), quantize(jnp.swapaxes(x, -1, -2), (*lead, 1, TILE))
+
+
+def _scale_and_inverse(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(2^e, 2^-e) of `scale_exponent`, both NaN where amax is not finite (ops.fp8.power_of_two_scale's rule: the
+    block's values become NaN rather than saturating)."""
+    exponent = scale_exponent(amax)
+    finite = amax < jnp.inf  # False for inf and NaN
+    return (jnp.where(finite, exp2_int(exponent), jnp.nan), jnp.where(finite, exp2_int(-exponent), jnp.nan))
+
+
+def _tiles_kernel(x_ref, rows_ref, cols_ref, scales_ref, scales_t_ref):
+    """One 128 x 128 tile: per-row scales (over its 128 columns) for the rows, per-column ones for the transpose."""
+    x = x_ref[...].astype(jnp.float32)
+    magnitude = jnp.abs(x)
+    row_scale, row_inverse = _scale_and_inverse(jnp.max(magnitude, axis=1))
+    col_scale, col_inverse = _scale_and_inverse(jnp.max(magnitude, axis=0))
+    rows_ref[...] = (x * row_inverse[:, None]).astype(FP8)
+    cols_ref[...] = (x * col_inverse[None, :]).T.astype(FP8)
+    scales_ref[...] = row_scale[None, :]
+    scales_t_ref[...] = col_scale[None, :]
+
+
+def _blocks_kernel(x_ref, rows_ref, cols_ref, scales_ref):
+    """One 128 x 128 block: one scale, both layouts."""
+    x = x_ref[...].astype(jnp.float32)
+    scale, inverse = _scale_and_inverse(jnp.max(jnp.abs(x)))
+    y = x * inverse
+    rows_ref[...] = y.astype(FP8)
+    cols_ref[...] = y.T.astype(FP8)
+    scales_ref[...] = jnp.full((1, 1), scale, jnp.float32)
+
+
+def _launch(x_BRC: jax.Array, kind: str, interpret: bool):
+    b, r, c = x_BRC.shape
+    rb, cb = r // TILE, c // TILE
+    tile = lambda index: pl.BlockSpec((None, TILE, TILE), index)
+    values = [tile(lambda g, i, j: (g, i, j)), tile(lambda g, i, j: (g, j, i))]
+    values_shape = [jax.ShapeDtypeStruct((b, r, c), FP8), jax.ShapeDtypeStruct((b, c, r), FP8)]
+    if kind == "tiles":
+        kernel = _tiles_kernel
+        scales = [pl.BlockSpec((None, 1, TILE), lambda g, i, j: (g, j, i)),
+                  pl.BlockSpec((None, 1, TILE), lambda g, i, j: (g, i, j))]
+        scales_shape = [jax.ShapeDtypeStruct((b, cb, r), jnp.float32), jax.ShapeDtypeStruct((b, rb, c), jnp.float32)]
+    else:
+        kernel = _blocks_kernel
+        scales = [pl.BlockSpec((None, 1, 1), lambda g, i, j: (g, i, j))]
+        scales_shape = [jax.ShapeDtypeStruct((b, rb, cb), jnp.float32)]
+    call = pl.pallas_call(
+        kernel, grid=(b, rb, cb), in_specs=[tile(lambda g, i, j: (g, i, j))], out_specs=values + scales,
+        out_shape=values_shape + scales_shape, interpret=interpret, name=f"dropless_quantize_pair_{kind}",
+        compiler_params=None if interpret else _triton_params())
+    return call(x_BRC)
+
+
+def _triton_params():
+    from jax.experimental.pallas import triton as pltriton  # GPU-only module, imported where a kernel is built
+
+    return pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
