@@ -385,11 +385,13 @@ def capture(compiled, state, batches, steps: int, trace_dir: Path):
     return state, find_trace(trace_dir)
 
 
-def profile_compiled(compiled, state, batches, steps: int, trace_dir: Path):
-    """Trace `steps` steps of `compiled` and break its kernel time down. Returns (state, breakdown dict)."""
+def profile_compiled(compiled, state, batches, steps: int, trace_dir: Path, top: int = 15):
+    """Trace `steps` steps of `compiled` and break its kernel time down (the `top` costliest instructions listed).
+    Returns (state, breakdown dict)."""
     hlo_text = compiled.as_text()
     state, trace_file = capture(compiled, state, batches, steps, trace_dir)
-    result = breakdown(read_trace(trace_file), parse_hlo(hlo_text), module=hlo_module_name(hlo_text), steps=steps)
+    result = breakdown(read_trace(trace_file), parse_hlo(hlo_text), module=hlo_module_name(hlo_text), steps=steps,
+                       top=top)
     result["trace"] = str(trace_file)
     return state, result
 
@@ -399,6 +401,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", default="tiny", help="a preset name (see 'dropless presets')")
     parser.add_argument("--steps", type=int, default=3, help="training steps to trace (after one warm-up step)")
     parser.add_argument("--out", help="directory for the trace and breakdown.json (default: runs/profile-<preset>-<time>)")
+    parser.add_argument("--top", type=int, default=15, help="the costliest HLO instructions to list")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. moe.gmm_backend=xla")
     return parser
 
@@ -416,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     state, batches = harness.init_state(setup), harness.random_batches(setup, 2)
     state, _ = compiled(state, batches[0])  # warm-up: first-run allocations stay out of the trace
     jax.block_until_ready(state)
-    state, result = profile_compiled(compiled, state, batches, args.steps, out / "trace")
+    state, result = profile_compiled(compiled, state, batches, args.steps, out / "trace", top=args.top)
     result.update(preset=args.preset, overrides=args.overrides, device=jax.devices()[0].device_kind,
                   device_count=jax.device_count())
     write_json(out / "breakdown.json", result, indent=2)

@@ -35,8 +35,9 @@ from dropless.ops.fp8 import FP8, Quantized, exp2_int, quantize, scale_exponent
 
 TILE = 128
 KINDS = ("tiles", "blocks")
-# Warps per 128 x 128 tile: each program holds its tile (64 KiB in float32) in registers across the two stores.
+# Warps per program and 128 x 128 tiles per program (side by side along the columns).
 NUM_WARPS = 8
+COLUMN_TILES = 1
 
 
 def fits(shape: tuple[int, ...]) -> bool:
@@ -44,10 +45,12 @@ def fits(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and shape[-1] % TILE == 0 and shape[-2] % TILE == 0 and all(shape)
 
 
-def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None) -> tuple[Quantized, Quantized]:
+def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None, num_warps: int = NUM_WARPS,
+                  column_tiles: int = COLUMN_TILES) -> tuple[Quantized, Quantized]:
     """(x [..., R, C] quantized contraction-last over C, xᵀ [..., C, R] quantized contraction-last over R), e4m3,
     in one pass over x (module docstring). Off a GPU the same bits come from `quantize_pair_reference`, unless
-    `interpret` asks for the kernel in Pallas's interpreter (the tests)."""
+    `interpret` asks for the kernel in Pallas's interpreter (the tests). `num_warps` and `column_tiles` (128 x 128
+    tiles per program, side by side; 1 where C/128 is not a multiple) tune the kernel, not its result."""
     if kind not in KINDS:
         raise ValueError(f"quantize_pair kind={kind!r}: choose from {KINDS}")
     if not fits(x.shape):
@@ -58,7 +61,7 @@ def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None) -> 
         interpret = False
     lead, (r, c) = x.shape[:-2], x.shape[-2:]
     x_BRC = x.reshape(-1, r, c)
-    rows, cols, scales, *scales_t = _launch(x_BRC, kind, interpret)
+    rows, cols, scales, *scales_t = _launch(x_BRC, kind, interpret, num_warps, column_tiles)
     rows, cols = rows.reshape(*lead, r, c), cols.reshape(*lead, c, r)
     if kind == "blocks":
         scales = scales.reshape(*lead, r // TILE, c // TILE)
@@ -88,51 +91,59 @@ def _scale_and_inverse(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (jnp.where(finite, exp2_int(exponent), jnp.nan), jnp.where(finite, exp2_int(-exponent), jnp.nan))
 
 
-def _tiles_kernel(x_ref, rows_ref, cols_ref, scales_ref, scales_t_ref):
-    """One 128 x 128 tile: per-row scales (over its 128 columns) for the rows, per-column ones for the transpose."""
-    x = x_ref[...].astype(jnp.float32)
-    magnitude = jnp.abs(x)
-    row_scale, row_inverse = _scale_and_inverse(jnp.max(magnitude, axis=1))
-    col_scale, col_inverse = _scale_and_inverse(jnp.max(magnitude, axis=0))
-    rows_ref[...] = (x * row_inverse[:, None]).astype(FP8)
-    cols_ref[...] = (x * col_inverse[None, :]).T.astype(FP8)
-    scales_ref[...] = row_scale[None, :]
-    scales_t_ref[...] = col_scale[None, :]
+def _tiles_kernel(x_ref, rows_ref, cols_ref, scales_ref, scales_t_ref, *, column_tiles: int):
+    """`column_tiles` 128 x 128 tiles side by side: per-row scales (over a tile's 128 columns) for the rows,
+    per-column ones (over its 128 rows) for the transpose."""
+    for t in range(column_tiles):
+        columns = pl.ds(t * TILE, TILE)
+        x = x_ref[:, columns].astype(jnp.float32)
+        magnitude = jnp.abs(x)
+        row_scale, row_inverse = _scale_and_inverse(jnp.max(magnitude, axis=1))
+        col_scale, col_inverse = _scale_and_inverse(jnp.max(magnitude, axis=0))
+        rows_ref[:, columns] = (x * row_inverse[:, None]).astype(FP8)
+        cols_ref[columns, :] = (x * col_inverse[None, :]).T.astype(FP8)
+        scales_ref[pl.ds(t, 1), :] = row_scale[None, :]
+        scales_t_ref[:, columns] = col_scale[None, :]
 
 
-def _blocks_kernel(x_ref, rows_ref, cols_ref, scales_ref):
-    """One 128 x 128 block: one scale, both layouts."""
-    x = x_ref[...].astype(jnp.float32)
-    scale, inverse = _scale_and_inverse(jnp.max(jnp.abs(x)))
-    y = x * inverse
-    rows_ref[...] = y.astype(FP8)
-    cols_ref[...] = y.T.astype(FP8)
-    scales_ref[...] = jnp.full((1, 1), scale, jnp.float32)
+def _blocks_kernel(x_ref, rows_ref, cols_ref, scales_ref, *, column_tiles: int):
+    """`column_tiles` 128 x 128 blocks side by side: one scale each, both layouts."""
+    for t in range(column_tiles):
+        columns = pl.ds(t * TILE, TILE)
+        x = x_ref[:, columns].astype(jnp.float32)
+        scale, inverse = _scale_and_inverse(jnp.max(jnp.abs(x)))
+        y = x * inverse
+        rows_ref[:, columns] = y.astype(FP8)
+        cols_ref[columns, :] = y.T.astype(FP8)
+        scales_ref[:, pl.ds(t, 1)] = jnp.full((1, 1), scale, jnp.float32)
 
 
-def _launch(x_BRC: jax.Array, kind: str, interpret: bool):
+def _launch(x_BRC: jax.Array, kind: str, interpret: bool, num_warps: int, column_tiles: int):
     b, r, c = x_BRC.shape
     rb, cb = r // TILE, c // TILE
-    tile = lambda index: pl.BlockSpec((None, TILE, TILE), index)
-    values = [tile(lambda g, i, j: (g, i, j)), tile(lambda g, i, j: (g, j, i))]
+    n = column_tiles if cb % column_tiles == 0 else 1  # tiles per program along the columns
+    wide = n * TILE
+    values = [pl.BlockSpec((None, TILE, wide), lambda g, i, j: (g, i, j)),
+              pl.BlockSpec((None, wide, TILE), lambda g, i, j: (g, j, i))]
     values_shape = [jax.ShapeDtypeStruct((b, r, c), FP8), jax.ShapeDtypeStruct((b, c, r), FP8)]
     if kind == "tiles":
         kernel = _tiles_kernel
-        scales = [pl.BlockSpec((None, 1, TILE), lambda g, i, j: (g, j, i)),
-                  pl.BlockSpec((None, 1, TILE), lambda g, i, j: (g, i, j))]
+        scales = [pl.BlockSpec((None, n, TILE), lambda g, i, j: (g, j, i)),
+                  pl.BlockSpec((None, 1, wide), lambda g, i, j: (g, i, j))]
         scales_shape = [jax.ShapeDtypeStruct((b, cb, r), jnp.float32), jax.ShapeDtypeStruct((b, rb, c), jnp.float32)]
     else:
         kernel = _blocks_kernel
-        scales = [pl.BlockSpec((None, 1, 1), lambda g, i, j: (g, i, j))]
+        scales = [pl.BlockSpec((None, 1, n), lambda g, i, j: (g, i, j))]
         scales_shape = [jax.ShapeDtypeStruct((b, rb, cb), jnp.float32)]
     call = pl.pallas_call(
-        kernel, grid=(b, rb, cb), in_specs=[tile(lambda g, i, j: (g, i, j))], out_specs=values + scales,
+        functools.partial(kernel, column_tiles=n), grid=(b, rb, cb // n),
+        in_specs=[pl.BlockSpec((None, TILE, wide), lambda g, i, j: (g, i, j))], out_specs=values + scales,
         out_shape=values_shape + scales_shape, interpret=interpret, name=f"dropless_quantize_pair_{kind}",
-        compiler_params=None if interpret else _triton_params())
+        compiler_params=None if interpret else _triton_params(num_warps))
     return call(x_BRC)
 
 
-def _triton_params():
+def _triton_params(num_warps: int):
     from jax.experimental.pallas import triton as pltriton  # GPU-only module, imported where a kernel is built
 
-    return pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
