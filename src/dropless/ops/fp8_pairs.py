@@ -35,8 +35,11 @@ from dropless.ops.fp8 import FP8, Quantized, exp2_int, quantize, scale_exponent
 
 TILE = 128
 KINDS = ("tiles", "blocks")
-# Warps per program and 128 x 128 tiles per program (side by side along the columns).
-NUM_WARPS = 8
+# Warps per program by kind, and 128 x 128 tiles per program (side by side along the columns). Measured on one
+# H200 (benchmarks/fp8/pairs_sweep.py, fp8-pairs-h200.json): tiles at [65536, 7168] ran 0.71 ms with 4 warps
+# (81% of a bf16 elementwise pass's bandwidth), 0.82 with 8, 1.27 with 16; blocks ran within 3% of that pass with
+# 4, 8 or 16; 2 or 4 tiles per program were never faster.
+NUM_WARPS = {"tiles": 4, "blocks": 8}
 COLUMN_TILES = 1
 
 
@@ -45,12 +48,13 @@ def fits(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and shape[-1] % TILE == 0 and shape[-2] % TILE == 0 and all(shape)
 
 
-def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None, num_warps: int = NUM_WARPS,
+def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None, num_warps: int | None = None,
                   column_tiles: int = COLUMN_TILES) -> tuple[Quantized, Quantized]:
     """(x [..., R, C] quantized contraction-last over C, xᵀ [..., C, R] quantized contraction-last over R), e4m3,
     in one pass over x (module docstring). Off a GPU the same bits come from `quantize_pair_reference`, unless
-    `interpret` asks for the kernel in Pallas's interpreter (the tests). `num_warps` and `column_tiles` (128 x 128
-    tiles per program, side by side; 1 where C/128 is not a multiple) tune the kernel, not its result."""
+    `interpret` asks for the kernel in Pallas's interpreter (the tests). `num_warps` (default NUM_WARPS[kind]) and
+    `column_tiles` (128 x 128 tiles per program, side by side; 1 where C/128 is not a multiple) tune the kernel,
+    not its result."""
     if kind not in KINDS:
         raise ValueError(f"quantize_pair kind={kind!r}: choose from {KINDS}")
     if not fits(x.shape):
@@ -61,7 +65,7 @@ def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None, num
         interpret = False
     lead, (r, c) = x.shape[:-2], x.shape[-2:]
     x_BRC = x.reshape(-1, r, c)
-    rows, cols, scales, *scales_t = _launch(x_BRC, kind, interpret, num_warps, column_tiles)
+    rows, cols, scales, *scales_t = _launch(x_BRC, kind, interpret, num_warps or NUM_WARPS[kind], column_tiles)
     rows, cols = rows.reshape(*lead, r, c), cols.reshape(*lead, c, r)
     if kind == "blocks":
         scales = scales.reshape(*lead, r // TILE, c // TILE)
