@@ -46,7 +46,7 @@ def main() -> None:
     def grads(impl):
         def f(q, k, v):
             out, pullback = jax.vjp(lambda q, k, v: tokamax.dot_product_attention(
-                q, k, v, scale=scale, is_causal=True, implementation=impl), q, k, v)
+                q, k, v, scale=scale, is_causal=True, implementation=(impl,)), q, k, v)
             return out, *pullback(do)
         return jax.jit(f)
 
