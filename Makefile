@@ -58,7 +58,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
-  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-router bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-attention-vjp bench-router bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -151,13 +151,15 @@ bench-fp8-check: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8_dispatch_check.py --strategies allgather,ragged --out $(RESULTS)/fp8-check-$(GPU)x2.json
 
 # 1 GPU: FP8 training (train.fp8): the grouped GEMM's FP8 paths beside bf16 and dense, the time of each quantization
-# pass and kernel, the e4m3 kernels alone, and the proxy's step in bf16 and blockwise FP8 (one record each).
+# pass and kernel, the one-pass quantizer's settings, the e4m3 kernels alone, and the proxy's step in bf16 and each
+# FP8 recipe (one record each).
 bench-fp8: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
 	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES) --skews dirichlet \
 	  --backends dense,dense_fp8,dropless,fp8_rowwise,fp8_blockwise --out $(RESULTS)/fp8-gmm-$(GPU).json \
 	  --chart $(BENCH_SCRATCH)/fp8-gmm-$(GPU).png
 	$(BENCH_PYTHON) benchmarks/fp8/breakdown.py --out $(RESULTS)/fp8-breakdown-$(GPU).json
+	$(BENCH_PYTHON) benchmarks/fp8/pairs_sweep.py --out $(RESULTS)/fp8-pairs-$(GPU).json
 	$(DROPLESS) bench gmm --shapes '' --stages dsv3-e32 --stage-paths default,fp8_blockwise,fp8_rowwise --table \
 	  --out $(RESULTS)/fp8-stage-$(GPU).json
 	DROPLESS_COMMIT=$$(git rev-parse --short HEAD) $(BENCH_PYTHON) benchmarks/fp8/kernel_check.py > $(RESULTS)/fp8-kernels-$(GPU).jsonl
@@ -166,6 +168,11 @@ bench-fp8: $(BENCH_DEPS)
 	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
 	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-step-$(GPU).json \
 	  $(BENCH_SCRATCH)/fp8-step-off.json $(BENCH_SCRATCH)/fp8-step-blockwise.json $(BENCH_SCRATCH)/fp8-step-rowwise.json
+
+# 1 GPU: tokamax's flash attention at DeepSeek-V3's MLA shape, the backward under each configuration of tokamax's
+# autotuning space against its heuristic one.
+bench-attention-vjp: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/attention_vjp_configs.py --out $(RESULTS)/attention-vjp-$(GPU).json
 
 # 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at 2 x 4,096 tokens per step with one
 # variant of the router's settings (VARIANT=, default `defaults`; the others: router-std-unit, router-std-small,
