@@ -15,7 +15,8 @@ from dropless.bench import harness
 from dropless.core.config import load_preset
 from dropless.models.flops import model_flops_per_token
 from dropless.plan import Cluster, make_plan
-from dropless.plan.cost import ACTIVATION_PASSES, RECOMPUTED_PASSES, device_rates, load_rates, step_flops
+from dropless.plan.cost import (ACTIVATION_PASSES, RECOMPUTED_PASSES, device_rates, load_rates, step_flops,
+                                 step_time)
 from dropless.plan.layout import model_facts
 from dropless.plan.memory import blocks
 from tests.micro_config import micro_config
@@ -151,6 +152,33 @@ def test_compute_time_is_each_kinds_flops_at_its_own_rate():
                     + (f["grouped"] + f["recompute_grouped"]) / rates["gmm_tflops"]["many_experts"]
                     + (f["attention"] + f["recompute_attention"]) / rates["attention_tflops"]) / 1e12
         assert plan.time["terms_s"]["compute"] == pytest.approx(expected, rel=1e-9), remat
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v3_mtp"])
+def test_fp8_runs_every_matmul_but_the_output_head_at_its_recipes_speed_up(family):
+    """Under train.fp8 the grouped GEMMs and the dense matmuls run at the recipe's measured speed-up, the output
+    head (once per MTP module too) at bf16's rate; "off" and a table without the recipe are the bf16 plan."""
+    rates = device_rates(load_rates(), "H200")
+    speedup = rates["fp8_speedup"]["blockwise"]
+    assert speedup["grouped"] > 1 and speedup["dense"] > 1
+    for remat in REMAT:
+        config = FAMILIES[family](**{"train.remat": remat, "train.fp8": "blockwise"})
+        f = step_flops(config)
+        m = config.model
+        assert f["head"] == config.train.batch_size * config.train.seq_len * 6 * (1 + m.mtp_layers) \
+            * m.hidden_size * m.vocab_size
+        assert 0 < f["head"] < f["dense"]
+        plan = make_plan(config, Cluster(1, 1, "H200"))
+        expected = (f["head"] / rates["dense_tflops"]
+                    + (f["dense"] - f["head"] + f["recompute_dense"]) / (rates["dense_tflops"] * speedup["dense"])
+                    + (f["grouped"] + f["recompute_grouped"]) / (rates["gmm_tflops"]["few_experts"] * speedup["grouped"])
+                    + (f["attention"] + f["recompute_attention"]) / rates["attention_tflops"]) / 1e12
+        assert plan.time["terms_s"]["compute"] == pytest.approx(expected, rel=1e-9), remat
+        bf16 = make_plan(config.replace(**{"train.fp8": "off"}), Cluster(1, 1, "H200"))
+        assert bf16.time["terms_s"]["compute"] > plan.time["terms_s"]["compute"]
+        without = {k: v for k, v in rates.items() if k != "fp8_speedup"}
+        assert step_time(config, plan.mesh, Cluster(1, 1, "H200"), plan.memory, without)["terms_s"]["compute"] \
+            == pytest.approx(bf16.time["terms_s"]["compute"], rel=1e-9)
 
 
 def test_remat_moves_activation_traffic_into_the_recomputation():

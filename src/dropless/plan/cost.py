@@ -14,7 +14,8 @@ each with its source. The step's time is
   + a fixed per-step overhead.
 
 FLOPs are `dropless.models.flops`'s model FLOPs (forward + backward) plus the recomputation remat adds, each kind
-at its own rate (`step_flops`).
+at its own rate (`step_flops`); under `train.fp8` the grouped GEMMs and every dense matmul but the output head at
+the recipe's measured speed-up over bf16 (`fp8_speedup`, quantization included).
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ def step_flops(config: Config) -> dict[str, float]:
         recomputed = layer_weights if train.remat == "full" else moe_weights
         again = {"dense": 2 * recomputed, "grouped": routed / 3,
                  "attention": attention / 3 if train.remat == "full" else 0.0}
-    return {"dense": tokens * dense, "grouped": tokens * routed, "attention": tokens * attention,
+    return {"dense": tokens * dense, "head": tokens * 6 * (1 + m.mtp_layers) * head,
+            "grouped": tokens * routed, "attention": tokens * attention,
             "recompute": tokens * sum(again.values()),
             **{f"recompute_{kind}": tokens * value for kind, value in again.items()},
             "model": tokens * (6 * matmul + attention)}
@@ -202,12 +204,13 @@ def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: M
     train = config.train
     devices = cluster.devices
     f = step_flops(config)
-    fp8 = train.fp8 != "off"
+    # FP8 recipes run every matmul but the output head (and the router) at their measured speed-up over bf16.
+    fp8 = rates.get("fp8_speedup", {}).get(train.fp8, {}) if train.fp8 != "off" else {}
     local_experts = config.moe.num_experts // sizes["expert"]
-    gmm_rate = rates["gmm_tflops"]["many_experts" if local_experts > 64 else "few_experts"]
-    if fp8:
-        gmm_rate *= rates["gmm_tflops"].get("fp8_factor", 1.0)
-    compute = ((f["dense"] + f["recompute_dense"]) / (rates["dense_tflops"] * 1e12)
+    gmm_rate = rates["gmm_tflops"]["many_experts" if local_experts > 64 else "few_experts"] * fp8.get("grouped", 1.0)
+    dense_rate = rates["dense_tflops"]
+    compute = (f["head"] / (dense_rate * 1e12)
+               + (f["dense"] - f["head"] + f["recompute_dense"]) / (dense_rate * fp8.get("dense", 1.0) * 1e12)
                + (f["grouped"] + f["recompute_grouped"]) / (gmm_rate * 1e12)
                + (f["attention"] + f["recompute_attention"]) / (rates["attention_tflops"] * 1e12)) / devices
     hbm = rates["hbm_gbps"] * 1e9
