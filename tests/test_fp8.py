@@ -20,6 +20,7 @@ from dropless.fp8 import Fp8Gmm, Recipe, experts_gmm, fp8_matmul, make_recipe
 from dropless.fp8.grouped import Fp8Products, aligned_sources
 from dropless.gmm import XlaGmm
 from dropless.gmm.xla import XlaContract
+from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import E4M3_MAX, FP8, dequantize, power_of_two_scale, quantize
 from tests import fp8_reference as ref
 
@@ -315,6 +316,84 @@ def test_aligned_rows_need_no_gather_of_activations(mode):
     columns."""
     assert "bf16" not in _gathered_operand_types(128, mode)
     assert "bf16" in _gathered_operand_types(1, mode)
+
+
+@pytest.fixture
+def pair_kernel(monkeypatch):
+    """quantize_pair's kernel itself (in Pallas's interpreter) wherever the one-pass path runs; the calls made."""
+    calls, original = [], fp8_pairs.quantize_pair
+
+    def kernel(x, kind, **_):
+        calls.append((kind, x.shape))
+        return original(x, kind, interpret=True)
+
+    monkeypatch.setattr(fp8_pairs, "quantize_pair", kernel)
+    return calls
+
+
+def _products(f, x, w, gs, dy):
+    """(y, dx, dw) of f in a program of its own (not fwd_bwd's shared cache, traced before the kernel was
+    patched in)."""
+    def run(x, w, gs, dy):
+        y, pullback = jax.vjp(lambda x, w: f(x, w, gs), x, w)
+        return y, *pullback(dy)
+    return jax.jit(run)(*(None if a is None else jnp.asarray(a) for a in (x, w, gs, dy)))
+
+
+def test_one_pass_pairs_give_the_two_pass_products_bit_for_bit(pair_kernel):
+    """Blockwise and native, each operand's two layouts come from the one-pass kernel: the dense product (whole
+    128-token tiles; 200 tokens go the two-pass way), and the grouped one on expert-aligned rows whose rows past
+    the groups hold NaN and inf, give exactly the two-pass products. At k = n = 128 the e4m3 GEMM kernels do not
+    run (their tile is 256 wide), so the products are the dequantized ones and no Mosaic interpreter is needed."""
+    one_pass = Recipe("blockwise", native=True)
+    two_pass = dataclasses.replace(one_pass, fuse_pairs=False)
+    rng = np.random.default_rng(3)
+    for t, tiles in ((256, 2), (200, 0)):
+        x = jnp.asarray(wide_range(rng, (t, 128)), jnp.bfloat16)
+        w = rng.normal(size=(128, 128)).astype(np.float32) * 0.05
+        dy = jnp.asarray(rng.normal(size=(t, 128)), jnp.bfloat16)
+        pair_kernel.clear()
+        got = _products(Dense(one_pass), x, w, None, dy)
+        assert [kind for kind, _ in pair_kernel].count("tiles") == tiles and ("blocks", (128, 128)) in pair_kernel
+        want = _products(Dense(two_pass), x, w, None, dy)
+        for g, v in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(v, np.float32))
+    sizes = [100, 0, 200]
+    x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in _grouped_case(sizes, 300, k=128, n=128)[::3])
+    w = _grouped_case(sizes, 300, k=128, n=128)[1]
+    (x, gs), (dy, _) = _aligned(x, sizes, np.nan), _aligned(dy, sizes, np.inf)
+    pair_kernel.clear()
+    got = _products(Grouped(Fp8Gmm(Fp8Products(one_pass, XlaGmm(), XlaContract()), row_align=128)), x, w, gs, dy)
+    assert sorted(kind for kind, _ in pair_kernel) == ["blocks", "tiles", "tiles"]
+    want = _products(Grouped(Fp8Gmm(Fp8Products(two_pass, XlaGmm(), XlaContract()), row_align=128)), x, w, gs, dy)
+    real = int(gs.sum())
+    for g, v in ((got[0][:real], want[0][:real]), (got[1][:real], want[1][:real]), (got[2], want[2])):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+    assert np.isfinite(np.asarray(got[2])).all()
+
+
+def test_one_pass_pairs_lower_for_cuda_under_expert_parallelism(monkeypatch):
+    """Inside shard_map (expert parallelism's local stage) the kernel's outputs vary like its input, so the FP8
+    grouped GEMM's forward and backward lower for CUDA with the one-pass kernel on a mesh of two GPUs."""
+    from jax.sharding import PartitionSpec as P
+
+    original = fp8_pairs.quantize_pair
+    monkeypatch.setattr(fp8_pairs, "quantize_pair", lambda x, kind, **_: original(x, kind, interpret=False))
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((2,), ("expert",), abstract_device=device)
+    gmm = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), XlaGmm(), XlaContract()), row_align=128)
+
+    def step(x, w, gs, dy):
+        y, pullback = jax.vjp(lambda x, w: gmm(x, w, gs), x, w)
+        return y, *pullback(dy)
+
+    spec = P("expert")
+    S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=jax.NamedSharding(mesh, spec))
+    with jax.sharding.use_abstract_mesh(mesh):
+        f = jax.shard_map(step, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3)
+        text = jax.jit(f).trace(S((2048, 512), jnp.bfloat16), S((4, 512, 512), jnp.bfloat16), S((4,), jnp.int32),
+                                S((2048, 512), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("dropless_quantize_pair_tiles") >= 2 and "dropless_quantize_pair_blocks" in text
 
 
 def test_recipes_config_and_backend_choice():

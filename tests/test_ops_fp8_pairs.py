@@ -3,12 +3,15 @@ bits of the quantizer applied to x and to xᵀ (`quantize_pair_reference`), whic
 (tests/fp8_reference.py), for wide-ranging values, all-zero tiles, e4m3's range limits and non-finite values; the
 kernel lowers for CUDA on the CPU."""
 
+import math
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.ops.fp8 import E4M3_MAX, FP8
+from dropless.ops.fp8 import E4M3_MAX, FP8, power_of_two_scale, scale_exponent
 from dropless.ops.fp8_pairs import fits, quantize_pair, quantize_pair_reference
 from tests import fp8_reference as ref
 
@@ -17,16 +20,17 @@ pair_reference = jax.jit(quantize_pair_reference, static_argnums=1)
 
 
 def operand(shape, seed=0, dtype=jnp.bfloat16):
-    """Values spanning 2^-20 .. 2^20 across rows, with an all-zero tile, one at e4m3's maximum, one of float32's
-    largest values and one whose scale is the floor, 2^-126 (normal magnitudes: XLA flushes subnormal inputs to
-    zero)."""
+    """Values spanning 2^-20 .. 2^20 across rows, with an all-zero tile, one at e4m3's maximum, one next to
+    bfloat16's largest value (scale 2^120) and one whose scale is the 2^-126 floor (normal magnitudes near 1e-37:
+    XLA flushes subnormal inputs to zero)."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=shape) * 2.0 ** rng.integers(-20, 20, size=shape[:-1] + (1,))
+    tile = x[..., :128, :128].shape
+    sign = lambda: np.where(rng.random(tile) < 0.5, -1.0, 1.0)
     x[..., :128, :128] = 0.0
-    x[..., 128:256, :128] = E4M3_MAX * np.sign(x[..., 128:256, :128])
-    x[..., :128, 128:256] = rng.normal(size=x[..., :128, 128:256].shape) * 1e36
-    tiny = rng.normal(size=x[..., 128:256, 128:256].shape)
-    x[..., 128:256, 128:256] = np.sign(tiny) * (1 + np.abs(tiny)) * 1e-36
+    x[..., 128:256, :128] = E4M3_MAX * sign()
+    x[..., :128, 128:256] = sign() * rng.uniform(0.5, 1.0, tile) * float(jnp.finfo(jnp.bfloat16).max)
+    x[..., 128:256, 128:256] = sign() * (1 + np.abs(rng.normal(size=tile))) * 1e-37
     return jnp.asarray(x, dtype)
 
 
@@ -56,21 +60,53 @@ def test_kernel_gives_the_quantizers_bits_on_both_layouts(kind, shape):
 
 
 @pytest.mark.parametrize("kind", ["tiles", "blocks"])
-def test_non_finite_values_reach_both_layouts(kind):
-    """An inf makes its tile's scale NaN and so every value of the tile NaN (never 448); a NaN stays NaN."""
+def test_non_finite_values_make_their_tiles_nan(kind):
+    """An inf or a NaN makes its tile's scale NaN in each layout, and so every value of the tile NaN (never 448,
+    never a finite scale that a maximum skipping NaN would give)."""
     x = np.array(operand((256, 256), seed=1, dtype=jnp.float32))
     x[3, 5], x[200, 130] = np.inf, np.nan
     got = pair_kernel(jnp.asarray(x), kind)
     assert_same_bits(got, pair_reference(jnp.asarray(x), kind))
-    rows, cols = (np.asarray(q.values.astype(jnp.float32)) for q in got)
-    assert np.isnan(rows[200, 130]) and np.isnan(cols[130, 200])
-    if kind == "tiles":  # row 3's first tile and column 5's first tile
-        assert np.isnan(got[0].scales[3, 0]) and np.isnan(got[1].scales[5, 0])
-        assert np.all(np.isnan(rows[3, :128])) and np.all(np.isnan(cols[5, :128]))
-        assert np.isfinite(got[0].scales[4, 0]) and not np.isnan(rows[4, :128]).any()
+    (rows, rows_scales), (cols, cols_scales) = ((np.asarray(q.values.astype(jnp.float32)), np.asarray(q.scales))
+                                                for q in got)
+    if kind == "tiles":  # row 3 / column 5 in the first tile of their line, row 200 / column 130 in the second
+        assert np.isnan(rows_scales[3, 0]) and np.isnan(rows_scales[200, 1])
+        assert np.isnan(cols_scales[5, 0]) and np.isnan(cols_scales[130, 1])
+        assert np.all(np.isnan(rows[3, :128])) and np.all(np.isnan(rows[200, 128:]))
+        assert np.all(np.isnan(cols[5, :128])) and np.all(np.isnan(cols[130, 128:]))
+        assert np.isnan(rows_scales).sum() == 2 and np.isnan(cols_scales).sum() == 2
+        assert np.isnan(rows).sum() == 256 and np.isnan(cols).sum() == 256
     else:
-        assert np.isnan(got[0].scales[0, 0]) and np.all(np.isnan(rows[:128, :128]))
-        assert not np.isnan(rows[128:, :128]).any()
+        np.testing.assert_array_equal(np.isnan(rows_scales), [[True, False], [False, True]])
+        assert np.all(np.isnan(rows[:128, :128])) and np.all(np.isnan(rows[128:, 128:]))
+        assert not np.isnan(rows[128:, :128]).any() and not np.isnan(cols[:128, 128:]).any()
+
+
+def test_scale_exponent_is_exact_for_every_float32():
+    """The scale read off amax's bits against exact rational arithmetic: the smallest e with amax / 2^e <= 448,
+    at least -126, for random normal float32 bit patterns and the edges. A subnormal amax gives the floor, or 0
+    where XLA flushes it to zero (the CPU): its block quantizes to zeros either way."""
+    rng = np.random.default_rng(0)
+    edges = np.array([np.finfo(np.float32).tiny, np.finfo(np.float32).smallest_subnormal, 448 * 2.0 ** -127,
+                      448 * 2.0 ** -126, np.nextafter(np.float32(448 * 2.0 ** -126), np.float32(1)),
+                      np.finfo(np.float32).max, 448.0, np.nextafter(np.float32(448), np.float32(1e3)), 224.0,
+                      1.0, 2.0 ** -20, 448 * 2.0 ** 100, np.nextafter(np.float32(448 * 2.0 ** 100), np.float32(np.inf)),
+                      2.0 ** 127, 3 * 2.0 ** 126], np.float32)
+    amax = np.concatenate([edges, rng.integers(0x00800000, 0x7F800000, size=20000, dtype=np.int64)
+                           .astype(np.uint32).view(np.float32)])
+    got = np.asarray(jax.jit(scale_exponent)(jnp.asarray(amax)))
+    for a, e in zip(amax.tolist(), got.tolist()):
+        if a < np.finfo(np.float32).tiny:
+            assert e in (0, -126), (a, e)
+            continue
+        exact = Fraction(a)
+        want = math.floor(math.log2(a)) - 12
+        while exact / Fraction(2) ** want > 448:
+            want += 1
+        assert e == max(want, -126), (a, e, want)
+    assert got.max() == 120
+    scales = np.asarray(power_of_two_scale(jnp.asarray([0.0, np.inf, np.nan, 448.0], jnp.float32)))
+    assert scales[0] == 1 and np.isnan(scales[1]) and np.isnan(scales[2]) and scales[3] == 1
 
 
 def test_kernel_lowers_for_cuda_on_the_cpu():

@@ -171,7 +171,8 @@ def test_fp8_runs_every_matmul_but_the_output_head_at_its_recipes_speed_up(famil
         plan = make_plan(config, Cluster(1, 1, "H200"))
         expected = (f["head"] / rates["dense_tflops"]
                     + (f["dense"] - f["head"] + f["recompute_dense"]) / (rates["dense_tflops"] * speedup["dense"])
-                    + (f["grouped"] + f["recompute_grouped"]) / (rates["gmm_tflops"]["few_experts"] * speedup["grouped"])
+                    + (f["grouped"] + f["recompute_grouped"])
+                    / (rates["gmm_tflops"]["few_experts"] * speedup["grouped"])
                     + (f["attention"] + f["recompute_attention"]) / rates["attention_tflops"]) / 1e12
         assert plan.time["terms_s"]["compute"] == pytest.approx(expected, rel=1e-9), remat
         bf16 = make_plan(config.replace(**{"train.fp8": "off"}), Cluster(1, 1, "H200"))

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.bench.harness import time_calls
+from dropless.bench.harness import same_bits, time_calls
 from dropless.bench.records import environment, write_json
 from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
 from dropless.fp8.grouped import ALIGN, Fp8Products, aligned_sources, aligned_transposed, transposed
@@ -49,11 +49,8 @@ def check_pairs(x, w, records) -> None:
     """The one-pass kernel's bits against the quantizer's on this GPU (finite operands), one record."""
     rec = {"piece": "quantize_pair bits equal quantize's (x tiles, W blocks)"}
     for name, a, kind in (("x", x, "tiles"), ("w", w, "blocks")):
-        got = jax.jit(lambda a: fp8_pairs.quantize_pair(a, kind))(a)
-        want = jax.jit(lambda a: fp8_pairs.quantize_pair_reference(a, kind))(a)
-        rec[name] = all(bool(jnp.array_equal(g.view(jnp.uint8) if g.dtype.itemsize == 1 else g, v.view(jnp.uint8)
-                                             if v.dtype.itemsize == 1 else v))
-                        for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+        rec[name] = same_bits(jax.jit(lambda a: fp8_pairs.quantize_pair(a, kind))(a),
+                              jax.jit(lambda a: fp8_pairs.quantize_pair_reference(a, kind))(a))
     print(json.dumps(rec), flush=True)
     records.append(rec)
 
@@ -111,7 +108,7 @@ def main() -> None:
     for mode in a.modes.split(","):
         r = Recipe(mode, native=True)
         emit(f"{mode} quantize x [M,K]", lambda x: quantize(x, r.operand(2)), x)
-        if r.fused_pairs:  # the one-pass quantizer of both layouts against the quantizer run once per layout
+        if r.one_pass_pairs:  # the one-pass quantizer of both layouts against the quantizer run once per layout
             check_pairs(x, w, records)
             two_pass = dataclasses.replace(r, fuse_pairs=False)
             emit(f"{mode} weight copies (W^T and W), two passes", lambda w: weight_copies(w, two_pass), w)
@@ -141,7 +138,8 @@ def main() -> None:
              sizes, x, w, dy, gemm_flops=3 * flops)
         fp8_al = Fp8Gmm(Fp8Products(r, bf16, TunedContract()), row_align=ALIGN)
         emit(f"{mode} x^T copy (aligned rows)", lambda gs, x: transposed(x, gs, r), sizes_al, x_al)
-        emit(f"{mode} Fp8Gmm fwd (aligned rows)", lambda gs, x, w: fp8_al(x, w, gs), sizes_al, x_al, w, gemm_flops=flops)
+        emit(f"{mode} Fp8Gmm fwd (aligned rows)", lambda gs, x, w: fp8_al(x, w, gs), sizes_al, x_al, w,
+             gemm_flops=flops)
         emit(f"{mode} Fp8Gmm fwd+bwd (aligned rows)",
              lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8_al(x, w, gs), x, w, dy), sizes_al, x_al, w, dy_al,
              gemm_flops=3 * flops)

@@ -21,9 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe, weight_copies
+from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe, one_pass_pair, weight_copies
 from dropless.gmm import fp8_mosaic
-from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import Quantized, dequantize, quantize
 from dropless.ops.matmul import matmul_f32_out
 
@@ -65,12 +64,11 @@ def _mxfp8_matmul(x_TK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:
 
 def _rows_and_transposed(a_TX: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
     """(a [T, X] per recipe.operand for a rows product, aᵀ [X, T'] contraction-last for the weight gradient, T' = T
-    rounded up to whole 128-token tiles of zeros); from one pass over a where the recipe fuses them."""
+    rounded up to whole 128-token tiles of zeros); from one pass over a where the recipe fuses them and T is whole
+    tiles already (padding first would cost the pass the fusion saves)."""
+    if pair := one_pass_pair(a_TX, recipe):
+        return pair
     padded_TX = jnp.pad(a_TX, ((0, -a_TX.shape[0] % BLOCK), (0, 0)))
-    if recipe.fused_pairs and fp8_pairs.fits(padded_TX.shape):
-        rows, transposed = fp8_pairs.quantize_pair(padded_TX, "tiles")
-        t = a_TX.shape[0]
-        return Quantized(rows.values[:t], rows.scales[:t]), transposed
     return quantize(a_TX, recipe.operand(2)), quantize(padded_TX.T, recipe.operand(2))
 
 

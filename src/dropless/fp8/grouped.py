@@ -31,13 +31,12 @@ import jax
 import jax.numpy as jnp
 
 from dropless.core.varying import sum_like, varying_like
-from dropless.fp8.recipe import Recipe, weight_copies
+from dropless.fp8.recipe import Recipe, one_pass_pair, weight_copies
 from dropless.gmm import fp8_mosaic, make_gmm
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
 from dropless.gmm.api import GroupedMatmul, aligned_rows, zero_padding_rows
 from dropless.gmm.vjp import ContractProduct
 from dropless.gmm.xla import XlaContract
-from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import Quantized, block_amax, dequantize, power_of_two_scale, quantize, quantize_with_scales
 
 ALIGN = fp8_mosaic.SCALE_BLOCK  # 128: the weight gradient's token tiles, each inside one expert
@@ -161,8 +160,8 @@ def _rows_and_copy(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe, al
     """(a [M, X] quantized per recipe.operand for a rows product, its expert-aligned transposed copy aᵀ for the
     weight gradient): from one pass over a where the recipe fuses them (expert-aligned rows, blockwise: the copy's
     128-token tiles are the 128-row tiles of a)."""
-    if aligned and recipe.fused_pairs and fp8_pairs.fits(a_MX.shape):
-        return fp8_pairs.quantize_pair(a_MX, "tiles")
+    if aligned and (pair := one_pass_pair(a_MX, recipe)):
+        return pair
     copy = transposed if aligned else aligned_transposed
     return quantize(a_MX, recipe.operand(2)), copy(a_MX, group_sizes_G, recipe)
 

@@ -22,10 +22,10 @@ hardware format, run here as its exact arithmetic. Every scale is a power of two
 
 `native`: run e4m3 GEMMs (our Mosaic GPU kernels for the grouped products and for blockwise dense ones; XLA's
 cuBLASLt call for rowwise dense ones), and under blockwise quantize each operand's two layouts in one pass
-(`dropless.ops.fp8_pairs`: the same bits as two calls of the quantizer). Otherwise, and for a shape the kernels do not take, each product
-dequantizes its operands exactly to bf16 and multiplies them with float32 accumulation: the same products and
-the same result to float32 rounding, at bf16 speed. So the recipe's numerics are the same on every backend and
-the CPU tests check them.
+(`dropless.ops.fp8_pairs`: the bits of the quantizer run once per layout). Otherwise, and for a shape the
+kernels do not take, each product dequantizes its operands exactly to bf16 and multiplies them with float32
+accumulation: the same products and the same result to float32 rounding, at bf16 speed. So the recipe's numerics
+are the same on every backend and the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Recipe:
         return self.operand(ndim)
 
     @property
-    def fused_pairs(self) -> bool:
+    def one_pass_pairs(self) -> bool:
         """Whether each operand's two layouts come from one pass (`dropless.ops.fp8_pairs`): blockwise, native."""
         return self.native and self.mode == "blockwise" and self.fuse_pairs
 
@@ -86,13 +86,21 @@ def weight_copies(w: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
     """(Wᵀ [..., N, K] for the forward, W [..., K, N] for the input gradient), each contraction-last, for a weight
     [K, N] or stacked [G, K, N]. Under blockwise one set of 128 x 128 block scales serves both copies."""
     swap = lambda a: jnp.swapaxes(a, -1, -2)
-    if recipe.fused_pairs and fp8_pairs.fits(w.shape):
+    if recipe.one_pass_pairs and fp8_pairs.fits(w.shape):
         w_q, wT_q = fp8_pairs.quantize_pair(w, "blocks")
         return wT_q, w_q
     if recipe.mode == "blockwise":
         q = quantize(w, recipe.weight(w.ndim))
         return Quantized(swap(q.values), swap(q.scales)), q
     return quantize(swap(w), recipe.weight(w.ndim)), quantize(w, recipe.weight(w.ndim))
+
+
+def one_pass_pair(a: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized] | None:
+    """(a [..., R, X] per 1 x 128 tile, aᵀ [..., X, R] per 1 x 128 tile along R) from one pass over a, where the
+    recipe quantizes pairs in one pass and a's rows and columns are whole tiles; None otherwise."""
+    if recipe.one_pass_pairs and fp8_pairs.fits(a.shape):
+        return fp8_pairs.quantize_pair(a, "tiles")
+    return None
 
 
 def make_recipe(mode: str, *, native: bool | None = None) -> Recipe | None:

@@ -11,9 +11,10 @@ both axes in registers, and writes both e4m3 layouts and their scales:
                  per 1 x 128 tile of the rows (DeepSeek-V3's 128-token tiles of the weight gradient)
   kind="blocks"  weights, blockwise: one scale per 128 x 128 block, shared by both layouts
 
-The results are bit for bit those of `dropless.ops.fp8.quantize` on x and on its transpose (the same scale
-exponents, read off the maxima's bits; the values multiplied by the exact inverse of a power of two; one rounding
-to e4m3), which `quantize_pair_reference` computes and the tests compare against in Pallas's interpreter.
+The results are bit for bit those of `dropless.ops.fp8.quantize` on x and on its transpose (the same magnitudes,
+NaN counted as inf; the same scale exponents, read off the maxima's bits; the values multiplied by the exact
+inverse of a power of two; one rounding to e4m3), which `quantize_pair_reference` computes and the tests compare
+against in Pallas's interpreter.
 
 The kernel is written for Pallas's Triton backend (which JAX marks deprecated in favour of Mosaic GPU, where the
 project's GEMM kernels live): a reduction, a register transpose and an 8-bit store per tile are what Triton
@@ -31,16 +32,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dropless.ops.fp8 import FP8, Quantized, exp2_int, quantize, scale_exponent
+from dropless.ops.fp8 import FP8, Quantized, magnitude, quantize, scale_and_inverse
 
 TILE = 128
 KINDS = ("tiles", "blocks")
-# Warps per program by kind, and 128 x 128 tiles per program (side by side along the columns). Measured on one
-# H200 (benchmarks/fp8/pairs_sweep.py, fp8-pairs-h200.json): tiles at [65536, 7168] ran 0.71 ms with 4 warps
-# (81% of a bf16 elementwise pass's bandwidth), 0.82 with 8, 1.27 with 16; blocks ran within 3% of that pass with
-# 4, 8 or 16; 2 or 4 tiles per program were never faster.
+# Warps per program (one 128 x 128 tile each), by kind. Measured on one H200 (benchmarks/fp8/pairs_sweep.py,
+# fp8-pairs-h200.json): tiles at [65536, 7168] ran 0.71 ms with 4 warps (81% of a bf16 elementwise pass's
+# bandwidth), 0.82 with 8, 1.27 with 16; blocks ran within 3% of that pass with 4, 8 or 16.
 NUM_WARPS = {"tiles": 4, "blocks": 8}
-COLUMN_TILES = 1
 
 
 def fits(shape: tuple[int, ...]) -> bool:
@@ -48,13 +47,12 @@ def fits(shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and shape[-1] % TILE == 0 and shape[-2] % TILE == 0 and all(shape)
 
 
-def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None, num_warps: int | None = None,
-                  column_tiles: int = COLUMN_TILES) -> tuple[Quantized, Quantized]:
+def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None,
+                  num_warps: int | None = None) -> tuple[Quantized, Quantized]:
     """(x [..., R, C] quantized contraction-last over C, xᵀ [..., C, R] quantized contraction-last over R), e4m3,
     in one pass over x (module docstring). Off a GPU the same bits come from `quantize_pair_reference`, unless
-    `interpret` asks for the kernel in Pallas's interpreter (the tests). `num_warps` (default NUM_WARPS[kind]) and
-    `column_tiles` (128 x 128 tiles per program, side by side; 1 where C/128 is not a multiple) tune the kernel,
-    not its result."""
+    `interpret` asks for the kernel in Pallas's interpreter (the tests). `num_warps` (default NUM_WARPS[kind])
+    tunes the kernel, not its result."""
     if kind not in KINDS:
         raise ValueError(f"quantize_pair kind={kind!r}: choose from {KINDS}")
     if not fits(x.shape):
@@ -65,7 +63,7 @@ def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None, num
         interpret = False
     lead, (r, c) = x.shape[:-2], x.shape[-2:]
     x_BRC = x.reshape(-1, r, c)
-    rows, cols, scales, *scales_t = _launch(x_BRC, kind, interpret, num_warps or NUM_WARPS[kind], column_tiles)
+    rows, cols, scales, *scales_t = _launch(x_BRC, kind, interpret, num_warps or NUM_WARPS[kind])
     rows, cols = rows.reshape(*lead, r, c), cols.reshape(*lead, c, r)
     if kind == "blocks":
         scales = scales.reshape(*lead, r // TILE, c // TILE)
@@ -87,61 +85,49 @@ def quantize_pair_reference(x: jax.Array, kind: str) -> tuple[Quantized, Quantiz
     return quantize(x, (*lead, 1, TILE)), quantize(jnp.swapaxes(x, -1, -2), (*lead, 1, TILE))
 
 
-def _scale_and_inverse(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(2^e, 2^-e) of `scale_exponent`, both NaN where amax is not finite (ops.fp8.power_of_two_scale's rule: the
-    block's values become NaN rather than saturating)."""
-    exponent = scale_exponent(amax)
-    finite = amax < jnp.inf  # False for inf and NaN
-    return (jnp.where(finite, exp2_int(exponent), jnp.nan), jnp.where(finite, exp2_int(-exponent), jnp.nan))
+def _tiles_kernel(x_ref, rows_ref, cols_ref, scales_ref, scales_t_ref):
+    """One 128 x 128 tile: per-row scales (over its 128 columns) for the rows, per-column ones (over its 128 rows)
+    for the transpose."""
+    x = x_ref[...].astype(jnp.float32)
+    size = magnitude(x)
+    row_scale, row_inverse = scale_and_inverse(jnp.max(size, axis=1))
+    col_scale, col_inverse = scale_and_inverse(jnp.max(size, axis=0))
+    rows_ref[...] = (x * row_inverse[:, None]).astype(FP8)
+    cols_ref[...] = (x * col_inverse[None, :]).T.astype(FP8)
+    scales_ref[...] = row_scale[None, :]
+    scales_t_ref[...] = col_scale[None, :]
 
 
-def _tiles_kernel(x_ref, rows_ref, cols_ref, scales_ref, scales_t_ref, *, column_tiles: int):
-    """`column_tiles` 128 x 128 tiles side by side: per-row scales (over a tile's 128 columns) for the rows,
-    per-column ones (over its 128 rows) for the transpose."""
-    for t in range(column_tiles):
-        columns = pl.ds(t * TILE, TILE)
-        x = x_ref[:, columns].astype(jnp.float32)
-        magnitude = jnp.abs(x)
-        row_scale, row_inverse = _scale_and_inverse(jnp.max(magnitude, axis=1))
-        col_scale, col_inverse = _scale_and_inverse(jnp.max(magnitude, axis=0))
-        rows_ref[:, columns] = (x * row_inverse[:, None]).astype(FP8)
-        cols_ref[columns, :] = (x * col_inverse[None, :]).T.astype(FP8)
-        scales_ref[pl.ds(t, 1), :] = row_scale[None, :]
-        scales_t_ref[:, columns] = col_scale[None, :]
+def _blocks_kernel(x_ref, rows_ref, cols_ref, scales_ref):
+    """One 128 x 128 block: one scale, both layouts."""
+    x = x_ref[...].astype(jnp.float32)
+    # One axis at a time: Pallas Triton's reduction over both axes at once fails to lower under an explicit mesh.
+    scale, inverse = scale_and_inverse(jnp.max(jnp.max(magnitude(x), axis=1), axis=0))
+    y = x * inverse
+    rows_ref[...] = y.astype(FP8)
+    cols_ref[...] = y.T.astype(FP8)
+    scales_ref[...] = jnp.full((1, 1), scale, jnp.float32)
 
 
-def _blocks_kernel(x_ref, rows_ref, cols_ref, scales_ref, *, column_tiles: int):
-    """`column_tiles` 128 x 128 blocks side by side: one scale each, both layouts."""
-    for t in range(column_tiles):
-        columns = pl.ds(t * TILE, TILE)
-        x = x_ref[:, columns].astype(jnp.float32)
-        scale, inverse = _scale_and_inverse(jnp.max(jnp.abs(x)))
-        y = x * inverse
-        rows_ref[:, columns] = y.astype(FP8)
-        cols_ref[columns, :] = y.T.astype(FP8)
-        scales_ref[:, pl.ds(t, 1)] = jnp.full((1, 1), scale, jnp.float32)
-
-
-def _launch(x_BRC: jax.Array, kind: str, interpret: bool, num_warps: int, column_tiles: int):
+def _launch(x_BRC: jax.Array, kind: str, interpret: bool, num_warps: int):
     b, r, c = x_BRC.shape
     rb, cb = r // TILE, c // TILE
-    n = column_tiles if cb % column_tiles == 0 else 1  # tiles per program along the columns
-    wide = n * TILE
-    values = [pl.BlockSpec((None, TILE, wide), lambda g, i, j: (g, i, j)),
-              pl.BlockSpec((None, wide, TILE), lambda g, i, j: (g, j, i))]
-    values_shape = [jax.ShapeDtypeStruct((b, r, c), FP8), jax.ShapeDtypeStruct((b, c, r), FP8)]
+    tile = lambda index: pl.BlockSpec((None, TILE, TILE), index)
+    # Inside shard_map the outputs vary over the mesh axes x does (check_vma needs the type stated).
+    out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=jax.typeof(x_BRC).mat)
+    values = [tile(lambda g, i, j: (g, i, j)), tile(lambda g, i, j: (g, j, i))]
+    values_shape = [out((b, r, c), FP8), out((b, c, r), FP8)]
     if kind == "tiles":
         kernel = _tiles_kernel
-        scales = [pl.BlockSpec((None, n, TILE), lambda g, i, j: (g, j, i)),
-                  pl.BlockSpec((None, 1, wide), lambda g, i, j: (g, i, j))]
-        scales_shape = [jax.ShapeDtypeStruct((b, cb, r), jnp.float32), jax.ShapeDtypeStruct((b, rb, c), jnp.float32)]
+        scales = [pl.BlockSpec((None, 1, TILE), lambda g, i, j: (g, j, i)),
+                  pl.BlockSpec((None, 1, TILE), lambda g, i, j: (g, i, j))]
+        scales_shape = [out((b, cb, r), jnp.float32), out((b, rb, c), jnp.float32)]
     else:
         kernel = _blocks_kernel
-        scales = [pl.BlockSpec((None, 1, n), lambda g, i, j: (g, i, j))]
-        scales_shape = [jax.ShapeDtypeStruct((b, rb, cb), jnp.float32)]
+        scales = [pl.BlockSpec((None, 1, 1), lambda g, i, j: (g, i, j))]
+        scales_shape = [out((b, rb, cb), jnp.float32)]
     call = pl.pallas_call(
-        functools.partial(kernel, column_tiles=n), grid=(b, rb, cb // n),
-        in_specs=[pl.BlockSpec((None, TILE, wide), lambda g, i, j: (g, i, j))], out_specs=values + scales,
+        kernel, grid=(b, rb, cb), in_specs=[tile(lambda g, i, j: (g, i, j))], out_specs=values + scales,
         out_shape=values_shape + scales_shape, interpret=interpret, name=f"dropless_quantize_pair_{kind}",
         compiler_params=None if interpret else _triton_params(num_warps))
     return call(x_BRC)
