@@ -5,15 +5,27 @@ collection order (`--no-loadscope-reorder`). Started last, a file of several min
 the others have run out of work; started first, it runs beside the many short files, and the workers end
 together. LONGEST_FIRST lists the files of a minute or more, longest first (measured on 2 CPU cores with
 --durations); every other file keeps its place after them.
+
+Python's cyclic garbage collector runs rarely in the workers (`pytest_configure`): tracing and lowering allocate
+objects by the million, and each full collection walks the whole heap of JAX's caches and compiled programs.
 """
 
 from __future__ import annotations
+
+import gc
 
 LONGEST_FIRST = (
     "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_fp8.py", "test_gmm_tuning.py",
     "test_models_transformer.py", "test_bench_step.py", "test_cli.py", "test_train.py", "test_bench_ep.py",
     "test_train_checkpoint.py", "test_bench_scale.py", "test_models_mtp.py",
 )
+
+
+def pytest_configure(config) -> None:
+    # Python's defaults (700, 10, 10) collect the youngest generation every 700 allocations and walk the whole
+    # heap every 100 such collections; here the youngest every 50,000 and the whole heap hardly ever. Cycles that
+    # die young are still freed.
+    gc.set_threshold(50_000, 50, 1_000)
 
 
 def pytest_collection_modifyitems(items) -> None:
