@@ -8,11 +8,18 @@ together. LONGEST_FIRST lists the files of a minute or more, longest first (meas
 
 Python's cyclic garbage collector runs rarely in the workers (`pytest_configure`): tracing and lowering allocate
 objects by the million, and each full collection walks the whole heap of JAX's caches and compiled programs.
+
+The workers start with the XLA flags every dropless command adds to XLA_FLAGS (`xla_flags.apply`, idempotent):
+JAX's persistent compilation cache keys each program by XLA_FLAGS as it is when the program compiles, so a worker
+whose environment a command changed mid-run would miss what the other workers, and the commands the tests start
+in subprocesses, compiled before or without it.
 """
 
 from __future__ import annotations
 
 import gc
+
+from dropless.core import xla_flags
 
 LONGEST_FIRST = (
     "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_fp8.py", "test_gmm_tuning.py",
@@ -26,6 +33,7 @@ def pytest_configure(config) -> None:
     # heap every 100 such collections; here the youngest every 50,000 and the whole heap hardly ever. Cycles that
     # die young are still freed.
     gc.set_threshold(50_000, 50, 1_000)
+    xla_flags.apply()
 
 
 def pytest_collection_modifyitems(items) -> None:
