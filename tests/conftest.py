@@ -3,7 +3,7 @@
 `make test` gives each of its workers whole files (`--dist loadfile`), one at a time from the front of the
 collection order (`--no-loadscope-reorder`). Started last, a file of several minutes keeps one worker busy after
 the others have run out of work; started first, it runs beside the many short files, and the workers end
-together. LONGEST_FIRST lists the files of a minute or more, longest first (measured on 2 CPU cores with
+together. LONGEST_FIRST lists the files of 20 seconds or more, longest first (measured on 2 CPU cores with
 --durations); every other file keeps its place after them.
 
 Python's cyclic garbage collector runs rarely in the workers (`pytest_configure`): tracing and lowering allocate
@@ -22,9 +22,10 @@ import gc
 from dropless.core import xla_flags
 
 LONGEST_FIRST = (
-    "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_fp8.py", "test_gmm_tuning.py",
-    "test_models_transformer.py", "test_bench_step.py", "test_cli.py", "test_train.py", "test_bench_ep.py",
-    "test_train_checkpoint.py", "test_bench_scale.py", "test_models_mtp.py",
+    "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_gmm_tuning.py",
+    "test_models_transformer.py", "test_ep_contract.py", "test_fp8.py", "test_train_checkpoint.py", "test_cli.py",
+    "test_train.py", "test_ep_wire.py", "test_bench_scale.py", "test_bench_step.py", "test_ep_executor.py",
+    "test_bench_ep.py", "test_models_mtp.py", "test_gmm_fp8_kernels.py", "test_plan_cost.py",
 )
 
 
