@@ -2,7 +2,7 @@
 # and `make test` (set up, then run the whole suite on 8 virtual CPU devices). The tests compile many small
 # programs: XLA's CPU backend optimisation is off (compile time, not numbers, is what tiny tests spend) and
 # compiled programs are cached in .jax_cache across the processes of one run. Each worker takes whole files, the
-# longest first (tests/conftest.py), so that the two end together.
+# longest first (tests/conftest.py), so that they end together.
 SHELL := /bin/bash
 # The first interpreter that really runs and is >= 3.12 (a pyenv shim can exist and still fail).
 PYTHON312 := $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.12*/bin/python3.12 \

@@ -3,17 +3,38 @@
 `make test` gives each of its workers whole files (`--dist loadfile`), one at a time from the front of the
 collection order (`--no-loadscope-reorder`). Started last, a file of several minutes keeps one worker busy after
 the others have run out of work; started first, it runs beside the many short files, and the workers end
-together. LONGEST_FIRST lists the files of a minute or more, longest first (measured on 2 CPU cores with
+together. LONGEST_FIRST lists the files of 20 seconds or more, longest first (measured on 2 CPU cores with
 --durations); every other file keeps its place after them.
+
+Python's cyclic garbage collector runs rarely in the workers (`pytest_configure`): tracing and lowering allocate
+objects by the million, and each full collection walks the whole heap of JAX's caches and compiled programs.
+
+The workers start with the XLA flags every dropless command adds to XLA_FLAGS (`xla_flags.apply`, idempotent):
+JAX's persistent compilation cache keys each program by XLA_FLAGS as it is when the program compiles, so a worker
+whose environment a command changed mid-run would miss what the other workers, and the commands the tests start
+in subprocesses, compiled before or without it.
 """
 
 from __future__ import annotations
 
+import gc
+
+from dropless.core import xla_flags
+
 LONGEST_FIRST = (
-    "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_fp8.py", "test_gmm_tuning.py",
-    "test_models_transformer.py", "test_bench_step.py", "test_cli.py", "test_train.py", "test_bench_ep.py",
-    "test_train_checkpoint.py", "test_bench_scale.py", "test_models_mtp.py",
+    "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_gmm_tuning.py",
+    "test_models_transformer.py", "test_ep_contract.py", "test_fp8.py", "test_train_checkpoint.py", "test_cli.py",
+    "test_train.py", "test_ep_wire.py", "test_bench_scale.py", "test_bench_step.py", "test_ep_executor.py",
+    "test_bench_ep.py", "test_models_mtp.py", "test_gmm_fp8_kernels.py", "test_plan_cost.py",
 )
+
+
+def pytest_configure(config) -> None:
+    # Python's defaults (700, 10, 10) collect the youngest generation every 700 allocations and walk the whole
+    # heap every 100 such collections; here the youngest every 50,000 and the whole heap hardly ever. Cycles that
+    # die young are still freed.
+    gc.set_threshold(50_000, 50, 1_000)
+    xla_flags.apply()
 
 
 def pytest_collection_modifyitems(items) -> None:

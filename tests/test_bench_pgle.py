@@ -17,6 +17,7 @@ class _Lowered:
 
 def test_costs_are_saved_and_handed_to_the_scheduler(tmp_path, monkeypatch):
     monkeypatch.setattr(pgle, "instruction_costs", lambda run, directory: (run(), b"costs")[1])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     lowered, calls = _Lowered(), []
     program, status = pgle.recompile(lowered, "first", lambda p: calls.append(p), tmp_path, {"x": 1})
     # the costs are traced on the lowering compiled without CUDA graphs (their kernels name no instruction)
@@ -26,6 +27,16 @@ def test_costs_are_saved_and_handed_to_the_scheduler(tmp_path, monkeypatch):
     assert path.read_bytes() == b"costs"
     assert lowered.options[1] == {"x": 1, "xla_gpu_enable_latency_hiding_scheduler": True,
                                   "xla_gpu_pgle_profile_file_or_directory_path": str(path)}
+
+
+def test_off_the_gpu_the_program_itself_is_traced(tmp_path, monkeypatch):
+    """No CUDA graphs to turn off: the trace runs the compiled program, and only the costs compile again."""
+    monkeypatch.setattr(pgle, "instruction_costs", lambda run, directory: (run(), b"costs")[1])
+    lowered, calls = _Lowered(), []
+    program, status = pgle.recompile(lowered, "first", lambda p: calls.append(p), tmp_path, {"x": 1})
+    assert calls == ["first"] and program == "compiled 1" and status.startswith("applied")
+    assert lowered.options == [{"x": 1, "xla_gpu_enable_latency_hiding_scheduler": True,
+                                "xla_gpu_pgle_profile_file_or_directory_path": str(tmp_path / "pgle_profile.pb")}]
 
 
 def test_without_costs_the_first_program_is_kept(tmp_path):

@@ -80,7 +80,7 @@ def test_mtp_loss_and_gradients_match_the_paper_equations(one_device):
 
     assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
     for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
-        scale = float(jnp.max(jnp.abs(w)))
+        scale = float(np.max(np.abs(np.asarray(w))))
         assert scale > 0, jax.tree_util.keystr(path)  # every weight, the MTP modules' too, takes part
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4 * scale, err_msg=jax.tree_util.keystr(path))
 
@@ -111,9 +111,10 @@ def test_mtp_on_an_8_device_mesh_with_remat_and_scan_gives_the_same_numbers(one_
     assert float(total) == pytest.approx(float(want_total), rel=1e-5)
     assert float(aux["mtp_loss"]) == pytest.approx(float(want_aux["mtp_loss"]), rel=1e-5)
     np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_per_expert), np.asarray(want_aux["moe"].tokens_per_expert))
-    assert optax.tree.norm(grads) == pytest.approx(float(optax.tree.norm(want_grads)), rel=1e-4)
+    norm = jax.jit(optax.tree.norm)  # one program per tree, not one per leaf
+    assert norm(grads) == pytest.approx(float(norm(want_grads)), rel=1e-4)
     for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
-        scale = float(jnp.max(jnp.abs(w)))
+        scale = float(np.max(np.abs(np.asarray(w))))
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
 
 

@@ -156,7 +156,7 @@ def test_local_executor_reports_the_pairs_its_capacity_gemm_drops(rows):
                "down": jnp.asarray(rng.normal(size=(num_experts, width, hidden)), jnp.float32)}
     x_TD = jnp.asarray(rng.normal(size=(num_tokens, hidden)), jnp.float32)
     gmm = CapacityGmm(capacity_factor=1.0)
-    _, stats = LocalExecutor(gmm, rows)(x_TD, ids_TK, jnp.ones((num_tokens, top_k)), experts)
-    x_sorted_MD, group_sizes_E, _ = permute(x_TD, ids_TK, num_experts, rows)
+    _, stats = jax.jit(LocalExecutor(gmm, rows))(x_TD, ids_TK, jnp.ones((num_tokens, top_k)), experts)  # one program
+    x_sorted_MD, group_sizes_E, _ = jax.jit(permute, static_argnums=(2, 3))(x_TD, ids_TK, num_experts, rows)
     want = gmm.dropped_rows(group_sizes_E, x_sorted_MD.shape[0])
     assert int(want) > 0 and int(stats.tokens_dropped) == int(want)

@@ -64,13 +64,13 @@ def test_gather_only_vjps_equal_plain_autodiff():
 def test_sentinel_ids_sort_last_and_padding_rows_get_no_gradient():
     x_TD = jnp.arange(8.0).reshape(4, 2)
     ids_TK = jnp.array([[1, 3], [0, 3], [3, 1], [1, 0]], jnp.int32)  # 3 = "not on this device" for E = 3
-    x_sorted_MD, group_sizes_E, info = permute(x_TD, ids_TK, 3)
+    x_sorted_MD, group_sizes_E, info = jax.jit(permute, static_argnums=2)(x_TD, ids_TK, 3)  # one program
     np.testing.assert_array_equal(group_sizes_E, [2, 3, 0])
     np.testing.assert_array_equal(np.asarray(x_sorted_MD)[5:], np.asarray(x_TD)[[0, 1, 2]])  # token order
     # unpermute accepts a padded buffer (rows past T*K); only the 5 rows that hold a pair are read, whatever the
     # weights of the sentinels' slots, so only they get a gradient.
     padded_RD = jnp.concatenate([x_sorted_MD, jnp.full((3, 2), 7.0)])
-    grad_RD = jax.grad(lambda y: jnp.sum(unpermute(y, info, jnp.ones((4, 2)))))(padded_RD)
+    grad_RD = jax.jit(jax.grad(lambda y: jnp.sum(unpermute(y, info, jnp.ones((4, 2))))))(padded_RD)
     np.testing.assert_array_equal(grad_RD, np.r_[np.ones((5, 2)), np.zeros((6, 2))])
 
 
@@ -98,8 +98,8 @@ def test_rows_that_hold_no_pair_are_never_read(row_align):
         rows_TKD = jnp.where(keep_TK[..., None], x_TD[:, None, :], 0)
         return jnp.sum(jnp.einsum("tk,tkd->td", jnp.where(keep_TK, weights_TK, 0), rows_TKD) ** 2)
 
-    got = jax.value_and_grad(combine, argnums=(0, 1))(x_TD, weights_TK)
-    want = jax.value_and_grad(clean, argnums=(0, 1))(x_TD, weights_TK)
+    got = jax.jit(jax.value_and_grad(combine, argnums=(0, 1)))(x_TD, weights_TK)  # one program each, not op by op
+    want = jax.jit(jax.value_and_grad(clean, argnums=(0, 1)))(x_TD, weights_TK)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-6)  # finite, and a sentinel's weight gets no gradient
 

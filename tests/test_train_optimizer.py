@@ -23,9 +23,10 @@ def _updates(scale, steps=3):
     params = _params()
     state = opt.init(params)
     grads = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)  # the same gradients each step
+    update = jax.jit(opt.update)  # one program, not one compilation per operation and leaf
     out = []
     for _ in range(steps):
-        updates, state = opt.update(grads, state, params)
+        updates, state = update(grads, state, params)
         out.append(updates)
     return out, state
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from dropless.core.config import load_preset
 from dropless.train.metrics import read_metrics
 from tests import parallel_train_worker
 from tests.test_train import SMALL
@@ -92,8 +93,12 @@ def test_dropless_train_across_two_processes_matches_one_process(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     write_corpus(corpus)
-    settings = {**SMALL, "parallel.expert": 4, "train.eval_every": 2, "train.checkpoint_every": 2, "train.steps": 3,
-                "train.plot": False}
+    # train_losses' settings (OVERRIDES, the tiny preset's batch and schedule horizon): the one-process run below
+    # trains the very step test_expert_parallel_training_matches_one_device compiled, and loads it from the cache.
+    tiny = load_preset("tiny").train
+    settings = {**SMALL, **parallel_train_worker.OVERRIDES, "train.batch_size": tiny.batch_size,
+                "train.schedule_steps": tiny.steps, "parallel.expert": 4, "train.eval_every": 2,
+                "train.checkpoint_every": 2, "train.steps": 3, "train.plot": False}
     run_dir = tmp_path / "run"
     outputs = run_two_processes([sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus),
                                  "--run-dir", str(run_dir), "--no-progress", "parallel.data=1",

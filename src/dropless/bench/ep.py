@@ -102,10 +102,12 @@ def _compiled(lowered, options: dict):
     """(`lowered` compiled with `options` to be timed, and again without command buffers to be profiled:
     kernels inside CUDA graphs name no HLO instruction, dropless.bench.profile). Once per program, for every
     routing it is run with. Off the GPU there are no CUDA graphs: the one program serves both (as in
-    dropless.bench.scale and dropless.bench.profile)."""
-    compiled = lowered.compile(compiler_options=options or None)
+    dropless.bench.scale and dropless.bench.profile), and the options, all of them the GPU compiler's
+    (SCHEDULING_CANDIDATES, PGLE's), change nothing: `lowered` compiles once for every set of them."""
     if jax.default_backend() != "gpu":
+        compiled = lowered.compile()
         return compiled, compiled
+    compiled = lowered.compile(compiler_options=options or None)
     return compiled, lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS})
 
 

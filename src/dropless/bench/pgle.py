@@ -12,7 +12,8 @@ is kept as it was and the status says so.
 
 The trace comes from the same lowering compiled without command buffers: kernels replayed inside a CUDA graph
 carry no HLO instruction in the trace, and XLA reported exactly our grouped GEMMs (custom calls) missing from
-the profile of the program with graphs. The recompiled program has command buffers as usual.
+the profile of the program with graphs. The recompiled program has command buffers as usual. Off the GPU there
+are no CUDA graphs: the program as compiled is traced, without a second compilation.
 
 On two H200s the MoE layer compiled this way is no faster than with XLA's default schedule, so nothing uses it
 by default; it stays a benchmark variant (`bench ep --xla pgle`,
@@ -43,13 +44,17 @@ def instruction_costs(run: Callable[[], object], directory: Path) -> bytes:
     return get_profiled_instructions_proto(str(runs[-1])) if runs else b""
 
 
-def profiled_options(lowered, run: Callable[[object], object], directory: Path, options: dict | None = None
-                     ) -> tuple[dict | None, str]:
+def profiled_options(lowered, run: Callable[[object], object], directory: Path, options: dict | None = None,
+                     compiled=None) -> tuple[dict | None, str]:
     """-> (compiler options that schedule `lowered` by its own measured kernel costs, or None; a one-line status).
 
     `run(program)` runs a program of `lowered` a few times and returns its outputs. The costs file is written
-    under `directory`, which must outlive every compilation with the options."""
-    traced = lowered.compile(compiler_options={**(options or {}), **PROFILE_COMPILER_OPTIONS})
+    under `directory`, which must outlive every compilation with the options. Off the GPU there are no CUDA graphs
+    to turn off: the trace runs `lowered` as compiled with `options` (`compiled`, where the caller has it)."""
+    if jax.default_backend() == "gpu":
+        traced = lowered.compile(compiler_options={**(options or {}), **PROFILE_COMPILER_OPTIONS})
+    else:
+        traced = compiled if compiled is not None else lowered.compile(compiler_options=options or None)
     costs = instruction_costs(lambda: run(traced), directory)
     if not costs:
         return None, NOT_APPLIED
@@ -62,5 +67,5 @@ def profiled_options(lowered, run: Callable[[object], object], directory: Path, 
 def recompile(lowered, compiled, run: Callable[[object], object], directory: Path, options: dict | None = None):
     """-> (the program to time, a one-line status): `lowered` compiled with `profiled_options`, or `compiled`
     (`lowered` compiled with `options`) when there are no costs."""
-    with_costs, status = profiled_options(lowered, run, directory, options)
+    with_costs, status = profiled_options(lowered, run, directory, options, compiled)
     return (compiled if with_costs is None else lowered.compile(compiler_options=with_costs)), status

@@ -58,7 +58,7 @@ def aligned_sources(group_sizes_G: jax.Array, num_rows: int, align: int):
     first_G, _ = fp8_mosaic.aligned_layout(sizes_G, align)
     offsets_G = jnp.cumsum(sizes_G) - sizes_G
     block_group_B = _block_groups(sizes_G, p // align, align)
-    group_P = jnp.repeat(block_group_B, align, total_repeat_length=p)
+    group_P = jnp.repeat(block_group_B, align)  # p // align blocks of align rows (a broadcast, see ops.fp8)
     safe_P = jnp.minimum(group_P, g - 1)
     within_P = jnp.arange(p, dtype=jnp.int32) - align * first_G[safe_P]
     valid_P = (group_P < g) & (within_P < sizes_G[safe_P])

@@ -112,7 +112,9 @@ def expand_scales(scales: jax.Array, shape: Sequence[int], block: BlockShape) ->
     if tuple(scales.shape) != counts:
         raise ValueError(f"scales {scales.shape} do not match {counts} blocks of {tuple(shape)} by {tuple(block)}")
     for axis, extent in enumerate(extents):
-        scales = jnp.repeat(scales, extent, axis=axis, total_repeat_length=counts[axis] * extent)
+        # A static count alone: jnp.repeat broadcasts and reshapes (given total_repeat_length, it builds the
+        # indices with a scatter and a cumulative sum, then gathers).
+        scales = jnp.repeat(scales, extent, axis=axis)
     return scales[tuple(slice(0, n) for n in shape)]
 
 

@@ -160,7 +160,7 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log)
     tc = config.train
     setup = setup_lib.build(config)
-    state, start = _restore(setup, run_dir, setup_lib.init_state(setup, init_weights), resume, log)
+    state, start = _restore(setup, run_dir, init_weights, resume, log)
     _describe(config, setup, run_dir, start, log)
     evaluate = _evaluator(config, setup, dataset)
     # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
@@ -326,12 +326,16 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
     return config, dataset
 
 
-def _restore(setup, run_dir: Path, state: TrainState, resume: bool, log) -> tuple[TrainState, int]:
-    """(state, first step): the newest good checkpoint's when resuming (raises if there is none), else `state` at 0."""
+def _restore(setup, run_dir: Path, init_weights: tuple | None, resume: bool, log) -> tuple[TrainState, int]:
+    """(state, first step): the newest good checkpoint's when resuming (raises if there is none), else a fresh
+    state (`init_weights`, where given) at 0. A resumed state is restored straight into its shapes and shardings:
+    no initialised state is made only to be replaced."""
     if not resume:
-        return state, 0
-    start, restored = ckpt.restore_latest(run_dir, {"params": state.params, "state": state.model_state},
-                                          {"opt_state": state.opt_state, "step": 0}, log=log)
+        return setup_lib.init_state(setup, init_weights), 0
+    like = jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+                        setup.state_shapes, setup.state_shardings)
+    start, restored = ckpt.restore_latest(run_dir, {"params": like.params, "state": like.model_state},
+                                          {"opt_state": like.opt_state, "step": 0}, log=log)
     step = jax.device_put(jnp.asarray(start, jnp.int32), setup.state_shardings.step)
     return TrainState(step, restored["model"]["params"], restored["optimizer"]["opt_state"],
                       restored["model"]["state"]), start
