@@ -119,15 +119,27 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, 
             mngr.wait_until_finished()
         except Exception:  # noqa: BLE001 - the same failure, reported below
             pass
-        for _ in range(3):  # a pass can race a file being closed; what it leaves, the next removes
-            leftovers = list(directory.glob(f"{step}.orbax-checkpoint-tmp*"))
-            for tmp in leftovers:
-                shutil.rmtree(tmp, ignore_errors=True)
-            if not leftovers:
-                break
+        _remove_until_quiet(directory, f"{step}.orbax-checkpoint-tmp*")
         fix = "free space" if reason == "No space left on device" else "make it writable"
         raise CheckpointError(f"could not write checkpoint {step} to {directory}: {reason}; {fix} and resume "
                               "with --resume.") from None
+
+
+def _remove_until_quiet(directory: Path, pattern: str, quiet_s: float = 1.0, limit_s: float = 15.0) -> None:
+    """Remove what matches `pattern` in `directory` until nothing has matched for `quiet_s` (at most `limit_s`).
+    After a failed save orbax's writer threads can still be creating files and directories: waiting for the
+    manager returns at the first error, not when the last of its threads stops (seen on a loaded machine)."""
+    deadline = time.monotonic() + limit_s
+    quiet_since = time.monotonic()
+    while time.monotonic() < deadline:
+        leftovers = list(directory.glob(pattern))
+        for path in leftovers:
+            shutil.rmtree(path, ignore_errors=True)
+        if leftovers:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
+        time.sleep(0.05)
 
 
 _FILESYSTEM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS)
