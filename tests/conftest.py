@@ -17,8 +17,7 @@ in subprocesses, compiled before or without it.
 
 from __future__ import annotations
 
-import gc
-
+from dropless.cli import fewer_collections
 from dropless.core import xla_flags
 
 LONGEST_FIRST = (
@@ -30,10 +29,7 @@ LONGEST_FIRST = (
 
 
 def pytest_configure(config) -> None:
-    # Python's defaults (700, 10, 10) collect the youngest generation every 700 allocations and walk the whole
-    # heap every 100 such collections; here the youngest every 50,000 and the whole heap hardly ever. Cycles that
-    # die young are still freed.
-    gc.set_threshold(50_000, 50, 1_000)
+    fewer_collections()  # the dropless command's own setting
     xla_flags.apply()
 
 

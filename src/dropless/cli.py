@@ -355,7 +355,7 @@ def _quiet_library_logs() -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
 
 
-def _fewer_collections() -> None:
+def fewer_collections() -> None:
     """Tracing and lowering a step allocate objects by the million beside a large heap (JAX, orbax, their caches),
     which each full collection walks: the cyclic collector runs every 50,000 allocations instead of Python's 700,
     and walks the whole heap hardly ever instead of every 100 runs. Cycles that die young are still freed."""
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     debug, argv = _debug_requested(argv)
     _one_line_warnings()
     _quiet_library_logs()
-    _fewer_collections()
+    fewer_collections()
     try:
         delegated = _pass_through(argv)
         if delegated is not None:

@@ -163,7 +163,8 @@ def same_bits(got, want) -> bool:
     def bits(a):
         return jax.lax.bitcast_convert_type(a, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[a.dtype.itemsize])
     pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    return all(g.shape == w.shape and g.dtype == w.dtype and bool(jnp.array_equal(bits(g), bits(w))) for g, w in pairs)
+    return all(g.shape == w.shape and g.dtype == w.dtype and bool(jnp.array_equal(bits(g), bits(w)))
+               for g, w in pairs)
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:
