@@ -15,8 +15,8 @@ from dropless.bench import harness
 from dropless.core.config import load_preset
 from dropless.models.flops import model_flops_per_token
 from dropless.plan import Cluster, make_plan
-from dropless.plan.cost import (ACTIVATION_PASSES, RECOMPUTED_PASSES, device_rates, load_rates, step_flops,
-                                 step_time)
+from dropless.plan.cost import (ACTIVATION_PASSES, RECOMPUTED_PASSES, SCAN_PASSES, device_rates, load_rates,
+                                 step_flops, step_time)
 from dropless.plan.layout import model_facts
 from dropless.plan.memory import blocks
 from tests.micro_config import micro_config
@@ -193,3 +193,30 @@ def test_remat_moves_activation_traffic_into_the_recomputation():
         assert m.activations + m.recomputed_activations == none.memory.activations, remat
         assert plan.time["terms_s"]["memory_bound"] > none.time["terms_s"]["memory_bound"], remat
     assert none.memory.recomputed_activations == 0 and RECOMPUTED_PASSES == ACTIVATION_PASSES + 1
+
+
+def test_the_scan_costs_passes_over_what_it_stacks():
+    """Under train.scan_layers the step pays SCAN_PASSES over the stacked residuals (one microbatch's, per
+    microbatch) and the stacked weights' float32 gradients; unrolled it pays nothing. Remat stacks less, so its
+    scan term is smaller: under `full` only each layer's input [T, D] and the gradients remain."""
+    rates = device_rates(load_rates(), "H200")
+    qwen = load_preset("qwen3-30b-a3b").replace(**{"model.num_layers": 4, "train.batch_size": 4})
+    terms = {}
+    for remat in REMAT:
+        for micro in (1, 2):
+            config = qwen.replace(**{"train.remat": remat, "train.grad_accum_steps": micro})
+            plan = make_plan(config, Cluster(1, 1, "H200"))
+            m = plan.memory
+            expected = SCAN_PASSES * m.stacked_bytes * micro / (rates["hbm_gbps"] * 1e9)
+            assert plan.time["terms_s"]["scan_buffers"] == pytest.approx(expected, rel=1e-12)
+            terms[remat, micro] = m.stacked_bytes
+        unrolled = make_plan(config.replace(**{"train.scan_layers": False}), Cluster(1, 1, "H200"))
+        assert unrolled.memory.stacked_bytes == 0 and unrolled.time["terms_s"]["scan_buffers"] == 0
+    assert terms["none", 1] > terms["moe", 1] > terms["full", 1]
+    # Under `full`: each layer's input (bf16) and the float32 gradients of every stacked weight, exactly.
+    tokens = qwen.train.batch_size * qwen.train.seq_len
+    stacked_weights = sum(math.prod(spec.shape) for path, spec in model_facts(qwen)[0]
+                          if path[0] in ("dense_layers", "moe_layers"))
+    full = make_plan(qwen.replace(**{"train.remat": "full"}), Cluster(1, 1, "H200"))
+    assert full.memory.stacked_bytes == pytest.approx(
+        tokens * qwen.model.num_layers * qwen.model.hidden_size * 2 + 4 * stacked_weights, rel=1e-6)

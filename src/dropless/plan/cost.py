@@ -10,7 +10,7 @@ each with its source. The step's time is
   + the expert-parallel exchanges (on the critical path of every MoE layer)
   + the FSDP gathers and gradient reductions that the compute does not hide
   + host copies (an offloaded optimizer state or offloaded activations)
-  + under `train.scan_layers`, the stacked buffers' passes (`SCAN_TIME_FACTOR`)
+  + under `train.scan_layers`, passes over the loop's stacked buffers (`SCAN_PASSES`)
   + a fixed per-step overhead.
 
 FLOPs are `dropless.models.flops`'s model FLOPs (forward + backward) plus the recomputation remat adds, each kind
@@ -40,10 +40,14 @@ ACTIVATION_PASSES = 4
 # Passes over the activations remat does not keep: the forward writes them and drops them, the recomputation
 # writes them again, the backward reads them, and their cotangents are written and read.
 RECOMPUTED_PASSES = ACTIVATION_PASSES + 1
-# Under `jax.lax.scan` the step writes every layer's residuals into stacked buffers (dynamic-update-slice) and
-# zero-fills stacked gradient accumulators: the scanned proxy runs 1.16x (4 x 2,048 tokens) and 1.21x (1 x 2,048)
-# the unrolled one's time (benchmarks/results/step-h200.json, step-batch1-h200.json: rung 4 against 5:unrolled).
-SCAN_TIME_FACTOR = 1.15
+# Under `jax.lax.scan` the step copies every layer's residuals into stacked buffers (dynamic-update-slice) and
+# reads them back, and zero-fills and accumulates the stacked weights' float32 gradients: passes over those bytes
+# (`MemoryPlan.stacked_bytes`), not a share of the compute, so that remat, which leaves little to stack, also
+# leaves little of this cost. Four passes fit the scanned proxy at 1 and 4 x 2,048 tokens under each remat mode
+# (benchmarks/results/step-batch1-h200.json, step-h200.json: rungs 4, 5:remat=moe, 5:remat=full against
+# 5:unrolled) within -5% to +3%, and the 4-layer qwen3-30b-a3b without remat and with remat=full
+# (plan-calibration-h200.json) at +3% and +12%; a share of the compute (1.15x) put remat=full at +21% there.
+SCAN_PASSES = 4.0
 # Passes over the [T, V] float32 logits: the matmul's output, the softmax, its gradient, the gradient's read.
 LOGIT_PASSES = 4
 
@@ -230,7 +234,7 @@ def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: M
     if memory.activations_in_host:
         host += 2 * memory.activations_in_host * micro / (rates["host_gbps"] * 1e9)
     overhead = rates["step_overhead_ms"] / 1e3
-    scan = (SCAN_TIME_FACTOR - 1) * (compute + memory_bound) if train.scan_layers else 0.0
+    scan = SCAN_PASSES * memory.stacked_bytes * micro / hbm
     seconds = compute + memory_bound + scan + exposed_ep + exposed_other + host + overhead
     tokens = train.batch_size * train.seq_len
     return {

@@ -218,6 +218,9 @@ class MemoryPlan:
     # What the layers write without remat and do not keep under it: the recomputation writes it again in the
     # backward pass, one block at a time (a time cost, not part of the peak).
     recomputed_activations: int = 0
+    # Under `train.scan_layers`, the stacked buffers the loop fills and reads back: the layers' saved activations
+    # (one microbatch) and the float32 gradient accumulators of the stacked weights (a time cost).
+    stacked_bytes: int = 0
 
     @property
     def largest_temporary(self) -> tuple[str, int]:
@@ -281,9 +284,11 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         gradient_buffers += state.expert_elements * (4 - c)
         if train.remat == "none":
             weight_copies += state.expert_elements * c
+    stacked_bytes = 0
     if train.scan_layers:
         stacked_share = 1.0 - (V * m.hidden_size * (1 if m.tie_embeddings else 2)) / max(1, model_facts(config)[2][0])
         weight_copies += int(matrix_bytes * stacked_share * (2 if train.remat == "none" else 1))
+        stacked_bytes = int(T * device_tok + stacked_share * state.gradients)
 
     layer_copy = state.largest_layer_gathered * (1 if d.fp8 else c)
     temporaries = {
@@ -325,4 +330,4 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         model_state_and_batch=model_state_and_batch, activations=activations,
         activations_in_host=int(T * host_tok), weight_copies=weight_copies, temporaries=temporaries,
         moe_buffers=buffers.__dict__ if num_moe else {}, update_phase=update_phase,
-        recomputed_activations=int(T * recomputed_tok))
+        recomputed_activations=int(T * recomputed_tok), stacked_bytes=stacked_bytes)
