@@ -46,7 +46,8 @@ RECOMPUTED_PASSES = ACTIVATION_PASSES + 1
 # leaves little of this cost. Four passes fit the scanned proxy at 1 and 4 x 2,048 tokens under each remat mode
 # (benchmarks/results/step-batch1-h200.json, step-h200.json: rungs 4, 5:remat=moe, 5:remat=full against
 # 5:unrolled) within -5% to +3%, and the 4-layer qwen3-30b-a3b without remat and with remat=full
-# (plan-calibration-h200.json) at +3% and +12%; a share of the compute (1.15x) put remat=full at +21% there.
+# (plan-calibration-h200.json) at +3% and +12%. (A share of the compute cannot fit both: it charges remat=full,
+# which computes more, more for the scan, where the GPU measures less.)
 SCAN_PASSES = 4.0
 # Passes over the [T, V] float32 logits: the matmul's output, the softmax, its gradient, the gradient's read.
 LOGIT_PASSES = 4
