@@ -123,7 +123,9 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
         op = PallasMosaicGpuRaggedDot(config=TOKAMAX_AUTOTUNED_FWD.to_tokamax())
         return lambda x, w, gs: op(x, w, group_sizes=gs)
     if name == "dropless":
-        return lambda x, w, gs: gmm_from_products(x, w, gs, tuned_products(plan))
+        # As the MoE layer calls it (dropless.moe.experts): padding rows of the output left unwritten. The groups
+        # here fill every row, so the output is the same; the zeroing pass would be a cost the layer never pays.
+        return lambda x, w, gs: gmm_from_products(x, w, gs, tuned_products(plan), None, False)
     if name == "capacity":
         return CapacityGmm(capacity_factor)
     raise ValueError(f"backend={name!r} is not valid; choose one of {', '.join(BACKENDS)}.")
