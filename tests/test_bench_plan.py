@@ -48,15 +48,49 @@ def test_plan_search_on_the_cpu(tmp_path, capsys):
     assert steps == sorted(steps) and all(row["peak_bytes"] <= 0.0095 * 1024**3 for row in record["search"])
 
 
+RATE_FILES = {"list.json": "[1, 2]", "missing.json": '{"X": {"platform": "gpu", "dense_tflops": 700}}',
+              "nan.json": None, "broken.json": "{", "latin1.json": b"\xff\xfe{"}
+
+
+@pytest.fixture
+def rate_files(tmp_path):
+    """Rate tables that are not: a JSON list, an entry without most rates, one with a rate of NaN (written from
+    the packaged table), broken JSON, bytes that are not text; and a directory."""
+    table = load_rates()
+    table["H200"]["hbm_gbps"]["value"] = float("nan")
+    for name, text in RATE_FILES.items():
+        path = tmp_path / name
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(json.dumps(table) if text is None else text)
+    return tmp_path
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "12", "--gpus-per-host", "8"], "not a whole number of hosts"),
     (["--device", "TPU9"], "has no device 'TPU9'"),
     (["--devices", "16", "--compiled", "train.batch_size=16"], "--compiled needs the plan's 16 devices"),
+    (["--devices", "0"], "--devices=0 must be >= 1"),
+    (["--hosts", "2", "--gpus-per-host", "0"], "--gpus-per-host=0 must be >= 1"),
+    (["--hosts", "-1"], "--hosts=-1 must be >= 1"),
+    (["--device-memory-gib", "0"], "--device-memory-gib=0.0 must be a finite number of GiB above 0"),
+    (["--device-memory-gib", "-5"], "--device-memory-gib=-5.0 must be a finite number"),
+    (["--device-memory-gib", "nan"], "--device-memory-gib=nan must be a finite number"),
+    (["--device-memory-gib", "inf"], "--device-memory-gib=inf must be a finite number"),
+    (["--rates", "{dir}/list.json"], "is not a rate table"),
+    (["--rates", "{dir}/missing.json"], "device 'X' lacks a positive number for gmm_tflops.few_experts"),
+    (["--rates", "{dir}/nan.json"], "device 'H200' lacks a positive number for hbm_gbps"),
+    (["--rates", "{dir}/broken.json"], "is not valid JSON"),
+    (["--rates", "{dir}/latin1.json"], "is not valid JSON"),
+    (["--rates", "{dir}"], "is a directory"),
+    (["--rates", "{dir}/absent.json"], "does not exist"),
 ])
-def test_plan_command_errors_are_one_line(argv, message, capsys):
+def test_plan_command_errors_are_one_line(argv, message, capsys, rate_files):
+    argv = [a.replace("{dir}", str(rate_files)) for a in argv]
     assert cli.main(["plan", "--preset", "tiny", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0]
+    assert len(err) == 1 and message in err[0], err
 
 
 def test_bench_memory_points_to_plan(capsys):

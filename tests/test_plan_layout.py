@@ -13,7 +13,7 @@ from dropless.train import setup as setup_lib
 from tests.micro_config import micro_config
 
 MESHES = [  # (parallel.data, parallel.fsdp, parallel.expert) on 8 devices
-    (8, 1, 1), (1, 8, 1), (2, 1, 4), (1, 2, 4), (2, 4, 1), (1, 4, 2),
+    (8, 1, 1), (1, 8, 1), (2, 1, 4), (1, 2, 4), (2, 4, 1), (1, 4, 2), (2, 2, 2),
 ]
 
 

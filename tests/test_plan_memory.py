@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dropless.core.config import from_dict
+from dropless.core.config import from_dict, parse_overrides
 from dropless.models import transformer
 from dropless.plan import Cluster, make_plan
 from dropless.plan.layout import mesh_sizes
@@ -142,3 +142,24 @@ def test_plan_is_within_the_targets_of_the_calibration_steps():
         predicted = plan.memory.peak / GIB
         assert -0.05 < predicted / row["peak_gib"] - 1 < 0.10, (name, predicted, row["peak_gib"])
         assert abs(plan.time["seconds"] * 1e3 / row["step_ms"] - 1) < 0.20, (name, plan.time["seconds"], row["step_ms"])
+
+
+def test_no_measured_peak_exceeds_the_plan_by_more_than_the_fit_margin():
+    """A run the plan accepts must not run out of memory: the current plan underestimates no peak of the step
+    records, the calibration record or the accuracy record by more than FIT_MARGIN."""
+    from dropless.core.config import build_config
+    from dropless.plan.report import FIT_MARGIN
+
+    peaks = [(name, make_plan(config, Cluster(1, devices, "H200")).memory.peak / GIB, peak)
+             for name, config, devices, peak, _ in _recorded_steps()]
+    for name, row in json.loads((RESULTS / "plan-calibration-h200.json").read_text())["results"].items():
+        config = build_config(row["preset"], {k: str(v) for k, v in row["overrides"].items()})
+        peaks.append((name, make_plan(config, Cluster(1, 1, "H200")).memory.peak / GIB, row["peak_gib"]))
+    for row in json.loads((RESULTS / "plan-accuracy-h200.json").read_text())["configs"]:
+        if row.get("status") == "ok":
+            config = build_config(row["preset"], parse_overrides(row["overrides"]))
+            peaks.append((row["name"], make_plan(config, Cluster(1, 1, "H200")).memory.peak / GIB,
+                          row["measured"]["peak_gib"]))
+    assert len(peaks) >= 40
+    for name, predicted, measured in peaks:
+        assert predicted >= (1 - FIT_MARGIN) * measured, (name, predicted, measured)

@@ -35,7 +35,8 @@ def test_search_returns_only_fitting_layouts_sorted_by_step_time():
 def test_check_fit_refuses_with_the_shortfall_and_a_layout_that_fits():
     config = load_preset("deepseek-v3-proxy").replace(**PROXY_ON_ONE)
     cluster = Cluster(1, 8, "H200")
-    with pytest.raises(ConfigError, match=r"GiB over the 19\.0 GiB usable of H200's 20\.0 GiB .*set parallel\.data=-1 "
+    usable = f"{(1 - FIT_MARGIN) * 20:.1f}".replace(".", r"\.")
+    with pytest.raises(ConfigError, match=rf"GiB over the {usable} GiB usable of H200's 20\.0 GiB .*set parallel\.data=-1 "
                                           r".*train\.auto_fit=true"):
         check_fit(config, cluster, 20)
     fitted = check_fit(config, cluster, 20, auto_fit=True).config
@@ -55,7 +56,7 @@ def test_fit_check_on_cpu_only_with_a_limit_and_auto_fit_picks_a_layout():
     warned = []
     assert setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 1.02}), devices,
                                log=warned.append).train.device_memory_gib == need * 1.02
-    assert len(warned) == 1 and "within the model's 5% error" in warned[0]
+    assert len(warned) == 1 and f"within the model's {FIT_MARGIN:.0%} error" in warned[0]
     printed = []
     fitted = setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 0.9, "train.auto_fit": True}),
                                  devices, log=printed.append)
@@ -70,3 +71,52 @@ def test_train_refuses_a_run_that_does_not_fit(tmp_path, capsys):
     assert status == 2 and len(err) == 1
     assert "the plan does not fit" in err[0] and "GiB usable of cpu's 0.0 GiB" in err[0]
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+RESUME_KEEPS = frozenset({"train.remat", "train.offload", "train.offload_optimizer", "train.grad_accum_steps",
+                          "train.optimizer_moments_dtype", "moe.dispatch"})
+
+
+def test_train_refuses_with_a_layout_that_fits_and_that_layout_fits(tmp_path, capsys):
+    """The refusal names a whole layout line; applied to the same command, it fits (8 CPU devices)."""
+    cluster = Cluster(1, len(jax.devices()), "cpu")
+    config = load_preset("tiny")
+    limit = make_plan(config, cluster).memory.peak / GIB * 0.9
+    status = cli.main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress",
+                       f"train.device_memory_gib={limit}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "the plan does not fit" in err[0], err
+    line = err[0].split("; set ", 1)[1].split(" (predicted peak", 1)[0]
+    fixed = config.replace(**dict(kv.split("=", 1) for kv in line.split()))
+    assert make_plan(fixed, cluster, device_memory_gib=limit).fits
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_a_layout_line_replaces_activation_offloading():
+    """A line from --search or the refusal sets train.offload too (empty when the layout offloads nothing), so
+    that applied after a command that names activations it yields a valid config."""
+    config = load_preset("deepseek-v3-proxy").replace(**{**PROXY_ON_ONE, "train.remat": "full",
+                                                         "train.offload": "attn_out,moe_in"})
+    cluster = Cluster(1, 8, "H200")
+    for plan in search(config, cluster, device_memory_gib=20)[:20]:
+        line = layout_overrides(plan.config)
+        assert " train.offload=" in f" {line}"
+        again = config.replace(**dict(kv.split("=", 1) for kv in line.split()))
+        assert again.train.offload == plan.config.train.offload and again.train.remat == plan.config.train.remat
+    assert any(not p.config.train.offload for p in search(config, cluster, device_memory_gib=20))
+
+
+def test_auto_fit_on_resume_changes_only_the_mesh():
+    """A resumed run may change only parallel.*: with `keep`, auto_fit chooses among meshes, and where no mesh
+    fits the refusal says which settings it kept."""
+    cluster = Cluster(1, 8, "cpu")
+    config = load_preset("tiny")
+    need = make_plan(config, cluster).memory.peak / GIB
+    fitted = check_fit(config, cluster, need * 0.9, auto_fit=True, keep=RESUME_KEEPS).config
+    assert all(getattr(getattr(fitted, k.split(".")[0]), k.split(".")[1])
+               == getattr(getattr(config, k.split(".")[0]), k.split(".")[1]) for k in RESUME_KEEPS)
+    assert fitted.parallel != config.parallel and make_plan(fitted, cluster, device_memory_gib=need * 0.9).fits
+    free = check_fit(config, cluster, need * 0.5, auto_fit=True).config  # without keep another layout fits
+    assert free.train.optimizer_moments_dtype != config.train.optimizer_moments_dtype
+    with pytest.raises(ConfigError, match="no layout of this batch fits that keeps the run's moe.dispatch, "):
+        check_fit(config, cluster, need * 0.5, auto_fit=True, keep=RESUME_KEEPS)

@@ -13,6 +13,7 @@ beside the plan, with the difference.
 from __future__ import annotations
 
 import argparse
+import math
 
 from dropless.bench import harness
 from dropless.bench.records import write_json
@@ -48,18 +49,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cluster_from_args(args) -> Cluster:
+    for flag, value in (("--devices", args.devices), ("--hosts", args.hosts), ("--gpus-per-host", args.gpus_per_host)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}={value} must be >= 1.")
     if args.hosts is not None:
-        if args.hosts < 1 or (args.gpus_per_host or 8) < 1:
-            raise ConfigError("--hosts and --gpus-per-host must be >= 1.")
         return Cluster(args.hosts, args.gpus_per_host or 8, args.device)
     devices = args.devices or 1
-    if devices < 1:
-        raise ConfigError(f"--devices={devices} must be >= 1.")
     per_host = args.gpus_per_host or min(devices, 8)
-    if per_host < 1 or devices % per_host:
+    if devices % per_host:
         raise ConfigError(f"--devices={devices} is not a whole number of hosts of --gpus-per-host={per_host}; "
                           "give a multiple of it.")
     return Cluster(devices // per_host, per_host, args.device)
+
+
+def check_memory_flag(value: float | None) -> None:
+    """--device-memory-gib: a finite number of GiB above 0 (or absent: the rate table's figure)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--device-memory-gib={value} must be a finite number of GiB above 0; leave it out to plan "
+                          "against the rate table's figure for the device.")
 
 
 def memory_analysis(compiled) -> dict | None:
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     config = build_config(args.preset, parse_overrides(args.overrides))
     cluster = cluster_from_args(args)
+    check_memory_flag(args.device_memory_gib)
     rates = load_rates(args.rates)
     plan = make_plan(config, cluster, device_memory_gib=args.device_memory_gib, rates=rates)
     print(format_plan(plan))

@@ -54,14 +54,51 @@ LOGIT_PASSES = 4
 
 
 def load_rates(path: str | Path | None = None) -> dict:
-    """The rate table: the packaged one, or a JSON file of the same form (`dropless bench rates --out`)."""
+    """The rate table: the packaged one, or a JSON file of the same form (`dropless bench rates --out`), checked
+    for every rate the model reads."""
     if path is None:
         return json.loads(resources.files("dropless.plan").joinpath("rates.json").read_text())
+    fix = "give a file written by 'dropless bench rates --out'."
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"--rates {path} is a directory; {fix}")
     try:
-        return json.loads(Path(path).read_text())
+        table = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--rates {path} does not exist; {fix}") from None
+    except OSError as err:
+        raise ConfigError(f"--rates {path} cannot be read ({err.strerror}); {fix}") from None
     except json.JSONDecodeError as err:
-        raise ConfigError(f"--rates {path} is not valid JSON ({err.msg}); give a file written by "
-                          "'dropless bench rates --out'.") from None
+        raise ConfigError(f"--rates {path} is not valid JSON ({err.msg}); {fix}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--rates {path} is not valid JSON (not UTF-8 text); {fix}") from None
+    if not isinstance(table, dict) or not table or not all(isinstance(v, dict) for v in table.values()):
+        raise ConfigError(f"--rates {path} is not a rate table (an object of device kinds, each an object of "
+                          f"rates); {fix}")
+    for device in table:
+        rates = device_rates(table, device)
+        missing = [name for name in RATE_NAMES
+                   if not _number(value := _lookup(rates, name)) or value < 0 or (value == 0 and name != OVERHEAD)]
+        if missing:
+            raise ConfigError(f"--rates {path}: device '{device}' lacks a positive number for {', '.join(missing)}; "
+                              f"{fix}")
+    return table
+
+
+# Every rate the model reads, as paths into a device's entry.
+RATE_NAMES = ("dense_tflops", "gmm_tflops.few_experts", "gmm_tflops.many_experts", "attention_tflops", "hbm_gbps",
+              "link_gbps.intra_host", "link_gbps.inter_host", "host_gbps", "step_overhead_ms", "memory_gib")
+OVERHEAD = "step_overhead_ms"  # the one rate that may be 0
+
+
+def _lookup(entry: dict, name: str):
+    for part in name.split("."):
+        entry = entry.get(part) if isinstance(entry, dict) else None
+    return entry
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def device_rates(rates: dict, device: str) -> dict:

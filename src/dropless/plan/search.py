@@ -47,12 +47,20 @@ def candidates(config: Config, cluster: Cluster):
                 continue
 
 
+def _value(config: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
 def search(config: Config, cluster: Cluster, *, device_memory_gib: float | None = None, rates: dict | None = None,
-           limit: int | None = None) -> list[Plan]:
-    """The layouts that fit, fastest first (ties: the smaller peak)."""
+           limit: int | None = None, keep: frozenset[str] = frozenset()) -> list[Plan]:
+    """The layouts that fit, fastest first (ties: the smaller peak); `keep`: layout keys that stay as in `config`
+    (a resumed run may change only its mesh)."""
     rates = rates or load_rates()
     fitting = []
     for candidate in candidates(config, cluster):
+        if any(_value(candidate, key) != _value(config, key) for key in keep):
+            continue
         try:
             plan = make_plan(candidate, cluster, device_memory_gib=device_memory_gib, rates=rates)
         except ConfigError:
@@ -71,23 +79,25 @@ def search(config: Config, cluster: Cluster, *, device_memory_gib: float | None 
 
 
 def check_fit(config: Config, cluster: Cluster, device_memory_gib: float | None = None, *,
-              auto_fit: bool = False, rates: dict | None = None, within_margin: bool = False) -> Plan:
+              auto_fit: bool = False, rates: dict | None = None, within_margin: bool = False,
+              keep: frozenset[str] = frozenset()) -> Plan:
     """The plan of `config` if it fits; with `auto_fit`, the plan of the fastest fitting layout; otherwise a
     ConfigError of one line saying by how much it does not fit and which settings would. `within_margin`: also
     accept a peak that fits the device's memory but not the plan's margin (`dropless train` warns about it
-    instead of refusing; such a plan's `fits` is False)."""
+    instead of refusing; such a plan's `fits` is False). `keep`: layout keys the alternatives may not change."""
     plan = make_plan(config, cluster, device_memory_gib=device_memory_gib, rates=rates)
     accepted = plan.fits or (within_margin and plan.memory.peak <= plan.device_memory_bytes)
     if accepted and not auto_fit:
         return plan
-    best = search(config, cluster, device_memory_gib=device_memory_gib, rates=rates, limit=1)
+    best = search(config, cluster, device_memory_gib=device_memory_gib, rates=rates, limit=1, keep=keep)
     if auto_fit and best:
         return best[0]
     usable = (1 - FIT_MARGIN) * plan.device_memory_bytes
     over = (plan.memory.peak - usable) / GIB
     fix = (f"set {layout_overrides(best[0].config)} (predicted peak {best[0].memory.peak / GIB:.1f} GiB) or "
-           "train.auto_fit=true" if best else "no layout of this batch fits; use more devices or a smaller "
-           "train.batch_size")
+           "train.auto_fit=true" if best else "no layout of this batch fits" + (
+               " that keeps the run's " + ", ".join(sorted(keep)) if keep else "")
+           + "; use more devices or a smaller train.batch_size")
     raise ConfigError(f"the plan does not fit: its peak is {plan.memory.peak / GIB:.1f} GiB per device, "
                       f"{over:.1f} GiB over the {usable / GIB:.1f} GiB usable of {cluster.device}'s "
                       f"{plan.device_memory_bytes / GIB:.1f} GiB ({FIT_MARGIN:.0%} kept free); {fix} "

@@ -41,6 +41,7 @@ from dropless.data import load_token_dataset
 from dropless.gmm.registry import resolve_backend_name
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
+from dropless.plan.report import LAYOUT_KEYS
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
 from dropless.train import run_lock
@@ -156,7 +157,9 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     # metrics); the others wait for it, then read. Checkpoints are written by all (orbax coordinates them).
     primary = jax.process_index() == 0
     log = log if primary else (lambda message: None)
-    config = setup_lib.fit_check(config, log=log)
+    # A resumed run keeps its saved layout but its mesh: train.auto_fit may then only choose parallel.*.
+    config = setup_lib.fit_check(config, log=log,
+                                 keep=frozenset(LAYOUT_KEYS) - RESUMABLE_CHANGES if resume else frozenset())
     config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log)
     tc = config.train
     setup = setup_lib.build(config)

@@ -66,11 +66,12 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSe
     return StepSetup(config, mesh, executor, optimizer, state_shapes, shardings, batch_sharding, step)
 
 
-def fit_check(config: Config, devices: Sequence[jax.Device] | None = None, log=print) -> Config:
+def fit_check(config: Config, devices: Sequence[jax.Device] | None = None, log=print,
+              keep: frozenset[str] = frozenset()) -> Config:
     """The plan's verdict before compiling (`dropless.plan`): against `train.device_memory_gib`, or on a GPU its
     own limit. A config whose planned peak exceeds the limit raises a ConfigError naming the shortfall and a layout
     that fits; one within the plan's margin of it runs with a warning; with `train.auto_fit` the fastest layout
-    that fits with the margin is returned (and printed) instead."""
+    that fits with the margin is returned (and printed) instead, changing none of the layout keys in `keep`."""
     devices = list(jax.devices() if devices is None else devices)
     limit = config.train.device_memory_gib
     if not limit and devices[0].platform == "gpu":
@@ -80,7 +81,8 @@ def fit_check(config: Config, devices: Sequence[jax.Device] | None = None, log=p
     rates = load_rates()
     hosts = jax.process_count()
     cluster = Cluster(hosts, len(devices) // hosts, rate_key(rates, devices[0].device_kind, devices[0].platform))
-    plan = check_fit(config, cluster, limit, auto_fit=config.train.auto_fit, rates=rates, within_margin=True)
+    plan = check_fit(config, cluster, limit, auto_fit=config.train.auto_fit, rates=rates, within_margin=True,
+                     keep=keep)
     if plan.config is not config:
         log(f"dropless: train.auto_fit chose {layout_overrides(plan.config)}")
     if not plan.fits:  # within the device's memory, but not within the plan's margin
