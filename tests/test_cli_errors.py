@@ -95,6 +95,11 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--bogus-flag"], ["unrecognized arguments: --bogus-flag", "'dropless train --help'"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "a=1"], ["a=1", "'dropless generate --help'"]),
     (["trian"], ["invalid choice", "'dropless --help'"]),
+    # the commands with parsers of their own
+    (["plan", "--devices", "x"], ["argument --devices: invalid int value: 'x'", "'dropless plan --help'"]),
+    (["bench", "gmm", "--bogus"], ["unrecognized arguments: --bogus", "'dropless bench gmm --help'"]),
+    (["tune-gmm", "--workers", "many"], ["invalid int value: 'many'", "'dropless tune-gmm --help'"]),
+    (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
 ])
 def test_broken_input_gives_one_line(capsys, files, argv, fragments):
     status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))

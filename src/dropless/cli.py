@@ -27,6 +27,7 @@ from dropless.convert import compute_logits, load_hf
 from dropless.convert.api import read_hf_config
 from dropless.core import config as config_lib
 from dropless.core import distributed
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import generate
@@ -53,9 +54,6 @@ BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "d
               "plan-accuracy": "dropless.bench.plan_accuracy"}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, not argparse's usage block
-        self.exit(2, f"dropless: error: {message} (see '{self.prog} --help').\n")
 
 
 def _default_run_dir(preset: str, resume: bool) -> Path:
@@ -217,8 +215,8 @@ def _delegate(module: str, argv: list[str]) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dropless", description="Dropless Mixture-of-Experts training in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = ArgumentParser(prog="dropless", description="Dropless Mixture-of-Experts training in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
 
     train = sub.add_parser("train", help="train a model (default: the tiny preset on the Python stdlib corpus)")
     train.add_argument("--preset", help=f"a preset name (see 'dropless presets'; default {DEFAULT_PRESET}); "

@@ -38,6 +38,7 @@ from dropless.bench import pgle, profile, report
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ParallelConfig, build_config, parse_overrides
 from dropless.core.mesh import batch_sharding, make_mesh
 from dropless.core.xla_flags import SCHEDULING_CANDIDATES
@@ -293,7 +294,7 @@ def _log_record(record: dict, log) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dropless bench ep", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dropless bench ep", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="deepseek-v3-proxy", help="the preset whose MoE layer is measured")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per device (fixed: weak scaling)")
     p.add_argument("--devices", type=int, default=2, help="devices for the expert-parallel runs")

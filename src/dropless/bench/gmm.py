@@ -14,7 +14,6 @@ the whole routed-expert stage (permute -> gate+up -> SwiGLU -> down -> unpermute
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from dropless.bench import expert_stage, report
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.gmm import tuning as gmm_tuning
 from dropless.gmm.capacity import CapacityGmm
 from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
@@ -343,7 +343,7 @@ def markdown_table(records: list[dict], skews=SKEWS) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="dropless bench gmm", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dropless bench gmm", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                    help=f"comma-separated shape classes from: {', '.join(SHAPES)} (default: all but tiny)")
     p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated, from {', '.join(SKEWS)}")

@@ -18,6 +18,7 @@ import math
 from dropless.bench import harness
 from dropless.bench.records import write_json
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.plan import Cluster, format_plan, make_plan, search
 from dropless.plan.cost import load_rates
@@ -27,7 +28,7 @@ SEARCH_SHOWN = 10
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dropless plan",
+    parser = ArgumentParser(prog="dropless plan",
                                      description="Per-device memory, FLOPs, collectives and step time of a training "
                                                  "step, before anything is compiled (docs/planning.md).")
     parser.add_argument("--preset", default="tiny", help="a preset name (see 'dropless presets')")

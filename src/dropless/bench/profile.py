@@ -39,6 +39,7 @@ import jax
 from dropless.bench import harness
 from dropless.bench.records import write_json
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
 
 CATEGORIES = ("grouped_gemm", "other_matmul", "attention", "communication", "other")
@@ -397,7 +398,7 @@ def profile_compiled(compiled, state, batches, steps: int, trace_dir: Path, top:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dropless profile", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="dropless profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="a preset name (see 'dropless presets')")
     parser.add_argument("--steps", type=int, default=3, help="training steps to trace (after one warm-up step)")
     parser.add_argument("--out", help="directory for the trace and breakdown.json (default: runs/profile-<preset>-<time>)")

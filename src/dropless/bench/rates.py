@@ -12,7 +12,6 @@ programs on CPU-sized shapes (the tests do).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -23,6 +22,7 @@ import numpy as np
 from dropless.bench import harness
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import MoEConfig
 from dropless.gmm.registry import make_gmm
 from dropless.plan.cost import load_rates, rate_key
@@ -104,7 +104,7 @@ def measure(size: str = "full") -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dropless bench rates", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="dropless bench rates", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the table (the packaged one with this device's entry) to this file")
     parser.add_argument("--name", help="the entry's key (default: the device kind without spaces, e.g. NVIDIA_H200)")
     parser.add_argument("--size", choices=tuple(SIZES), default="full", help="shapes: full (GPU) or small (CPU)")

@@ -27,6 +27,7 @@ from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 from dropless.bench.records import environment, results_path, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
 
@@ -85,7 +86,7 @@ def scaling_records(records: dict[str, dict]) -> list[dict]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dropless bench scale", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dropless bench scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="deepseek-v3-proxy", help="a preset name (see 'dropless presets')")
     p.add_argument("--devices", default="1,2,4,8", help="device counts (those above the devices present are skipped)")
     p.add_argument("--strategies", default="", help=f"comma-separated from {', '.join(STRATEGIES)} "

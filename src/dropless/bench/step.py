@@ -31,12 +31,13 @@ from dropless.bench.ladder import RUNGS, run_ladder
 from dropless.bench.records import environment, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dropless bench step", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="dropless bench step", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="deepseek-v3-proxy", help="a preset name (see 'dropless presets')")
     parser.add_argument("--ladder", action="store_true", help="run the whole optimisation ladder")
     parser.add_argument("--out", default="benchmarks/results", help="where the ladder writes step-<device>.json/.png")

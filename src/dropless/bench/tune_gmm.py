@@ -13,7 +13,6 @@ with --out and point DROPLESS_GMM_CONFIGS at it: its entries then take precedenc
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -30,6 +29,7 @@ from dropless.bench.gmm import SHAPES, SKEWS, checked_groups, group_sizes
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
 from dropless.bench.records import environment
 from dropless.core import xla_flags
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import load_preset
 from dropless.gmm import tuning as gt
 from dropless.gmm.dropless_mosaic import ragged_contract, ragged_rows
@@ -193,7 +193,7 @@ def _subset(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="dropless tune-gmm", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="dropless tune-gmm", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", action="append", default=[], help="a preset name; repeatable")
     p.add_argument("--shape", action="append", default=[], help="M,K,N,G; repeatable")
     p.add_argument("--bench-shapes", default="", help="comma-separated shape classes of 'dropless bench gmm'")
