@@ -56,7 +56,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
   ctas32:NCCL_MIN_CTAS=32+NCCL_MAX_CTAS=32 proto_simple:NCCL_PROTO=Simple buffsize16M:NCCL_BUFFSIZE=16777216 \
   nthreads512:NCCL_NTHREADS=512 user_buffers:XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true
 
-BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
+BENCH_TARGETS := bench-gmm bench-gmm-fine tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-parity bench-attention-vjp bench-router bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
@@ -84,6 +84,11 @@ bench-gmm-fine: $(BENCH_DEPS)
 	$(DROPLESS) bench gmm --shapes $(FINE_SHAPES) --skews dirichlet --backends dense,dropless \
 	  --stages dsv3-e32,dsv3-e256,qwen3-30b-a3b,qwen3-next --stage-paths default --table \
 	  --out $(RESULTS)/gmm-fine-$(GPU).json --chart $(BENCH_SCRATCH)/gmm-fine-$(GPU).png
+
+# 1 GPU: re-tune the fine-grained shapes' products over the warp-specialised tiles in every walk order (writes the
+# packaged src/dropless/gmm/configs.json; `make bench-gmm-fine` then measures what it chose).
+tune-gmm-fine: $(BENCH_DEPS)
+	$(DROPLESS) tune-gmm --candidates fine --kernels dropless_ws --bench-shapes $(FINE_SHAPES)
 
 # 1 GPU: every grouped-GEMM backend, shape and group-size skew (the default `bench gmm`), with its chart.
 bench-gmm-backends: $(BENCH_DEPS)

@@ -2,6 +2,7 @@
 GPU interpreter, forward and both gradients against ragged_dot), and the benchmark's record schema."""
 
 import json
+from dataclasses import astuple
 
 import jax
 import jax.numpy as jnp
@@ -280,6 +281,13 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
         assert any(c.kernel == "dropless_ws" for c in tune_gmm.wide_candidates(product))
         only_ws = tune_gmm.candidates(product, shapes[0][1], kernels=("dropless_ws",))
         assert only_ws and {c.kernel for c in only_ws} == {"dropless_ws"}
+        # --candidates fine: the packaged winner of the fine-grained shapes, in every walk order, all fitting
+        fine = tune_gmm.candidates(product, shapes[0][1], "fine")
+        packaged = gt.lookup(gt.load_table(), H200, *astuple(shapes[0][1]))
+        assert getattr(packaged, product) in fine
+        assert {(c.tile.grid_minor_dim, c.tile.grid_tile_width) for c in fine} == {(d, w) for d in (0, 1)
+                                                                                 for w in (2, 4, 8)}
+        assert all(gt.smem_bytes(c) <= gt.SMEM_BYTES for c in fine) and len(fine) == len(set(fine))
 
 
 def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch):
@@ -454,6 +462,9 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     ("drhs", "dropless", TileConfig(128, 128, 64, 4), jnp.bfloat16),
     *((p, "dropless_ws", t, dtype) for p in gt.PRODUCTS for t in {c.tile for c in tune_gmm_ws_candidates()}
       for dtype in (jnp.bfloat16, jnp.float32)),
+    # an m-minor walk in bands of 8 (--candidates fine)
+    *((p, "dropless_ws", TileConfig(128, 128, 64, 3, grid_minor_dim=0, grid_tile_width=8), jnp.bfloat16)
+      for p in gt.PRODUCTS),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)
