@@ -79,7 +79,7 @@ def rate_files(tmp_path):
     (["--device-memory-gib", "nan"], "--device-memory-gib=nan must be a finite number"),
     (["--device-memory-gib", "inf"], "--device-memory-gib=inf must be a finite number"),
     (["--rates", "{dir}/list.json"], "is not a rate table"),
-    (["--rates", "{dir}/missing.json"], "device 'X' lacks a positive number for gmm_tflops.few_experts"),
+    (["--rates", "{dir}/missing.json"], "device 'X' lacks a positive number for attention_tflops, gmm_tflops.by_rows_per_expert"),
     (["--rates", "{dir}/nan.json"], "device 'H200' lacks a positive number for hbm_gbps"),
     (["--rates", "{dir}/broken.json"], "is not valid JSON"),
     (["--rates", "{dir}/latin1.json"], "is not valid JSON"),
@@ -105,7 +105,9 @@ def test_rates_measure_a_table_the_planner_reads(tmp_path):
     assert values["platform"] == jax.devices()[0].platform
     for key in ("dense_tflops", "attention_tflops", "hbm_gbps"):
         assert values[key] > 0 and "dropless bench rates" in entry[key]["source"]
-    assert values["gmm_tflops"]["few_experts"] > 0 and values["gmm_tflops"]["many_experts"] > 0
+    points = values["gmm_tflops"]["by_rows_per_expert"]
+    assert [p["rows"] for p in points] == sorted(256 // g for g in rates.SIZES["small"]["groups"])
+    assert all(p["value"] > 0 and "dropless bench rates" in p["source"] for p in points)
 
 
 def test_plan_accuracy_runs_end_to_end_on_the_cpu(tmp_path, monkeypatch):

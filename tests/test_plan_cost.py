@@ -15,8 +15,8 @@ from dropless.bench import harness
 from dropless.core.config import load_preset
 from dropless.models.flops import model_flops_per_token
 from dropless.plan import Cluster, make_plan
-from dropless.plan.cost import (ACTIVATION_PASSES, RECOMPUTED_PASSES, SCAN_PASSES, device_rates, load_rates,
-                                 step_flops, step_time)
+from dropless.plan.cost import (ACTIVATION_PASSES, RECOMPUTED_PASSES, SCAN_PASSES, device_rates, gmm_rate,
+                                 load_rates, step_flops, step_time)
 from dropless.plan.layout import model_facts
 from dropless.plan.memory import blocks
 from tests.micro_config import micro_config
@@ -149,7 +149,7 @@ def test_compute_time_is_each_kinds_flops_at_its_own_rate():
         plan = make_plan(config, Cluster(1, 1, "H200"))
         f = plan.time["flops"]
         expected = ((f["dense"] + f["recompute_dense"]) / rates["dense_tflops"]
-                    + (f["grouped"] + f["recompute_grouped"]) / rates["gmm_tflops"]["many_experts"]
+                    + (f["grouped"] + f["recompute_grouped"]) / gmm_rate(rates, 4 * 4096 * 8 / 128)
                     + (f["attention"] + f["recompute_attention"]) / rates["attention_tflops"]) / 1e12
         assert plan.time["terms_s"]["compute"] == pytest.approx(expected, rel=1e-9), remat
 
@@ -172,7 +172,7 @@ def test_fp8_runs_every_matmul_but_the_output_head_at_its_recipes_speed_up(famil
         expected = (f["head"] / rates["dense_tflops"]
                     + (f["dense"] - f["head"] + f["recompute_dense"]) / (rates["dense_tflops"] * speedup["dense"])
                     + (f["grouped"] + f["recompute_grouped"])
-                    / (rates["gmm_tflops"]["few_experts"] * speedup["grouped"])
+                    / (plan.time["grouped_gemm"]["tflops"])
                     + (f["attention"] + f["recompute_attention"]) / rates["attention_tflops"]) / 1e12
         assert plan.time["terms_s"]["compute"] == pytest.approx(expected, rel=1e-9), remat
         bf16 = make_plan(config.replace(**{"train.fp8": "off"}), Cluster(1, 1, "H200"))
@@ -220,3 +220,26 @@ def test_the_scan_costs_passes_over_what_it_stacks():
     full = make_plan(qwen.replace(**{"train.remat": "full"}), Cluster(1, 1, "H200"))
     assert full.memory.stacked_bytes == pytest.approx(
         tokens * qwen.model.num_layers * qwen.model.hidden_size * 2 + 4 * stacked_weights, rel=1e-6)
+
+
+def test_the_grouped_gemm_rate_follows_rows_per_local_expert():
+    """The table's measured points exactly, log-linear between them, flat beyond; the step reads it at T*K rows
+    per local expert (under expert parallelism each device's experts receive the T*K rows of the group's)."""
+    rates = device_rates(load_rates(), "H200")
+    points = sorted((p["rows"], p["value"]) for p in rates["gmm_tflops"]["by_rows_per_expert"])
+    assert len(points) >= 3
+    for rows, value in points:
+        assert gmm_rate(rates, rows) == pytest.approx(value)
+    (r0, v0), (r1, v1) = points[:2]
+    middle = math.sqrt(r0 * r1)
+    assert gmm_rate(rates, middle) == pytest.approx((v0 + v1) / 2)
+    assert gmm_rate(rates, 1) == points[0][1] and gmm_rate(rates, 1 << 20) == points[-1][1]
+    grid = [2 ** (i / 4) for i in range(4 * 4, 4 * 16)]
+    assert all(gmm_rate(rates, a) <= gmm_rate(rates, b) for a, b in zip(grid, grid[1:]))
+    proxy = load_preset("deepseek-v3-proxy")  # 32 experts, top-8
+    for batch, devices, expert in ((1, 1, 1), (8, 1, 1), (8, 8, 8), (8, 8, 2)):
+        config = proxy.replace(**{"train.batch_size": batch, "parallel.expert": expert})
+        plan = make_plan(config, Cluster(1, devices, "H200"))
+        rows = batch * 4096 // devices * 8 * expert / 32
+        assert plan.time["grouped_gemm"]["rows_per_expert"] == pytest.approx(rows)
+        assert plan.time["grouped_gemm"]["tflops"] == pytest.approx(gmm_rate(rates, rows))

@@ -163,3 +163,18 @@ def test_no_measured_peak_exceeds_the_plan_by_more_than_the_fit_margin():
     assert len(peaks) >= 40
     for name, predicted, measured in peaks:
         assert predicted >= (1 - FIT_MARGIN) * measured, (name, predicted, measured)
+
+
+def test_plan_is_within_the_targets_of_the_accuracy_record():
+    """The plan of this commit against every measured row of benchmarks/results/plan-accuracy-h200.json (measured
+    at an earlier commit, which the record's own predictions are): peak within 10%, step time within 20%."""
+    from dropless.core.config import build_config
+
+    rows = [r for r in json.loads((RESULTS / "plan-accuracy-h200.json").read_text())["configs"]
+            if r.get("status") == "ok"]
+    assert len(rows) >= 8
+    for row in rows:
+        plan = make_plan(build_config(row["preset"], parse_overrides(row["overrides"])), Cluster(1, 1, "H200"))
+        measured = row["measured"]
+        assert abs(plan.memory.peak / GIB / measured["peak_gib"] - 1) < 0.10, row["name"]
+        assert abs(plan.time["seconds"] * 1e3 / measured["step_ms"] - 1) < 0.20, row["name"]

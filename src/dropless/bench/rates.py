@@ -3,8 +3,9 @@
     dropless bench rates --out rates-h200.json        then    dropless plan --rates rates-h200.json ...
 
 Each rate is the median of timed batches of calls (`harness.time_calls`): the dense bf16 matmul, the grouped GEMM
-forward + backward (the configured backend, `moe.gmm_backend=auto`) for few experts (32 groups, the balanced rows
-of a DeepSeek-V3 gate+up projection) and for many (256 groups), causal attention forward + backward
+forward + backward (the configured backend, `moe.gmm_backend=auto`) on a DeepSeek-V3 gate+up projection's balanced
+rows split over 32, 128 and 256 groups (2,048, 512 and 256 rows per expert: the table's points), causal attention
+forward + backward
 (`jax.nn.dot_product_attention`), and HBM bandwidth (a streaming elementwise pass). The link and host-copy rates
 need several devices or pinned host memory and keep the packaged table's values. `--size small` runs the same
 programs on CPU-sized shapes (the tests do).
@@ -30,7 +31,7 @@ from dropless.plan.cost import load_rates, rate_key
 # (dense matmul size, gmm rows / K / N, attention batch / seq / heads / head dim, HBM elements) per size class.
 SIZES = {
     "full": {"matmul": 8192, "gmm": (65536, 7168, 4096), "attention": (4, 4096, 32, 128), "hbm": 1 << 28,
-             "groups": (32, 256), "batches": 5},
+             "groups": (32, 128, 256), "batches": 5},
     "small": {"matmul": 64, "gmm": (256, 32, 32), "attention": (1, 32, 2, 16), "hbm": 1 << 14,
               "groups": (4, 16), "batches": 2},
 }
@@ -80,21 +81,19 @@ def measure(size: str = "full") -> dict:
     base = load_rates()
     kept = base[rate_key(base, device.device_kind, device.platform)]
     rows, k, n = s["gmm"]
-    few, many = s["groups"]
     batches = s["batches"]
     measured = {
         "dense_tflops": harness.dense_matmul_tflops(s["matmul"], warm_s=0.0 if size == "small" else 1.0,
                                                     batches=batches),
-        "few_experts": gmm_tflops(rows, k, n, few, batches),
-        "many_experts": gmm_tflops(rows, k, n, many, batches),
+        "gmm": [(rows // groups, gmm_tflops(rows, k, n, groups, batches)) for groups in s["groups"]],
         "attention_tflops": attention_tflops(*s["attention"], batches),
         "hbm_gbps": hbm_gbps(s["hbm"], batches),
     }
     entry = json.loads(json.dumps(kept))  # a copy: links, host copies, overhead and memory keep their values
     entry["platform"] = device.platform
     entry["dense_tflops"] = {"value": measured["dense_tflops"], "source": note}
-    for shape_class in ("few_experts", "many_experts"):
-        entry["gmm_tflops"][shape_class] = {"value": measured[shape_class], "source": note}
+    entry["gmm_tflops"] = {"by_rows_per_expert": [{"rows": r, "value": v, "source": f"{note}; {rows} x {k} x {n}"}
+                                                  for r, v in sorted(measured["gmm"])]}
     entry["attention_tflops"] = {"value": measured["attention_tflops"], "source": note}
     entry["hbm_gbps"] = {"value": measured["hbm_gbps"], "source": note}
     memory = (device.memory_stats() or {}).get("bytes_limit") if hasattr(device, "memory_stats") else None
@@ -116,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     table = {**load_rates(), name: entry}
     for key in ("dense_tflops", "attention_tflops", "hbm_gbps"):
         print(f"{key:18s} {entry[key]['value']:10.2f}")
-    for key in ("few_experts", "many_experts"):
-        print(f"gmm {key:14s} {entry['gmm_tflops'][key]['value']:10.2f} TF/s")
+    for point in entry["gmm_tflops"]["by_rows_per_expert"]:
+        print(f"gmm {point['rows']:6d} rows/expert {point['value']:10.2f} TF/s")
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.out:
         write_json(args.out, table, indent=2)

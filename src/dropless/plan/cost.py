@@ -1,8 +1,8 @@
 """FLOPs, bytes per collective and the predicted time of one training step, from a per-device rate table.
 
 The table (`rates.json` beside this file, one entry per device kind; `dropless bench rates` measures one on the
-present device) gives dense-matmul, grouped-GEMM (by shape class), attention, HBM, link and host-copy rates,
-each with its source. The step's time is
+present device) gives dense-matmul, grouped-GEMM (by rows per local expert, `gmm_rate`), attention, HBM, link and
+host-copy rates, each with its source. The step's time is
 
     compute (dense matmuls, grouped GEMMs, attention; + the recomputed forward under remat)
   + memory-bound passes (activations written and read, and written again where remat recomputes them; the loss
@@ -79,6 +79,11 @@ def load_rates(path: str | Path | None = None) -> dict:
         rates = device_rates(table, device)
         missing = [name for name in RATE_NAMES
                    if not _number(value := _lookup(rates, name)) or value < 0 or (value == 0 and name != OVERHEAD)]
+        points = _lookup(rates, "gmm_tflops.by_rows_per_expert")
+        if not (isinstance(points, list) and points and all(
+                isinstance(p, dict) and _number(p.get("rows")) and p["rows"] > 0 and _number(p.get("value"))
+                and p["value"] > 0 for p in points)):
+            missing.insert(1, "gmm_tflops.by_rows_per_expert (a list of {\"rows\": R, \"value\": TF/s})")
         if missing:
             raise ConfigError(f"--rates {path}: device '{device}' lacks a positive number for {', '.join(missing)}; "
                               f"{fix}")
@@ -86,7 +91,7 @@ def load_rates(path: str | Path | None = None) -> dict:
 
 
 # Every rate the model reads, as paths into a device's entry.
-RATE_NAMES = ("dense_tflops", "gmm_tflops.few_experts", "gmm_tflops.many_experts", "attention_tflops", "hbm_gbps",
+RATE_NAMES = ("dense_tflops", "attention_tflops", "hbm_gbps",
               "link_gbps.intra_host", "link_gbps.inter_host", "host_gbps", "step_overhead_ms", "memory_gib")
 OVERHEAD = "step_overhead_ms"  # the one rate that may be 0
 
@@ -115,6 +120,21 @@ def device_rates(rates: dict, device: str) -> dict:
         return node
 
     return values(rates[device])
+
+
+def gmm_rate(rates: dict, rows_per_expert: float) -> float:
+    """The grouped GEMM's forward + backward TFLOP/s at `rows_per_expert` rows per local expert: the table's
+    measured points (`gmm_tflops.by_rows_per_expert`), interpolated linearly in log(rows) and held flat beyond the
+    first and last. Rows per expert set what the kernels lose to a group's last, partly filled row tile and how
+    many FLOPs each weight byte read or written carries, so they, not the expert count, pick the rate."""
+    points = sorted((p["rows"], p["value"]) for p in rates["gmm_tflops"]["by_rows_per_expert"])
+    if rows_per_expert <= points[0][0]:
+        return points[0][1]
+    for (r0, v0), (r1, v1) in zip(points, points[1:]):
+        if rows_per_expert <= r1:
+            t = math.log(rows_per_expert / r0) / math.log(r1 / r0)
+            return v0 + t * (v1 - v0)
+    return points[-1][1]
 
 
 def rate_key(rates: dict, device_kind: str, platform: str) -> str:
@@ -248,12 +268,16 @@ def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: M
     f = step_flops(config)
     # FP8 recipes run every matmul but the output head (and the router) at their measured speed-up over bf16.
     fp8 = rates.get("fp8_speedup", {}).get(train.fp8, {}) if train.fp8 != "off" else {}
+    # Balanced routing gives each device's local experts its own T*K rows (under expert parallelism, from the
+    # whole expert group).
     local_experts = config.moe.num_experts // sizes["expert"]
-    gmm_rate = rates["gmm_tflops"]["many_experts" if local_experts > 64 else "few_experts"] * fp8.get("grouped", 1.0)
+    device_tokens = train.batch_size // train.grad_accum_steps * train.seq_len // devices
+    rows_per_expert = device_tokens * config.moe.num_experts_per_tok / local_experts
+    grouped_rate = gmm_rate(rates, rows_per_expert) * fp8.get("grouped", 1.0)
     dense_rate = rates["dense_tflops"]
     compute = (f["head"] / (dense_rate * 1e12)
                + (f["dense"] - f["head"] + f["recompute_dense"]) / (dense_rate * fp8.get("dense", 1.0) * 1e12)
-               + (f["grouped"] + f["recompute_grouped"]) / (gmm_rate * 1e12)
+               + (f["grouped"] + f["recompute_grouped"]) / (grouped_rate * 1e12)
                + (f["attention"] + f["recompute_attention"]) / (rates["attention_tflops"] * 1e12)) / devices
     hbm = rates["hbm_gbps"] * 1e9
     micro = train.grad_accum_steps
@@ -281,6 +305,7 @@ def step_time(config: Config, sizes: dict[str, int], cluster: Cluster, memory: M
                     "scan_buffers": scan, "fsdp_and_gradient_sync_exposed": exposed_other, "host_copies": host,
                     "overhead": overhead},
         "flops": f,
+        "grouped_gemm": {"rows_per_expert": rows_per_expert, "tflops": grouped_rate},
         "collectives": [{"name": x.name, "bytes_per_device": x.bytes_per_device, "within_host": x.within_host,
                          "seconds": x.seconds(rates)} for x in comm],
         "tokens_per_s": tokens / seconds,
