@@ -120,3 +120,25 @@ def test_auto_fit_on_resume_changes_only_the_mesh():
     assert free.train.optimizer_moments_dtype != config.train.optimizer_moments_dtype
     with pytest.raises(ConfigError, match="no layout of this batch fits that keeps the run's moe.dispatch, "):
         check_fit(config, cluster, need * 0.5, auto_fit=True, keep=RESUME_KEEPS)
+
+
+def test_resume_with_auto_fit_changes_only_the_mesh(tmp_path, capsys):
+    """`--resume` with `train.auto_fit=true` under a memory limit the saved layout does not meet trains on in a mesh
+    that fits, keeping every other layout setting of the run (which a resume may not change)."""
+    from tests.test_train import SMALL
+
+    small = [f"{k}={v}" for k, v in SMALL.items()]
+    run = tmp_path / "run"
+    assert cli.main(["train", "--preset", "tiny", "--run-dir", str(run), "--no-progress", "--steps", "1",
+                     *small]) == 0
+    config = load_preset("tiny").replace(**SMALL)
+    cluster = Cluster(1, len(jax.devices()), "cpu")
+    need = make_plan(config, cluster).memory.peak / GIB
+    assert search(config, cluster, device_memory_gib=need * 0.9, limit=1)[0].config.train != config.train
+    capsys.readouterr()
+    status = cli.main(["train", "--resume", "--run-dir", str(run), "--no-progress", "--steps", "2",
+                       f"train.device_memory_gib={need * 0.9}", "train.auto_fit=true"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    chose = next(line for line in out.splitlines() if "train.auto_fit chose" in line)
+    assert "parallel.fsdp=1 " not in chose and "train.optimizer_moments_dtype=float32" in chose
