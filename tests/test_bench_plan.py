@@ -176,3 +176,10 @@ def test_plan_accuracy_a_failure_replaces_an_older_row_and_other_parts_set_no_ex
     monkeypatch.setattr(plan_accuracy, "run", lambda config_set, out, *, part, **_: {"configs": merged})
     assert plan_accuracy.main(["--set", "parts", "--part", "1/2"]) == 1
     capsys.readouterr()
+
+
+def test_the_packaged_rate_table_passes_the_checks_a_users_table_gets():
+    from importlib import resources
+
+    packaged = resources.files("dropless.plan").joinpath("rates.json")
+    assert load_rates(str(packaged)) == load_rates()
