@@ -70,7 +70,7 @@ def test_train_refuses_a_run_that_does_not_fit(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1
     assert "the plan does not fit" in err[0] and "GiB usable of cpu's 0.0 GiB" in err[0]
-    assert not (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run").exists()  # refused before the run directory (and its lock) exists
 
 
 RESUME_KEEPS = frozenset({"train.remat", "train.offload", "train.offload_optimizer", "train.grad_accum_steps",
@@ -89,7 +89,7 @@ def test_train_refuses_with_a_layout_that_fits_and_that_layout_fits(tmp_path, ca
     line = err[0].split("; set ", 1)[1].split(" (predicted peak", 1)[0]
     fixed = config.replace(**dict(kv.split("=", 1) for kv in line.split()))
     assert make_plan(fixed, cluster, device_memory_gib=limit).fits
-    assert not (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_layout_line_replaces_activation_offloading():

@@ -147,19 +147,27 @@ def _global_batch(local_BS1: np.ndarray, sharding, global_batch: int) -> jax.Arr
     return jax.make_array_from_process_local_data(sharding, local_BS1, (global_batch, local_BS1.shape[1]))
 
 
-@run_lock.holds_run_dir
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
           init_weights: tuple | None = None, log: Callable[[str], None] = print,
           progress: bool = True) -> RunSummary:
-    """Train `config` in `run_dir`. `init_weights=(params, state)` starts from given weights (fine-tuning)."""
+    """Train `config` in `run_dir`. `init_weights=(params, state)` starts from given weights (fine-tuning).
+
+    The plan's fit check comes first, before the run directory exists: a refused run leaves nothing behind."""
+    log = log if jax.process_index() == 0 else (lambda message: None)
+    # A resumed run keeps its saved layout but its mesh: train.auto_fit may then only choose parallel.*.
+    config = setup_lib.fit_check(config, log=log,
+                                 keep=frozenset(LAYOUT_KEYS) - RESUMABLE_CHANGES if resume else frozenset())
+    return _train(config, run_dir, resume=resume, overwrite=overwrite, init_weights=init_weights, log=log,
+                  progress=progress)
+
+
+@run_lock.holds_run_dir
+def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init_weights: tuple | None,
+           log: Callable[[str], None], progress: bool) -> RunSummary:
     run_dir = Path(run_dir)
     # With several processes, process 0 alone writes the run directory (config, tokenizer, corpus cache,
     # metrics); the others wait for it, then read. Checkpoints are written by all (orbax coordinates them).
     primary = jax.process_index() == 0
-    log = log if primary else (lambda message: None)
-    # A resumed run keeps its saved layout but its mesh: train.auto_fit may then only choose parallel.*.
-    config = setup_lib.fit_check(config, log=log,
-                                 keep=frozenset(LAYOUT_KEYS) - RESUMABLE_CHANGES if resume else frozenset())
     config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log)
     tc = config.train
     setup = setup_lib.build(config)
