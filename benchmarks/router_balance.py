@@ -10,7 +10,9 @@ key=value pairs. The run is the very step `dropless train` runs (dropless.train.
 held-out loss every --eval-every steps on fixed held-out batches; no checkpoints are written. The record holds,
 per step, every MoE layer's max/mean load and the largest |router bias|, every 10 steps each layer's full expert
 shares and biases and the share of its selection scores' and logits' variance that differs by token
-(`dropless.moe.balance.token_variance_share`: near 0, every token routes alike), the held-out curve, the steps
+(`dropless.moe.balance.token_variance_share`: near 0, every token routes alike) and the share of the logits'
+per-token variance along one direction (`top_direction_share`: near 1, tokens rank the experts in at most two
+ways), the held-out curve, the steps
 at which the worst layer's load first stays at or below 2.0 and 1.3, tokens/s and tokens dropped, and a probe of
 whether the bias steers the selection (`bias_probe`).
 """
@@ -106,7 +108,8 @@ def run(config, log) -> dict:
     tc = config.train
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
-    trace = {"steps": [], "expert_share": [], "router_bias": [], "router_token_share": [], "router_logit_token_share": []}
+    shares = ("router_token_share", "router_logit_token_share", "router_logit_top_direction")
+    trace = {"steps": [], "expert_share": [], "router_bias": [], **{key: [] for key in shares}}
     last_batch = None
     t0, timed_tokens = None, 0
     with dataset.prefetch(0, tc.batch_size, tc.steps, transform=to_device) as batches:
@@ -114,7 +117,7 @@ def run(config, log) -> dict:
             batch = next(batches)
             state, metrics = setup.step(state, batch)
             m = jax.device_get({k: metrics[k] for k in ("loss", "tokens_dropped", "expert_share", "router_bias",
-                                                        "router_token_share", "router_logit_token_share")})
+                                                        *shares)})
             if step == 2:  # time from here: compilation and warm-up are behind
                 t0 = time.perf_counter()
             elif step > 2:
@@ -128,7 +131,7 @@ def run(config, log) -> dict:
                 trace["steps"].append(step + 1)
                 trace["expert_share"].append(np.round(np.asarray(m["expert_share"], np.float64), 4).tolist())
                 trace["router_bias"].append(np.round(np.asarray(m["router_bias"], np.float64), 4).tolist())
-                for key in ("router_token_share", "router_logit_token_share"):
+                for key in shares:
                     trace[key].append(np.round(np.asarray(m[key], np.float64), 4).tolist())
             last_batch = batch
             if (step + 1) % tc.eval_every == 0 or step + 1 == tc.steps:
@@ -138,7 +141,9 @@ def run(config, log) -> dict:
                     t0 += time.perf_counter() - pause
                 log(f"step {step + 1:4d} worst load {max(loads[-1]):.2f} held-out loss {curve[-1][1]:.4f}; share of "
                     f"the selection scores' / logits' variance that is per token (lowest layer) "
-                    f"{np.min(m['router_token_share']):.3f} / {np.min(m['router_logit_token_share']):.3f}")
+                    f"{np.min(m['router_token_share']):.3f} / {np.min(m['router_logit_token_share']):.3f}; of the "
+                    f"logits' per-token variance along one direction (highest layer) "
+                    f"{np.max(m['router_logit_top_direction']):.3f}")
     worst = [max(row) for row in loads]
     probe = bias_probe(setup, state, last_batch) if tc.steps else []
     log(f"bias probe: {probe}")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig
-from dropless.moe.balance import (center_router_bias, max_load_ratio, routing_moments, token_variance_share,
-                                  tokens_per_expert, update_router_bias)
+from dropless.moe.balance import (center_router_bias, max_load_ratio, routing_gram, routing_moments,
+                                  token_variance_share, tokens_per_expert, top_direction_share, update_router_bias)
 from dropless.moe.router import route
 from dropless.train import metrics as metrics_lib
 from dropless.train.step import expert_shares
@@ -87,6 +87,40 @@ def test_token_variance_share_says_whether_routing_depends_on_the_token():
     assert collapsed < 0.3 < plain
 
 
+def _top_direction(values_TE) -> float:
+    values = jnp.asarray(values_TE)
+    return float(top_direction_share(routing_gram(values), routing_moments(values), values.shape[0]))
+
+
+def _top_direction_reference(values_TE) -> float:
+    """float64: each token's values minus their mean over experts, then the covariance over tokens' largest
+    eigenvalue over its trace."""
+    v = np.asarray(values_TE, np.float64)
+    v = v - v.mean(axis=1, keepdims=True)
+    eigenvalues = np.linalg.eigvalsh(np.cov(v, rowvar=False, bias=True))
+    return eigenvalues[-1] / eigenvalues.sum()
+
+
+def test_top_direction_share_says_whether_tokens_differ_in_one_way_or_many():
+    rng = np.random.default_rng(1)
+    noise_TE, offset_E, u_E = rng.normal(size=(T, E)), rng.normal(size=E), rng.normal(size=E)
+    # Isotropic per-token values: about 1/(E-1) (the per-token mean over experts is removed: E-1 dimensions).
+    assert _top_direction(noise_TE) < 2.5 / (E - 1)
+    # Tokens that differ only by a_t along u, on top of any common offset: one direction, whatever the amplitude.
+    rank_one = offset_E + rng.normal(0, 3.0, size=(T, 1)) * u_E
+    assert _top_direction(rank_one) == pytest.approx(1.0, abs=1e-4)
+    assert _token_share(rank_one) > 0.8  # which the token share does not see: the token still moves the logits
+    for values in (noise_TE, rank_one + 0.3 * noise_TE, offset_E * 5 + noise_TE * np.linspace(0.1, 2, E)):
+        assert _top_direction(values) == pytest.approx(_top_direction_reference(values), rel=1e-4)
+    # The sums add: two halves of a batch (microbatches, devices) give the whole batch's share.
+    values = jnp.asarray(rank_one + 0.3 * noise_TE)
+    halves = [values[: T // 2], values[T // 2:]]
+    gram = sum(routing_gram(h) for h in halves)
+    moments = sum(routing_moments(h) for h in halves)
+    assert float(top_direction_share(gram, moments, T)) == pytest.approx(_top_direction(values), rel=1e-5)
+    assert float(top_direction_share(jnp.zeros((E, E)), jnp.zeros((2, E)), 0)) == 0.0  # an empty layer: no NaN
+
+
 def test_the_moe_layer_reports_the_selection_scores_and_logits_moments():
     """score_moments are of what selection ranks (the scores plus the bias), logit_moments of the logits."""
     from dropless.moe import init_moe, moe_layer
@@ -107,6 +141,8 @@ def test_the_moe_layer_reports_the_selection_scores_and_logits_moments():
         centred = values - values.mean(axis=1, keepdims=True)
         np.testing.assert_allclose(np.asarray(moments), [centred.sum(0), np.square(centred).sum(0)],
                                    rtol=1e-4, atol=1e-3)
+    centred = logits - logits.mean(axis=1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(stats.logit_gram), centred.T @ centred, rtol=1e-4, atol=1e-3)
     unbiased = layer(jnp.zeros(E))[1]
     assert (float(token_variance_share(stats.score_moments, 256))
             < float(token_variance_share(unbiased.score_moments, 256)))
@@ -163,7 +199,8 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
     for step in range(10, 60, 10):
         writer.write({"step": step, "loss": 5.0 - step / 100, "max_expert_load": 3.6,
                       "expert_share": np.asarray(_shares(step, {0}), np.float32), "router_bias": bias * step,
-                      "router_token_share": np.asarray([0.9, 0.5, 0.1]), "router_logit_token_share": [0.8, 0.4, 0.2]})
+                      "router_token_share": np.asarray([0.9, 0.5, 0.1]), "router_logit_token_share": [0.8, 0.4, 0.2],
+                      "router_logit_top_direction": [0.3, 0.6, 0.99]})
     writer.close()
     records = metrics_lib.read_metrics(tmp_path)
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50] and "expert_share" not in records[-1]
@@ -175,7 +212,7 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
     np.testing.assert_allclose(router["router_bias"][-1], bias * 50, rtol=1e-3, atol=1e-7)
     events = b"".join(f.read_bytes() for f in (tmp_path / "tensorboard").iterdir())
     for tag in (b"router/expert_load", b"router/max_load/row_2", b"router/bias/row_0", b"router/token_share/row_2",
-                b"router/logit_token_share/row_0"):
+                b"router/logit_token_share/row_0", b"router/logit_top_direction/row_2"):
         assert tag in events
     assert metrics_lib.plot_run(tmp_path).stat().st_size > 10_000
 

@@ -76,6 +76,32 @@ def token_variance_share(moments_2E: jax.Array, tokens: jax.Array) -> jax.Array:
     return per_token / jnp.maximum(per_token + common, 1e-30)
 
 
+def routing_gram(values_TE: jax.Array) -> jax.Array:
+    """[E, E] float32: the sum over tokens of v vᵀ, v as in `routing_moments` (each token's values minus their
+    mean over the experts). With `routing_moments` it gives the covariance of the per-token part over tokens, and
+    adds over microbatches and devices alike (`top_direction_share`)."""
+    v_TE = jax.lax.stop_gradient(values_TE).astype(jnp.float32)
+    v_TE = v_TE - jnp.mean(v_TE, axis=-1, keepdims=True)
+    return jnp.einsum("te,tf->ef", v_TE, v_TE, precision=jax.lax.Precision.HIGHEST)
+
+
+def top_direction_share(gram_EE: jax.Array, moments_2E: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The share of the per-token variance of a layer's routing values (`routing_gram`, `routing_moments` over
+    `tokens` tokens) that lies along one direction in expert space: the largest eigenvalue of their covariance
+    over its trace.
+
+    Near 1: tokens differ from each other along a single direction, t ↦ a_t·u, so they rank the experts in at most
+    two ways (by the sign of a_t) however much they vary, and no bias can spread them over more; small (down to
+    1/(E-1) for isotropic values): tokens differ in many independent ways. Read with `token_variance_share`: a
+    router can lose the token by a common part outgrowing the per-token one (that share falls) or by the per-token
+    part collapsing onto one direction (this one rises)."""
+    n = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+    mean_E = moments_2E[0] / n
+    covariance_EE = gram_EE / n - jnp.outer(mean_E, mean_E)
+    eigenvalues = jnp.linalg.eigvalsh(0.5 * (covariance_EE + covariance_EE.T))
+    return jnp.maximum(eigenvalues[-1], 0.0) / jnp.maximum(jnp.sum(jnp.maximum(eigenvalues, 0.0)), 1e-30)
+
+
 def z_loss(logits_TE: jax.Array) -> jax.Array:
     """Router z-loss: penalises large logits, which make the softmax/sigmoid saturate."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))

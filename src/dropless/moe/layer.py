@@ -45,6 +45,7 @@ class MoEStats(NamedTuple):
     score_moments: jax.Array
     logit_moments: jax.Array
     tokens_routed: jax.Array  # int32
+    logit_gram: jax.Array  # [E, E] balance.routing_gram of the logits (balance.top_direction_share reads it)
 
 
 def moe_params(hidden_size: int, moe_cfg) -> Specs:
@@ -99,7 +100,8 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
     return MoEStats(counts_E, balance.max_load_ratio(counts_E), executor_stats.tokens_dropped,
                     aux, seq_aux, z, total, executor_stats.dispatch_overflowed, executor_stats.rows_sent,
                     executor_stats.rows_sent_without_dedup, balance.routing_moments(routing.choice_TE),
-                    balance.routing_moments(routing.logits_TE), jnp.asarray(num_tokens, jnp.int32))
+                    balance.routing_moments(routing.logits_TE), jnp.asarray(num_tokens, jnp.int32),
+                    balance.routing_gram(routing.logits_TE))
 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,

@@ -12,6 +12,10 @@ Definitions (also in docs/training.md):
                          tokens that differs by token, each token's mean over experts removed first
                          (dropless.moe.balance.token_variance_share: 1 = no expert ahead for every token, 0 = every
                          token ranks the experts alike); in metrics.jsonl and as TensorBoard scalars per row
+    router_logit_top_direction[l]
+                       = the share of row l's logits' per-token variance along one direction in expert space
+                         (dropless.moe.balance.top_direction_share: near 1 = tokens rank the experts in at most two
+                         ways); the same sinks
 `model_flops_per_token` is in `dropless.models.flops` (6 x active matmul parameters + the causal attention term).
 The router rows are the MoE layers in model order, then the MTP modules' MoE blocks (`router_row_names`).
 
@@ -94,7 +98,7 @@ def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray
 
 
 ROUTER_KEYS = ("expert_share", "router_bias")
-TOKEN_SHARE_KEYS = ("router_token_share", "router_logit_token_share")
+TOKEN_SHARE_KEYS = ("router_token_share", "router_logit_token_share", "router_logit_top_direction")
 
 
 def router_record_dtype(rows: int, experts: int) -> np.dtype:

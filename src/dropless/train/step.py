@@ -30,7 +30,7 @@ import optax
 from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
-from dropless.moe.balance import center_router_bias, max_load_ratio, token_variance_share
+from dropless.moe.balance import center_router_bias, max_load_ratio, token_variance_share, top_direction_share
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -108,6 +108,9 @@ def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
         # [L] each: how much of the selection scores' / the logits' variance differs by token (1: all of it)
         "router_token_share": jax.vmap(token_variance_share)(moe.score_moments, moe.tokens_routed),
         "router_logit_token_share": jax.vmap(token_variance_share)(moe.logit_moments, moe.tokens_routed),
+        # [L]: how much of the logits' per-token variance lies along one direction in expert space
+        "router_logit_top_direction": jax.vmap(top_direction_share)(moe.logit_gram, moe.logit_moments,
+                                                                   moe.tokens_routed),
     }
 
 
@@ -138,7 +141,7 @@ def microbatches(batch_BS1: jax.Array, count: int) -> jax.Array:
 # How the MoE statistics of N microbatches combine into the step's: counts and the router's moments add (the load
 # ratio and the token shares are then the whole step's), losses (means over their microbatch) average.
 _STATS_SUMMED = ("tokens_per_expert", "tokens_dropped", "dispatch_overflowed", "rows_sent", "rows_sent_without_dedup",
-                 "score_moments", "logit_moments", "tokens_routed")
+                 "score_moments", "logit_moments", "tokens_routed", "logit_gram")
 
 
 def merge_microbatch_stats(stats_N):
