@@ -30,7 +30,7 @@ from dropless.bench import harness
 from dropless.bench.records import environment, write_json
 from dropless.core import config as config_lib
 from dropless.core import xla_flags
-from dropless.train.metrics import load_ratios, router_row_names
+from dropless.train.metrics import host_metrics, load_ratios, router_row_names
 
 
 def _unit_router_std(config) -> float:
@@ -116,8 +116,9 @@ def run(config, log) -> dict:
         for step in range(tc.steps):
             batch = next(batches)
             state, metrics = setup.step(state, batch)
-            m = jax.device_get({k: metrics[k] for k in ("loss", "tokens_dropped", "expert_share", "router_bias",
-                                                        *shares)})
+            m = host_metrics(jax.device_get({k: metrics[k] for k in (
+                "loss", "tokens_dropped", "expert_share", "router_bias", "router_token_share",
+                "router_logit_token_share", "router_logit_covariance")}))
             if step == 2:  # time from here: compilation and warm-up are behind
                 t0 = time.perf_counter()
             elif step > 2:

@@ -65,6 +65,11 @@ def test_training_reduces_held_out_loss_and_drops_nothing(trained):
                 "tokens_dropped", "max_expert_load"):
         assert key in records[-1], key
     assert all(r["tokens_dropped"] == 0 for r in records)
+    # The router rows' health, one value per MoE layer; the logits' covariance it is read from stays off the file.
+    rows = len(records[-1]["router_logit_token_share"])
+    assert rows >= 1 and "router_logit_covariance" not in records[-1]
+    assert len(records[-1]["router_logit_top_direction"]) == rows
+    assert all(0.0 < v <= 1.0 for r in records for v in r["router_logit_top_direction"])
     assert records[-1]["mfu"] is None  # no known peak on a CPU
     assert (run_dir / "training.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig
-from dropless.moe.balance import (center_router_bias, max_load_ratio, routing_gram, routing_moments,
-                                  token_variance_share, tokens_per_expert, top_direction_share, update_router_bias)
+from dropless.moe.balance import (center_router_bias, max_load_ratio, routing_covariance, routing_gram,
+                                  routing_moments, token_variance_share, tokens_per_expert, top_direction_share,
+                                  update_router_bias)
 from dropless.moe.router import route
 from dropless.train import metrics as metrics_lib
 from dropless.train.step import expert_shares
@@ -89,7 +90,8 @@ def test_token_variance_share_says_whether_routing_depends_on_the_token():
 
 def _top_direction(values_TE) -> float:
     values = jnp.asarray(values_TE)
-    return float(top_direction_share(routing_gram(values), routing_moments(values), values.shape[0]))
+    return float(top_direction_share(routing_covariance(routing_gram(values), routing_moments(values),
+                                                        values.shape[0])))
 
 
 def _top_direction_reference(values_TE) -> float:
@@ -117,8 +119,10 @@ def test_top_direction_share_says_whether_tokens_differ_in_one_way_or_many():
     halves = [values[: T // 2], values[T // 2:]]
     gram = sum(routing_gram(h) for h in halves)
     moments = sum(routing_moments(h) for h in halves)
-    assert float(top_direction_share(gram, moments, T)) == pytest.approx(_top_direction(values), rel=1e-5)
-    assert float(top_direction_share(jnp.zeros((E, E)), jnp.zeros((2, E)), 0)) == 0.0  # an empty layer: no NaN
+    assert float(top_direction_share(routing_covariance(gram, moments, T))) == pytest.approx(_top_direction(values),
+                                                                                            rel=1e-5)
+    empty = routing_covariance(jnp.zeros((E, E)), jnp.zeros((2, E)), 0)
+    assert float(top_direction_share(empty)) == 0.0  # an empty layer: no NaN
 
 
 def test_the_moe_layer_reports_the_selection_scores_and_logits_moments():

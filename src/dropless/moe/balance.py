@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def tokens_per_expert(expert_ids_TK: jax.Array, num_experts: int) -> jax.Array:
@@ -52,12 +53,17 @@ def seq_aux_loss(probs_BSE: jax.Array, expert_ids_BSK: jax.Array) -> jax.Array:
     return jnp.mean(_balance(count_BE, probs_BSE, expert_ids_BSK.shape[-1]))
 
 
-def routing_moments(values_TE: jax.Array) -> jax.Array:
-    """[2, E] float32: the sums over tokens of v and v², where v is each token's values minus their mean over the
-    experts (a shift common to all of one token's experts changes no choice). Sums add over microbatches and
-    devices, so `token_variance_share` of summed moments is the whole batch's."""
+def _per_token_part(values_TE: jax.Array) -> jax.Array:
+    """float32 values outside the gradient, each token's minus their mean over the experts (a shift common to all of
+    one token's experts changes no choice)."""
     v_TE = jax.lax.stop_gradient(values_TE).astype(jnp.float32)
-    v_TE = v_TE - jnp.mean(v_TE, axis=-1, keepdims=True)
+    return v_TE - jnp.mean(v_TE, axis=-1, keepdims=True)
+
+
+def routing_moments(values_TE: jax.Array) -> jax.Array:
+    """[2, E] float32: the sums over tokens of v and v², v = `_per_token_part(values)`. Sums add over microbatches
+    and devices, so `token_variance_share` of summed moments is the whole batch's."""
+    v_TE = _per_token_part(values_TE)
     return jnp.stack([jnp.sum(v_TE, axis=0), jnp.sum(jnp.square(v_TE), axis=0)])
 
 
@@ -77,29 +83,34 @@ def token_variance_share(moments_2E: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def routing_gram(values_TE: jax.Array) -> jax.Array:
-    """[E, E] float32: the sum over tokens of v vᵀ, v as in `routing_moments` (each token's values minus their
-    mean over the experts). With `routing_moments` it gives the covariance of the per-token part over tokens, and
-    adds over microbatches and devices alike (`top_direction_share`)."""
-    v_TE = jax.lax.stop_gradient(values_TE).astype(jnp.float32)
-    v_TE = v_TE - jnp.mean(v_TE, axis=-1, keepdims=True)
+    """[E, E] float32: the sum over tokens of v vᵀ, v as in `routing_moments`; adds over microbatches and devices
+    alike (`routing_covariance`)."""
+    v_TE = _per_token_part(values_TE)
     return jnp.einsum("te,tf->ef", v_TE, v_TE, precision=jax.lax.Precision.HIGHEST)
 
 
-def top_direction_share(gram_EE: jax.Array, moments_2E: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The share of the per-token variance of a layer's routing values (`routing_gram`, `routing_moments` over
-    `tokens` tokens) that lies along one direction in expert space: the largest eigenvalue of their covariance
-    over its trace.
+def routing_covariance(gram_EE: jax.Array, moments_2E: jax.Array, tokens: jax.Array) -> jax.Array:
+    """[E, E] float32: the covariance over `tokens` tokens of the per-token part of a layer's routing values, from
+    their `routing_gram` and `routing_moments` (symmetric by construction)."""
+    n = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+    mean_E = moments_2E[0] / n
+    covariance_EE = gram_EE / n - jnp.outer(mean_E, mean_E)
+    return 0.5 * (covariance_EE + covariance_EE.T)
+
+
+def top_direction_share(covariance_EE) -> np.ndarray:
+    """The share of the per-token variance of a layer's routing values (`routing_covariance`) that lies along one
+    direction in expert space: the covariance's largest eigenvalue over its trace; any leading axes (one value per
+    router row). On the host, where a logged step's metrics are read: an eigendecomposition per router row is
+    work the training step need not do every step.
 
     Near 1: tokens differ from each other along a single direction, t ↦ a_t·u, so they rank the experts in at most
     two ways (by the sign of a_t) however much they vary, and no bias can spread them over more; small (down to
     1/(E-1) for isotropic values): tokens differ in many independent ways. Read with `token_variance_share`: a
     router can lose the token by a common part outgrowing the per-token one (that share falls) or by the per-token
     part collapsing onto one direction (this one rises)."""
-    n = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
-    mean_E = moments_2E[0] / n
-    covariance_EE = gram_EE / n - jnp.outer(mean_E, mean_E)
-    eigenvalues = jnp.linalg.eigvalsh(0.5 * (covariance_EE + covariance_EE.T))
-    return jnp.maximum(eigenvalues[-1], 0.0) / jnp.maximum(jnp.sum(jnp.maximum(eigenvalues, 0.0)), 1e-30)
+    eigenvalues = np.maximum(np.linalg.eigvalsh(np.asarray(covariance_EE, np.float64)), 0.0)
+    return eigenvalues[..., -1] / np.maximum(np.sum(eigenvalues, axis=-1), 1e-30)
 
 
 def z_loss(logits_TE: jax.Array) -> jax.Array:

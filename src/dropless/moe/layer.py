@@ -45,7 +45,7 @@ class MoEStats(NamedTuple):
     score_moments: jax.Array
     logit_moments: jax.Array
     tokens_routed: jax.Array  # int32
-    logit_gram: jax.Array  # [E, E] balance.routing_gram of the logits (balance.top_direction_share reads it)
+    logit_gram: jax.Array  # [E, E] balance.routing_gram of the logits (balance.routing_covariance reads it)
 
 
 def moe_params(hidden_size: int, moe_cfg) -> Specs:

@@ -402,6 +402,7 @@ class _Throughput:
 
 def _step_record(config: Config, step: int, step_metrics: dict, throughput: dict) -> dict:
     """One metrics.jsonl line for a logged step; checks the dropless invariant on it."""
+    step_metrics = metrics_lib.host_metrics(step_metrics)
     record = {"step": step, **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()  # router rows: [L, E]
                                for k, v in step_metrics.items()}, **throughput}
     for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup", "nonfinite"):

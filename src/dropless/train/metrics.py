@@ -37,6 +37,7 @@ import numpy as np
 from dropless.core import config as config_lib
 from dropless.core.config import Config
 from dropless.core.files import write_atomic
+from dropless.moe.balance import top_direction_share
 
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by jax `device_kind`.
 PEAK_BF16_TFLOPS = {
@@ -65,6 +66,15 @@ def throughput(tokens: int, seconds: float, flops_per_token: float, device_count
     tflops = flops_per_token * tokens_per_s / device_count / 1e12
     return {"tokens_per_s": tokens_per_s, "tflops_per_device": tflops,
             "mfu": (tflops / peak_tflops) if peak_tflops else None}
+
+
+def host_metrics(step_metrics: dict) -> dict:
+    """A logged step's metrics as read on the host: the logits' covariance per router row (`router_logit_covariance`,
+    [L, E, E], too large for metrics.jsonl) becomes `router_logit_top_direction` [L]."""
+    out = {k: v for k, v in step_metrics.items() if k != "router_logit_covariance"}
+    if "router_logit_covariance" in step_metrics:
+        out["router_logit_top_direction"] = top_direction_share(step_metrics["router_logit_covariance"])
+    return out
 
 
 def router_row_names(config: Config) -> list[str]:

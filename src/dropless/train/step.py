@@ -30,7 +30,7 @@ import optax
 from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
-from dropless.moe.balance import center_router_bias, max_load_ratio, token_variance_share, top_direction_share
+from dropless.moe.balance import center_router_bias, max_load_ratio, routing_covariance, token_variance_share
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -108,9 +108,10 @@ def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
         # [L] each: how much of the selection scores' / the logits' variance differs by token (1: all of it)
         "router_token_share": jax.vmap(token_variance_share)(moe.score_moments, moe.tokens_routed),
         "router_logit_token_share": jax.vmap(token_variance_share)(moe.logit_moments, moe.tokens_routed),
-        # [L]: how much of the logits' per-token variance lies along one direction in expert space
-        "router_logit_top_direction": jax.vmap(top_direction_share)(moe.logit_gram, moe.logit_moments,
-                                                                   moe.tokens_routed),
+        # [L, E, E]: the covariance of the logits' per-token part; a logged step's router_logit_top_direction
+        # (dropless.train.metrics.host_metrics) is read from it on the host
+        "router_logit_covariance": jax.vmap(routing_covariance)(moe.logit_gram, moe.logit_moments,
+                                                                moe.tokens_routed),
     }
 
 
