@@ -73,18 +73,23 @@ def _nt_case(sizes, scaling, seed, m=256, k=256, n=128):
     return x, w, np.array(sizes, np.int32), lhs_scale, rhs_scale
 
 
-def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32):
+def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n"):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), NT_TILE, scaling=scaling,
                      lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
-                     out_dtype=out_dtype)
+                     out_dtype=out_dtype, stack=stack)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
-def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling):
+# (scaling, stack): blockwise also with the consumers stacked along M (a CTA tile of 128 rows: the 37-row group
+# is split between the consumers, and a tile runs past the last row).
+LAYOUTS = [("rowwise", "n"), ("blockwise", "n"), ("blockwise", "m")]
+
+
+@pytest.mark.parametrize("scaling, stack", LAYOUTS)
+def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, stack):
     x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, scaling, seed=1)
-    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale)
+    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, stack=stack)
     live = sizes.sum()
     ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale)
     _assert_matches(out[:live], ref[:live], mag[:live])  # rows past the groups are unwritten
@@ -95,10 +100,10 @@ def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scalin
         _assert_matches(out[:live], ref[:live], mag[:live])
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
-def test_gmm_nt_with_every_row_in_one_group_and_a_bf16_output(scaling):
+@pytest.mark.parametrize("scaling, stack", LAYOUTS)
+def test_gmm_nt_with_every_row_in_one_group_and_a_bf16_output(scaling, stack):
     x, w, sizes, lhs_scale, rhs_scale = _nt_case(SKEW, scaling, seed=2)
-    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.bfloat16)
+    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.bfloat16, stack=stack)
     ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale)
     assert np.isfinite(out).all()
     np.testing.assert_array_less(np.abs(out - ref), 2.0 ** -8 * np.abs(ref) + 4e-6 * mag + 1e-30)  # bf16 rounding
@@ -138,16 +143,16 @@ def _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale):
     return ref, mag
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("scaling, stack", LAYOUTS)
 @pytest.mark.parametrize("sizes", [MIXED, SKEW], ids=["mixed", "skew"])
-def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, sizes):
+def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, stack, sizes):
     xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(sizes, scaling, seed=3)
     first, blocks = map(np.asarray, aligned_layout(jnp.asarray(sizes_G)))
     assert [(int(f), int(b)) for f, b in zip(first, blocks)] == layout
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), TN_TILE,
                              scaling=scaling, lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
-                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32))
+                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack)
     assert out.dtype == jnp.float32 and out.shape == (len(sizes), 128, 128)
     out = np.asarray(out, np.float64)
     ref, mag = _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale)
@@ -160,7 +165,7 @@ def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interprete
         _assert_matches(out, *_tn_reference(xT, dyT, layout, scaling, wrong, rhs_scale))
 
 
-def _lower(product, scaling, tile, m, k, n, g, out_dtype):
+def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n"):
     """Export the product of the layer y = x·W (x [m, k], W [g, k, n]) for CUDA on this CPU: Mosaic GPU's layout
     inference and shared-memory check run here, as when the GPU compiles the kernel."""
     f32, sizes = jnp.float32, S((g,), jnp.int32)
@@ -169,7 +174,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype):
         scales = ((S((g, k), f32), S((g, n), f32)) if scaling == "rowwise" else
                   (S((p // SCALE_BLOCK, k), f32), S((p // SCALE_BLOCK, n), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                                     out_dtype=out_dtype)
+                                                     out_dtype=out_dtype, stack=stack)
         operands = (S((k, p), FP8), S((n, p), FP8), sizes, *scales)
     else:
         contract, out_cols = (k, n) if product == "fwd" else (n, k)  # dlhs: dy [m, n] · W[g]ᵀ, W read [g, k, n]
@@ -177,7 +182,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype):
                   (S((contract // SCALE_BLOCK, m), f32),
                    S((g, out_cols // SCALE_BLOCK, contract // SCALE_BLOCK), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_nt(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                             out_dtype=out_dtype)
+                                             out_dtype=out_dtype, stack=stack)
         operands = (S((m, contract), FP8), S((g, out_cols, contract), FP8), sizes, *scales)
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
 
@@ -191,7 +196,15 @@ def test_every_table_tile_lowers_for_cuda_on_the_cpu(product, scaling, k, n, g, 
     assert fp8_mosaic.fits(product, k, n, scaling)
     tile = fp8_mosaic.default_tile(product, 8192, k, n, g, scaling)
     assert tile == FP8_TILES[(product, scaling)]
-    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype).platforms == ("cuda",)
+    stack = fp8_mosaic.default_stack(product, scaling)
+    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack).platforms == ("cuda",)
+
+
+@pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)
+@pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
+def test_the_blockwise_tiles_lower_with_either_consumer_layout(product, stack):
+    tile = FP8_TILES[(product, "blockwise")]
+    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, stack).platforms == ("cuda",)
 
 
 @pytest.mark.parametrize("product, scaling", [("fwd", "rowwise"), ("drhs", "blockwise")])
@@ -235,6 +248,9 @@ def test_fits_and_default_tile():
     (dict(rhs_scale=jnp.ones((2, 256), jnp.float32)), "rhs_scale has shape"),
     (dict(lhs=jnp.zeros((256, 256), jnp.bfloat16)), "operands must be float8_e4m3fn"),
     (dict(tile=TileConfig(64, 64, 64, 2)), "block_k == 128"),
+    (dict(stack="k"), "stack='k'"),
+    (dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stack="m"),
+     "blockwise scaling only"),
     (dict(lhs=jnp.zeros((256, 320), FP8), rhs=jnp.zeros((2, 256, 320), FP8)), "multiple of 128"),
 ])
 def test_gmm_nt_rejects_malformed_operands_with_one_clear_error(change, message):
@@ -245,7 +261,7 @@ def test_gmm_nt_rejects_malformed_operands_with_one_clear_error(change, message)
         args |= dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)))
     with pytest.raises(ValueError, match=message):
         gmm_nt(args["lhs"], args["rhs"], jnp.array([100, 100], jnp.int32), args["tile"], scaling=args["scaling"],
-               lhs_scale=args["lhs_scale"], rhs_scale=args["rhs_scale"])
+               lhs_scale=args["lhs_scale"], rhs_scale=args["rhs_scale"], stack=args.get("stack", "n"))
 
 
 def test_gmm_tn_aligned_rejects_a_row_block_other_than_the_group_alignment():

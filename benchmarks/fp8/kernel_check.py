@@ -4,7 +4,7 @@
 
 Cases: gmm_nt (the fwd product x · W[g], rhs = Wᵀ [G, N, K], bf16 output) and gmm_tn_aligned (the weight gradient
 xᵀ · dy from 128-aligned transposed copies, float32 output), each with rowwise and blockwise scales and its
-FP8_TILES entry (fwd, drhs). Shape: M = 16,384 rows in 8 groups, sizes Dirichlet(alpha=1) floored (seed 0: some
+FP8_TILES and FP8_STACKS entries (fwd, drhs). Shape: M = 16,384 rows in 8 groups, sizes Dirichlet(alpha=1) floored (seed 0: some
 rows past the groups, groups starting unaligned), K = 2048, N = 4096. Operands random normal * 32 cast to e4m3;
 scales random powers of two, 2^-4 .. 2^4, so dequantising is exact in float32.
 Reference: the dequantised operands (each e4m3 value times its scale) multiplied per group in float32 with
@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.gmm.fp8_mosaic import FP8, FP8_TILES, SCALE_BLOCK, aligned_layout, gmm_nt, gmm_tn_aligned
+from dropless.gmm.fp8_mosaic import FP8, FP8_STACKS, FP8_TILES, SCALE_BLOCK, aligned_layout, gmm_nt, gmm_tn_aligned
 from dropless.gmm.tuning import TileConfig
 
 ITERS, BATCHES = 10, 5
@@ -71,8 +71,9 @@ def _rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def _nt_case(scaling, sizes, k, n, m, tile):
-    """(kernel fn, its args, reference fn, rows compared) of gmm_nt: out[m] = x[m] · w[g(m)]ᵀ, scaled."""
+def nt_case(scaling, sizes, k, n, m):
+    """(kernel fn of (tile, stack), its args, reference fn, rows compared) of gmm_nt: out[m] = x[m] · w[g(m)]ᵀ,
+    scaled."""
     g = len(sizes)
     kx, kw, kls, krs = jax.random.split(jax.random.key(1), 4)
     x, w = _e4m3(kx, (m, k)), _e4m3(kw, (g, n, k))
@@ -81,7 +82,8 @@ def _nt_case(scaling, sizes, k, n, m, tile):
         lhs_scale, rhs_scale = _pow2(kls, (m,)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (kb, m)), _pow2(krs, (g, n // SCALE_BLOCK, kb))
-    fn = jax.jit(lambda x, w, gs, ls, rs: gmm_nt(x, w, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs))
+    fn = lambda tile, stack: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(x, w, gs, tile, scaling=scaling, lhs_scale=ls,
+                                                                      rhs_scale=rs, stack=stack))
 
     def reference():
         if scaling == "rowwise":
@@ -97,7 +99,7 @@ def _nt_case(scaling, sizes, k, n, m, tile):
     return fn, (x, w, jnp.asarray(sizes), lhs_scale, rhs_scale), reference, int(sizes.sum())
 
 
-def _tn_case(scaling, sizes, k, n, m, tile):
+def tn_case(scaling, sizes, k, n, m):
     """The same for gmm_tn_aligned: x [m, k] and dy [m, n] laid into 128-aligned transposed copies xᵀ [k, P],
     dyᵀ [n, P] (zeros between groups); out[g] = xᵀ[:, cols g] · dyᵀ[:, cols g]ᵀ, scaled."""
     g = len(sizes)
@@ -114,8 +116,8 @@ def _tn_case(scaling, sizes, k, n, m, tile):
         lhs_scale, rhs_scale = _pow2(kls, (g, k)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (p // SCALE_BLOCK, k)), _pow2(krs, (p // SCALE_BLOCK, n))
-    fn = jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls,
-                                                         rhs_scale=rs))
+    fn = lambda tile, stack: jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling,
+                                                                              lhs_scale=ls, rhs_scale=rs, stack=stack))
 
     def reference():
         outs = []
@@ -137,11 +139,12 @@ def run_case(kernel: str, scaling: str, small: bool) -> dict:
     record = {"kernel": kernel, "scaling": scaling, "M": m, "K": k, "N": n, "G": g, "rows": int(sizes.sum()),
               "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     try:
-        tile = SMALL_TILES["nt" if kernel == "gmm_nt" else "tn"] if small else \
-            FP8_TILES[("fwd" if kernel == "gmm_nt" else "drhs", scaling)]
-        record["tile"] = str(tile)
-        case = _nt_case if kernel == "gmm_nt" else _tn_case
-        fn, args, reference, live = case(scaling, sizes, k, n, m, tile)
+        key = ("fwd" if kernel == "gmm_nt" else "drhs", scaling)
+        tile = SMALL_TILES["nt" if kernel == "gmm_nt" else "tn"] if small else FP8_TILES[key]
+        record |= {"tile": str(tile), "stack": FP8_STACKS[key]}
+        case = nt_case if kernel == "gmm_nt" else tn_case
+        make_fn, args, reference, live = case(scaling, sizes, k, n, m)
+        fn = make_fn(tile, FP8_STACKS[key])
         interpret = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if small else contextlib.nullcontext()
         with interpret:
             compile_s, ms = _time(fn, *args, batches=0 if small else BATCHES)  # the interpreter's times: none

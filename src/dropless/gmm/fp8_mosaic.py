@@ -11,7 +11,9 @@ take both operands K-major, and the weight gradient takes group-aligned, zero-pa
       drhs xᵀ · dy     with xᵀ [K, P], dyᵀ [N, P] whose groups start at multiples of 128 columns, zero-padded
 
 Both are warp-specialised like `dropless.gmm.mosaic_ws`: a producer warpgroup runs the TMA pipeline, two consumer
-warpgroups each own a block_m x block_n accumulator side by side (a CTA tile is block_m x 2*block_n).
+warpgroups each own a block_m x block_n accumulator, side by side along N (stack="n": a CTA tile is
+block_m x 2*block_n, the consumers share the lhs block) or stacked along M (stack="m": 2*block_m x block_n, they
+share the rhs block; blockwise scaling only).
 
 Scaling. "rowwise": one scale per row of each operand, applied to the float32 accumulator after the last K step.
 Each consumer starts a TMA copy of its tile's two scale vectors into its own shared-memory slots before the K loop
@@ -22,7 +24,8 @@ per tile, take no pipeline buffers.
 accumulator that is waited for, scaled and added into a float32 register carry. Hopper's e4m3 wgmma accumulates
 with reduced precision, and the promotion bounds that error to one 128-wide block. A blockwise consumer holds two
 float32 tiles (partial and carry), so its tile is 64x128: at 128x128 the 256 registers per thread spill (3.2x
-slower on an H200).
+slower on an H200). gmm_nt's weight-block scale is one float32 per K step read from global memory; each step
+issues the next step's read before its wgmma, so the read's latency hides behind the product.
 
 Suffixes: M rows sorted by group, K contraction (nt) or output rows (tn), N output columns, G groups, P columns of
 the aligned copies, Kb = K/128, Nb = N/128, Pb = P/128.
@@ -48,6 +51,7 @@ FP8 = jnp.float8_e4m3fn
 SCALE_BLOCK = 128  # blockwise scales: one per 128 contraction elements (activations), per 128x128 block (weights)
 SCALINGS = ("rowwise", "blockwise")
 PRODUCTS = ("fwd", "dlhs", "drhs")
+STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side by side along N, stacked along M
 
 # Tiles per consumer warpgroup (two side by side along N), keyed by (product, scaling). Measured on one H200 by
 # benchmarks/fp8/grouped_gemm.py at DeepSeek-V3's 32-expert shapes (benchmarks/results/fp8-probe-h200.json):
@@ -68,6 +72,13 @@ FP8_TILES = {
 }
 # The entries whose tile was timed (the rowwise ones without their scale epilogue), for callers that report it.
 MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise"), ("fwd", "blockwise")})
+# The consumers' layout per table entry (STACKS).
+FP8_STACKS = {key: "n" for key in FP8_TILES}
+
+
+def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
+    """(rows, columns) of a CTA's output tile: the two consumers' block_m x block_n tiles along `stack`."""
+    return (tile.block_m, CONSUMERS * tile.block_n) if stack == "n" else (CONSUMERS * tile.block_m, tile.block_n)
 
 
 def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str) -> TileConfig:
@@ -80,17 +91,22 @@ def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str) -> 
     return FP8_TILES[(product, scaling)]
 
 
+def default_stack(product: str, scaling: str) -> str:
+    """The FP8_STACKS entry of a product (the layout default_tile's tile was chosen with)."""
+    default_tile(product, 0, 0, 0, 0, scaling)  # the same check of the key
+    return FP8_STACKS[(product, scaling)]
+
+
 def fits(product: str, k: int, n: int, scaling: str) -> bool:
     """Whether these kernels with default_tile take a product of the layer y = x·W with x [M, k], W [G, k, n] (the
-    dims of `dropless.gmm.tuning.ProductConfig.fits`): the output's columns a multiple of the CTA tile, 2 * block_n,
-    its rows (drhs) of block_m, a row-ragged product's contraction of 128 (the scale block and block_k)."""
-    tile = default_tile(product, 0, k, n, 0, scaling)
-    cta_n = CONSUMERS * tile.block_n
+    dims of `dropless.gmm.tuning.ProductConfig.fits`): the output's columns a multiple of the CTA tile's (cta_shape),
+    its rows (drhs) of the CTA tile's, a row-ragged product's contraction of 128 (the scale block and block_k)."""
+    cta_m, cta_n = cta_shape(default_tile(product, 0, k, n, 0, scaling), default_stack(product, scaling))
     if product == "fwd":  # out [M, n], contracts k
         return n % cta_n == 0 and k % SCALE_BLOCK == 0 and n % SCALE_BLOCK == 0
     if product == "dlhs":  # out [M, k], contracts n
         return k % cta_n == 0 and n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
-    return k % tile.block_m == 0 and n % cta_n == 0  # drhs: out [G, k, n], contracts the 128-aligned rows
+    return k % cta_m == 0 and n % cta_n == 0  # drhs: out [G, k, n], contracts the 128-aligned rows
 
 
 def aligned_layout(group_sizes_G: jax.Array, align: int = SCALE_BLOCK) -> tuple[jax.Array, jax.Array]:
@@ -104,8 +120,8 @@ def aligned_layout(group_sizes_G: jax.Array, align: int = SCALE_BLOCK) -> tuple[
 @dataclass(frozen=True)
 class _Launch:
     """The static shape of one kernel launch: the tile, `stages` that fit, `groups` x `outer` x n_tiles CTA output
-    tiles (gmm_nt: one group axis, row tiles; gmm_tn_aligned: each group's K tiles), the scaling, the output dtype
-    and (gmm_nt) the row count."""
+    tiles (gmm_nt: one group axis, row tiles; gmm_tn_aligned: each group's K tiles), the scaling, the output dtype,
+    (gmm_nt) the row count and the consumers' layout."""
 
     tile: TileConfig
     stages: int
@@ -115,18 +131,39 @@ class _Launch:
     out_dtype: Any
     num_rows: int = 0
     groups: int = 1
+    stack: str = "n"
+
+    @property
+    def cta(self) -> tuple[int, int]:
+        return cta_shape(self.tile, self.stack)
+
+    def lhs_rows(self, wg):
+        """A consumer's rows of the CTA's lhs block (all of them when the consumers sit side by side)."""
+        return pl.ds(0, self.tile.block_m) if self.stack == "n" else pl.ds(wg * self.tile.block_m, self.tile.block_m)
+
+    def rhs_rows(self, wg):
+        """A consumer's rows of the CTA's K-major rhs block (all of them when the consumers are stacked)."""
+        return pl.ds(wg * self.tile.block_n, self.tile.block_n) if self.stack == "n" else pl.ds(0, self.tile.block_n)
+
+    def operands(self, lhs_smem, rhs_smem, wg):
+        """A consumer's wgmma operands: its [block_m, K] lhs rows and its rhs rows viewed [K, block_n]."""
+        return lhs_smem.at[self.lhs_rows(wg)], rhs_smem.at[self.rhs_rows(wg), :].transpose((1, 0))
+
+    def out_origin(self, wg):
+        """(row, column) of a consumer's output tile inside its CTA tile."""
+        return (0, wg * self.tile.block_n) if self.stack == "n" else (wg * self.tile.block_m, 0)
 
 
-def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int, ...]) -> int:
+def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int, ...], stack: str = "n") -> int:
     """tile.num_stages, or fewer if the pipeline's buffers (e4m3 operand blocks and float32 scale vectors of
     these lengths, each buffer aligned to 1 KiB), the rowwise epilogue's scale slots and the output blocks do not
     fit in shared memory together."""
-    cta_n = CONSUMERS * tile.block_n
+    cta_m, cta_n = cta_shape(tile, stack)
     out_bytes = CONSUMERS * tile.block_m * tile.block_n * jnp.dtype(out_dtype).itemsize
     epilogue = [CONSUMERS * 4 * tile.block_m, CONSUMERS * 4 * tile.block_n] if scaling == "rowwise" else []
 
     def needed(stages: int) -> int:
-        buffers = [stages * tile.block_m * tile.block_k, stages * cta_n * tile.block_k] + epilogue
+        buffers = [stages * cta_m * tile.block_k, stages * cta_n * tile.block_k] + epilogue
         buffers += [stages * 4 * length for length in scale_lengths]
         return sum(-(-b // 1024) * 1024 for b in buffers) + out_bytes + BARRIER_BYTES
 
@@ -136,10 +173,12 @@ def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int,
     return stages
 
 
-def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict) -> None:
-    """One clear error for a caller's mistake in scaling or operand shapes (named by argument)."""
+def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict, stack: str) -> None:
+    """One clear error for a caller's mistake in scaling, layout or operand shapes (named by argument)."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r}; choose one of {SCALINGS}.")
+    if stack not in STACKS or (stack == "m" and scaling != "blockwise"):
+        raise ValueError(f"stack={stack!r}: choose one of {STACKS} ('m' with blockwise scaling only).")
     if scaling == "blockwise" and (tile.block_k != SCALE_BLOCK or SCALE_BLOCK % tile.block_n):
         raise ValueError(f"blockwise scaling needs block_k == {SCALE_BLOCK} and block_n dividing it; got {tile}.")
     for name, shape in expected.items():
@@ -157,11 +196,6 @@ def _zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _k_major_b(rhs_smem, wg, block_n):
-    """A consumer's B operand: its block_n rows of the CTA's K-major rhs block, viewed [K, block_n]."""
-    return rhs_smem.at[pl.ds(wg * block_n, block_n), :].transpose((1, 0))
-
-
 def _partial_mma(lhs_smem, b):
     """One K step's product into a fresh float32 accumulator, waited for and returned as a value."""
     def run(partial_ref):
@@ -174,7 +208,7 @@ def _partial_mma(lhs_smem, b):
 def _rowwise_body(s: _Launch, wg):
     """Pipeline body of rowwise scaling: each K step's product accumulates in the one float32 ACC."""
     def body(_, lhs_smem, rhs_smem, acc_ref):
-        plgpu.wgmma(acc_ref, lhs_smem, _k_major_b(rhs_smem, wg, s.tile.block_n))
+        plgpu.wgmma(acc_ref, *s.operands(lhs_smem, rhs_smem, wg))
         plgpu.wgmma_wait(0)
         return acc_ref
 
@@ -213,10 +247,15 @@ def _rowwise_context(s: _Launch, wg, slots, rows_gmem, cols_gmem, stage_out, sto
     return context
 
 
-def _blockwise_context(s: _Launch, stage_out, store):
-    """The blockwise consumers' context: a float32 register carry through the pipeline, staged, then stored."""
+def _blockwise_context(s: _Launch, stage_out, store, first_scale=None):
+    """The blockwise consumers' context: a float32 register carry through the pipeline, staged, then stored. With
+    first_scale (gmm_nt: the first K step's weight-block scale) the carry is (sum, this step's scale)."""
     def context(run_pipeline):
-        stage_out(run_pipeline(_zeros((s.tile.block_m, s.tile.block_n))))
+        zeros = _zeros((s.tile.block_m, s.tile.block_n))
+        if first_scale is None:
+            stage_out(run_pipeline(zeros))
+        else:
+            stage_out(run_pipeline((zeros, first_scale()))[0])
         store()
 
     return context
@@ -238,30 +277,31 @@ def _call(kernel, s: _Launch, out_shape, name: str):
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
-def _operand_specs(dtype, tile: TileConfig, index_map, scale_lengths=(), scale_index_map=None):
-    """BlockSpecs of the K-major lhs and rhs blocks, then of one [1, length] float32 scale vector per length."""
-    bm, bk, cta_n = tile.block_m, tile.block_k, CONSUMERS * tile.block_n
-    specs = [plgpu.BlockSpec((bm, bk), index_map, transforms=swizzled(bk, dtype), memory_space=plgpu.SMEM),
+def _operand_specs(s: _Launch, dtype, index_map, scale_lengths=(), scale_index_map=None):
+    """BlockSpecs of the CTA's K-major lhs and rhs blocks, then of one [1, length] float32 scale vector per
+    length."""
+    (cta_m, cta_n), bk = s.cta, s.tile.block_k
+    specs = [plgpu.BlockSpec((cta_m, bk), index_map, transforms=swizzled(bk, dtype), memory_space=plgpu.SMEM),
              plgpu.BlockSpec((cta_n, bk), index_map, transforms=swizzled(bk, dtype), memory_space=plgpu.SMEM)]
     return specs + [plgpu.BlockSpec((1, length), scale_index_map, memory_space=plgpu.SMEM)
                     for length in scale_lengths]
 
 
-def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int) -> None:
+def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int, stack: str) -> None:
     """The operands' dtype and the dims the tile must divide (a caller's mistake: one clear error)."""
     if lhs.dtype != FP8 or rhs.dtype != FP8:
         raise ValueError(f"operands must be {jnp.dtype(FP8).name}; got {lhs.dtype} and {rhs.dtype}.")
-    cta_n = CONSUMERS * tile.block_n
+    cta_n = cta_shape(tile, stack)[1]
     if contraction % SCALE_BLOCK or contraction % tile.block_k or out_cols % cta_n:
         raise ValueError(f"the contraction ({contraction}) must be a multiple of {SCALE_BLOCK} and block_k and the "
-                         f"output columns ({out_cols}) of 2 * block_n = {cta_n}; see fits().")
+                         f"output columns ({out_cols}) of the CTA tile's {cta_n}; see fits().")
 
 
 # One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
 # from the recomputed forward lowers its kernel once (each lowering runs Mosaic GPU's compiler passes on the host).
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
-           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
+           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n") -> jax.Array:
     """out[m] = lhs[m] · rhs[g(m)]ᵀ, scaled, [M, N]; rows past sum(group_sizes) are left unwritten.
 
     rowwise:   lhs_scale [M], rhs_scale [G, N]; out[m, n] = acc[m, n] * lhs_scale[m] * rhs_scale[g(m), n].
@@ -274,14 +314,15 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     expected = {"rhs_GNK": (g, n, k)} | ({"lhs_scale": (m,), "rhs_scale": (g, n)} if scaling == "rowwise" else
                                          {"lhs_scale": (kb, m), "rhs_scale": (g, n // SCALE_BLOCK, kb)})
     _check(scaling, tile, {"rhs_GNK": rhs_GNK.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
-           expected)
-    _check_operands(lhs_MK, rhs_GNK, k, tile, n)
-    bm, cta_n = tile.block_m, CONSUMERS * tile.block_n
+           expected, stack)
+    _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
+    bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
-    m_tiles = max_row_tiles(m, g, bm)
-    tables = row_tiles(group_sizes_G, bm, m_tiles)
-    scale_lengths = (bm,) if scaling == "blockwise" else ()
-    s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths), m_tiles, n // cta_n, scaling, out_dtype, m)
+    m_tiles = max_row_tiles(m, g, cta_m)
+    tables = row_tiles(group_sizes_G, cta_m, m_tiles)
+    scale_lengths = (cta_m,) if scaling == "blockwise" else ()
+    s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), m_tiles, n // cta_n, scaling,
+                out_dtype, m, stack=stack)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     if scaling == "rowwise":
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
@@ -290,32 +331,39 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     return _call(_nt_kernel, s, (m, n), "nt")(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
-def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
-    """Blockwise promotion along K: the step's product, times its row scales and its weight block's scale (read
-    from global memory: one scalar per step), added into the carry."""
-    bn = s.tile.block_n
-    block_n = (ni * CONSUMERS * bn + wg * bn) // SCALE_BLOCK
+def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni, k_steps):
+    """Blockwise promotion along K: the step's product, times its row scales and its weight block's scale, added
+    into the carry. The carry holds the sum and this step's weight-block scale; the next step's (one scalar read
+    from global memory) is read before the wgmma is issued, so its latency overlaps the product."""
+    block_n = _weight_block(s, wg, ni)
 
     def body(idx, lhs_smem, rhs_smem, row_scale_smem, carry):
-        partial = _partial_mma(lhs_smem, _k_major_b(rhs_smem, wg, bn))
-        block_scale = col_scale_gmem[group, block_n, idx[0]]
-        return carry + partial * lax.broadcast_in_dim(row_scale_smem[0, :] * block_scale, partial.shape, [0])
+        total, block_scale = carry
+        next_scale = col_scale_gmem[group, block_n, jnp.minimum(idx[0] + 1, k_steps - 1)]
+        partial = _partial_mma(*s.operands(lhs_smem, rhs_smem, wg))
+        rows = row_scale_smem[0, s.lhs_rows(wg)] * block_scale
+        return total + partial * lax.broadcast_in_dim(rows, partial.shape, [0]), next_scale
 
     return body
+
+
+def _weight_block(s: _Launch, wg, ni):
+    """The 128-column weight-scale block of a consumer's output columns (block_n divides 128)."""
+    return (ni * s.cta[1] + s.out_origin(wg)[1]) // SCALE_BLOCK
 
 
 def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, offset_T, size_T, out):
     """gmm_nt's kernel: pipeline and output blocks held for the whole kernel, the walk over (row tile, CTA column
     tile) pairs of `dropless.gmm.mosaic.row_tiles`, each tile's pipeline along K."""
     bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
-    cta_n, k_steps = CONSUMERS * bn, lhs.shape[1] // bk
+    (cta_m, cta_n), k_steps = s.cta, lhs.shape[1] // bk
     blockwise = s.scaling == "blockwise"
-    specs = (_operand_specs(lhs.dtype, s.tile, lambda ki: (0, ki), (bm,), lambda ki: (ki, 0)) if blockwise else
-             _operand_specs(lhs.dtype, s.tile, lambda ki: (0, ki)))
+    specs = (_operand_specs(s, lhs.dtype, lambda ki: (0, ki), (cta_m,), lambda ki: (ki, 0)) if blockwise else
+             _operand_specs(s, lhs.dtype, lambda ki: (0, ki)))
 
     def operands(start, group, ni):
-        ops = [lhs.at[pl.ds(start, bm), :], rhs.at[group].at[pl.ds(ni * cta_n, cta_n), :]]
-        return ops + [row_scale.at[:, pl.ds(start, bm)]] if blockwise else ops
+        ops = [lhs.at[pl.ds(start, cta_m), :], rhs.at[group].at[pl.ds(ni * cta_n, cta_n), :]]
+        return ops + [row_scale.at[:, pl.ds(start, cta_m)]] if blockwise else ops
 
     ignore = lambda *_, **__: None  # the allocations depend on the block specs only
     allocations = _pipeline(s, k_steps, specs, ignore, ignore).get_allocations(*operands(0, 0, 0))
@@ -333,20 +381,25 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                                         s.tile.grid_tile_width)
             group, size = group_T[mi], size_T[mi]
             start = pl.multiple_of(start_T[mi], TMA_ROW_ALIGNMENT)
+            row0, col0 = s.out_origin(wg)
 
             def stage_out(value):
                 out_smem[wg] = value.astype(s.out_dtype)
 
             def store():
+                # The tile's valid rows [offset, offset + size) of the CTA tile, clipped to this consumer's rows.
+                lo = jnp.clip(offset_T[mi] - row0, 0, bm)
+                hi = jnp.clip(offset_T[mi] + size - row0, 0, bm)
                 plgpu.commit_smem()
-                store_rows(out_smem.at[wg], out, row0=start, offset=offset_T[mi], size=size,
-                           cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows))
+                store_rows(out_smem.at[wg], out, row0=start + row0, offset=lo, size=jnp.maximum(hi - lo, 0),
+                           cols=pl.ds(ni * cta_n + col0, bn), max_rows=min(bm, s.num_rows))
 
             @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
             def _compute():
                 if blockwise:
-                    body = _nt_blockwise_body(s, wg, col_scale, group, ni)
-                    context = _blockwise_context(s, stage_out, store)
+                    body = _nt_blockwise_body(s, wg, col_scale, group, ni, k_steps)
+                    block_n = _weight_block(s, wg, ni)
+                    context = _blockwise_context(s, stage_out, store, lambda: col_scale[group, block_n, 0])
                 else:
                     rows_gmem = row_scale.at[:, pl.ds(start, bm)]
                     cols_gmem = col_scale.at[pl.ds(group, 1), pl.ds(ni * cta_n + wg * bn, bn)]
@@ -355,9 +408,10 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
 def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                   scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32) -> jax.Array:
+                   scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32,
+                   stack: str = "n") -> jax.Array:
     """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
 
     Group g occupies columns [128 * first_g, 128 * (first_g + blocks_g)) of both copies, with (first_G, blocks_G)
@@ -374,16 +428,16 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     expected = {"rhsT_NP": (n, p)} | ({"lhs_scale": (g, k), "rhs_scale": (g, n)} if scaling == "rowwise" else
                                       {"lhs_scale": (pb, k), "rhs_scale": (pb, n)})
     _check(scaling, tile, {"rhsT_NP": rhsT_NP.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
-           expected)
-    _check_operands(lhsT_KP, rhsT_NP, p, tile, n)
-    bm, cta_n = tile.block_m, CONSUMERS * tile.block_n
-    if tile.block_k != SCALE_BLOCK or k % bm:
+           expected, stack)
+    _check_operands(lhsT_KP, rhsT_NP, p, tile, n, stack)
+    cta_m, cta_n = cta_shape(tile, stack)
+    if tile.block_k != SCALE_BLOCK or k % cta_m:
         raise ValueError(f"gmm_tn_aligned steps over the {SCALE_BLOCK}-column group blocks: block_k must be "
-                         f"{SCALE_BLOCK} and K ({k}) a multiple of block_m; got {tile}.")
+                         f"{SCALE_BLOCK} and K ({k}) a multiple of the CTA tile's {cta_m} rows; got {tile}.")
     out_dtype = jnp.dtype(out_dtype)
-    scale_lengths = (bm, cta_n) if scaling == "blockwise" else ()
-    s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths), k // bm, n // cta_n, scaling, out_dtype,
-                groups=g)
+    scale_lengths = (cta_m, cta_n) if scaling == "blockwise" else ()
+    s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), k // cta_m, n // cta_n, scaling,
+                out_dtype, groups=g, stack=stack)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     return _call(_tn_kernel, s, (g, k, n), "tn_aligned")(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP,
                                                         rhsT_NP, lhs_scale, rhs_scale)
@@ -392,11 +446,11 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
 def _tn_blockwise_body(s: _Launch, wg):
     """Blockwise promotion along the group's columns: the block's product times the outer product of its K-row
     and N-column scales, added into the carry."""
-    bn = s.tile.block_n
+    cols = s.rhs_rows(wg)
 
     def body(_, lhs_smem, rhs_smem, row_scale_smem, col_scale_smem, carry):
-        partial = _partial_mma(lhs_smem, _k_major_b(rhs_smem, wg, bn))
-        return carry + partial * _outer(row_scale_smem[0, :], col_scale_smem[0, pl.ds(wg * bn, bn)], partial.shape)
+        partial = _partial_mma(*s.operands(lhs_smem, rhs_smem, wg))
+        return carry + partial * _outer(row_scale_smem[0, s.lhs_rows(wg)], col_scale_smem[0, cols], partial.shape)
 
     return body
 
@@ -405,16 +459,16 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
     """gmm_tn_aligned's kernel: pipeline and output blocks held for the whole kernel, the walk over (group, K tile,
     CTA N tile) outputs, each tile's pipeline over its group's column blocks."""
     bm, bn = s.tile.block_m, s.tile.block_n
-    cta_n, per_group = CONSUMERS * bn, s.outer * s.n_tiles
+    (cta_m, cta_n), per_group = s.cta, s.outer * s.n_tiles
     blockwise = s.scaling == "blockwise"
 
     def specs(first):
         if blockwise:
-            return _operand_specs(lhs.dtype, s.tile, lambda r: (0, first + r), (bm, cta_n), lambda r: (first + r, 0))
-        return _operand_specs(lhs.dtype, s.tile, lambda r: (0, first + r))
+            return _operand_specs(s, lhs.dtype, lambda r: (0, first + r), (cta_m, cta_n), lambda r: (first + r, 0))
+        return _operand_specs(s, lhs.dtype, lambda r: (0, first + r))
 
     def operands(ki, ni):
-        rows, cols = pl.ds(ki * bm, bm), pl.ds(ni * cta_n, cta_n)
+        rows, cols = pl.ds(ki * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
         ops = [lhs.at[rows, :], rhs.at[cols, :]]
         return ops + [row_scale.at[:, rows], col_scale.at[:, cols]] if blockwise else ops
 
@@ -439,8 +493,9 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
 
             def store():
                 plgpu.commit_smem()
-                cols = pl.ds(ni * cta_n + wg * bn, bn)
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out.at[gi, pl.ds(ki * bm, bm), cols])
+                row0, col0 = s.out_origin(wg)
+                rows, cols = pl.ds(ki * cta_m + row0, bm), pl.ds(ni * cta_n + col0, bn)
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out.at[gi, rows, cols])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load

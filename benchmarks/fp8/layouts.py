@@ -1,0 +1,134 @@
+"""The blockwise e4m3 kernels' consumer layouts and tiles on one GPU, each checked and timed, beside the bf16
+grouped GEMM and the whole FP8 product under each layout table (part of `make bench-fp8-layouts`).
+
+    python benchmarks/fp8/layouts.py --out fp8-layouts.json [--rows 65536 --groups 32]
+
+Kernels (dropless.gmm.fp8_mosaic, blockwise scaling) at DeepSeek-V3's shapes, rows in Dirichlet(alpha=1) groups
+(seed 0), operands and scales as benchmarks/fp8/kernel_check.py makes them (e4m3 values, power-of-two scales):
+  gate-up fwd   gmm_nt          x [M, 7168] · Wᵀ[g]          -> [M, 4096]
+  gate-up dlhs  gmm_nt          dy [M, 4096] · W[g] (as [g, 7168, 4096])  -> [M, 7168]
+  down fwd      gmm_nt          h [M, 2048] · Wᵀ[g]          -> [M, 7168]
+  gate-up drhs  gmm_tn_aligned  xᵀ [7168, P] · dyᵀ [4096, P] -> [G, 7168, 4096]
+Each variant (stack "n": the two consumers side by side along N; "m": stacked along M; its tile) gets one record:
+ms (kernel_check's timing: median of 5 batches of 10 calls), TF/s over the rows in groups, and the relative error
+against the float32 reference of the dequantised operands. Then, at gate-up, the bf16 grouped GEMM (fwd, fwd+bwd)
+and dropless.fp8.Fp8Gmm fwd+bwd on expert-aligned rows with the blockwise recipe under each stack table (every
+blockwise product "n", then every one "m"), so each ratio to bf16 comes from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_check import _rel_err, _time, nt_case, tn_case  # noqa: E402
+
+from dropless.bench.harness import time_calls  # noqa: E402
+from dropless.bench.records import environment, write_json  # noqa: E402
+from dropless.fp8 import Fp8Gmm, Recipe  # noqa: E402
+from dropless.fp8.grouped import ALIGN, Fp8Products, aligned_sources  # noqa: E402
+from dropless.gmm import fp8_mosaic  # noqa: E402
+from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract  # noqa: E402
+from dropless.gmm.tuning import TileConfig  # noqa: E402
+
+M_MINOR = dict(grid_minor_dim=0, grid_tile_width=8)
+N_MINOR = dict(grid_minor_dim=1, grid_tile_width=4)
+NT_VARIANTS = [
+    ("n", TileConfig(64, 128, 128, 4, **M_MINOR)),
+    ("m", TileConfig(64, 128, 128, 4, **M_MINOR)),
+    ("m", TileConfig(64, 128, 128, 5, **M_MINOR)),
+    ("m", TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=16)),
+    ("m", TileConfig(64, 128, 128, 4, **N_MINOR)),
+]
+TN_VARIANTS = [
+    ("n", TileConfig(64, 128, 128, 4, **N_MINOR)),
+    ("m", TileConfig(64, 128, 128, 4, **N_MINOR)),
+    ("m", TileConfig(64, 128, 128, 5, **N_MINOR)),
+    ("m", TileConfig(64, 128, 128, 4, **M_MINOR)),
+]
+# (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)
+SHAPES = [("gate-up fwd", nt_case, 7168, 4096), ("gate-up dlhs", nt_case, 4096, 7168),
+          ("down fwd", nt_case, 2048, 7168), ("gate-up drhs", tn_case, 7168, 4096)]
+
+
+def fwd_bwd(f, x, w, dy):
+    y, pullback = jax.vjp(f, x, w)
+    return y, *pullback(dy)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--rows", type=int, default=65536)
+    p.add_argument("--groups", type=int, default=32)
+    a = p.parse_args()
+    m, g = a.rows, a.groups
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(m, rng.dirichlet(np.ones(g))).astype(np.int32)
+    records, env = [], environment()
+
+    def emit(rec):
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+        write_json(a.out, {"benchmark": "fp8-layouts", "environment": env, "rows": m, "groups": g,
+                           "records": records})
+
+    for name, case, k, n in SHAPES:
+        make_fn, args, reference, live = case("blockwise", sizes, k, n, m)
+        ref = np.asarray(reference())
+        for stack, tile in TN_VARIANTS if case is tn_case else NT_VARIANTS:
+            rec = {"shape": name, "stack": stack, "tile": str(tile)}
+            try:
+                fn = make_fn(tile, stack)
+                compile_s, ms = _time(fn, *args)
+                out = np.asarray(fn(*args).astype(jnp.float32))
+                out = out[:live] if live is not None else out
+                rec |= {"ms": round(ms, 4), "tflops": round(2 * int(sizes.sum()) * k * n / (ms * 1e-3) / 1e12, 1),
+                        "rel_err": _rel_err(out, ref), "finite": bool(np.isfinite(out).all()),
+                        "compile_s": round(compile_s, 2)}
+            except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
+                rec["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+            emit(rec)
+        del args, ref
+
+    k, n = 7168, 4096
+    keys = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    source_P, valid_P, _ = aligned_sources(gs, m, ALIGN)
+    x_al, dy_al = (jnp.where(valid_P[:, None], v[source_P], 0) for v in (x, dy))
+    gs_al = ALIGN * -(-gs // ALIGN)
+    flops = 2.0 * m * k * n
+    bf16 = DroplessMosaicGmm()
+
+    def timed(piece, fn, *args, gemm_flops):
+        t = time_calls(jax.jit(fn), [args])
+        emit({"shape": "gate-up", "piece": piece, "ms": round(t * 1e3, 4), "tflops": round(gemm_flops / t / 1e12, 1)})
+
+    timed("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), gs, x, w, gemm_flops=flops)
+    timed("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), gs, x, w, dy,
+          gemm_flops=3 * flops)
+    table = dict(fp8_mosaic.FP8_STACKS)
+    for stack in fp8_mosaic.STACKS:
+        for product in fp8_mosaic.PRODUCTS:  # read when a step is traced: each jit below traces anew
+            fp8_mosaic.FP8_STACKS[(product, "blockwise")] = stack
+        fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), bf16, TunedContract()), row_align=ALIGN)
+        timed(f"blockwise Fp8Gmm fwd (aligned rows), stack {stack}", lambda gs, x, w: fp8(x, w, gs), gs_al, x_al, w,
+              gemm_flops=flops)
+        timed(f"blockwise Fp8Gmm fwd+bwd (aligned rows), stack {stack}",
+              lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy), gs_al, x_al, w, dy_al,
+              gemm_flops=3 * flops)
+    fp8_mosaic.FP8_STACKS.update(table)
+
+
+if __name__ == "__main__":
+    main()
