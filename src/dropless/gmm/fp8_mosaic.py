@@ -24,8 +24,7 @@ per tile, take no pipeline buffers.
 accumulator that is waited for, scaled and added into a float32 register carry. Hopper's e4m3 wgmma accumulates
 with reduced precision, and the promotion bounds that error to one 128-wide block. A blockwise consumer holds two
 float32 tiles (partial and carry), so its tile is 64x128: at 128x128 the 256 registers per thread spill (3.2x
-slower on an H200). gmm_nt's weight-block scale is one float32 per K step read from global memory; each step
-issues the next step's read before its wgmma, so the read's latency hides behind the product.
+slower on an H200).
 
 Suffixes: M rows sorted by group, K contraction (nt) or output rows (tn), N output columns, G groups, P columns of
 the aligned copies, Kb = K/128, Nb = N/128, Pb = P/128.
@@ -53,27 +52,29 @@ SCALINGS = ("rowwise", "blockwise")
 PRODUCTS = ("fwd", "dlhs", "drhs")
 STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side by side along N, stacked along M
 
-# Tiles per consumer warpgroup (two side by side along N), keyed by (product, scaling). Measured on one H200 by
-# benchmarks/fp8/grouped_gemm.py at DeepSeek-V3's 32-expert shapes (benchmarks/results/fp8-probe-h200.json):
+# Tiles per consumer warpgroup, keyed by (product, scaling), with the consumers' layout in FP8_STACKS. Measured on
+# one H200 at DeepSeek-V3's 32-expert shapes by benchmarks/fp8/grouped_gemm.py (fp8-probe-h200.json) and, for the
+# blockwise layouts, benchmarks/fp8/layouts.py (fp8-layouts-h200.json):
 #   fwd/dlhs rowwise: 128x128x128/3 m-minor 8 ran 1,198-1,284 TF/s with no scales applied; the rowwise epilogue
 #                     (two scale-vector loads per tile, two multiplies per output) is not timed.
 #   drhs rowwise:     128x128x128/3 n-minor 4 ran 1,174-1,191 TF/s unscaled, with bf16 outputs; with the default
 #                     float32 output only 2 stages fit beside the output blocks (untimed).
-#   fwd blockwise:    64x128x128/4 m-minor 8 ran 959 TF/s (against 1,274 unscaled; 128x128 per consumer spills).
-# Untested guesses: dlhs blockwise (the fwd tile: the same kernel) and drhs blockwise (64x128 for the same
-# register reason, with the drhs walk order).
+#   fwd/dlhs blockwise: 64x128x128/4 m-minor 8 side by side ran 938 / 902 TF/s at gate-up, 946 at down (against
+#                     1,274 unscaled; 128x128 per consumer spills); stacked along M, 4 to 5 % slower.
+#   drhs blockwise:   64x128x128/4 m-minor 8 stacked along M ran 704 TF/s at gate-up, side by side n-minor 4 640.
 FP8_TILES = {
     ("fwd", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("drhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=1, grid_tile_width=4),
     ("fwd", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
-    ("drhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=1, grid_tile_width=4),
+    ("drhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
 }
 # The entries whose tile was timed (the rowwise ones without their scale epilogue), for callers that report it.
-MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise"), ("fwd", "blockwise")})
+MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise"), ("fwd", "blockwise"),
+                      ("dlhs", "blockwise"), ("drhs", "blockwise")})
 # The consumers' layout per table entry (STACKS).
-FP8_STACKS = {key: "n" for key in FP8_TILES}
+FP8_STACKS = {key: "m" if key == ("drhs", "blockwise") else "n" for key in FP8_TILES}
 
 
 def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
@@ -247,15 +248,10 @@ def _rowwise_context(s: _Launch, wg, slots, rows_gmem, cols_gmem, stage_out, sto
     return context
 
 
-def _blockwise_context(s: _Launch, stage_out, store, first_scale=None):
-    """The blockwise consumers' context: a float32 register carry through the pipeline, staged, then stored. With
-    first_scale (gmm_nt: the first K step's weight-block scale) the carry is (sum, this step's scale)."""
+def _blockwise_context(s: _Launch, stage_out, store):
+    """The blockwise consumers' context: a float32 register carry through the pipeline, staged, then stored."""
     def context(run_pipeline):
-        zeros = _zeros((s.tile.block_m, s.tile.block_n))
-        if first_scale is None:
-            stage_out(run_pipeline(zeros))
-        else:
-            stage_out(run_pipeline((zeros, first_scale()))[0])
+        stage_out(run_pipeline(_zeros((s.tile.block_m, s.tile.block_n))))
         store()
 
     return context
@@ -331,25 +327,20 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     return _call(_nt_kernel, s, (m, n), "nt")(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
-def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni, k_steps):
-    """Blockwise promotion along K: the step's product, times its row scales and its weight block's scale, added
-    into the carry. The carry holds the sum and this step's weight-block scale; the next step's (one scalar read
-    from global memory) is read before the wgmma is issued, so its latency overlaps the product."""
-    block_n = _weight_block(s, wg, ni)
+def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
+    """Blockwise promotion along K: the step's product, times its row scales and its weight block's scale (read
+    from global memory: one scalar per step; reading it a step ahead, before the wgmma, ran no
+    faster on an H200), added
+    into the carry."""
+    block_n = (ni * s.cta[1] + s.out_origin(wg)[1]) // SCALE_BLOCK  # block_n divides the 128-wide scale block
 
     def body(idx, lhs_smem, rhs_smem, row_scale_smem, carry):
-        total, block_scale = carry
-        next_scale = col_scale_gmem[group, block_n, jnp.minimum(idx[0] + 1, k_steps - 1)]
         partial = _partial_mma(*s.operands(lhs_smem, rhs_smem, wg))
+        block_scale = col_scale_gmem[group, block_n, idx[0]]
         rows = row_scale_smem[0, s.lhs_rows(wg)] * block_scale
-        return total + partial * lax.broadcast_in_dim(rows, partial.shape, [0]), next_scale
+        return carry + partial * lax.broadcast_in_dim(rows, partial.shape, [0])
 
     return body
-
-
-def _weight_block(s: _Launch, wg, ni):
-    """The 128-column weight-scale block of a consumer's output columns (block_n divides 128)."""
-    return (ni * s.cta[1] + s.out_origin(wg)[1]) // SCALE_BLOCK
 
 
 def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, offset_T, size_T, out):
@@ -397,9 +388,8 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
             @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
             def _compute():
                 if blockwise:
-                    body = _nt_blockwise_body(s, wg, col_scale, group, ni, k_steps)
-                    block_n = _weight_block(s, wg, ni)
-                    context = _blockwise_context(s, stage_out, store, lambda: col_scale[group, block_n, 0])
+                    body = _nt_blockwise_body(s, wg, col_scale, group, ni)
+                    context = _blockwise_context(s, stage_out, store)
                 else:
                     rows_gmem = row_scale.at[:, pl.ds(start, bm)]
                     cols_gmem = col_scale.at[pl.ds(group, 1), pl.ds(ni * cta_n + wg * bn, bn)]
