@@ -234,7 +234,9 @@ def test_fits_and_default_tile():
             assert fp8_mosaic.fits(product, 7168, 4096, scaling) and fp8_mosaic.fits(product, 2048, 7168, scaling)
     assert not fp8_mosaic.fits("fwd", 7168, 4000, "rowwise")  # output columns not a multiple of 256
     assert not fp8_mosaic.fits("fwd", 7000, 4096, "rowwise")  # contraction not a multiple of 128
-    assert not fp8_mosaic.fits("dlhs", 7168 + 128, 4096, "blockwise")  # dlhs writes k columns: 256 must divide
+    assert not fp8_mosaic.fits("dlhs", 7168 + 128, 4096, "rowwise")  # dlhs writes k columns: 256 must divide
+    assert fp8_mosaic.fits("dlhs", 7168 + 128, 4096, "blockwise")  # stacked consumers: a CTA tile 128 wide
+    assert not fp8_mosaic.fits("dlhs", 7168 + 64, 4096, "blockwise")
     assert not fp8_mosaic.fits("drhs", 7168, 4096 + 128, "rowwise")
     assert fp8_mosaic.MEASURED <= set(FP8_TILES)
     assert all(t.block_m == 64 for (_, scaling), t in FP8_TILES.items() if scaling == "blockwise")  # registers

@@ -59,9 +59,10 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     (two scale-vector loads per tile, two multiplies per output) is not timed.
 #   drhs rowwise:     128x128x128/3 n-minor 4 ran 1,174-1,191 TF/s unscaled, with bf16 outputs; with the default
 #                     float32 output only 2 stages fit beside the output blocks (untimed).
-#   fwd/dlhs blockwise: 64x128x128/4 m-minor 8 side by side ran 938 / 902 TF/s at gate-up, 946 at down (against
-#                     1,274 unscaled; 128x128 per consumer spills); stacked along M, 4 to 5 % slower.
-#   drhs blockwise:   64x128x128/4 m-minor 8 stacked along M ran 704 TF/s at gate-up, side by side n-minor 4 640.
+#   blockwise:        64x128x128/4 per consumer (128x128 spills), stacked along M: fwd 990 / dlhs 938 / down fwd
+#                     946 TF/s against 964 / 936 / 904 side by side in the same call (1,274 unscaled); drhs with the
+#                     m-minor walk 705 against 645 side by side n-minor 4. Across calls the layouts trade places
+#                     by up to 5%; stacked also takes N in multiples of 128 rather than 256.
 FP8_TILES = {
     ("fwd", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
@@ -74,7 +75,7 @@ FP8_TILES = {
 MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise"), ("fwd", "blockwise"),
                       ("dlhs", "blockwise"), ("drhs", "blockwise")})
 # The consumers' layout per table entry (STACKS).
-FP8_STACKS = {key: "m" if key == ("drhs", "blockwise") else "n" for key in FP8_TILES}
+FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for product, scaling in FP8_TILES}
 
 
 def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
