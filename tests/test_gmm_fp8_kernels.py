@@ -109,6 +109,15 @@ def test_gmm_nt_with_every_row_in_one_group_and_a_bf16_output(scaling, stack):
     np.testing.assert_array_less(np.abs(out - ref), 2.0 ** -8 * np.abs(ref) + 4e-6 * mag + 1e-30)  # bf16 rounding
 
 
+@pytest.mark.parametrize("scaling, stack", LAYOUTS)
+def test_gmm_nt_with_fewer_rows_than_one_tile(scaling, stack):
+    """40 rows against a CTA tile of 64 (side by side) or 128 (stacked) rows: padded to one tile, 40 returned."""
+    x, w, sizes, lhs_scale, rhs_scale = _nt_case([0, 25, 15], scaling, seed=4, m=40)
+    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, stack=stack)
+    assert out.shape == (40, 128)
+    _assert_matches(out, *_nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale))
+
+
 def _tn_case(sizes, scaling, seed, k=128, n=128):
     """Group-aligned transposed copies xᵀ [k, P], dyᵀ [n, P] (zeros between groups), laid out by a numpy cumsum,
     and the group blocks [(first, count)] the reference walks."""

@@ -59,10 +59,13 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     (two scale-vector loads per tile, two multiplies per output) is not timed.
 #   drhs rowwise:     128x128x128/3 n-minor 4 ran 1,174-1,191 TF/s unscaled, with bf16 outputs; with the default
 #                     float32 output only 2 stages fit beside the output blocks (untimed).
-#   blockwise:        64x128x128/4 per consumer (128x128 spills), stacked along M: fwd 990 / dlhs 938 / down fwd
-#                     946 TF/s against 964 / 936 / 904 side by side in the same call (1,274 unscaled); drhs with the
-#                     m-minor walk 705 against 645 side by side n-minor 4. Across calls the layouts trade places
-#                     by up to 5%; stacked also takes N in multiples of 128 rather than 256.
+#   blockwise:        64x128x128/4 per consumer (128x128 spills), stacked along M. Gate-up fwd / dlhs / down fwd
+#                     ran 950 / 914 / 886 TF/s stacked against 954 / 923 / 907 side by side in one call, 990 / 938
+#                     / 946 against 964 / 936 / 904 in another (1,274 unscaled): the same within the spread
+#                     between calls; stacked takes N in multiples of 128 rather than 256, and Fp8Gmm fwd+bwd ran
+#                     3.5% faster with every product stacked. drhs, stacked with the m-minor walk: 697-705 against
+#                     645 side by side n-minor 4. Five stages stacked beat four in 5 of 6 comparisons, by 1-7%
+#                     (not yet timed in a step).
 FP8_TILES = {
     ("fwd", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
@@ -315,6 +318,11 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
+    if m < cta_m:  # a row tile's box cannot be larger than the array: pad these few rows to one tile
+        rows = ((0, cta_m - m),)
+        return gmm_nt(jnp.pad(lhs_MK, rows + ((0, 0),)), rhs_GNK, group_sizes_G, tile, scaling=scaling,
+                      lhs_scale=jnp.pad(lhs_scale, rows if scaling == "rowwise" else ((0, 0),) + rows),
+                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack)[:m]
     m_tiles = max_row_tiles(m, g, cta_m)
     tables = row_tiles(group_sizes_G, cta_m, m_tiles)
     scale_lengths = (cta_m,) if scaling == "blockwise" else ()
