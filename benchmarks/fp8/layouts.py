@@ -12,9 +12,12 @@ Kernels (dropless.gmm.fp8_mosaic, blockwise scaling) at DeepSeek-V3's shapes, ro
 Each variant (stack "n": the two consumers side by side along N; "m": stacked along M; its tile) gets one record:
 ms (kernel_check's timing: median of 5 batches of 10 calls), TF/s over the rows in groups, and whether its output
 equals the first variant's bit for bit (every layout and tile sums each output's K blocks in the same order, so
-they must; kernel_check.py and the tests hold the first against float32 references). Then, at gate-up, the bf16 grouped GEMM (fwd, fwd+bwd)
-and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise recipe under fp8_mosaic.FP8_STACKS
-and with every blockwise product's consumers side by side, so each ratio to bf16 comes from one run.
+they must; kernel_check.py and the tests hold the first against float32 references). At gate-up fwd the probe's
+unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no scales) runs at the blockwise tile
+and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
+grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
+recipe under fp8_mosaic.FP8_STACKS and with every blockwise product's consumers side by side, so each ratio to
+bf16 comes from one run.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from e4m3_probe_kernels import gmm_nt_ws  # noqa: E402
 from kernel_check import _time, nt_case, tn_case  # noqa: E402
 
 from dropless.bench.harness import same_bits, time_calls  # noqa: E402
@@ -55,6 +59,7 @@ TN_VARIANTS = [
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR)),
     ("m", TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=16)),
 ]
+UNSCALED = [TileConfig(64, 128, 128, 4, **M_MINOR), TileConfig(128, 128, 128, 3, **M_MINOR)]
 # (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)
 SHAPES = [("gate-up fwd", nt_case, 7168, 4096), ("gate-up dlhs", nt_case, 4096, 7168),
           ("down fwd", nt_case, 2048, 7168), ("gate-up drhs", tn_case, 7168, 4096)]
@@ -99,6 +104,14 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
                 rec["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
             emit(rec)
+        if name == "gate-up fwd":
+            x, w, gs = args[:3]
+            for tile in UNSCALED:
+                fn = jax.jit(lambda x, w, gs, tile=tile: gmm_nt_ws(x, w, gs, tile))
+                compile_s, ms = _time(fn, x, w, gs)
+                emit({"shape": name, "stack": "n", "tile": str(tile), "unscaled": True, "ms": round(ms, 4),
+                      "tflops": round(2 * int(sizes.sum()) * k * n / (ms * 1e-3) / 1e12, 1),
+                      "compile_s": round(compile_s, 2)})
         del args, first
 
     k, n = 7168, 4096
