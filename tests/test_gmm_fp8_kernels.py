@@ -14,9 +14,12 @@ from dropless.gmm.fp8_mosaic import FP8, FP8_TILES, SCALE_BLOCK, aligned_layout,
 from dropless.gmm.tuning import TileConfig
 
 S = jax.ShapeDtypeStruct
-# Small tiles for the interpreter: CTA tile 64 x 128, block_k = the scale block. The interpreter's time grows with
-# the tiles it walks: one CTA column tile and two 128-wide K blocks keep the file well under a minute.
+# Small tiles for the interpreter: 64 x 64 per consumer (a CTA tile of 64 x 128 side by side, 128 x 64 stacked),
+# block_k = the scale block; WIDE_TILE has the table's 64 x 128, whose side-by-side consumers fall in different
+# 128-column weight-scale blocks. The interpreter's time grows with the tiles it walks: two 128-wide K blocks and
+# N = 256 keep the file around a minute.
 NT_TILE = TileConfig(64, 64, 128, 2, grid_minor_dim=0, grid_tile_width=2)
+WIDE_TILE = TileConfig(64, 128, 128, 2, grid_minor_dim=0, grid_tile_width=2)
 TN_TILE = TileConfig(64, 64, 128, 2, grid_minor_dim=1, grid_tile_width=2)
 # 1-row, empty, not a multiple of the tile, starting unaligned; 212 rows in groups, 44 rows of padding.
 MIXED = [1, 0, 100, 0, 37, 74]
@@ -61,7 +64,7 @@ def _nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale):
     return ref, mag
 
 
-def _nt_case(sizes, scaling, seed, m=256, k=256, n=128):
+def _nt_case(sizes, scaling, seed, m=256, k=256, n=256):
     rng = np.random.default_rng(seed)
     g = len(sizes)
     x, w = _e4m3(rng, (m, k)), _e4m3(rng, (g, n, k))
@@ -73,28 +76,29 @@ def _nt_case(sizes, scaling, seed, m=256, k=256, n=128):
     return x, w, np.array(sizes, np.int32), lhs_scale, rhs_scale
 
 
-def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n"):
+def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), NT_TILE, scaling=scaling,
+        out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), tile, scaling=scaling,
                      lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
                      out_dtype=out_dtype, stack=stack)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
-# (scaling, stack): blockwise also with the consumers stacked along M (a CTA tile of 128 rows: the 37-row group
-# is split between the consumers, and a tile runs past the last row).
+# (scaling, stack): blockwise also with the consumers stacked along M (a CTA tile of 128 rows: the 100- and 74-row
+# groups are split between the consumers, and a tile runs past the last row).
 LAYOUTS = [("rowwise", "n"), ("blockwise", "n"), ("blockwise", "m")]
 
 
+@pytest.mark.parametrize("tile", [NT_TILE, WIDE_TILE], ids=["64x64", "64x128"])
 @pytest.mark.parametrize("scaling, stack", LAYOUTS)
-def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, stack):
+def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, stack, tile):
     x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, scaling, seed=1)
-    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, stack=stack)
+    out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, stack=stack, tile=tile)
     live = sizes.sum()
     ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale)
     _assert_matches(out[:live], ref[:live], mag[:live])  # rows past the groups are unwritten
     wrong = rhs_scale.copy()
-    wrong[4, ..., -1] *= 1.001  # one weight scale of the 37-row group off by 0.1%: the check sees it
+    wrong[4, -1, ...] *= 1.001  # the 37-row group's scales of its last 128 columns off by 0.1%: the check sees it
     ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, wrong)
     with pytest.raises(AssertionError):
         _assert_matches(out[:live], ref[:live], mag[:live])
@@ -111,14 +115,14 @@ def test_gmm_nt_with_every_row_in_one_group_and_a_bf16_output(scaling, stack):
 
 @pytest.mark.parametrize("scaling, stack", LAYOUTS)
 def test_gmm_nt_with_fewer_rows_than_one_tile(scaling, stack):
-    """40 rows against a CTA tile of 64 (side by side) or 128 (stacked) rows: padded to one tile, 40 returned."""
-    x, w, sizes, lhs_scale, rhs_scale = _nt_case([0, 25, 15], scaling, seed=4, m=40)
+    """42 rows against a CTA tile of 64 (side by side) or 128 (stacked) rows: padded to one tile, 42 returned."""
+    x, w, sizes, lhs_scale, rhs_scale = _nt_case([0, 25, 17], scaling, seed=4, m=42, n=128)
     out = _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, stack=stack)
-    assert out.shape == (40, 128)
+    assert out.shape == (42, 128)
     _assert_matches(out, *_nt_reference(x, w, sizes, scaling, lhs_scale, rhs_scale))
 
 
-def _tn_case(sizes, scaling, seed, k=128, n=128):
+def _tn_case(sizes, scaling, seed, k=256, n=128):
     """Group-aligned transposed copies xᵀ [k, P], dyᵀ [n, P] (zeros between groups), laid out by a numpy cumsum,
     and the group blocks [(first, count)] the reference walks."""
     rng = np.random.default_rng(seed)
@@ -162,7 +166,7 @@ def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interprete
         out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), TN_TILE,
                              scaling=scaling, lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
                              rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack)
-    assert out.dtype == jnp.float32 and out.shape == (len(sizes), 128, 128)
+    assert out.dtype == jnp.float32 and out.shape == (len(sizes), 256, 128)
     out = np.asarray(out, np.float64)
     ref, mag = _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale)
     _assert_matches(out, ref, mag)
@@ -237,6 +241,27 @@ def test_lowering_fails_when_the_stages_do_not_fit_and_the_stage_count_is_the_la
         _lower(product, scaling, tile, 8192, 2048, 7168, 8, jnp.float32)
 
 
+def test_a_stacked_tile_gets_the_most_stages_that_fit():
+    """Stacked consumers: a CTA tile of 128 x 128 and bf16 output, six stages asked for; _stages picks five, and
+    six do not fit (the check can fail)."""
+    tile = TileConfig(64, 128, 128, 6, grid_minor_dim=0, grid_tile_width=8)
+    assert fp8_mosaic._stages(tile, jnp.bfloat16, "blockwise", (128,), "m") == 5
+    _lower("fwd", "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, "m")
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        fp8_mosaic.gmm_nt.clear_cache()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fp8_mosaic, "_stages", lambda *_: 6)
+            _lower("fwd", "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, "m")
+    fp8_mosaic.gmm_nt.clear_cache()
+
+
+@pytest.mark.parametrize("scaling, stack", LAYOUTS)
+def test_row_counts_off_the_shared_memory_tiling_lower_for_cuda(scaling, stack):
+    """Rows not a multiple of 8 (a token count of a dense layer): padded to the next 8, not refused by Mosaic."""
+    assert _lower("fwd", scaling, FP8_TILES[("fwd", scaling)], 8190, 2048, 4096, 1, jnp.bfloat16, stack).platforms \
+        == ("cuda",)
+
+
 def test_fits_and_default_tile():
     for product in fp8_mosaic.PRODUCTS:
         for scaling in fp8_mosaic.SCALINGS:
@@ -244,8 +269,8 @@ def test_fits_and_default_tile():
     assert not fp8_mosaic.fits("fwd", 7168, 4000, "rowwise")  # output columns not a multiple of 256
     assert not fp8_mosaic.fits("fwd", 7000, 4096, "rowwise")  # contraction not a multiple of 128
     assert not fp8_mosaic.fits("dlhs", 7168 + 128, 4096, "rowwise")  # dlhs writes k columns: 256 must divide
-    assert fp8_mosaic.fits("dlhs", 7168 + 128, 4096, "blockwise")  # stacked consumers: a CTA tile 128 wide
-    assert not fp8_mosaic.fits("dlhs", 7168 + 64, 4096, "blockwise")
+    for product in fp8_mosaic.PRODUCTS:  # stacked consumers: a CTA tile 128 wide and 128 rows
+        assert fp8_mosaic.fits(product, 7168 + 128, 4096 + 128, "blockwise")
     assert not fp8_mosaic.fits("drhs", 7168, 4096 + 128, "rowwise")
     assert fp8_mosaic.MEASURED <= set(FP8_TILES)
     assert all(t.block_m == 64 for (_, scaling), t in FP8_TILES.items() if scaling == "blockwise")  # registers
@@ -289,7 +314,8 @@ def test_a_kernel_called_from_several_places_is_lowered_once():
     m, k, n, g = 8192, 2048, 4096, 8
 
     def nt(a, b, gs, ls, rs):
-        return gmm_nt(a, b, gs, tile, scaling="blockwise", lhs_scale=ls, rhs_scale=rs)
+        return gmm_nt(a, b, gs, tile, scaling="blockwise", lhs_scale=ls, rhs_scale=rs,
+                      stack=fp8_mosaic.default_stack("fwd", "blockwise"))
 
     def three_calls(a, b, gs, ls, rs):
         half = nt(a[: m // 2], b, gs, ls[:, : m // 2], rs)  # another shape: another kernel

@@ -127,10 +127,12 @@ def main() -> None:
         xq = quantize(x, r.operand(2))
         wt, wq = weight_copies(w, r)
         tile = fp8_mosaic.default_tile("fwd", m, k, n, g, mode)
+        stack = fp8_mosaic.default_stack("fwd", mode)
         ls = xq.scales[:, 0] if mode == "rowwise" else xq.scales.T
         rs = wt.scales[..., 0] if mode == "rowwise" else wt.scales
         emit(f"{mode} gmm_nt kernel alone (fwd)",
-             lambda gs, a_, b_, s1, s2: fp8_mosaic.gmm_nt(a_, b_, gs, tile, scaling=mode, lhs_scale=s1, rhs_scale=s2),
+             lambda gs, a_, b_, s1, s2: fp8_mosaic.gmm_nt(a_, b_, gs, tile, scaling=mode, lhs_scale=s1, rhs_scale=s2,
+                                                          stack=stack),
              sizes, xq.values, wt.values, ls, rs, gemm_flops=flops)
         fp8 = Fp8Gmm(Fp8Products(r, bf16, TunedContract()))
         emit(f"{mode} Fp8Gmm fwd", lambda gs, x, w: fp8(x, w, gs), sizes, x, w, gemm_flops=flops)

@@ -5,8 +5,8 @@
 Cases: gmm_nt (the fwd product x · W[g], rhs = Wᵀ [G, N, K], bf16 output) and gmm_tn_aligned (the weight gradient
 xᵀ · dy from 128-aligned transposed copies, float32 output), each with rowwise and blockwise scales and its
 FP8_TILES and FP8_STACKS entries (fwd, drhs). Shape: M = 16,384 rows in 8 groups, sizes Dirichlet(alpha=1)
-floored (seed 0: some rows past the groups, groups starting unaligned), K = 2048, N = 4096. Operands random normal * 32 cast to e4m3;
-scales random powers of two, 2^-4 .. 2^4, so dequantising is exact in float32.
+floored (seed 0: some rows past the groups, groups starting unaligned), K = 2048, N = 4096. Operands random
+normal * 32 cast to e4m3; scales random powers of two, 2^-4 .. 2^4, so dequantising is exact in float32.
 Reference: the dequantised operands (each e4m3 value times its scale) multiplied per group in float32 with
 Precision.HIGHEST; error ||out - ref|| / ||ref|| over the rows in groups (nt) or over every output (tn).
 Time: median of 5 batches of 10 back-to-back calls, host clock, one block_until_ready per batch; TF/s counts
@@ -33,7 +33,7 @@ from dropless.gmm.tuning import TileConfig
 
 ITERS, BATCHES = 10, 5
 HIGHEST = lax.Precision.HIGHEST
-# --small: the tests' interpreter tiles (CTA tile 64 x 128, block_k the scale block)
+# --small: the tests' interpreter tiles (64 x 64 per consumer, block_k the scale block)
 SMALL_TILES = {"nt": TileConfig(64, 64, 128, 2, grid_minor_dim=0, grid_tile_width=2),
                "tn": TileConfig(64, 64, 128, 2, grid_minor_dim=1, grid_tile_width=2)}
 

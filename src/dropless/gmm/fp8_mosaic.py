@@ -63,9 +63,10 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     ran 950 / 914 / 886 TF/s stacked against 954 / 923 / 907 side by side in one call, 990 / 938
 #                     / 946 against 964 / 936 / 904 in another (1,274 unscaled): the same within the spread
 #                     between calls; stacked takes N in multiples of 128 rather than 256, and Fp8Gmm fwd+bwd ran
-#                     3.5% faster with every product stacked. drhs, stacked with the m-minor walk: 697-705 against
-#                     645 side by side n-minor 4. Five stages stacked beat four in 5 of 6 comparisons, by 1-7%
-#                     (not yet timed in a step).
+#                     3.5% faster with every product stacked. drhs (float32 output): stacked 697-705 TF/s with
+#                     four stages fitting beside the output blocks, against 645 side by side where three fit; the
+#                     walk order made no difference. For gmm_nt five stages stacked beat four in 5 of 6 same-call
+#                     comparisons, by 1-7% (not yet timed in a step).
 FP8_TILES = {
     ("fwd", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
@@ -273,7 +274,7 @@ def _call(kernel, s: _Launch, out_shape, name: str):
     return plgpu.kernel(
         functools.partial(kernel, s), out_type=jax.ShapeDtypeStruct(out_shape, s.out_dtype), grid=(num_sms(),),
         grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name=f"dropless_fp8_gmm_{name}_{s.scaling}",
+        kernel_name=f"dropless_fp8_gmm_{name}_{s.scaling}_{s.stack}",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
 
 
@@ -318,8 +319,9 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
-    if m < cta_m:  # a row tile's box cannot be larger than the array: pad these few rows to one tile
-        rows = ((0, cta_m - m),)
+    padded = max(cta_m, -(-m // TMA_ROW_ALIGNMENT) * TMA_ROW_ALIGNMENT)
+    if padded != m:  # a row tile's box cannot exceed the array, and the array's rows tile by 8 in shared memory
+        rows = ((0, padded - m),)
         return gmm_nt(jnp.pad(lhs_MK, rows + ((0, 0),)), rhs_GNK, group_sizes_G, tile, scaling=scaling,
                       lhs_scale=jnp.pad(lhs_scale, rows if scaling == "rowwise" else ((0, 0),) + rows),
                       rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack)[:m]
@@ -332,15 +334,14 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     if scaling == "rowwise":
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
         # would zero-fill there on the GPU; the padding also keeps M < bm and the interpreter in bounds).
-        lhs_scale = jnp.pad(lhs_scale, (0, bm))[None, :]
+        lhs_scale = jnp.pad(lhs_scale, (0, cta_m))[None, :]
     return _call(_nt_kernel, s, (m, n), "nt")(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
 def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
     """Blockwise promotion along K: the step's product, times its row scales and its weight block's scale (read
-    from global memory: one scalar per step; reading it a step ahead, before the wgmma, ran no
-    faster on an H200), added
-    into the carry."""
+    from global memory, one scalar per step; reading it a step ahead, before the wgmma, ran no faster on an H200),
+    added into the carry."""
     block_n = (ni * s.cta[1] + s.out_origin(wg)[1]) // SCALE_BLOCK  # block_n divides the 128-wide scale block
 
     def body(idx, lhs_smem, rhs_smem, row_scale_smem, carry):
@@ -400,8 +401,8 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                     body = _nt_blockwise_body(s, wg, col_scale, group, ni)
                     context = _blockwise_context(s, stage_out, store)
                 else:
-                    rows_gmem = row_scale.at[:, pl.ds(start, bm)]
-                    cols_gmem = col_scale.at[pl.ds(group, 1), pl.ds(ni * cta_n + wg * bn, bn)]
+                    rows_gmem = row_scale.at[:, pl.ds(start + row0, bm)]
+                    cols_gmem = col_scale.at[pl.ds(group, 1), pl.ds(ni * cta_n + col0, bn)]
                     body = _rowwise_body(s, wg)
                     context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
@@ -509,8 +510,9 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
                 if blockwise:
                     body, context = _tn_blockwise_body(s, wg), _blockwise_context(s, stage_out, store)
                 else:
-                    rows_gmem = row_scale.at[pl.ds(gi, 1), pl.ds(ki * bm, bm)]
-                    cols_gmem = col_scale.at[pl.ds(gi, 1), pl.ds(ni * cta_n + wg * bn, bn)]
+                    row0, col0 = s.out_origin(wg)
+                    rows_gmem = row_scale.at[pl.ds(gi, 1), pl.ds(ki * cta_m + row0, bm)]
+                    cols_gmem = col_scale.at[pl.ds(gi, 1), pl.ds(ni * cta_n + col0, bn)]
                     body = _rowwise_body(s, wg)
                     context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, steps, specs(first), body, context)(*operands(ki, ni), allocations=allocations)
