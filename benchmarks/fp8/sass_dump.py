@@ -1,0 +1,102 @@
+"""What the blockwise e4m3 kernels compile to on one GPU: Mosaic GPU's SASS, PTX and ptxas report (registers,
+spills) for the production gmm_nt beside the probe's unscaled kernel at the same tile, with an opcode count per
+kernel (make bench-fp8-sass).
+
+    python benchmarks/fp8/sass_dump.py --out-dir DIR
+
+Kernels, at DeepSeek-V3's gate-up forward shape with 8,192 rows in 8 groups (the code does not depend on the
+row count): gmm_nt blockwise under each consumer layout (fp8_mosaic.FP8_TILES' tile) and
+e4m3_probe_kernels.gmm_nt_ws unscaled at the same 64 x 128 tile side by side. Each is compiled in a process of its
+own with MOSAIC_GPU_DUMP_{SASS,PTX,PTXAS} and MOSAIC_GPU_DUMP_TO=DIR/<kernel>, run once, and its dumped SASS
+counted by opcode (the static count of each instruction, e.g. HGMMA, FFMA, FMUL, MOV, CS2R, LDS, LDG, BAR);
+DIR/summary.json holds the counts, the ptxas lines and the files. The static counts say what one K step's
+promotion costs against the unscaled kernel's step, which carries no promotion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+KERNELS = ("blockwise-stacked", "blockwise-side-by-side", "unscaled-side-by-side")
+OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?\b")
+
+
+def compile_one(kernel: str) -> None:
+    """In this process: compile and run one kernel (the dump variables are already in the environment)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dropless.gmm import fp8_mosaic
+    from dropless.gmm.tuning import TileConfig
+    from e4m3_probe_kernels import gmm_nt_ws
+
+    m, k, n, g = 8192, 7168, 4096, 8
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.ones(g))).astype(np.int32))
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32).astype(fp8_mosaic.FP8)
+    w = jax.random.normal(jax.random.key(1), (g, n, k), jnp.float32).astype(fp8_mosaic.FP8)
+    if kernel == "unscaled-side-by-side":
+        tile = TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8)
+        out = jax.jit(lambda x, w, s: gmm_nt_ws(x, w, s, tile))(x, w, sizes)
+    else:
+        tile = fp8_mosaic.FP8_TILES[("fwd", "blockwise")]
+        stack = "m" if kernel == "blockwise-stacked" else "n"
+        ls = jnp.ones((k // 128, m), jnp.float32)
+        rs = jnp.ones((g, n // 128, k // 128), jnp.float32)
+        out = jax.jit(lambda x, w, s, a, b: fp8_mosaic.gmm_nt(x, w, s, tile, scaling="blockwise", lhs_scale=a,
+                                                               rhs_scale=b, stack=stack))(x, w, sizes, ls, rs)
+    jax.block_until_ready(out)
+
+
+def count_opcodes(folder: Path) -> dict:
+    """Static opcode counts over the SASS a kernel's compilation dumped (in files or in its log): the lines of the
+    form `/*0a40*/  FFMA R0, ...` (PTX has no such lines)."""
+    counts = collections.Counter()
+    for path in folder.rglob("*"):
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                match = OPCODE.match(line)
+                if match:
+                    counts[match.group(1)] += 1
+    return dict(counts.most_common())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--kernel", choices=KERNELS, help=argparse.SUPPRESS)  # the child process's
+    a = p.parse_args()
+    if a.kernel:
+        compile_one(a.kernel)
+        return
+    out = Path(a.out_dir)
+    summary = {"kernels": {}}
+    for kernel in KERNELS:
+        folder = out / kernel
+        folder.mkdir(parents=True, exist_ok=True)
+        env = os.environ | {"MOSAIC_GPU_DUMP_SASS": "1", "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
+                            "MOSAIC_GPU_DUMP_TO": str(folder)}
+        proc = subprocess.run([sys.executable, __file__, "--out-dir", a.out_dir, "--kernel", kernel], env=env,
+                              capture_output=True, text=True, timeout=600)
+        (folder / "log.txt").write_text(proc.stdout + proc.stderr)
+        ptxas = [line for line in (proc.stdout + proc.stderr).splitlines()
+                 if "registers" in line or "spill" in line or "ptxas" in line]
+        files = sorted(str(f.relative_to(out)) for f in folder.rglob("*") if f.is_file())
+        summary["kernels"][kernel] = {"returncode": proc.returncode, "ptxas": ptxas[:20], "files": files,
+                                      "opcodes": count_opcodes(folder)}
+        print(json.dumps({kernel: {key: summary["kernels"][kernel][key] for key in ("returncode", "ptxas")}}),
+              flush=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
