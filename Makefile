@@ -160,7 +160,7 @@ bench-fp8-check: $(BENCH_DEPS)
 # FP8 recipe (one record each).
 bench-fp8: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
-	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES) --skews dirichlet \
+	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES),qwen3-gate-up,qwen3-down --skews dirichlet \
 	  --backends dense,dense_fp8,dropless,fp8_rowwise,fp8_blockwise --out $(RESULTS)/fp8-gmm-$(GPU).json \
 	  --chart $(BENCH_SCRATCH)/fp8-gmm-$(GPU).png
 	$(BENCH_PYTHON) benchmarks/fp8/breakdown.py --out $(RESULTS)/fp8-breakdown-$(GPU).json
