@@ -17,13 +17,14 @@ they must; kernel_check.py and the tests hold the first against float32 referenc
 unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no scales) runs at the blockwise tile
 and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
 grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
-recipe under fp8_mosaic.FP8_STACKS and with every blockwise product's consumers side by side, so each ratio to
-bf16 comes from one run.
+recipe under fp8_mosaic's tables, with every blockwise product's consumers side by side, and with gmm_nt's
+blockwise tiles in five stages, so each ratio to bf16 comes from one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -147,17 +148,24 @@ def main() -> None:
     timed("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), gs, x, w, gemm_flops=flops)
     timed("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), gs, x, w, dy,
           gemm_flops=3 * flops)
-    table = dict(fp8_mosaic.FP8_STACKS)
-    side_by_side = table | {(product, "blockwise"): "n" for product in fp8_mosaic.PRODUCTS}
-    for name, stacks in (("FP8_STACKS", table), ("all side by side", side_by_side)):
-        fp8_mosaic.FP8_STACKS.update(stacks)  # read when a product is traced: each jit below traces anew
+    stacks, tiles = dict(fp8_mosaic.FP8_STACKS), dict(fp8_mosaic.FP8_TILES)
+    side_by_side = stacks | {(product, "blockwise"): "n" for product in fp8_mosaic.PRODUCTS}
+    five = tiles | {(p, "blockwise"): dataclasses.replace(tiles[(p, "blockwise")], num_stages=5)
+                    for p in ("fwd", "dlhs")}
+    tables = (("the tables", stacks, tiles), ("all side by side", side_by_side, tiles),
+              ("gmm_nt in 5 stages", stacks, five))
+    for name, stack_table, tile_table in tables:
+        # read when a product is traced: each jit below traces anew
+        fp8_mosaic.FP8_STACKS.update(stack_table)
+        fp8_mosaic.FP8_TILES.update(tile_table)
         fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), bf16, TunedContract()), row_align=ALIGN)
         timed(f"blockwise Fp8Gmm fwd (aligned rows), {name}", lambda gs, x, w: fp8(x, w, gs), gs_al, x_al, w,
               gemm_flops=flops)
         timed(f"blockwise Fp8Gmm fwd+bwd (aligned rows), {name}",
               lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy), gs_al, x_al, w, dy_al,
               gemm_flops=3 * flops)
-    fp8_mosaic.FP8_STACKS.update(table)
+    fp8_mosaic.FP8_STACKS.update(stacks)
+    fp8_mosaic.FP8_TILES.update(tiles)
 
 
 if __name__ == "__main__":
