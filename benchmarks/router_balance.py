@@ -10,9 +10,10 @@ key=value pairs. The run is the very step `dropless train` runs (dropless.train.
 held-out loss every --eval-every steps on fixed held-out batches; no checkpoints are written. The record holds,
 per step, every MoE layer's max/mean load and the largest |router bias|, every 10 steps each layer's full expert
 shares and biases and the share of its selection scores' and logits' variance that differs by token
-(`dropless.moe.balance.token_variance_share`: near 0, every token routes alike) and the share of the logits'
+(`dropless.moe.balance.token_variance_share`: near 0, every token routes alike), the share of the logits'
 per-token variance along one direction (`top_direction_share`: near 1, tokens rank the experts in at most two
-ways), the held-out curve, the steps
+ways) and the share of the router input's mean square common to the tokens (`input_common_share`: near 1, every
+token's input is nearly the same vector), the held-out curve, the steps
 at which the worst layer's load first stays at or below 2.0 and 1.3, tokens/s and tokens dropped, and a probe of
 whether the bias steers the selection (`bias_probe`).
 """
@@ -108,7 +109,8 @@ def run(config, log) -> dict:
     tc = config.train
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
-    shares = ("router_token_share", "router_logit_token_share", "router_logit_top_direction")
+    shares = ("router_token_share", "router_logit_token_share", "router_logit_top_direction",
+              "router_input_common_share")
     trace = {"steps": [], "expert_share": [], "router_bias": [], **{key: [] for key in shares}}
     last_batch = None
     t0, timed_tokens = None, 0
@@ -118,7 +120,7 @@ def run(config, log) -> dict:
             state, metrics = setup.step(state, batch)
             m = host_metrics(jax.device_get({k: metrics[k] for k in (
                 "loss", "tokens_dropped", "expert_share", "router_bias", "router_token_share",
-                "router_logit_token_share", "router_logit_covariance")}))
+                "router_logit_token_share", "router_logit_covariance", "router_input_common_share")}))
             if step == 2:  # time from here: compilation and warm-up are behind
                 t0 = time.perf_counter()
             elif step > 2:
@@ -144,7 +146,8 @@ def run(config, log) -> dict:
                     f"the selection scores' / logits' variance that is per token (lowest layer) "
                     f"{np.min(m['router_token_share']):.3f} / {np.min(m['router_logit_token_share']):.3f}; of the "
                     f"logits' per-token variance along one direction (highest layer) "
-                    f"{np.max(m['router_logit_top_direction']):.3f}")
+                    f"{np.max(m['router_logit_top_direction']):.3f}; of the router input's mean square common to "
+                    f"the tokens (highest layer) {np.max(m['router_input_common_share']):.3f}")
     worst = [max(row) for row in loads]
     probe = bias_probe(setup, state, last_batch) if tc.steps else []
     log(f"bias probe: {probe}")

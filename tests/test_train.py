@@ -70,6 +70,8 @@ def test_training_reduces_held_out_loss_and_drops_nothing(trained):
     assert rows >= 1 and "router_logit_covariance" not in records[-1]
     assert len(records[-1]["router_logit_top_direction"]) == rows
     assert all(0.0 < v <= 1.0 for r in records for v in r["router_logit_top_direction"])
+    assert all(0.0 <= v <= 1.0 for r in records for v in r["router_input_common_share"])
+    assert len(records[-1]["router_input_common_share"]) == rows
     assert records[-1]["mfu"] is None  # no known peak on a CPU
     assert (run_dir / "training.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())

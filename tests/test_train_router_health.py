@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, ModelConfig, MoEConfig
-from dropless.moe.balance import (center_router_bias, max_load_ratio, routing_covariance, routing_gram,
-                                  routing_moments, token_variance_share, tokens_per_expert, top_direction_share,
-                                  update_router_bias)
+from dropless.moe.balance import (center_router_bias, input_common_share, input_moments, max_load_ratio,
+                                  routing_covariance, routing_gram, routing_moments, token_variance_share,
+                                  tokens_per_expert, top_direction_share, update_router_bias)
 from dropless.moe.router import route
 from dropless.train import metrics as metrics_lib
 from dropless.train.step import expert_shares
@@ -125,6 +125,30 @@ def test_top_direction_share_says_whether_tokens_differ_in_one_way_or_many():
     assert float(top_direction_share(empty)) == 0.0  # an empty layer: no NaN
 
 
+def test_input_common_share_says_how_alike_the_routers_inputs_are():
+    rng = np.random.default_rng(2)
+    noise_TD, c_D = rng.normal(size=(T, D)), rng.normal(size=D)
+
+    def share(x_TD):
+        return float(input_common_share(input_moments(jnp.asarray(x_TD, jnp.float32)), x_TD.shape[0]))
+
+    def reference(x_TD):  # float64: |mean h|^2 / mean |h|^2
+        x = np.asarray(x_TD, np.float64)
+        return np.sum(np.square(x.mean(axis=0))) / np.mean(np.sum(np.square(x), axis=1))
+
+    assert share(noise_TD - noise_TD.mean(0)) == pytest.approx(0.0, abs=1e-6)
+    assert share(np.tile(c_D, (T, 1))) == pytest.approx(1.0, rel=1e-5)
+    for scale in (0.3, 3.0, 30.0):  # the common part outgrowing the tokens' spread: the share rises towards 1
+        x = scale * c_D + noise_TD
+        assert share(x) == pytest.approx(reference(x), rel=1e-4)
+    assert share(0.3 * c_D + noise_TD) < 0.2 < 0.9 < share(30.0 * c_D + noise_TD)
+    # The sums add: two halves of a batch (microbatches, devices) give the whole batch's share.
+    x = jnp.asarray(3.0 * c_D + noise_TD, jnp.float32)
+    halves = input_moments(x[: T // 2]) + input_moments(x[T // 2:])
+    assert float(input_common_share(halves, T)) == pytest.approx(share(np.asarray(x)), rel=1e-5)
+    assert float(input_common_share(jnp.zeros(D + 1), 0)) == 0.0  # an empty layer: no NaN
+
+
 def test_the_moe_layer_reports_the_selection_scores_and_logits_moments():
     """score_moments are of what selection ranks (the scores plus the bias), logit_moments of the logits."""
     from dropless.moe import init_moe, moe_layer
@@ -147,6 +171,8 @@ def test_the_moe_layer_reports_the_selection_scores_and_logits_moments():
                                    rtol=1e-4, atol=1e-3)
     centred = logits - logits.mean(axis=1, keepdims=True)
     np.testing.assert_allclose(np.asarray(stats.logit_gram), centred.T @ centred, rtol=1e-4, atol=1e-3)
+    x = np.asarray(x_TD[:256], np.float64)  # the router's input, as it entered the layer
+    np.testing.assert_allclose(np.asarray(stats.input_moments), [*x.sum(0), np.square(x).sum()], rtol=1e-4, atol=1e-3)
     unbiased = layer(jnp.zeros(E))[1]
     assert (float(token_variance_share(stats.score_moments, 256))
             < float(token_variance_share(unbiased.score_moments, 256)))
@@ -204,7 +230,7 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
         writer.write({"step": step, "loss": 5.0 - step / 100, "max_expert_load": 3.6,
                       "expert_share": np.asarray(_shares(step, {0}), np.float32), "router_bias": bias * step,
                       "router_token_share": np.asarray([0.9, 0.5, 0.1]), "router_logit_token_share": [0.8, 0.4, 0.2],
-                      "router_logit_top_direction": [0.3, 0.6, 0.99]})
+                      "router_logit_top_direction": [0.3, 0.6, 0.99], "router_input_common_share": [0.1, 0.5, 0.9]})
     writer.close()
     records = metrics_lib.read_metrics(tmp_path)
     assert [r["step"] for r in records] == [10, 20, 30, 40, 50] and "expert_share" not in records[-1]
@@ -216,7 +242,8 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
     np.testing.assert_allclose(router["router_bias"][-1], bias * 50, rtol=1e-3, atol=1e-7)
     events = b"".join(f.read_bytes() for f in (tmp_path / "tensorboard").iterdir())
     for tag in (b"router/expert_load", b"router/max_load/row_2", b"router/bias/row_0", b"router/token_share/row_2",
-                b"router/logit_token_share/row_0", b"router/logit_top_direction/row_2"):
+                b"router/logit_token_share/row_0", b"router/logit_top_direction/row_2",
+                b"router/input_common_share/row_1"):
         assert tag in events
     assert metrics_lib.plot_run(tmp_path).stat().st_size > 10_000
 

@@ -98,6 +98,26 @@ def routing_covariance(gram_EE: jax.Array, moments_2E: jax.Array, tokens: jax.Ar
     return 0.5 * (covariance_EE + covariance_EE.T)
 
 
+def input_moments(x_TD: jax.Array) -> jax.Array:
+    """[D + 1] float32, outside the gradient: the sum over tokens of the router's input h, then the sum of |h|².
+    Sums add over microbatches and devices (`input_common_share`)."""
+    h_TD = jax.lax.stop_gradient(x_TD).astype(jnp.float32)
+    return jnp.concatenate([jnp.sum(h_TD, axis=0), jnp.sum(jnp.square(h_TD))[None]])
+
+
+def input_common_share(moments_D1: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The share of the router input's mean square that is common to the tokens, from `input_moments` over
+    `tokens` tokens: |mean_t h|² / mean_t |h|².
+
+    Near 0: the tokens' inputs point in many directions; near 1: every token's input is nearly the same vector, so
+    the router's logits differ by token only through the small rest, and they rank the experts alike (the logits'
+    `token_variance_share` falls) whatever the router's weights. It tells a router that lost the token through its
+    input from one that lost it through its own weights."""
+    n = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+    mean_D = moments_D1[:-1] / n
+    return jnp.sum(jnp.square(mean_D)) / jnp.maximum(moments_D1[-1] / n, 1e-30)
+
+
 def top_direction_share(covariance_EE) -> np.ndarray:
     """The share of the per-token variance of a layer's routing values (`routing_covariance`) that lies along one
     direction in expert space: the covariance's largest eigenvalue over its trace; any leading axes (one value per

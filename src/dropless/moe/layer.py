@@ -46,6 +46,7 @@ class MoEStats(NamedTuple):
     logit_moments: jax.Array
     tokens_routed: jax.Array  # int32
     logit_gram: jax.Array  # [E, E] balance.routing_gram of the logits (balance.routing_covariance reads it)
+    input_moments: jax.Array  # [D + 1] balance.input_moments of the router's input (balance.input_common_share)
 
 
 def moe_params(hidden_size: int, moe_cfg) -> Specs:
@@ -88,7 +89,8 @@ def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
                 "pass one bias per expert (zeros when the aux-loss-free bias is unused)")
 
 
-def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg) -> MoEStats:
+def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg, x_TD: jax.Array) -> MoEStats:
+    """The layer's MoEStats from its routing, its executor's accounting and the router's input x_TD."""
     num_tokens, top_k = routing.expert_ids_TK.shape
     seq_len = num_tokens // batch_size
     counts_E = balance.tokens_per_expert(routing.expert_ids_TK, moe_cfg.num_experts)
@@ -101,7 +103,7 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
                     aux, seq_aux, z, total, executor_stats.dispatch_overflowed, executor_stats.rows_sent,
                     executor_stats.rows_sent_without_dedup, balance.routing_moments(routing.choice_TE),
                     balance.routing_moments(routing.logits_TE), jnp.asarray(num_tokens, jnp.int32),
-                    balance.routing_gram(routing.logits_TE))
+                    balance.routing_gram(routing.logits_TE), balance.input_moments(x_TD))
 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
@@ -122,5 +124,5 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     if "shared" in params:
         with jax.named_scope("shared"):
             y_TD = y_TD + dense_swiglu(x_TD, params["shared"], recipe)
-    stats = moe_stats(routing, executor_stats, batch, moe_cfg)
+    stats = moe_stats(routing, executor_stats, batch, moe_cfg, x_BSD.reshape(batch * seq, hidden))
     return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), stats

@@ -16,6 +16,10 @@ Definitions (also in docs/training.md):
                        = the share of row l's logits' per-token variance along one direction in expert space
                          (dropless.moe.balance.top_direction_share: near 1 = tokens rank the experts in at most two
                          ways); the same sinks
+    router_input_common_share[l]
+                       = the share of row l's router input's mean square that is common to the step's tokens,
+                         |mean_t h|² / mean_t |h|² (dropless.moe.balance.input_common_share: near 1 = every token's
+                         input is nearly the same vector); the same sinks
 `model_flops_per_token` is in `dropless.models.flops` (6 x active matmul parameters + the causal attention term).
 The router rows are the MoE layers in model order, then the MTP modules' MoE blocks (`router_row_names`).
 
@@ -108,7 +112,8 @@ def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray
 
 
 ROUTER_KEYS = ("expert_share", "router_bias")
-TOKEN_SHARE_KEYS = ("router_token_share", "router_logit_token_share", "router_logit_top_direction")
+TOKEN_SHARE_KEYS = ("router_token_share", "router_logit_token_share", "router_logit_top_direction",
+                    "router_input_common_share")
 
 
 def router_record_dtype(rows: int, experts: int) -> np.dtype:

@@ -30,7 +30,8 @@ import optax
 from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
-from dropless.moe.balance import center_router_bias, max_load_ratio, routing_covariance, token_variance_share
+from dropless.moe.balance import (center_router_bias, input_common_share, max_load_ratio, routing_covariance,
+                                  token_variance_share)
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -108,6 +109,8 @@ def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
         # [L] each: how much of the selection scores' / the logits' variance differs by token (1: all of it)
         "router_token_share": jax.vmap(token_variance_share)(moe.score_moments, moe.tokens_routed),
         "router_logit_token_share": jax.vmap(token_variance_share)(moe.logit_moments, moe.tokens_routed),
+        # [L]: how much of the router input's mean square is common to the step's tokens (1: all of it)
+        "router_input_common_share": jax.vmap(input_common_share)(moe.input_moments, moe.tokens_routed),
         # [L, E, E]: the covariance of the logits' per-token part; a logged step's router_logit_top_direction
         # (dropless.train.metrics.host_metrics) is read from it on the host
         "router_logit_covariance": jax.vmap(routing_covariance)(moe.logit_gram, moe.logit_moments,
@@ -142,7 +145,7 @@ def microbatches(batch_BS1: jax.Array, count: int) -> jax.Array:
 # How the MoE statistics of N microbatches combine into the step's: counts and the router's moments add (the load
 # ratio and the token shares are then the whole step's), losses (means over their microbatch) average.
 _STATS_SUMMED = ("tokens_per_expert", "tokens_dropped", "dispatch_overflowed", "rows_sent", "rows_sent_without_dedup",
-                 "score_moments", "logit_moments", "tokens_routed", "logit_gram")
+                 "score_moments", "logit_moments", "tokens_routed", "logit_gram", "input_moments")
 
 
 def merge_microbatch_stats(stats_N):
