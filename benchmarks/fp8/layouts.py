@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from breakdown import fwd_bwd  # noqa: E402
 from e4m3_probe_kernels import gmm_nt_ws  # noqa: E402
 from kernel_check import _time, nt_case, tn_case  # noqa: E402
 
@@ -74,11 +75,6 @@ def _fitting_stages(case, tile, stack) -> int:
     if case is tn_case:
         return fp8_mosaic._stages(tile, jnp.float32, "blockwise", (cta_m, cta_n), stack)
     return fp8_mosaic._stages(tile, jnp.bfloat16, "blockwise", (cta_m,), stack)
-
-
-def fwd_bwd(f, x, w, dy):
-    y, pullback = jax.vjp(f, x, w)
-    return y, *pullback(dy)
 
 
 def main() -> None:

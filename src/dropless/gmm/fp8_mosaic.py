@@ -143,21 +143,21 @@ class _Launch:
     def cta(self) -> tuple[int, int]:
         return cta_shape(self.tile, self.stack)
 
+    def out_origin(self, wg):
+        """(row, column) of a consumer's output tile inside its CTA tile."""
+        return (0, wg * self.tile.block_n) if self.stack == "n" else (wg * self.tile.block_m, 0)
+
     def lhs_rows(self, wg):
-        """A consumer's rows of the CTA's lhs block (all of them when the consumers sit side by side)."""
-        return pl.ds(0, self.tile.block_m) if self.stack == "n" else pl.ds(wg * self.tile.block_m, self.tile.block_m)
+        """A consumer's rows of the CTA's lhs block: its output rows (all of them when side by side)."""
+        return pl.ds(self.out_origin(wg)[0], self.tile.block_m)
 
     def rhs_rows(self, wg):
-        """A consumer's rows of the CTA's K-major rhs block (all of them when the consumers are stacked)."""
-        return pl.ds(wg * self.tile.block_n, self.tile.block_n) if self.stack == "n" else pl.ds(0, self.tile.block_n)
+        """A consumer's rows of the CTA's K-major rhs block: its output columns (all of them when stacked)."""
+        return pl.ds(self.out_origin(wg)[1], self.tile.block_n)
 
     def operands(self, lhs_smem, rhs_smem, wg):
         """A consumer's wgmma operands: its [block_m, K] lhs rows and its rhs rows viewed [K, block_n]."""
         return lhs_smem.at[self.lhs_rows(wg)], rhs_smem.at[self.rhs_rows(wg), :].transpose((1, 0))
-
-    def out_origin(self, wg):
-        """(row, column) of a consumer's output tile inside its CTA tile."""
-        return (0, wg * self.tile.block_n) if self.stack == "n" else (wg * self.tile.block_m, 0)
 
 
 def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int, ...], stack: str = "n") -> int:
@@ -487,13 +487,13 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
             gi, kn = lax.div(loop_info.index[0], per_group), lax.rem(loop_info.index[0], per_group)
             ki, ni = plgpu.planar_snake(kn, (s.outer, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
             first, steps = first_G[gi], blocks_G[gi]
+            row0, col0 = s.out_origin(wg)
 
             def stage_out(value):
                 out_smem[wg] = value.astype(s.out_dtype)
 
             def store():
                 plgpu.commit_smem()
-                row0, col0 = s.out_origin(wg)
                 rows, cols = pl.ds(ki * cta_m + row0, bm), pl.ds(ni * cta_n + col0, bn)
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out.at[gi, rows, cols])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -510,7 +510,6 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
                 if blockwise:
                     body, context = _tn_blockwise_body(s, wg), _blockwise_context(s, stage_out, store)
                 else:
-                    row0, col0 = s.out_origin(wg)
                     rows_gmem = row_scale.at[pl.ds(gi, 1), pl.ds(ki * cta_m + row0, bm)]
                     cols_gmem = col_scale.at[pl.ds(gi, 1), pl.ds(ni * cta_n + col0, bn)]
                     body = _rowwise_body(s, wg)
