@@ -61,6 +61,13 @@ VARIANTS = {
                                 lambda c: {"train.router_lr_scale": 0.1, "moe.bias_update_rate": 0.03}),
     "center-1": ("bias_center_rate 1: the bias also equalises the experts' mean selection scores each step",
                  lambda c: {"moe.bias_center_rate": 1.0}),
+    "common-0.1": ("router_common_rate 0.1: every router sees its input without the direction of the input's "
+                   "running mean over tokens", lambda c: {"moe.router_common_rate": 0.1}),
+    "common-0.3": ("router_common_rate 0.3", lambda c: {"moe.router_common_rate": 0.3}),
+    "common-1": ("router_common_rate 1: the previous step's mean router input",
+                 lambda c: {"moe.router_common_rate": 1.0}),
+    "common-0.3-bias-1e-2": ("router_common_rate 0.3 and bias_update_rate 1e-2",
+                             lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01}),
     "center-0.3": ("bias_center_rate 0.3", lambda c: {"moe.bias_center_rate": 0.3}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),

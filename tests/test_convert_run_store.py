@@ -89,6 +89,34 @@ def test_a_run_trained_here_exports_and_reimports_exactly(tmp_path, overrides):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_router_s_running_input_mean_is_folded_into_its_weight_on_export(tmp_path):
+    """moe.router_common_rate: the running means have no HF tensor; the exported router weights carry them
+    (fold_common), so the re-imported model (rate 0, no such state) computes the same logits, MTP block
+    included, and every other tensor comes back exactly."""
+    config = _tiny({"moe.router_common_rate": 0.1, "model.mtp_layers": 1})
+    params, state = _random_model(config, seed=5)
+    assert state["router_common"].shape == (transformer.num_router_rows(config.model), 32)
+    ckpt.save_model(tmp_path / "run", config, params, state, step=3)
+    loaded_config, loaded_params, loaded_state = load_hf(convert_to_hf(tmp_path / "run", tmp_path / "hf"))
+    assert loaded_config.moe.router_common_rate == 0.0 and set(loaded_state) == {"router_bias"}
+    np.testing.assert_array_equal(loaded_state["router_bias"], state["router_bias"])
+    tokens = np.random.default_rng(0).integers(0, 96, size=(2, 12))
+    logits = lambda c, p, s: transformer.forward(p, s, tokens, c, mtp=True)
+    want, want_aux = jax.jit(lambda p, s: logits(config, p, s))(params, state)
+    got, got_aux = jax.jit(lambda p, s: logits(loaded_config, p, s))(loaded_params, loaded_state)
+    np.testing.assert_array_equal(got_aux["moe"].tokens_per_expert, want_aux["moe"].tokens_per_expert)
+    for a, b in ((got, want), *zip(got_aux["mtp_logits"], want_aux["mtp_logits"])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.abs(np.asarray(b)).max()))
+    routers = lambda tree: [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+                            if "router" in jax.tree_util.keystr(path)]
+    for mine, exported in zip(routers(params), routers(loaded_params), strict=True):
+        assert np.abs(np.asarray(mine) - np.asarray(exported)).max() > 1e-3  # folded, not copied
+    others = lambda tree: [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+                           if "router" not in jax.tree_util.keystr(path)]
+    for a, b in zip(others(params), others(loaded_params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_exporting_a_run_whose_config_a_family_cannot_hold_is_refused(tmp_path):
     config = _tiny({"model.family": "mixtral"})  # MLA attention is not Mixtral's
     ckpt.save_model(tmp_path / "run", config, *_random_model(config))

@@ -100,6 +100,49 @@ def test_layer_matches_reference_forward_and_gradients(name, kwargs, bias_kind):
         assert float(stats["max_load_ratio"]) == pytest.approx(cfg.num_experts)
 
 
+@pytest.mark.parametrize("case", [2, 0], ids=["sigmoid_groups", "softmax"])
+def test_router_sees_its_input_without_the_common_direction(case):
+    """moe.router_common_rate: with `router_common_D` the router ranks and weighs the experts on x - (x·ĉ)ĉ while
+    the experts compute on x itself; forward, losses and gradients against the float64 reference that projects
+    each token's router input. Inputs sharing one large direction (every token's input nearly the same vector)
+    make the difference: without the projection they choose differently."""
+    cfg, params, bias_E, x_BSD, cotangent_BSD = _problem(*CASES[case], seed=11)
+    rng = np.random.default_rng(5)
+    common_D = rng.normal(size=HIDDEN).astype(np.float32)
+    x_BSD = (x_BSD + 4.0 * common_D / np.linalg.norm(common_D)).astype(np.float32)
+
+    def objective(params, x_BSD, layer):
+        y_BSD, losses = layer(params, x_BSD)
+        return jnp.sum(y_BSD * cotangent_BSD) + losses["balance_loss"], (y_BSD, losses)
+
+    def layer(params, x_BSD):
+        y_BSD, stats = moe_layer(params, bias_E, x_BSD, cfg, compute_dtype=jnp.float32,
+                                 router_common_D=jnp.asarray(3.0 * common_D))
+        return y_BSD, stats._asdict()
+
+    (_, (y, stats)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True),
+                                     static_argnums=2)(params, x_BSD, layer)
+    x_TD = x_BSD.reshape(-1, HIDDEN)
+    ids_TK = reference_route(x_TD, params["router"]["kernel"], bias_E, cfg, common_D)
+    assert not np.array_equal(ids_TK, reference_route(x_TD, params["router"]["kernel"], bias_E, cfg))
+    np.testing.assert_array_equal(np.bincount(ids_TK.ravel(), minlength=cfg.num_experts), stats["tokens_per_expert"])
+    with enable_x64():
+        cotangent_BSD = np.asarray(cotangent_BSD, np.float64)
+        reference = lambda p, x: reference_moe(p, x, ids_TK, cfg, common_D=np.asarray(common_D, np.float64))
+        (_, (y_ref, losses_ref)), grads_ref = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True),
+                                                      static_argnums=2)(*_float64((params, x_BSD)), reference)
+    assert _rel_err(y, y_ref) < 1e-5
+    assert _rel_err(stats["balance_loss"], losses_ref["balance_loss"]) < 1e-5
+    for (path, g), g_ref in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_ref)):
+        assert _rel_err(g, g_ref) < 2e-5, jax.tree_util.keystr(path)
+    # A zero running mean (an imported model's, or before the first update) routes as without one.
+    y_zero, stats_zero = jax.jit(lambda p, x: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.float32,
+                                                        router_common_D=jnp.zeros(HIDDEN)))(params, x_BSD)
+    y_none, stats_none = jax.jit(lambda p, x: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.float32))(params, x_BSD)
+    np.testing.assert_array_equal(y_zero, y_none)
+    np.testing.assert_array_equal(stats_zero.tokens_per_expert, stats_none.tokens_per_expert)
+
+
 def test_bfloat16_compute_stays_close_to_reference():
     cfg, params, bias_E, x_BSD, _ = _problem(*CASES[2], seed=7)
     y, stats = jax.jit(lambda p, x: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.bfloat16))(params, x_BSD)
@@ -132,6 +175,8 @@ def test_shape_mismatches_raise_one_clear_error():
         call(x=np.ones((2, 8), np.float32))
     with pytest.raises(MoEError, match="router_bias_E"):
         call(b=np.zeros(5, np.float32))
+    with pytest.raises(MoEError, match=r"router_common_D has shape \(6,\) but .* expects \(8,\)"):
+        moe_layer(params, bias_E, x_BSD, cfg, compute_dtype=jnp.float32, router_common_D=np.zeros(6, np.float32))
     with pytest.raises(MoEError, match="experts'\\]\\['gate_up'\\]"):
         call(c=dataclasses.replace(cfg, expert_intermediate_size=3))
     with pytest.raises(MoEError, match="lack a 'shared' entry"):

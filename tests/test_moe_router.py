@@ -9,9 +9,9 @@ import pytest
 
 from dropless.core.config import ConfigError, MoEConfig
 from dropless.moe import route, update_router_bias
-from dropless.moe.balance import max_load_ratio, tokens_per_expert
+from dropless.moe.balance import input_moments, max_load_ratio, tokens_per_expert, update_router_common
 from dropless.moe.reference import reference_route
-from dropless.moe.router import select_experts
+from dropless.moe.router import fold_common, select_experts
 
 
 def _brute_force_groups(choice_E, top_k, n_group, topk_group):
@@ -72,6 +72,8 @@ def test_softmax_router_follows_mixtral_and_qwen3():
     (dict(num_experts=8, n_group=3), "n_group=3 must divide moe.num_experts=8"),
     (dict(num_experts=8, n_group=4, topk_group=5), "topk_group=5 must be between 1 and moe.n_group=4"),
     (dict(num_experts=8, num_experts_per_tok=6, n_group=4, topk_group=2), "raise moe.topk_group"),
+    (dict(router_common_rate=1.5), r"router_common_rate=1.5 must be in \[0, 1\]"),
+    (dict(router_common_rate=-0.1), r"router_common_rate=-0.1 must be in \[0, 1\]"),
 ])
 def test_bad_router_configs_raise_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -98,6 +100,58 @@ def test_bias_update_drives_a_skewed_router_toward_balance():
     _, ratios = jax.jit(lambda b: jax.lax.scan(step, b, length=300))(jnp.zeros(8))
     assert float(ratios[0]) > 2.5  # most tokens pick experts 0 and 1 (the worst is E/K = 4)
     assert float(jnp.max(ratios[-50:])) < 1.15
+
+
+def test_fold_common_removes_one_direction_from_the_router_input():
+    """x·fold(W, c) = (x - (x·ĉ)ĉ)·W against float64, in NumPy (export) and jax (training) alike; the scale of c
+    does not matter, and zero leaves W exactly."""
+    rng = np.random.default_rng(4)
+    kernel_DE, common_D = rng.normal(size=(24, 6)).astype(np.float32), rng.normal(size=24).astype(np.float32)
+    x_TD = rng.normal(size=(10, 24))
+    unit = common_D.astype(np.float64) / np.linalg.norm(common_D.astype(np.float64))
+    want = (x_TD - np.outer(x_TD @ unit, unit)) @ kernel_DE.astype(np.float64)
+    folded = fold_common(kernel_DE, common_D)
+    assert folded.dtype == np.float32 and isinstance(folded, np.ndarray)
+    np.testing.assert_allclose(x_TD @ folded, want, rtol=0, atol=2e-5 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(fold_common(jnp.asarray(kernel_DE), jnp.asarray(common_D))), folded,
+                               atol=2e-6)
+    np.testing.assert_allclose(fold_common(kernel_DE, 1e3 * common_D), folded, atol=2e-6)
+    np.testing.assert_array_equal(fold_common(kernel_DE, np.zeros(24, np.float32)), kernel_DE)
+    np.testing.assert_allclose(unit @ folded, 0.0, atol=1e-5)  # the common direction no longer moves the logits
+
+
+def test_update_router_common_is_a_running_mean_of_the_input():
+    rng = np.random.default_rng(6)
+    x_TD = rng.normal(size=(40, 5)).astype(np.float32)
+    moments = input_moments(jnp.asarray(x_TD))
+    common = jnp.asarray(rng.normal(size=5), jnp.float32)
+    got = update_router_common(common, moments, jnp.int32(40), 0.25)
+    np.testing.assert_allclose(got, 0.75 * np.asarray(common) + 0.25 * x_TD.mean(axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(update_router_common(common, moments * 0, jnp.int32(0), 0.25), common)
+    stacked = update_router_common(jnp.stack([common, 2 * common]), jnp.stack([moments, moments]),
+                                   jnp.array([40, 40]), 0.25)  # any leading axes: one row per router
+    np.testing.assert_allclose(stacked[0], got, rtol=1e-6)
+
+
+def test_running_mean_projection_unsticks_a_router_whose_tokens_share_one_large_direction():
+    """Every token's input is one large common vector plus its own small part, so every token ranks the experts
+    alike. Removing the running mean's direction (moe.router_common_rate, no bias at all)
+    balances the load from the first update on; without it the router stays collapsed."""
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, score_func="sigmoid", n_group=4, topk_group=2)
+    rng = np.random.default_rng(2)
+    common = rng.normal(size=16)
+    x_TD = jnp.asarray(rng.normal(size=(512, 16)) + 8.0 * common / np.linalg.norm(common), jnp.float32)
+    kernel_DE = jnp.asarray(rng.normal(scale=0.5, size=(16, 8)), jnp.float32)
+
+    def ratios(rate):
+        def step(common_D, _):
+            counts_E = tokens_per_expert(route(fold_common(kernel_DE, common_D), None, x_TD, cfg).expert_ids_TK, 8)
+            return update_router_common(common_D, input_moments(x_TD), jnp.int32(512), rate), max_load_ratio(counts_E)
+        return np.asarray(jax.jit(lambda c: jax.lax.scan(step, c, length=20))(jnp.zeros(16))[1])
+
+    without, with_common = ratios(0.0), ratios(0.3)
+    assert without.min() >= 2.5  # the most chosen expert takes three quarters of the tokens, every step
+    assert with_common[0] == without[0] and np.all(with_common[1:] <= 1.3)
 
 
 def test_routing_on_a_mesh_selects_per_device_without_collectives():

@@ -115,3 +115,31 @@ def test_bias_centring_equalises_the_step_s_mean_selection_scores(batch_and_stat
     signs = np.sign(np.mean(stats.tokens_per_expert, axis=1, keepdims=True) - np.asarray(stats.tokens_per_expert))
     np.testing.assert_allclose(np.asarray(both["router_bias"]) - np.asarray(centred["router_bias"]), 1e-3 * signs,
                                atol=1e-7)
+
+
+def test_router_common_moves_towards_the_step_s_mean_router_input(batch_and_state):
+    """moe.router_common_rate: after a step each router's running mean moves `rate` of the way to the mean of its
+    input over the step's tokens (its input_moments, summed over the microbatches); the bias is left to its own
+    rule, and a model without the state (rate 0) is untouched."""
+    from dropless.models import transformer
+    from dropless.train.step import update_router_commons
+
+    params, state, batch, whole = batch_and_state
+    (_, (_, aux)), _ = whole
+    stats = aux["moe"]
+    rows = transformer.num_router_rows(CONFIG.model)
+    common = 0.1 * jax.random.normal(jax.random.key(3), (rows, CONFIG.model.hidden_size))
+    with_common = {**state, "router_common": common}
+    updated = update_router_commons(with_common, aux, 0.25)
+    mean = np.asarray(stats.input_moments)[:, :-1] / np.asarray(stats.tokens_routed)[:, None]
+    np.testing.assert_allclose(updated["router_common"], 0.75 * np.asarray(common) + 0.25 * mean, rtol=1e-5,
+                               atol=1e-6)
+    assert updated["router_bias"] is state["router_bias"]
+    assert update_router_commons(state, aux, 0.25) is state
+    # Accumulating over microbatches gives the same running mean as the whole batch.
+    split = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, CONFIG.replace(
+        **{"train.grad_accum_steps": 4})))(params)
+    np.testing.assert_allclose(update_router_commons(with_common, split[0][1][1], 0.25)["router_common"],
+                               updated["router_common"], rtol=1e-5, atol=1e-6)
+    assert "router_common" in transformer.init_state(CONFIG.replace(**{"moe.router_common_rate": 0.1}))
+    assert "router_common" not in transformer.init_state(CONFIG.replace(**{"moe.router_common_rate": 0.0}))

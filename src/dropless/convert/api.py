@@ -27,6 +27,7 @@ from dropless.convert.hf_weights import (FP8_DTYPES, Slab, check_checkpoint, che
 from dropless.convert.run_store import LeafPath, RunReader, RunWriter, model_leaf_shapes
 from dropless.convert.safetensors_io import DTYPES, CheckpointReader, write_sharded
 from dropless.models import transformer
+from dropless.moe.router import fold_common
 from dropless.train import checkpoint as ckpt
 
 HF_SOURCE = "hf_source.json"
@@ -206,6 +207,8 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
             if array.shape != want:
                 raise ckpt.CheckpointError(f"{'.'.join(slab.leaf)} in {run_dir} has slabs of shape {array.shape}, "
                                            f"but the run's config.json implies {want}.")
+            if slab.fold is not None:
+                array = fold_common(array, reader.read(("state", "router_common"), (slab.fold,)))
             for name, tensor in zip(slab.hf_names, to_hf(slab, array)):
                 yield name, np.asarray(tensor, DTYPES[codes[name]], order="C")  # cast and lay out in one copy
 

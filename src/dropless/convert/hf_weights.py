@@ -9,7 +9,10 @@ Per-slab operations (HF `nn.Linear` weights are [out, in]; ours are [in, out]):
   copy       norms, the embedding, the correction bias
   transpose  projections, the router, lm_head
   gate_up    gate and up [F, D] each -> one [D, 2F] (gate first)
-  zeros      our router_bias for families without a correction bias (no HF tensor)
+  zeros      our router_bias for families without a correction bias, our router_common (no HF tensor)
+A router's running input mean (`state.router_common`, moe.router_common_rate) has no HF tensor: on export it is
+folded into the router's weight (`Slab.fold`, `dropless.moe.router.fold_common`), which routes every token as the
+trained model does; on import it is zero, which leaves the router as it is.
 Layers map by type: HF layer i is row l of `dense_layers` or `moe_layers`, l counting that type's layers before i
 (`transformer.stack_position`). DeepSeek-V3's multi-token-prediction modules are HF layers num_hidden_layers + k
 (layer 61 in the official checkpoint): `enorm`, `hnorm`, `eh_proj`, `shared_head.norm` and a whole decoder layer
@@ -51,6 +54,7 @@ class Slab:
     op: str  # "copy" | "transpose" | "gate_up" | "zeros"
     columns: tuple[int, ...] | None = None  # ours[:, j] = transposed_hf[:, columns[j]] (rope interleaving)
     duplicate_of: str | None = None  # the HF tensor holding the same values: this slab's leaf is covered there
+    fold: int | None = None  # a router weight: the state.router_common row folded into it on export
 
 
 def _interleave_columns(width: int, rope: int, group: int, groups: int) -> tuple[int, ...]:
@@ -109,9 +113,13 @@ def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
             add(("mlp", "gate_up"), ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "gate_up")
             add(("mlp", "down"), ["mlp.down_proj.weight"], "transpose")
             return
-        add(("moe", "router", "kernel"), [moe_root + "gate.weight"], "transpose")
+        common = moe.router_common_rate > 0
+        slabs.append(Slab(("params", *root, "moe", "router", "kernel"), (l,),
+                          (f"model.layers.{i}.{moe_root}gate.weight",), "transpose", fold=bias_row if common else None))
         bias = (f"model.layers.{i}.{moe_root}gate.e_score_correction_bias",) if family == "deepseek_v3" else ()
         slabs.append(Slab(("state", "router_bias"), (bias_row,), bias, "copy" if bias else "zeros"))
+        if common:
+            slabs.append(Slab(("state", "router_common"), (bias_row,), (), "zeros"))
         for e in range(moe.num_experts):
             gate, up, down = (f"{moe_root}experts.{e}.{n}.weight" for n in expert_names)
             add(("moe", "experts", "gate_up"), [gate, up], "gate_up", index=(l, e))

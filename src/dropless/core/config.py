@@ -181,6 +181,11 @@ class MoEConfig:
     # After each step the bias also moves every expert's mean selection score over the step's tokens this fraction
     # of the way to the mean over experts (dropless.moe.balance.center_router_bias); 0 = off, 1 = equal means.
     bias_center_rate: float = 0.0
+    # Each router sees its input without the direction of that input's running mean over tokens (kept in
+    # model_state["router_common"], updated after each step at this rate; dropless.moe.router.fold_common). A
+    # common part of the tokens' router inputs that grows faster than the rest makes every token rank the experts
+    # alike (docs/training.md, "Router health"); 0 = off (no such state).
+    router_common_rate: float = 0.0
     # Balancing losses, each weighted; 0 = off.
     aux_loss_weight: float = 0.0
     seq_aux_loss_weight: float = 0.0
@@ -232,6 +237,9 @@ class MoEConfig:
         _require(0.0 <= self.bias_center_rate <= 1.0,
                  f"moe.bias_center_rate={self.bias_center_rate} must be in [0, 1]: the fraction of the way to equal "
                  "mean selection scores the bias moves each step.")
+        _require(0.0 <= self.router_common_rate <= 1.0,
+                 f"moe.router_common_rate={self.router_common_rate} must be in [0, 1]: the weight of each step's mean "
+                 "router input in the running mean whose direction the router does not see (0 = off).")
         for key in ("bias_update_rate", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight"):
             _positive(f"moe.{key}", getattr(self, key), allow_zero=True)
         _positive("moe.capacity_factor", self.capacity_factor)

@@ -150,9 +150,19 @@ def init_params(key: jax.Array, config: Config) -> dict:
 
 
 def init_state(config: Config) -> dict:
-    """Untrained model state: DeepSeek-V3's per-layer router bias (`e_score_correction_bias`), zeros; one row per
-    MoE layer, then one per MTP MoE block (`num_router_rows`)."""
-    return {"router_bias": jnp.zeros((num_router_rows(config.model), config.moe.num_experts), jnp.float32)}
+    """Untrained model state, one row per router (per MoE layer, then per MTP MoE block: `num_router_rows`), zeros:
+    DeepSeek-V3's router bias (`e_score_correction_bias`) [R, E] and, with moe.router_common_rate > 0, the running
+    mean of each router's input whose direction the router does not see, "router_common" [R, D]."""
+    rows = num_router_rows(config.model)
+    state = {"router_bias": jnp.zeros((rows, config.moe.num_experts), jnp.float32)}
+    if config.moe.router_common_rate > 0:
+        state["router_common"] = jnp.zeros((rows, config.model.hidden_size), jnp.float32)
+    return state
+
+
+def _router_rows(state: dict, start: int, stop: int) -> dict:
+    """Routers start..stop-1's rows of every per-router state leaf (`init_state`)."""
+    return {key: value[start:stop] for key, value in state.items() if key in ("router_bias", "router_common")}
 
 
 def logical_axes(config: Config) -> dict:
@@ -301,9 +311,10 @@ class _Layers:
         cos_SP, sin_SP = rope_tables(seq_len, rotary_dim(m), m.rope_theta, m.rope_scaling)
         return cls(config, executor, cos_SP, sin_SP, compute_dtype(config))
 
-    def _moe_block(self, moe_params, bias_E, h_BSD):
-        y_BSD, stats = moe_layer(moe_params, bias_E, h_BSD, self.config.moe, compute_dtype=self.dtype,
-                                 executor=self.executor, recipe=self.recipe)
+    def _moe_block(self, moe_params, router: dict, h_BSD):
+        y_BSD, stats = moe_layer(moe_params, router["router_bias"], h_BSD, self.config.moe, compute_dtype=self.dtype,
+                                 executor=self.executor, recipe=self.recipe,
+                                 router_common_D=router.get("router_common"))
         return y_BSD.astype(self.dtype), stats
 
     def attention(self, layer, x_BSD):
@@ -317,14 +328,15 @@ class _Layers:
             y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, self.recipe), "mlp_out")
         return x_BSD + y_BSD, None
 
-    def moe(self, x_BSD, layer_and_bias, *, unscanned: bool = False):
-        layer, bias_E = layer_and_bias
+    def moe(self, x_BSD, layer_and_router, *, unscanned: bool = False):
+        """`layer_and_router`: (the layer's weights, its router's state row: `_router_rows`)."""
+        layer, router = layer_and_router
         m = self.config.model
         x_BSD = self.attention(layer, x_BSD)
         with jax.named_scope("moe"):
             h_BSD = checkpoint_name(rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps), "moe_in")
             block = self.moe_block_unscanned if unscanned else self.moe_block
-            y_BSD, stats = block(layer["moe"], bias_E, h_BSD)
+            y_BSD, stats = block(layer["moe"], router, h_BSD)
             y_BSD = checkpoint_name(y_BSD, "moe_out")
         return x_BSD + y_BSD, stats
 
@@ -342,7 +354,7 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
     moe_block = m.mtp_block == "moe"
     body = _layer_checkpoint(functools.partial(layers.moe, unscanned=True) if moe_block else layers.dense,
                              config.train, in_scan=False)
-    first_bias_row = layer_counts(m)[1]
+    first_router_row = layer_counts(m)[1]
     logits, stats = [], []
     for k in range(1, m.mtp_layers + 1):
         module = jax.tree.map(lambda a: a[k - 1], params["mtp"])
@@ -354,7 +366,9 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
                                            rms_norm(h_BSD, module["hnorm"], m.rms_norm_eps)], axis=-1)
             x_BSD = linear(joined_BS2D, module["eh_proj"], layers.recipe).astype(dtype)
             if moe_block:
-                x_BSD, layer_stats = body(x_BSD, (module["block"], state["router_bias"][first_bias_row + k - 1]))
+                row = first_router_row + k - 1
+                router = jax.tree.map(lambda a: a[0], _router_rows(state, row, row + 1))
+                x_BSD, layer_stats = body(x_BSD, (module["block"], router))
                 stats.append(jax.tree.map(lambda a: a[None], layer_stats))
             else:
                 x_BSD, _ = body(x_BSD, module["block"])
@@ -400,8 +414,8 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
             if kind == "D":
                 x_BSD, _ = _run_layers(dense_body, x_BSD, _rows(params["dense_layers"], start, stop), scan)
             else:
-                bias_LE = state["router_bias"][start:stop]
-                x_BSD, run_stats = _run_layers(moe_body, x_BSD, (_rows(params["moe_layers"], start, stop), bias_LE),
+                routers = _router_rows(state, start, stop)
+                x_BSD, run_stats = _run_layers(moe_body, x_BSD, (_rows(params["moe_layers"], start, stop), routers),
                                                scan)
                 stats.append(run_stats)
 

@@ -118,6 +118,17 @@ def input_common_share(moments_D1: jax.Array, tokens: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(mean_D)) / jnp.maximum(moments_D1[-1] / n, 1e-30)
 
 
+def update_router_common(common_D: jax.Array, moments_D1: jax.Array, tokens: jax.Array, rate: float) -> jax.Array:
+    """The running mean of a router's input (moe.router_common_rate): common += rate * (mean_t h - common), the
+    step's mean from `input_moments` over `tokens` tokens, outside the gradient. Only its direction is used
+    (`dropless.moe.router.fold_common`), so starting from zero costs nothing: the first update already points
+    along the first step's mean. A step without tokens leaves it as it is. Works on any leading axes."""
+    n = jnp.asarray(tokens, jnp.float32)[..., None]
+    mean_D = moments_D1[..., :-1] / jnp.maximum(n, 1.0)
+    step = jnp.where(n > 0, rate * (mean_D - common_D), 0.0)
+    return (common_D + jax.lax.stop_gradient(step)).astype(common_D.dtype)
+
+
 def top_direction_share(covariance_EE) -> np.ndarray:
     """The share of the per-token variance of a layer's routing values (`routing_covariance`) that lies along one
     direction in expert space: the covariance's largest eigenvalue over its trace; any leading axes (one value per

@@ -5,7 +5,9 @@ Parameters (float32 master weights, one layer; declared by `moe_params`):
     {"router": {"kernel": [D, E]},
      "experts": {"gate_up": [E, D, 2F], "down": [E, F, D]},
      "shared": {"gate_up": [D, 2Fs], "down": [Fs, D]}}      # only if moe.num_shared_experts > 0; Fs = n * F
-The router bias (`router_bias_E`, DeepSeek-V3's e_score_correction_bias) is state, not a parameter.
+The router bias (`router_bias_E`, DeepSeek-V3's e_score_correction_bias) is state, not a parameter; so is the
+running mean of the router's input (`router_common_D`, moe.router_common_rate) whose direction the router does not
+see (`dropless.moe.router.fold_common`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dropless.moe import balance
 from dropless.fp8 import Recipe
 from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, swiglu_params
-from dropless.moe.router import Routing, route
+from dropless.moe.router import Routing, fold_common, route
 
 
 class MoEStats(NamedTuple):
@@ -72,7 +74,7 @@ def _expect(name: str, shape: tuple, expected: tuple, fix: str) -> None:
         raise MoEError(f"{name} has shape {tuple(shape)} but the MoE layer expects {tuple(expected)}; {fix}.")
 
 
-def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
+def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg, router_common_D=None) -> None:
     """Validate shapes at the layer boundary against `moe_params` (trace time, so free under jit)."""
     if getattr(x_BSD, "ndim", None) != 3:
         raise MoEError(f"x_BSD must be [batch, seq, hidden] but has shape {getattr(x_BSD, 'shape', None)}; "
@@ -87,6 +89,9 @@ def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg) -> None:
     if router_bias_E is not None:
         _expect("router_bias_E", router_bias_E.shape, (moe_cfg.num_experts,),
                 "pass one bias per expert (zeros when the aux-loss-free bias is unused)")
+    if router_common_D is not None:
+        _expect("router_common_D", router_common_D.shape, (x_BSD.shape[-1],),
+                "pass one running mean of the router's input per hidden unit (or None)")
 
 
 def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, moe_cfg, x_TD: jax.Array) -> MoEStats:
@@ -107,17 +112,24 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
-              executor: ExpertExecutor | None = None, recipe: Recipe | None = None) -> tuple[jax.Array, MoEStats]:
+              executor: ExpertExecutor | None = None, recipe: Recipe | None = None,
+              router_common_D: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
     """The routed (+ shared) expert layer: returns (y_BSD in compute_dtype, MoEStats).
+
+    `router_common_D`: the running mean of the router's input (moe.router_common_rate); the router then sees its
+    input without that direction, the experts see it whole. None = the router sees the input as it is.
 
     `executor`: built once with the model (`dropless.ep.make_executor`: the grouped-GEMM backend, and the mesh
     under expert parallelism); None = the one-device `LocalExecutor.from_config(moe_cfg)`."""
-    check_inputs(params, router_bias_E, x_BSD, moe_cfg)
+    check_inputs(params, router_bias_E, x_BSD, moe_cfg, router_common_D)
     executor = LocalExecutor.from_config(moe_cfg, recipe) if executor is None else executor
     batch, seq, hidden = x_BSD.shape
     x_TD = x_BSD.reshape(batch * seq, hidden)
     with jax.named_scope("route"):
-        routing = route(params["router"]["kernel"], router_bias_E, x_TD, moe_cfg, mesh=executor.mesh)
+        kernel_DE = params["router"]["kernel"]
+        if router_common_D is not None:  # folded into the [D, E] kernel: cheaper than projecting the [T, D] input
+            kernel_DE = fold_common(kernel_DE, jax.lax.stop_gradient(router_common_D))
+        routing = route(kernel_DE, router_bias_E, x_TD, moe_cfg, mesh=executor.mesh)
     x_TD = x_TD.astype(compute_dtype)
     experts = jax.tree.map(lambda w: w.astype(compute_dtype), params["experts"])
     y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts)

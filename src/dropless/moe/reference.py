@@ -21,16 +21,18 @@ def _scores(logits_E, score_func: str, xp):
     return 1.0 / (1.0 + xp.exp(-logits_E))
 
 
-def reference_route(x_TD, kernel_DE, bias_E, moe_cfg) -> np.ndarray:
-    """[T, K] expert ids, best first: top-k of (score + bias) within the best topk_group groups."""
+def reference_route(x_TD, kernel_DE, bias_E, moe_cfg, common_D=None) -> np.ndarray:
+    """[T, K] expert ids, best first: top-k of (score + bias) within the best topk_group groups; with `common_D`,
+    each token's router input has that direction removed (moe.router_common_rate)."""
     x_TD = np.asarray(x_TD, np.float64)
+    common_D = None if common_D is None else np.asarray(common_D, np.float64)
     kernel_DE = np.asarray(kernel_DE, np.float64)
     num_experts, top_k = moe_cfg.num_experts, moe_cfg.num_experts_per_tok
     bias_E = np.zeros(num_experts) if bias_E is None else np.asarray(bias_E, np.float64)
     per_group = num_experts // moe_cfg.n_group
     ids_TK = np.zeros((x_TD.shape[0], top_k), np.int32)
     for t in range(x_TD.shape[0]):
-        choice = _scores(x_TD[t] @ kernel_DE, moe_cfg.score_func, np) + bias_E
+        choice = _scores(_without_common(x_TD[t], common_D) @ kernel_DE, moe_cfg.score_func, np) + bias_E
         allowed = list(range(num_experts))
         if moe_cfg.n_group > 1:
             group_score = [sum(sorted(choice[g * per_group:(g + 1) * per_group])[-2:])
@@ -54,6 +56,15 @@ def reference_capacity_keep(expert_ids_TK, num_experts: int, capacity: int) -> n
     return keep_TK
 
 
+def _without_common(x_D, common_D):
+    """The router's input with the direction of `common_D` (NumPy) removed, x - (x·ĉ)ĉ (moe.router_common_rate);
+    x itself when `common_D` is None or zero."""
+    if common_D is None or not np.any(common_D):
+        return x_D
+    unit_D = np.asarray(common_D, np.float64) / np.linalg.norm(np.asarray(common_D, np.float64))
+    return x_D - (x_D @ unit_D) * unit_D
+
+
 def _swiglu(x_D, gate_up_DF2, down_FD, jnp):
     width = down_FD.shape[0]
     h = x_D @ gate_up_DF2
@@ -61,9 +72,9 @@ def _swiglu(x_D, gate_up_DF2, down_FD, jnp):
     return (gate / (1.0 + jnp.exp(-gate)) * up) @ down_FD
 
 
-def _one_token(params, x_D, ids_K, keep_K, moe_cfg):
+def _one_token(params, x_D, ids_K, keep_K, moe_cfg, common_D=None):
     """One token through the router and its K chosen experts: (output_D, probs_E, logsumexp of the logits)."""
-    logits_E = x_D @ params["router"]["kernel"]
+    logits_E = _without_common(x_D, common_D) @ params["router"]["kernel"]
     scores_E = _scores(logits_E, moe_cfg.score_func, jnp)
     weights_K = scores_E[ids_K]
     if moe_cfg.norm_topk_prob:
@@ -79,20 +90,20 @@ def _one_token(params, x_D, ids_K, keep_K, moe_cfg):
     return out_D, scores_E / jnp.sum(scores_E), log_partition
 
 
-def reference_moe(params: dict, x_BSD, expert_ids_TK, moe_cfg, keep_TK=None):
+def reference_moe(params: dict, x_BSD, expert_ids_TK, moe_cfg, keep_TK=None, common_D=None):
     """Per-token MoE: returns (y_BSD, {"aux_loss", "seq_aux_loss", "z_loss", "balance_loss"}).
 
     `expert_ids_TK` is the selection (from reference_route); `keep_TK` marks which assignments the
-    capacity baseline computes (None = all, the dropless layer). The token function is mapped with
-    jax.vmap only so that it compiles once; each token is computed on its own, with no sorting,
-    grouping or permutation.
+    capacity baseline computes (None = all, the dropless layer); `common_D` as in `reference_route`. The token
+    function is mapped with jax.vmap only so that it compiles once; each token is computed on its own, with no
+    sorting, grouping or permutation.
     """
     batch, seq, hidden = x_BSD.shape
     ids_TK = np.asarray(expert_ids_TK)
     num_tokens, top_k = ids_TK.shape
     num_experts = moe_cfg.num_experts
     keep_TK = np.ones(ids_TK.shape, bool) if keep_TK is None else np.asarray(keep_TK)
-    one_token = lambda x_D, ids_K, keep_K: _one_token(params, x_D, ids_K, keep_K, moe_cfg)
+    one_token = lambda x_D, ids_K, keep_K: _one_token(params, x_D, ids_K, keep_K, moe_cfg, common_D)
     y_TD, probs_TE, log_partition_T = jax.vmap(one_token)(x_BSD.reshape(num_tokens, hidden), ids_TK, keep_TK)
 
     def balance(tokens: slice):

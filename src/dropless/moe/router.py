@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from dropless.core.mesh import per_batch_shard
@@ -54,6 +55,19 @@ def select_experts(choice_TE: jax.Array, top_k: int, n_group: int, topk_group: i
         choice_TE = jnp.where(kept_TG[:, :, None], choice_TGX, -jnp.inf).reshape(num_tokens, num_experts)
     _, expert_ids_TK = jax.lax.top_k(choice_TE, top_k)
     return expert_ids_TK.astype(jnp.int32)
+
+
+def fold_common(kernel_DE, common_D):
+    """The router kernel that sees its input without the direction of `common_D` (a running mean of the input):
+    (I - ĉĉᵀ)W, ĉ = common / |common|, so x·fold(W) = (x - (x·ĉ)ĉ)·W. A zero `common_D` leaves W as it is. The
+    same function on the device (jax) and on export (numpy: `dropless.convert` writes the folded kernel, which
+    routes alike in any implementation of the HF model)."""
+    xp = np if isinstance(kernel_DE, np.ndarray) and isinstance(common_D, np.ndarray) else jnp
+    kernel_DE = kernel_DE.astype(xp.float32)
+    common_D = common_D.astype(xp.float32)
+    norm = xp.sqrt(xp.sum(xp.square(common_D)))
+    unit_D = xp.where(norm > 0, common_D / xp.maximum(norm, xp.float32(1e-30)), xp.float32(0.0))
+    return kernel_DE - xp.outer(unit_D, unit_D @ kernel_DE)
 
 
 def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg, *,

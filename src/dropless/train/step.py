@@ -31,7 +31,7 @@ from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
 from dropless.moe.balance import (center_router_bias, input_common_share, max_load_ratio, routing_covariance,
-                                  token_variance_share)
+                                  token_variance_share, update_router_common)
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -39,7 +39,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: steps taken (skipped non-finite ones included), the next batch's index
     params: Any
     opt_state: Any
-    model_state: Any  # {"router_bias": [Lmoe, E]}: checkpointed, never touched by the optimizer
+    model_state: Any  # transformer.init_state's {"router_bias": [R, E], ...}: checkpointed, not the optimizer's
 
 
 def init_train_state(key: jax.Array, config: Config, optimizer: optax.GradientTransformation,
@@ -132,6 +132,16 @@ def update_router_biases(model_state, aux, rate: float, center_rate: float = 0.0
     return {**model_state, "router_bias": bias_LE}
 
 
+def update_router_commons(model_state, aux, rate: float):
+    """Move every router's running input mean (`model_state["router_common"]`, moe.router_common_rate) towards
+    the step's mean router input (its MoEStats.input_moments, summed over microbatches and devices)."""
+    if rate == 0.0 or "router_common" not in model_state or aux.get("moe") is None:
+        return model_state
+    stats = aux["moe"]
+    common_LD = update_router_common(model_state["router_common"], stats.input_moments, stats.tokens_routed, rate)
+    return {**model_state, "router_common": common_LD}
+
+
 def microbatches(batch_BS1: jax.Array, count: int) -> jax.Array:
     """[B, S+1] -> [count, B / count, S+1]; microbatch j holds rows j, j + count, j + 2 count, ...
 
@@ -196,6 +206,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         params = optax.apply_updates(state.params, updates)
         model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate,
                                            config.moe.bias_center_rate)
+        model_state = update_router_commons(model_state, aux, config.moe.router_common_rate)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
         params, opt_state, model_state = where_tree(
