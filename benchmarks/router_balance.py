@@ -64,6 +64,17 @@ VARIANTS = {
     "common-0.1": ("router_common_rate 0.1: every router sees its input without the direction of the input's "
                    "running mean over tokens", lambda c: {"moe.router_common_rate": 0.1}),
     "common-0.3": ("router_common_rate 0.3", lambda c: {"moe.router_common_rate": 0.3}),
+    "other-0.1": ("router_common_source other_sequences, router_common_rate 0.1: in training each sequence's router "
+                  "input loses the direction of the batch's other sequences' mean; the running mean serves inference",
+                  lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.1}),
+    "other-0.3": ("router_common_source other_sequences, router_common_rate 0.3",
+                  lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3}),
+    "other-0.1-bias-1e-2": ("router_common_source other_sequences, router_common_rate 0.1, bias_update_rate 1e-2",
+                            lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.1,
+                                       "moe.bias_update_rate": 0.01}),
+    "other-0.3-bias-1e-2": ("router_common_source other_sequences, router_common_rate 0.3, bias_update_rate 1e-2",
+                            lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3,
+                                       "moe.bias_update_rate": 0.01}),
     "common-1": ("router_common_rate 1: the previous step's mean router input",
                  lambda c: {"moe.router_common_rate": 1.0}),
     "common-0.3-bias-1e-2": ("router_common_rate 0.3 and bias_update_rate 1e-2",

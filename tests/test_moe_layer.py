@@ -143,6 +143,52 @@ def test_router_sees_its_input_without_the_common_direction(case):
     np.testing.assert_array_equal(stats_zero.tokens_per_expert, stats_none.tokens_per_expert)
 
 
+def test_training_takes_each_sequence_s_common_direction_from_the_other_sequences():
+    """moe.router_common_source="other_sequences": in a training pass each sequence's router input loses the
+    direction of the mean over the batch's other sequences (float64 reference, per token), forward and gradients;
+    outside training, and with one sequence, the running mean serves as before."""
+    cfg, params, bias_E, x_BSD, cotangent_BSD = _problem(*CASES[2], seed=13)
+    cfg = dataclasses.replace(cfg, router_common_source="other_sequences")
+    rng = np.random.default_rng(8)
+    x_BSD = rng.normal(size=(3, 5, HIDDEN)).astype(np.float32) + 3.0 * rng.normal(size=HIDDEN).astype(np.float32)
+    cotangent_BSD = rng.normal(size=x_BSD.shape).astype(np.float32)
+    running_D = rng.normal(size=HIDDEN).astype(np.float32)
+
+    def objective(params, x_BSD, layer):
+        y_BSD, losses = layer(params, x_BSD)
+        return jnp.sum(y_BSD * cotangent_BSD) + losses["balance_loss"], (y_BSD, losses)
+
+    def layer(params, x_BSD, training=True):
+        y_BSD, stats = moe_layer(params, bias_E, x_BSD, cfg, compute_dtype=jnp.float32,
+                                 router_common_D=jnp.asarray(running_D), training=training)
+        return y_BSD, stats._asdict()
+
+    (_, (y, stats)), grads = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True),
+                                     static_argnums=2)(params, x_BSD, layer)
+    x64 = x_BSD.astype(np.float64)
+    others_BD = np.stack([np.delete(x64, b, axis=0).reshape(-1, HIDDEN).mean(axis=0) for b in range(3)])
+    common_TD = np.repeat(others_BD, 5, axis=0)
+    x_TD = x_BSD.reshape(-1, HIDDEN)
+    ids_TK = reference_route(x_TD, params["router"]["kernel"], bias_E, cfg, common_TD)
+    ids_running_TK = reference_route(x_TD, params["router"]["kernel"], bias_E, cfg, running_D)
+    assert np.any(np.bincount(ids_TK.ravel(), minlength=8) != np.bincount(ids_running_TK.ravel(), minlength=8))
+    np.testing.assert_array_equal(np.bincount(ids_TK.ravel(), minlength=cfg.num_experts), stats["tokens_per_expert"])
+    with enable_x64():
+        reference = lambda p, x: reference_moe(p, x, ids_TK, cfg, common_D=common_TD)
+        cotangent_BSD = np.asarray(cotangent_BSD, np.float64)
+        (_, (y_ref, _)), grads_ref = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True),
+                                             static_argnums=2)(*_float64((params, x_BSD)), reference)
+    assert _rel_err(y, y_ref) < 1e-5
+    for (path, g), g_ref in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(grads_ref)):
+        assert _rel_err(g, g_ref) < 2e-5, jax.tree_util.keystr(path)
+    # Evaluation and inference (training=False), and a single sequence, route with the running mean.
+    for x, training in ((x_BSD, False), (x_BSD[:1], True)):
+        _, stats_running = jax.jit(lambda p, x: layer(p, x, training))(params, x)
+        ids_running = reference_route(x.reshape(-1, HIDDEN), params["router"]["kernel"], bias_E, cfg, running_D)
+        np.testing.assert_array_equal(np.bincount(ids_running.ravel(), minlength=cfg.num_experts),
+                                      stats_running["tokens_per_expert"])
+
+
 def test_bfloat16_compute_stays_close_to_reference():
     cfg, params, bias_E, x_BSD, _ = _problem(*CASES[2], seed=7)
     y, stats = jax.jit(lambda p, x: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.bfloat16))(params, x_BSD)

@@ -186,6 +186,11 @@ class MoEConfig:
     # common part of the tokens' router inputs that grows faster than the rest makes every token rank the experts
     # alike (docs/training.md, "Router health"); 0 = off (no such state).
     router_common_rate: float = 0.0
+    # Where training takes that direction from: "running" (the running mean, as inference does) or
+    # "other_sequences" (for each sequence, the mean router input of the batch's other sequences in the same step,
+    # current where the running mean lags; the running mean when a microbatch holds one sequence). Inference and
+    # HF export use the running mean.
+    router_common_source: Literal["running", "other_sequences"] = "running"
     # Balancing losses, each weighted; 0 = off.
     aux_loss_weight: float = 0.0
     seq_aux_loss_weight: float = 0.0

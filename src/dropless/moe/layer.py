@@ -25,7 +25,7 @@ from dropless.moe import balance
 from dropless.fp8 import Recipe
 from dropless.moe.executor import ExecutorStats, ExpertExecutor, LocalExecutor
 from dropless.moe.experts import dense_swiglu, swiglu_params
-from dropless.moe.router import Routing, fold_common, route
+from dropless.moe.router import Routing, fold_common, other_sequences_mean, route
 
 
 class MoEStats(NamedTuple):
@@ -113,11 +113,13 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
               executor: ExpertExecutor | None = None, recipe: Recipe | None = None,
-              router_common_D: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+              router_common_D: jax.Array | None = None, training: bool = False) -> tuple[jax.Array, MoEStats]:
     """The routed (+ shared) expert layer: returns (y_BSD in compute_dtype, MoEStats).
 
     `router_common_D`: the running mean of the router's input (moe.router_common_rate); the router then sees its
-    input without that direction, the experts see it whole. None = the router sees the input as it is.
+    input without that direction, the experts see it whole. None = the router sees the input as it is. In
+    `training` with moe.router_common_source="other_sequences" and more than one sequence, each sequence's
+    direction is instead the mean over the batch's other sequences (`dropless.moe.router.other_sequences_mean`).
 
     `executor`: built once with the model (`dropless.ep.make_executor`: the grouped-GEMM backend, and the mesh
     under expert parallelism); None = the one-device `LocalExecutor.from_config(moe_cfg)`."""
@@ -126,10 +128,13 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     batch, seq, hidden = x_BSD.shape
     x_TD = x_BSD.reshape(batch * seq, hidden)
     with jax.named_scope("route"):
-        kernel_DE = params["router"]["kernel"]
-        if router_common_D is not None:  # folded into the [D, E] kernel: cheaper than projecting the [T, D] input
-            kernel_DE = fold_common(kernel_DE, jax.lax.stop_gradient(router_common_D))
-        routing = route(kernel_DE, router_bias_E, x_TD, moe_cfg, mesh=executor.mesh)
+        kernel_DE, common_BD = params["router"]["kernel"], None
+        if router_common_D is not None:
+            if training and moe_cfg.router_common_source == "other_sequences" and batch > 1:
+                common_BD = other_sequences_mean(x_BSD)
+            else:  # folded into the [D, E] kernel: cheaper than projecting the [T, D] input
+                kernel_DE = fold_common(kernel_DE, jax.lax.stop_gradient(router_common_D))
+        routing = route(kernel_DE, router_bias_E, x_TD, moe_cfg, mesh=executor.mesh, common_BD=common_BD)
     x_TD = x_TD.astype(compute_dtype)
     experts = jax.tree.map(lambda w: w.astype(compute_dtype), params["experts"])
     y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts)

@@ -23,16 +23,18 @@ def _scores(logits_E, score_func: str, xp):
 
 def reference_route(x_TD, kernel_DE, bias_E, moe_cfg, common_D=None) -> np.ndarray:
     """[T, K] expert ids, best first: top-k of (score + bias) within the best topk_group groups; with `common_D`,
-    each token's router input has that direction removed (moe.router_common_rate)."""
+    each token's router input has that direction removed (moe.router_common_rate): one [D] for every token, or one
+    per token [T, D]."""
     x_TD = np.asarray(x_TD, np.float64)
-    common_D = None if common_D is None else np.asarray(common_D, np.float64)
+    units_TD = _common_units(common_D, x_TD.shape[0])
     kernel_DE = np.asarray(kernel_DE, np.float64)
     num_experts, top_k = moe_cfg.num_experts, moe_cfg.num_experts_per_tok
     bias_E = np.zeros(num_experts) if bias_E is None else np.asarray(bias_E, np.float64)
     per_group = num_experts // moe_cfg.n_group
     ids_TK = np.zeros((x_TD.shape[0], top_k), np.int32)
     for t in range(x_TD.shape[0]):
-        choice = _scores(_without_common(x_TD[t], common_D) @ kernel_DE, moe_cfg.score_func, np) + bias_E
+        x_D = _without_common(x_TD[t], None if units_TD is None else units_TD[t])
+        choice = _scores(x_D @ kernel_DE, moe_cfg.score_func, np) + bias_E
         allowed = list(range(num_experts))
         if moe_cfg.n_group > 1:
             group_score = [sum(sorted(choice[g * per_group:(g + 1) * per_group])[-2:])
@@ -56,13 +58,19 @@ def reference_capacity_keep(expert_ids_TK, num_experts: int, capacity: int) -> n
     return keep_TK
 
 
-def _without_common(x_D, common_D):
-    """The router's input with the direction of `common_D` (NumPy) removed, x - (x·ĉ)ĉ (moe.router_common_rate);
-    x itself when `common_D` is None or zero."""
-    if common_D is None or not np.any(common_D):
-        return x_D
-    unit_D = np.asarray(common_D, np.float64) / np.linalg.norm(np.asarray(common_D, np.float64))
-    return x_D - (x_D @ unit_D) * unit_D
+def _common_units(common, num_tokens: int) -> np.ndarray | None:
+    """Per-token unit directions [T, D] (float64) from one direction [D] for every token or one per token
+    [T, D]; a zero vector stays zero (no projection). None for None."""
+    if common is None:
+        return None
+    common_TD = np.broadcast_to(np.asarray(common, np.float64), (num_tokens, np.shape(common)[-1]))
+    norm_T1 = np.linalg.norm(common_TD, axis=-1, keepdims=True)
+    return np.where(norm_T1 > 0, common_TD / np.where(norm_T1 > 0, norm_T1, 1.0), 0.0)
+
+
+def _without_common(x_D, unit_D):
+    """The router's input with a unit direction removed, x - (x·u)u (moe.router_common_rate); x for None."""
+    return x_D if unit_D is None else x_D - (x_D @ unit_D) * unit_D
 
 
 def _swiglu(x_D, gate_up_DF2, down_FD, jnp):
@@ -72,9 +80,9 @@ def _swiglu(x_D, gate_up_DF2, down_FD, jnp):
     return (gate / (1.0 + jnp.exp(-gate)) * up) @ down_FD
 
 
-def _one_token(params, x_D, ids_K, keep_K, moe_cfg, common_D=None):
+def _one_token(params, x_D, ids_K, keep_K, moe_cfg, unit_D=None):
     """One token through the router and its K chosen experts: (output_D, probs_E, logsumexp of the logits)."""
-    logits_E = _without_common(x_D, common_D) @ params["router"]["kernel"]
+    logits_E = _without_common(x_D, unit_D) @ params["router"]["kernel"]
     scores_E = _scores(logits_E, moe_cfg.score_func, jnp)
     weights_K = scores_E[ids_K]
     if moe_cfg.norm_topk_prob:
@@ -103,8 +111,10 @@ def reference_moe(params: dict, x_BSD, expert_ids_TK, moe_cfg, keep_TK=None, com
     num_tokens, top_k = ids_TK.shape
     num_experts = moe_cfg.num_experts
     keep_TK = np.ones(ids_TK.shape, bool) if keep_TK is None else np.asarray(keep_TK)
-    one_token = lambda x_D, ids_K, keep_K: _one_token(params, x_D, ids_K, keep_K, moe_cfg, common_D)
-    y_TD, probs_TE, log_partition_T = jax.vmap(one_token)(x_BSD.reshape(num_tokens, hidden), ids_TK, keep_TK)
+    units_TD = _common_units(common_D, num_tokens)
+    one_token = lambda x_D, ids_K, keep_K, unit_D: _one_token(params, x_D, ids_K, keep_K, moe_cfg, unit_D)
+    y_TD, probs_TE, log_partition_T = jax.vmap(one_token, in_axes=(0, 0, 0, None if units_TD is None else 0))(
+        x_BSD.reshape(num_tokens, hidden), ids_TK, keep_TK, units_TD)
 
     def balance(tokens: slice):
         count_E = np.bincount(ids_TK[tokens].ravel(), minlength=num_experts)

@@ -70,14 +70,38 @@ def fold_common(kernel_DE, common_D):
     return kernel_DE - xp.outer(unit_D, unit_D @ kernel_DE)
 
 
+def other_sequences_mean(x_BSD: jax.Array) -> jax.Array:
+    """[B, D] float32, outside the gradient: for each sequence, the mean of the router's input over the batch's
+    other sequences (B > 1). A direction common to the step's tokens estimated without the sequence's own tokens,
+    so no token's routing depends on its own sequence's later tokens (moe.router_common_source)."""
+    batch, seq, _ = x_BSD.shape
+    sums_BD = jnp.sum(jax.lax.stop_gradient(x_BSD).astype(jnp.float32), axis=1)
+    return (jnp.sum(sums_BD, axis=0) - sums_BD) / ((batch - 1) * seq)
+
+
+def _unit(v_ND: jax.Array) -> jax.Array:
+    norm_N1 = jnp.sqrt(jnp.sum(jnp.square(v_ND), axis=-1, keepdims=True))
+    return jnp.where(norm_N1 > 0, v_ND / jnp.maximum(norm_N1, 1e-30), 0.0)
+
+
 def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg, *,
-          mesh: Mesh | None = None) -> Routing:
+          mesh: Mesh | None = None, common_BD: jax.Array | None = None) -> Routing:
     """Choose K experts per token and their combine weights. The bias steers selection only.
 
     With a `mesh` whose devices split the tokens, the selection runs on each device's own tokens
     (`dropless.core.mesh.per_batch_shard`): XLA's partitioner gathered the group-limited top-k's group scores
-    of every token onto every device (a blocking all-gather per layer) and selected for all tokens on each."""
+    of every token onto every device (a blocking all-gather per layer) and selected for all tokens on each.
+
+    `common_BD` (B rows, the T tokens being B sequences in order): the router sees sequence b's tokens without the
+    direction of `common_BD[b]`, x - (x·ĉ_b)ĉ_b, through a rank-one correction of the logits (no [T, D] copy)."""
     logits_TE = router_logits(kernel_DE, x_TD)
+    if common_BD is not None:
+        batch, hidden = common_BD.shape
+        unit_BD = _unit(jax.lax.stop_gradient(common_BD).astype(jnp.float32))
+        x_BSD = x_TD.reshape(batch, -1, hidden).astype(jnp.float32)
+        along_BS = jnp.einsum("bsd,bd->bs", x_BSD, unit_BD, precision=jax.lax.Precision.HIGHEST)
+        unit_logits_BE = jnp.dot(unit_BD, kernel_DE.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        logits_TE = logits_TE - (along_BS[:, :, None] * unit_logits_BE[:, None, :]).reshape(logits_TE.shape)
     scores_TE = scores_from_logits(logits_TE, moe_cfg.score_func)
     choice_TE = jax.lax.stop_gradient(scores_TE)
     if bias_E is not None:

@@ -66,12 +66,15 @@ def mtp_cross_entropies(mtp_logits: tuple, targets_BS: jax.Array) -> jax.Array:
     return jnp.stack(losses)
 
 
-def loss_fn(params, model_state, batch_BS1, config: Config, executor=None, *, mtp: bool = True):
+def loss_fn(params, model_state, batch_BS1, config: Config, executor=None, *, mtp: bool = True,
+            training: bool = True):
     """Mean next-token cross-entropy + MoE balancing losses (+ the MTP loss with `mtp` and model.mtp_layers).
-    Returns (total, (cross_entropy, aux)); aux["mtp_loss"] is mean_k CE_k (0 without MTP)."""
+    Returns (total, (cross_entropy, aux)); aux["mtp_loss"] is mean_k CE_k (0 without MTP). `training`: a training
+    step's forward pass (evaluation: False, the model as inference runs it)."""
     inputs_BS, targets_BS = split_batch(batch_BS1)
     with_mtp = mtp and config.model.mtp_layers > 0
-    logits_BSV, aux = transformer.forward(params, model_state, inputs_BS, config, executor=executor, mtp=with_mtp)
+    logits_BSV, aux = transformer.forward(params, model_state, inputs_BS, config, executor=executor, mtp=with_mtp,
+                                          training=training)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
     total = cross_entropy + aux["balance_loss"]
     mtp_loss = jnp.zeros((), jnp.float32)
@@ -227,10 +230,10 @@ def make_eval_step(config: Config, executor=None) -> Callable:
     """Mean cross-entropy of a batch, in `train.grad_accum_steps` microbatches (the memory of a training one)."""
     def eval_step(params, model_state, batch_BS1):
         if config.train.grad_accum_steps == 1:
-            return loss_fn(params, model_state, batch_BS1, config, executor, mtp=False)[1][0]
+            return loss_fn(params, model_state, batch_BS1, config, executor, mtp=False, training=False)[1][0]
 
         def one(_, micro_BS1):
-            return None, loss_fn(params, model_state, micro_BS1, config, executor, mtp=False)[1][0]
+            return None, loss_fn(params, model_state, micro_BS1, config, executor, mtp=False, training=False)[1][0]
         _, cross_entropy_N = jax.lax.scan(one, None, microbatches(batch_BS1, config.train.grad_accum_steps))
         return jnp.mean(cross_entropy_N)
     return eval_step
