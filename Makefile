@@ -180,9 +180,9 @@ bench-attention-vjp: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/attention_vjp_configs.py --out $(RESULTS)/attention-vjp-$(GPU).json
 
 # 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at 2 x 4,096 tokens per step with one
-# variant of the router's settings (VARIANT=, default `defaults`; the others: router-std-unit, router-std-small,
-# bias-rate-1e-2, seq-aux-1e-2, router-std-small-bias-1e-2): every layer's max/mean load per step and the held-out
-# loss every 50 steps, in router-<variant>-<gpu>.json and .png. One variant takes under 4 minutes.
+# variant of the router's settings (VARIANT=, default `defaults`; the others are benchmarks/router_balance.py's
+# VARIANTS, e.g. seq-aux-1e-2, center-1, common-0.3, other-0.3): every layer's max/mean load per step and the
+# held-out loss every 50 steps, in router-<variant>-<gpu>.json and .png. One variant takes under 4 minutes.
 VARIANT ?= defaults
 bench-router: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/router_balance.py --variant $(VARIANT) --steps 300 --eval-every 50 \

@@ -23,3 +23,24 @@ def test_script_imports_exist(script):
             for alias in node.names:
                 if alias.name.startswith("dropless"):
                     importlib.import_module(alias.name)
+
+
+def test_sass_dump_counts_ptx_and_sass_instructions(tmp_path):
+    """benchmarks/fp8/sass_dump.py's parsers on dump-shaped text: SASS lines by opcode, PTX lines by full opcode
+    (directives and comments left out), ptxas's register and spill lines kept."""
+    import sys
+    sys.path.insert(0, str(BENCHMARKS / "fp8"))
+    import sass_dump
+
+    (tmp_path / "k.ptx").write_text(".version 8.4\n// comment\n\tfma.rn.f32 %f3, %f1, %f2, %f3;\n"
+                                    "@%p1 bra $L__BB0_2;\n\twgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+                                    "{%f1}, %rd1, %rd2, 1, 1, 1;\n\tfma.rn.f32 %f4, %f1, %f2, %f4;\n")
+    (tmp_path / "k.sass").write_text("        /*0a40*/                   FFMA R0, R1, R2, R0 ;\n"
+                                     "        /*0a50*/              @!P0 HGMMA.64x128x32.F32.E4M3 R24, gdesc ;\n")
+    (tmp_path / "k.ptxas").write_text("ptxas info    : Used 168 registers, used 1 barriers\n"
+                                      "ptxas info    : 0 bytes stack frame, 0 bytes spill stores\nother\n")
+    assert sass_dump.count_ptx_opcodes(tmp_path) == {
+        "fma.rn.f32": 2, "bra": 1, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 1}
+    assert sass_dump.count_opcodes(tmp_path) == {"FFMA": 1, "HGMMA": 1}
+    assert sass_dump.ptxas_report(tmp_path) == ["ptxas info    : Used 168 registers, used 1 barriers",
+                                                "ptxas info    : 0 bytes stack frame, 0 bytes spill stores"]

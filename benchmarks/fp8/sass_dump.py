@@ -26,6 +26,9 @@ from pathlib import Path
 
 KERNELS = ("blockwise-stacked", "blockwise-side-by-side", "unscaled-side-by-side")
 OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?\b")
+# A PTX instruction line: optional predicate, then the opcode with its type suffixes (`fma.rn.f32`,
+# `wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3`).
+PTX_OPCODE = re.compile(r"^\s*(?:@!?%p\w+\s+)?([a-z][a-z0-9_]*(?:\.[a-z0-9_:]+)*)\s")
 
 
 def compile_one(kernel: str) -> None:
@@ -70,6 +73,31 @@ def count_opcodes(folder: Path) -> dict:
     return dict(counts.most_common())
 
 
+def count_ptx_opcodes(folder: Path) -> dict:
+    """Static PTX instruction counts (the full opcode with its suffixes) over the dumped .ptx files: where the
+    driver's SASS dump is absent (no nvdisasm), `fma.rn.f32` and `mul.f32` still count the promotion's float32
+    work against the wgmma instructions."""
+    counts = collections.Counter()
+    for path in folder.rglob("*.ptx"):
+        for line in path.read_text(errors="replace").splitlines():
+            match = PTX_OPCODE.match(line)
+            if match and not line.lstrip().startswith(("//", ".")):
+                counts[match.group(1)] += 1
+    return dict(counts.most_common())
+
+
+def ptxas_report(folder: Path) -> list[str]:
+    """The register, spill and shared-memory lines of the dumped ptxas output and resource files."""
+    lines = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.suffix in (".ptxas", ".txt") and "resources" in path.name + path.suffix:
+            lines += path.read_text(errors="replace").splitlines()
+        elif path.is_file() and path.suffix == ".ptxas":
+            lines += [line for line in path.read_text(errors="replace").splitlines()
+                      if any(word in line for word in ("registers", "spill", "smem", "stack", "bytes"))]
+    return lines[:40]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out-dir", required=True)
@@ -91,8 +119,9 @@ def main() -> None:
         ptxas = [line for line in (proc.stdout + proc.stderr).splitlines()
                  if "registers" in line or "spill" in line or "ptxas" in line]
         files = sorted(str(f.relative_to(out)) for f in folder.rglob("*") if f.is_file())
-        summary["kernels"][kernel] = {"returncode": proc.returncode, "ptxas": ptxas[:20], "files": files,
-                                      "opcodes": count_opcodes(folder)}
+        summary["kernels"][kernel] = {"returncode": proc.returncode, "ptxas": ptxas[:20] + ptxas_report(folder),
+                                      "files": files, "opcodes": count_opcodes(folder),
+                                      "ptx_opcodes": count_ptx_opcodes(folder)}
         print(json.dumps({kernel: {key: summary["kernels"][kernel][key] for key in ("returncode", "ptxas")}}),
               flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
