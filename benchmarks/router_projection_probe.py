@@ -5,10 +5,9 @@ over the step's tokens (outside the gradient); the experts still get h itself.
     python benchmarks/router_projection_probe.py --preset tiny --steps 100 --eval-every 25 --out R.json --chart R.png
 
 It asks whether the routers' collapse comes from their input's common part (`router_input_common_share`, docs/
-training.md): if the load stays balanced when the routers cannot see the common direction, a training option
-that removes it (from a running mean, so that training and inference route alike and no token's routing depends
-on the other tokens of its batch, as it does here) is the remedy to build. Arguments and record are
-benchmarks/router_balance.py's, with variant "project-batch-mean".
+training.md): the load staying balanced when the routers cannot see the common direction is the bound that the
+leak-free training options (moe.router_common_rate, moe.router_common_source) are measured against. Arguments and
+record are benchmarks/router_balance.py's, with variant "project-batch-mean".
 """
 
 from __future__ import annotations
@@ -31,11 +30,12 @@ DESCRIPTION = ("diagnostic: every router sees its input with the batch's mean di
 _route = moe_layer.route
 
 
-def _projected_route(kernel_DE, bias_E, x_TD, moe_cfg, *, mesh=None):
+def _projected_route(kernel_DE, bias_E, x_TD, moe_cfg, *, mesh=None, common_BD=None):
     x = x_TD.astype(jnp.float32)
     mean_D = jax.lax.stop_gradient(jnp.mean(x, axis=0))
     c_D = mean_D / jnp.maximum(jnp.linalg.norm(mean_D), 1e-12)
-    return _route(kernel_DE, bias_E, (x - jnp.outer(x @ c_D, c_D)).astype(x_TD.dtype), moe_cfg, mesh=mesh)
+    return _route(kernel_DE, bias_E, (x - jnp.outer(x @ c_D, c_D)).astype(x_TD.dtype), moe_cfg, mesh=mesh,
+                  common_BD=common_BD)
 
 
 def main() -> None:

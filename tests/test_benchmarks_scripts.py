@@ -44,3 +44,32 @@ def test_sass_dump_counts_ptx_and_sass_instructions(tmp_path):
     assert sass_dump.count_opcodes(tmp_path) == {"FFMA": 1, "HGMMA": 1}
     assert sass_dump.ptxas_report(tmp_path) == ["ptxas info    : Used 168 registers, used 1 barriers",
                                                 "ptxas info    : 0 bytes stack frame, 0 bytes spill stores"]
+
+
+def test_router_projection_probe_patches_a_route_the_layer_can_call():
+    """benchmarks/router_projection_probe.py replaces the layer's route: the MoE layer must still call it (its
+    keywords follow route's), and the router then sees the batch's mean direction removed."""
+    import sys
+    import jax.numpy as jnp
+    import numpy as np
+
+    import dropless.moe.layer as moe_layer
+    from dropless.core.config import MoEConfig
+    from dropless.moe import init_moe
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import router_projection_probe
+
+    cfg = MoEConfig(num_experts=4, num_experts_per_tok=2, expert_intermediate_size=4, num_shared_experts=0,
+                    gmm_backend="xla")
+    params = init_moe(__import__("jax").random.key(0), 8, cfg, 0.5)
+    x = np.random.default_rng(0).normal(size=(2, 3, 8)).astype(np.float32) + 5.0
+    original = moe_layer.route
+    try:
+        moe_layer.route = router_projection_probe._projected_route
+        _, stats = moe_layer.moe_layer(params, None, x, cfg, compute_dtype=jnp.float32)
+    finally:
+        moe_layer.route = original
+    _, plain = moe_layer.moe_layer(params, None, x, cfg, compute_dtype=jnp.float32)
+    assert int(stats.tokens_per_expert.sum()) == 12
+    assert not np.array_equal(np.asarray(stats.logit_moments), np.asarray(plain.logit_moments))

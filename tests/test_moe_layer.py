@@ -148,7 +148,7 @@ def test_training_takes_each_sequence_s_common_direction_from_the_other_sequence
     direction of the mean over the batch's other sequences (float64 reference, per token), forward and gradients;
     outside training, and with one sequence, the running mean serves as before."""
     cfg, params, bias_E, x_BSD, cotangent_BSD = _problem(*CASES[2], seed=13)
-    cfg = dataclasses.replace(cfg, router_common_source="other_sequences")
+    cfg = dataclasses.replace(cfg, router_common_source="other_sequences", router_common_rate=0.3)
     rng = np.random.default_rng(8)
     x_BSD = rng.normal(size=(3, 5, HIDDEN)).astype(np.float32) + 3.0 * rng.normal(size=HIDDEN).astype(np.float32)
     cotangent_BSD = rng.normal(size=x_BSD.shape).astype(np.float32)

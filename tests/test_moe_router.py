@@ -74,6 +74,7 @@ def test_softmax_router_follows_mixtral_and_qwen3():
     (dict(num_experts=8, num_experts_per_tok=6, n_group=4, topk_group=2), "raise moe.topk_group"),
     (dict(router_common_rate=1.5), r"router_common_rate=1.5 must be in \[0, 1\]"),
     (dict(router_common_rate=-0.1), r"router_common_rate=-0.1 must be in \[0, 1\]"),
+    (dict(router_common_source="other_sequences"), r"needs moe.router_common_rate > 0"),
 ])
 def test_bad_router_configs_raise_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

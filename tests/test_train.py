@@ -80,9 +80,11 @@ def test_training_reduces_held_out_loss_and_drops_nothing(trained):
 
 def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
     # Split inside the warm-up (4 steps), where a changed schedule horizon would change the learning rate. No
-    # training.png (train.plot=false) until the resumed part, which may turn it on: a resume may change it.
+    # training.png (train.plot=false) until the resumed part, which may turn it on: a resume may change it. The
+    # routers' running input means (moe.router_common_rate) are state that must resume exactly too.
     config = small_config(corpus, **{"train.steps": 6, "train.eval_every": 100, "train.checkpoint_every": 3,
-                                     "train.warmup_steps": 4, "train.plot": False})
+                                     "train.warmup_steps": 4, "train.plot": False, "moe.router_common_rate": 0.3,
+                                     "moe.router_common_source": "other_sequences"})
     train(config, tmp_path / "full", progress=False, log=lambda s: None)
     # Stopped early at step 3 of a 6-step schedule (the horizon is explicit, so the first part's is 6 too), then
     # extended past it: the saved horizon holds, so steps 1-6 are the uninterrupted run's.
@@ -111,6 +113,7 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
     leaves_full, leaves_split = (__import__("jax").tree.leaves(t) for t in ((params_full, state_full),
                                                                           (params_split, state_split)))
     assert len(leaves_full) == len(leaves_split) > 10
+    assert np.abs(np.asarray(state_full["router_common"])).min() > 0  # every router's mean moved
     for a, b in zip(leaves_full, leaves_split, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

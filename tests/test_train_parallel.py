@@ -56,6 +56,14 @@ def test_unrolled_layers_and_gradient_accumulation_with_expert_parallelism_match
     _assert_same_training(unrolled, one_device)
 
 
+def test_routers_common_direction_options_with_expert_parallelism_match_one_device():
+    """moe.router_common_source="other_sequences" (each sequence's direction from the batch's other sequences,
+    which expert x data parallelism splits over devices) and the running means it keeps: the same training."""
+    options = {"moe.router_common_rate": 0.3, "moe.router_common_source": "other_sequences"}
+    _assert_same_training(train_losses({**options, "parallel.expert": 4, "parallel.data": 2}),
+                          train_losses(options, devices=jax.devices()[:1]))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -143,3 +143,31 @@ def test_router_common_moves_towards_the_step_s_mean_router_input(batch_and_stat
                                updated["router_common"], rtol=1e-5, atol=1e-6)
     assert "router_common" in transformer.init_state(CONFIG.replace(**{"moe.router_common_rate": 0.1}))
     assert "router_common" not in transformer.init_state(CONFIG.replace(**{"moe.router_common_rate": 0.0}))
+
+
+def test_the_training_step_threads_the_router_common_options(batch_and_state):
+    """With moe.router_common_source="other_sequences" a training pass routes on the other sequences' mean and an
+    evaluation pass on the running mean (zero here: as the model without the option); the step moves the running
+    means towards the step's mean router input; an imported state without them (`init_train_state` given the
+    router bias alone) gets zeros."""
+    from dropless.models import transformer
+    from dropless.train.optimizer import make_optimizer
+    from dropless.train.step import init_train_state, loss_fn, make_eval_step, make_train_step
+
+    params, state, batch, _ = batch_and_state
+    config = CONFIG.replace(**{"moe.router_common_rate": 0.5, "moe.router_common_source": "other_sequences"})
+    with_common = {**state, "router_common": transformer.init_state(config)["router_common"]}
+    losses = jax.jit(lambda p, s: [loss_fn(p, s, batch, c, mtp=False, training=t)[1][0]
+                                   for c, s, t in ((config, with_common, True), (config, with_common, False),
+                                                   (CONFIG, state, True))])(params, state)
+    assert float(losses[0]) != float(losses[1])
+    assert float(losses[1]) == float(losses[2])
+    assert float(jax.jit(make_eval_step(config))(params, with_common, batch)) == float(losses[1])
+
+    optimizer = make_optimizer(config.train)
+    train_state = init_train_state(jax.random.key(0), config, optimizer, params, state)
+    np.testing.assert_array_equal(train_state.model_state["router_common"], 0.0)
+    stepped, _ = jax.jit(make_train_step(config, optimizer))(train_state, batch)
+    (_, (_, aux)), _ = jax.jit(lambda p: accumulated_value_and_grad(p, train_state.model_state, batch, config))(params)
+    mean = np.asarray(aux["moe"].input_moments)[:, :-1] / np.asarray(aux["moe"].tokens_routed)[:, None]
+    np.testing.assert_allclose(stepped.model_state["router_common"], 0.5 * mean, rtol=1e-5, atol=1e-6)

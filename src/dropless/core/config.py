@@ -187,9 +187,9 @@ class MoEConfig:
     # alike (docs/training.md, "Router health"); 0 = off (no such state).
     router_common_rate: float = 0.0
     # Where training takes that direction from: "running" (the running mean, as inference does) or
-    # "other_sequences" (for each sequence, the mean router input of the batch's other sequences in the same step,
-    # current where the running mean lags; the running mean when a microbatch holds one sequence). Inference and
-    # HF export use the running mean.
+    # "other_sequences" (for each sequence, the mean router input of the microbatch's other sequences, current where
+    # the running mean lags; the running mean when a microbatch holds one sequence). Evaluation, inference and HF
+    # export use the running mean.
     router_common_source: Literal["running", "other_sequences"] = "running"
     # Balancing losses, each weighted; 0 = off.
     aux_loss_weight: float = 0.0
@@ -242,6 +242,9 @@ class MoEConfig:
         _require(0.0 <= self.bias_center_rate <= 1.0,
                  f"moe.bias_center_rate={self.bias_center_rate} must be in [0, 1]: the fraction of the way to equal "
                  "mean selection scores the bias moves each step.")
+        _require(self.router_common_source == "running" or self.router_common_rate > 0,
+                 f"moe.router_common_source={self.router_common_source!r} needs moe.router_common_rate > 0 (the running "
+                 "mean that evaluation and inference use); set moe.router_common_rate, e.g. 0.3.")
         _require(0.0 <= self.router_common_rate <= 1.0,
                  f"moe.router_common_rate={self.router_common_rate} must be in [0, 1]: the weight of each step's mean "
                  "router input in the running mean whose direction the router does not see (0 = off).")

@@ -72,8 +72,11 @@ def fold_common(kernel_DE, common_D):
 
 def other_sequences_mean(x_BSD: jax.Array) -> jax.Array:
     """[B, D] float32, outside the gradient: for each sequence, the mean of the router's input over the batch's
-    other sequences (B > 1). A direction common to the step's tokens estimated without the sequence's own tokens,
-    so no token's routing depends on its own sequence's later tokens (moe.router_common_source)."""
+    other sequences (B > 1). A direction common to the step's tokens estimated without the sequence's own tokens
+    (moe.router_common_source): a token's routing in this layer does not depend on its own sequence's later tokens.
+    Through later layers it can, at second order: the other sequences' inputs there depend on their routing in this
+    layer, which saw this sequence's mean, diluted by the other sequences' token count. Evaluation and inference, on
+    the running mean, are causal."""
     batch, seq, _ = x_BSD.shape
     sums_BD = jnp.sum(jax.lax.stop_gradient(x_BSD).astype(jnp.float32), axis=1)
     return (jnp.sum(sums_BD, axis=0) - sums_BD) / ((batch - 1) * seq)

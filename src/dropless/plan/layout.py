@@ -103,7 +103,7 @@ class StateBytes:
     gradients: int  # float32 gradients, sharded like the parameters
     optimizer_state: int  # both moments and the step counts, wherever they live
     optimizer_in_host: bool  # train.offload_optimizer: the optimizer state lives in pinned host memory
-    model_state: int  # the router bias and the step counter, replicated
+    model_state: int  # the router bias (and running input mean), the step counter, replicated
     parameter_elements: int  # elements of the parameters one device holds
     largest_layer_elements: int  # elements of the largest single layer's weights on one device (one stack entry)
     largest_layer_gathered: int  # the same layer's elements once gathered over `fsdp` (as the layer uses it)
@@ -138,7 +138,8 @@ def state_bytes(config: Config, sizes: dict[str, int]) -> StateBytes:
         gradients=4 * elements,
         optimizer_state=2 * moments * elements + 4 * OPTIMIZER_COUNTS,
         optimizer_in_host=config.train.offload_optimizer,
-        model_state=4 * router_rows * config.moe.num_experts + 4,
+        model_state=4 * router_rows * (config.moe.num_experts
+                                       + (config.model.hidden_size if config.moe.router_common_rate > 0 else 0)) + 4,
         parameter_elements=elements,
         largest_layer_elements=layer_local.get(largest, 0),
         largest_layer_gathered=layer_gathered.get(largest, 0),

@@ -45,7 +45,9 @@ class TrainState(NamedTuple):
 def init_train_state(key: jax.Array, config: Config, optimizer: optax.GradientTransformation,
                      params=None, model_state=None) -> TrainState:
     params = transformer.init_params(key, config) if params is None else params
-    model_state = transformer.init_state(config) if model_state is None else model_state
+    # A given state (an imported model's) lacks the leaves its config does not make, e.g. the routers' running
+    # input means of moe.router_common_rate: they start at zero, which routes as without them.
+    model_state = transformer.init_state(config) | ({} if model_state is None else dict(model_state))
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), model_state)
 
 
