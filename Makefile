@@ -58,7 +58,8 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 
 BENCH_TARGETS := bench-gmm bench-gmm-fine tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
-  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-attention-vjp bench-router bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
+  bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-attention-vjp bench-router bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -157,17 +158,27 @@ bench-fp8-check: $(BENCH_DEPS)
 
 # 1 GPU: FP8 training (train.fp8): the grouped GEMM's FP8 paths beside bf16 and dense, the time of each quantization
 # pass and kernel, the one-pass quantizer's settings, the e4m3 kernels alone, and the proxy's step in bf16 and each
-# FP8 recipe (one record each).
-bench-fp8: $(BENCH_DEPS)
+# FP8 recipe (one record each). Its parts, for calls of limited length (one shape of the grouped-GEMM sweep compiles
+# and times five paths in about 3 minutes on one H200): bench-fp8-gmm (DeepSeek-V3's 32-expert shapes),
+# bench-fp8-gmm-e256, bench-fp8-gmm-qwen3 (Qwen3-30B-A3B), bench-fp8-kernels (quantizers, kernels, the expert
+# stage), bench-fp8-step.
+FP8_GMM = $(DROPLESS) bench gmm --skews dirichlet --backends dense,dense_fp8,dropless,fp8_rowwise,fp8_blockwise
+bench-fp8: bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels bench-fp8-step
+bench-fp8-gmm: $(BENCH_DEPS)
+	$(FP8_GMM) --shapes dsv3-gate-up-e32,dsv3-down-e32 --out $(RESULTS)/fp8-gmm-$(GPU).json
+bench-fp8-gmm-e256: $(BENCH_DEPS)
+	$(FP8_GMM) --shapes dsv3-gate-up-e256,dsv3-down-e256 --out $(RESULTS)/fp8-gmm-e256-$(GPU).json
+bench-fp8-gmm-qwen3: $(BENCH_DEPS)
+	$(FP8_GMM) --shapes qwen3-gate-up,qwen3-down --out $(RESULTS)/fp8-gmm-qwen3-$(GPU).json
+bench-fp8-kernels: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
-	$(DROPLESS) bench gmm --shapes $(DSV3_SHAPES),qwen3-gate-up,qwen3-down --skews dirichlet \
-	  --backends dense,dense_fp8,dropless,fp8_rowwise,fp8_blockwise --out $(RESULTS)/fp8-gmm-$(GPU).json \
-	  --chart $(BENCH_SCRATCH)/fp8-gmm-$(GPU).png
 	$(BENCH_PYTHON) benchmarks/fp8/breakdown.py --out $(RESULTS)/fp8-breakdown-$(GPU).json
 	$(BENCH_PYTHON) benchmarks/fp8/pairs_sweep.py --out $(RESULTS)/fp8-pairs-$(GPU).json
 	$(DROPLESS) bench gmm --shapes '' --stages dsv3-e32 --stage-paths default,fp8_blockwise,fp8_rowwise --table \
 	  --out $(RESULTS)/fp8-stage-$(GPU).json
 	DROPLESS_COMMIT=$$(git rev-parse --short HEAD) $(BENCH_PYTHON) benchmarks/fp8/kernel_check.py > $(RESULTS)/fp8-kernels-$(GPU).jsonl
+bench-fp8-step: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
 	for recipe in off blockwise rowwise; do $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
 	  --record $(BENCH_SCRATCH)/fp8-step-$$recipe.json train.fp8=$$recipe || exit 1; done
 	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
