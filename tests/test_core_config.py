@@ -33,7 +33,11 @@ def test_every_choice_is_checked_with_one_sentence_from_its_annotation(group, na
         apply_overrides(Config(), {f"{group}.{name}": "bogus"})
     assert str(overridden.value) == message
     for choice in choices:
-        _group_classes()[group](**{name: choice})
+        _group_classes()[group](**{name: choice, **NEEDS.get((group, name, choice), {})})
+
+
+# Choices that are valid only with another setting (each refused without it in one sentence of its own).
+NEEDS = {("moe", "router_common_source", "other_sequences"): {"router_common_rate": 0.3}}
 
 
 def test_activation_offloading_is_validated_when_the_config_is_built():
