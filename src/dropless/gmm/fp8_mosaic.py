@@ -59,20 +59,20 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     (two scale-vector loads per tile, two multiplies per output) is not timed.
 #   drhs rowwise:     128x128x128/3 n-minor 4 ran 1,174-1,191 TF/s unscaled, with bf16 outputs; with the default
 #                     float32 output only 2 stages fit beside the output blocks (untimed).
-#   blockwise:        64x128x128/4 per consumer (128x128 spills), stacked along M. In one call (330a81b) gate-up
-#                     fwd / dlhs / down fwd ran 950 / 914 / 886 TF/s stacked against 954 / 923 / 907 side by side
-#                     (1,274 unscaled), within the spread between calls (another call had stacked ahead at all
-#                     three); stacked takes N in multiples of 128 rather than 256, and Fp8Gmm fwd+bwd ran 3.5%
-#                     faster with every product stacked. drhs (float32 output): stacked 697 TF/s with four stages
-#                     fitting beside the output blocks, against 646 side by side where three fit; the walk order
-#                     made no difference. For gmm_nt five stages stacked beat four at all three shapes, by 1-7%
-#                     (untimed in a step).
+#   blockwise:        64x128x128 per consumer (128x128 spills), stacked along M. In one call (330a81b) gate-up
+#                     fwd / dlhs / down fwd ran 950 / 914 / 886 TF/s stacked with four stages against 954 / 923 /
+#                     907 side by side (1,274 unscaled), within the spread between calls (another call had stacked
+#                     ahead at all three); stacked takes N in multiples of 128 rather than 256, and Fp8Gmm fwd+bwd
+#                     ran 3.5% faster with every product stacked. Five stages stacked ran 962 / 929 / 951 in the
+#                     same call, ahead of four at all three shapes (1-7%): gmm_nt's products take five. drhs
+#                     (float32 output): stacked 697 TF/s with four stages fitting beside the output blocks (five
+#                     do not), against 646 side by side where three fit; the walk order made no difference.
 FP8_TILES = {
     ("fwd", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("drhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=1, grid_tile_width=4),
-    ("fwd", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
-    ("dlhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
+    ("fwd", "blockwise"): TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8),
+    ("dlhs", "blockwise"): TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8),
     ("drhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
 }
 # The entries whose tile was timed (the rowwise ones without their scale epilogue), for callers that report it.
