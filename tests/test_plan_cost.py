@@ -28,9 +28,12 @@ SMALL_GQA = {"model.num_layers": 2, "model.hidden_size": 64, "model.vocab_size":
 # One small model of each family: MLA with a dense layer and a shared expert (the DeepSeek-V3 shape), the same
 # with one MTP module (its own MoE block, input projection and pass through the output head), and GQA with q/k
 # norms, 8 experts of which the router picks 8 (Qwen3) or 2 (Mixtral); scanned and unrolled layers. (The MTP
-# modules run unrolled either way, so their jaxpr's matmuls do not depend on `train.scan_layers`.)
+# modules run unrolled either way, so their jaxpr's matmuls do not depend on `train.scan_layers`.) The micro
+# config, from `tiny`, folds the routers' running input means into their kernels; one DeepSeek-V3 model takes each
+# sequence's direction from the other sequences instead (moe.router_common_source).
 FAMILIES = {
     "deepseek_v3": lambda **o: micro_config(**{"train.scan_layers": False, **o}),
+    "deepseek_v3_other_sequences": lambda **o: micro_config(**{"moe.router_common_source": "other_sequences", **o}),
     "deepseek_v3_mtp": lambda **o: micro_config(**{"model.mtp_layers": 1, **o}),
     "qwen3_moe": lambda **o: load_preset("qwen3-30b-a3b").replace(**{**SMALL_GQA, **o}),
     "mixtral": lambda **o: load_preset("mixtral-8x7b").replace(**{**SMALL_GQA, "train.scan_layers": False, **o}),

@@ -230,6 +230,25 @@ def _recomputed_weights(config: Config) -> tuple[int, int]:
     return layers, moe
 
 
+def router_common_flops(config: Config) -> tuple[float, float]:
+    """(FLOPs of one step, of one recomputed forward) of the routers' common-direction removal
+    (moe.router_common_rate), dense: per router, the running mean's fold into the kernel (a [D] x [D, E] product,
+    forward and backward) and, with moe.router_common_source=other_sequences in training, each token's component
+    along its direction (a [T, D] x [D] product, forward and backward) and the directions' logits ([B, D] x [D, E]).
+    Negligible beside the router itself (6 T D E), counted so that the plan's FLOPs stay the step's."""
+    moe, m, train = config.moe, config.model, config.train
+    if moe.router_common_rate == 0:
+        return 0.0, 0.0
+    routers = transformer.num_router_rows(m)
+    d, e = m.hidden_size, moe.num_experts
+    sequences = train.batch_size // train.grad_accum_steps
+    if moe.router_common_source == "other_sequences" and sequences > 1:
+        per_pass = 2 * (train.batch_size * train.seq_len * d + train.batch_size * d * e)
+    else:
+        per_pass = 2 * d * e * train.grad_accum_steps
+    return routers * 2 * per_pass, routers * per_pass
+
+
 def step_flops(config: Config) -> dict[str, float]:
     """Global FLOPs of one step by kind: dense matmuls, grouped GEMMs, attention scores, and the forward that
     remat recomputes in the backward pass (model FLOPs exclude it), in total and by the same kinds.
@@ -249,12 +268,13 @@ def step_flops(config: Config) -> dict[str, float]:
     dense = 6 * matmul - routed
     attention = flops_lib.attention_flops_per_token(config, train.seq_len)
     again = {"dense": 0.0, "grouped": 0.0, "attention": 0.0}
+    common, common_again = router_common_flops(config)
     if train.remat in ("moe", "full"):
         layer_weights, moe_weights = _recomputed_weights(config)
         recomputed = layer_weights if train.remat == "full" else moe_weights
-        again = {"dense": 2 * recomputed, "grouped": routed / 3,
+        again = {"dense": 2 * recomputed + common_again / tokens, "grouped": routed / 3,
                  "attention": attention / 3 if train.remat == "full" else 0.0}
-    return {"dense": tokens * dense, "head": tokens * 6 * (1 + m.mtp_layers) * head,
+    return {"dense": tokens * dense + common, "head": tokens * 6 * (1 + m.mtp_layers) * head,
             "grouped": tokens * routed, "attention": tokens * attention,
             "recompute": tokens * sum(again.values()),
             **{f"recompute_{kind}": tokens * value for kind, value in again.items()},
