@@ -128,7 +128,7 @@ def run(config, log) -> dict:
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
     shares = ("router_token_share", "router_logit_token_share", "router_logit_top_direction",
-              "router_input_common_share")
+              "router_input_common_share") + (("router_common_alignment",) if config.moe.router_common_rate else ())
     trace = {"steps": [], "expert_share": [], "router_bias": [], **{key: [] for key in shares}}
     last_batch = None
     t0, timed_tokens = None, 0
@@ -138,7 +138,8 @@ def run(config, log) -> dict:
             state, metrics = setup.step(state, batch)
             m = host_metrics(jax.device_get({k: metrics[k] for k in (
                 "loss", "tokens_dropped", "expert_share", "router_bias", "router_token_share",
-                "router_logit_token_share", "router_logit_covariance", "router_input_common_share")}))
+                "router_logit_token_share", "router_logit_covariance", "router_input_common_share",
+                *shares[4:])}))
             if step == 2:  # time from here: compilation and warm-up are behind
                 t0 = time.perf_counter()
             elif step > 2:
@@ -165,7 +166,9 @@ def run(config, log) -> dict:
                     f"{np.min(m['router_token_share']):.3f} / {np.min(m['router_logit_token_share']):.3f}; of the "
                     f"logits' per-token variance along one direction (highest layer) "
                     f"{np.max(m['router_logit_top_direction']):.3f}; of the router input's mean square common to "
-                    f"the tokens (highest layer) {np.max(m['router_input_common_share']):.3f}")
+                    f"the tokens (highest layer) {np.max(m['router_input_common_share']):.3f}"
+                    + (f"; cosine of the running mean with the step's (lowest layer) "
+                       f"{np.min(m['router_common_alignment']):.3f}" if "router_common_alignment" in m else ""))
     worst = [max(row) for row in loads]
     probe = bias_probe(setup, state, last_batch) if tc.steps else []
     log(f"bias probe: {probe}")

@@ -72,6 +72,9 @@ def test_training_reduces_held_out_loss_and_drops_nothing(trained):
     assert all(0.0 < v <= 1.0 for r in records for v in r["router_logit_top_direction"])
     assert all(0.0 <= v <= 1.0 for r in records for v in r["router_input_common_share"])
     assert len(records[-1]["router_input_common_share"]) == rows
+    # The tiny preset keeps the routers' running input means: their cosine with each step's mean input.
+    assert len(records[-1]["router_common_alignment"]) == rows
+    assert all(-1.0 <= v <= 1.0 + 1e-6 for r in records for v in r["router_common_alignment"])
     assert records[-1]["mfu"] is None  # no known peak on a CPU
     assert (run_dir / "training.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())

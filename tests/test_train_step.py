@@ -167,7 +167,12 @@ def test_the_training_step_threads_the_router_common_options(batch_and_state):
     optimizer = make_optimizer(config.train)
     train_state = init_train_state(jax.random.key(0), config, optimizer, params, state)
     np.testing.assert_array_equal(train_state.model_state["router_common"], 0.0)
-    stepped, _ = jax.jit(make_train_step(config, optimizer))(train_state, batch)
+    step = jax.jit(make_train_step(config, optimizer))
+    stepped, metrics = step(train_state, batch)
     (_, (_, aux)), _ = jax.jit(lambda p: accumulated_value_and_grad(p, train_state.model_state, batch, config))(params)
     mean = np.asarray(aux["moe"].input_moments)[:, :-1] / np.asarray(aux["moe"].tokens_routed)[:, None]
     np.testing.assert_allclose(stepped.model_state["router_common"], 0.5 * mean, rtol=1e-5, atol=1e-6)
+    # The running mean's cosine with the step's mean: 0 while it is zero; near 1 on the same batch a step later.
+    np.testing.assert_array_equal(metrics["router_common_alignment"], 0.0)
+    again = np.asarray(step(stepped, batch)[1]["router_common_alignment"])
+    assert again.shape == (transformer.num_router_rows(config.model),) and np.all((again > 0.9) & (again <= 1 + 1e-6))

@@ -20,6 +20,11 @@ Definitions (also in docs/training.md):
                        = the share of row l's router input's mean square that is common to the step's tokens,
                          |mean_t h|² / mean_t |h|² (dropless.moe.balance.input_common_share: near 1 = every token's
                          input is nearly the same vector); the same sinks
+    router_common_alignment[l]
+                       = with moe.router_common_rate: the cosine between row l's running input mean (as the step used
+                         it) and its input's mean over the step's tokens (dropless.moe.balance.common_alignment: 1 =
+                         the router does not see the step's common direction; lower = the running mean lags); the
+                         same sinks
 `model_flops_per_token` is in `dropless.models.flops` (6 x active matmul parameters + the causal attention term).
 The router rows are the MoE layers in model order, then the MTP modules' MoE blocks (`router_row_names`).
 
@@ -113,7 +118,7 @@ def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray
 
 ROUTER_KEYS = ("expert_share", "router_bias")
 TOKEN_SHARE_KEYS = ("router_token_share", "router_logit_token_share", "router_logit_top_direction",
-                    "router_input_common_share")
+                    "router_input_common_share", "router_common_alignment")
 
 
 def router_record_dtype(rows: int, experts: int) -> np.dtype:

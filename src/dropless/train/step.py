@@ -30,8 +30,8 @@ import optax
 from dropless.core.config import Config
 from dropless.models import transformer
 from dropless.moe import update_router_bias
-from dropless.moe.balance import (center_router_bias, input_common_share, max_load_ratio, routing_covariance,
-                                  token_variance_share, update_router_common)
+from dropless.moe.balance import (center_router_bias, common_alignment, input_common_share, max_load_ratio,
+                                  routing_covariance, token_variance_share, update_router_common)
 from dropless.train.optimizer import learning_rate_schedule
 
 
@@ -221,6 +221,10 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
                    **_moe_metrics(aux, config.moe.num_experts_per_tok)}
         if "expert_share" in metrics:
             metrics["router_bias"] = model_state["router_bias"]  # after this step's update
+        if "expert_share" in metrics and "router_common" in state.model_state:  # the running mean this step used
+            moe = aux["moe"]
+            metrics["router_common_alignment"] = jax.vmap(common_alignment)(
+                state.model_state["router_common"], moe.input_moments, moe.tokens_routed)
         if config.model.mtp_layers:
             metrics["mtp_loss"] = aux["mtp_loss"]
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
