@@ -13,7 +13,8 @@ shares and biases and the share of its selection scores' and logits' variance th
 (`dropless.moe.balance.token_variance_share`: near 0, every token routes alike), the share of the logits'
 per-token variance along one direction (`top_direction_share`: near 1, tokens rank the experts in at most two
 ways) and the share of the router input's mean square common to the tokens (`input_common_share`: near 1, every
-token's input is nearly the same vector), the held-out curve, the steps
+token's input is nearly the same vector) and, with moe.router_common_rate, the running mean's cosine with the
+step's mean input (`common_alignment`), the held-out curve, the steps
 at which the worst layer's load first stays at or below 2.0 and 1.3, tokens/s and tokens dropped, and a probe of
 whether the bias steers the selection (`bias_probe`).
 """

@@ -39,6 +39,10 @@ def _projected_route(kernel_DE, bias_E, x_TD, moe_cfg, *, mesh=None, common_BD=N
 
 
 def main() -> None:
+    if any(arg.startswith("moe.router_common") for arg in sys.argv):
+        raise SystemExit("router_projection_probe.py runs the routers without their running input means; drop the "
+                         "moe.router_common_* overrides.")
+    sys.argv.append("moe.router_common_rate=0")  # the batch mean's projection alone, whatever the preset says
     if "--variant" in sys.argv:
         raise SystemExit("router_projection_probe.py runs the preset's own settings; drop --variant.")
     moe_layer.route = _projected_route

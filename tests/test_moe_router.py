@@ -131,7 +131,8 @@ def test_update_router_common_is_a_running_mean_of_the_input():
     np.testing.assert_allclose(got, 0.75 * np.asarray(common) + 0.25 * x_TD.mean(axis=0), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(update_router_common(common, moments * 0, jnp.int32(0), 0.25), common)
     cosine = float(np.dot(x_TD.mean(0), common) / np.linalg.norm(x_TD.mean(0)) / np.linalg.norm(common))
-    np.testing.assert_allclose(common_alignment(common, moments, jnp.int32(40)), cosine, rtol=1e-5)
+    np.testing.assert_allclose(common_alignment(common, moments, jnp.int32(40)), abs(cosine), rtol=1e-5)
+    np.testing.assert_allclose(common_alignment(-common, moments, jnp.int32(40)), abs(cosine), rtol=1e-5)
     assert float(common_alignment(0 * common, moments, jnp.int32(40))) == 0.0
     stacked = update_router_common(jnp.stack([common, 2 * common]), jnp.stack([moments, moments]),
                                    jnp.array([40, 40]), 0.25)  # any leading axes: one row per router

@@ -109,6 +109,23 @@ def test_the_plans_flops_are_the_training_steps_matmuls(family):
         assert 0 <= dense - counted["dense"] <= norm_flops(config) * 4 / 3, (name, remat, counted["dense"], dense)
 
 
+@pytest.mark.parametrize("overrides", [
+    {}, {"moe.router_common_source": "other_sequences"}, {"train.grad_accum_steps": 2, "model.mtp_layers": 1},
+    {"moe.router_common_source": "other_sequences", "train.grad_accum_steps": 2, "train.remat": "moe"},
+    {"train.batch_size": 1, "moe.router_common_source": "other_sequences", "train.remat": "full"},
+])
+def test_the_router_common_flops_are_what_the_option_adds_to_the_step(overrides):
+    """`router_common_flops` exactly: the step's matmul FLOPs with moe.router_common_rate on, less those with it
+    off, are the plan's dense FLOPs' difference (running mean or other sequences, microbatches, MTP rows, remat;
+    one sequence per microbatch falls back to the running mean)."""
+    on = micro_config(**{"moe.router_common_rate": 0.3, **overrides})
+    off = on.replace(**{"moe.router_common_rate": 0.0, "moe.router_common_source": "running"})
+    added = step_matmuls(on)["dense"] - step_matmuls(off)["dense"]
+    planned = {c: step_flops(c) for c in (on, off)}
+    assert added > 0
+    assert added == sum(planned[on][k] - planned[off][k] for k in ("dense", "recompute_dense"))
+
+
 def test_the_recomputed_forward_is_what_each_remat_mode_adds(family):
     """What remat adds over `none`, by kind: under `moe` the MoE blocks' grouped GEMMs, router and shared experts'
     gate and up projections, under `full` every block's matmuls but the down projections whose output only joins

@@ -15,8 +15,11 @@ from tests.test_train import SMALL
 
 # What these tests spend is compiling (the whole batch once, each split once): narrow layers compile faster, and
 # keep every feature the accumulation must get right (MLA, a dense layer, 8 grouped experts, shared expert, bias).
+# Without the routers' running input means (the tiny preset keeps them): the step as every other preset runs it;
+# the tests of the option set it.
 CONFIG = load_preset("tiny").replace(**{k: v for k, v in SMALL.items() if k.startswith(("model.", "moe."))},
-                                     **{"train.dtype": "float32", "train.batch_size": 8, "train.seq_len": 16})
+                                     **{"train.dtype": "float32", "train.batch_size": 8, "train.seq_len": 16,
+                                        "moe.router_common_rate": 0.0})
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +179,6 @@ def test_the_training_step_threads_the_router_common_options(batch_and_state):
     np.testing.assert_array_equal(metrics["router_common_alignment"], 0.0)
     again = np.asarray(step(stepped, batch)[1]["router_common_alignment"])
     assert again.shape == (transformer.num_router_rows(config.model),) and np.all((again > 0.9) & (again <= 1 + 1e-6))
+    plain = init_train_state(jax.random.key(0), CONFIG, optimizer, params, state)  # the option off: no metric
+    shapes = jax.eval_shape(make_train_step(CONFIG, optimizer), plain, batch)
+    assert "router_common_alignment" not in shapes[1] and set(shapes[0].model_state) == {"router_bias"}

@@ -130,13 +130,13 @@ def update_router_common(common_D: jax.Array, moments_D1: jax.Array, tokens: jax
 
 
 def common_alignment(common_D: jax.Array, moments_D1: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The cosine between a router's running input mean (moe.router_common_rate) and the mean of its input over a
-    step's tokens (`input_moments`): 1 = the direction the router does not see is the step's common direction;
-    lower = the running mean lags it, and what the router sees keeps part of the common vector. 0 where either is
-    zero."""
+    """|cosine| between a router's running input mean (moe.router_common_rate) and the mean of its input over a
+    step's tokens (`input_moments`): 1 = the direction the router does not see (either sign: the projection
+    removes both) is the step's common direction; lower = the running mean lags it, and what the router sees keeps
+    part of the common vector. 0 where either is zero (a run's first step)."""
     mean_D = moments_D1[:-1] / jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
     norms = jnp.sqrt(jnp.sum(jnp.square(mean_D)) * jnp.sum(jnp.square(common_D.astype(jnp.float32))))
-    return jnp.where(norms > 0, jnp.sum(mean_D * common_D) / jnp.maximum(norms, 1e-30), 0.0)
+    return jnp.where(norms > 0, jnp.abs(jnp.sum(mean_D * common_D)) / jnp.maximum(norms, 1e-30), 0.0)
 
 
 def top_direction_share(covariance_EE) -> np.ndarray:

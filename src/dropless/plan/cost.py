@@ -257,7 +257,8 @@ def step_flops(config: Config) -> dict[str, float]:
     weights, input projection and application of the shared output head as dense matmuls. A recomputed forward
     costs a third of its blocks' forward + backward: under `full` every block's matmuls (main layers and MTP
     blocks; the output head and the MTP input projections stay outside them), grouped GEMMs and attention
-    scores; under `moe` each MoE block's router, shared experts and grouped GEMMs (`_recomputed_weights`)."""
+    scores; under `moe` each MoE block's router, shared experts and grouped GEMMs (`_recomputed_weights`). The
+    routers' common-direction removal adds its few dense FLOPs (`router_common_flops`)."""
     train, moe, m = config.train, config.moe, config.model
     tokens = train.batch_size * train.seq_len
     _, parts, (_, active) = model_facts(config)

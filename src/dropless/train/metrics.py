@@ -21,10 +21,10 @@ Definitions (also in docs/training.md):
                          |mean_t h|² / mean_t |h|² (dropless.moe.balance.input_common_share: near 1 = every token's
                          input is nearly the same vector); the same sinks
     router_common_alignment[l]
-                       = with moe.router_common_rate: the cosine between row l's running input mean (as the step used
-                         it) and its input's mean over the step's tokens (dropless.moe.balance.common_alignment: 1 =
-                         the router does not see the step's common direction; lower = the running mean lags); the
-                         same sinks
+                       = with moe.router_common_rate: |cosine| between row l's running input mean before the step's
+                         update (what evaluation and inference use) and its input's mean over the step's tokens
+                         (dropless.moe.balance.common_alignment: 1 = that direction is the step's common one; lower =
+                         the running mean lags; 0 on a run's first step); the same sinks
 `model_flops_per_token` is in `dropless.models.flops` (6 x active matmul parameters + the causal attention term).
 The router rows are the MoE layers in model order, then the MTP modules' MoE blocks (`router_row_names`).
 
@@ -117,6 +117,8 @@ def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray
 
 
 ROUTER_KEYS = ("expert_share", "router_bias")
+# Per-router-row values logged as one TensorBoard scalar per row: the variance shares and the running mean's
+# alignment.
 TOKEN_SHARE_KEYS = ("router_token_share", "router_logit_token_share", "router_logit_top_direction",
                     "router_input_common_share", "router_common_alignment")
 
