@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-attention-vjp bench-router bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-attention-vjp bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -199,6 +199,14 @@ bench-router: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/router_balance.py --variant $(VARIANT) --steps 300 --eval-every 50 \
 	  --out $(RESULTS)/router-$(VARIANT)-$(GPU).json --chart $(RESULTS)/router-$(VARIANT)-$(GPU).png \
 	  train.batch_size=2 train.eval_batches=2
+
+# 1 GPU: the other sequences' projection for the expert selection only (benchmarks/router_selection_probe.py, a
+# diagnostic), beside the option itself evaluated on the same training pass, the proxy 300 steps each (one call).
+bench-router-selection: $(BENCH_DEPS)
+	for weights in whole projected; do name=$$([ $$weights = whole ] && echo selection-only || echo train-eval); \
+	  $(BENCH_PYTHON) benchmarks/router_selection_probe.py --weights $$weights --variant other-0.3 --steps 300 \
+	  --eval-every 50 --out $(RESULTS)/router-other-0.3-$$name-$(GPU).json \
+	  --chart $(RESULTS)/router-other-0.3-$$name-$(GPU).png train.batch_size=2 train.eval_batches=2 || exit 1; done
 
 # 1 GPU: the blockwise e4m3 kernels' consumer layouts and tiles, each checked and timed at DeepSeek-V3's shapes,
 # beside bf16 and the whole FP8 product under each layout (the choice behind fp8_mosaic.FP8_STACKS).

@@ -178,7 +178,7 @@ def run(config, log) -> dict:
             "worst_max_load_at": {str(s): worst[s - 1] for s in (50, 100, 150, 200, 300) if s <= len(worst)},
             "steady_at_or_below_2.0_from": first_step_at_or_below(steps, worst, 2.0),
             "steady_at_or_below_1.3_from": first_step_at_or_below(steps, worst, 1.3),
-            "tokens_dropped": dropped, "tokens_per_s": timed_tokens / (time.perf_counter() - t0)}
+            "tokens_dropped": dropped, "tokens_per_s": None if t0 is None else timed_tokens / (time.perf_counter() - t0)}
 
 
 def chart(result: dict, path: str, title: str) -> None:
@@ -228,7 +228,9 @@ def main() -> None:
                            "per step")
     print(f"{a.variant}: worst layer max/mean at steps {result['worst_max_load_at']}; steady <= 2.0 from step "
           f"{result['steady_at_or_below_2.0_from']}, <= 1.3 from step {result['steady_at_or_below_1.3_from']}; "
-          f"final held-out loss {result['final_eval_loss']:.4f}; {result['tokens_per_s']:,.0f} tokens/s", flush=True)
+          f"final held-out loss {result['final_eval_loss']:.4f}; "
+          + (f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "too few steps to time"),
+          flush=True)
 
 
 if __name__ == "__main__":
