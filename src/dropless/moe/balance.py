@@ -105,6 +105,11 @@ def input_moments(x_TD: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.sum(h_TD, axis=0), jnp.sum(jnp.square(h_TD))[None]])
 
 
+def input_mean(moments_D1: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The mean router input over `tokens` tokens from `input_moments` (any leading axes; zero without tokens)."""
+    return moments_D1[..., :-1] / jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)[..., None]
+
+
 def input_common_share(moments_D1: jax.Array, tokens: jax.Array) -> jax.Array:
     """The share of the router input's mean square that is common to the tokens, from `input_moments` over
     `tokens` tokens: |mean_t h|² / mean_t |h|².
@@ -113,9 +118,8 @@ def input_common_share(moments_D1: jax.Array, tokens: jax.Array) -> jax.Array:
     the router's logits differ by token only through the small rest, and they rank the experts alike (the logits'
     `token_variance_share` falls) whatever the router's weights. It tells a router that lost the token through its
     input from one that lost it through its own weights."""
-    n = jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
-    mean_D = moments_D1[:-1] / n
-    return jnp.sum(jnp.square(mean_D)) / jnp.maximum(moments_D1[-1] / n, 1e-30)
+    mean_square = moments_D1[-1] / jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+    return jnp.sum(jnp.square(input_mean(moments_D1, tokens))) / jnp.maximum(mean_square, 1e-30)
 
 
 def update_router_common(common_D: jax.Array, moments_D1: jax.Array, tokens: jax.Array, rate: float) -> jax.Array:
@@ -123,9 +127,8 @@ def update_router_common(common_D: jax.Array, moments_D1: jax.Array, tokens: jax
     step's mean from `input_moments` over `tokens` tokens, outside the gradient. Only its direction is used
     (`dropless.moe.router.fold_common`), so starting from zero costs nothing: the first update already points
     along the first step's mean. A step without tokens leaves it as it is. Works on any leading axes."""
-    n = jnp.asarray(tokens, jnp.float32)[..., None]
-    mean_D = moments_D1[..., :-1] / jnp.maximum(n, 1.0)
-    step = jnp.where(n > 0, rate * (mean_D - common_D), 0.0)
+    has_tokens = (jnp.asarray(tokens) > 0)[..., None]
+    step = jnp.where(has_tokens, rate * (input_mean(moments_D1, tokens) - common_D), 0.0)
     return (common_D + jax.lax.stop_gradient(step)).astype(common_D.dtype)
 
 
@@ -134,7 +137,7 @@ def common_alignment(common_D: jax.Array, moments_D1: jax.Array, tokens: jax.Arr
     step's tokens (`input_moments`): 1 = the direction the router does not see (either sign: the projection
     removes both) is the step's common direction; lower = the running mean lags it, and what the router sees keeps
     part of the common vector. 0 where either is zero (a run's first step)."""
-    mean_D = moments_D1[:-1] / jnp.maximum(jnp.asarray(tokens, jnp.float32), 1.0)
+    mean_D = input_mean(moments_D1, tokens)
     norms = jnp.sqrt(jnp.sum(jnp.square(mean_D)) * jnp.sum(jnp.square(common_D.astype(jnp.float32))))
     return jnp.where(norms > 0, jnp.abs(jnp.sum(mean_D * common_D)) / jnp.maximum(norms, 1e-30), 0.0)
 

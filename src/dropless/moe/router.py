@@ -57,6 +57,12 @@ def select_experts(choice_TE: jax.Array, top_k: int, n_group: int, topk_group: i
     return expert_ids_TK.astype(jnp.int32)
 
 
+def _unit(v_ND, xp=jnp):
+    """v / |v| along the last axis (NumPy or jax, float32); a zero vector stays zero."""
+    norm_N1 = xp.sqrt(xp.sum(xp.square(v_ND), axis=-1, keepdims=True))
+    return xp.where(norm_N1 > 0, v_ND / xp.maximum(norm_N1, xp.float32(1e-30)), xp.float32(0.0))
+
+
 def fold_common(kernel_DE, common_D):
     """The router kernel that sees its input without the direction of `common_D` (a running mean of the input):
     (I - ĉĉᵀ)W, ĉ = common / |common|, so x·fold(W) = (x - (x·ĉ)ĉ)·W. A zero `common_D` leaves W as it is. The
@@ -64,9 +70,7 @@ def fold_common(kernel_DE, common_D):
     routes alike in any implementation of the HF model)."""
     xp = np if isinstance(kernel_DE, np.ndarray) and isinstance(common_D, np.ndarray) else jnp
     kernel_DE = kernel_DE.astype(xp.float32)
-    common_D = common_D.astype(xp.float32)
-    norm = xp.sqrt(xp.sum(xp.square(common_D)))
-    unit_D = xp.where(norm > 0, common_D / xp.maximum(norm, xp.float32(1e-30)), xp.float32(0.0))
+    unit_D = _unit(common_D.astype(xp.float32), xp)
     return kernel_DE - xp.outer(unit_D, unit_D @ kernel_DE)
 
 
@@ -80,11 +84,6 @@ def other_sequences_mean(x_BSD: jax.Array) -> jax.Array:
     batch, seq, _ = x_BSD.shape
     sums_BD = jnp.sum(jax.lax.stop_gradient(x_BSD).astype(jnp.float32), axis=1)
     return (jnp.sum(sums_BD, axis=0) - sums_BD) / ((batch - 1) * seq)
-
-
-def _unit(v_ND: jax.Array) -> jax.Array:
-    norm_N1 = jnp.sqrt(jnp.sum(jnp.square(v_ND), axis=-1, keepdims=True))
-    return jnp.where(norm_N1 > 0, v_ND / jnp.maximum(norm_N1, 1e-30), 0.0)
 
 
 def route(kernel_DE: jax.Array, bias_E: jax.Array | None, x_TD: jax.Array, moe_cfg, *,
