@@ -80,6 +80,8 @@ MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise
                       ("dlhs", "blockwise"), ("drhs", "blockwise")})
 # The consumers' layout per table entry (STACKS).
 FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for product, scaling in FP8_TILES}
+# Accumulator slices per consumer per table entry (blockwise only: see _promote).
+FP8_SLICES = {key: 1 for key in FP8_TILES}
 
 
 def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
@@ -101,6 +103,12 @@ def default_stack(product: str, scaling: str) -> str:
     """The FP8_STACKS entry of a product (the layout default_tile's tile was chosen with)."""
     default_tile(product, 0, 0, 0, 0, scaling)  # the same check of the key
     return FP8_STACKS[(product, scaling)]
+
+
+def default_slices(product: str, scaling: str) -> int:
+    """The FP8_SLICES entry of a product."""
+    default_tile(product, 0, 0, 0, 0, scaling)
+    return FP8_SLICES[(product, scaling)]
 
 
 def fits(product: str, k: int, n: int, scaling: str) -> bool:
@@ -138,6 +146,12 @@ class _Launch:
     num_rows: int = 0
     groups: int = 1
     stack: str = "n"
+    slices: int = 1
+
+    @property
+    def width(self) -> int:
+        """Columns of one accumulator slice (a consumer's block_n split into `slices`)."""
+        return self.tile.block_n // self.slices
 
     @property
     def cta(self) -> tuple[int, int]:
@@ -159,6 +173,16 @@ class _Launch:
         """A consumer's wgmma operands: its [block_m, K] lhs rows and its rhs rows viewed [K, block_n]."""
         return lhs_smem.at[self.lhs_rows(wg)], rhs_smem.at[self.rhs_rows(wg), :].transpose((1, 0))
 
+    def slice_operands(self, lhs_smem, rhs_smem, wg):
+        """A consumer's lhs rows and, per accumulator slice, its rhs rows viewed [K, width]."""
+        col0 = self.out_origin(wg)[1]
+        return lhs_smem.at[self.lhs_rows(wg)], [
+            rhs_smem.at[pl.ds(col0 + i * self.width, self.width), :].transpose((1, 0)) for i in range(self.slices)]
+
+    def slice_cols(self, wg, i):
+        """Slice i's columns inside the CTA tile."""
+        return pl.ds(self.out_origin(wg)[1] + i * self.width, self.width)
+
 
 def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int, ...], stack: str = "n") -> int:
     """tile.num_stages, or fewer if the pipeline's buffers (e4m3 operand blocks and float32 scale vectors of
@@ -179,12 +203,16 @@ def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int,
     return stages
 
 
-def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict, stack: str) -> None:
-    """One clear error for a caller's mistake in scaling, layout or operand shapes (named by argument)."""
+def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict, stack: str, slices: int) -> None:
+    """One clear error for a caller's mistake in scaling, layout, slices or operand shapes (named by argument)."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r}; choose one of {SCALINGS}.")
     if stack not in STACKS or (stack == "m" and scaling != "blockwise"):
         raise ValueError(f"stack={stack!r}: choose one of {STACKS} ('m' with blockwise scaling only).")
+    # wgmma's N is a multiple of 8; a slice must also be a whole number of the output's 16-byte TMA boxes
+    if slices < 1 or tile.block_n % slices or (tile.block_n // slices) % 16 or (slices > 1 and scaling != "blockwise"):
+        raise ValueError(f"slices={slices}: block_n ({tile.block_n}) must split into slices of a multiple of 16 "
+                         "columns, and only blockwise scaling takes more than one.")
     if scaling == "blockwise" and (tile.block_k != SCALE_BLOCK or SCALE_BLOCK % tile.block_n):
         raise ValueError(f"blockwise scaling needs block_k == {SCALE_BLOCK} and block_n dividing it; got {tile}.")
     for name, shape in expected.items():
@@ -202,13 +230,18 @@ def _zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _partial_mma(lhs_smem, b):
-    """One K step's product into a fresh float32 accumulator, waited for and returned as a value."""
-    def run(partial_ref):
-        plgpu.wgmma(partial_ref, lhs_smem, b)
-        return partial_ref[...]
+def _promote(a, bs, carries, scaled):
+    """One K step of blockwise promotion over a consumer's accumulator slices: each slice's product into its own
+    fresh float32 accumulator, all issued before any is waited for; slice i is read once only the later slices
+    remain in flight (wgmma groups complete in issue order), and scaled(i, partial) is added into carries[i] while
+    they run, so the promotion of one slice overlaps the tensor cores' work on the next."""
+    def run(*accs):
+        for acc, b in zip(accs, bs):
+            plgpu.wgmma(acc, a, b)
+        return tuple(carry + scaled(i, plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - i))
+                     for i, (acc, carry) in enumerate(zip(accs, carries)))
 
-    return pl.run_scoped(run, plgpu.ACC((lhs_smem.shape[0], b.shape[1]), jnp.float32))
+    return pl.run_scoped(run, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
 
 
 def _rowwise_body(s: _Launch, wg):
@@ -247,16 +280,17 @@ def _rowwise_context(s: _Launch, wg, slots, rows_gmem, cols_gmem, stage_out, sto
             run_pipeline(acc_ref)
             plgpu.barrier_wait(rows_barrier)
             plgpu.barrier_wait(cols_barrier)
-            stage_out(acc_ref[...] * _outer(rows_slot[0, :], cols_slot[0, :], acc_ref.shape))
+            stage_out((acc_ref[...] * _outer(rows_slot[0, :], cols_slot[0, :], acc_ref.shape),))
             store()
 
     return context
 
 
 def _blockwise_context(s: _Launch, stage_out, store):
-    """The blockwise consumers' context: a float32 register carry through the pipeline, staged, then stored."""
+    """The blockwise consumers' context: a float32 register carry per accumulator slice through the pipeline,
+    staged, then stored."""
     def context(run_pipeline):
-        stage_out(run_pipeline(_zeros((s.tile.block_m, s.tile.block_n))))
+        stage_out(run_pipeline(tuple(_zeros((s.tile.block_m, s.width)) for _ in range(s.slices))))
         store()
 
     return context
@@ -300,9 +334,10 @@ def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int,
 
 # One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
 # from the recomputed forward lowers its kernel once (each lowering runs Mosaic GPU's compiler passes on the host).
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "slices"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
-           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n") -> jax.Array:
+           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n",
+           slices: int = 1) -> jax.Array:
     """out[m] = lhs[m] · rhs[g(m)]ᵀ, scaled, [M, N]; rows past sum(group_sizes) are left unwritten.
 
     rowwise:   lhs_scale [M], rhs_scale [G, N]; out[m, n] = acc[m, n] * lhs_scale[m] * rhs_scale[g(m), n].
@@ -315,7 +350,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     expected = {"rhs_GNK": (g, n, k)} | ({"lhs_scale": (m,), "rhs_scale": (g, n)} if scaling == "rowwise" else
                                          {"lhs_scale": (kb, m), "rhs_scale": (g, n // SCALE_BLOCK, kb)})
     _check(scaling, tile, {"rhs_GNK": rhs_GNK.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
-           expected, stack)
+           expected, stack, slices)
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
@@ -324,12 +359,12 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
         rows = ((0, padded - m),)
         return gmm_nt(jnp.pad(lhs_MK, rows + ((0, 0),)), rhs_GNK, group_sizes_G, tile, scaling=scaling,
                       lhs_scale=jnp.pad(lhs_scale, rows if scaling == "rowwise" else ((0, 0),) + rows),
-                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack)[:m]
+                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack, slices=slices)[:m]
     m_tiles = max_row_tiles(m, g, cta_m)
     tables = row_tiles(group_sizes_G, cta_m, m_tiles)
     scale_lengths = (cta_m,) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), m_tiles, n // cta_n, scaling,
-                out_dtype, m, stack=stack)
+                out_dtype, m, stack=stack, slices=slices)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     if scaling == "rowwise":
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
@@ -344,11 +379,11 @@ def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
     added into the carry."""
     block_n = (ni * s.cta[1] + s.out_origin(wg)[1]) // SCALE_BLOCK  # block_n divides the 128-wide scale block
 
-    def body(idx, lhs_smem, rhs_smem, row_scale_smem, carry):
-        partial = _partial_mma(*s.operands(lhs_smem, rhs_smem, wg))
+    def body(idx, lhs_smem, rhs_smem, row_scale_smem, carries):
+        a, bs = s.slice_operands(lhs_smem, rhs_smem, wg)
         block_scale = col_scale_gmem[group, block_n, idx[0]]
         rows = row_scale_smem[0, s.lhs_rows(wg)] * block_scale
-        return carry + partial * lax.broadcast_in_dim(rows, partial.shape, [0])
+        return _promote(a, bs, carries, lambda _, partial: partial * lax.broadcast_in_dim(rows, partial.shape, [0]))
 
     return body
 
@@ -368,7 +403,8 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
 
     ignore = lambda *_, **__: None  # the allocations depend on the block specs only
     allocations = _pipeline(s, k_steps, specs, ignore, ignore).get_allocations(*operands(0, 0, 0))
-    out_type = plgpu.SMEM((CONSUMERS, bm, bn), s.out_dtype, transforms=swizzled(bn, s.out_dtype, leading_tile=1))
+    out_type = plgpu.SMEM((CONSUMERS * s.slices, bm, s.width), s.out_dtype,
+                          transforms=swizzled(s.width, s.out_dtype, leading_tile=1))
     slots = None if blockwise else _scale_slots(s.tile)
 
     @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, slots=slots,
@@ -384,16 +420,19 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
             start = pl.multiple_of(start_T[mi], TMA_ROW_ALIGNMENT)
             row0, col0 = s.out_origin(wg)
 
-            def stage_out(value):
-                out_smem[wg] = value.astype(s.out_dtype)
+            def stage_out(slices):
+                for i, value in enumerate(slices):
+                    out_smem[wg * s.slices + i] = value.astype(s.out_dtype)
 
             def store():
                 # The tile's valid rows [offset, offset + size) of the CTA tile, clipped to this consumer's rows.
                 lo = jnp.clip(offset_T[mi] - row0, 0, bm)
                 hi = jnp.clip(offset_T[mi] + size - row0, 0, bm)
                 plgpu.commit_smem()
-                store_rows(out_smem.at[wg], out, row0=start + row0, offset=lo, size=jnp.maximum(hi - lo, 0),
-                           cols=pl.ds(ni * cta_n + col0, bn), max_rows=min(bm, s.num_rows))
+                for i in range(s.slices):
+                    store_rows(out_smem.at[wg * s.slices + i], out, row0=start + row0, offset=lo,
+                               size=jnp.maximum(hi - lo, 0), cols=pl.ds(ni * cta_n + col0 + i * s.width, s.width),
+                               max_rows=min(bm, s.num_rows))
 
             @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
             def _compute():
@@ -408,10 +447,10 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "slices"))
 def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                    scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32,
-                   stack: str = "n") -> jax.Array:
+                   stack: str = "n", slices: int = 1) -> jax.Array:
     """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
 
     Group g occupies columns [128 * first_g, 128 * (first_g + blocks_g)) of both copies, with (first_G, blocks_G)
@@ -428,7 +467,7 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     expected = {"rhsT_NP": (n, p)} | ({"lhs_scale": (g, k), "rhs_scale": (g, n)} if scaling == "rowwise" else
                                       {"lhs_scale": (pb, k), "rhs_scale": (pb, n)})
     _check(scaling, tile, {"rhsT_NP": rhsT_NP.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
-           expected, stack)
+           expected, stack, slices)
     _check_operands(lhsT_KP, rhsT_NP, p, tile, n, stack)
     cta_m, cta_n = cta_shape(tile, stack)
     if tile.block_k != SCALE_BLOCK or k % cta_m:
@@ -437,7 +476,7 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     out_dtype = jnp.dtype(out_dtype)
     scale_lengths = (cta_m, cta_n) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), k // cta_m, n // cta_n, scaling,
-                out_dtype, groups=g, stack=stack)
+                out_dtype, groups=g, stack=stack, slices=slices)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     return _call(_tn_kernel, s, (g, k, n), "tn_aligned")(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP,
                                                         rhsT_NP, lhs_scale, rhs_scale)
@@ -446,11 +485,11 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
 def _tn_blockwise_body(s: _Launch, wg):
     """Blockwise promotion along the group's columns: the block's product times the outer product of its K-row
     and N-column scales, added into the carry."""
-    cols = s.rhs_rows(wg)
-
-    def body(_, lhs_smem, rhs_smem, row_scale_smem, col_scale_smem, carry):
-        partial = _partial_mma(*s.operands(lhs_smem, rhs_smem, wg))
-        return carry + partial * _outer(row_scale_smem[0, s.lhs_rows(wg)], col_scale_smem[0, cols], partial.shape)
+    def body(_, lhs_smem, rhs_smem, row_scale_smem, col_scale_smem, carries):
+        a, bs = s.slice_operands(lhs_smem, rhs_smem, wg)
+        rows = row_scale_smem[0, s.lhs_rows(wg)]
+        cols = [col_scale_smem[0, s.slice_cols(wg, i)] for i in range(s.slices)]
+        return _promote(a, bs, carries, lambda i, partial: partial * _outer(rows, cols[i], partial.shape))
 
     return body
 
@@ -474,7 +513,7 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
 
     ignore = lambda *_, **__: None  # the allocations depend on the block specs only
     allocations = _pipeline(s, s.stages, specs(0), ignore, ignore).get_allocations(*operands(0, 0))
-    out_type = plgpu.SMEM((CONSUMERS, bm, bn), s.out_dtype, transforms=swizzled(bn, s.out_dtype))
+    out_type = plgpu.SMEM((CONSUMERS * s.slices, bm, s.width), s.out_dtype, transforms=swizzled(s.width, s.out_dtype))
     slots = None if blockwise else _scale_slots(s.tile)
 
     @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, slots=slots,
@@ -489,20 +528,25 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
             first, steps = first_G[gi], blocks_G[gi]
             row0, col0 = s.out_origin(wg)
 
-            def stage_out(value):
-                out_smem[wg] = value.astype(s.out_dtype)
+            def stage_out(slices):
+                for i, value in enumerate(slices):
+                    out_smem[wg * s.slices + i] = value.astype(s.out_dtype)
 
             def store():
                 plgpu.commit_smem()
-                rows, cols = pl.ds(ki * cta_m + row0, bm), pl.ds(ni * cta_n + col0, bn)
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out.at[gi, rows, cols])
+                rows = pl.ds(ki * cta_m + row0, bm)
+                for i in range(s.slices):
+                    cols = pl.ds(ni * cta_n + col0 + i * s.width, s.width)
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg * s.slices + i], out.at[gi, rows, cols],
+                                            commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
             def _empty():
                 @pl.when(wg < CONSUMERS)
                 def _zeros_out():
-                    stage_out(_zeros((bm, bn)))
+                    stage_out(tuple(_zeros((bm, s.width)) for _ in range(s.slices)))
                     store()
 
             @pl.when(steps > 0)
