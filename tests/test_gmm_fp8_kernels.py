@@ -76,11 +76,11 @@ def _nt_case(sizes, scaling, seed, m=256, k=256, n=256):
     return x, w, np.array(sizes, np.int32), lhs_scale, rhs_scale
 
 
-def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE):
+def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE, slices=1):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), tile, scaling=scaling,
                      lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
-                     out_dtype=out_dtype, stack=stack)
+                     out_dtype=out_dtype, stack=stack, slices=slices)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
@@ -102,6 +102,23 @@ def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scalin
     ref, mag = _nt_reference(x, w, sizes, scaling, lhs_scale, wrong)
     with pytest.raises(AssertionError):
         _assert_matches(out[:live], ref[:live], mag[:live])
+
+
+@pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
+@pytest.mark.parametrize("tile, slices", [(WIDE_TILE, 2), (NT_TILE, 2), (WIDE_TILE, 4)],
+                         ids=["64x128/2", "64x64/2", "64x128/4"])
+def test_gmm_nt_with_accumulator_slices_matches_a_float64_loop_over_groups(stack, tile, slices):
+    """Each consumer's columns in `slices` accumulators, each promoted while the next one's wgmma runs: the same
+    sums, each slice's output columns stored to their place (a wrong slice offset or scale block fails)."""
+    x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, "blockwise", seed=5)
+    out = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile, slices=slices)
+    live = sizes.sum()
+    ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
+    _assert_matches(out[:live], ref[:live], mag[:live])
+    shifted = np.roll(w, tile.block_n // slices, axis=1)  # every output column moved by one slice
+    with pytest.raises(AssertionError):
+        _assert_matches(out[:live], *(r[:live] for r in _nt_reference(x, shifted, sizes, "blockwise", lhs_scale,
+                                                                       rhs_scale)))
 
 
 @pytest.mark.parametrize("scaling, stack", LAYOUTS)
@@ -178,7 +195,23 @@ def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interprete
         _assert_matches(out, *_tn_reference(xT, dyT, layout, scaling, wrong, rhs_scale))
 
 
-def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n"):
+@pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
+def test_gmm_tn_aligned_with_accumulator_slices_matches_a_float64_loop_over_groups(stack):
+    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(MIXED, "blockwise", seed=6)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), TN_TILE,
+                             scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
+                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack, slices=2)
+    out = np.asarray(out, np.float64)
+    _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
+    assert all((out[g] == 0).all() for g, size in enumerate(MIXED) if size == 0)
+    wrong = rhs_scale.copy()
+    wrong[:, TN_TILE.block_n // 2:TN_TILE.block_n] *= 1.001  # the column scales of one slice
+    with pytest.raises(AssertionError):
+        _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, wrong))
+
+
+def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", slices=1):
     """Export the product of the layer y = x·W (x [m, k], W [g, k, n]) for CUDA on this CPU: Mosaic GPU's layout
     inference and shared-memory check run here, as when the GPU compiles the kernel."""
     f32, sizes = jnp.float32, S((g,), jnp.int32)
@@ -187,7 +220,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n"):
         scales = ((S((g, k), f32), S((g, n), f32)) if scaling == "rowwise" else
                   (S((p // SCALE_BLOCK, k), f32), S((p // SCALE_BLOCK, n), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                                     out_dtype=out_dtype, stack=stack)
+                                                     out_dtype=out_dtype, stack=stack, slices=slices)
         operands = (S((k, p), FP8), S((n, p), FP8), sizes, *scales)
     else:
         contract, out_cols = (k, n) if product == "fwd" else (n, k)  # dlhs: dy [m, n] · W[g]ᵀ, W read [g, k, n]
@@ -195,7 +228,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n"):
                   (S((contract // SCALE_BLOCK, m), f32),
                    S((g, out_cols // SCALE_BLOCK, contract // SCALE_BLOCK), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_nt(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                             out_dtype=out_dtype, stack=stack)
+                                             out_dtype=out_dtype, stack=stack, slices=slices)
         operands = (S((m, contract), FP8), S((g, out_cols, contract), FP8), sizes, *scales)
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
 
@@ -209,15 +242,17 @@ def test_every_table_tile_lowers_for_cuda_on_the_cpu(product, scaling, k, n, g, 
     assert fp8_mosaic.fits(product, k, n, scaling)
     tile = fp8_mosaic.default_tile(product, 8192, k, n, g, scaling)
     assert tile == FP8_TILES[(product, scaling)]
-    stack = fp8_mosaic.default_stack(product, scaling)
-    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack).platforms == ("cuda",)
+    stack, slices = fp8_mosaic.default_stack(product, scaling), fp8_mosaic.default_slices(product, scaling)
+    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack, slices).platforms == ("cuda",)
 
 
 @pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)
 @pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
-def test_the_blockwise_tiles_lower_with_either_consumer_layout(product, stack):
+@pytest.mark.parametrize("slices", [1, 2, 4])
+def test_the_blockwise_tiles_lower_with_either_consumer_layout_and_any_slices(product, stack, slices):
     tile = FP8_TILES[(product, "blockwise")]
-    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, stack).platforms == ("cuda",)
+    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, stack, slices).platforms == \
+        ("cuda",)
 
 
 @pytest.mark.parametrize("product, scaling", [("fwd", "rowwise"), ("drhs", "blockwise")])
@@ -285,6 +320,9 @@ def test_fits_and_default_tile():
     (dict(lhs=jnp.zeros((256, 256), jnp.bfloat16)), "operands must be float8_e4m3fn"),
     (dict(tile=TileConfig(64, 64, 64, 2)), "block_k == 128"),
     (dict(stack="k"), "stack='k'"),
+    (dict(slices=3), "slices=3"),
+    (dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), slices=2),
+     "only blockwise scaling"),
     (dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stack="m"),
      "blockwise scaling only"),
     (dict(lhs=jnp.zeros((256, 320), FP8), rhs=jnp.zeros((2, 256, 320), FP8)), "multiple of 128"),
@@ -297,7 +335,8 @@ def test_gmm_nt_rejects_malformed_operands_with_one_clear_error(change, message)
         args |= dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)))
     with pytest.raises(ValueError, match=message):
         gmm_nt(args["lhs"], args["rhs"], jnp.array([100, 100], jnp.int32), args["tile"], scaling=args["scaling"],
-               lhs_scale=args["lhs_scale"], rhs_scale=args["rhs_scale"], stack=args.get("stack", "n"))
+               lhs_scale=args["lhs_scale"], rhs_scale=args["rhs_scale"], stack=args.get("stack", "n"),
+               slices=args.get("slices", 1))
 
 
 def test_gmm_tn_aligned_rejects_a_row_block_other_than_the_group_alignment():
