@@ -53,14 +53,11 @@ N_MINOR = dict(grid_minor_dim=1, grid_tile_width=4)
 NT_VARIANTS = [
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR), 1),
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR), 2),
-    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), 4),
-    ("n", TileConfig(64, 128, 128, 5, **M_MINOR), 2),
+    ("n", TileConfig(64, 128, 128, 4, **M_MINOR), 1),  # the unscaled kernel's layout and tile, below
 ]
 TN_VARIANTS = [
     ("m", TileConfig(64, 128, 128, 4, **M_MINOR), 1),
     ("m", TileConfig(64, 128, 128, 4, **M_MINOR), 2),
-    ("m", TileConfig(64, 128, 128, 4, **M_MINOR), 4),
-    ("n", TileConfig(64, 128, 128, 4, **N_MINOR), 2),
 ]
 UNSCALED = [TileConfig(64, 128, 128, 4, **M_MINOR), TileConfig(128, 128, 128, 3, **M_MINOR)]
 # (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)

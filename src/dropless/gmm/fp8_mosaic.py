@@ -24,7 +24,9 @@ per tile, take no pipeline buffers.
 accumulator that is waited for, scaled and added into a float32 register carry. Hopper's e4m3 wgmma accumulates
 with reduced precision, and the promotion bounds that error to one 128-wide block. A blockwise consumer holds two
 float32 tiles (partial and carry), so its tile is 64x128: at 128x128 the 256 registers per thread spill (3.2x
-slower on an H200).
+slower on an H200). With `slices` > 1 a consumer splits its columns into that many accumulators, issues every
+slice's wgmma of a K block, then promotes each slice as soon as it completes while the later slices' wgmmas run
+(wgmma groups complete in issue order): the same registers, the same sums, less of the promotion exposed.
 
 Suffixes: M rows sorted by group, K contraction (nt) or output rows (tn), N output columns, G groups, P columns of
 the aligned copies, Kb = K/128, Nb = N/128, Pb = P/128.
@@ -209,9 +211,9 @@ def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict, stack: 
         raise ValueError(f"scaling={scaling!r}; choose one of {SCALINGS}.")
     if stack not in STACKS or (stack == "m" and scaling != "blockwise"):
         raise ValueError(f"stack={stack!r}: choose one of {STACKS} ('m' with blockwise scaling only).")
-    # wgmma's N is a multiple of 8; a slice must also be a whole number of the output's 16-byte TMA boxes
-    if slices < 1 or tile.block_n % slices or (tile.block_n // slices) % 16 or (slices > 1 and scaling != "blockwise"):
-        raise ValueError(f"slices={slices}: block_n ({tile.block_n}) must split into slices of a multiple of 16 "
+    # A slice is at least 64 columns wide: 32-wide slices of a bf16 output faulted (misaligned address) on an H200.
+    if slices < 1 or tile.block_n % slices or (tile.block_n // slices) % 64 or (slices > 1 and scaling != "blockwise"):
+        raise ValueError(f"slices={slices}: block_n ({tile.block_n}) must split into slices of a multiple of 64 "
                          "columns, and only blockwise scaling takes more than one.")
     if scaling == "blockwise" and (tile.block_k != SCALE_BLOCK or SCALE_BLOCK % tile.block_n):
         raise ValueError(f"blockwise scaling needs block_k == {SCALE_BLOCK} and block_n dividing it; got {tile}.")
