@@ -105,10 +105,13 @@ def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scalin
 
 
 @pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
-def test_gmm_nt_with_accumulator_slices_matches_a_float64_loop_over_groups(stack, tile=WIDE_TILE, slices=2):
-    """Each consumer's columns in `slices` accumulators, each promoted while the next one's wgmma runs: the same
-    sums, each slice's output columns stored to their place (a wrong slice offset or scale block fails)."""
-    x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, "blockwise", seed=5)
+@pytest.mark.parametrize("tile", [WIDE_TILE, TileConfig(64, 256, 128, 2, grid_minor_dim=0, grid_tile_width=2)],
+                         ids=["64x128", "64x256"])
+def test_gmm_nt_with_accumulator_slices_matches_a_float64_loop_over_groups(stack, tile, slices=2):
+    """Each consumer's columns in `slices` accumulators (64x128: two of 64 columns, each promoted while the next
+    one's wgmma runs; 64x256: two of 128, one after the other, each in its own 128-column weight-scale block): the
+    same sums, each slice's output columns stored to their place (a wrong slice offset or scale block fails)."""
+    x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, "blockwise", seed=5, n=2 * fp8_mosaic.cta_shape(tile, stack)[1])
     out = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile, slices=slices)
     live = sizes.sum()
     ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
@@ -254,6 +257,14 @@ def test_the_blockwise_tiles_lower_with_either_consumer_layout_and_any_slices(pr
         ("cuda",)
 
 
+@pytest.mark.parametrize("product", ["fwd", "dlhs"])
+def test_a_256_column_consumer_in_two_slices_lowers_for_cuda(product):
+    """64x256 per consumer, stacked: a 128x256 CTA tile whose carry and one 128-column partial fit the registers."""
+    tile = TileConfig(64, 256, 128, 3, grid_minor_dim=0, grid_tile_width=8)
+    assert fp8_mosaic._stages(tile, jnp.bfloat16, "blockwise", (128,), "m") == 3
+    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, "m", 2).platforms == ("cuda",)
+
+
 @pytest.mark.parametrize("product, scaling", [("fwd", "rowwise"), ("drhs", "blockwise")])
 def test_lowering_fails_when_the_stages_do_not_fit_and_the_stage_count_is_the_largest_that_does(
         product, scaling, monkeypatch):
@@ -321,6 +332,7 @@ def test_fits_and_default_tile():
     (dict(stack="k"), "stack='k'"),
     (dict(slices=3), "slices=3"),
     (dict(tile=TileConfig(64, 64, 128, 2), slices=2), "multiple of 64"),
+    (dict(tile=TileConfig(64, 256, 128, 2)), "slices of block_n dividing it"),
     (dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), slices=2),
      "only blockwise scaling"),
     (dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stack="m"),

@@ -19,8 +19,8 @@ they must; kernel_check.py and the tests hold the first against float32 referenc
 unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no scales) runs at the blockwise tile
 and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
 grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
-recipe under fp8_mosaic's tables and with every blockwise product in one and in two slices, so each ratio to
-bf16 comes from one run.
+recipe under fp8_mosaic's tables, with every blockwise product in two slices, and with gmm_nt's products at
+64x256 per consumer in two slices, so each ratio to bf16 comes from one run.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ NT_VARIANTS = [
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR), 1),
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR), 2),
     ("n", TileConfig(64, 128, 128, 4, **M_MINOR), 1),  # the unscaled kernel's layout and tile, below
+    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), 2),  # a 128x256 CTA tile: 1.33x the FLOPs per byte loaded
 ]
 TN_VARIANTS = [
     ("m", TileConfig(64, 128, 128, 4, **M_MINOR), 1),
@@ -142,20 +143,25 @@ def main() -> None:
     timed("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), gs, x, w, gemm_flops=flops)
     timed("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), gs, x, w, dy,
           gemm_flops=3 * flops)
-    stacks, tiles, slices = (dict(t) for t in (fp8_mosaic.FP8_STACKS, fp8_mosaic.FP8_TILES, fp8_mosaic.FP8_SLICES))
-    sliced = {n: slices | {(p, "blockwise"): n for p in fp8_mosaic.PRODUCTS} for n in (1, 2)}
-    tables = (("the tables", slices), ("every blockwise product in 1 slice", sliced[1]),
-              ("every blockwise product in 2 slices", sliced[2]))
-    for name, slice_table in tables:
-        fp8_mosaic.FP8_SLICES.update(slice_table)  # read when a product is traced: each jit below traces anew
+    tiles, slices = dict(fp8_mosaic.FP8_TILES), dict(fp8_mosaic.FP8_SLICES)
+    wide = TileConfig(64, 256, 128, 3, **M_MINOR)
+    tables = (("the tables", tiles, slices),
+              ("every blockwise product in 2 slices", tiles,
+               slices | {(p, "blockwise"): 2 for p in fp8_mosaic.PRODUCTS}),
+              ("gmm_nt 64x256 in 2 slices", tiles | {(p, "blockwise"): wide for p in ("fwd", "dlhs")},
+               slices | {(p, "blockwise"): 2 for p in ("fwd", "dlhs")}))
+    for name, tile_table, slice_table in tables:
+        # read when a product is traced: each jit below traces anew
+        fp8_mosaic.FP8_TILES.update(tile_table)
+        fp8_mosaic.FP8_SLICES.update(slice_table)
         fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), bf16, TunedContract()), row_align=ALIGN)
         timed(f"blockwise Fp8Gmm fwd (aligned rows), {name}", lambda gs, x, w: fp8(x, w, gs), gs_al, x_al, w,
               gemm_flops=flops)
         timed(f"blockwise Fp8Gmm fwd+bwd (aligned rows), {name}",
               lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy), gs_al, x_al, w, dy_al,
               gemm_flops=3 * flops)
+    fp8_mosaic.FP8_TILES.update(tiles)
     fp8_mosaic.FP8_SLICES.update(slices)
-    del stacks, tiles
 
 if __name__ == "__main__":
     main()

@@ -215,8 +215,9 @@ def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict, stack: 
     if slices < 1 or tile.block_n % slices or (tile.block_n // slices) % 64 or (slices > 1 and scaling != "blockwise"):
         raise ValueError(f"slices={slices}: block_n ({tile.block_n}) must split into slices of a multiple of 64 "
                          "columns, and only blockwise scaling takes more than one.")
-    if scaling == "blockwise" and (tile.block_k != SCALE_BLOCK or SCALE_BLOCK % tile.block_n):
-        raise ValueError(f"blockwise scaling needs block_k == {SCALE_BLOCK} and block_n dividing it; got {tile}.")
+    if scaling == "blockwise" and (tile.block_k != SCALE_BLOCK or SCALE_BLOCK % (tile.block_n // max(slices, 1))):
+        raise ValueError(f"blockwise scaling needs block_k == {SCALE_BLOCK} and each of the {slices} accumulator "
+                         f"slices of block_n dividing it; got {tile}.")
     for name, shape in expected.items():
         if tuple(shapes[name]) != tuple(shape):
             raise ValueError(f"{name} has shape {tuple(shapes[name])}; {scaling} scaling needs {tuple(shape)}.")
@@ -232,18 +233,31 @@ def _zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _promote(a, bs, carries, scaled):
-    """One K step of blockwise promotion over a consumer's accumulator slices: each slice's product into its own
-    fresh float32 accumulator, all issued before any is waited for; slice i is read once only the later slices
-    remain in flight (wgmma groups complete in issue order), and scaled(i, partial) is added into carries[i] while
-    they run, so the promotion of one slice overlaps the tensor cores' work on the next."""
-    def run(*accs):
-        for acc, b in zip(accs, bs):
-            plgpu.wgmma(acc, a, b)
-        return tuple(carry + scaled(i, plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - i))
-                     for i, (acc, carry) in enumerate(zip(accs, carries)))
+# A consumer's partial products in flight at once, in accumulator columns: a 64-row consumer holds its carry
+# (block_n columns) beside them, and 128 + 128 float32 columns fit its registers where 256 + 256 spill.
+OVERLAP_COLUMNS = 128
 
-    return pl.run_scoped(run, *[plgpu.ACC((a.shape[0], b.shape[1]), jnp.float32) for b in bs])
+
+def _promote(a, bs, carries, scaled):
+    """One K step of blockwise promotion over a consumer's accumulator slices, each slice's product into a fresh
+    float32 accumulator and scaled(i, partial) added into carries[i]. When the slices span at most OVERLAP_COLUMNS,
+    every slice's wgmma is issued before any is waited for, and slice i is read once only the later slices remain
+    in flight (wgmma groups complete in issue order), so its promotion overlaps the tensor cores' work on the next.
+    Wider consumers run their slices one after another, one partial live at a time."""
+    def run(first, *accs):
+        for acc, b in zip(accs, bs[first:]):
+            plgpu.wgmma(acc, a, b)
+        return tuple(carries[first + i] + scaled(first + i, plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - i))
+                     for i, acc in enumerate(accs))
+
+    width = bs[0].shape[1]
+    together = max(1, OVERLAP_COLUMNS // width)
+    out = ()
+    for first in range(0, len(bs), together):
+        count = min(together, len(bs) - first)
+        out += pl.run_scoped(functools.partial(run, first),
+                             *[plgpu.ACC((a.shape[0], width), jnp.float32) for _ in range(count)])
+    return out
 
 
 def _rowwise_body(s: _Launch, wg):
@@ -376,16 +390,17 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
 
 
 def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
-    """Blockwise promotion along K: the step's product, times its row scales and its weight block's scale (read
-    from global memory, one scalar per step; reading it a step ahead, before the wgmma, ran no faster on an H200),
-    added into the carry."""
-    block_n = (ni * s.cta[1] + s.out_origin(wg)[1]) // SCALE_BLOCK  # block_n divides the 128-wide scale block
+    """Blockwise promotion along K: each slice's product of the step, times its row scales and its weight block's
+    scale (read from global memory, one scalar per slice and step; reading it a step ahead, before the wgmma, ran
+    no faster on an H200), added into its carry. A slice lies inside one 128-wide weight-scale block (_check)."""
+    blocks = [(ni * s.cta[1] + s.out_origin(wg)[1] + i * s.width) // SCALE_BLOCK for i in range(s.slices)]
 
     def body(idx, lhs_smem, rhs_smem, row_scale_smem, carries):
         a, bs = s.slice_operands(lhs_smem, rhs_smem, wg)
-        block_scale = col_scale_gmem[group, block_n, idx[0]]
-        rows = row_scale_smem[0, s.lhs_rows(wg)] * block_scale
-        return _promote(a, bs, carries, lambda _, partial: partial * lax.broadcast_in_dim(rows, partial.shape, [0]))
+        rows = row_scale_smem[0, s.lhs_rows(wg)]
+        block_scales = [col_scale_gmem[group, block, idx[0]] for block in blocks]
+        return _promote(a, bs, carries, lambda i, partial: partial * lax.broadcast_in_dim(
+            rows * block_scales[i], partial.shape, [0]))
 
     return body
 
