@@ -76,11 +76,11 @@ def _nt_case(sizes, scaling, seed, m=256, k=256, n=256):
     return x, w, np.array(sizes, np.int32), lhs_scale, rhs_scale
 
 
-def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE, slices=1):
+def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), tile, scaling=scaling,
                      lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
-                     out_dtype=out_dtype, stack=stack, slices=slices)
+                     out_dtype=out_dtype, stack=stack)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
@@ -104,19 +104,20 @@ def test_gmm_nt_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scalin
         _assert_matches(out[:live], ref[:live], mag[:live])
 
 
+WIDEST_TILE = TileConfig(64, 256, 128, 2, grid_minor_dim=0, grid_tile_width=2)
+
+
 @pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
-@pytest.mark.parametrize("tile", [WIDE_TILE, TileConfig(64, 256, 128, 2, grid_minor_dim=0, grid_tile_width=2)],
-                         ids=["64x128", "64x256"])
-def test_gmm_nt_with_accumulator_slices_matches_a_float64_loop_over_groups(stack, tile, slices=2):
-    """Each consumer's columns in `slices` accumulators (64x128: two of 64 columns, each promoted while the next
-    one's wgmma runs; 64x256: two of 128, one after the other, each in its own 128-column weight-scale block): the
-    same sums, each slice's output columns stored to their place (a wrong slice offset or scale block fails)."""
+def test_gmm_nt_with_a_256_column_consumer_matches_a_float64_loop_over_groups(stack):
+    """64x256 per consumer: two 128-column accumulator slices one after another, each in its own 128-column
+    weight-scale block, each slice's output columns stored to their place (a slice moved fails)."""
+    tile = WIDEST_TILE
     x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, "blockwise", seed=5, n=2 * fp8_mosaic.cta_shape(tile, stack)[1])
-    out = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile, slices=slices)
+    out = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile)
     live = sizes.sum()
     ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
     _assert_matches(out[:live], ref[:live], mag[:live])
-    shifted = np.roll(w, tile.block_n // slices, axis=1)  # every output column moved by one slice
+    shifted = np.roll(w, SCALE_BLOCK, axis=1)  # every output column moved by one slice
     with pytest.raises(AssertionError):
         _assert_matches(out[:live], *(r[:live] for r in _nt_reference(x, shifted, sizes, "blockwise", lhs_scale,
                                                                        rhs_scale)))
@@ -196,24 +197,24 @@ def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interprete
         _assert_matches(out, *_tn_reference(xT, dyT, layout, scaling, wrong, rhs_scale))
 
 
-@pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
-def test_gmm_tn_aligned_with_accumulator_slices_matches_a_float64_loop_over_groups(stack):
-    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(MIXED, "blockwise", seed=6, n=256)
-    tile = TileConfig(64, 128, 128, 2, grid_minor_dim=1, grid_tile_width=2)
+def test_gmm_tn_aligned_with_a_256_column_consumer_matches_a_float64_loop_over_groups(stack="m"):
+    """Stacked (side by side, its 512 column scales exceed one TMA copy: refused, tested with the lowering)."""
+    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(MIXED, "blockwise", seed=6,
+                                                              n=fp8_mosaic.cta_shape(WIDEST_TILE, stack)[1])
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), tile,
+        out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), WIDEST_TILE,
                              scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
-                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack, slices=2)
+                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack)
     out = np.asarray(out, np.float64)
     _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
     assert all((out[g] == 0).all() for g, size in enumerate(MIXED) if size == 0)
     wrong = rhs_scale.copy()
-    wrong[:, 64:128] *= 1.001  # the column scales of one slice
+    wrong[:, 128:256] *= 1.001  # the column scales of the second slice
     with pytest.raises(AssertionError):
         _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, wrong))
 
 
-def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", slices=1):
+def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n"):
     """Export the product of the layer y = x·W (x [m, k], W [g, k, n]) for CUDA on this CPU: Mosaic GPU's layout
     inference and shared-memory check run here, as when the GPU compiles the kernel."""
     f32, sizes = jnp.float32, S((g,), jnp.int32)
@@ -222,7 +223,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", slices=1):
         scales = ((S((g, k), f32), S((g, n), f32)) if scaling == "rowwise" else
                   (S((p // SCALE_BLOCK, k), f32), S((p // SCALE_BLOCK, n), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                                     out_dtype=out_dtype, stack=stack, slices=slices)
+                                                     out_dtype=out_dtype, stack=stack)
         operands = (S((k, p), FP8), S((n, p), FP8), sizes, *scales)
     else:
         contract, out_cols = (k, n) if product == "fwd" else (n, k)  # dlhs: dy [m, n] · W[g]ᵀ, W read [g, k, n]
@@ -230,7 +231,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", slices=1):
                   (S((contract // SCALE_BLOCK, m), f32),
                    S((g, out_cols // SCALE_BLOCK, contract // SCALE_BLOCK), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_nt(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                             out_dtype=out_dtype, stack=stack, slices=slices)
+                                             out_dtype=out_dtype, stack=stack)
         operands = (S((m, contract), FP8), S((g, out_cols, contract), FP8), sizes, *scales)
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
 
@@ -244,25 +245,33 @@ def test_every_table_tile_lowers_for_cuda_on_the_cpu(product, scaling, k, n, g, 
     assert fp8_mosaic.fits(product, k, n, scaling)
     tile = fp8_mosaic.default_tile(product, 8192, k, n, g, scaling)
     assert tile == FP8_TILES[(product, scaling)]
-    stack, slices = fp8_mosaic.default_stack(product, scaling), fp8_mosaic.default_slices(product, scaling)
-    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack, slices).platforms == ("cuda",)
+    stack = fp8_mosaic.default_stack(product, scaling)
+    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack).platforms == ("cuda",)
 
 
 @pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)
 @pytest.mark.parametrize("stack", fp8_mosaic.STACKS)
-@pytest.mark.parametrize("slices", [1, 2])
-def test_the_blockwise_tiles_lower_with_either_consumer_layout_and_any_slices(product, stack, slices):
-    tile = FP8_TILES[(product, "blockwise")]
-    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, stack, slices).platforms == \
-        ("cuda",)
+@pytest.mark.parametrize("tile", [FP8_TILES[("drhs", "blockwise")], fp8_mosaic.FP8_NARROW,
+                                  TileConfig(64, 256, 128, 3, grid_minor_dim=0, grid_tile_width=8)],
+                         ids=["64x128/4", "64x128/5", "64x256/3"])
+def test_the_blockwise_tiles_lower_with_either_consumer_layout(product, stack, tile):
+    if product == "drhs" and fp8_mosaic.cta_shape(tile, stack)[1] > fp8_mosaic.TMA_MAX_BOX:
+        with pytest.raises(ValueError, match="column scales in one copy"):  # Mosaic GPU's limit, said plainly
+            _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, stack)
+        return
+    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, stack).platforms == ("cuda",)
 
 
-@pytest.mark.parametrize("product", ["fwd", "dlhs"])
-def test_a_256_column_consumer_in_two_slices_lowers_for_cuda(product):
-    """64x256 per consumer, stacked: a 128x256 CTA tile whose carry and one 128-column partial fit the registers."""
-    tile = TileConfig(64, 256, 128, 3, grid_minor_dim=0, grid_tile_width=8)
-    assert fp8_mosaic._stages(tile, jnp.bfloat16, "blockwise", (128,), "m") == 3
-    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, "m", 2).platforms == ("cuda",)
+def test_the_default_tile_is_narrow_where_the_output_columns_take_no_256_wide_tile():
+    """gmm_nt's blockwise products at 64x256 where 256 divides the output's columns, FP8_NARROW (128) elsewhere;
+    fits() follows the tile default_tile gives."""
+    assert fp8_mosaic.default_tile("fwd", 8192, 7168, 4096, 32, "blockwise").block_n == 256
+    assert fp8_mosaic.default_tile("fwd", 8192, 7168, 4096 + 128, 32, "blockwise") == fp8_mosaic.FP8_NARROW
+    assert fp8_mosaic.default_tile("dlhs", 8192, 7168 + 128, 4096, 32, "blockwise") == fp8_mosaic.FP8_NARROW
+    assert fp8_mosaic.default_tile("dlhs", 8192, 7168, 4096 + 128, 32, "blockwise").block_n == 256
+    assert fp8_mosaic.fits("fwd", 7168, 4096 + 128, "blockwise") and fp8_mosaic.fits("dlhs", 7168 + 128, 4096, "blockwise")
+    _lower("fwd", "blockwise", fp8_mosaic.default_tile("fwd", 8192, 2048, 1152, 8, "blockwise"), 8192, 2048, 1152, 8,
+           jnp.bfloat16, "m")
 
 
 @pytest.mark.parametrize("product, scaling", [("fwd", "rowwise"), ("drhs", "blockwise")])
@@ -330,11 +339,7 @@ def test_fits_and_default_tile():
     (dict(lhs=jnp.zeros((256, 256), jnp.bfloat16)), "operands must be float8_e4m3fn"),
     (dict(tile=TileConfig(64, 64, 64, 2)), "block_k == 128"),
     (dict(stack="k"), "stack='k'"),
-    (dict(slices=3), "slices=3"),
-    (dict(tile=TileConfig(64, 64, 128, 2), slices=2), "multiple of 64"),
-    (dict(tile=TileConfig(64, 256, 128, 2)), "slices of block_n dividing it"),
-    (dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), slices=2),
-     "only blockwise scaling"),
+    (dict(tile=TileConfig(64, 192, 128, 2)), "block_n dividing it or a multiple"),
     (dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stack="m"),
      "blockwise scaling only"),
     (dict(lhs=jnp.zeros((256, 320), FP8), rhs=jnp.zeros((2, 256, 320), FP8)), "multiple of 128"),
@@ -347,8 +352,7 @@ def test_gmm_nt_rejects_malformed_operands_with_one_clear_error(change, message)
         args |= dict(scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)))
     with pytest.raises(ValueError, match=message):
         gmm_nt(args["lhs"], args["rhs"], jnp.array([100, 100], jnp.int32), args["tile"], scaling=args["scaling"],
-               lhs_scale=args["lhs_scale"], rhs_scale=args["rhs_scale"], stack=args.get("stack", "n"),
-               slices=args.get("slices", 1))
+               lhs_scale=args["lhs_scale"], rhs_scale=args["rhs_scale"], stack=args.get("stack", "n"))
 
 
 def test_gmm_tn_aligned_rejects_a_row_block_other_than_the_group_alignment():

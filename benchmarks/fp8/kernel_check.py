@@ -72,7 +72,7 @@ def _rel_err(out, ref) -> float:
 
 
 def nt_case(scaling, sizes, k, n, m):
-    """(kernel fn of (tile, stack, slices), its args, reference fn, rows compared) of gmm_nt: out[m] = x[m] · w[g(m)]ᵀ,
+    """(kernel fn of (tile, stack), its args, reference fn, rows compared) of gmm_nt: out[m] = x[m] · w[g(m)]ᵀ,
     scaled."""
     g = len(sizes)
     kx, kw, kls, krs = jax.random.split(jax.random.key(1), 4)
@@ -82,8 +82,8 @@ def nt_case(scaling, sizes, k, n, m):
         lhs_scale, rhs_scale = _pow2(kls, (m,)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (kb, m)), _pow2(krs, (g, n // SCALE_BLOCK, kb))
-    fn = lambda tile, stack, slices=1: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(
-        x, w, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, slices=slices))
+    fn = lambda tile, stack: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(x, w, gs, tile, scaling=scaling, lhs_scale=ls,
+                                                                      rhs_scale=rs, stack=stack))
 
     def reference():
         if scaling == "rowwise":
@@ -116,8 +116,8 @@ def tn_case(scaling, sizes, k, n, m):
         lhs_scale, rhs_scale = _pow2(kls, (g, k)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (p // SCALE_BLOCK, k)), _pow2(krs, (p // SCALE_BLOCK, n))
-    fn = lambda tile, stack, slices=1: jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(
-        a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, slices=slices))
+    fn = lambda tile, stack: jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling,
+                                                                              lhs_scale=ls, rhs_scale=rs, stack=stack))
 
     def reference():
         outs = []

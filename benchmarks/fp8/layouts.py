@@ -10,17 +10,16 @@ Kernels (dropless.gmm.fp8_mosaic, blockwise scaling) at DeepSeek-V3's shapes, ro
   down fwd      gmm_nt          h [M, 2048] · Wᵀ[g]          -> [M, 7168]
   gate-up drhs  gmm_tn_aligned  xᵀ [7168, P] · dyᵀ [4096, P] -> [G, 7168, 4096]
 Each variant (stack "n": the two consumers side by side along N; "m": stacked along M; its tile, the pipeline
-stages that fit in shared memory beside its output blocks, which can be fewer than the tile asks, and the
-accumulator slices each consumer splits its columns into, whose promotion overlaps the next slice's wgmma) gets
-one record:
+stages that fit in shared memory beside its output blocks, which can be fewer than the tile asks; a consumer
+wider than 128 columns runs 128-column accumulator slices one after another) gets one record:
 ms (kernel_check's timing: median of 5 batches of 10 calls), TF/s over the rows in groups, and whether its output
 equals the first variant's bit for bit (every layout and tile sums each output's K blocks in the same order, so
 they must; kernel_check.py and the tests hold the first against float32 references). At gate-up fwd the probe's
 unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no scales) runs at the blockwise tile
 and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
 grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
-recipe under fp8_mosaic's tables, with every blockwise product in two slices, and with gmm_nt's products at
-64x256 per consumer in two slices, so each ratio to bf16 comes from one run.
+recipe under fp8_mosaic's tables and with gmm_nt's products at 64x128 in five stages, so each ratio to bf16
+comes from one run.
 """
 
 from __future__ import annotations
@@ -49,16 +48,14 @@ from dropless.gmm.tuning import TileConfig  # noqa: E402
 
 M_MINOR = dict(grid_minor_dim=0, grid_tile_width=8)
 N_MINOR = dict(grid_minor_dim=1, grid_tile_width=4)
-# (stack, tile, accumulator slices per consumer)
 NT_VARIANTS = [
-    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), 1),
-    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), 2),
-    ("n", TileConfig(64, 128, 128, 4, **M_MINOR), 1),  # the unscaled kernel's layout and tile, below
-    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), 2),  # a 128x256 CTA tile: 1.33x the FLOPs per byte loaded
+    ("m", TileConfig(64, 256, 128, 3, **M_MINOR)),  # two 128-column slices per consumer: a 128x256 CTA tile
+    ("m", TileConfig(64, 128, 128, 5, **M_MINOR)),
+    ("n", TileConfig(64, 128, 128, 4, **M_MINOR)),  # the unscaled kernel's layout and tile, below
 ]
 TN_VARIANTS = [
-    ("m", TileConfig(64, 128, 128, 4, **M_MINOR), 1),
-    ("m", TileConfig(64, 128, 128, 4, **M_MINOR), 2),
+    ("m", TileConfig(64, 128, 128, 4, **M_MINOR)),
+    ("m", TileConfig(64, 256, 128, 2, **M_MINOR)),
 ]
 UNSCALED = [TileConfig(64, 128, 128, 4, **M_MINOR), TileConfig(128, 128, 128, 3, **M_MINOR)]
 # (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)
@@ -95,11 +92,10 @@ def main() -> None:
     for name, case, k, n in SHAPES:
         make_fn, args, _, live = case("blockwise", sizes, k, n, m)
         first = None
-        for stack, tile, slices in TN_VARIANTS if case is tn_case else NT_VARIANTS:
-            rec = {"shape": name, "stack": stack, "tile": str(tile), "slices": slices,
-                   "stages": _fitting_stages(case, tile, stack)}
+        for stack, tile in TN_VARIANTS if case is tn_case else NT_VARIANTS:
+            rec = {"shape": name, "stack": stack, "tile": str(tile), "stages": _fitting_stages(case, tile, stack)}
             try:
-                fn = make_fn(tile, stack, slices)
+                fn = make_fn(tile, stack)
                 compile_s, ms = _time(fn, *args)
                 out = fn(*args)
                 out = out[:live] if live is not None else out
@@ -143,17 +139,10 @@ def main() -> None:
     timed("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), gs, x, w, gemm_flops=flops)
     timed("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), gs, x, w, dy,
           gemm_flops=3 * flops)
-    tiles, slices = dict(fp8_mosaic.FP8_TILES), dict(fp8_mosaic.FP8_SLICES)
-    wide = TileConfig(64, 256, 128, 3, **M_MINOR)
-    tables = (("the tables", tiles, slices),
-              ("every blockwise product in 2 slices", tiles,
-               slices | {(p, "blockwise"): 2 for p in fp8_mosaic.PRODUCTS}),
-              ("gmm_nt 64x256 in 2 slices", tiles | {(p, "blockwise"): wide for p in ("fwd", "dlhs")},
-               slices | {(p, "blockwise"): 2 for p in ("fwd", "dlhs")}))
-    for name, tile_table, slice_table in tables:
-        # read when a product is traced: each jit below traces anew
-        fp8_mosaic.FP8_TILES.update(tile_table)
-        fp8_mosaic.FP8_SLICES.update(slice_table)
+    tiles = dict(fp8_mosaic.FP8_TILES)
+    narrow = tiles | {(p, "blockwise"): fp8_mosaic.FP8_NARROW for p in ("fwd", "dlhs")}
+    for name, tile_table in (("the tables", tiles), ("gmm_nt at 64x128 in five stages", narrow)):
+        fp8_mosaic.FP8_TILES.update(tile_table)  # read when a product is traced: each jit below traces anew
         fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), bf16, TunedContract()), row_align=ALIGN)
         timed(f"blockwise Fp8Gmm fwd (aligned rows), {name}", lambda gs, x, w: fp8(x, w, gs), gs_al, x_al, w,
               gemm_flops=flops)
@@ -161,7 +150,6 @@ def main() -> None:
               lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy), gs_al, x_al, w, dy_al,
               gemm_flops=3 * flops)
     fp8_mosaic.FP8_TILES.update(tiles)
-    fp8_mosaic.FP8_SLICES.update(slices)
 
 if __name__ == "__main__":
     main()

@@ -116,8 +116,7 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
         tile = fp8_mosaic.default_tile(product, t, k, n, 1, recipe.mode)
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
                                  lhs_scale=a.scales.T, rhs_scale=b.scales[None], out_dtype=out_dtype,
-                                 stack=fp8_mosaic.default_stack(product, recipe.mode),
-                                 slices=fp8_mosaic.default_slices(product, recipe.mode))
+                                 stack=fp8_mosaic.default_stack(product, recipe.mode))
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
 
 
@@ -131,6 +130,5 @@ def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
         tile = fp8_mosaic.default_tile("drhs", t, k, n, 1, recipe.mode)
         return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
-                                         out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode),
-                                         slices=fp8_mosaic.default_slices("drhs", recipe.mode))[0]
+                                         out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode))[0]
     return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))

@@ -24,9 +24,9 @@ per tile, take no pipeline buffers.
 accumulator that is waited for, scaled and added into a float32 register carry. Hopper's e4m3 wgmma accumulates
 with reduced precision, and the promotion bounds that error to one 128-wide block. A blockwise consumer holds two
 float32 tiles (partial and carry), so its tile is 64x128: at 128x128 the 256 registers per thread spill (3.2x
-slower on an H200). With `slices` > 1 a consumer splits its columns into that many accumulators, issues every
-slice's wgmma of a K block, then promotes each slice as soon as it completes while the later slices' wgmmas run
-(wgmma groups complete in issue order): the same registers, the same sums, less of the promotion exposed.
+slower on an H200. A blockwise consumer wider than 128 columns computes each K block in 128-column slices, one
+after another (one partial live beside the carry: 64x256 fits where two 64x256 tiles do not), each slice inside
+one 128x128 weight-scale block.
 
 Suffixes: M rows sorted by group, K contraction (nt) or output rows (tn), N output columns, G groups, P columns of
 the aligned copies, Kb = K/128, Nb = N/128, Pb = P/128.
@@ -52,6 +52,7 @@ FP8 = jnp.float8_e4m3fn
 SCALE_BLOCK = 128  # blockwise scales: one per 128 contraction elements (activations), per 128x128 block (weights)
 SCALINGS = ("rowwise", "blockwise")
 PRODUCTS = ("fwd", "dlhs", "drhs")
+TMA_MAX_BOX = 256  # elements along any dim of one TMA copy
 STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side by side along N, stacked along M
 
 # Tiles per consumer warpgroup, keyed by (product, scaling), with the consumers' layout in FP8_STACKS. Measured on
@@ -61,20 +62,27 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     (two scale-vector loads per tile, two multiplies per output) is not timed.
 #   drhs rowwise:     128x128x128/3 n-minor 4 ran 1,174-1,191 TF/s unscaled, with bf16 outputs; with the default
 #                     float32 output only 2 stages fit beside the output blocks (untimed).
-#   blockwise:        64x128x128 per consumer (128x128 spills), stacked along M. In one call (330a81b) gate-up
-#                     fwd / dlhs / down fwd ran 950 / 914 / 886 TF/s stacked with four stages against 954 / 923 /
-#                     907 side by side (1,274 unscaled), within the spread between calls (another call had stacked
-#                     ahead at all three); stacked takes N in multiples of 128 rather than 256, and Fp8Gmm fwd+bwd
-#                     ran 3.5% faster with every product stacked. Five stages stacked ran 962 / 929 / 951 in the
-#                     same call, ahead of four at all three shapes (1-7%): gmm_nt's products take five. drhs
-#                     (float32 output): stacked 697 TF/s with four stages fitting beside the output blocks (five
-#                     do not), against 646 side by side where three fit; the walk order made no difference.
+#   blockwise:        64 rows per consumer (a 128-row partial beside the carry spills), stacked along M. In one
+#                     call (330a81b) gate-up fwd / dlhs / down fwd ran 950 / 914 / 886 TF/s stacked 64x128 with
+#                     four stages against 954 / 923 / 907 side by side, within the spread between calls; stacked
+#                     takes N in multiples of 128 rather than 256, and Fp8Gmm fwd+bwd ran 3.5% faster with every
+#                     product stacked; five stages ran ahead of four at all three shapes (1-7%). In one call
+#                     (a8098a6): 64x256 in two 128-column slices run one after another (a 128x256 CTA tile, three
+#                     stages) 1,014 / 986 / 985 against 998 / 945 / 978 for 64x128 in five, and Fp8Gmm fwd+bwd
+#                     752 against 728 TF/s: gmm_nt's products take 64x256 where the output's columns are a
+#                     multiple of 256 (64x128 in five stages elsewhere). In the same call the unscaled kernel ran
+#                     1,176 TF/s side by side at 64x128 against 917 blockwise: promotion costs 22% at equal tiles.
+#                     Splitting a 64x128 consumer into two 64-column accumulators, both issued before either is
+#                     promoted (overlapping one's promotion with the other's wgmma), ran 9% behind one accumulator
+#                     at every gmm_nt shape in that call and level in another (narrower wgmmas re-read the lhs).
+#                     drhs (float32 output): stacked 64x128 in four stages (five do not fit beside the output
+#                     blocks), 691 TF/s.
 FP8_TILES = {
     ("fwd", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("drhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=1, grid_tile_width=4),
-    ("fwd", "blockwise"): TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8),
-    ("dlhs", "blockwise"): TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8),
+    ("fwd", "blockwise"): TileConfig(64, 256, 128, 3, grid_minor_dim=0, grid_tile_width=8),
+    ("dlhs", "blockwise"): TileConfig(64, 256, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("drhs", "blockwise"): TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8),
 }
 # The entries whose tile was timed (the rowwise ones without their scale epilogue), for callers that report it.
@@ -82,8 +90,8 @@ MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise
                       ("dlhs", "blockwise"), ("drhs", "blockwise")})
 # The consumers' layout per table entry (STACKS).
 FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for product, scaling in FP8_TILES}
-# Accumulator slices per consumer per table entry (blockwise only: see _promote).
-FP8_SLICES = {key: 1 for key in FP8_TILES}
+# gmm_nt's blockwise tile where the output's columns are not a multiple of the table's 256 (see default_tile).
+FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
 
 
 def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
@@ -92,25 +100,22 @@ def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
 
 
 def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str) -> TileConfig:
-    """The FP8_TILES entry of a product of the layer y = x·W (x [m, k], W [g, k, n]). The shape does not choose
-    the tile yet: every entry was measured at one shape class (65,536 rows in 32 groups); it is the key a
-    shape-keyed table will take."""
-    del m, k, n, g
+    """The FP8_TILES entry of a product of the layer y = x·W (x [m, k], W [g, k, n]), or FP8_NARROW for a blockwise
+    gmm_nt product whose output columns (fwd: n, dlhs: k) the entry's block_n does not divide. The rows and groups
+    do not choose the tile: every entry was measured at one shape class (65,536 rows in 32 groups)."""
+    del m, g
     if product not in PRODUCTS or scaling not in SCALINGS:
         raise ValueError(f"product={product!r} / scaling={scaling!r}: choose from {PRODUCTS} and {SCALINGS}.")
-    return FP8_TILES[(product, scaling)]
+    tile = FP8_TILES[(product, scaling)]
+    if scaling == "blockwise" and product != "drhs" and (n if product == "fwd" else k) % tile.block_n:
+        return FP8_NARROW
+    return tile
 
 
 def default_stack(product: str, scaling: str) -> str:
     """The FP8_STACKS entry of a product (the layout default_tile's tile was chosen with)."""
     default_tile(product, 0, 0, 0, 0, scaling)  # the same check of the key
     return FP8_STACKS[(product, scaling)]
-
-
-def default_slices(product: str, scaling: str) -> int:
-    """The FP8_SLICES entry of a product."""
-    default_tile(product, 0, 0, 0, 0, scaling)
-    return FP8_SLICES[(product, scaling)]
 
 
 def fits(product: str, k: int, n: int, scaling: str) -> bool:
@@ -148,11 +153,15 @@ class _Launch:
     num_rows: int = 0
     groups: int = 1
     stack: str = "n"
-    slices: int = 1
+
+    @property
+    def slices(self) -> int:
+        """A blockwise consumer's accumulator slices: 128 columns each (one weight-scale block), rowwise one."""
+        return max(1, self.tile.block_n // SCALE_BLOCK) if self.scaling == "blockwise" else 1
 
     @property
     def width(self) -> int:
-        """Columns of one accumulator slice (a consumer's block_n split into `slices`)."""
+        """Columns of one accumulator slice."""
         return self.tile.block_n // self.slices
 
     @property
@@ -205,19 +214,16 @@ def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int,
     return stages
 
 
-def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict, stack: str, slices: int) -> None:
-    """One clear error for a caller's mistake in scaling, layout, slices or operand shapes (named by argument)."""
+def _check(scaling: str, tile: TileConfig, shapes: dict, expected: dict, stack: str) -> None:
+    """One clear error for a caller's mistake in scaling, layout or operand shapes (named by argument)."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r}; choose one of {SCALINGS}.")
     if stack not in STACKS or (stack == "m" and scaling != "blockwise"):
         raise ValueError(f"stack={stack!r}: choose one of {STACKS} ('m' with blockwise scaling only).")
-    # A slice is at least 64 columns wide: 32-wide slices of a bf16 output faulted (misaligned address) on an H200.
-    if slices < 1 or tile.block_n % slices or (tile.block_n // slices) % 64 or (slices > 1 and scaling != "blockwise"):
-        raise ValueError(f"slices={slices}: block_n ({tile.block_n}) must split into slices of a multiple of 64 "
-                         "columns, and only blockwise scaling takes more than one.")
-    if scaling == "blockwise" and (tile.block_k != SCALE_BLOCK or SCALE_BLOCK % (tile.block_n // max(slices, 1))):
-        raise ValueError(f"blockwise scaling needs block_k == {SCALE_BLOCK} and each of the {slices} accumulator "
-                         f"slices of block_n dividing it; got {tile}.")
+    if scaling == "blockwise" and (tile.block_k != SCALE_BLOCK or (SCALE_BLOCK % tile.block_n and
+                                                                   tile.block_n % SCALE_BLOCK)):
+        raise ValueError(f"blockwise scaling needs block_k == {SCALE_BLOCK} and block_n dividing it or a multiple "
+                         f"of it; got {tile}.")
     for name, shape in expected.items():
         if tuple(shapes[name]) != tuple(shape):
             raise ValueError(f"{name} has shape {tuple(shapes[name])}; {scaling} scaling needs {tuple(shape)}.")
@@ -233,31 +239,16 @@ def _zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-# A consumer's partial products in flight at once, in accumulator columns: a 64-row consumer holds its carry
-# (block_n columns) beside them, and 128 + 128 float32 columns fit its registers where 256 + 256 spill.
-OVERLAP_COLUMNS = 128
-
-
 def _promote(a, bs, carries, scaled):
-    """One K step of blockwise promotion over a consumer's accumulator slices, each slice's product into a fresh
-    float32 accumulator and scaled(i, partial) added into carries[i]. When the slices span at most OVERLAP_COLUMNS,
-    every slice's wgmma is issued before any is waited for, and slice i is read once only the later slices remain
-    in flight (wgmma groups complete in issue order), so its promotion overlaps the tensor cores' work on the next.
-    Wider consumers run their slices one after another, one partial live at a time."""
-    def run(first, *accs):
-        for acc, b in zip(accs, bs[first:]):
-            plgpu.wgmma(acc, a, b)
-        return tuple(carries[first + i] + scaled(first + i, plgpu.wgmma_accumulator_load(acc, wait_n=len(accs) - 1 - i))
-                     for i, acc in enumerate(accs))
+    """One K step of blockwise promotion: for each accumulator slice in turn, its product into a fresh float32
+    accumulator, waited for, and scaled(i, partial) added into carries[i] (one partial live at a time)."""
+    def run(b, acc):
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
 
-    width = bs[0].shape[1]
-    together = max(1, OVERLAP_COLUMNS // width)
-    out = ()
-    for first in range(0, len(bs), together):
-        count = min(together, len(bs) - first)
-        out += pl.run_scoped(functools.partial(run, first),
-                             *[plgpu.ACC((a.shape[0], width), jnp.float32) for _ in range(count)])
-    return out
+    return tuple(carry + scaled(i, pl.run_scoped(functools.partial(run, b), plgpu.ACC((a.shape[0], b.shape[1]),
+                                                                                     jnp.float32)))
+                 for i, (b, carry) in enumerate(zip(bs, carries)))
 
 
 def _rowwise_body(s: _Launch, wg):
@@ -350,10 +341,9 @@ def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int,
 
 # One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
 # from the recomputed forward lowers its kernel once (each lowering runs Mosaic GPU's compiler passes on the host).
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "slices"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
-           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n",
-           slices: int = 1) -> jax.Array:
+           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n") -> jax.Array:
     """out[m] = lhs[m] · rhs[g(m)]ᵀ, scaled, [M, N]; rows past sum(group_sizes) are left unwritten.
 
     rowwise:   lhs_scale [M], rhs_scale [G, N]; out[m, n] = acc[m, n] * lhs_scale[m] * rhs_scale[g(m), n].
@@ -366,7 +356,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     expected = {"rhs_GNK": (g, n, k)} | ({"lhs_scale": (m,), "rhs_scale": (g, n)} if scaling == "rowwise" else
                                          {"lhs_scale": (kb, m), "rhs_scale": (g, n // SCALE_BLOCK, kb)})
     _check(scaling, tile, {"rhs_GNK": rhs_GNK.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
-           expected, stack, slices)
+           expected, stack)
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
@@ -375,12 +365,12 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
         rows = ((0, padded - m),)
         return gmm_nt(jnp.pad(lhs_MK, rows + ((0, 0),)), rhs_GNK, group_sizes_G, tile, scaling=scaling,
                       lhs_scale=jnp.pad(lhs_scale, rows if scaling == "rowwise" else ((0, 0),) + rows),
-                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack, slices=slices)[:m]
+                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack)[:m]
     m_tiles = max_row_tiles(m, g, cta_m)
     tables = row_tiles(group_sizes_G, cta_m, m_tiles)
     scale_lengths = (cta_m,) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), m_tiles, n // cta_n, scaling,
-                out_dtype, m, stack=stack, slices=slices)
+                out_dtype, m, stack=stack)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     if scaling == "rowwise":
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
@@ -464,10 +454,10 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "slices"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
 def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                    scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32,
-                   stack: str = "n", slices: int = 1) -> jax.Array:
+                   stack: str = "n") -> jax.Array:
     """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
 
     Group g occupies columns [128 * first_g, 128 * (first_g + blocks_g)) of both copies, with (first_G, blocks_G)
@@ -484,16 +474,19 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     expected = {"rhsT_NP": (n, p)} | ({"lhs_scale": (g, k), "rhs_scale": (g, n)} if scaling == "rowwise" else
                                       {"lhs_scale": (pb, k), "rhs_scale": (pb, n)})
     _check(scaling, tile, {"rhsT_NP": rhsT_NP.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
-           expected, stack, slices)
+           expected, stack)
     _check_operands(lhsT_KP, rhsT_NP, p, tile, n, stack)
     cta_m, cta_n = cta_shape(tile, stack)
     if tile.block_k != SCALE_BLOCK or k % cta_m:
         raise ValueError(f"gmm_tn_aligned steps over the {SCALE_BLOCK}-column group blocks: block_k must be "
                          f"{SCALE_BLOCK} and K ({k}) a multiple of the CTA tile's {cta_m} rows; got {tile}.")
+    if scaling == "blockwise" and max(cta_m, cta_n) > TMA_MAX_BOX:
+        raise ValueError(f"blockwise scaling loads the CTA tile's {cta_m} row and {cta_n} column scales in one copy "
+                         f"each, at most {TMA_MAX_BOX} long: choose a smaller tile or stack the consumers.")
     out_dtype = jnp.dtype(out_dtype)
     scale_lengths = (cta_m, cta_n) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), k // cta_m, n // cta_n, scaling,
-                out_dtype, groups=g, stack=stack, slices=slices)
+                out_dtype, groups=g, stack=stack)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     return _call(_tn_kernel, s, (g, k, n), "tn_aligned")(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP,
                                                         rhsT_NP, lhs_scale, rhs_scale)
