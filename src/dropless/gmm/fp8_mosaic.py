@@ -70,11 +70,12 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     (a8098a6): 64x256 in two 128-column slices run one after another (a 128x256 CTA tile, three
 #                     stages) 1,014 / 986 / 985 against 998 / 945 / 978 for 64x128 in five, and Fp8Gmm fwd+bwd
 #                     752 against 728 TF/s: gmm_nt's products take 64x256 where the output's columns are a
-#                     multiple of 256 (64x128 in five stages elsewhere). In the same call the unscaled kernel ran
-#                     1,176 TF/s side by side at 64x128 against 917 blockwise: promotion costs 22% at equal tiles.
-#                     Splitting a 64x128 consumer into two 64-column accumulators, both issued before either is
-#                     promoted (overlapping one's promotion with the other's wgmma), ran 9% behind one accumulator
-#                     at every gmm_nt shape in that call and level in another (narrower wgmmas re-read the lhs).
+#                     multiple of 256 with a bf16 output (64x128 in five stages elsewhere). In the same call the
+#                     unscaled kernel ran 1,176 TF/s side by side at 64x128 against 917 blockwise: promotion costs
+#                     22% at equal tiles. Splitting a 64x128 consumer into two 64-column accumulators, both issued
+#                     before either is promoted (overlapping one's promotion with the other's wgmma), ran 8-11%
+#                     behind one accumulator at the three gmm_nt shapes in that call (narrower wgmmas re-read the
+#                     lhs) and 3% ahead for drhs (712 against 691): not in the code, one reading for drhs.
 #                     drhs (float32 output): stacked 64x128 in four stages (five do not fit beside the output
 #                     blocks), 691 TF/s.
 FP8_TILES = {
@@ -99,16 +100,19 @@ def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
     return (tile.block_m, CONSUMERS * tile.block_n) if stack == "n" else (CONSUMERS * tile.block_m, tile.block_n)
 
 
-def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str) -> TileConfig:
+def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str, out_dtype=jnp.bfloat16) -> TileConfig:
     """The FP8_TILES entry of a product of the layer y = x·W (x [m, k], W [g, k, n]), or FP8_NARROW for a blockwise
-    gmm_nt product whose output columns (fwd: n, dlhs: k) the entry's block_n does not divide. The rows and groups
-    do not choose the tile: every entry was measured at one shape class (65,536 rows in 32 groups)."""
+    gmm_nt product whose output columns (fwd: n, dlhs: k) the entry's CTA tile does not divide, or whose output is
+    float32 (beside a 64x256 tile's float32 output blocks two stages fit, a configuration never timed). The rows
+    and groups do not choose the tile: every entry was measured at one shape class (65,536 rows in 32 groups)."""
     del m, g
     if product not in PRODUCTS or scaling not in SCALINGS:
         raise ValueError(f"product={product!r} / scaling={scaling!r}: choose from {PRODUCTS} and {SCALINGS}.")
     tile = FP8_TILES[(product, scaling)]
-    if scaling == "blockwise" and product != "drhs" and (n if product == "fwd" else k) % tile.block_n:
-        return FP8_NARROW
+    if scaling == "blockwise" and product != "drhs" and tile.block_n > FP8_NARROW.block_n:
+        cta_n = cta_shape(tile, FP8_STACKS[(product, scaling)])[1]
+        if (n if product == "fwd" else k) % cta_n or jnp.dtype(out_dtype).itemsize > 2:
+            return FP8_NARROW
     return tile
 
 
