@@ -113,7 +113,7 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
     (t, c), o = a.values.shape, b.values.shape[0]
     k, n = (c, o) if product == "fwd" else (o, c)
     if recipe.native and fp8_mosaic.fits(product, k, n, recipe.mode):
-        tile = fp8_mosaic.default_tile(product, t, k, n, 1, recipe.mode, out_dtype)
+        tile = fp8_mosaic.default_tile(product, t, k, n, 1, recipe.mode)
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
                                  lhs_scale=a.scales.T, rhs_scale=b.scales[None], out_dtype=out_dtype,
                                  stack=fp8_mosaic.default_stack(product, recipe.mode))

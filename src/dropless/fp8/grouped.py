@@ -118,7 +118,7 @@ class Fp8Products:
         r = self.recipe
         k, n = (c, o) if product == "fwd" else (o, c)
         if self._kernel(product, k, n):
-            tile = fp8_mosaic.default_tile(product, m, k, n, g, r.mode, out_dtype)
+            tile = fp8_mosaic.default_tile(product, m, k, n, g, r.mode)
             lhs_scale = a.scales[:, 0] if r.mode == "rowwise" else a.scales.T
             rhs_scale = b.scales[..., 0] if r.mode == "rowwise" else b.scales
             return fp8_mosaic.gmm_nt(a.values, b.values, group_sizes_G, tile, scaling=r.mode, lhs_scale=lhs_scale,

@@ -70,7 +70,9 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     (a8098a6): 64x256 in two 128-column slices run one after another (a 128x256 CTA tile, three
 #                     stages) 1,014 / 986 / 985 against 998 / 945 / 978 for 64x128 in five, and Fp8Gmm fwd+bwd
 #                     752 against 728 TF/s: gmm_nt's products take 64x256 where the output's columns are a
-#                     multiple of 256 with a bf16 output (64x128 in five stages elsewhere). In the same call the
+#                     multiple of 256 (64x128 in five stages elsewhere). With a float32 output (the shared experts'
+#                     and dense MLPs' down projection) two stages fit at 64x256: untimed alone, inside the measured
+#                     step (fp8-step-h200.json, c72161e). In the same call as the above the
 #                     unscaled kernel ran 1,176 TF/s side by side at 64x128 against 917 blockwise: promotion costs
 #                     22% at equal tiles. Splitting a 64x128 consumer into two 64-column accumulators, both issued
 #                     before either is promoted (overlapping one's promotion with the other's wgmma), ran 8-11%
@@ -100,18 +102,17 @@ def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
     return (tile.block_m, CONSUMERS * tile.block_n) if stack == "n" else (CONSUMERS * tile.block_m, tile.block_n)
 
 
-def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str, out_dtype=jnp.bfloat16) -> TileConfig:
+def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str) -> TileConfig:
     """The FP8_TILES entry of a product of the layer y = x·W (x [m, k], W [g, k, n]), or FP8_NARROW for a blockwise
-    gmm_nt product whose output columns (fwd: n, dlhs: k) the entry's CTA tile does not divide, or whose output is
-    float32 (beside a 64x256 tile's float32 output blocks two stages fit, a configuration never timed). The rows
-    and groups do not choose the tile: every entry was measured at one shape class (65,536 rows in 32 groups)."""
+    gmm_nt product whose output columns (fwd: n, dlhs: k) the entry's CTA tile does not divide. The rows and groups
+    do not choose the tile: every entry was measured at one shape class (65,536 rows in 32 groups)."""
     del m, g
     if product not in PRODUCTS or scaling not in SCALINGS:
         raise ValueError(f"product={product!r} / scaling={scaling!r}: choose from {PRODUCTS} and {SCALINGS}.")
     tile = FP8_TILES[(product, scaling)]
     if scaling == "blockwise" and product != "drhs" and tile.block_n > FP8_NARROW.block_n:
         cta_n = cta_shape(tile, FP8_STACKS[(product, scaling)])[1]
-        if (n if product == "fwd" else k) % cta_n or jnp.dtype(out_dtype).itemsize > 2:
+        if (n if product == "fwd" else k) % cta_n:
             return FP8_NARROW
     return tile
 
