@@ -148,5 +148,6 @@ def main() -> None:
               gemm_flops=3 * flops)
     fp8_mosaic.FP8_TILES.update(tiles)
 
+
 if __name__ == "__main__":
     main()

@@ -191,13 +191,21 @@ class _Launch:
 
     def slice_operands(self, lhs_smem, rhs_smem, wg):
         """A consumer's lhs rows and, per accumulator slice, its rhs rows viewed [K, width]."""
-        col0 = self.out_origin(wg)[1]
         return lhs_smem.at[self.lhs_rows(wg)], [
-            rhs_smem.at[pl.ds(col0 + i * self.width, self.width), :].transpose((1, 0)) for i in range(self.slices)]
+            rhs_smem.at[self.slice_cols(wg, i), :].transpose((1, 0)) for i in range(self.slices)]
 
     def slice_cols(self, wg, i):
         """Slice i's columns inside the CTA tile."""
         return pl.ds(self.out_origin(wg)[1] + i * self.width, self.width)
+
+    def stage_out(self, out_smem, wg):
+        """The consumer's staging of its accumulator slices, one [block_m, width] output block each, in its
+        out_dtype."""
+        def stage(slices):
+            for i, value in enumerate(slices):
+                out_smem[wg * self.slices + i] = value.astype(self.out_dtype)
+
+        return stage
 
 
 def _stages(tile: TileConfig, out_dtype, scaling: str, scale_lengths: tuple[int, ...], stack: str = "n") -> int:
@@ -431,10 +439,7 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
             group, size = group_T[mi], size_T[mi]
             start = pl.multiple_of(start_T[mi], TMA_ROW_ALIGNMENT)
             row0, col0 = s.out_origin(wg)
-
-            def stage_out(slices):
-                for i, value in enumerate(slices):
-                    out_smem[wg * s.slices + i] = value.astype(s.out_dtype)
+            stage_out = s.stage_out(out_smem, wg)
 
             def store():
                 # The tile's valid rows [offset, offset + size) of the CTA tile, clipped to this consumer's rows.
@@ -542,10 +547,7 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
             ki, ni = plgpu.planar_snake(kn, (s.outer, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
             first, steps = first_G[gi], blocks_G[gi]
             row0, col0 = s.out_origin(wg)
-
-            def stage_out(slices):
-                for i, value in enumerate(slices):
-                    out_smem[wg * s.slices + i] = value.astype(s.out_dtype)
+            stage_out = s.stage_out(out_smem, wg)
 
             def store():
                 plgpu.commit_smem()

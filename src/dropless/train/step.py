@@ -221,10 +221,10 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
                    **_moe_metrics(aux, config.moe.num_experts_per_tok)}
         if "expert_share" in metrics:
             metrics["router_bias"] = model_state["router_bias"]  # after this step's update
-        if "expert_share" in metrics and "router_common" in state.model_state:  # before this step's update
-            moe = aux["moe"]
-            metrics["router_common_alignment"] = jax.vmap(common_alignment)(
-                state.model_state["router_common"], moe.input_moments, moe.tokens_routed)
+            if "router_common" in state.model_state:  # before this step's update
+                moe = aux["moe"]
+                metrics["router_common_alignment"] = jax.vmap(common_alignment)(
+                    state.model_state["router_common"], moe.input_moments, moe.tokens_routed)
         if config.model.mtp_layers:
             metrics["mtp_loss"] = aux["mtp_loss"]
         return TrainState(state.step + 1, params, opt_state, model_state), metrics
