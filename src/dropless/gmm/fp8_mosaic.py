@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import drain_stores, max_row_tiles, num_sms, plgpu, row_tiles, store_rows, swizzled
+from dropless.gmm.mosaic import max_row_tiles, num_sms, plgpu, row_tiles, store_rows, swizzled
 from dropless.gmm.mosaic_ws import BARRIER_BYTES, CONSUMERS, MEMORY_REGISTERS
 from dropless.gmm.tuning import SMEM_BYTES, TileConfig
 
@@ -200,9 +200,8 @@ class _Launch:
 
     def stage_out(self, out_smem, wg):
         """The consumer's staging of its accumulator slices, one [block_m, width] output block each, in its
-        out_dtype, once its previous tile's stores (left in flight under this tile's mainloop) have read them."""
+        out_dtype."""
         def stage(slices):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             for i, value in enumerate(slices):
                 out_smem[wg * self.slices + i] = value.astype(self.out_dtype)
 
@@ -450,7 +449,7 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                 for i in range(s.slices):
                     store_rows(out_smem.at[wg * s.slices + i], out, row0=start + row0, offset=lo,
                                size=jnp.maximum(hi - lo, 0), cols=pl.ds(ni * cta_n + col0 + i * s.width, s.width),
-                               max_rows=min(bm, s.num_rows), wait=False)
+                               max_rows=min(bm, s.num_rows))
 
             @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
             def _compute():
@@ -463,8 +462,6 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                     body = _rowwise_body(s, wg)
                     context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
-
-        drain_stores(wg, CONSUMERS)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
@@ -560,6 +557,7 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
                     plgpu.copy_smem_to_gmem(out_smem.at[wg * s.slices + i], out.at[gi, rows, cols],
                                             commit_group=False)
                 plgpu.commit_smem_to_gmem_group()
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
             def _empty():
@@ -578,5 +576,3 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
                     body = _rowwise_body(s, wg)
                     context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, steps, specs(first), body, context)(*operands(ki, ni), allocations=allocations)
-
-        drain_stores(wg, CONSUMERS)

@@ -7,9 +7,7 @@ splits the work the way cuBLAS's fastest sm90 kernels do (the `..._256x128_..._c
 profiles): a memory warpgroup runs ahead through the pipeline stages (`plgpu.emit_pipeline_warp_specialized`),
 and two consumer warpgroups each own a block_m x block_n accumulator side by side, so a CTA computes a
 block_m x 2*block_n tile (128x256 with the default tile) while the producer already loads the next tile's
-first stages during the consumers' epilogue. A consumer's output store runs under its next tile's mainloop: it
-waits for the previous store to have read the output block only when it next writes the block (and once after its
-last tile), not straight after issuing it.
+first stages during the consumers' epilogue.
 
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
   grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
@@ -32,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import (GroupRefs, drain_stores, max_row_tiles, num_sms, plgpu, row_steps, row_tiles,
-                                 store_rows, swizzled, zero_rows_outside_group)
+from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, plgpu, row_steps, row_tiles, store_rows,
+                                 swizzled, zero_rows_outside_group)
 from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
@@ -161,8 +159,6 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
                                              _accumulate_then(bm, bn, store))
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
 
-        drain_stores(wg, CONSUMERS)
-
 
 def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref):
     """The pipeline body of one consumer: its block_n half of the CTA's columns."""
@@ -178,11 +174,10 @@ def _rows_epilogue_ws(s: _RowsGridWS, out_smem, out_gmem, wg, offset_gmem, mi, s
     """One consumer's epilogue: its accumulator through its output block, then the ragged store of its columns."""
     bm, bn = s.tile.block_m, s.tile.block_n
     cta_n = CONSUMERS * bn
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read the block
     out_smem[wg] = value.astype(s.out_dtype)
     plgpu.commit_smem()
     store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
-               cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=False)
+               cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows))
 
 
 @dataclass(frozen=True)
@@ -275,8 +270,6 @@ def _contract_kernel_ws(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, st
             ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
             _contract_tile_ws(s, refs, allocations, store, wg, gi, ki, ni)
 
-        drain_stores(wg, CONSUMERS)
-
 
 def _contract_tile_ws(s: _ContractGridWS, refs: GroupRefs, allocations, store, wg, gi, ki, ni):
     """One output tile out[gi, K tile ki, CTA N tile ni]: zeros for an empty group, else the pipeline over the
@@ -314,8 +307,8 @@ def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni
     """One consumer's epilogue: its accumulator through its output block to out[gi], its half of the columns."""
     bm, bn = s.tile.block_m, s.tile.block_n
     cta_n = CONSUMERS * bn
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read the block
     out_smem[wg] = value.astype(s.out_dtype)
     plgpu.commit_smem()
     cols = pl.ds(ni * cta_n + wg * bn, bn)
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
