@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-attention-vjp bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -212,6 +212,10 @@ bench-router-selection: $(BENCH_DEPS)
 # beside bf16 and the whole FP8 product under each layout (the choice behind fp8_mosaic.FP8_STACKS).
 bench-fp8-layouts: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --out $(RESULTS)/fp8-layouts-$(GPU).json
+
+# 1 GPU: rowwise's dense e4m3 matmul compiled and timed with XLA's GEMM autotuning on and off (one process each).
+bench-fp8-rowwise-compile: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/fp8/rowwise_compile.py --out $(RESULTS)/fp8-rowwise-compile-$(GPU).json
 
 # 1 GPU: what the blockwise e4m3 kernels compile to (SASS, PTX, ptxas registers and spills, opcode counts) beside the
 # unscaled kernel at the same tile; the dumps stay in the scratch folder.
