@@ -250,20 +250,22 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
         assert rel(got, want) < F32_RTOL
 
 
-def test_dense_blockwise_kernel_writes_the_output_dtype_in_the_gpu_interpreter():
-    """The dense blockwise product runs our kernel with one group: against the dequantized path in float32, and
-    with bf16 operands its bf16 output and input gradient are the float32 ones rounded once (the kernel's epilogue
-    writes bf16, no float32 copy), the weight gradient (float32, the master's dtype) unchanged."""
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_dense_kernel_writes_the_output_dtype_in_the_gpu_interpreter(mode):
+    """The dense product runs our kernel with one group: against the non-native path in float32 (rowwise: XLA's
+    e4m3 dot and the scales after it; blockwise: the dequantized product), and with bf16 operands its bf16 output
+    and input gradient are the float32 ones rounded once (the kernel's epilogue writes bf16, no float32 copy), the
+    weight gradient (float32, the master's dtype) unchanged."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     x, w, dy = _dense_case(t=64, k=256, n=256)
     x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))  # exact in bf16 and float32
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        native = Recipe("blockwise", native=True)
+        native = Recipe(mode, native=True)
         f32 = fwd_bwd(Dense(native), x, w, None, dy)
         bf16 = fwd_bwd(Dense(native), jnp.asarray(x, jnp.bfloat16), w, None,
                        jnp.asarray(dy, jnp.bfloat16))
-    dequantized = fwd_bwd(Dense(Recipe("blockwise", native=False)), x, w, None, dy)
+    dequantized = fwd_bwd(Dense(Recipe(mode, native=False)), x, w, None, dy)
     for got, want in zip(f32, dequantized):
         assert got.dtype == jnp.float32 and rel(got, want) < F32_RTOL
     assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
@@ -272,12 +274,14 @@ def test_dense_blockwise_kernel_writes_the_output_dtype_in_the_gpu_interpreter()
     np.testing.assert_array_equal(np.asarray(bf16[2]), np.asarray(f32[2]))
 
 
-def test_dense_blockwise_kernel_output_is_bf16_in_the_program_for_cuda():
-    """With bf16 operands the kernel's own result is bf16: no float32 [T, N] or [T, K] array leaves it."""
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_dense_kernel_output_is_bf16_in_the_program_for_cuda(mode):
+    """With bf16 operands the kernel's own result is bf16: no float32 [T, N] or [T, K] array leaves it; all three
+    products are our kernels (none is an XLA e4m3 dot, which XLA would autotune while compiling)."""
     from jax import export
 
     def run(x, w, dy):
-        y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe("blockwise", native=True)), x, w)
+        y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe(mode, native=True)), x, w)
         return y, *pullback(dy)
 
     S = jax.ShapeDtypeStruct
@@ -287,6 +291,7 @@ def test_dense_blockwise_kernel_output_is_bf16_in_the_program_for_cuda():
                if "custom_call @mosaic_gpu" in line]
     # forward y [T, N], input gradient dx [T, K], weight gradient dW [1, K, N] (float32, the master's dtype)
     assert sorted(results) == sorted(["tensor<256x256xbf16>", "tensor<256x512xbf16>", "tensor<1x512x256xf32>"])
+    assert not [line for line in text.splitlines() if "dot_general" in line and "f8E4M3FN" in line]
 
 
 def _gathered_operand_types(row_align: int, mode: str) -> set:

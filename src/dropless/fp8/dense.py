@@ -6,9 +6,11 @@ says (dropless.fp8.recipe): the forward keeps, for the backward, the e4m3 weight
 and the e4m3 transposed activations the weight gradient reads (half the bytes of the bf16 activations a bf16
 matmul keeps). Products:
 
-  rowwise     an e4m3 dot_general with both operands contraction-last (XLA calls cuBLASLt's FP8 GEMM; with the
-              contraction-first layout XLA inserts a transpose and runs at ~2/3 of the rate), float32 out, then the
-              row and column scales (on every platform: XLA:CPU runs e4m3 dots too)
+  rowwise     our Mosaic GPU grouped kernel with one group (dropless.gmm.fp8_mosaic: the row and column scales in
+              its epilogue) where native and the dims fit it; otherwise an e4m3 dot_general with both operands
+              contraction-last, float32 out, then the scales (XLA:CPU runs e4m3 dots; on a GPU XLA hands it to
+              cuBLASLt and autotunes every such call while compiling: more than 120 s for one matmul's three
+              products at the proxy's dense-MLP shape on an H200, fp8-rowwise-compile-h200.json)
   blockwise   our Mosaic GPU grouped kernel with one group (dropless.gmm.fp8_mosaic: promotion every 128 of the
               contraction) where native and the dims fit it; otherwise the dequantized bf16 product
   mxfp8       jax.nn.scaled_dot_general, with its own quantization and VJP (OCP MX, 1 x 32, e8m0 scales)
@@ -107,28 +109,30 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
     """a [T, C] · b [O, C]ᵀ, [T, O] in out_dtype (float32 accumulation, one rounding to out_dtype); a scaled per
     recipe.operand, b per recipe.weight. `product`: fwd (C = the layer's k, O = n) or dlhs (C = n, O = k). Our
     kernel writes out_dtype from its epilogue: a bf16 layer's output never exists in float32 in memory."""
-    if recipe.mode == "rowwise":
-        y = jax.lax.dot_general(a.values, b.values, NT, preferred_element_type=jnp.float32)
-        return (y * a.scales * b.scales.T).astype(out_dtype)
     (t, c), o = a.values.shape, b.values.shape[0]
     k, n = (c, o) if product == "fwd" else (o, c)
+    rowwise = recipe.mode == "rowwise"
     if recipe.native and fp8_mosaic.fits(product, k, n, recipe.mode):
         tile = fp8_mosaic.default_tile(product, t, k, n, 1, recipe.mode)
+        lhs_scale, rhs_scale = (a.scales[:, 0], b.scales[None, :, 0]) if rowwise else (a.scales.T, b.scales[None])
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
-                                 lhs_scale=a.scales.T, rhs_scale=b.scales[None], out_dtype=out_dtype,
+                                 lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
                                  stack=fp8_mosaic.default_stack(product, recipe.mode))
+    if rowwise:
+        y = jax.lax.dot_general(a.values, b.values, NT, preferred_element_type=jnp.float32)
+        return (y * a.scales * b.scales.T).astype(out_dtype)
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
 
 
 def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
     """aT [K, T'] · bT [N, T']ᵀ, float32 [K, N]: the weight gradient from the transposed operands."""
-    if recipe.mode == "rowwise":
-        y = jax.lax.dot_general(aT.values, bT.values, NT, preferred_element_type=jnp.float32)
-        return y * aT.scales * bT.scales.T
     (k, t), n = aT.values.shape, bT.values.shape[0]
-    if recipe.native and fp8_mosaic.fits("drhs", k, n, recipe.mode):
+    if recipe.native and fp8_mosaic.fits("drhs", k, n, recipe.mode):  # rowwise: one scale per row of each copy
         tile = fp8_mosaic.default_tile("drhs", t, k, n, 1, recipe.mode)
         return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
                                          out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode))[0]
+    if recipe.mode == "rowwise":
+        y = jax.lax.dot_general(aT.values, bT.values, NT, preferred_element_type=jnp.float32)
+        return y * aT.scales * bT.scales.T
     return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))
