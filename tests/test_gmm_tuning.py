@@ -421,6 +421,20 @@ def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(pro
     assert float(check(a, b, jnp.zeros_like(out), 2, int(ends[1]), int(ends[2]))) > 0.5
 
 
+def test_chain_k_is_a_weight_gradient_candidate_of_both_dropless_kernels():
+    from dropless.bench import tune_gmm
+
+    for kernel in ("dropless", "dropless_ws"):
+        config = ProductConfig(kernel, TileConfig(128, 128, 64, 3, chain_k=True))
+        assert ProductConfig.from_json(config.to_json()) == config
+    with pytest.raises(GmmConfigError, match="chain_k"):
+        ProductConfig("tokamax", TileConfig(128, 128, 64, 3, chain_k=True))
+    chained = [c for c in tune_gmm.fine_candidates("drhs") if c.tile.chain_k]
+    assert len(chained) == 3 and {c.kernel for c in chained} == {"dropless_ws"}
+    assert not any(c.tile.chain_k for p in ("fwd", "dlhs") for c in tune_gmm.fine_candidates(p))
+    assert any(c.tile.chain_k and c.kernel == "dropless_ws" for c in tune_gmm.QUICK["drhs"])
+
+
 def test_warp_specialised_kernels_need_two_tiles_of_output_columns():
     ws = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3))
     assert all(ws.fits(p, 7168, 4096) for p in gt.PRODUCTS)
@@ -465,6 +479,9 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     # an m-minor walk in bands of 8 (--candidates fine)
     *((p, "dropless_ws", TileConfig(128, 128, 64, 3, grid_minor_dim=0, grid_tile_width=8), jnp.bfloat16)
       for p in gt.PRODUCTS),
+    # the chained weight gradient at every fine tile: its accumulator stored and zeroed inside the pipeline
+    *(("drhs", "dropless_ws", TileConfig(*t, chain_k=True), dtype)
+      for t in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)) for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)

@@ -64,7 +64,8 @@ QUICK = {
     "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
              _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
              _pc("dropless", 128, 128, 64, 4, chain_k=True), _pc("dropless", 128, 128, 64, 6, chain_k=True),
-             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4), *WARP_SPECIALISED),
+             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4), *WARP_SPECIALISED,
+             _pc("dropless_ws", 128, 128, 64, 3, chain_k=True)),
 }
 
 
@@ -89,11 +90,16 @@ def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
     """Around the warp-specialised tiles that win every product of the fine-grained shapes (DeepSeek-V3 with 256
     experts, Qwen3-30B-A3B: 128x128x64 in 3 stages, n-minor bands of 4), every walk order and band width: which
     operand the concurrently running tiles share from L2 matters most when each expert has few rows. About 18
-    candidates per product, against several hundred for `wide`."""
+    candidates per product, against several hundred for `wide`; the weight gradient also gets each tile with
+    chain_k (one pipeline per (group, N tile) pair through all its K tiles: a pair's walk is fixed, so no walk
+    variants)."""
     out = []
     for bm, bn, bk, stages in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)):
-        for minor, width in (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8)):
-            c = _pc("dropless_ws", bm, bn, bk, stages, minor=minor, width=width)
+        walks = [dict(minor=minor, width=width) for minor, width in
+                 (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8))]
+        walks += [dict(chain_k=True)] if product == "drhs" else []
+        for walk in walks:
+            c = _pc("dropless_ws", bm, bn, bk, stages, **walk)
             if gt.smem_bytes(c) <= gt.SMEM_BYTES:
                 out.append(c)
     return tuple(out)

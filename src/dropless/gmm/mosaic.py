@@ -123,6 +123,14 @@ def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def drain_stores(wg, consumers: int) -> None:
+    """After a persistent kernel's last tile: the output stores its consumer warpgroups (wg < consumers) left in
+    flight have read their blocks before the kernel's shared memory is released."""
+    @pl.when(wg < consumers)
+    def _wait():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 @dataclass(frozen=True)
 class _RowsGrid:
     """The static launch shape of `grouped_matmul`: its tile, M rows in m_tiles row tiles (the work list's bound),

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, plgpu, row_steps, row_tiles, store_rows,
-                                 swizzled, zero_rows_outside_group)
+from dropless.gmm.mosaic import (GroupRefs, drain_stores, max_row_tiles, num_sms, plgpu, row_steps, row_tiles,
+                                 store_rows, swizzled, zero_rows_outside_group)
 from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
@@ -204,6 +204,11 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     shared memory, the rows outside the group of its own half of `rhs` and of the shared `lhs` block: both
     consumers write the same values to `lhs` (zeros outside, the loaded rows inside), so whichever finishes
     first, its MMA reads a fully masked block, and NaN in padding rows cannot leak. Empty groups get zeros.
+
+    With tile.chain_k a CTA takes (group, CTA N tile) pairs instead, and one pipeline walks every (K tile, row step)
+    of a pair: each consumer stores a K tile's accumulator after its last row step and zeroes it, inside the
+    pipeline, so the producer keeps loading through the stores and drains once per pair instead of once per
+    output tile (a 256-expert group is four or five row steps per tile).
     """
     m, k = lhs_MK.shape
     m_rhs, n = rhs_MN.shape
@@ -261,6 +266,9 @@ def _contract_kernel_ws(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, st
     @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, collective_axes="wg")
     def _scope(allocations, out_smem):
         wg = jax.lax.axis_index("wg")
+        if s.tile.chain_k:
+            _chained_contract_ws(s, refs, allocations, out_smem, wg)
+            return
         store = functools.partial(_contract_epilogue_ws, s, out_smem, out_gmem, wg)
 
         @plgpu.nd_loop((s.num_groups * k_tiles * n_tiles,), collective_axes="sm")
@@ -312,3 +320,66 @@ def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni
     cols = pl.ds(ni * cta_n + wg * bn, bn)
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _chained_contract_ws(s: _ContractGridWS, refs: GroupRefs, allocations, out_smem, wg):
+    """The chain_k schedule: (group, CTA N tile) pairs over the SMs, one pipeline over every (K tile, row step) of
+    a pair. A consumer's store of one K tile runs under the next K tile's MMAs: it waits for the previous store
+    to have read its output block only when it next writes it, and once after its last pair."""
+    bm, bn, cta_n = s.tile.block_m, s.tile.block_n, CONSUMERS * s.tile.block_n
+
+    def store(gi, ki, ni, value):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[wg] = value.astype(s.out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg], refs.out.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+
+    @plgpu.nd_loop((s.num_groups * s.n_tiles,), collective_axes="sm")
+    def _pair(loop_info):
+        gi, ni = jax.lax.div(loop_info.index[0], s.n_tiles), jax.lax.rem(loop_info.index[0], s.n_tiles)
+        start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
+        first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
+
+        @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
+        def _empty():
+            @pl.when(wg < CONSUMERS)
+            def _zeros():
+                zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+                jax.lax.fori_loop(0, s.k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0)
+
+        @pl.when(steps > 0)
+        def _group():
+            mma = functools.partial(_chained_mma_ws, s, wg, store, gi, ni, first, start, end, steps)
+            pipeline = plgpu.emit_pipeline_warp_specialized(
+                mma, grid=(s.k_tiles, steps), memory_registers=MEMORY_REGISTERS,
+                in_specs=[
+                    plgpu.BlockSpec((pl.Element(s.tile.block_k), bm), lambda ki, r: (first + r * s.tile.block_k, ki),
+                                    transforms=swizzled(bm, refs.lhs.dtype), memory_space=plgpu.SMEM),
+                    plgpu.BlockSpec((pl.Element(s.tile.block_k), cta_n), lambda ki, r: (first + r * s.tile.block_k, ni),
+                                    transforms=swizzled(cta_n, refs.rhs.dtype), memory_space=plgpu.SMEM),
+                ],
+                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages,
+                compute_context=_accumulate_then(bm, bn, lambda value: None))
+            pipeline(refs.lhs, refs.rhs, allocations=allocations)
+
+    drain_stores(wg, CONSUMERS)
+
+
+def _chained_mma_ws(s: _ContractGridWS, wg, store, gi, ni, first, start, end, steps, idx, lhs_smem, rhs_smem,
+                    acc_ref):
+    """The chain_k pipeline body of one consumer: its half of rhs's columns, the rows outside the group zeroed
+    first; after a K tile's last row step, its accumulator stored and zeroed."""
+    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
+    ki, r = idx
+    mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
+    zero_rows_outside_group((lhs_smem, mine), first + r * bk, start, end, (r == 0) | (r == steps - 1))
+    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), mine)
+    plgpu.wgmma_wait(0)
+
+    @pl.when(r == steps - 1)
+    def _flush():
+        value = acc_ref[...]
+        acc_ref[...] = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+        store(gi, ki, ni, value)
+
+    return acc_ref

@@ -67,8 +67,8 @@ class TileConfig:
     persistent: bool = True
     grid_minor_dim: int = 1
     grid_tile_width: int = 1
-    # dropless drhs only: one pipeline walks every K tile of a (group, N tile), so the next tile's loads overlap
-    # this tile's store (pays off when groups are short, e.g. 256 experts).
+    # dropless and dropless_ws drhs only: one pipeline walks every K tile of a (group, N tile), so the next tile's
+    # loads overlap this tile's store (pays off when groups are short, e.g. 256 experts).
     chain_k: bool = False
 
     def __post_init__(self):
@@ -103,8 +103,9 @@ class ProductConfig:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise GmmConfigError(f"kernel={self.kernel!r} is not valid; choose one of {', '.join(KERNELS)}.")
-        if self.tile.chain_k and self.kernel != "dropless":
-            raise GmmConfigError("chain_k is a mode of the dropless weight-gradient kernel; drop it or use kernel 'dropless'.")
+        if self.tile.chain_k and self.kernel not in ("dropless", "dropless_ws"):
+            raise GmmConfigError("chain_k is a mode of the dropless weight-gradient kernels; drop it or use kernel "
+                                 "'dropless' or 'dropless_ws'.")
 
     def fits(self, product: str, k: int, n: int) -> bool:
         """Whether this kernel computes the product and its tile divides the output and contraction dims."""
