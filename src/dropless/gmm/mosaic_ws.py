@@ -230,16 +230,24 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
 
 
-def _contract_pipeline_ws(s: _ContractGridWS, lhs_gmem, rhs_gmem, body, compute_context, first, steps):
-    """Steps of block_k rows from row `first` (elements, not blocks: a group starts anywhere)."""
+def _contract_pipeline_ws(s: _ContractGridWS, lhs_gmem, rhs_gmem, body, compute_context, first, steps,
+                          chained: bool = False):
+    """Steps of block_k rows from row `first` (elements, not blocks: a group starts anywhere): over one K tile of
+    lhs (its window), or with `chained` over (K tile ki of the whole lhs, row step) pairs."""
     bm, bk, cta_n = s.tile.block_m, s.tile.block_k, CONSUMERS * s.tile.block_n
+    if chained:
+        grid = (s.k_tiles, steps)
+        lhs_map, rhs_map = (lambda ki, r: (first + r * bk, ki)), (lambda ki, r: (first + r * bk, 0))
+    else:
+        grid, lhs_map = (steps,), (lambda r: (first + r * bk, 0))
+        rhs_map = lhs_map
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=MEMORY_REGISTERS,
+        body, grid=grid, memory_registers=MEMORY_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((pl.Element(bk), bm), lambda r: (first + r * bk, 0),
-                            transforms=swizzled(bm, lhs_gmem.dtype), memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((pl.Element(bk), cta_n), lambda r: (first + r * bk, 0),
-                            transforms=swizzled(cta_n, rhs_gmem.dtype), memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((pl.Element(bk), bm), lhs_map, transforms=swizzled(bm, lhs_gmem.dtype),
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((pl.Element(bk), cta_n), rhs_map, transforms=swizzled(cta_n, rhs_gmem.dtype),
+                            memory_space=plgpu.SMEM),
         ],
         wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages,
         compute_context=compute_context)
@@ -283,14 +291,8 @@ def _contract_tile_ws(s: _ContractGridWS, refs: GroupRefs, allocations, store, w
     """One output tile out[gi, K tile ki, CTA N tile ni]: zeros for an empty group, else the pipeline over the
     group's rows with each consumer's epilogue after it."""
     bm, bn = s.tile.block_m, s.tile.block_n
-    start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
-    first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
-
-    @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
-    def _empty():
-        @pl.when(wg < CONSUMERS)
-        def _zeros():
-            store(gi, ki, ni, plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA))
+    start, end, steps, first = _group_walk(refs, gi)
+    _zeros_for_empty_group(s, wg, steps, lambda zeros: store(gi, ki, ni, zeros))
 
     @pl.when(steps > 0)
     def _group():
@@ -337,32 +339,34 @@ def _chained_contract_ws(s: _ContractGridWS, refs: GroupRefs, allocations, out_s
     @plgpu.nd_loop((s.num_groups * s.n_tiles,), collective_axes="sm")
     def _pair(loop_info):
         gi, ni = jax.lax.div(loop_info.index[0], s.n_tiles), jax.lax.rem(loop_info.index[0], s.n_tiles)
-        start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
-        first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
-
-        @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
-        def _empty():
-            @pl.when(wg < CONSUMERS)
-            def _zeros():
-                zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-                jax.lax.fori_loop(0, s.k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0)
+        start, end, steps, first = _group_walk(refs, gi)
+        _zeros_for_empty_group(s, wg, steps, lambda zeros: jax.lax.fori_loop(
+            0, s.k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0))
 
         @pl.when(steps > 0)
         def _group():
             mma = functools.partial(_chained_mma_ws, s, wg, store, gi, ni, first, start, end, steps)
-            pipeline = plgpu.emit_pipeline_warp_specialized(
-                mma, grid=(s.k_tiles, steps), memory_registers=MEMORY_REGISTERS,
-                in_specs=[
-                    plgpu.BlockSpec((pl.Element(s.tile.block_k), bm), lambda ki, r: (first + r * s.tile.block_k, ki),
-                                    transforms=swizzled(bm, refs.lhs.dtype), memory_space=plgpu.SMEM),
-                    plgpu.BlockSpec((pl.Element(s.tile.block_k), cta_n), lambda ki, r: (first + r * s.tile.block_k, ni),
-                                    transforms=swizzled(cta_n, refs.rhs.dtype), memory_space=plgpu.SMEM),
-                ],
-                wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages,
-                compute_context=_accumulate_then(bm, bn, lambda value: None))
-            pipeline(refs.lhs, refs.rhs, allocations=allocations)
+            pipeline = _contract_pipeline_ws(s, refs.lhs, refs.rhs, mma, _accumulate_then(bm, bn, lambda _: None),
+                                             first, steps, chained=True)
+            pipeline(refs.lhs, refs.rhs.at[:, pl.ds(ni * cta_n, cta_n)], allocations=allocations)
 
     drain_stores(wg, CONSUMERS)
+
+
+def _group_walk(refs: GroupRefs, gi):
+    """(start, end, steps, first row read) of group gi's walk over its rows (dropless.gmm.mosaic.row_steps)."""
+    return refs.start[gi], refs.end[gi], refs.steps[gi], pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
+
+
+def _zeros_for_empty_group(s: _ContractGridWS, wg, steps, store_zeros):
+    """An empty group's gradient is zero: each consumer passes a zero accumulator to `store_zeros`; the producer
+    has nothing to load."""
+    @pl.when(steps == 0)
+    def _empty():
+        @pl.when(wg < CONSUMERS)
+        def _zeros():
+            store_zeros(plgpu.layout_cast(jnp.zeros((s.tile.block_m, s.tile.block_n), jnp.float32),
+                                          plgpu.Layout.WGMMA))
 
 
 def _chained_mma_ws(s: _ContractGridWS, wg, store, gi, ni, first, start, end, steps, idx, lhs_smem, rhs_smem,
