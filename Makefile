@@ -223,8 +223,11 @@ bench-fp8-sass: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/sass_dump.py --out-dir $(BENCH_SCRATCH)/fp8-sass
 
 # 1 GPU: loss parity, the proxy trained 300 steps with bf16 and each FP8 recipe (same data, seed, schedule).
+# PARITY_MODES=rowwise PARITY_MERGE=--merge adds one recipe's run to the record already there (one device call each).
+PARITY_MODES ?= off,blockwise,rowwise
+PARITY_MERGE ?=
 bench-fp8-parity: $(BENCH_DEPS)
-	$(BENCH_PYTHON) benchmarks/fp8/loss_parity.py --modes off,blockwise,rowwise --steps 300 --eval-every 50 \
+	$(BENCH_PYTHON) benchmarks/fp8/loss_parity.py --modes $(PARITY_MODES) $(PARITY_MERGE) --steps 300 --eval-every 50 \
 	  --out $(RESULTS)/fp8-parity-$(GPU).json --chart $(RESULTS)/fp8-parity-$(GPU).png \
 	  train.batch_size=2 train.eval_batches=2
 

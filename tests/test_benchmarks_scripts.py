@@ -73,3 +73,25 @@ def test_router_projection_probe_patches_a_route_the_layer_can_call():
     _, plain = moe_layer.moe_layer(params, None, x, cfg, compute_dtype=jnp.float32)
     assert int(stats.tokens_per_expert.sum()) == 12
     assert not np.array_equal(np.asarray(stats.logit_moments), np.asarray(plain.logit_moments))
+
+
+def test_loss_parity_merge_keeps_other_modes_of_a_record_with_the_same_settings(tmp_path):
+    """benchmarks/fp8/loss_parity.py --merge: the record's runs of the other modes stay, each naming its commit; a
+    record whose settings differ in a key both configs have is refused in one sentence."""
+    import json
+    import sys
+    sys.path.insert(0, str(BENCHMARKS / "fp8"))
+    import loss_parity
+
+    env = {"commit": "aaaaaaa"}
+    record = {"environment": env, "config": {"train.steps": 300, "moe.old_key": 1},
+              "runs": [{"fp8": "off", "final_eval_loss": 5.0}, {"fp8": "blockwise", "final_eval_loss": 4.9},
+                       {"fp8": "rowwise", "final_eval_loss": 5.1, "environment": {"commit": "bbbbbbb"}}]}
+    path = tmp_path / "parity.json"
+    path.write_text(json.dumps(record))
+    kept = loss_parity.kept_runs(str(path), {"train.steps": 300, "moe.new_key": 2}, ["rowwise"])
+    assert [r["fp8"] for r in kept] == ["off", "blockwise"] and all(r["environment"] == env for r in kept)
+    assert [r["environment"] for r in loss_parity.kept_runs(str(path), {"train.steps": 300}, ["off"])] == [
+        env, {"commit": "bbbbbbb"}]
+    with pytest.raises(SystemExit, match="another configuration \\(train.steps\\)"):
+        loss_parity.kept_runs(str(path), {"train.steps": 100}, ["rowwise"])

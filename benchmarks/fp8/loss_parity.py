@@ -2,18 +2,23 @@
 in one chart and one record (make bench-fp8-parity).
 
     python benchmarks/fp8/loss_parity.py --out fp8-parity.json --chart fp8-parity.png \
-        [--preset deepseek-v3-proxy] [--modes off,blockwise,rowwise] [--steps 300] [key=value ...]
+        [--preset deepseek-v3-proxy] [--modes off,blockwise,rowwise] [--steps 300] [--merge] [key=value ...]
 
 Each mode runs the very step `dropless train` runs (dropless.train.setup.build) on the run's batches
 (dropless.data), evaluating the held-out loss every --eval-every steps on the fixed held-out batches; no
 checkpoints are written (the proxy's optimizer state is ~47 GB). The record holds every curve, each mode's final
-held-out loss and its relative difference from bf16's (the `off` run), tokens/s and tokens dropped.
+held-out loss and its relative difference from bf16's (the `off` run), tokens/s and tokens dropped. Each run names
+the environment (commit, date) it ran in. --merge keeps the runs of modes not given in --modes from the --out
+record already there, when it was made with the same configuration (one device call can then add a mode that
+did not fit in an earlier one).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -49,7 +54,22 @@ def run(config, log) -> dict:
                 log(f"{tc.fp8:9s} step {step + 1:4d} held-out loss {curve[-1][1]:.4f}")
     jax.block_until_ready(state)
     return {"fp8": tc.fp8, "eval": curve, "train_loss": losses, "tokens_dropped_logged_steps": dropped,
-            "tokens_per_s": timed_tokens / (time.perf_counter() - t0), "final_eval_loss": curve[-1][1]}
+            "tokens_per_s": timed_tokens / (time.perf_counter() - t0), "final_eval_loss": curve[-1][1],
+            "environment": environment()}
+
+
+def kept_runs(path: str, config: dict, modes: list[str]) -> list[dict]:
+    """The runs of other modes in the record at `path`, each with its environment; an error sentence where the
+    record's configuration differs from this one's in a setting both have (their curves would not compare;
+    settings added to or removed from the config since the record are not compared)."""
+    old = json.loads(Path(path).read_text())
+    old_config = old.get("config", {})
+    differ = sorted(k for k in config.keys() & old_config.keys() if config[k] != old_config[k])
+    if differ:
+        raise SystemExit(f"{path} was made with another configuration ({', '.join(differ[:5])}); run without "
+                         "--merge or with the same overrides.")
+    return [{**r, "environment": r.get("environment", old["environment"])} for r in old["runs"]
+            if r["fp8"] not in modes]
 
 
 def chart(runs: list[dict], path: str, title: str) -> None:
@@ -80,14 +100,16 @@ def main() -> None:
     p.add_argument("--modes", default="off,blockwise,rowwise")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--merge", action="store_true", help="keep the --out record's runs of the other modes")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     a = p.parse_args()
     xla_flags.apply()
     base = config_lib.load_preset(a.preset).replace(
         **{"train.steps": a.steps, "train.eval_every": a.eval_every, "train.log_every": 10,
            **config_lib.parse_overrides(a.overrides)})
-    runs = []
-    for mode in a.modes.split(","):
+    modes = a.modes.split(",")
+    runs = kept_runs(a.out, base.to_flat_dict(), modes) if a.merge and Path(a.out).exists() else []
+    for mode in modes:
         runs.append(run(base.replace(**{"train.fp8": mode}), lambda m: print(m, flush=True)))
         write_json(a.out, {"benchmark": "fp8-loss-parity", "environment": environment(), "preset": a.preset,
                            "config": base.to_flat_dict(), "runs": runs})
