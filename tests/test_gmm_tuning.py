@@ -182,10 +182,13 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
 
 
 # 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor; the warp-specialised kernels (CTA tile
-# 64 x 2*64).
-@pytest.mark.parametrize("rows_kernel, tile, k, n", [("dropless", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
-                                                     ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
-                                                     ("dropless_ws", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 256)])
+# 64 x 2*64), and with split_rows (128-row tiles: groups 0 and 3 end inside their last tile's first half, whose
+# second half's MMAs are skipped; group 2's last tile reaches into its second half).
+@pytest.mark.parametrize("rows_kernel, tile, k, n", [
+    ("dropless", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
+    ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
+    ("dropless_ws", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 256),
+    ("dropless_ws", TileConfig(128, 64, 64, 2, True, 1, 2, split_rows=True), 128, 256)])
 def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter(rows_kernel, tile, k, n):
     """The dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
@@ -435,6 +438,22 @@ def test_chain_k_is_a_weight_gradient_candidate_of_both_dropless_kernels():
     assert any(c.tile.chain_k and c.kernel == "dropless_ws" for c in tune_gmm.QUICK["drhs"])
 
 
+def test_split_rows_is_a_rows_candidate_of_the_warp_specialised_kernel_with_128_row_tiles():
+    from dropless.bench import tune_gmm
+
+    config = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3, split_rows=True))
+    assert ProductConfig.from_json(config.to_json()) == config
+    with pytest.raises(GmmConfigError, match="split_rows"):
+        ProductConfig("dropless", TileConfig(128, 128, 64, 3, split_rows=True))
+    with pytest.raises(GmmConfigError, match="block_m=64"):
+        TileConfig(64, 128, 64, 4, split_rows=True)
+    for product in ("fwd", "dlhs"):
+        split = [c for c in tune_gmm.fine_candidates(product) if c.tile.split_rows]
+        assert {(c.tile.block_m, c.tile.block_n) for c in split} == {(128, 128), (128, 64)}
+        assert any(c.tile.split_rows for c in tune_gmm.QUICK[product])
+    assert not any(c.tile.split_rows for c in tune_gmm.fine_candidates("drhs"))
+
+
 def test_warp_specialised_kernels_need_two_tiles_of_output_columns():
     ws = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3))
     assert all(ws.fits(p, 7168, 4096) for p in gt.PRODUCTS)
@@ -482,6 +501,9 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     # the chained weight gradient at every fine tile: its accumulator stored and zeroed inside the pipeline
     *(("drhs", "dropless_ws", TileConfig(*t, chain_k=True), dtype)
       for t in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)) for dtype in (jnp.bfloat16, jnp.float32)),
+    # the rows kernel with split_rows at both 128-row fine tiles: two accumulators, the second half's MMA guarded
+    *((p, "dropless_ws", TileConfig(*t, split_rows=True), dtype) for p in ("fwd", "dlhs")
+      for t in ((128, 128, 64, 3), (128, 64, 64, 6)) for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)

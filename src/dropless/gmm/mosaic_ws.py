@@ -37,6 +37,7 @@ from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_byte
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
 MEMORY_REGISTERS = 40  # per thread for the producer warpgroup; the consumers get the rest (setmaxnreg)
 BARRIER_BYTES = 1024  # the pipeline's barriers, beside its stages and the output blocks
+HALF_ROWS = 64  # split_rows: a 128-row tile's halves, one wgmma row block (m64) each
 
 
 def fitting_stages(tile: TileConfig, in_dtype, out_dtype) -> int:
@@ -155,8 +156,15 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
             def _compute():
                 store = functools.partial(_rows_epilogue_ws, s, out_smem, out_gmem, wg, offset_gmem, mi, start, size,
                                           ni)
-                pipeline = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, functools.partial(_rows_mma_ws, s, wg),
-                                             _accumulate_then(bm, bn, store))
+                if s.tile.split_rows:
+                    # A group's tiles start at its first row rounded down to 8 (offset < 8), so the first half
+                    # always holds some of its rows; the second only where they reach past row 64.
+                    second = offset_gmem[mi] + size > HALF_ROWS
+                    body = functools.partial(_rows_mma_halves_ws, s, wg, second)
+                    context = _accumulate_halves_then(bn, store)
+                else:
+                    body, context = functools.partial(_rows_mma_ws, s, wg), _accumulate_then(bm, bn, store)
+                pipeline = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, body, context)
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
 
 
@@ -168,6 +176,34 @@ def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref):
     plgpu.wgmma(acc_ref, lhs_smem, b)
     plgpu.wgmma_wait(0)
     return acc_ref
+
+
+def _accumulate_halves_then(block_n: int, finish):
+    """split_rows's compute context: the two 64-row halves' float32 accumulators, then `finish` of the whole tile
+    (a half whose MMAs were skipped holds zeros, which the ragged store does not write)."""
+    def context(run_pipeline):
+        @functools.partial(pl.run_scoped, first=plgpu.ACC((HALF_ROWS, block_n), jnp.float32),
+                           second=plgpu.ACC((HALF_ROWS, block_n), jnp.float32))
+        def _acc(first, second):
+            run_pipeline((first, second))
+            finish(jnp.concatenate([first[...], second[...]], axis=0))
+    return context
+
+
+def _rows_mma_halves_ws(s: _RowsGridWS, wg, second_live, _, lhs_smem, rhs_smem, accs):
+    """split_rows's pipeline body of one consumer: the first half's MMA, the second's where it holds rows."""
+    bn = s.tile.block_n
+    mine = pl.ds(wg * bn, bn)
+    b = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
+    first, second = accs
+    plgpu.wgmma(first, lhs_smem.at[pl.ds(0, HALF_ROWS)], b)
+
+    @pl.when(second_live)
+    def _second():
+        plgpu.wgmma(second, lhs_smem.at[pl.ds(HALF_ROWS, HALF_ROWS)], b)
+
+    plgpu.wgmma_wait(0)
+    return accs
 
 
 def _rows_epilogue_ws(s: _RowsGridWS, out_smem, out_gmem, wg, offset_gmem, mi, start, size, ni, value):

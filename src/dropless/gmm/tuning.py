@@ -70,6 +70,10 @@ class TileConfig:
     # dropless and dropless_ws drhs only: one pipeline walks every K tile of a (group, N tile), so the next tile's
     # loads overlap this tile's store (pays off when groups are short, e.g. 256 experts).
     chain_k: bool = False
+    # dropless_ws fwd and dlhs with 128-row tiles only: each consumer keeps the tile's two 64-row halves in two
+    # accumulators and skips the MMAs of a half that holds none of the tile's rows (a group's last tile often
+    # fills only its first half: with 256 experts, one group in two).
+    split_rows: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -78,6 +82,8 @@ class TileConfig:
                 raise GmmConfigError(f"{name}={value} must be a positive multiple of 8.")
         if not 1 <= self.num_stages <= 8:
             raise GmmConfigError(f"num_stages={self.num_stages} must be between 1 and 8.")
+        if self.split_rows and self.block_m != 128:
+            raise GmmConfigError(f"split_rows splits a 128-row tile in two halves; block_m={self.block_m}.")
         if self.grid_minor_dim not in (0, 1) or self.grid_tile_width < 1:
             raise GmmConfigError(f"grid_minor_dim={self.grid_minor_dim} must be 0 (m) or 1 (n) and "
                                  f"grid_tile_width={self.grid_tile_width} must be >= 1.")
@@ -106,6 +112,9 @@ class ProductConfig:
         if self.tile.chain_k and self.kernel not in ("dropless", "dropless_ws"):
             raise GmmConfigError("chain_k is a mode of the dropless weight-gradient kernels; drop it or use kernel "
                                  "'dropless' or 'dropless_ws'.")
+        if self.tile.split_rows and self.kernel != "dropless_ws":
+            raise GmmConfigError("split_rows is a mode of the dropless_ws rows kernel; drop it or use kernel "
+                                 "'dropless_ws'.")
 
     def fits(self, product: str, k: int, n: int) -> bool:
         """Whether this kernel computes the product and its tile divides the output and contraction dims."""
@@ -122,7 +131,7 @@ class ProductConfig:
         d = {"kernel": self.kernel, "block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k,
              "num_stages": t.num_stages, "persistent": t.persistent,
              "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width}
-        return d | ({"chain_k": True} if t.chain_k else {})
+        return d | ({"chain_k": True} if t.chain_k else {}) | ({"split_rows": True} if t.split_rows else {})
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str = "config") -> "ProductConfig":
@@ -130,7 +139,8 @@ class ProductConfig:
             minor = d.get("grid_minor_dim", "n")
             tile = TileConfig(int(d["block_m"]), int(d["block_n"]), int(d["block_k"]), int(d["num_stages"]),
                               bool(d.get("persistent", True)), _MINOR_DIMS[minor] if isinstance(minor, str) else int(minor),
-                              int(d.get("grid_tile_width", 1)), bool(d.get("chain_k", False)))
+                              int(d.get("grid_tile_width", 1)), bool(d.get("chain_k", False)),
+                              bool(d.get("split_rows", False)))
             return cls(str(d["kernel"]), tile)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, GmmConfigError):
