@@ -75,12 +75,11 @@ def test_router_projection_probe_patches_a_route_the_layer_can_call():
     assert not np.array_equal(np.asarray(stats.logit_moments), np.asarray(plain.logit_moments))
 
 
-def test_loss_parity_merge_keeps_other_modes_of_a_record_with_the_same_settings(tmp_path):
+def test_loss_parity_merge_keeps_other_modes_of_a_record_with_the_same_settings(tmp_path, monkeypatch):
     """benchmarks/fp8/loss_parity.py --merge: the record's runs of the other modes stay, each naming its commit; a
     record whose settings differ in a key both configs have is refused in one sentence."""
     import json
-    import sys
-    sys.path.insert(0, str(BENCHMARKS / "fp8"))
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "fp8"))
     import loss_parity
 
     env = {"commit": "aaaaaaa"}

@@ -108,11 +108,14 @@ def main() -> None:
         **{"train.steps": a.steps, "train.eval_every": a.eval_every, "train.log_every": 10,
            **config_lib.parse_overrides(a.overrides)})
     modes = a.modes.split(",")
-    runs = kept_runs(a.out, base.to_flat_dict(), modes) if a.merge and Path(a.out).exists() else []
+    merging = a.merge and Path(a.out).exists()
+    runs = kept_runs(a.out, base.to_flat_dict(), modes) if merging else []
+    notes = {"note": "tokens_per_s is over steps 3 to the last, without evaluations; each run names the "
+                     "environment (commit, date) of the call it ran in, so tokens/s compare only within one call"}
     for mode in modes:
         runs.append(run(base.replace(**{"train.fp8": mode}), lambda m: print(m, flush=True)))
         write_json(a.out, {"benchmark": "fp8-loss-parity", "environment": environment(), "preset": a.preset,
-                           "config": base.to_flat_dict(), "runs": runs})
+                           "config": base.to_flat_dict(), "runs": runs, **notes})
     bf16 = next((r for r in runs if r["fp8"] == "off"), None)
     for r in runs:
         if bf16 is not None:
@@ -121,7 +124,7 @@ def main() -> None:
               + (f" ({r['final_vs_bf16']:+.2%} vs bf16)" if bf16 is not None else "")
               + f", {r['tokens_per_s']:,.0f} tokens/s", flush=True)
     write_json(a.out, {"benchmark": "fp8-loss-parity", "environment": environment(), "preset": a.preset,
-                       "config": base.to_flat_dict(), "runs": runs})
+                       "config": base.to_flat_dict(), "runs": runs, **notes})
     chart(runs, a.chart, f"{a.preset}, {base.train.batch_size} x {base.train.seq_len} tokens per step")
 
 

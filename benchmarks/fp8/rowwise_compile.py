@@ -1,13 +1,15 @@
-"""Where the `rowwise` recipe's compile time goes: one dense FP8 matmul, forward and both gradients, compiled and
-timed under XLA's default GEMM autotuning and with autotuning off (`make bench-fp8-rowwise-compile`).
+"""What XLA's e4m3 dot costs to compile: one dense FP8 matmul through XLA (the `rowwise` recipe's non-native path),
+forward and both gradients, compiled and timed under XLA's default GEMM autotuning and with autotuning off
+(`make bench-fp8-rowwise-compile`).
 
     python benchmarks/fp8/rowwise_compile.py --out fp8-rowwise-compile.json [--shapes 32768x7168x36864,...]
 
-`rowwise`'s dense products are e4m3 dot_generals that XLA hands to cuBLASLt, and XLA autotunes each cuBLASLt
-call while it compiles; blockwise's run our own kernels, which XLA does not autotune. Each setting runs in its own
-process (XLA reads XLA_FLAGS once): for each shape T x K x N (the proxy's dense MLP gate+up and down, an
-attention projection), `jax.jit(jax.value_and_grad(loss))` of `dropless.fp8.dense.fp8_matmul(x, w, rowwise)`
-is lowered, compiled (seconds) and run (ms, median of 5 after one warm-up), beside the bf16 matmul's compile.
+Off our kernels, `rowwise`'s dense products are e4m3 dot_generals that XLA hands to cuBLASLt, autotuning each
+while it compiles; our kernels are not autotuned by XLA. Each setting runs in its own process (XLA reads XLA_FLAGS
+once): for each shape T x K x N (the proxy's dense MLP gate+up and down, an attention projection),
+`jax.jit(jax.value_and_grad(loss))` of `dropless.fp8.dense.fp8_matmul(x, w, Recipe("rowwise", native=False))`
+is lowered, compiled (seconds) and run (ms, median of 5 after one warm-up), then the bf16 matmul. Each shape is
+printed before it compiles, so a setting that runs out of time names the compile it was in.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ def measure(shapes: list[tuple[int, int, int]]) -> list[dict]:
         kx, kw = jax.random.split(jax.random.key(0))
         x = jax.random.normal(kx, (t, k), jnp.bfloat16)
         w = jax.random.normal(kw, (k, n), jnp.float32) * k ** -0.5
-        for name, matmul in (("rowwise", lambda x, w: fp8_matmul(x, w, Recipe("rowwise", native=True))),
+        for name, matmul in (("xla_e4m3", lambda x, w: fp8_matmul(x, w, Recipe("rowwise", native=False))),
                              ("bf16", lambda x, w: x @ w.astype(x.dtype))):
             step = jax.jit(jax.value_and_grad(lambda x, w, f=matmul: jnp.sum(f(x, w).astype(jnp.float32)),
                                               argnums=(0, 1)))
+            print(json.dumps({"compiling": f"{t}x{k}x{n}", "path": name}), flush=True)
             t0 = time.perf_counter()
             compiled = step.lower(x, w).compile()
             compile_s = time.perf_counter() - t0
@@ -86,8 +89,11 @@ def main() -> None:
             error = None if lines else (done.stderr.strip().splitlines() or ["no output"])[-1]
         except subprocess.TimeoutExpired as e:
             partial = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            rows = [json.loads(ln) for ln in partial.splitlines() if ln.startswith("{")]
-            error = f"did not finish in {a.timeout:.0f} s"
+            lines = [json.loads(ln) for ln in partial.splitlines() if ln.startswith("{")]
+            rows = [r for r in lines if "compiling" not in r]
+            stuck = lines[-1] if lines and "compiling" in lines[-1] else None
+            error = f"did not finish in {a.timeout:.0f} s" + (
+                f", compiling {stuck['path']} at {stuck['compiling']}" if stuck else "")
         for r in rows:
             records.append({"setting": setting, "xla_flags": flags, **r})
         records.append({"setting": setting, "xla_flags": flags, "process_s": round(time.perf_counter() - t0, 1),

@@ -247,7 +247,7 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
     dense_record = _dense_record(shape, compiled, fwd_args, fwdbwd_args, batches, log)
     records.append(base | dense_record)
     dense_tf = {"fwd": dense_record["fwd_tflops"], "fwdbwd": dense_record["fwdbwd_tflops"]}
-    if "dense_fp8" in paths:  # the same dense matmul in FP8: the roofline of the FP8 paths, same run
+    if "dense_fp8" in paths:  # the same dense matmul in FP8 (rowwise, one group): the FP8 paths' reference
         records.append(base | _dense_record(shape, compiled, fwd_args, fwdbwd_args, batches, log, "dense_fp8"))
     for backend in [p for p in paths[1:] if p != "dense_fp8"]:
         (fwd, err_f), (fwdbwd, err_b) = compiled.pop((backend, "fwd")), compiled.pop((backend, "fwdbwd"))

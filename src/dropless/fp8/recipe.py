@@ -20,8 +20,8 @@ partial sum scaled and added in float32 ("promotion"); `rowwise` scales the floa
 outlier spends the whole row's range); `mxfp8` is OCP's MX format (power-of-two e8m0 scales), Blackwell's
 hardware format, run here as its exact arithmetic. Every scale is a power of two (dropless.ops.fp8).
 
-`native`: run e4m3 GEMMs (our Mosaic GPU kernels for the grouped products and for blockwise dense ones; XLA's
-cuBLASLt call for rowwise dense ones), and under blockwise quantize each operand's two layouts in one pass
+`native`: run e4m3 GEMMs (our Mosaic GPU kernels, for the grouped products and, with one group, the dense ones),
+and under blockwise quantize each operand's two layouts in one pass
 (`dropless.ops.fp8_pairs`: the bits of the quantizer run once per layout). Otherwise, and for a shape the
 kernels do not take, each product dequantizes its operands exactly to bf16 and multiplies them with float32
 accumulation: the same products and the same result to float32 rounding, at bf16 speed. So the recipe's numerics
