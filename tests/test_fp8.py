@@ -301,6 +301,31 @@ def test_dense_kernel_output_is_bf16_in_the_program_for_cuda(mode):
     assert not [line for line in text.splitlines() if "dot_general" in line and "f8E4M3FN" in line]
 
 
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_dense_fp8_kernel_runs_on_each_devices_rows_under_a_mesh(mode):
+    """XLA cannot partition our kernels: given the training mesh, fp8_matmul runs the kernel per batch shard (its
+    output the device's 2 x 64 rows), where plain jit would hand it all 16 x 64 rows."""
+    from jax import export
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dropless.core.config import ParallelConfig
+    from dropless.core.mesh import BATCH_AXES, make_mesh
+
+    mesh = make_mesh(ParallelConfig(data=4, fsdp=2, expert=1))
+    S = jax.ShapeDtypeStruct
+
+    def kernel_outputs(given_mesh):
+        f = jax.jit(lambda x, w: fp8_matmul(x, w, Recipe(mode, native=True), mesh=given_mesh))
+        text = export.export(f, platforms=["cuda"])(
+            S((16, 64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P(BATCH_AXES))),
+            S((256, 512), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp")))).mlir_module()
+        return [line.rsplit("->", 1)[1].split(" loc(")[0].strip() for line in text.splitlines()
+                if "custom_call @mosaic_gpu" in line]
+
+    assert kernel_outputs(mesh) == ["tensor<128x512xbf16>"]
+    assert kernel_outputs(None) == ["tensor<1024x512xbf16>"]
+
+
 def _gathered_operand_types(row_align: int, mode: str) -> set:
     """The element types of the arrays every gather reads in Fp8Gmm's forward and backward, exported for CUDA."""
     from jax import export

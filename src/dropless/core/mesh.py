@@ -139,18 +139,25 @@ def param_shardings(mesh: Mesh, logical_axes_tree: Any, shapes_tree: Any = None)
                         logical_axes_tree, shapes_tree, is_leaf=_is_axes_leaf)
 
 
-def per_batch_shard(kernel, mesh: Mesh | None):
-    """`kernel(*arrays) -> array`, every array batch-first, run on each device's own slice of the batch.
+def per_batch_shard(kernel, mesh: Mesh | None, whole: int = 0):
+    """`kernel(*arrays) -> array`, every array batch-first, run on each device's own slice of the batch; the last
+    `whole` arrays (weights) are passed whole to every device.
 
-    For kernels XLA cannot partition (Pallas calls such as tokamax's flash attention): under plain jit its SPMD
-    partitioner gathers the whole batch onto every device and runs the kernel there: an all-gather of attention's
-    q/k/v in every layer, and every device doing the whole batch's attention.
-    Identity on one device. check_vma=False: Pallas kernels' custom VJPs return cotangents without mesh axes.
+    For kernels XLA cannot partition (Pallas calls such as tokamax's flash attention, our FP8 matmuls): under
+    plain jit its SPMD partitioner gathers the whole batch onto every device and runs the kernel there: an
+    all-gather of attention's q/k/v in every layer, and every device doing the whole batch's attention.
+    Identity on one device. check_vma=False: Pallas kernels' custom VJPs return cotangents without mesh axes; the
+    gradient of an array passed whole is then the sum of the devices' own (shard_map's transpose sums it).
     """
     if mesh is None or mesh.size == 1:
         return kernel
-    spec = PartitionSpec(BATCH_AXES)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+    def run(*arrays):
+        spec = PartitionSpec(BATCH_AXES)
+        in_specs = (spec,) * (len(arrays) - whole) + (PartitionSpec(),) * whole
+        return jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(*arrays)
+
+    return run
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

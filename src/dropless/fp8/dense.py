@@ -22,7 +22,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from dropless.core.mesh import per_batch_shard
 from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe, one_pass_pair, weight_copies
 from dropless.gmm import fp8_mosaic
 from dropless.ops.fp8 import Quantized, dequantize, quantize
@@ -31,17 +33,26 @@ from dropless.ops.matmul import matmul_f32_out
 NT = (((1,), (1,)), ((), ()))  # contract both operands' last axis
 
 
-def linear(x: jax.Array, w: jax.Array, recipe: Recipe | None = None, out_dtype=None) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] in out_dtype (default x's): bf16 (w cast to x's dtype), or FP8."""
+def linear(x: jax.Array, w: jax.Array, recipe: Recipe | None = None, out_dtype=None,
+           mesh: Mesh | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in out_dtype (default x's): bf16 (w cast to x's dtype), or FP8 (`mesh`:
+    see fp8_matmul)."""
     if recipe is None:
         if out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and x.dtype != jnp.float32:
             return matmul_f32_out(x, w.astype(x.dtype))  # float32 out, backward at the operands' rate
         return x @ w.astype(x.dtype)
-    return fp8_matmul(x, w, recipe, out_dtype)
+    return fp8_matmul(x, w, recipe, out_dtype, mesh)
 
 
-def fp8_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, out_dtype=None) -> jax.Array:
-    """x [..., K] @ w [K, N] with e4m3 operands as `recipe` scales them, float32 accumulation, out_dtype out."""
+def fp8_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, out_dtype=None, mesh: Mesh | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] with e4m3 operands as `recipe` scales them, float32 accumulation, out_dtype out.
+
+    `mesh`, the training mesh, for an x whose leading axis is the batch (split over the mesh as the batch is):
+    with several devices each multiplies its own rows by the whole w (gathered, as FSDP gathers it for the bf16
+    matmul), and w's gradient is the sum of theirs. XLA cannot partition our kernels: under plain jit it would
+    gather every row onto every device and run the whole product on each."""
+    if mesh is not None and mesh.size > 1:
+        return per_batch_shard(lambda x, w: fp8_matmul(x, w, recipe, out_dtype), mesh, whole=1)(x, w)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x_TK = x.reshape(-1, k)

@@ -143,17 +143,17 @@ def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     H, nope, P, W = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
 
     if "q_a" in params:
-        q_latent_BSR = rms_norm(linear(x_BSD, params["q_a"], recipe), params["q_a_norm"], LATENT_NORM_EPS)
-        q_BSX = linear(q_latent_BSR, params["q_b"], recipe)
+        q_latent_BSR = rms_norm(linear(x_BSD, params["q_a"], recipe, mesh=mesh), params["q_a_norm"], LATENT_NORM_EPS)
+        q_BSX = linear(q_latent_BSR, params["q_b"], recipe, mesh=mesh)
     else:
-        q_BSX = linear(x_BSD, params["q"], recipe)
+        q_BSX = linear(x_BSD, params["q"], recipe, mesh=mesh)
     q_BSHQ = q_BSX.reshape(B, S, H, nope + P)
     q_nope_BSHn, q_rope_BSHP = q_BSHQ[..., :nope], q_BSHQ[..., nope:]
 
-    kv_a_BSX = linear(x_BSD, params["kv_a"], recipe)
+    kv_a_BSX = linear(x_BSD, params["kv_a"], recipe, mesh=mesh)
     kv_latent_BSR, k_rope_BSP = kv_a_BSX[..., : m.kv_lora_rank], kv_a_BSX[..., m.kv_lora_rank :]
     kv_latent_BSR = rms_norm(kv_latent_BSR, params["kv_a_norm"], LATENT_NORM_EPS)
-    kv_BSHX = linear(kv_latent_BSR, params["kv_b"], recipe).reshape(B, S, H, nope + W)
+    kv_BSHX = linear(kv_latent_BSR, params["kv_b"], recipe, mesh=mesh).reshape(B, S, H, nope + W)
     k_nope_BSHn, v_BSHW = kv_BSHX[..., :nope], kv_BSHX[..., nope:]
 
     q_rope_BSHP = apply_rope(q_rope_BSHP, cos_SP, sin_SP, interleaved=True)
@@ -162,7 +162,7 @@ def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     q_BSHQ = jnp.concatenate([q_nope_BSHn, q_rope_BSHP], axis=-1)
     k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BS1P, (B, S, H, P))], axis=-1)
     out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m, mesh)
-    return linear(out_BSHW.reshape(B, S, H * W), params["o"], recipe)
+    return linear(out_BSHW.reshape(B, S, H * W), params["o"], recipe, mesh=mesh)
 
 
 def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
@@ -174,9 +174,9 @@ def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     B, S, _ = x_BSD.shape
     H, N, hd = m.num_heads, m.num_kv_heads, m.head_dim
 
-    q_BSHQ = linear(x_BSD, params["q"], recipe).reshape(B, S, H, hd)
-    k_BSNQ = linear(x_BSD, params["k"], recipe).reshape(B, S, N, hd)
-    v_BSNW = linear(x_BSD, params["v"], recipe).reshape(B, S, N, hd)
+    q_BSHQ = linear(x_BSD, params["q"], recipe, mesh=mesh).reshape(B, S, H, hd)
+    k_BSNQ = linear(x_BSD, params["k"], recipe, mesh=mesh).reshape(B, S, N, hd)
+    v_BSNW = linear(x_BSD, params["v"], recipe, mesh=mesh).reshape(B, S, N, hd)
     if "q_norm" in params:
         q_BSHQ = rms_norm(q_BSHQ, params["q_norm"], m.rms_norm_eps)
         k_BSNQ = rms_norm(k_BSNQ, params["k_norm"], m.rms_norm_eps)
@@ -184,7 +184,7 @@ def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     k_BSNQ = apply_rope(k_BSNQ, cos_SP, sin_SP)
 
     out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, hd**-0.5, m, mesh)
-    return linear(out_BSHW.reshape(B, S, H * hd), params["o"], recipe)
+    return linear(out_BSHW.reshape(B, S, H * hd), params["o"], recipe, mesh=mesh)
 
 
 def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,

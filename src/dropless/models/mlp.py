@@ -24,8 +24,8 @@ def init_mlp(key: jax.Array, hidden_size: int, intermediate_size: int, init_std:
     return params_lib.init(key, mlp_params(hidden_size, intermediate_size), init_std)
 
 
-def swiglu(params: dict, x_BSD: jax.Array, recipe: Recipe | None = None) -> jax.Array:
-    """SwiGLU in x's dtype (weights are cast at use); FP8 matmuls with a `recipe`."""
-    gate_up_BSF2 = linear(x_BSD, params["gate_up"], recipe)
+def swiglu(params: dict, x_BSD: jax.Array, recipe: Recipe | None = None, mesh=None) -> jax.Array:
+    """SwiGLU in x's dtype (weights are cast at use); FP8 matmuls with a `recipe`, per batch shard over `mesh`."""
+    gate_up_BSF2 = linear(x_BSD, params["gate_up"], recipe, mesh=mesh)
     gate_BSF, up_BSF = jnp.split(gate_up_BSF2, 2, axis=-1)
-    return linear(jax.nn.silu(gate_BSF) * up_BSF, params["down"], recipe)
+    return linear(jax.nn.silu(gate_BSF) * up_BSF, params["down"], recipe, mesh=mesh)

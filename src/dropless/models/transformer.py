@@ -293,7 +293,7 @@ class _Layers:
         self.config, self.executor, self.cos_SP, self.sin_SP, self.dtype = config, executor, cos_SP, sin_SP, dtype
         self.training = training
         self.recipe = make_recipe(config.train.fp8)
-        self.mesh = executor.mesh  # the attention kernel runs per batch shard over the same mesh
+        self.mesh = executor.mesh  # the attention kernel and FP8 matmuls run per batch shard over the same mesh
         def remat_moe(in_scan: bool):
             if config.train.remat != "moe":
                 return self._moe_block
@@ -328,7 +328,7 @@ class _Layers:
         x_BSD = self.attention(layer, x_BSD)
         with jax.named_scope("mlp"):
             h_BSD = rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps)
-            y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, self.recipe), "mlp_out")
+            y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, self.recipe, self.mesh), "mlp_out")
         return x_BSD + y_BSD, None
 
     def moe(self, x_BSD, layer_and_router, *, unscanned: bool = False):
@@ -367,7 +367,7 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
             e_BSD = embed_tokens(params["embed"], jnp.roll(tokens_BS, -k, axis=1), dtype, mesh)
             joined_BS2D = jnp.concatenate([rms_norm(e_BSD, module["enorm"], m.rms_norm_eps),
                                            rms_norm(h_BSD, module["hnorm"], m.rms_norm_eps)], axis=-1)
-            x_BSD = linear(joined_BS2D, module["eh_proj"], layers.recipe).astype(dtype)
+            x_BSD = linear(joined_BS2D, module["eh_proj"], layers.recipe, mesh=layers.mesh).astype(dtype)
             if moe_block:
                 row = first_router_row + k - 1
                 router = jax.tree.map(lambda a: a[0], _router_rows(state, row, row + 1))

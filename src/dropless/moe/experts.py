@@ -48,10 +48,11 @@ def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: di
         return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E, zero_padding=False)
 
 
-def dense_swiglu(x_TD: jax.Array, weights: dict, recipe: Recipe | None = None) -> jax.Array:
-    """The shared experts (and any dense SwiGLU MLP): [T, D] -> [T, D] float32; FP8 matmuls with a `recipe`."""
-    h_TF2 = linear(x_TD, weights["gate_up"], recipe)
-    return linear(_glu(h_TF2, x_TD.dtype), weights["down"], recipe, out_dtype=jnp.float32)
+def dense_swiglu(x_TD: jax.Array, weights: dict, recipe: Recipe | None = None, mesh=None) -> jax.Array:
+    """The shared experts (and any dense SwiGLU MLP): [T, D] -> [T, D] float32; FP8 matmuls with a `recipe`, per
+    batch shard over `mesh` (T batch-major)."""
+    h_TF2 = linear(x_TD, weights["gate_up"], recipe, mesh=mesh)
+    return linear(_glu(h_TF2, x_TD.dtype), weights["down"], recipe, out_dtype=jnp.float32, mesh=mesh)
 
 
 def swiglu_params(hidden_size: int, width: int, num_experts: int | None = None) -> Specs:

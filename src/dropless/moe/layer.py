@@ -140,6 +140,6 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
     y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts)
     if "shared" in params:
         with jax.named_scope("shared"):
-            y_TD = y_TD + dense_swiglu(x_TD, params["shared"], recipe)
+            y_TD = y_TD + dense_swiglu(x_TD, params["shared"], recipe, executor.mesh)
     stats = moe_stats(routing, executor_stats, batch, moe_cfg, x_BSD.reshape(batch * seq, hidden))
     return y_TD.astype(compute_dtype).reshape(batch, seq, hidden), stats
