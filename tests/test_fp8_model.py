@@ -131,11 +131,11 @@ def test_fp8_model_with_remat_is_within_the_bound_of_float32():
             assert rel(g, w) < MODEL_GRAD_BOUND, name
 
 
-@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
-def test_fp8_model_on_a_mesh_is_within_the_bound_of_float32_on_one_device(mode):
+def test_fp8_model_on_a_mesh_is_within_the_bound_of_float32_on_one_device(mode="blockwise"):
     """The whole model in FP8 on an 8-device mesh (data x fsdp), its dense FP8 matmuls run per batch shard with the
     weights whole: loss and gradient against the float32 model on one device (a weight gradient missing the other
-    devices' shares would be ~8x off)."""
+    devices' shares would be ~8x off). Blockwise only: rowwise goes through the same per-batch-shard wrapper
+    (tests/test_fp8.py exports both for CUDA on a mesh)."""
     from dropless.core.config import ParallelConfig
     from dropless.core.mesh import make_mesh
     from dropless.ep import make_executor
