@@ -301,6 +301,31 @@ def test_dense_kernel_output_is_bf16_in_the_program_for_cuda(mode):
     assert not [line for line in text.splitlines() if "dot_general" in line and "f8E4M3FN" in line]
 
 
+def test_rowwise_dense_products_our_kernel_does_not_fit_are_the_dequantized_bf16_ones_natively():
+    """Natively (a GPU), a rowwise product with dims the kernel does not take (192 output columns) is the
+    dequantized bf16 product, never an XLA e4m3 dot (XLA autotunes those while compiling, for minutes at the
+    proxy's shapes); its numbers are the e4m3 dot's, which the non-native path keeps (XLA:CPU)."""
+    from jax import export
+
+    x, w, dy = _dense_case(t=64, k=256, n=192)
+    assert not any(fp8_mosaic.fits(p, 256, 192, "rowwise") for p in ("fwd", "dlhs", "drhs"))
+    native, xla_dot = Dense(Recipe("rowwise", native=True)), Dense(Recipe("rowwise", native=False))
+    for got, want in zip(fwd_bwd(native, x, w, None, dy), fwd_bwd(xla_dot, x, w, None, dy)):
+        assert rel(got, want) < F32_RTOL
+
+    def run(recipe, x, w, dy):
+        y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, recipe), x, w)
+        return y, *pullback(dy)
+
+    S = jax.ShapeDtypeStruct
+    shapes = (S((64, 256), jnp.bfloat16), S((256, 192), jnp.float32), S((64, 192), jnp.bfloat16))
+    e4m3_dots = lambda recipe: [line for line in export.export(jax.jit(functools.partial(run, recipe)),
+                                                               platforms=["cuda"])(*shapes).mlir_module().splitlines()
+                                if "dot_general" in line and "f8E4M3FN" in line]
+    assert not e4m3_dots(native.recipe)
+    assert len(e4m3_dots(xla_dot.recipe)) == 3  # forward, input and weight gradients
+
+
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_dense_fp8_kernel_runs_on_each_devices_rows_under_a_mesh(mode):
     """XLA cannot partition our kernels: given the training mesh, fp8_matmul runs the kernel per batch shard (its

@@ -7,10 +7,12 @@ and the e4m3 transposed activations the weight gradient reads (half the bytes of
 matmul keeps). Products:
 
   rowwise     our Mosaic GPU grouped kernel with one group (dropless.gmm.fp8_mosaic: the row and column scales in
-              its epilogue) where native and the dims fit it; otherwise an e4m3 dot_general with both operands
-              contraction-last, float32 out, then the scales (XLA:CPU runs e4m3 dots; on a GPU XLA hands it to
-              cuBLASLt and autotunes every such call while compiling: more than 120 s for one matmul's three
-              products at the proxy's dense-MLP shape on an H200, fp8-rowwise-compile-h200.json)
+              its epilogue) where native and the dims fit it; native dims it does not fit, the dequantized bf16
+              product (as blockwise); not native, an e4m3 dot_general with both operands contraction-last, float32
+              out, then the scales (XLA:CPU runs e4m3 dots). Not XLA's e4m3 dot on a GPU: XLA hands it to
+              cuBLASLt and autotunes every such call while compiling (the process compiling one matmul's three
+              products at the proxy's dense-MLP shape had not finished after 120 s on an H200,
+              fp8-rowwise-compile-h200.json)
   blockwise   our Mosaic GPU grouped kernel with one group (dropless.gmm.fp8_mosaic: promotion every 128 of the
               contraction) where native and the dims fit it; otherwise the dequantized bf16 product
   mxfp8       jax.nn.scaled_dot_general, with its own quantization and VJP (OCP MX, 1 x 32, e8m0 scales)
@@ -129,7 +131,7 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
                                  lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
                                  stack=fp8_mosaic.default_stack(product, recipe.mode))
-    if rowwise:
+    if rowwise and not recipe.native:
         y = jax.lax.dot_general(a.values, b.values, NT, preferred_element_type=jnp.float32)
         return (y * a.scales * b.scales.T).astype(out_dtype)
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
@@ -143,7 +145,7 @@ def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
         return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
                                          out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode))[0]
-    if recipe.mode == "rowwise":
+    if recipe.mode == "rowwise" and not recipe.native:
         y = jax.lax.dot_general(aT.values, bT.values, NT, preferred_element_type=jnp.float32)
         return y * aT.scales * bT.scales.T
     return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))
