@@ -118,6 +118,12 @@ def _dequantized_nt(a: Quantized, a_block, b: Quantized, b_block) -> jax.Array:
     return jax.lax.dot_general(a_, b_, NT, preferred_element_type=jnp.float32)
 
 
+def _e4m3_nt(a: Quantized, b: Quantized) -> jax.Array:
+    """a [T, C] · b [O, C]ᵀ as XLA's e4m3 dot, float32, then a's row and b's row scales (rowwise, not native)."""
+    y = jax.lax.dot_general(a.values, b.values, NT, preferred_element_type=jnp.float32)
+    return y * a.scales * b.scales.T
+
+
 def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd", out_dtype=jnp.float32) -> jax.Array:
     """a [T, C] · b [O, C]ᵀ, [T, O] in out_dtype (float32 accumulation, one rounding to out_dtype); a scaled per
     recipe.operand, b per recipe.weight. `product`: fwd (C = the layer's k, O = n) or dlhs (C = n, O = k). Our
@@ -132,8 +138,7 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
                                  lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
                                  stack=fp8_mosaic.default_stack(product, recipe.mode))
     if rowwise and not recipe.native:
-        y = jax.lax.dot_general(a.values, b.values, NT, preferred_element_type=jnp.float32)
-        return (y * a.scales * b.scales.T).astype(out_dtype)
+        return _e4m3_nt(a, b).astype(out_dtype)
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
 
 
@@ -146,6 +151,5 @@ def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
                                          out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode))[0]
     if recipe.mode == "rowwise" and not recipe.native:
-        y = jax.lax.dot_general(aT.values, bT.values, NT, preferred_element_type=jnp.float32)
-        return y * aT.scales * bT.scales.T
+        return _e4m3_nt(aT, bT)
     return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))

@@ -168,12 +168,15 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
 
 
+def _rhs_half(s: _RowsGridWS, wg, rhs_smem):
+    """A consumer's operand from the rhs block: its block_n half of the CTA's columns, as wgmma reads it."""
+    mine = pl.ds(wg * s.tile.block_n, s.tile.block_n)
+    return rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
+
+
 def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref):
     """The pipeline body of one consumer: its block_n half of the CTA's columns."""
-    bn = s.tile.block_n
-    mine = pl.ds(wg * bn, bn)
-    b = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
-    plgpu.wgmma(acc_ref, lhs_smem, b)
+    plgpu.wgmma(acc_ref, lhs_smem, _rhs_half(s, wg, rhs_smem))
     plgpu.wgmma_wait(0)
     return acc_ref
 
@@ -192,9 +195,7 @@ def _accumulate_halves_then(block_n: int, finish):
 
 def _rows_mma_halves_ws(s: _RowsGridWS, wg, second_live, _, lhs_smem, rhs_smem, accs):
     """split_rows's pipeline body of one consumer: the first half's MMA, the second's where it holds rows."""
-    bn = s.tile.block_n
-    mine = pl.ds(wg * bn, bn)
-    b = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
+    b = _rhs_half(s, wg, rhs_smem)
     first, second = accs
     plgpu.wgmma(first, lhs_smem.at[pl.ds(0, HALF_ROWS)], b)
 
@@ -349,15 +350,20 @@ def _contract_mma_ws(s: _ContractGridWS, wg, first, start, end, steps, idx, lhs_
     return acc_ref
 
 
-def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni, value):
-    """One consumer's epilogue: its accumulator through its output block to out[gi], its half of the columns."""
+def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni, value, in_flight: bool = False):
+    """One consumer's epilogue: its accumulator through its output block to out[gi], its half of the columns.
+    `in_flight`: the store is left running, and waited for when the block is next written (drain_stores after
+    the last one) instead of straight after it is issued."""
     bm, bn = s.tile.block_m, s.tile.block_n
     cta_n = CONSUMERS * bn
+    if in_flight:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read the block
     out_smem[wg] = value.astype(s.out_dtype)
     plgpu.commit_smem()
     cols = pl.ds(ni * cta_n + wg * bn, bn)
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if not in_flight:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _chained_contract_ws(s: _ContractGridWS, refs: GroupRefs, allocations, out_smem, wg):
@@ -365,12 +371,7 @@ def _chained_contract_ws(s: _ContractGridWS, refs: GroupRefs, allocations, out_s
     a pair. A consumer's store of one K tile runs under the next K tile's MMAs: it waits for the previous store
     to have read its output block only when it next writes it, and once after its last pair."""
     bm, bn, cta_n = s.tile.block_m, s.tile.block_n, CONSUMERS * s.tile.block_n
-
-    def store(gi, ki, ni, value):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        out_smem[wg] = value.astype(s.out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg], refs.out.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+    store = functools.partial(_contract_epilogue_ws, s, out_smem, refs.out, wg, in_flight=True)
 
     @plgpu.nd_loop((s.num_groups * s.n_tiles,), collective_axes="sm")
     def _pair(loop_info):
@@ -401,25 +402,25 @@ def _zeros_for_empty_group(s: _ContractGridWS, wg, steps, store_zeros):
     def _empty():
         @pl.when(wg < CONSUMERS)
         def _zeros():
-            store_zeros(plgpu.layout_cast(jnp.zeros((s.tile.block_m, s.tile.block_n), jnp.float32),
-                                          plgpu.Layout.WGMMA))
+            store_zeros(_zero_accumulator(s))
+
+
+def _zero_accumulator(s: _ContractGridWS):
+    """A consumer's block_m x block_n float32 zeros, in the accumulator's register layout."""
+    return plgpu.layout_cast(jnp.zeros((s.tile.block_m, s.tile.block_n), jnp.float32), plgpu.Layout.WGMMA)
 
 
 def _chained_mma_ws(s: _ContractGridWS, wg, store, gi, ni, first, start, end, steps, idx, lhs_smem, rhs_smem,
                     acc_ref):
     """The chain_k pipeline body of one consumer: its half of rhs's columns, the rows outside the group zeroed
     first; after a K tile's last row step, its accumulator stored and zeroed."""
-    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
     ki, r = idx
-    mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
-    zero_rows_outside_group((lhs_smem, mine), first + r * bk, start, end, (r == 0) | (r == steps - 1))
-    plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), mine)
-    plgpu.wgmma_wait(0)
+    _contract_mma_ws(s, wg, first, start, end, steps, (r,), lhs_smem, rhs_smem, acc_ref)
 
     @pl.when(r == steps - 1)
     def _flush():
         value = acc_ref[...]
-        acc_ref[...] = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
+        acc_ref[...] = _zero_accumulator(s)
         store(gi, ki, ni, value)
 
     return acc_ref
