@@ -87,7 +87,7 @@ def test_fits_checks_the_dims_each_product_tiles():
 
 def test_json_round_trip_merge_and_overlay(tmp_path):
     configs = {"fwd": _config(), "dlhs": _config(grid_minor_dim=0),
-               "drhs": _config(chain_k=True)}
+               "drhs": _config(stages=3)}
     for c in configs.values():
         assert ProductConfig.from_json(json.loads(json.dumps(c.to_json()))) == c
     shape = ShapeKey(4096, 512, 1024, 8)
@@ -124,7 +124,7 @@ def test_user_table_from_environment(tmp_path, monkeypatch):
     (lambda t: t["devices"][H200][0]["dlhs"].update(block_m=100), "multiple of 8"),
     (lambda t: t["devices"][H200][0]["fwd"].pop("block_k"), "malformed"),
     (lambda t: t["aliases"].update({"NVIDIA B200": "NVIDIA B200"}), "has no table"),
-    (lambda t: t["devices"][H200][0]["fwd"].update(kernel="tokamax", chain_k=True), "chain_k"),
+    (lambda t: t["devices"][H200][0]["fwd"].update(chain_k=True), "unknown key.*'chain_k'"),
 ])
 def test_malformed_tables_raise_one_clear_error(tmp_path, mutate, message):
     table = gt.load_table()
@@ -182,13 +182,12 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
 
 
 # 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor; the warp-specialised kernels (CTA tile
-# 64 x 2*64), and with split_rows (128-row tiles: groups 0 and 3 end inside their last tile's first half, whose
-# second half's MMAs are skipped; group 2's last tile reaches into its second half).
+# 64 x 2*64, and 128 x 2*64 rows, where one tile spans several of the groups).
 @pytest.mark.parametrize("rows_kernel, tile, k, n", [
     ("dropless", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
     ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
     ("dropless_ws", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 256),
-    ("dropless_ws", TileConfig(128, 64, 64, 2, True, 1, 2, split_rows=True), 128, 256)])
+    ("dropless_ws", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256)])
 def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter(rows_kernel, tile, k, n):
     """The dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
@@ -315,9 +314,7 @@ def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch
 
 
 def test_weight_gradient_kernel_matches_a_per_group_loop_in_the_gpu_interpreter():
-    """xᵀ·dy per group: boundary rows shared with neighbouring groups and NaN padding must not count. (The
-    chain_k tile walk is not covered here: Pallas's GPU interpreter rejects its accumulator; tune-gmm checks
-    every candidate against a reference on the GPU before it can be chosen.)"""
+    """xᵀ·dy per group: boundary rows shared with neighbouring groups and NaN padding must not count."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     tile = TileConfig(64, 64, 64, 2, True, 1, 1)
@@ -424,34 +421,15 @@ def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(pro
     assert float(check(a, b, jnp.zeros_like(out), 2, int(ends[1]), int(ends[2]))) > 0.5
 
 
-def test_chain_k_is_a_weight_gradient_candidate_of_both_dropless_kernels():
+def test_fine_candidates_walk_the_warp_specialised_tiles_every_way():
     from dropless.bench import tune_gmm
 
-    for kernel in ("dropless", "dropless_ws"):
-        config = ProductConfig(kernel, TileConfig(128, 128, 64, 3, chain_k=True))
-        assert ProductConfig.from_json(config.to_json()) == config
-    with pytest.raises(GmmConfigError, match="chain_k"):
-        ProductConfig("tokamax", TileConfig(128, 128, 64, 3, chain_k=True))
-    chained = [c for c in tune_gmm.fine_candidates("drhs") if c.tile.chain_k]
-    assert len(chained) == 3 and {c.kernel for c in chained} == {"dropless_ws"}
-    assert not any(c.tile.chain_k for p in ("fwd", "dlhs") for c in tune_gmm.fine_candidates(p))
-    assert any(c.tile.chain_k and c.kernel == "dropless_ws" for c in tune_gmm.QUICK["drhs"])
-
-
-def test_split_rows_is_a_rows_candidate_of_the_warp_specialised_kernel_with_128_row_tiles():
-    from dropless.bench import tune_gmm
-
-    config = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3, split_rows=True))
-    assert ProductConfig.from_json(config.to_json()) == config
-    with pytest.raises(GmmConfigError, match="split_rows"):
-        ProductConfig("dropless", TileConfig(128, 128, 64, 3, split_rows=True))
-    with pytest.raises(GmmConfigError, match="block_m=64"):
-        TileConfig(64, 128, 64, 4, split_rows=True)
-    for product in ("fwd", "dlhs"):
-        split = [c for c in tune_gmm.fine_candidates(product) if c.tile.split_rows]
-        assert {(c.tile.block_m, c.tile.block_n) for c in split} == {(128, 128), (128, 64)}
-        assert any(c.tile.split_rows for c in tune_gmm.QUICK[product])
-    assert not any(c.tile.split_rows for c in tune_gmm.fine_candidates("drhs"))
+    for product in gt.PRODUCTS:
+        fine = tune_gmm.fine_candidates(product)
+        assert len(fine) == 18 and {c.kernel for c in fine} == {"dropless_ws"}
+        assert len(set(fine)) == len(fine)
+        assert {(c.tile.grid_minor_dim, c.tile.grid_tile_width) for c in fine} == {
+            (minor, width) for minor in (0, 1) for width in (2, 4, 8)}
 
 
 def test_warp_specialised_kernels_need_two_tiles_of_output_columns():
@@ -498,12 +476,6 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     # an m-minor walk in bands of 8 (--candidates fine)
     *((p, "dropless_ws", TileConfig(128, 128, 64, 3, grid_minor_dim=0, grid_tile_width=8), jnp.bfloat16)
       for p in gt.PRODUCTS),
-    # the chained weight gradient at every fine tile: its accumulator stored and zeroed inside the pipeline
-    *(("drhs", "dropless_ws", TileConfig(*t, chain_k=True), dtype)
-      for t in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)) for dtype in (jnp.bfloat16, jnp.float32)),
-    # the rows kernel with split_rows at both 128-row fine tiles: two accumulators, the second half's MMA guarded
-    *((p, "dropless_ws", TileConfig(*t, split_rows=True), dtype) for p in ("fwd", "dlhs")
-      for t in ((128, 128, 64, 3), (128, 64, 64, 6)) for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)

@@ -38,10 +38,8 @@ from dropless.gmm.tuning import ProductConfig, ShapeKey, TileConfig
 PACKAGED_TABLE = Path(gt.__file__).with_name(gt.DATA_FILE)
 
 
-def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4, chain_k=False,
-        split_rows=False) -> ProductConfig:
-    return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, persistent, "mn".index(minor), width, chain_k,
-                                            split_rows))
+def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4) -> ProductConfig:
+    return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, persistent, "mn".index(minor), width))
 
 
 # Hand-picked around tokamax's autotuned forward tile on an H200 (block 128x64x128, 4 stages, persistent,
@@ -59,17 +57,13 @@ WARP_SPECIALISED = (_pc("dropless_ws", 128, 128, 64, 3), _pc("dropless_ws", 64, 
 QUICK = {
     "fwd": (_pc("tokamax", 128, 64, 128, 4, width=4), _pc("tokamax", 128, 64, 128, 4, width=8),
             _pc("tokamax", 128, 128, 64, 4), _pc("tokamax", 128, 128, 64, 4, minor="m"),
-            _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 6), *WARP_SPECIALISED,
-            _pc("dropless_ws", 128, 128, 64, 3, split_rows=True)),
+            _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 6), *WARP_SPECIALISED),
     "dlhs": (_pc("tokamax", 128, 64, 128, 4), _pc("dropless", 128, 64, 128, 4), _pc("dropless", 128, 128, 64, 4),
              _pc("dropless", 128, 128, 64, 4, minor="m"), _pc("dropless", 64, 128, 128, 4),
-             _pc("dropless", 128, 128, 64, 6, minor="m"), *WARP_SPECIALISED,
-             _pc("dropless_ws", 128, 128, 64, 3, split_rows=True)),
+             _pc("dropless", 128, 128, 64, 6, minor="m"), *WARP_SPECIALISED),
     "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
              _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
-             _pc("dropless", 128, 128, 64, 4, chain_k=True), _pc("dropless", 128, 128, 64, 6, chain_k=True),
-             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4), *WARP_SPECIALISED,
-             _pc("dropless_ws", 128, 128, 64, 3, chain_k=True)),
+             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4), *WARP_SPECIALISED),
 }
 
 
@@ -93,15 +87,12 @@ def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
 def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
     """Around the warp-specialised tiles that win every product of the fine-grained shapes (DeepSeek-V3 with 256
     experts, Qwen3-30B-A3B: 128x128x64 in 3 stages, n-minor bands of 4), every walk order and band width: which
-    operand the concurrently running tiles share from L2 matters most when each expert has few rows. About 20
-    candidates per product, against several hundred for `wide`; the weight gradient also gets each tile with
-    chain_k (one pipeline per (group, N tile) pair through all its K tiles: a pair's walk is fixed, so no walk
-    variants), the rows products each 128-row tile with split_rows in the packaged walk (n-minor, bands of 4)."""
+    operand the concurrently running tiles share from L2 matters most when each expert has few rows. 18
+    candidates per product, against several hundred for `wide`."""
     out = []
     for bm, bn, bk, stages in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)):
         walks = [dict(minor=minor, width=width) for minor, width in
                  (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8))]
-        walks += [dict(chain_k=True)] if product == "drhs" else [dict(split_rows=True)] if bm == 128 else []
         for walk in walks:
             c = _pc("dropless_ws", bm, bn, bk, stages, **walk)
             if gt.smem_bytes(c) <= gt.SMEM_BYTES:

@@ -123,14 +123,6 @@ def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def drain_stores(wg, consumers: int) -> None:
-    """After a persistent kernel's last tile: the output stores its consumer warpgroups (wg < consumers) left in
-    flight have read their blocks before the kernel's shared memory is released."""
-    @pl.when(wg < consumers)
-    def _wait():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
 @dataclass(frozen=True)
 class _RowsGrid:
     """The static launch shape of `grouped_matmul`: its tile, M rows in m_tiles row tiles (the work list's bound),
@@ -306,7 +298,7 @@ def grouped_matmul_tn(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.A
 
     starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, tile.block_k)
     grid_shape = _ContractGrid(tile, g, k_tiles, n_tiles, out_dtype)
-    if tile.persistent or tile.chain_k:
+    if tile.persistent:
         grid, names = (num_sms(),), ("sm",)
     else:
         grid, names = (k_tiles, n_tiles, g), ("k", "n", "g")
@@ -323,9 +315,7 @@ def _contract_kernel(s: _ContractGrid, start_gmem, end_gmem, first_gmem, steps_g
     """grouped_matmul_tn's kernel: the tile schedule over (group, K tile, N tile) outputs."""
     refs = GroupRefs(start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem)
     k_tiles, n_tiles = s.k_tiles, s.n_tiles
-    if s.tile.chain_k:
-        _chained_contract(s, refs)
-    elif s.tile.persistent:
+    if s.tile.persistent:
         @plgpu.nd_loop((s.num_groups * k_tiles * n_tiles,), collective_axes="sm")
         def _loop(loop_info):
             index = loop_info.index[0]
@@ -374,64 +364,3 @@ def _contract_pipeline(s: _ContractGrid, refs: GroupRefs, ki, ni, start, end, fi
                             max_concurrent_steps=s.tile.num_stages)(refs.lhs, refs.rhs)
 
     return acc_ref[...]
-
-
-def _chained_contract(s: _ContractGrid, refs: GroupRefs) -> None:
-    """The chain_k tile schedule: each SM takes (group, N tile) pairs; one pipeline walks (K tile, row step) for a
-    pair, storing a K tile when its last row step is done, so TMA keeps loading the next K tile while this one is
-    stored."""
-    bm, bn, out_dtype = s.tile.block_m, s.tile.block_n, s.out_dtype
-    out_type = plgpu.SMEM((bm, bn), out_dtype, transforms=swizzled(bn, out_dtype))
-
-    @functools.partial(pl.run_scoped, out_smem=out_type)
-    def _scope(out_smem):
-        def store(gi, ki, ni, value):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read out_smem
-            out_smem[...] = value.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, refs.out.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * bn, bn)])
-
-        @plgpu.nd_loop((s.num_groups * s.n_tiles,), collective_axes="sm")
-        def _loop(loop_info):
-            gi, ni = jax.lax.div(loop_info.index[0], s.n_tiles), jax.lax.rem(loop_info.index[0], s.n_tiles)
-            start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
-            first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
-
-            @pl.when(steps == 0)
-            def _empty_group():
-                zeros = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-                jax.lax.fori_loop(0, s.k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0)
-
-            @pl.when(steps > 0)
-            def _group():
-                pl.run_scoped(functools.partial(_chained_pipeline, s, refs, store, gi, ni, start, end, first, steps),
-                              plgpu.ACC((bm, bn)))
-
-        plgpu.wait_smem_to_gmem(0)
-
-
-def _chained_pipeline(s: _ContractGrid, refs: GroupRefs, store, gi, ni, start, end, first, steps, acc_ref):
-    """The chain_k pipeline body of one (group, N tile): every (K tile, row step), each K tile's epilogue
-    (`store`) issued after its last row step."""
-    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
-
-    def step(idx, lhs_smem, rhs_smem):
-        ki, r = idx
-
-        zero_rows_outside_group((lhs_smem, rhs_smem), first + r * bk, start, end,
-                                (r == 0) | (r == steps - 1))
-
-        plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), rhs_smem)
-
-        @pl.when(r == steps - 1)
-        def _flush():
-            value = acc_ref[...]  # waits for every MMA in flight
-            acc_ref[...] = plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA)
-            store(gi, ki, ni, value)
-
-        plgpu.wgmma_wait(1)
-
-    lhs_spec = _block((pl.Element(bk), bm), refs.lhs.dtype, lambda ki, r: (first + r * bk, ki))
-    rhs_spec = _block((pl.Element(bk), bn), refs.rhs.dtype, lambda ki, r: (first + r * bk, ni))
-    plgpu.emit_pipeline(step, grid=(s.k_tiles, steps), in_specs=(lhs_spec, rhs_spec),
-                        max_concurrent_steps=s.tile.num_stages)(refs.lhs, refs.rhs)

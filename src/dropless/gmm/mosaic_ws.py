@@ -6,8 +6,8 @@ during every epilogue and its 128x128 tile reads more shared memory per MMA than
 splits the work the way cuBLAS's fastest sm90 kernels do (the `..._256x128_..._coopA` kernels in our
 profiles): a memory warpgroup runs ahead through the pipeline stages (`plgpu.emit_pipeline_warp_specialized`),
 and two consumer warpgroups each own a block_m x block_n accumulator side by side, so a CTA computes a
-block_m x 2*block_n tile (128x256 with the default tile) while the producer already loads the next tile's
-first stages during the consumers' epilogue.
+block_m x 2*block_n tile (128x256 with the default tile). Each tile's pipeline fills and drains (the producer
+waits until its last stage is consumed before the next tile's begins).
 
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
   grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
@@ -30,14 +30,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import (GroupRefs, drain_stores, max_row_tiles, num_sms, plgpu, row_steps, row_tiles,
+from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, plgpu, row_steps, row_tiles,
                                  store_rows, swizzled, zero_rows_outside_group)
 from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
 MEMORY_REGISTERS = 40  # per thread for the producer warpgroup; the consumers get the rest (setmaxnreg)
 BARRIER_BYTES = 1024  # the pipeline's barriers, beside its stages and the output blocks
-HALF_ROWS = 64  # split_rows: a 128-row tile's halves, one wgmma row block (m64) each
 
 
 def fitting_stages(tile: TileConfig, in_dtype, out_dtype) -> int:
@@ -156,55 +155,18 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
             def _compute():
                 store = functools.partial(_rows_epilogue_ws, s, out_smem, out_gmem, wg, offset_gmem, mi, start, size,
                                           ni)
-                if s.tile.split_rows:
-                    # A group's tiles start at its first row rounded down to 8 (offset < 8), so the first half
-                    # always holds some of its rows; the second only where they reach past row 64.
-                    second = offset_gmem[mi] + size > HALF_ROWS
-                    body = functools.partial(_rows_mma_halves_ws, s, wg, second)
-                    context = _accumulate_halves_then(bn, store)
-                else:
-                    body, context = functools.partial(_rows_mma_ws, s, wg), _accumulate_then(bm, bn, store)
+                body, context = functools.partial(_rows_mma_ws, s, wg), _accumulate_then(bm, bn, store)
                 pipeline = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, body, context)
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
 
 
-def _rhs_half(s: _RowsGridWS, wg, rhs_smem):
-    """A consumer's operand from the rhs block: its block_n half of the CTA's columns, as wgmma reads it."""
-    mine = pl.ds(wg * s.tile.block_n, s.tile.block_n)
-    return rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
-
-
 def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref):
-    """The pipeline body of one consumer: its block_n half of the CTA's columns."""
-    plgpu.wgmma(acc_ref, lhs_smem, _rhs_half(s, wg, rhs_smem))
+    """The pipeline body of one consumer: its block_n half of the CTA's columns, as wgmma reads it."""
+    mine = pl.ds(wg * s.tile.block_n, s.tile.block_n)
+    rhs_half = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
+    plgpu.wgmma(acc_ref, lhs_smem, rhs_half)
     plgpu.wgmma_wait(0)
     return acc_ref
-
-
-def _accumulate_halves_then(block_n: int, finish):
-    """split_rows's compute context: the two 64-row halves' float32 accumulators, then `finish` of the whole tile
-    (a half whose MMAs were skipped holds zeros, which the ragged store does not write)."""
-    def context(run_pipeline):
-        @functools.partial(pl.run_scoped, first=plgpu.ACC((HALF_ROWS, block_n), jnp.float32),
-                           second=plgpu.ACC((HALF_ROWS, block_n), jnp.float32))
-        def _acc(first, second):
-            run_pipeline((first, second))
-            finish(jnp.concatenate([first[...], second[...]], axis=0))
-    return context
-
-
-def _rows_mma_halves_ws(s: _RowsGridWS, wg, second_live, _, lhs_smem, rhs_smem, accs):
-    """split_rows's pipeline body of one consumer: the first half's MMA, the second's where it holds rows."""
-    b = _rhs_half(s, wg, rhs_smem)
-    first, second = accs
-    plgpu.wgmma(first, lhs_smem.at[pl.ds(0, HALF_ROWS)], b)
-
-    @pl.when(second_live)
-    def _second():
-        plgpu.wgmma(second, lhs_smem.at[pl.ds(HALF_ROWS, HALF_ROWS)], b)
-
-    plgpu.wgmma_wait(0)
-    return accs
 
 
 def _rows_epilogue_ws(s: _RowsGridWS, out_smem, out_gmem, wg, offset_gmem, mi, start, size, ni, value):
@@ -234,18 +196,13 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
                          out_dtype=None, interpret=None) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N] (the weight gradient xᵀ·dy), warp-specialised.
 
-    As `dropless.gmm.mosaic.grouped_matmul_tn`, with the producer running ahead of the consumers across tiles: a
-    group of 256 rows (DeepSeek-V3's 256 experts) is four 64-row steps, so the single-warpgroup kernel spends
-    much of each tile filling and draining its pipeline. A CTA computes a block_m (of K) x 2*block_n (of N)
+    As `dropless.gmm.mosaic.grouped_matmul_tn`, with a producer warpgroup loading while two consumers compute (a
+    group of 256 rows, DeepSeek-V3's 256 experts, is four 64-row steps, so each tile's pipeline is short and its
+    fill and drain weigh). A CTA computes a block_m (of K) x 2*block_n (of N)
     tile; each consumer owns one block_n half of N. In a group's first and last step each consumer zeroes, in
     shared memory, the rows outside the group of its own half of `rhs` and of the shared `lhs` block: both
     consumers write the same values to `lhs` (zeros outside, the loaded rows inside), so whichever finishes
     first, its MMA reads a fully masked block, and NaN in padding rows cannot leak. Empty groups get zeros.
-
-    With tile.chain_k a CTA takes (group, CTA N tile) pairs instead, and one pipeline walks every (K tile, row step)
-    of a pair: each consumer stores a K tile's accumulator after its last row step and zeroes it, inside the
-    pipeline, so the producer keeps loading through the stores and drains once per pair instead of once per
-    output tile (a 256-expert group is four or five row steps per tile).
     """
     m, k = lhs_MK.shape
     m_rhs, n = rhs_MN.shape
@@ -267,23 +224,17 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
 
 
-def _contract_pipeline_ws(s: _ContractGridWS, lhs_gmem, rhs_gmem, body, compute_context, first, steps,
-                          chained: bool = False):
-    """Steps of block_k rows from row `first` (elements, not blocks: a group starts anywhere): over one K tile of
-    lhs (its window), or with `chained` over (K tile ki of the whole lhs, row step) pairs."""
+def _contract_pipeline_ws(s: _ContractGridWS, lhs_gmem, rhs_gmem, body, compute_context, first, steps):
+    """Steps of block_k rows from row `first` (elements, not blocks: a group starts anywhere) through one output
+    tile's windows of lhs and rhs."""
     bm, bk, cta_n = s.tile.block_m, s.tile.block_k, CONSUMERS * s.tile.block_n
-    if chained:
-        grid = (s.k_tiles, steps)
-        lhs_map, rhs_map = (lambda ki, r: (first + r * bk, ki)), (lambda ki, r: (first + r * bk, 0))
-    else:
-        grid, lhs_map = (steps,), (lambda r: (first + r * bk, 0))
-        rhs_map = lhs_map
+    rows = lambda r: (first + r * bk, 0)
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=grid, memory_registers=MEMORY_REGISTERS,
+        body, grid=(steps,), memory_registers=MEMORY_REGISTERS,
         in_specs=[
-            plgpu.BlockSpec((pl.Element(bk), bm), lhs_map, transforms=swizzled(bm, lhs_gmem.dtype),
+            plgpu.BlockSpec((pl.Element(bk), bm), rows, transforms=swizzled(bm, lhs_gmem.dtype),
                             memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((pl.Element(bk), cta_n), rhs_map, transforms=swizzled(cta_n, rhs_gmem.dtype),
+            plgpu.BlockSpec((pl.Element(bk), cta_n), rows, transforms=swizzled(cta_n, rhs_gmem.dtype),
                             memory_space=plgpu.SMEM),
         ],
         wg_axis="wg", num_compute_wgs=CONSUMERS, max_concurrent_steps=s.stages,
@@ -311,9 +262,6 @@ def _contract_kernel_ws(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, st
     @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, collective_axes="wg")
     def _scope(allocations, out_smem):
         wg = jax.lax.axis_index("wg")
-        if s.tile.chain_k:
-            _chained_contract_ws(s, refs, allocations, out_smem, wg)
-            return
         store = functools.partial(_contract_epilogue_ws, s, out_smem, out_gmem, wg)
 
         @plgpu.nd_loop((s.num_groups * k_tiles * n_tiles,), collective_axes="sm")
@@ -350,44 +298,15 @@ def _contract_mma_ws(s: _ContractGridWS, wg, first, start, end, steps, idx, lhs_
     return acc_ref
 
 
-def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni, value, in_flight: bool = False):
-    """One consumer's epilogue: its accumulator through its output block to out[gi], its half of the columns.
-    `in_flight`: the store is left running, and waited for when the block is next written (drain_stores after
-    the last one) instead of straight after it is issued."""
+def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni, value):
+    """One consumer's epilogue: its accumulator through its output block to out[gi], its half of the columns."""
     bm, bn = s.tile.block_m, s.tile.block_n
     cta_n = CONSUMERS * bn
-    if in_flight:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous store has read the block
     out_smem[wg] = value.astype(s.out_dtype)
     plgpu.commit_smem()
     cols = pl.ds(ni * cta_n + wg * bn, bn)
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
-    if not in_flight:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _chained_contract_ws(s: _ContractGridWS, refs: GroupRefs, allocations, out_smem, wg):
-    """The chain_k schedule: (group, CTA N tile) pairs over the SMs, one pipeline over every (K tile, row step) of
-    a pair. A consumer's store of one K tile runs under the next K tile's MMAs: it waits for the previous store
-    to have read its output block only when it next writes it, and once after its last pair."""
-    bm, bn, cta_n = s.tile.block_m, s.tile.block_n, CONSUMERS * s.tile.block_n
-    store = functools.partial(_contract_epilogue_ws, s, out_smem, refs.out, wg, in_flight=True)
-
-    @plgpu.nd_loop((s.num_groups * s.n_tiles,), collective_axes="sm")
-    def _pair(loop_info):
-        gi, ni = jax.lax.div(loop_info.index[0], s.n_tiles), jax.lax.rem(loop_info.index[0], s.n_tiles)
-        start, end, steps, first = _group_walk(refs, gi)
-        _zeros_for_empty_group(s, wg, steps, lambda zeros: jax.lax.fori_loop(
-            0, s.k_tiles, lambda ki, c: (store(gi, ki, ni, zeros), c)[1], 0))
-
-        @pl.when(steps > 0)
-        def _group():
-            mma = functools.partial(_chained_mma_ws, s, wg, store, gi, ni, first, start, end, steps)
-            pipeline = _contract_pipeline_ws(s, refs.lhs, refs.rhs, mma, _accumulate_then(bm, bn, lambda _: None),
-                                             first, steps, chained=True)
-            pipeline(refs.lhs, refs.rhs.at[:, pl.ds(ni * cta_n, cta_n)], allocations=allocations)
-
-    drain_stores(wg, CONSUMERS)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _group_walk(refs: GroupRefs, gi):
@@ -408,19 +327,3 @@ def _zeros_for_empty_group(s: _ContractGridWS, wg, steps, store_zeros):
 def _zero_accumulator(s: _ContractGridWS):
     """A consumer's block_m x block_n float32 zeros, in the accumulator's register layout."""
     return plgpu.layout_cast(jnp.zeros((s.tile.block_m, s.tile.block_n), jnp.float32), plgpu.Layout.WGMMA)
-
-
-def _chained_mma_ws(s: _ContractGridWS, wg, store, gi, ni, first, start, end, steps, idx, lhs_smem, rhs_smem,
-                    acc_ref):
-    """The chain_k pipeline body of one consumer: its half of rhs's columns, the rows outside the group zeroed
-    first; after a K tile's last row step, its accumulator stored and zeroed."""
-    ki, r = idx
-    _contract_mma_ws(s, wg, first, start, end, steps, (r,), lhs_smem, rhs_smem, acc_ref)
-
-    @pl.when(r == steps - 1)
-    def _flush():
-        value = acc_ref[...]
-        acc_ref[...] = _zero_accumulator(s)
-        store(gi, ki, ni, value)
-
-    return acc_ref

@@ -67,13 +67,6 @@ class TileConfig:
     persistent: bool = True
     grid_minor_dim: int = 1
     grid_tile_width: int = 1
-    # dropless and dropless_ws drhs only: one pipeline walks every K tile of a (group, N tile), so the next tile's
-    # loads overlap this tile's store (pays off when groups are short, e.g. 256 experts).
-    chain_k: bool = False
-    # dropless_ws fwd and dlhs with 128-row tiles only: each consumer keeps the tile's two 64-row halves in two
-    # accumulators and skips the MMAs of a half that holds none of the tile's rows (a group's last tile often
-    # fills only its first half: with 256 experts, one group in two).
-    split_rows: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -82,8 +75,6 @@ class TileConfig:
                 raise GmmConfigError(f"{name}={value} must be a positive multiple of 8.")
         if not 1 <= self.num_stages <= 8:
             raise GmmConfigError(f"num_stages={self.num_stages} must be between 1 and 8.")
-        if self.split_rows and self.block_m != 128:
-            raise GmmConfigError(f"split_rows splits a 128-row tile in two halves; block_m={self.block_m}.")
         if self.grid_minor_dim not in (0, 1) or self.grid_tile_width < 1:
             raise GmmConfigError(f"grid_minor_dim={self.grid_minor_dim} must be 0 (m) or 1 (n) and "
                                  f"grid_tile_width={self.grid_tile_width} must be >= 1.")
@@ -99,6 +90,11 @@ class TileConfig:
             grid_tile_width=self.grid_tile_width)
 
 
+# A product's entry in a tuning table: its ProductConfig fields and the time it was measured at.
+_PRODUCT_KEYS = frozenset({"kernel", "block_m", "block_n", "block_k", "num_stages", "persistent", "grid_minor_dim",
+                           "grid_tile_width", "ms"})
+
+
 @dataclass(frozen=True)
 class ProductConfig:
     """Which kernel computes one product, with which tile."""
@@ -109,12 +105,6 @@ class ProductConfig:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise GmmConfigError(f"kernel={self.kernel!r} is not valid; choose one of {', '.join(KERNELS)}.")
-        if self.tile.chain_k and self.kernel not in ("dropless", "dropless_ws"):
-            raise GmmConfigError("chain_k is a mode of the dropless weight-gradient kernels; drop it or use kernel "
-                                 "'dropless' or 'dropless_ws'.")
-        if self.tile.split_rows and self.kernel != "dropless_ws":
-            raise GmmConfigError("split_rows is a mode of the dropless_ws rows kernel; drop it or use kernel "
-                                 "'dropless_ws'.")
 
     def fits(self, product: str, k: int, n: int) -> bool:
         """Whether this kernel computes the product and its tile divides the output and contraction dims."""
@@ -131,16 +121,19 @@ class ProductConfig:
         d = {"kernel": self.kernel, "block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k,
              "num_stages": t.num_stages, "persistent": t.persistent,
              "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width}
-        return d | ({"chain_k": True} if t.chain_k else {}) | ({"split_rows": True} if t.split_rows else {})
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str = "config") -> "ProductConfig":
+        unknown = sorted(set(d) - _PRODUCT_KEYS) if isinstance(d, dict) else []
+        if unknown:
+            raise GmmConfigError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; a product config takes "
+                                 f"{', '.join(sorted(_PRODUCT_KEYS))}: delete them or re-run `dropless tune-gmm`.")
         try:
             minor = d.get("grid_minor_dim", "n")
             tile = TileConfig(int(d["block_m"]), int(d["block_n"]), int(d["block_k"]), int(d["num_stages"]),
                               bool(d.get("persistent", True)), _MINOR_DIMS[minor] if isinstance(minor, str) else int(minor),
-                              int(d.get("grid_tile_width", 1)), bool(d.get("chain_k", False)),
-                              bool(d.get("split_rows", False)))
+                              int(d.get("grid_tile_width", 1)))
             return cls(str(d["kernel"]), tile)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, GmmConfigError):
