@@ -87,7 +87,8 @@ bench-gmm-fine: $(BENCH_DEPS)
 	  --out $(RESULTS)/gmm-fine-$(GPU).json --chart $(BENCH_SCRATCH)/gmm-fine-$(GPU).png
 
 # 1 GPU: re-tune the fine-grained shapes' products over the warp-specialised tiles in every walk order and band
-# width (writes the packaged src/dropless/gmm/configs.json; `make bench-gmm-fine` then measures what it chose). TUNE_PRODUCTS and TUNE_SHAPES split it over several calls.
+# width (writes the packaged src/dropless/gmm/configs.json; `make bench-gmm-fine` then measures what it chose).
+# TUNE_PRODUCTS and TUNE_SHAPES split it over several calls.
 TUNE_PRODUCTS ?= fwd,dlhs,drhs
 TUNE_SHAPES ?= $(FINE_SHAPES)
 tune-gmm-fine: $(BENCH_DEPS)

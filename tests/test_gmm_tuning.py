@@ -125,6 +125,7 @@ def test_user_table_from_environment(tmp_path, monkeypatch):
     (lambda t: t["devices"][H200][0]["fwd"].pop("block_k"), "malformed"),
     (lambda t: t["aliases"].update({"NVIDIA B200": "NVIDIA B200"}), "has no table"),
     (lambda t: t["devices"][H200][0]["fwd"].update(chain_k=True), "unknown key.*'chain_k'"),
+    (lambda t: t["devices"][H200][0].update(drhs="dropless"), "must be an object"),
 ])
 def test_malformed_tables_raise_one_clear_error(tmp_path, mutate, message):
     table = gt.load_table()
@@ -182,7 +183,8 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
 
 
 # 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor; the warp-specialised kernels (CTA tile
-# 64 x 2*64, and 128 x 2*64 rows, where one tile spans several of the groups).
+# 64 x 2*64, and 128 x 2*64, whose group's tiles read past its last row into the next groups' rows: computed, not
+# stored).
 @pytest.mark.parametrize("rows_kernel, tile, k, n", [
     ("dropless", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
     ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
@@ -419,6 +421,26 @@ def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(pro
         assert float(check(a, b, out, g, int(ends[g] - sizes[g]), int(ends[g]))) < 1e-2
     # The checker catches a wrong output.
     assert float(check(a, b, jnp.zeros_like(out), 2, int(ends[1]), int(ends[2]))) > 0.5
+
+
+def test_a_product_entry_takes_the_keys_tune_gmm_writes():
+    entry = gt.make_entry("e", ShapeKey(4096, 512, 1024, 8), {p: _config() for p in gt.PRODUCTS},
+                          {p: 1.0 for p in gt.PRODUCTS}, "test")
+    assert all(set(entry[p]) == gt._PRODUCT_KEYS for p in gt.PRODUCTS)
+
+
+def test_tuning_some_products_keeps_the_others_and_says_where_they_come_from():
+    from dropless.bench import tune_gmm
+
+    shape = ShapeKey(4096, 512, 1024, 8)
+    old = {p: _config(stages=3) for p in gt.PRODUCTS}
+    table = gt.merge_entry(gt.empty_table(), H200, gt.make_entry(
+        "mine", shape, old, {"fwd": 1.0, "dlhs": 2.0, "drhs": 3.0}, "dropless tune-gmm, commit abc; quick"))
+    best, best_ms = {"fwd": _config(stages=4)}, {"fwd": 0.5}
+    note = tune_gmm._keep_untuned(table, H200, shape, ("fwd",), best, best_ms)
+    assert best == {"fwd": _config(stages=4), "dlhs": old["dlhs"], "drhs": old["drhs"]}
+    assert best_ms == {"fwd": 0.5, "dlhs": 2.0, "drhs": 3.0}
+    assert note == "; fwd tuned here, dlhs, drhs kept from: dropless tune-gmm, commit abc"
 
 
 def test_fine_candidates_walk_the_warp_specialised_tiles_every_way():

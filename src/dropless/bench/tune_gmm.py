@@ -85,8 +85,8 @@ def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
 
 
 def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
-    """Around the warp-specialised tiles that win every product of the fine-grained shapes (DeepSeek-V3 with 256
-    experts, Qwen3-30B-A3B: 128x128x64 in 3 stages, n-minor bands of 4), every walk order and band width: which
+    """Around the warp-specialised tiles that win the fine-grained shapes' products (DeepSeek-V3 with 256 experts,
+    Qwen3-30B-A3B: 128x128x64 in 3 stages; Qwen3-Next's rows products 64x128x64), every walk order and band width: which
     operand the concurrently running tiles share from L2 matters most when each expert has few rows. 18
     candidates per product, against several hundred for `wide`."""
     out = []
@@ -250,15 +250,18 @@ def _shapes(args) -> list[tuple[str, ShapeKey]] | str:
     return shapes
 
 
-def _keep_untuned(table: dict, device: str, shape: ShapeKey, products, best: dict, best_ms: dict) -> None:
-    """Fill the products not tuned in this run with the current table's choice (and timing)."""
+def _keep_untuned(table: dict, device: str, shape: ShapeKey, products, best: dict, best_ms: dict) -> str:
+    """Fill the products not tuned in this run with the current table's choice (and timing); returns what the
+    entry's provenance adds about them."""
     current = gt.lookup(gt.overlay(gt.load_table(), table), device, *astuple(shape))
     previous = next((e for e in table["devices"].get(device, []) + gt.load_table()["devices"].get(
         device, []) if (e["m"], e["k"], e["n"], e["g"]) == astuple(shape)), {})
-    for p in gt.PRODUCTS:
-        if p not in products:
-            best[p] = current.product(p)
-            best_ms[p] = previous.get(p, {}).get("ms")
+    kept = [p for p in gt.PRODUCTS if p not in products]
+    for p in kept:
+        best[p] = current.product(p)
+        best_ms[p] = previous.get(p, {}).get("ms")
+    source = previous.get("provenance", f"the table's nearest entry, {current.source}").split(";")[0]
+    return f"; {', '.join(products)} tuned here, {', '.join(kept)} kept from: {source}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, shape in shapes:
         best, best_ms, trials = tune_shape(name, shape, skew=args.skew, seed=args.seed, which=args.candidates,
                                            workers=args.workers, products=products, kernels=kernels)
+        kept = ""
         if len(products) < len(gt.PRODUCTS):  # keep the current table's choice (and timing) for the others
-            _keep_untuned(table, env["device"], shape, products, best, best_ms)
+            kept = _keep_untuned(table, env["device"], shape, products, best, best_ms)
         all_trials += trials
         provenance = (f"dropless tune-gmm on {env['device']}, {datetime.date.today().isoformat()}, jax {env['jax']}, "
                       f"tokamax {env['tokamax']}, commit {env['commit']}; {args.candidates} candidates, skew "
-                      f"{args.skew}, seed {args.seed}; median of batches, rotating inputs")
+                      f"{args.skew}, seed {args.seed}; median of batches, rotating inputs{kept}")
         table = gt.merge_entry(table, env["device"], gt.make_entry(name, shape, best, best_ms, provenance))
         gt.save_table(table, out)  # after every shape: a timeout keeps what was done
         print(f"{name}: " + ", ".join(f"{p} {best[p].kernel} {best_ms[p]} ms" for p in gt.PRODUCTS), flush=True)

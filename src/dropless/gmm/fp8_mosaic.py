@@ -72,7 +72,7 @@ STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side 
 #                     752 against 728 TF/s: gmm_nt's products take 64x256 where the output's columns are a
 #                     multiple of 256 (64x128 in five stages elsewhere). With a float32 output (the shared experts'
 #                     and dense MLPs' down projection) two stages fit at 64x256: untimed alone, inside the measured
-#                     step (fp8-step-h200.json, c72161e). In the same call as the above the
+#                     step (fp8-step-h200.json). In the same call as the above the
 #                     unscaled kernel ran 1,176 TF/s side by side at 64x128 against 917 blockwise: promotion costs
 #                     22% at equal tiles. Splitting a 64x128 consumer into two 64-column accumulators, both issued
 #                     before either is promoted (overlapping one's promotion with the other's wgmma), ran 8-11%

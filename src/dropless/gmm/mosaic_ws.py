@@ -6,8 +6,8 @@ during every epilogue and its 128x128 tile reads more shared memory per MMA than
 splits the work the way cuBLAS's fastest sm90 kernels do (the `..._256x128_..._coopA` kernels in our
 profiles): a memory warpgroup runs ahead through the pipeline stages (`plgpu.emit_pipeline_warp_specialized`),
 and two consumer warpgroups each own a block_m x block_n accumulator side by side, so a CTA computes a
-block_m x 2*block_n tile (128x256 with the default tile). Each tile's pipeline fills and drains (the producer
-waits until its last stage is consumed before the next tile's begins).
+block_m x 2*block_n tile (128x256 with the default tile). Each tile's pipeline drains (the producer waits until
+its last stage is consumed), and the producer loads the next tile's first stages during the consumers' epilogue.
 
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
   grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
@@ -273,11 +273,15 @@ def _contract_kernel_ws(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, st
 
 
 def _contract_tile_ws(s: _ContractGridWS, refs: GroupRefs, allocations, store, wg, gi, ki, ni):
-    """One output tile out[gi, K tile ki, CTA N tile ni]: zeros for an empty group, else the pipeline over the
-    group's rows with each consumer's epilogue after it."""
+    """One output tile out[gi, K tile ki, CTA N tile ni]: zeros for an empty group (the producer has nothing to
+    load), else the pipeline over the group's rows with each consumer's epilogue after it."""
     bm, bn = s.tile.block_m, s.tile.block_n
-    start, end, steps, first = _group_walk(refs, gi)
-    _zeros_for_empty_group(s, wg, steps, lambda zeros: store(gi, ki, ni, zeros))
+    start, end, steps = refs.start[gi], refs.end[gi], refs.steps[gi]
+    first = pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
+
+    @pl.when((steps == 0) & (wg < CONSUMERS))
+    def _empty_group():
+        store(gi, ki, ni, plgpu.layout_cast(jnp.zeros((bm, bn), jnp.float32), plgpu.Layout.WGMMA))
 
     @pl.when(steps > 0)
     def _group():
@@ -308,22 +312,3 @@ def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-
-def _group_walk(refs: GroupRefs, gi):
-    """(start, end, steps, first row read) of group gi's walk over its rows (dropless.gmm.mosaic.row_steps)."""
-    return refs.start[gi], refs.end[gi], refs.steps[gi], pl.multiple_of(refs.first[gi], TMA_ROW_ALIGNMENT)
-
-
-def _zeros_for_empty_group(s: _ContractGridWS, wg, steps, store_zeros):
-    """An empty group's gradient is zero: each consumer passes a zero accumulator to `store_zeros`; the producer
-    has nothing to load."""
-    @pl.when(steps == 0)
-    def _empty():
-        @pl.when(wg < CONSUMERS)
-        def _zeros():
-            store_zeros(_zero_accumulator(s))
-
-
-def _zero_accumulator(s: _ContractGridWS):
-    """A consumer's block_m x block_n float32 zeros, in the accumulator's register layout."""
-    return plgpu.layout_cast(jnp.zeros((s.tile.block_m, s.tile.block_n), jnp.float32), plgpu.Layout.WGMMA)

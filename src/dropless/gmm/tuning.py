@@ -118,14 +118,16 @@ class ProductConfig:
 
     def to_json(self) -> dict[str, Any]:
         t = self.tile
-        d = {"kernel": self.kernel, "block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k,
-             "num_stages": t.num_stages, "persistent": t.persistent,
-             "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width}
-        return d
+        return {"kernel": self.kernel, "block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k,
+                "num_stages": t.num_stages, "persistent": t.persistent,
+                "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str = "config") -> "ProductConfig":
-        unknown = sorted(set(d) - _PRODUCT_KEYS) if isinstance(d, dict) else []
+        if not isinstance(d, dict):
+            raise GmmConfigError(f"{where} must be an object with kernel, block_m, block_n, block_k and num_stages; "
+                                 f"got {type(d).__name__}.")
+        unknown = sorted(set(d) - _PRODUCT_KEYS)
         if unknown:
             raise GmmConfigError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; a product config takes "
                                  f"{', '.join(sorted(_PRODUCT_KEYS))}: delete them or re-run `dropless tune-gmm`.")
