@@ -22,9 +22,34 @@ def test_stage_records_and_table_from_bench_gmm(tmp_path, capsys):
     for r in (default, fp8):
         assert r["error"] is None and r["device"] and r["commit"] is not None
         assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwdbwd_vs_dense"] == dense["fwdbwd_ms"] / r["fwdbwd_ms"]
+        assert r["gemms_fwd_ms"] > 0 and r["gemms_fwdbwd_ms"] > 0
+        assert r["outside_gemms_fwdbwd_ms"] == r["fwdbwd_ms"] - r["gemms_fwdbwd_ms"]
     assert default["max_rel_err"] < stage.STAGE_ERR_LIMIT
     assert 0 < fp8["max_rel_err"] < stage.FP8_STAGE_ERR_LIMIT  # e4m3 rounding is there, and bounded
     assert "| tiny | default |" in capsys.readouterr().out
+
+
+def test_the_stage_gemms_alone_run_on_the_stage_permutation_layout():
+    """The grouped GEMMs timed alone read the rows the stage's permutation writes: the T*K pairs end to end, or
+    under FP8 each expert from a multiple of 128 (zeros between); their gate+up product on expert 0's rows is
+    x · W[0] (to e4m3's rounding under FP8)."""
+    spec = stage.STAGES["tiny"]
+    x, _, experts = stage.operands(spec, 0)
+    ids, _ = stage.routing(spec, 0)
+    e0 = int((np.asarray(ids) == 0).sum())  # expert 0's rows come first
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    for path, limit in (("default", 1e-2), ("fp8_blockwise", 0.1)):
+        gmm = stage.stage_gmm(path)
+        (up_fwd, _, (x_MD, w, _)), (_, down_fb, (a_MF, w_down, dy_MD)) = stage.gemm_programs(gmm, x, ids, experts, 0)
+        assert a_MF.shape == (x_MD.shape[0], spec.width) and dy_MD.shape == x_MD.shape
+        if gmm.row_align == 1:
+            assert x_MD.shape[0] == spec.rows
+        else:
+            assert x_MD.shape[0] % 128 == 0 and 0 < e0 < 128 and not np.asarray(x_MD[e0:128]).any()
+        h = np.asarray(up_fwd(x_MD, w)[:e0], np.float64)
+        assert rel(h, np.asarray(x_MD[:e0], np.float64) @ np.asarray(w[0], np.float64)) < limit
+        _, dx, dw = down_fb(a_MF, w_down, dy_MD)
+        assert dx.shape == a_MF.shape and dw.shape == w_down.shape
 
 
 def test_routing_draws_distinct_experts_per_token_with_skewed_loads():

@@ -6,7 +6,9 @@ each token's K rows with its routing weights), `dropless.moe.executor.LocalExecu
 it. Its dense equivalent is the two dense matmuls of equal FLOPs, [M, D] x [D, 2F] and [M, F] x [F, D] with
 M = T*K rows, each timed alone forward and forward+backward in the same run; the ratio of their summed time to
 the stage's says what the stage costs beyond its matmuls (the permutations, the activation, grouped-GEMM
-raggedness), so a fusion is measured where it pays.
+raggedness), so a fusion is measured where it pays. Each path's two grouped GEMMs are also timed alone in the same
+run, on the layout and group sizes the stage's permutation writes (`gemms_*_ms`): the stage's time beyond them
+(`outside_gemms_*_ms`) is what the permutation, SwiGLU and unpermutation cost, and what fusing them would save.
 
 Routing: each token's K distinct experts drawn without replacement from expert weights ~ Dirichlet(1) (the
 `dirichlet` skew of the grouped-GEMM benchmark, per token), combine weights uniform in [0.5, 1.5). Before it is
@@ -28,6 +30,7 @@ from dropless.bench.harness import first_line, time_calls
 from dropless.core.config import MoEConfig
 from dropless.fp8 import Recipe, experts_gmm
 from dropless.moe.executor import LocalExecutor
+from dropless.moe.permute import permute
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,39 @@ def stage_programs(gmm, ids_TK, weights_TK):
         return (y, *pullback(dy))
 
     return jax.jit(fwd), jax.jit(fwdbwd)
+
+
+def gemm_programs(gmm, x_TD, ids_TK, experts, seed: int):
+    """The stage's two grouped GEMMs alone: ((fwd, fwdbwd, args) for gate+up, the same for down), on the rows and
+    group sizes the stage's permutation writes (its layout under FP8: each expert from a multiple of 128), the
+    down projection's input and both cotangents drawn like the stage's own."""
+    num_experts, width = experts["down"].shape[:2]
+    sort = jax.jit(lambda x, ids: permute(x, ids, num_experts, None, gmm.row_align)[:2])
+    x_MD, group_sizes_E = sort(x_TD, ids_TK)
+    keys = jax.random.split(jax.random.key(seed + 1), 3)
+    a_MF = jax.random.normal(keys[0], (x_MD.shape[0], width), x_MD.dtype)
+    dh_MF2 = jax.random.normal(keys[1], (x_MD.shape[0], 2 * width), x_MD.dtype)
+    dy_MD = jax.random.normal(keys[2], x_MD.shape, x_MD.dtype)
+
+    def product(lhs, weight, cotangent):
+        fwd = jax.jit(lambda lhs, w: gmm(lhs, w, group_sizes_E, zero_padding=False))
+
+        def fwdbwd(lhs, w, ct):
+            out, pullback = jax.vjp(lambda lhs, w: gmm(lhs, w, group_sizes_E, zero_padding=False), lhs, w)
+            return (out, *pullback(ct))
+
+        return fwd, jax.jit(fwdbwd), (lhs, weight, cotangent)
+
+    return product(x_MD, experts["gate_up"], dh_MF2), product(a_MF, experts["down"], dy_MD)
+
+
+def time_gemms(gmm, x_TD, ids_TK, experts, seed: int, batches: int) -> dict:
+    """ms of the stage's two grouped GEMMs alone (`gemm_programs`), forward and forward+backward, summed."""
+    fwd_ms = fwdbwd_ms = 0.0
+    for fwd, fwdbwd, (lhs, w, ct) in gemm_programs(gmm, x_TD, ids_TK, experts, seed):
+        fwd_ms += time_calls(fwd, [(lhs, w)], batches=batches) * 1e3
+        fwdbwd_ms += time_calls(fwdbwd, [(lhs, w, ct)], batches=batches) * 1e3
+    return {"gemms_fwd_ms": fwd_ms, "gemms_fwdbwd_ms": fwdbwd_ms}
 
 
 def reference(x_TD, experts, ids_TK, weights_TK, dy_TD):
@@ -224,9 +260,13 @@ def bench_stage(spec: StageSpec, paths, env: dict, *, seed: int = 0, batches: in
             rec |= {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3, "fwd_tflops": flops / t_fwd / 1e12,
                     "fwdbwd_tflops": 3 * flops / t_fb / 1e12,
                     "fwd_vs_dense": dense_fwd_ms / (t_fwd * 1e3), "fwdbwd_vs_dense": dense_fwdbwd_ms / (t_fb * 1e3)}
+            rec |= time_gemms(gmm, x, ids_TK, experts, seed, batches)
+            rec |= {"outside_gemms_fwd_ms": rec["fwd_ms"] - rec["gemms_fwd_ms"],
+                    "outside_gemms_fwdbwd_ms": rec["fwdbwd_ms"] - rec["gemms_fwdbwd_ms"]}
             log(f"stage {spec.name} {path:14s} ({gmm.name}) fwd {rec['fwd_ms']:.2f} ms = {rec['fwd_vs_dense']:.0%} "
                 f"of dense, fwd+bwd {rec['fwdbwd_ms']:.2f} ms = {rec['fwdbwd_vs_dense']:.0%}, "
-                f"err {rec['max_rel_err']:.1e}")
+                f"err {rec['max_rel_err']:.1e}; its grouped GEMMs alone {rec['gemms_fwd_ms']:.2f} / "
+                f"{rec['gemms_fwdbwd_ms']:.2f} ms")
         except Exception as e:  # noqa: BLE001 - a failing path is a result, not a crash
             rec["error"] = first_line(e)
             log(f"stage {spec.name} {path:14s} FAILED: {rec['error']}")
@@ -236,15 +276,17 @@ def bench_stage(spec: StageSpec, paths, env: dict, *, seed: int = 0, batches: in
 
 def markdown_table(records: list[dict]) -> str:
     """Per stage and path: fwd and fwd+bwd time, and the dense equivalent's share of it (1 = as fast as dense)."""
-    lines = ["| stage | path | fwd ms | fwd+bwd ms | dense equivalent fwd / fwd+bwd ms | stage vs dense (fwd / fwd+bwd) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| stage | path | fwd ms | fwd+bwd ms | its grouped GEMMs alone fwd / fwd+bwd ms | "
+             "dense equivalent fwd / fwd+bwd ms | stage vs dense (fwd / fwd+bwd) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in records:
         if not r["shape"].startswith("stage:") or r["backend"] == "stage:dense":
             continue
         name, path = r["shape"].removeprefix("stage:"), r["backend"].removeprefix("stage:")
         if r.get("error"):
-            lines.append(f"| {name} | {path} | – | – | – | {r['error'][:60]} |")
+            lines.append(f"| {name} | {path} | – | – | – | – | {r['error'][:60]} |")
             continue
-        lines.append(f"| {name} | {path} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {r['dense_fwd_ms']:.2f} / "
+        gemms = (f"{r['gemms_fwd_ms']:.2f} / {r['gemms_fwdbwd_ms']:.2f}" if "gemms_fwd_ms" in r else "–")
+        lines.append(f"| {name} | {path} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {gemms} | {r['dense_fwd_ms']:.2f} / "
                      f"{r['dense_fwdbwd_ms']:.2f} | {r['fwd_vs_dense']:.0%} / **{r['fwdbwd_vs_dense']:.0%}** |")
     return "\n".join(lines)
