@@ -111,6 +111,22 @@ def test_damaged_checkpoints_are_reported_and_skipped(tmp_path):
     assert outcomes["fell back"] >= 9, outcomes  # every aimed case, and some of the others
 
 
+def test_a_trained_checkpoint_without_its_optimizer_state_is_damaged_but_an_import_holds_weights_only(tmp_path):
+    saved = _save_run(tmp_path / "run", [10, 20])
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "20" / "optimizer")
+    shutil.copytree(tmp_path / "run", tmp_path / "import")
+    step, restored, lines = _restore_latest(tmp_path / "run")
+    assert step == 10 and len(lines) == 1 and "has no optimizer state" in lines[0], lines
+    _assert_equal_trees((restored["model"], restored["optimizer"]["opt_state"]),
+                        (saved[10][0], saved[10][1]["opt_state"]))
+    assert (tmp_path / "run" / "checkpoints.damaged" / "20").is_dir()
+    (tmp_path / "import" / "hf_source.json").write_text("{}")  # what `dropless convert --from-hf` leaves
+    with pytest.raises(ckpt.CheckpointError, match="weights only .*--init-from-hf HF_DIR") as err:
+        _restore_latest(tmp_path / "import")
+    assert not isinstance(err.value, ckpt.DamagedCheckpoint)
+    assert (tmp_path / "import" / "checkpoints" / "20" / "model").is_dir()  # nothing moved
+
+
 def test_bit_flip_in_the_array_values_is_a_digest_mismatch(tmp_path):
     """Rewrite one leaf through orbax itself with one bit changed: the files are valid, only the digest knows."""
     _save_run(tmp_path, [10, 20])
@@ -186,7 +202,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_a_full_filesystem_is_one_line_and_keeps_earlier_checkpoints(small_tmpfs):
+def test_a_full_filesystem_is_one_line_and_keeps_earlier_checkpoints(small_tmpfs, capfd):
     run_dir = small_tmpfs / "run"
     model, optimizer = _model(10)  # about 40 kB of arrays per checkpoint
     with ckpt.manager(run_dir, keep=10) as mngr:
@@ -199,6 +215,8 @@ def test_a_full_filesystem_is_one_line_and_keeps_earlier_checkpoints(small_tmpfs
     finished = ckpt._all_steps(run_dir)
     assert finished == list(range(step - 10, 0, -10))
     assert not [p for p in ckpt.checkpoint_dir(run_dir).iterdir() if "tmp" in p.name]
+    printed = capfd.readouterr().err
+    assert "Traceback" not in printed and "ERROR" not in printed, printed  # the error above is the one line
     got, restored, lines = _restore_latest(run_dir)
     assert got == step - 10 and not lines
     _assert_equal_trees(restored["model"], model)

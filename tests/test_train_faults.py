@@ -277,6 +277,54 @@ def test_sigkill_at_seeded_points_and_stop_signals_each_resumed_exactly(referenc
     reference.assert_same_run(run, [10, 20, 30, STEPS])
 
 
+@pytest.fixture
+def tmpfs(tmp_path):
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root); test_train_checkpoint.py injects the write errors")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def _fill(mount: Path, leave_bytes: int) -> Path:
+    """A file that leaves about `leave_bytes` free on `mount`."""
+    stats = os.statvfs(mount)
+    fill = mount / "fill"
+    size = (fill.stat().st_size if fill.exists() else 0) + stats.f_bavail * stats.f_frsize - leave_bytes
+    with fill.open("wb") as f:
+        f.truncate(0)
+        f.write(b"\0" * max(size, 0))
+    return fill
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_it_resumes_exactly(reference, tmpfs):
+    """The real command on a real full filesystem (a tmpfs): with no space at all the resumed run stops at its first
+    write (the metrics file), and with a little space at the next checkpoint; each time one line, exit 2, in
+    seconds (a TensorBoard writer thread that died with the disk used to block the loop for good). After space is
+    freed `--resume` ends exactly where the uninterrupted run ends."""
+    corpus, cache, run = reference.corpus, reference.cache, tmpfs / "run"
+    first = _start(run, corpus, cache, steps=20, settings={"train.schedule_steps": STEPS})  # the reference's schedule
+    output, _ = first.communicate(timeout=600)
+    assert first.returncode == 0, output
+    for leave, expected in ((0, f"dropless: error: {run}/metrics.jsonl: no space left on device; "),
+                            (200_000, f"dropless: error: could not write checkpoint 30 to {run}/checkpoints: No "
+                                      "space left on device; free space and resume with --resume.")):
+        fill = _fill(tmpfs, leave)
+        process = _start(run, corpus, cache, "--resume")
+        output, _ = process.communicate(timeout=120)  # a blocked loop would hang here
+        lines = [line for line in output.splitlines() if not line.startswith("dropless: ") or "error" in line]
+        assert process.returncode == 2 and output.rstrip().splitlines()[-1].startswith(expected), output
+        assert lines == [output.rstrip().splitlines()[-1]], output  # nothing else: no traceback, no library log
+        assert ckpt.latest_step(run) == 20
+    fill.unlink()
+    process = _start(run, corpus, cache, "--resume")
+    output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output
+    reference.assert_same_run(run, [20, 30, STEPS])
+
+
 def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(workspace):
     """The real command on one device, as the faulted runs above (what is tested is the loop's guard, not the mesh):
     TrainingDiverged ends it with its exit status and one line."""

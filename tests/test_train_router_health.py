@@ -3,6 +3,7 @@ and the router's rows in metrics.jsonl, TensorBoard and training.png."""
 
 from __future__ import annotations
 
+import errno
 import json
 
 import jax
@@ -246,6 +247,45 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
                 b"router/input_common_share/row_1"):
         assert tag in events
     assert metrics_lib.plot_run(tmp_path).stat().st_size > 10_000
+
+
+def _tensorboard_events(logdir):
+    """Every Event in logdir's event files, read as TensorBoard reads them (TFRecord: length, its CRC, data, CRC)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    for path in sorted(logdir.iterdir()):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            (length,) = struct.unpack_from("<Q", data, at)
+            events.append(event_pb2.Event.FromString(data[at + 12:at + 12 + length]))
+            at += 12 + length + 4
+    return events
+
+
+def test_tensorboard_events_are_on_disk_after_each_record_and_a_refused_write_is_one_error(tmp_path, monkeypatch):
+    """Each record's events are flushed when it is written (no writer thread: a dead one would block training),
+    and a write the filesystem refuses raises a MetricsError naming the step and the directory."""
+    import threading
+
+    threads = threading.active_count()
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    assert threading.active_count() == threads  # no writer thread whose death could block the training loop
+    writer.write({"step": 10, "loss": 4.5, "tokens_per_s": 100.0})
+    scalars = {(v.tag, e.step): v.simple_value for e in _tensorboard_events(tmp_path / "tensorboard")
+               for v in e.summary.value}
+    assert scalars == {("loss", 10): 4.5, ("tokens_per_s", 10): 100.0}
+
+    def full_disk(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics_lib._TensorBoard, "_add", full_disk)
+    with pytest.raises(metrics_lib.MetricsError, match=f"step 20 to {tmp_path}: No space left on device; free space"):
+        writer.write({"step": 20, "loss": 4.0})
+    writer.close()
+    assert [r["step"] for r in metrics_lib.read_metrics(tmp_path)] == [10, 20]
 
 
 def test_router_history_stays_out_of_metrics_jsonl_and_resumes_with_it(tmp_path):

@@ -8,6 +8,7 @@ or DROPLESS_DEBUG=1 adds the traceback. Any other exception is our bug and keeps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import errno
 import gc
@@ -335,6 +336,22 @@ def _debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
     return env or DEBUG_FLAG in argv, [a for a in argv if a != DEBUG_FLAG]
 
 
+@contextlib.contextmanager
+def _debug_environment(debug: bool):
+    """DROPLESS_DEBUG=1 while the command runs when --debug is given: library code that holds back details for a
+    one-line error (dropless.train.checkpoint) then shows them."""
+    previous = os.environ.get("DROPLESS_DEBUG")
+    if debug:
+        os.environ["DROPLESS_DEBUG"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("DROPLESS_DEBUG", None)
+        else:
+            os.environ["DROPLESS_DEBUG"] = previous
+
+
 def _one_line_warnings() -> None:
     """Show our own warnings (e.g. a skipped undecodable file) as one plain line each."""
     default = warnings.showwarning
@@ -367,13 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_library_logs()
     fewer_collections()
     try:
-        delegated = _pass_through(argv)
-        if delegated is not None:
-            return _delegate(*delegated)
-        args = parse_args(argv)
-        # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
-        distributed.initialize()
-        return args.func(args)
+        with _debug_environment(debug):
+            delegated = _pass_through(argv)
+            if delegated is not None:
+                return _delegate(*delegated)
+            args = parse_args(argv)
+            # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
+            distributed.initialize()
+            return args.func(args)
     except (ValueError, OSError) as err:
         if not is_user_error(err):
             raise  # our own bug: keep the traceback

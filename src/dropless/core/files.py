@@ -8,11 +8,26 @@ from pathlib import Path
 
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write `data` to a private temporary file beside `path` and rename it over `path`, so readers (and other
-    processes) never see a partial file and a kill leaves the old file or the new one."""
+    processes) never see a partial file and a kill leaves the old file or the new one. A write the filesystem
+    refuses (a full disk) removes the temporary file and raises the OSError naming `path`."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    if isinstance(data, str):
-        tmp.write_text(data)
-    else:
-        tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        if isinstance(data, str):
+            tmp.write_text(data)
+        else:
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise refused(err, path, tmp) from None
+
+
+def refused(err: OSError, path: Path, *temporaries: Path) -> OSError:
+    """`err` as the failure to write `path` (its filename, for the one-line error), the partial `temporaries`
+    removed."""
+    for temporary in temporaries:
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:
+            pass
+    return OSError(err.errno, err.strerror, str(path)) if err.errno is not None else err

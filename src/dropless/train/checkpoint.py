@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import io
 import logging
 import os
 import shutil
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -107,22 +109,80 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, 
     items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
     if with_digest:
         items["digest"] = ocp.args.JsonSave({"version": 1, "leaves": digest(trees)})
-    try:
-        mngr.save(step, args=ocp.args.Composite(**items), force=True)
-        mngr.wait_until_finished()
-    except Exception as err:  # orbax and tensorstore wrap the OSError in their own exceptions
-        reason = _filesystem_reason(err)
-        if reason is None:
-            raise
-        directory = Path(mngr.directory)
-        try:  # orbax's writer threads may still be creating files in the temporary directory: let them stop first
+    with _held_output() as held:
+        try:
+            mngr.save(step, args=ocp.args.Composite(**items), force=True)
             mngr.wait_until_finished()
-        except Exception:  # noqa: BLE001 - the same failure, reported below
-            pass
-        _remove_until_quiet(directory, f"{step}.orbax-checkpoint-tmp*")
-        fix = "free space" if reason == "No space left on device" else "make it writable"
-        raise CheckpointError(f"could not write checkpoint {step} to {directory}: {reason}; {fix} and resume "
-                              "with --resume.") from None
+        except Exception as err:  # orbax and tensorstore wrap the OSError in their own exceptions
+            reason = _filesystem_reason(err)
+            if reason is None:
+                raise
+            directory = Path(mngr.directory)
+            try:  # orbax's writer threads may still be creating files in the temporary directory: let them stop
+                mngr.wait_until_finished()
+            except Exception:  # noqa: BLE001 - the same failure, reported below
+                pass
+            _remove_until_quiet(directory, f"{step}.orbax-checkpoint-tmp*")
+            _silence_failed_writes(directory / f"{step}.orbax-checkpoint-tmp")
+            held.drop()  # each writer thread's traceback of the same refused write: the line below says it once
+            fix = "free space" if reason == "No space left on device" else "make it writable"
+            raise CheckpointError(f"could not write checkpoint {step} to {directory}: {reason}; {fix} and resume "
+                                  "with --resume.") from None
+
+
+class _FailedWrites(logging.Filter):
+    """Drops asyncio's reports of the writer tasks of a save that failed (their messages name its temporary
+    directory): each reports "exception was never retrieved" when it is freed, which may be at exit."""
+
+    def __init__(self, temporary: Path):
+        super().__init__()
+        self.temporary = str(temporary)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.temporary not in record.getMessage()
+
+
+def _silence_failed_writes(temporary: Path) -> None:
+    if os.environ.get("DROPLESS_DEBUG", "").strip().lower() in ("", "0", "false", "no"):
+        logging.getLogger("asyncio").addFilter(_FailedWrites(temporary))
+    gc.collect()  # the tasks freed now report while the save's output is held
+
+
+class _HeldOutput:
+    """What is logged (through the root logger's handlers) and printed to sys.stderr while held: emitted when
+    released, unless dropped. DROPLESS_DEBUG=1 (or --debug) keeps everything."""
+
+    def __init__(self):
+        self.records: list[logging.LogRecord] = []
+        self.stderr = io.StringIO()
+        self.dropped = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def drop(self) -> None:
+        self.dropped = os.environ.get("DROPLESS_DEBUG", "").strip().lower() in ("", "0", "false", "no")
+
+
+@contextlib.contextmanager
+def _held_output():
+    """Hold back what orbax's and tensorstore's threads log and print during a save. A refused write (a full disk)
+    fails in every writer thread at once, each logging its traceback, and asyncio reports each failed future;
+    the save's one-line CheckpointError replaces them (`drop`). Anything held otherwise is emitted at the end."""
+    held, handlers = _HeldOutput(), list(logging.getLogger().handlers)
+    for handler in handlers:
+        handler.addFilter(held)
+    try:
+        with contextlib.redirect_stderr(held.stderr):
+            yield held
+    finally:
+        for handler in handlers:
+            handler.removeFilter(held)
+        if not held.dropped:
+            sys.stderr.write(held.stderr.getvalue())
+            for record in held.records:
+                logging.getLogger(record.name).handle(record)
 
 
 def _remove_until_quiet(directory: Path, pattern: str, quiet_s: float = 1.0, limit_s: float = 15.0) -> None:
@@ -252,8 +312,12 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
                                   f"the saved steps are {sorted(mngr.all_steps()) or 'none'}.")
         names = _item_names(mngr, step)
         if like_optimizer is not None and "optimizer" not in names:
-            raise CheckpointError(f"The checkpoint at step {step} in {run_dir} holds weights only (an import); "
-                                  "start a new run from it with --init-from instead of --resume.")
+            if (Path(run_dir) / "hf_source.json").is_file():  # made by `dropless convert --from-hf`: weights only
+                raise CheckpointError(
+                    f"The checkpoint at step {step} in {run_dir} holds weights only (imported from Hugging Face), "
+                    f"so there is nothing to resume; start a new run from the original with --init-from-hf HF_DIR "
+                    f"(or export this one with `dropless convert --from {run_dir} --to-hf DIR` first).")
+            _agree(DamagedCheckpoint(f"{where} has no optimizer state"), where)  # a trained run's: damaged
         if "digest" in names:
             items["digest"] = ocp.args.JsonRestore()
         # A failed read leaves tensorstore's threads completing futures of an event loop orbax has closed;

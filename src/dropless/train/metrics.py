@@ -39,13 +39,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
 from dropless.core import config as config_lib
 from dropless.core.config import Config
-from dropless.core.files import write_atomic
+from dropless.core.files import refused, write_atomic
 from dropless.moe.balance import top_direction_share
 
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by jax `device_kind`.
@@ -151,23 +152,65 @@ def read_router(run_dir: Path) -> np.ndarray | None:
     return np.memmap(path, dtype, mode="r", shape=(count,))
 
 
+class _TensorBoard:
+    """TensorBoard events written in the caller's thread (tensorboardX's summaries and event file format).
+
+    tensorboardX's SummaryWriter hands events to a writer thread through a bounded queue; when that thread dies
+    (a full disk), the queue fills and the next write blocks the training loop for good, stop signals included.
+    Here a failed write raises where it happens, and `flush` after each record puts the events on disk."""
+
+    def __init__(self, logdir: Path):
+        # Imported here, by the one command that writes TensorBoard files: tensorboardX imports Google Cloud Storage
+        # where it is installed (~0.6 s of every other command's start-up).
+        from tensorboardX import summary
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto import event_pb2
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        self._summary, self._event = summary, event_pb2.Event
+        self._writer = EventsWriter(str(logdir / "events"))
+
+    def _add(self, value, step: int) -> None:
+        self._writer.write_event(self._event(wall_time=time.time(), step=step, summary=value))
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._add(self._summary.scalar(tag, value), step)
+
+    def add_image(self, tag: str, image: np.ndarray, step: int, dataformats: str = "HWC") -> None:
+        self._add(self._summary.image(tag, image, dataformats=dataformats), step)
+
+    def add_histogram(self, tag: str, values: np.ndarray, step: int) -> None:
+        self._add(self._summary.histogram(tag, values, "auto"), step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsWriter:
     """Appends one JSON object per line to RUN_DIR/metrics.jsonl and mirrors scalars to TensorBoard; the router
     rows (`expert_share`, `router_bias`) go to RUN_DIR/router.bin (module docstring) and become a TensorBoard
-    heatmap image, per-row load scalars and bias histograms."""
+    heatmap image, per-row load scalars and bias histograms. A write the filesystem refuses (a full disk) is a
+    MetricsError naming the step, the directory and the reason."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._router_file = None
-        # Imported here, by the one command that writes TensorBoard files: tensorboardX imports Google Cloud Storage
-        # where it is installed (~0.6 s of every other command's start-up).
-        from tensorboardX import SummaryWriter
-
-        self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._tensorboard = _TensorBoard(self.run_dir / "tensorboard")
 
     def write(self, record: dict) -> None:
+        try:
+            self._write(record)
+        except OSError as err:
+            raise MetricsError(f"could not write the metrics of step {record.get('step')} to {self.run_dir}: "
+                               f"{err.strerror or err}; free space (or make it writable) and resume with "
+                               "--resume.") from None
+
+    def _write(self, record: dict) -> None:
         clean = {k: _jsonable(v) for k, v in record.items() if k not in ROUTER_KEYS}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
@@ -184,6 +227,7 @@ class MetricsWriter:
             bias = np.full_like(shares, np.nan) if bias is None else np.asarray(bias, np.float64)
             self._append_router(step, shares, bias)
             self._router(shares, bias, step)
+        self._tensorboard.flush()
 
     def _append_router(self, step: int, shares_LE: np.ndarray, bias_LE: np.ndarray) -> None:
         dtype = router_record_dtype(*shares_LE.shape)
@@ -219,10 +263,14 @@ class MetricsWriter:
                 self._tensorboard.add_histogram(f"router/bias/row_{row}", bias_E, step)
 
     def close(self) -> None:
-        self._file.close()
-        if self._router_file is not None:
-            self._router_file.close()
-        self._tensorboard.close()
+        """Close every sink; a sink the filesystem refuses to flush (the write that failed already said why) does
+        not keep the others open."""
+        for sink in (self._file, self._router_file, self._tensorboard):
+            if sink is not None:
+                try:
+                    sink.close()
+                except OSError:
+                    pass
 
 
 def _jsonable(value):
@@ -304,11 +352,14 @@ def keep_records_through(run_dir: Path, last_step: int) -> list[dict]:
         return []
     kept = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
     temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w") as file:
-        file.write("".join(json.dumps(r) + "\n" for r in kept))
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    try:
+        with temporary.open("w") as file:
+            file.write("".join(json.dumps(r) + "\n" for r in kept))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except OSError as err:
+        raise refused(err, path, temporary) from None
     router = read_router(run_dir)
     if router is not None:  # its records of steps <= last_step, likewise (one truncation: whole records either way)
         keep = int(np.searchsorted(np.asarray(router["step"]), last_step, side="right"))
