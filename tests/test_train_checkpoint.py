@@ -29,6 +29,7 @@ from dropless.core import config as config_lib
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
 from dropless.train.metrics import read_metrics
+from tests.filesystems import mounted_tmpfs
 from tests.test_train import corpus, small_config  # noqa: F401 (corpus is a fixture)
 from tests.test_train_parallel import run_two_processes
 
@@ -193,13 +194,7 @@ def test_a_refused_write_is_one_line_and_keeps_earlier_checkpoints(tmp_path, mon
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); the injected write errors cover a full disk")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    yield from mounted_tmpfs(tmp_path / "tmpfs", "400k", "the injected write errors cover a full disk")
 
 
 def test_a_full_filesystem_is_one_line_and_keeps_earlier_checkpoints(small_tmpfs, capfd):

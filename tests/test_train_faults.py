@@ -23,6 +23,7 @@ import pytest
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import TrainingDiverged
 from dropless.train.metrics import read_metrics
+from tests.filesystems import mounted_tmpfs
 from tests.test_train import SMALL, write_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,13 +280,7 @@ def test_sigkill_at_seeded_points_and_stop_signals_each_resumed_exactly(referenc
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True)
-    if result.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root); test_train_checkpoint.py injects the write errors")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=True)
+    yield from mounted_tmpfs(tmp_path / "tmpfs", "16m", "test_train_checkpoint.py injects the write errors")
 
 
 def _fill(mount: Path, leave_bytes: int) -> Path:

@@ -123,7 +123,7 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, 
             except Exception:  # noqa: BLE001 - the same failure, reported below
                 pass
             _remove_until_quiet(directory, f"{step}.orbax-checkpoint-tmp*")
-            _silence_failed_writes(directory / f"{step}.orbax-checkpoint-tmp")
+            _silence_failed_writes(directory / f"{step}.orbax-checkpoint-tmp", reason)
             held.drop()  # each writer thread's traceback of the same refused write: the line below says it once
             fix = "free space" if reason == "No space left on device" else "make it writable"
             raise CheckpointError(f"could not write checkpoint {step} to {directory}: {reason}; {fix} and resume "
@@ -131,20 +131,24 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, 
 
 
 class _FailedWrites(logging.Filter):
-    """Drops asyncio's reports of the writer tasks of a save that failed (their messages name its temporary
-    directory): each reports "exception was never retrieved" when it is freed, which may be at exit."""
+    """Drops asyncio's reports of the writer tasks of a save that failed: each reports "exception was never
+    retrieved" when it is freed, which may be at exit. A report is theirs when it names the save's temporary
+    directory or its exception is the same refusal (`reason`)."""
 
-    def __init__(self, temporary: Path):
+    def __init__(self, temporary: Path, reason: str):
         super().__init__()
-        self.temporary = str(temporary)
+        self.temporary, self.reason = str(temporary), reason
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.temporary not in record.getMessage()
+        if self.temporary in record.getMessage():
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or _filesystem_reason(error) != self.reason
 
 
-def _silence_failed_writes(temporary: Path) -> None:
+def _silence_failed_writes(temporary: Path, reason: str) -> None:
     if os.environ.get("DROPLESS_DEBUG", "").strip().lower() in ("", "0", "false", "no"):
-        logging.getLogger("asyncio").addFilter(_FailedWrites(temporary))
+        logging.getLogger("asyncio").addFilter(_FailedWrites(temporary, reason))
     gc.collect()  # the tasks freed now report while the save's output is held
 
 
