@@ -149,7 +149,9 @@ class _FailedWrites(logging.Filter):
 def _silence_failed_writes(temporary: Path, reason: str) -> None:
     if os.environ.get("DROPLESS_DEBUG", "").strip().lower() in ("", "0", "false", "no"):
         logging.getLogger("asyncio").addFilter(_FailedWrites(temporary, reason))
-    gc.collect()  # the tasks freed now report while the save's output is held
+    with warnings.catch_warnings():  # the failed save's never-awaited coroutines, freed with the tasks
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gc.collect()  # the tasks freed now report while the save's output is held
 
 
 class _HeldOutput:
