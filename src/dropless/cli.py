@@ -30,6 +30,7 @@ from dropless.core import config as config_lib
 from dropless.core import distributed
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import generate
 from dropless.train import checkpoint as ckpt
@@ -332,24 +333,23 @@ def user_message(err: BaseException) -> str:
 
 def _debug_requested(argv: list[str]) -> tuple[bool, list[str]]:
     """(--debug or DROPLESS_DEBUG=1 given, argv without --debug); the flag may stand anywhere."""
-    env = os.environ.get("DROPLESS_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
-    return env or DEBUG_FLAG in argv, [a for a in argv if a != DEBUG_FLAG]
+    return debugging() or DEBUG_FLAG in argv, [a for a in argv if a != DEBUG_FLAG]
 
 
 @contextlib.contextmanager
 def _debug_environment(debug: bool):
     """DROPLESS_DEBUG=1 while the command runs when --debug is given: library code that holds back details for a
     one-line error (dropless.train.checkpoint) then shows them."""
-    previous = os.environ.get("DROPLESS_DEBUG")
+    previous = os.environ.get(DEBUG_ENV)
     if debug:
-        os.environ["DROPLESS_DEBUG"] = "1"
+        os.environ[DEBUG_ENV] = "1"
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop("DROPLESS_DEBUG", None)
+            os.environ.pop(DEBUG_ENV, None)
         else:
-            os.environ["DROPLESS_DEBUG"] = previous
+            os.environ[DEBUG_ENV] = previous
 
 
 def _one_line_warnings() -> None:

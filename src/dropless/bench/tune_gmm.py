@@ -86,15 +86,13 @@ def wide_candidates(product: str) -> tuple[ProductConfig, ...]:
 
 def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
     """Around the warp-specialised tiles that win the fine-grained shapes' products (DeepSeek-V3 with 256 experts,
-    Qwen3-30B-A3B: 128x128x64 in 3 stages; Qwen3-Next's rows products 64x128x64), every walk order and band width: which
-    operand the concurrently running tiles share from L2 matters most when each expert has few rows. 18
-    candidates per product, against several hundred for `wide`."""
+    Qwen3-30B-A3B: 128x128x64 in 3 stages; Qwen3-Next's rows products 64x128x64), every walk order and band
+    width: which operand the concurrently running tiles share from L2 matters most when each expert has few rows.
+    18 candidates per product, against several hundred for `wide`."""
     out = []
     for bm, bn, bk, stages in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)):
-        walks = [dict(minor=minor, width=width) for minor, width in
-                 (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8))]
-        for walk in walks:
-            c = _pc("dropless_ws", bm, bn, bk, stages, **walk)
+        for minor, width in (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8)):
+            c = _pc("dropless_ws", bm, bn, bk, stages, minor=minor, width=width)
             if gt.smem_bytes(c) <= gt.SMEM_BYTES:
                 out.append(c)
     return tuple(out)

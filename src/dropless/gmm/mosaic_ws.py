@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
-from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, plgpu, row_steps, row_tiles,
-                                 store_rows, swizzled, zero_rows_outside_group)
+from dropless.gmm.mosaic import (GroupRefs, max_row_tiles, num_sms, plgpu, row_steps, row_tiles, store_rows,
+                                 swizzled, zero_rows_outside_group)
 from dropless.gmm.tuning import SMEM_BYTES, ProductConfig, TileConfig, smem_bytes
 
 CONSUMERS = 2  # consumer warpgroups per CTA, side by side along N
@@ -155,16 +155,17 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
             def _compute():
                 store = functools.partial(_rows_epilogue_ws, s, out_smem, out_gmem, wg, offset_gmem, mi, start, size,
                                           ni)
-                body, context = functools.partial(_rows_mma_ws, s, wg), _accumulate_then(bm, bn, store)
-                pipeline = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, body, context)
+                pipeline = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, functools.partial(_rows_mma_ws, s, wg),
+                                             _accumulate_then(bm, bn, store))
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
 
 
 def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref):
-    """The pipeline body of one consumer: its block_n half of the CTA's columns, as wgmma reads it."""
-    mine = pl.ds(wg * s.tile.block_n, s.tile.block_n)
-    rhs_half = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
-    plgpu.wgmma(acc_ref, lhs_smem, rhs_half)
+    """The pipeline body of one consumer: its block_n half of the CTA's columns."""
+    bn = s.tile.block_n
+    mine = pl.ds(wg * bn, bn)
+    b = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
+    plgpu.wgmma(acc_ref, lhs_smem, b)
     plgpu.wgmma_wait(0)
     return acc_ref
 

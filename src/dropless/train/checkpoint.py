@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from dropless.core import config as config_lib
+from dropless.core.debug import debugging
 from dropless.models import transformer
 
 ITEMS = ("model", "optimizer", "digest")
@@ -147,7 +148,7 @@ class _FailedWrites(logging.Filter):
 
 
 def _silence_failed_writes(temporary: Path, reason: str) -> None:
-    if os.environ.get("DROPLESS_DEBUG", "").strip().lower() in ("", "0", "false", "no"):
+    if not debugging():
         logging.getLogger("asyncio").addFilter(_FailedWrites(temporary, reason))
     with warnings.catch_warnings():  # the failed save's never-awaited coroutines, freed with the tasks
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -168,7 +169,7 @@ class _HeldOutput:
         return False
 
     def drop(self) -> None:
-        self.dropped = os.environ.get("DROPLESS_DEBUG", "").strip().lower() in ("", "0", "false", "no")
+        self.dropped = not debugging()
 
 
 @contextlib.contextmanager
