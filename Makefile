@@ -193,19 +193,21 @@ bench-fp8-step: $(BENCH_DEPS)
 bench-attention-vjp: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/attention_vjp_configs.py --out $(RESULTS)/attention-vjp-$(GPU).json
 
-# 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at 2 x 4,096 tokens per step with one
-# variant of the router's settings (VARIANT=, default `defaults`; the others are benchmarks/router_balance.py's
+# 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at its own 8 x 4,096 tokens per step
+# (ROUTER_BATCH=2: the records without a -batch suffix) with one variant of the router's settings (VARIANT=, default `defaults`; the others are benchmarks/router_balance.py's
 # VARIANTS, e.g. seq-aux-1e-2, center-1, common-0.3, other-0.3): every layer's max/mean load per step and the
-# held-out loss every 50 steps, in router-<variant>-<gpu>.json and .png. One variant takes under 4 minutes.
+# held-out loss every 50 steps, in router-<variant>-batch<B>-<gpu>.json and .png. One variant takes about 6 minutes
+# at 8 sequences per step, under 4 at 2.
 # SEED=n (train.seed, default 0) repeats a variant from another initialisation, in router-<variant>-seed<n>-<gpu>.*:
 # GPU training is not bit-reproducible, so a 1% held-out difference needs several runs per setting to resolve.
 VARIANT ?= defaults
 SEED ?= 0
-ROUTER_RUN = $(VARIANT)$(if $(filter-out 0,$(SEED)),-seed$(SEED))
+ROUTER_BATCH ?= 8
+ROUTER_RUN = $(VARIANT)$(if $(filter-out 0,$(SEED)),-seed$(SEED))$(if $(filter-out 2,$(ROUTER_BATCH)),-batch$(ROUTER_BATCH))
 bench-router: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/router_balance.py --variant $(VARIANT) --steps 300 --eval-every 50 \
 	  --out $(RESULTS)/router-$(ROUTER_RUN)-$(GPU).json --chart $(RESULTS)/router-$(ROUTER_RUN)-$(GPU).png \
-	  train.batch_size=2 train.eval_batches=2 train.seed=$(SEED)
+	  train.batch_size=$(ROUTER_BATCH) train.eval_batches=2 train.seed=$(SEED)
 
 # 1 GPU: the other sequences' projection for the expert selection only (benchmarks/router_selection_probe.py, a
 # diagnostic), beside the option itself evaluated on the same training pass, the proxy 300 steps each (one call).

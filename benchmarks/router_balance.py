@@ -96,6 +96,7 @@ def first_step_at_or_below(steps: list[int], worst: list[float], level: float) -
 
 
 TRACE_EVERY = 10  # steps between the full per-expert rows kept in the record
+WINDOW = 10  # steps per trailing window: the load of a layer over its last WINDOW batches together
 
 
 def bias_probe(setup, state, batch) -> list[dict]:
@@ -128,6 +129,10 @@ def run(config, log) -> dict:
     tc = config.train
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, steps, loads, bias_max, losses, dropped = [(0, evaluate(state))], [], [], [], [], 0
+    # A step's load is one batch's; with few sequences per step, which experts a batch's content calls on moves it
+    # from step to step whatever the balancing does. The trailing window's load (each layer's shares summed over
+    # the last WINDOW steps, equal tokens per step) is what the balancing leaves over several batches.
+    recent, window_loads = [], []
     shares = ("router_token_share", "router_logit_token_share", "router_logit_top_direction",
               "router_input_common_share") + (("router_common_alignment",) if config.moe.router_common_rate else ())
     trace = {"steps": [], "expert_share": [], "router_bias": [], **{key: [] for key in shares}}
@@ -147,6 +152,8 @@ def run(config, log) -> dict:
                 timed_tokens += tc.batch_size * tc.seq_len
             steps.append(step + 1)
             loads.append([round(float(r), 4) for r in load_ratios(m["expert_share"])])
+            recent = (recent + [np.asarray(m["expert_share"], np.float64)])[-WINDOW:]
+            window_loads.append([round(float(r), 4) for r in load_ratios(np.mean(recent, axis=0))])
             bias_max.append(round(float(np.abs(m["router_bias"]).max()), 5))
             losses.append(round(float(m["loss"]), 4))
             dropped += int(m["tokens_dropped"])
@@ -171,6 +178,8 @@ def run(config, log) -> dict:
                     + (f"; cosine of the running mean with the step's (lowest layer) "
                        f"{np.min(m['router_common_alignment']):.3f}" if "router_common_alignment" in m else ""))
     worst = [max(row) for row in loads]
+    window_worst = [max(row) for row in window_loads]
+    late = [w for s, w in zip(steps, worst) if s > 200]
     probe = bias_probe(setup, state, last_batch) if tc.steps else []
     log(f"bias probe: {probe}")
     return {"trace": trace, "bias_probe": probe, "layers": router_row_names(config), "steps": steps, "max_load": loads, "worst_max_load": worst,
@@ -178,6 +187,12 @@ def run(config, log) -> dict:
             "worst_max_load_at": {str(s): worst[s - 1] for s in (50, 100, 150, 200, 300) if s <= len(worst)},
             "steady_at_or_below_2.0_from": first_step_at_or_below(steps, worst, 2.0),
             "steady_at_or_below_1.3_from": first_step_at_or_below(steps, worst, 1.3),
+            "window_steps": WINDOW, "window_max_load": window_loads,
+            "window_worst_max_load_at": {str(s): window_worst[s - 1] for s in (50, 100, 150, 200, 300)
+                                         if s <= len(window_worst)},
+            "window_steady_at_or_below_2.0_from": first_step_at_or_below(steps, window_worst, 2.0),
+            "window_steady_at_or_below_1.3_from": first_step_at_or_below(steps, window_worst, 1.3),
+            "worst_max_load_mean_201_300": round(float(np.mean(late)), 4) if late else None,
             "tokens_dropped": dropped, "tokens_per_s": None if t0 is None else timed_tokens / (time.perf_counter() - t0)}
 
 
@@ -190,6 +205,9 @@ def chart(result: dict, path: str, title: str) -> None:
     fig, (ax_load, ax_loss) = plt.subplots(1, 2, figsize=(11, 4))
     for name, column in zip(result["layers"], np.asarray(result["max_load"]).T):
         ax_load.plot(result["steps"], column, lw=1, label=name)
+    if "window_max_load" in result:
+        ax_load.plot(result["steps"], [max(row) for row in result["window_max_load"]], color="black", lw=1.5,
+                     label=f"worst layer, last {result['window_steps']} steps' batches together")
     for level in (1.3, 2.0):
         ax_load.axhline(level, color="grey", lw=0.8, ls="--")
     ax_load.set(xlabel="step", ylabel="max / mean tokens per expert", title="expert load per MoE layer")
@@ -228,6 +246,8 @@ def main() -> None:
                            "per step")
     print(f"{a.variant}: worst layer max/mean at steps {result['worst_max_load_at']}; steady <= 2.0 from step "
           f"{result['steady_at_or_below_2.0_from']}, <= 1.3 from step {result['steady_at_or_below_1.3_from']}; "
+          f"over the last {WINDOW} steps {result['window_worst_max_load_at']}, steady <= 1.3 from step "
+          f"{result['window_steady_at_or_below_1.3_from']}; "
           f"final held-out loss {result['final_eval_loss']:.4f}; "
           + (f"{result['tokens_per_s']:,.0f} tokens/s" if result["tokens_per_s"] else "too few steps to time"),
           flush=True)
