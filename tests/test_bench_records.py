@@ -23,3 +23,9 @@ def test_every_record_names_its_device_and_commit(tmp_path, monkeypatch):
     assert path == tmp_path / "results" / "gmm-h200.json" and path.parent.is_dir()
     records.write_json(path, {"environment": env, "dtype": np.dtype("float32")})
     assert json.loads(path.read_text()) == {"environment": env, "dtype": "float32"}
+
+
+def test_a_record_is_written_where_its_folder_does_not_exist_yet(tmp_path):
+    """A benchmark that ran for minutes must not fail on its last line because nobody made the results folder."""
+    path = records.write_json(tmp_path / "not" / "made" / "router.json", {"steps": [1, 2]})
+    assert json.loads(path.read_text()) == {"steps": [1, 2]}

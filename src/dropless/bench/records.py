@@ -56,7 +56,9 @@ def results_path(template: str, device_kind: str) -> Path:
 
 
 def write_json(path: Path, payload, *, indent: int = 1) -> Path:
-    """Write one benchmark's record (values JSON cannot hold, e.g. dtypes, as their text)."""
+    """Write one benchmark's record (values JSON cannot hold, e.g. dtypes, as their text), creating its folder:
+    a measurement that took minutes is not lost to a results folder nobody made yet."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=indent, default=str) + "\n")
     return path
