@@ -398,7 +398,8 @@ def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_pa
     assert seen["varying"] == {"expert"}
 
 
-@pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS for k in ("dropless", "dropless_ws"))])
+@pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS for k in ("dropless", "dropless_ws")),
+                                             ("drhs", "dropless_ws_stream")])
 def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product, kernel):
     """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -448,7 +449,8 @@ def test_fine_candidates_walk_the_warp_specialised_tiles_every_way():
 
     for product in gt.PRODUCTS:
         fine = tune_gmm.fine_candidates(product)
-        assert len(fine) == 18 and {c.kernel for c in fine} == {"dropless_ws"}
+        kernels = {"dropless_ws", "dropless_ws_stream"} if product == "drhs" else {"dropless_ws"}
+        assert len(fine) == 18 * len(kernels) and {c.kernel for c in fine} == kernels
         assert len(set(fine)) == len(fine)
         assert {(c.tile.grid_minor_dim, c.tile.grid_tile_width) for c in fine} == {
             (minor, width) for minor in (0, 1) for width in (2, 4, 8)}
@@ -469,6 +471,13 @@ def tune_gmm_ws_candidates():
     from dropless.bench import tune_gmm
 
     return [c for product in gt.PRODUCTS for c in tune_gmm.QUICK[product] if c.kernel == "dropless_ws"]
+
+
+def tune_gmm_stream_candidates():
+    from dropless.bench import tune_gmm
+
+    pool = [*tune_gmm.QUICK["drhs"], *tune_gmm.fine_candidates("drhs")]
+    return list(dict.fromkeys(c for c in pool if c.kernel == "dropless_ws_stream"))
 
 
 def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=1024, n=2048, g=8):
@@ -498,6 +507,9 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     # an m-minor walk in bands of 8 (--candidates fine)
     *((p, "dropless_ws", TileConfig(128, 128, 64, 3, grid_minor_dim=0, grid_tile_width=8), jnp.bfloat16)
       for p in gt.PRODUCTS),
+    # the streaming weight-gradient kernel's candidates
+    *(("drhs", "dropless_ws_stream", c.tile, dtype) for c in tune_gmm_stream_candidates()
+      for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)
@@ -556,3 +568,39 @@ def test_kernels_when_the_last_groups_tile_runs_past_the_last_row_in_the_gpu_int
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
     assert rel(out[250:], want[250:]) < 1e-5 and rel(out, want) < 1e-5
     assert rel(dw[3], want_dw[3]) < 1e-5 and rel(dw, want_dw) < 1e-5 and bool((dw[1] == 0).all())
+
+
+@pytest.mark.parametrize("tile", [TileConfig(64, 64, 64, 2, True, 1, 2), TileConfig(64, 64, 64, 3, True, 0, 1)])
+def test_streaming_weight_gradient_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(tile):
+    """mosaic_ws.grouped_matmul_tn_stream: its producer walks each CTA's tiles through one ring of stages, so the
+    interpreter's 4 SMs take 3-4 tiles each and the ring wraps inside tiles and across them (2 and 3 stages, a group
+    of 130 rows is 3 steps). Empty, 1-row and unaligned groups, the last group's steps running past the last row,
+    and NaN in the padding rows."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.gmm.mosaic_ws import grouped_matmul_tn_stream
+
+    sizes = np.array([37, 0, 130, 1, 0, 51, 9], np.int32)  # 228 of 256 rows
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((256, 128)).astype(np.float32)
+    dy = rng.standard_normal((256, 128)).astype(np.float32)
+    x[250], dy[255] = np.nan, np.nan
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        dw = grouped_matmul_tn_stream(jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16),
+                                      jnp.asarray(sizes), tile, out_dtype=jnp.float32)
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    xb, dyb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, dy))
+    for g in range(len(sizes)):
+        lo, hi = bounds[g], bounds[g + 1]
+        np.testing.assert_allclose(np.asarray(dw[g], np.float64), xb[lo:hi].T @ dyb[lo:hi], rtol=1e-5, atol=1e-4)
+
+
+def test_the_streaming_kernel_computes_the_weight_gradient_only():
+    stream = ProductConfig("dropless_ws_stream", TileConfig(128, 128, 64, 3))
+    assert stream.fits("drhs", 2048, 1024) and not stream.fits("fwd", 2048, 1024) and not stream.fits("dlhs", 2048,
+                                                                                                        1024)
+    entry = gt.make_entry("e", ShapeKey(4096, 512, 1024, 8), {"fwd": stream, "dlhs": _config(), "drhs": stream},
+                          {p: 1.0 for p in gt.PRODUCTS}, "test")
+    with pytest.raises(GmmConfigError, match=r"\.fwd names kernel 'dropless_ws_stream', which computes the weight "
+                                             r"gradient \(drhs\) only"):
+        gt.lookup(gt.merge_entry(gt.empty_table(), H200, entry), H200, 4096, 512, 1024, 8)

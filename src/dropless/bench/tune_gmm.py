@@ -13,6 +13,8 @@ with --out and point DROPLESS_GMM_CONFIGS at it: its entries then take precedenc
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import json
 import math
@@ -63,7 +65,8 @@ QUICK = {
              _pc("dropless", 128, 128, 64, 6, minor="m"), *WARP_SPECIALISED),
     "drhs": (_pc("tokamax", 64, 64, 128, 2, False, width=1), _pc("tokamax", 128, 64, 128, 4, False, width=1),
              _pc("dropless", 128, 128, 64, 4), _pc("dropless", 128, 128, 64, 2, False, width=1),
-             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4), *WARP_SPECIALISED),
+             _pc("dropless", 128, 128, 64, 6), _pc("dropless", 64, 256, 64, 4), *WARP_SPECIALISED,
+             *(dataclasses.replace(c, kernel="dropless_ws_stream") for c in WARP_SPECIALISED)),
 }
 
 
@@ -88,13 +91,16 @@ def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
     """Around the warp-specialised tiles that win the fine-grained shapes' products (DeepSeek-V3 with 256 experts,
     Qwen3-30B-A3B: 128x128x64 in 3 stages; Qwen3-Next's rows products 64x128x64), every walk order and band
     width: which operand the concurrently running tiles share from L2 matters most when each expert has few rows.
-    18 candidates per product, against several hundred for `wide`."""
+    The weight gradient also tries each with one stream of loads across a CTA's tiles ("dropless_ws_stream").
+    18 candidates per rows product and 36 for the weight gradient, against several hundred for `wide`."""
     out = []
-    for bm, bn, bk, stages in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)):
-        for minor, width in (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8)):
-            c = _pc("dropless_ws", bm, bn, bk, stages, minor=minor, width=width)
-            if gt.smem_bytes(c) <= gt.SMEM_BYTES:
-                out.append(c)
+    kernels = ("dropless_ws", "dropless_ws_stream") if product == "drhs" else ("dropless_ws",)
+    for kernel in kernels:
+        for bm, bn, bk, stages in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)):
+            for minor, width in (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8)):
+                c = _pc(kernel, bm, bn, bk, stages, minor=minor, width=width)
+                if gt.smem_bytes(c) <= gt.SMEM_BYTES:
+                    out.append(c)
     return tuple(out)
 
 

@@ -29,7 +29,7 @@ from dropless.gmm.vjp import GmmProducts, gmm_from_products
 ROWS_KERNELS = {"dropless": mosaic.grouped_matmul, "dropless_ws": mosaic_ws.grouped_matmul_ws,
                 "tokamax": tokamax.tiled_rows}
 CONTRACT_KERNELS = {"dropless": mosaic.grouped_matmul_tn, "dropless_ws": mosaic_ws.grouped_matmul_tn_ws,
-                    "tokamax": tokamax.tiled_contract}
+                    "dropless_ws_stream": mosaic_ws.grouped_matmul_tn_stream, "tokamax": tokamax.tiled_contract}
 
 
 # Each entry is one jitted program per (config, shapes): a step that calls one kernel from many places (layers,

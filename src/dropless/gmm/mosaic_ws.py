@@ -11,11 +11,12 @@ its last stage is consumed), and the producer loads the next tile's first stages
 
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
   grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
+  grouped_matmul_tn_stream(lhs_MK, rhs_MN, group_sizes_G, tile)       the same, one stream of loads across tiles
 
 The work lists, the ragged store and the padding contracts are those of `dropless.gmm.mosaic.grouped_matmul`
-and `grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. Both are
-`kernel="dropless_ws"` candidates of `dropless tune-gmm`; the tuned table decides, per shape and product,
-whether they run.
+and `grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. The first two are
+`kernel="dropless_ws"` candidates of `dropless tune-gmm`, the third `kernel="dropless_ws_stream"` (dW only); the
+tuned table decides, per shape and product, whether they run.
 """
 
 from __future__ import annotations
@@ -313,3 +314,127 @@ def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+
+
+def grouped_matmul_tn_stream(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
+                             out_dtype=None, interpret=None) -> jax.Array:
+    """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N]: `grouped_matmul_tn_ws` with one stream of loads per CTA.
+
+    `grouped_matmul_tn_ws` runs one pipeline per output tile, and a pipeline's producer waits until its last stage
+    is consumed before the next tile's pipeline starts loading: with a group of 256 rows (four 64-row steps) every
+    tile pays a fill and a drain. Here the producer walks the CTA's whole sequence of (tile, row step) pairs
+    through the ring of stages, so it loads the next tile's first steps while the consumers finish the current
+    tile and store it (`plgpu.emit_pipeline_warp_specialized` cannot dovetail pipelines whose step counts vary,
+    as a group's do). Each consumer's output store runs under the next tile's MMAs; it waits for the store to have
+    read its output block only when it next writes the block. Masking, tile order and the empty groups' zeros are
+    `grouped_matmul_tn_ws`'s.
+    """
+    m, k = lhs_MK.shape
+    m_rhs, n = rhs_MN.shape
+    g = group_sizes_G.shape[0]
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    cta_n = CONSUMERS * bn
+    assert m == m_rhs and k % bm == 0 and n % cta_n == 0, (lhs_MK.shape, rhs_MN.shape, tile)
+    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+    stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)
+    starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
+    grid_shape = _ContractGridWS(tile, g, k // bm, n // cta_n, stages, out_dtype)
+    return plgpu.kernel(
+        functools.partial(_stream_kernel, grid_shape), out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
+        kernel_name="dropless_grouped_matmul_tn_stream",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
+
+
+def _compute_registers() -> int:
+    """Registers per thread for each consumer warpgroup once the producer has given up all but MEMORY_REGISTERS
+    (as `emit_pipeline_warp_specialized` splits them): 512 per thread for one warpgroup's share of the register
+    file, at most 256, a multiple of 8."""
+    return int(min(256, (512 - MEMORY_REGISTERS) / CONSUMERS) // 8 * 8)
+
+
+def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    """grouped_matmul_tn_stream's kernel. Every warpgroup walks the CTA's tiles in the same order and counts the
+    row steps it has passed; step c of the CTA uses stage c % stages. The producer waits for a stage's previous
+    use to be consumed (by both consumers) before loading it again; a consumer waits for the stage's loads."""
+    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
+    cta_n, stages = CONSUMERS * bn, s.stages
+    scratch = dict(
+        lhs_smem=plgpu.SMEM((stages, bk, bm), lhs_gmem.dtype, transforms=swizzled(bm, lhs_gmem.dtype)),
+        rhs_smem=plgpu.SMEM((stages, bk, cta_n), rhs_gmem.dtype, transforms=swizzled(cta_n, rhs_gmem.dtype)),
+        out_smem=plgpu.SMEM((CONSUMERS, bm, bn), s.out_dtype, transforms=swizzled(bn, s.out_dtype)),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per operand's copy
+        consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+    )
+    tiles = s.num_groups * s.k_tiles * s.n_tiles
+
+    def tile_at(index):
+        gi = jax.lax.div(index, s.k_tiles * s.n_tiles)
+        ki, ni = plgpu.planar_snake(jax.lax.rem(index, s.k_tiles * s.n_tiles), (s.k_tiles, s.n_tiles),
+                                    s.tile.grid_minor_dim, s.tile.grid_tile_width)
+        return gi, ki, ni, pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT), steps_gmem[gi]
+
+    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+    def _scope(lhs_smem, rhs_smem, out_smem, produced, consumed):
+        wg = jax.lax.axis_index("wg")
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _tile(loop_info, carry):
+                _, ki, ni, first, steps = tile_at(loop_info.index[0])
+
+                def load(r, c):
+                    stage = jax.lax.rem(c, stages)
+
+                    @pl.when(c >= stages)
+                    def _reuse():
+                        plgpu.barrier_wait(consumed.at[stage])
+
+                    rows = pl.ds(first + r * bk, bk)
+                    plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bm, bm)], lhs_smem.at[stage],
+                                            produced.at[stage])
+                    plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * cta_n, cta_n)], rhs_smem.at[stage],
+                                            produced.at[stage])
+                    return c + 1
+
+                return jax.lax.fori_loop(0, steps, load, carry)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(_compute_registers(), action="increase")
+            mine = pl.ds(wg * bn, bn)
+
+            @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _tile(loop_info, carry):
+                gi, ki, ni, first, steps = tile_at(loop_info.index[0])
+                start, end = start_gmem[gi], end_gmem[gi]
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                def _acc(acc_ref):
+                    def mma(r, c):
+                        stage = jax.lax.rem(c, stages)
+                        plgpu.barrier_wait(produced.at[stage])
+                        lhs, rhs = lhs_smem.at[stage], rhs_smem.at[stage].at[:, mine]
+                        zero_rows_outside_group((lhs, rhs), first + r * bk, start, end, (r == 0) | (r == steps - 1))
+                        plgpu.wgmma(acc_ref, lhs.transpose((1, 0)), rhs)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[stage])
+                        return c + 1
+
+                    after = jax.lax.fori_loop(0, steps, mma, carry)
+                    # An empty group's accumulator is the zeros it starts as.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read this block
+                    out_smem[wg] = acc_ref[...].astype(s.out_dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm),
+                                                                           pl.ds(ni * cta_n + wg * bn, bn)])
+                    return after
+
+                return _acc
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
