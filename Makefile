@@ -88,11 +88,13 @@ bench-gmm-fine: $(BENCH_DEPS)
 
 # 1 GPU: re-tune the fine-grained shapes' products over the warp-specialised tiles in every walk order and band
 # width (writes the packaged src/dropless/gmm/configs.json; `make bench-gmm-fine` then measures what it chose).
-# TUNE_PRODUCTS and TUNE_SHAPES split it over several calls.
+# TUNE_PRODUCTS and TUNE_SHAPES split it over several calls; dW also tries the streaming kernel.
 TUNE_PRODUCTS ?= fwd,dlhs,drhs
 TUNE_SHAPES ?= $(FINE_SHAPES)
+TUNE_KERNELS ?= dropless_ws,dropless_ws_stream
 tune-gmm-fine: $(BENCH_DEPS)
-	$(DROPLESS) tune-gmm --candidates fine --kernels dropless_ws --products $(TUNE_PRODUCTS) --bench-shapes $(TUNE_SHAPES)
+	$(DROPLESS) tune-gmm --candidates fine --kernels $(TUNE_KERNELS) --products $(TUNE_PRODUCTS) \
+	  --bench-shapes $(TUNE_SHAPES)
 
 # 1 GPU: every grouped-GEMM backend, shape and group-size skew (the default `bench gmm`), with its chart.
 bench-gmm-backends: $(BENCH_DEPS)
