@@ -88,7 +88,7 @@ bench-gmm-fine: $(BENCH_DEPS)
 
 # 1 GPU: re-tune the fine-grained shapes' products over the warp-specialised tiles in every walk order and band
 # width (writes the packaged src/dropless/gmm/configs.json; `make bench-gmm-fine` then measures what it chose).
-# TUNE_PRODUCTS and TUNE_SHAPES split it over several calls; dW also tries the streaming kernel.
+# TUNE_PRODUCTS and TUNE_SHAPES split it over several calls; TUNE_KERNELS (both by default) the kernel families.
 TUNE_PRODUCTS ?= fwd,dlhs,drhs
 TUNE_SHAPES ?= $(FINE_SHAPES)
 TUNE_KERNELS ?= dropless_ws,dropless_ws_stream

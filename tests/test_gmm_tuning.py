@@ -184,12 +184,13 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
 
 # 64x64 tiles walked n-minor; the widest wgmma tile (64x256) walked m-minor; the warp-specialised kernels (CTA tile
 # 64 x 2*64, and 128 x 2*64, whose group's tiles read past its last row into the next groups' rows: computed, not
-# stored).
+# stored), and their streaming variant.
 @pytest.mark.parametrize("rows_kernel, tile, k, n", [
     ("dropless", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 128),
     ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
     ("dropless_ws", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 256),
-    ("dropless_ws", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256)])
+    ("dropless_ws", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256),
+    ("dropless_ws_stream", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256)])
 def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter(rows_kernel, tile, k, n):
     """The dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
@@ -398,8 +399,8 @@ def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_pa
     assert seen["varying"] == {"expert"}
 
 
-@pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS for k in ("dropless", "dropless_ws")),
-                                             ("drhs", "dropless_ws_stream")])
+@pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS
+                                               for k in ("dropless", "dropless_ws", "dropless_ws_stream"))])
 def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product, kernel):
     """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -449,8 +450,7 @@ def test_fine_candidates_walk_the_warp_specialised_tiles_every_way():
 
     for product in gt.PRODUCTS:
         fine = tune_gmm.fine_candidates(product)
-        kernels = {"dropless_ws", "dropless_ws_stream"} if product == "drhs" else {"dropless_ws"}
-        assert len(fine) == 18 * len(kernels) and {c.kernel for c in fine} == kernels
+        assert len(fine) == 36 and {c.kernel for c in fine} == {"dropless_ws", "dropless_ws_stream"}
         assert len(set(fine)) == len(fine)
         assert {(c.tile.grid_minor_dim, c.tile.grid_tile_width) for c in fine} == {
             (minor, width) for minor in (0, 1) for width in (2, 4, 8)}
@@ -476,8 +476,7 @@ def tune_gmm_ws_candidates():
 def tune_gmm_stream_candidates():
     from dropless.bench import tune_gmm
 
-    pool = [*tune_gmm.QUICK["drhs"], *tune_gmm.fine_candidates("drhs")]
-    return list(dict.fromkeys(c for c in pool if c.kernel == "dropless_ws_stream"))
+    return list(tune_gmm.STREAMING)  # the fine candidates' tiles; their walks do not change the lowering
 
 
 def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=1024, n=2048, g=8):
@@ -507,8 +506,8 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     # an m-minor walk in bands of 8 (--candidates fine)
     *((p, "dropless_ws", TileConfig(128, 128, 64, 3, grid_minor_dim=0, grid_tile_width=8), jnp.bfloat16)
       for p in gt.PRODUCTS),
-    # the streaming weight-gradient kernel's candidates
-    *(("drhs", "dropless_ws_stream", c.tile, dtype) for c in tune_gmm_stream_candidates()
+    # the streaming kernels' candidates
+    *((p, "dropless_ws_stream", t, dtype) for p in gt.PRODUCTS for t in {c.tile for c in tune_gmm_stream_candidates()}
       for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
@@ -595,12 +594,21 @@ def test_streaming_weight_gradient_matches_a_float64_loop_over_groups_in_the_gpu
         np.testing.assert_allclose(np.asarray(dw[g], np.float64), xb[lo:hi].T @ dyb[lo:hi], rtol=1e-5, atol=1e-4)
 
 
-def test_the_streaming_kernel_computes_the_weight_gradient_only():
-    stream = ProductConfig("dropless_ws_stream", TileConfig(128, 128, 64, 3))
-    assert stream.fits("drhs", 2048, 1024) and not stream.fits("fwd", 2048, 1024) and not stream.fits("dlhs", 2048,
-                                                                                                        1024)
-    entry = gt.make_entry("e", ShapeKey(4096, 512, 1024, 8), {"fwd": stream, "dlhs": _config(), "drhs": stream},
-                          {p: 1.0 for p in gt.PRODUCTS}, "test")
-    with pytest.raises(GmmConfigError, match=r"\.fwd names kernel 'dropless_ws_stream', which computes the weight "
-                                             r"gradient \(drhs\) only"):
-        gt.lookup(gt.merge_entry(gt.empty_table(), H200, entry), H200, 4096, 512, 1024, 8)
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@pytest.mark.parametrize("tile", [TileConfig(64, 64, 64, 2, True, 1, 2), TileConfig(64, 64, 64, 3, True, 0, 1)])
+def test_streaming_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, transpose_rhs):
+    """mosaic_ws.grouped_matmul_stream (fwd, and dlhs with transpose_rhs): three K steps per tile through 2 or 3
+    stages, so the ring wraps inside tiles and across them; empty, 1-row and unaligned groups."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.gmm.mosaic_ws import grouped_matmul_stream
+
+    sizes = jnp.array([37, 0, 130, 1, 0, 51, 9], jnp.int32)  # 228 of 256 rows
+    keys = jax.random.split(jax.random.key(6), 2)
+    x = jax.random.normal(keys[0], (256, 192), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (7, 192, 256), jnp.float32) / 8).astype(jnp.bfloat16)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = grouped_matmul_stream(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, sizes, tile,
+                                    transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+    want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out[:228]), np.asarray(want[:228]), rtol=1e-5, atol=1e-5)

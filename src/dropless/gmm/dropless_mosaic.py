@@ -27,7 +27,7 @@ from dropless.gmm.vjp import GmmProducts, gmm_from_products
 
 # The kernel a table entry names (ProductConfig.kernel), for each kind of product.
 ROWS_KERNELS = {"dropless": mosaic.grouped_matmul, "dropless_ws": mosaic_ws.grouped_matmul_ws,
-                "tokamax": tokamax.tiled_rows}
+                "dropless_ws_stream": mosaic_ws.grouped_matmul_stream, "tokamax": tokamax.tiled_rows}
 CONTRACT_KERNELS = {"dropless": mosaic.grouped_matmul_tn, "dropless_ws": mosaic_ws.grouped_matmul_tn_ws,
                     "dropless_ws_stream": mosaic_ws.grouped_matmul_tn_stream, "tokamax": tokamax.tiled_contract}
 

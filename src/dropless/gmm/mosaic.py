@@ -104,11 +104,12 @@ def max_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
     return (num_rows + (TMA_ROW_ALIGNMENT - 1) * num_groups) // block_m + num_groups
 
 
-def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -> None:
+def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int, wait: bool = True) -> None:
     """Copy `size` rows starting at `offset` of out_smem to out_gmem rows row0 + offset...
 
     TMA boxes have static sizes, so the dynamic row count is stored as its binary digits: one copy of 2^i
     rows for each set bit i of `size` (at most log2(block_m) + 1 copies, issued together, waited once).
+    `wait=False` leaves them running: the caller waits before it next writes out_smem.
     """
     step = 1 << (max_rows.bit_length() - 1)
     while step:
@@ -120,7 +121,8 @@ def store_rows(out_smem, out_gmem, *, row0, offset, size, cols, max_rows: int) -
         offset = offset + (size & step)
         step //= 2
     plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if wait:
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @dataclass(frozen=True)

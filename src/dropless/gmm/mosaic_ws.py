@@ -316,6 +316,129 @@ def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni
 
 
 
+def grouped_matmul_stream(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
+                          transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
+    """`grouped_matmul_ws` with one stream of loads per CTA: its producer walks every (row tile, K step) of the
+    CTA's non-empty tiles through one ring of stages instead of draining a pipeline per tile (a contraction of
+    768 or 512, Qwen3's down projections, is 12 or 8 steps of 64), and each consumer's ragged store runs under
+    the next tile's MMAs. Same work lists, tiles and stores as `grouped_matmul_ws`; rows past sum(group_sizes)
+    are left unwritten."""
+    m, k = lhs_MK.shape
+    if transpose_rhs:
+        g, n, k_rhs = rhs.shape
+    else:
+        g, k_rhs, n = rhs.shape
+    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
+    cta_n = CONSUMERS * bn
+    assert k == k_rhs and n % cta_n == 0 and k % bk == 0, (lhs_MK.shape, rhs.shape, tile)
+    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
+    m_tiles = max_row_tiles(m, g, bm)
+    tables = row_tiles(group_sizes_G, bm, m_tiles)
+    grid_shape = _RowsGridWS(tile, m, m_tiles, n // cta_n, k // bk, fitting_stages(tile, lhs_MK.dtype, out_dtype),
+                             transpose_rhs, out_dtype)
+    return plgpu.kernel(
+        functools.partial(_rows_stream_kernel, grid_shape), out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
+        kernel_name="dropless_grouped_matmul_stream" + ("_nt" if transpose_rhs else ""),
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )(lhs_MK, rhs, *tables)
+
+
+def _ring(stages: int, lhs_block, lhs_dtype, rhs_block, rhs_dtype, out_block, out_dtype, out_leading_tile: int = 8):
+    """The streaming kernels' shared memory: `stages` slots of both operand blocks, each consumer's output block,
+    and the ring's barriers (a slot's two loads land; both consumers are done with it)."""
+    return dict(
+        lhs_smem=plgpu.SMEM((stages, *lhs_block), lhs_dtype, transforms=swizzled(lhs_block[1], lhs_dtype)),
+        rhs_smem=plgpu.SMEM((stages, *rhs_block), rhs_dtype, transforms=swizzled(rhs_block[1], rhs_dtype)),
+        out_smem=plgpu.SMEM((CONSUMERS, *out_block), out_dtype,
+                            transforms=swizzled(out_block[1], out_dtype, leading_tile=out_leading_tile)),
+        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per operand's copy
+        consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+    )
+
+
+def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem,
+                        out_gmem):
+    """grouped_matmul_stream's kernel: the ring protocol of `_stream_kernel` over the CTA's (row tile, CTA column
+    tile) pairs, K steps each; tiles past the last group (size 0) take no step in any warpgroup."""
+    bm, bn, bk, stages = s.tile.block_m, s.tile.block_n, s.tile.block_k, s.stages
+    cta_n = CONSUMERS * bn
+    rhs_block = (cta_n, bk) if s.transpose_rhs else (bk, cta_n)
+    scratch = _ring(stages, (bm, bk), lhs_gmem.dtype, rhs_block, rhs_gmem.dtype, (bm, bn), s.out_dtype,
+                    out_leading_tile=1)
+
+    def tile_at(index):
+        mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
+
+    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+    def _scope(lhs_smem, rhs_smem, out_smem, produced, consumed):
+        wg = jax.lax.axis_index("wg")
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            @plgpu.nd_loop((s.m_tiles * s.n_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _tile(loop_info, carry):
+                _, ni, group, start, size = tile_at(loop_info.index[0])
+                rows, cols = pl.ds(start, bm), pl.ds(ni * cta_n, cta_n)
+
+                def load(ki, c):
+                    stage = jax.lax.rem(c, stages)
+
+                    @pl.when(c >= stages)
+                    def _reuse():
+                        plgpu.barrier_wait(consumed.at[stage])
+
+                    ks = pl.ds(ki * bk, bk)
+                    plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], lhs_smem.at[stage], produced.at[stage])
+                    block = rhs_gmem.at[group].at[cols, ks] if s.transpose_rhs else rhs_gmem.at[group].at[ks, cols]
+                    plgpu.copy_gmem_to_smem(block, rhs_smem.at[stage], produced.at[stage])
+                    return c + 1
+
+                return jax.lax.fori_loop(0, jnp.where(size > 0, s.k_steps, 0), load, carry)
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(_compute_registers(), action="increase")
+            mine = pl.ds(wg * bn, bn)
+
+            @plgpu.nd_loop((s.m_tiles * s.n_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _tile(loop_info, carry):
+                mi, ni, _, start, size = tile_at(loop_info.index[0])
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+                def _acc(acc_ref):
+                    def mma(_, c):
+                        stage = jax.lax.rem(c, stages)
+                        plgpu.barrier_wait(produced.at[stage])
+                        rhs = rhs_smem.at[stage]
+                        b = rhs.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs.at[:, mine]
+                        plgpu.wgmma(acc_ref, lhs_smem.at[stage], b)
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(consumed.at[stage])
+                        return c + 1
+
+                    after = jax.lax.fori_loop(0, jnp.where(size > 0, s.k_steps, 0), mma, carry)
+
+                    @pl.when(size > 0)
+                    def _store():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read this block
+                        out_smem[wg] = acc_ref[...].astype(s.out_dtype)
+                        plgpu.commit_smem()
+                        store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
+                                   cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=False)
+
+                    return after
+
+                return _acc
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def grouped_matmul_tn_stream(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                              out_dtype=None, interpret=None) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N]: `grouped_matmul_tn_ws` with one stream of loads per CTA.
@@ -361,13 +484,7 @@ def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_g
     use to be consumed (by both consumers) before loading it again; a consumer waits for the stage's loads."""
     bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
     cta_n, stages = CONSUMERS * bn, s.stages
-    scratch = dict(
-        lhs_smem=plgpu.SMEM((stages, bk, bm), lhs_gmem.dtype, transforms=swizzled(bm, lhs_gmem.dtype)),
-        rhs_smem=plgpu.SMEM((stages, bk, cta_n), rhs_gmem.dtype, transforms=swizzled(cta_n, rhs_gmem.dtype)),
-        out_smem=plgpu.SMEM((CONSUMERS, bm, bn), s.out_dtype, transforms=swizzled(bn, s.out_dtype)),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per operand's copy
-        consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-    )
+    scratch = _ring(stages, (bk, bm), lhs_gmem.dtype, (bk, cta_n), rhs_gmem.dtype, (bm, bn), s.out_dtype)
     tiles = s.num_groups * s.k_tiles * s.n_tiles
 
     def tile_at(index):

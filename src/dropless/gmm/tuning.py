@@ -14,8 +14,8 @@ lookup is testable anywhere.
 Kernels (`dropless.gmm.dropless_mosaic` maps each name to its functions): "tokamax" is tokamax's Mosaic GPU
 ragged_dot (for dlhs/drhs it copies Wᵀ / xᵀ first); "dropless" is `dropless.gmm.mosaic`, which reads W and x
 in place; "dropless_ws" is `dropless.gmm.mosaic_ws`, its warp-specialised variant (two consumer warpgroups side
-by side: a CTA's output tile is block_m x 2*block_n); "dropless_ws_stream" is its weight-gradient kernel with
-one stream of loads across each CTA's tiles (`mosaic_ws.grouped_matmul_tn_stream`), for drhs only.
+by side: a CTA's output tile is block_m x 2*block_n); "dropless_ws_stream" is the same with one stream of loads
+across each CTA's tiles (`mosaic_ws.grouped_matmul_stream`, `grouped_matmul_tn_stream`).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ PRODUCTS = ("fwd", "dlhs", "drhs")
 KERNELS = ("tokamax", "dropless", "dropless_ws", "dropless_ws_stream")
 # Output columns per CTA, in units of block_n: the warp-specialised kernels' consumers sit side by side.
 CTA_COLUMNS = {"tokamax": 1, "dropless": 1, "dropless_ws": 2, "dropless_ws_stream": 2}
-# Kernels that compute the weight gradient only.
-CONTRACT_ONLY = frozenset({"dropless_ws_stream"})
 SCHEMA_VERSION = 1
 DATA_FILE = "configs.json"
 _MINOR_DIMS = {"m": 0, "n": 1}
@@ -113,8 +111,6 @@ class ProductConfig:
         """Whether this kernel computes the product and its tile divides the output and contraction dims."""
         t = self.tile
         cta_n = t.block_n * CTA_COLUMNS[self.kernel]
-        if product != "drhs" and self.kernel in CONTRACT_ONLY:
-            return False
         if product == "fwd":  # out [M, N], contracts K
             return n % cta_n == 0 and k % t.block_k == 0
         if product == "dlhs":  # out [M, K], contracts N
@@ -268,9 +264,6 @@ def _entry_plan(entry: Any, where: str) -> GmmPlan:
         if product not in entry:
             raise GmmConfigError(f"{where} has no '{product}' config; every entry needs fwd, dlhs and drhs.")
         configs[product] = ProductConfig.from_json(entry[product], f"{where}.{product}")
-        if product != "drhs" and configs[product].kernel in CONTRACT_ONLY:
-            raise GmmConfigError(f"{where}.{product} names kernel {configs[product].kernel!r}, which computes the "
-                                 "weight gradient (drhs) only; name another kernel for this product.")
     return GmmPlan(**configs, source=entry.get("name") or shape_class(shape.m, shape.k, shape.n, shape.g))
 
 
