@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +78,11 @@ class _RowsGridWS:
 
 
 def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                      transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
+                      transpose_rhs: bool = False, out_dtype=None, interpret=None, stream: bool = False) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
 
-    Output rows past sum(group_sizes) are left unwritten (as `dropless.gmm.mosaic.grouped_matmul`).
+    Output rows past sum(group_sizes) are left unwritten (as `dropless.gmm.mosaic.grouped_matmul`). `stream`: one
+    stream of loads per CTA (`grouped_matmul_stream`) instead of a pipeline per tile.
     """
     m, k = lhs_MK.shape
     if transpose_rhs:
@@ -98,9 +99,10 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)
     grid_shape = _RowsGridWS(tile, m, m_tiles, n_tiles, k_steps, stages, transpose_rhs, out_dtype)
     return plgpu.kernel(
-        functools.partial(_rows_kernel_ws, grid_shape), out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        functools.partial(_rows_stream_kernel if stream else _rows_kernel_ws, grid_shape),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name="dropless_grouped_matmul_ws" + ("_nt" if transpose_rhs else ""),
+        kernel_name=f"dropless_grouped_matmul_{'stream' if stream else 'ws'}" + ("_nt" if transpose_rhs else ""),
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
@@ -195,7 +197,7 @@ class _ContractGridWS:
 
 
 def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                         out_dtype=None, interpret=None) -> jax.Array:
+                         out_dtype=None, interpret=None, stream: bool = False) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N] (the weight gradient xᵀ·dy), warp-specialised.
 
     As `dropless.gmm.mosaic.grouped_matmul_tn`, with a producer warpgroup loading while two consumers compute (a
@@ -218,9 +220,10 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
     grid_shape = _ContractGridWS(tile, g, k_tiles, n_tiles, stages, out_dtype)
     return plgpu.kernel(
-        functools.partial(_contract_kernel_ws, grid_shape), out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        functools.partial(_stream_kernel if stream else _contract_kernel_ws, grid_shape),
+        out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
         grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name="dropless_grouped_matmul_tn_ws",
+        kernel_name=f"dropless_grouped_matmul_tn_{'stream' if stream else 'ws'}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
@@ -323,120 +326,137 @@ def grouped_matmul_stream(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.
     768 or 512, Qwen3's down projections, is 12 or 8 steps of 64), and each consumer's ragged store runs under
     the next tile's MMAs. Same work lists, tiles and stores as `grouped_matmul_ws`; rows past sum(group_sizes)
     are left unwritten."""
-    m, k = lhs_MK.shape
-    if transpose_rhs:
-        g, n, k_rhs = rhs.shape
-    else:
-        g, k_rhs, n = rhs.shape
-    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    cta_n = CONSUMERS * bn
-    assert k == k_rhs and n % cta_n == 0 and k % bk == 0, (lhs_MK.shape, rhs.shape, tile)
-    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
-    m_tiles = max_row_tiles(m, g, bm)
-    tables = row_tiles(group_sizes_G, bm, m_tiles)
-    grid_shape = _RowsGridWS(tile, m, m_tiles, n // cta_n, k // bk, fitting_stages(tile, lhs_MK.dtype, out_dtype),
-                             transpose_rhs, out_dtype)
-    return plgpu.kernel(
-        functools.partial(_rows_stream_kernel, grid_shape), out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name="dropless_grouped_matmul_stream" + ("_nt" if transpose_rhs else ""),
-        compiler_params=plgpu.CompilerParams(approx_math=True,
-                                             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )(lhs_MK, rhs, *tables)
+    return grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                             interpret=interpret, stream=True)
 
 
-def _ring(stages: int, lhs_block, lhs_dtype, rhs_block, rhs_dtype, out_block, out_dtype, out_leading_tile: int = 8):
+class _Ring(NamedTuple):
     """The streaming kernels' shared memory: `stages` slots of both operand blocks, each consumer's output block,
-    and the ring's barriers (a slot's two loads land; both consumers are done with it)."""
-    return dict(
-        lhs_smem=plgpu.SMEM((stages, *lhs_block), lhs_dtype, transforms=swizzled(lhs_block[1], lhs_dtype)),
-        rhs_smem=plgpu.SMEM((stages, *rhs_block), rhs_dtype, transforms=swizzled(rhs_block[1], rhs_dtype)),
-        out_smem=plgpu.SMEM((CONSUMERS, *out_block), out_dtype,
-                            transforms=swizzled(out_block[1], out_dtype, leading_tile=out_leading_tile)),
-        produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per operand's copy
-        consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
-    )
+    and per slot a barrier for its two loads landing and one for both consumers being done with it. Every
+    warpgroup walks the CTA's tiles in the same order and counts the steps it has passed; step c uses slot
+    c % stages."""
+
+    lhs: Any
+    rhs: Any
+    out: Any
+    produced: Any
+    consumed: Any
+    stages: int
+
+    @staticmethod
+    def allocations(stages: int, lhs_block, lhs_dtype, rhs_block, rhs_dtype, out_block, out_dtype,
+                    out_leading_tile: int = 8) -> dict:
+        return dict(
+            lhs=plgpu.SMEM((stages, *lhs_block), lhs_dtype, transforms=swizzled(lhs_block[1], lhs_dtype)),
+            rhs=plgpu.SMEM((stages, *rhs_block), rhs_dtype, transforms=swizzled(rhs_block[1], rhs_dtype)),
+            out=plgpu.SMEM((CONSUMERS, *out_block), out_dtype,
+                           transforms=swizzled(out_block[1], out_dtype, leading_tile=out_leading_tile)),
+            produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per operand's copy
+            consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        )
+
+    def load(self, c, lhs_src, rhs_src):
+        """The producer's step c: wait until both consumers are done with the slot's previous use, then load."""
+        slot = jax.lax.rem(c, self.stages)
+
+        @pl.when(c >= self.stages)
+        def _reuse():
+            plgpu.barrier_wait(self.consumed.at[slot])
+
+        plgpu.copy_gmem_to_smem(lhs_src, self.lhs.at[slot], self.produced.at[slot])
+        plgpu.copy_gmem_to_smem(rhs_src, self.rhs.at[slot], self.produced.at[slot])
+        return c + 1
+
+    def compute(self, c, mma):
+        """A consumer's step c: wait for the slot's loads, `mma(lhs_block, rhs_block)` (which waits for its MMA),
+        then release the slot."""
+        slot = jax.lax.rem(c, self.stages)
+        plgpu.barrier_wait(self.produced.at[slot])
+        mma(self.lhs.at[slot], self.rhs.at[slot])
+        plgpu.barrier_arrive(self.consumed.at[slot])
+        return c + 1
+
+    def stage_output(self, wg, value):
+        """A consumer's output block through shared memory: wait until its previous store has read the block (the
+        store runs under the next tile's MMAs), then write it; the caller issues the store."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        self.out[wg] = value.astype(self.out.dtype)
+        plgpu.commit_smem()
+        return self.out.at[wg]
 
 
-def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem,
-                        out_gmem):
-    """grouped_matmul_stream's kernel: the ring protocol of `_stream_kernel` over the CTA's (row tile, CTA column
-    tile) pairs, K steps each; tiles past the last group (size 0) take no step in any warpgroup."""
-    bm, bn, bk, stages = s.tile.block_m, s.tile.block_n, s.tile.block_k, s.stages
-    cta_n = CONSUMERS * bn
-    rhs_block = (cta_n, bk) if s.transpose_rhs else (bk, cta_n)
-    scratch = _ring(stages, (bm, bk), lhs_gmem.dtype, rhs_block, rhs_gmem.dtype, (bm, bn), s.out_dtype,
-                    out_leading_tile=1)
+def _stream(allocations: dict, stages: int, tiles: int, load_tile, compute_tile) -> None:
+    """Run a streaming kernel: `load_tile(ring, tile, c) -> c` in the producer warpgroup and `compute_tile(ring, wg,
+    tile, c) -> c` in each consumer, over this CTA's share of `tiles` tile indices (the same in every warpgroup)."""
 
-    def tile_at(index):
-        mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
-        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
-
-    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(lhs_smem, rhs_smem, out_smem, produced, consumed):
-        wg = jax.lax.axis_index("wg")
+    @functools.partial(pl.run_scoped, **allocations, collective_axes="wg")
+    def _scope(**refs):
+        ring, wg = _Ring(**refs, stages=stages), jax.lax.axis_index("wg")
 
         @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            @plgpu.nd_loop((s.m_tiles * s.n_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
             def _tile(loop_info, carry):
-                _, ni, group, start, size = tile_at(loop_info.index[0])
-                rows, cols = pl.ds(start, bm), pl.ds(ni * cta_n, cta_n)
-
-                def load(ki, c):
-                    stage = jax.lax.rem(c, stages)
-
-                    @pl.when(c >= stages)
-                    def _reuse():
-                        plgpu.barrier_wait(consumed.at[stage])
-
-                    ks = pl.ds(ki * bk, bk)
-                    plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], lhs_smem.at[stage], produced.at[stage])
-                    block = rhs_gmem.at[group].at[cols, ks] if s.transpose_rhs else rhs_gmem.at[group].at[ks, cols]
-                    plgpu.copy_gmem_to_smem(block, rhs_smem.at[stage], produced.at[stage])
-                    return c + 1
-
-                return jax.lax.fori_loop(0, jnp.where(size > 0, s.k_steps, 0), load, carry)
+                return load_tile(ring, loop_info.index[0], carry)
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
             plgpu.set_max_registers(_compute_registers(), action="increase")
-            mine = pl.ds(wg * bn, bn)
 
-            @plgpu.nd_loop((s.m_tiles * s.n_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
             def _tile(loop_info, carry):
-                mi, ni, _, start, size = tile_at(loop_info.index[0])
-
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                def _acc(acc_ref):
-                    def mma(_, c):
-                        stage = jax.lax.rem(c, stages)
-                        plgpu.barrier_wait(produced.at[stage])
-                        rhs = rhs_smem.at[stage]
-                        b = rhs.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs.at[:, mine]
-                        plgpu.wgmma(acc_ref, lhs_smem.at[stage], b)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[stage])
-                        return c + 1
-
-                    after = jax.lax.fori_loop(0, jnp.where(size > 0, s.k_steps, 0), mma, carry)
-
-                    @pl.when(size > 0)
-                    def _store():
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read this block
-                        out_smem[wg] = acc_ref[...].astype(s.out_dtype)
-                        plgpu.commit_smem()
-                        store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
-                                   cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=False)
-
-                    return after
-
-                return _acc
+                return compute_tile(ring, wg, loop_info.index[0], carry)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem,
+                        out_gmem):
+    """grouped_matmul_stream's kernel: the CTA's (row tile, CTA column tile) pairs, K steps each; tiles past the
+    last group (size 0) take no step in any warpgroup."""
+    bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
+    cta_n = CONSUMERS * bn
+    rhs_block = (cta_n, bk) if s.transpose_rhs else (bk, cta_n)
+
+    def tile_at(index):
+        mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+        size = size_gmem[mi]
+        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size, \
+            jnp.where(size > 0, s.k_steps, 0)
+
+    def load_tile(ring, index, c):
+        _, ni, group, start, _, steps = tile_at(index)
+        rows, cols = pl.ds(start, bm), pl.ds(ni * cta_n, cta_n)
+        rhs = rhs_gmem.at[group]
+        return jax.lax.fori_loop(0, steps, lambda ki, c: ring.load(
+            c, lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+            rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c)
+
+    def compute_tile(ring, wg, index, c):
+        mi, ni, _, start, size, steps = tile_at(index)
+        mine = pl.ds(wg * bn, bn)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+        def _acc(acc_ref):
+            def mma(lhs, rhs):
+                plgpu.wgmma(acc_ref, lhs, rhs.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs.at[:, mine])
+                plgpu.wgmma_wait(0)
+
+            after = jax.lax.fori_loop(0, steps, lambda _, c: ring.compute(c, mma), c)
+
+            @pl.when(size > 0)
+            def _store():
+                store_rows(ring.stage_output(wg, acc_ref[...]), out_gmem, row0=start, offset=offset_gmem[mi],
+                           size=size, cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=False)
+
+            return after
+
+        return _acc
+
+    _stream(_Ring.allocations(s.stages, (bm, bk), lhs_gmem.dtype, rhs_block, rhs_gmem.dtype, (bm, bn), s.out_dtype,
+                              out_leading_tile=1), s.stages, s.m_tiles * s.n_tiles, load_tile, compute_tile)
 
 
 def grouped_matmul_tn_stream(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
@@ -452,23 +472,8 @@ def grouped_matmul_tn_stream(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G
     read its output block only when it next writes the block. Masking, tile order and the empty groups' zeros are
     `grouped_matmul_tn_ws`'s.
     """
-    m, k = lhs_MK.shape
-    m_rhs, n = rhs_MN.shape
-    g = group_sizes_G.shape[0]
-    bm, bn, bk = tile.block_m, tile.block_n, tile.block_k
-    cta_n = CONSUMERS * bn
-    assert m == m_rhs and k % bm == 0 and n % cta_n == 0, (lhs_MK.shape, rhs_MN.shape, tile)
-    out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
-    stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)
-    starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
-    grid_shape = _ContractGridWS(tile, g, k // bm, n // cta_n, stages, out_dtype)
-    return plgpu.kernel(
-        functools.partial(_stream_kernel, grid_shape), out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-        grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name="dropless_grouped_matmul_tn_stream",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
+    return grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile, out_dtype=out_dtype, interpret=interpret,
+                                stream=True)
 
 
 def _compute_registers() -> int:
@@ -479,13 +484,11 @@ def _compute_registers() -> int:
 
 
 def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
-    """grouped_matmul_tn_stream's kernel. Every warpgroup walks the CTA's tiles in the same order and counts the
-    row steps it has passed; step c of the CTA uses stage c % stages. The producer waits for a stage's previous
-    use to be consumed (by both consumers) before loading it again; a consumer waits for the stage's loads."""
+    """grouped_matmul_tn_stream's kernel: the CTA's (group, K tile, CTA N tile) outputs, each over its group's row
+    steps; both consumers mask the rows outside the group in a group's first and last step, as
+    `grouped_matmul_tn_ws` does. An empty group takes no step and stores the zeros its accumulator starts as."""
     bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
-    cta_n, stages = CONSUMERS * bn, s.stages
-    scratch = _ring(stages, (bk, bm), lhs_gmem.dtype, (bk, cta_n), rhs_gmem.dtype, (bm, bn), s.out_dtype)
-    tiles = s.num_groups * s.k_tiles * s.n_tiles
+    cta_n = CONSUMERS * bn
 
     def tile_at(index):
         gi = jax.lax.div(index, s.k_tiles * s.n_tiles)
@@ -493,65 +496,32 @@ def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_g
                                     s.tile.grid_minor_dim, s.tile.grid_tile_width)
         return gi, ki, ni, pl.multiple_of(first_gmem[gi], TMA_ROW_ALIGNMENT), steps_gmem[gi]
 
-    @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-    def _scope(lhs_smem, rhs_smem, out_smem, produced, consumed):
-        wg = jax.lax.axis_index("wg")
+    def load_tile(ring, index, c):
+        _, ki, ni, first, steps = tile_at(index)
+        rows = lambda r: pl.ds(first + r * bk, bk)
+        return jax.lax.fori_loop(0, steps, lambda r, c: ring.load(
+            c, lhs_gmem.at[rows(r), pl.ds(ki * bm, bm)], rhs_gmem.at[rows(r), pl.ds(ni * cta_n, cta_n)]), c)
 
-        @pl.when(wg == CONSUMERS)
-        def _producer():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+    def compute_tile(ring, wg, index, c):
+        gi, ki, ni, first, steps = tile_at(index)
+        start, end = start_gmem[gi], end_gmem[gi]
 
-            @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-            def _tile(loop_info, carry):
-                _, ki, ni, first, steps = tile_at(loop_info.index[0])
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+        def _acc(acc_ref):
+            def step(r, c):
+                def mma(lhs, rhs):
+                    mine = rhs.at[:, pl.ds(wg * bn, bn)]
+                    zero_rows_outside_group((lhs, mine), first + r * bk, start, end, (r == 0) | (r == steps - 1))
+                    plgpu.wgmma(acc_ref, lhs.transpose((1, 0)), mine)
+                    plgpu.wgmma_wait(0)
+                return ring.compute(c, mma)
 
-                def load(r, c):
-                    stage = jax.lax.rem(c, stages)
+            after = jax.lax.fori_loop(0, steps, step, c)
+            block = ring.stage_output(wg, acc_ref[...])
+            plgpu.copy_smem_to_gmem(block, out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
+            return after
 
-                    @pl.when(c >= stages)
-                    def _reuse():
-                        plgpu.barrier_wait(consumed.at[stage])
+        return _acc
 
-                    rows = pl.ds(first + r * bk, bk)
-                    plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(ki * bm, bm)], lhs_smem.at[stage],
-                                            produced.at[stage])
-                    plgpu.copy_gmem_to_smem(rhs_gmem.at[rows, pl.ds(ni * cta_n, cta_n)], rhs_smem.at[stage],
-                                            produced.at[stage])
-                    return c + 1
-
-                return jax.lax.fori_loop(0, steps, load, carry)
-
-        @pl.when(wg < CONSUMERS)
-        def _consumer():
-            plgpu.set_max_registers(_compute_registers(), action="increase")
-            mine = pl.ds(wg * bn, bn)
-
-            @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-            def _tile(loop_info, carry):
-                gi, ki, ni, first, steps = tile_at(loop_info.index[0])
-                start, end = start_gmem[gi], end_gmem[gi]
-
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
-                def _acc(acc_ref):
-                    def mma(r, c):
-                        stage = jax.lax.rem(c, stages)
-                        plgpu.barrier_wait(produced.at[stage])
-                        lhs, rhs = lhs_smem.at[stage], rhs_smem.at[stage].at[:, mine]
-                        zero_rows_outside_group((lhs, rhs), first + r * bk, start, end, (r == 0) | (r == steps - 1))
-                        plgpu.wgmma(acc_ref, lhs.transpose((1, 0)), rhs)
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[stage])
-                        return c + 1
-
-                    after = jax.lax.fori_loop(0, steps, mma, carry)
-                    # An empty group's accumulator is the zeros it starts as.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read this block
-                    out_smem[wg] = acc_ref[...].astype(s.out_dtype)
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm),
-                                                                           pl.ds(ni * cta_n + wg * bn, bn)])
-                    return after
-
-                return _acc
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _stream(_Ring.allocations(s.stages, (bk, bm), lhs_gmem.dtype, (bk, cta_n), rhs_gmem.dtype, (bm, bn), s.out_dtype),
+            s.stages, s.num_groups * s.k_tiles * s.n_tiles, load_tile, compute_tile)
