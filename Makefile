@@ -204,10 +204,12 @@ bench-attention-vjp: $(BENCH_DEPS)
 # GPU training is not bit-reproducible, so a 1% held-out difference needs several runs per setting to resolve.
 VARIANT ?= defaults
 SEED ?= 0
+# ROUTER_STEPS=n (default 300) trains longer, in router-<variant>-...-steps<n>-<gpu>.*.
 ROUTER_BATCH ?= 8
-ROUTER_RUN = $(VARIANT)$(if $(filter-out 0,$(SEED)),-seed$(SEED))$(if $(filter-out 2,$(ROUTER_BATCH)),-batch$(ROUTER_BATCH))
+ROUTER_STEPS ?= 300
+ROUTER_RUN = $(VARIANT)$(if $(filter-out 0,$(SEED)),-seed$(SEED))$(if $(filter-out 2,$(ROUTER_BATCH)),-batch$(ROUTER_BATCH))$(if $(filter-out 300,$(ROUTER_STEPS)),-steps$(ROUTER_STEPS))
 bench-router: $(BENCH_DEPS)
-	$(BENCH_PYTHON) benchmarks/router_balance.py --variant $(VARIANT) --steps 300 --eval-every 50 \
+	$(BENCH_PYTHON) benchmarks/router_balance.py --variant $(VARIANT) --steps $(ROUTER_STEPS) --eval-every 50 \
 	  --out $(RESULTS)/router-$(ROUTER_RUN)-$(GPU).json --chart $(RESULTS)/router-$(ROUTER_RUN)-$(GPU).png \
 	  train.batch_size=$(ROUTER_BATCH) train.eval_batches=2 train.seed=$(SEED)
 
