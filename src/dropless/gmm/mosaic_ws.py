@@ -422,20 +422,22 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
 
     def tile_at(index):
         mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
-        size = size_gmem[mi]
-        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size, \
-            jnp.where(size > 0, s.k_steps, 0)
+        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
+
+    def k_steps(size, step, c):
+        """The tile's K steps (a static count, as the per-tile pipeline's), or none for an empty tile."""
+        return jax.lax.cond(size > 0, lambda c: jax.lax.fori_loop(0, s.k_steps, step, c), lambda c: c, c)
 
     def load_tile(ring, index, c):
-        _, ni, group, start, _, steps = tile_at(index)
+        _, ni, group, start, size = tile_at(index)
         rows, cols = pl.ds(start, bm), pl.ds(ni * cta_n, cta_n)
         rhs = rhs_gmem.at[group]
-        return jax.lax.fori_loop(0, steps, lambda ki, c: ring.load(
+        return k_steps(size, lambda ki, c: ring.load(
             c, lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
             rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c)
 
     def compute_tile(ring, wg, index, c):
-        mi, ni, _, start, size, steps = tile_at(index)
+        mi, ni, _, start, size = tile_at(index)
         mine = pl.ds(wg * bn, bn)
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
@@ -444,7 +446,7 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
                 plgpu.wgmma(acc_ref, lhs, rhs.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs.at[:, mine])
                 plgpu.wgmma_wait(0)
 
-            after = jax.lax.fori_loop(0, steps, lambda _, c: ring.compute(c, mma), c)
+            after = k_steps(size, lambda _, c: ring.compute(c, mma), c)
 
             @pl.when(size > 0)
             def _store():
