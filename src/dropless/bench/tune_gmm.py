@@ -229,7 +229,7 @@ def parse_args(argv):
     p.add_argument("--kernels", default=",".join(gt.KERNELS),
                    help="comma-separated subset of the kernel families to try")
     p.add_argument("--out", default=None, help=f"table to write/extend (default: the packaged {gt.DATA_FILE})")
-    p.add_argument("--log", default=None, help="also write every trial as JSON here")
+    p.add_argument("--log", default=None, help="also write every trial as JSON here, with the device and commit")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="parallel compilations")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -308,8 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         table = gt.merge_entry(table, env["device"], gt.make_entry(name, shape, best, best_ms, provenance))
         gt.save_table(table, out)  # after every shape: a timeout keeps what was done
         print(f"{name}: " + ", ".join(f"{p} {best[p].kernel} {best_ms[p]} ms" for p in gt.PRODUCTS), flush=True)
-        if args.log:
-            Path(args.log).write_text(json.dumps(all_trials, indent=1) + "\n")
+        if args.log:  # a record like the benchmarks': what ran where, then every trial
+            Path(args.log).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.log).write_text(json.dumps(
+                {"benchmark": "tune-gmm", "environment": env, "candidates": args.candidates, "skew": args.skew,
+                 "seed": args.seed, "kernels": list(kernels), "products": list(products), "trials": all_trials},
+                indent=1, default=str) + "\n")
     print(f"wrote {out}")
     return 0
 
