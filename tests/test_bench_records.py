@@ -29,3 +29,19 @@ def test_a_record_is_written_where_its_folder_does_not_exist_yet(tmp_path):
     """A benchmark that ran for minutes must not fail on its last line because nobody made the results folder."""
     path = records.write_json(tmp_path / "not" / "made" / "router.json", {"steps": [1, 2]})
     assert json.loads(path.read_text()) == {"steps": [1, 2]}
+
+
+def test_a_block_that_never_finishes_ends_the_process_with_one_line():
+    """tune-gmm runs kernels never run before on this GPU; a deadlocked one must not hang it silently."""
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom dropless.bench.harness import watchdog\n"
+            "with watchdog(0.5, 'the candidate', 'leave it out.'):\n    time.sleep(30)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3
+    assert done.stderr.strip() == "error: the candidate did not finish in 0.5 s, so it never completes; leave it out."
+    code = ("from dropless.bench.harness import watchdog\nimport time\n"
+            "with watchdog(2.0, 'x', 'y'):\n    pass\ntime.sleep(3)\nprint('finished')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "finished"  # a finished block's timer is cancelled

@@ -15,8 +15,11 @@ A kernel is checked against an f32 reference before it is timed (`REL_ERR_LIMIT`
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import statistics
+import sys
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -93,6 +96,25 @@ def training_run(config: Config):
 
 
 # ------------------------------------------------------------------------------------------------ timing
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: str, fix: str, *, exit_code: int = 3):
+    """End the process with one line naming `what` and the `fix` if the block has not finished in `seconds`. A GPU
+    kernel that never completes (a deadlocked candidate) cannot be interrupted from Python; without this a tuner
+    would wait forever and say nothing."""
+    def expire():
+        print(f"error: {what} did not finish in {seconds:g} s, so it never completes; {fix}", file=sys.stderr,
+              flush=True)
+        os._exit(exit_code)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
 
 def time_calls(fn: Callable, arg_sets: list[tuple], *, target_s: float = 0.06, batches: int = 5) -> float:
     """Median seconds per call: `batches` batches of back-to-back calls rotating over `arg_sets`, one sync

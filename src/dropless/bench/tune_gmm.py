@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dropless.bench.gmm import SHAPES, SKEWS, checked_groups, group_sizes
-from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
+from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls, watchdog
 from dropless.bench.records import environment
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
@@ -103,6 +103,9 @@ def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
                     out.append(c)
     return tuple(out)
 
+
+# A candidate's first run: well over a second would be thousands of times its expected time, so this is a hang.
+CANDIDATE_SECONDS = 120.0
 
 CANDIDATE_SETS = {"quick": lambda product: QUICK[product], "fine": fine_candidates, "wide": wide_candidates}
 
@@ -180,7 +183,10 @@ def tune_shape(name: str, shape: ShapeKey, *, skew: str, seed: int, which: str, 
                      "error": error}
             if fn is not None:
                 try:
-                    out = fn(*args[0])
+                    with watchdog(CANDIDATE_SECONDS, f"{name} {product}: kernel {config.kernel}, {config.tile}",
+                                  "the shapes before it are saved; leave that kernel family out (--kernels) and "
+                                  "run again."):
+                        out = jax.block_until_ready(fn(*args[0]))
                     errs = [float(check(*operands[product][0], out, g, int(ends[g] - sizes[g]), int(ends[g])))
                             for g in checked_groups(sizes)]
                     del out
