@@ -1,6 +1,8 @@
 """tokamax's Mosaic GPU flash attention at DeepSeek-V3's MLA shape on one GPU: the forward and the backward with
 its heuristic configuration and with each configuration of tokamax's own autotuning space, the gradients checked
-against the heuristic's, beside the bf16 dense matmul rate of the same call.
+against the heuristic's, beside cuDNN's fused flash attention (`model.attention_backend=cudnn`, its output and
+gradients checked against tokamax's and against a float32 einsum on the first sequence) and the bf16 dense
+matmul rate of the same call.
 
     python benchmarks/attention_vjp_configs.py --out attention-vjp-h200.json [--batch 2 --seq 4096]
 
@@ -19,6 +21,49 @@ import jax.numpy as jnp
 
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, write_json
+
+
+def rel_err(got, want) -> float:
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def cudnn_records(q, k, v, do, scale, tokamax_out_grads, fwd_flops) -> list[dict]:
+    """cuDNN's forward and forward+backward through dropless's binding call, each checked first: against tokamax's
+    output and gradients (both bf16 flash attention), and, with tokamax's, against the float32 einsum on the first
+    sequence (the reference both must approach)."""
+    from dropless.models.attention import causal_attention, cudnn_attention
+
+    def grads(attend, cotangent):
+        def f(q, k, v):
+            out, pullback = jax.vjp(attend, q, k, v)
+            return out, *pullback(cotangent)
+        return jax.jit(f)
+
+    records = []
+    try:
+        cudnn = grads(lambda q, k, v: cudnn_attention(q, k, v, scale), do)
+        got = cudnn(q, k, v)
+        f32 = lambda t: t[:1].astype(jnp.float32)
+        exact = grads(lambda q, k, v: causal_attention(q[:, :, :, None], k, v, scale)[:, :, :, 0], f32(do))(
+            f32(q), f32(k), f32(v))  # one kv head per query head: G = 1
+        names = ("out", "dq", "dk", "dv")
+        errors = {"vs_tokamax": {n: rel_err(g, w) for n, g, w in zip(names, got, tokamax_out_grads)},
+                  "vs_float32_first_sequence": {n: rel_err(g[:1], e) for n, g, e in zip(names, got, exact)},
+                  "tokamax_vs_float32_first_sequence": {n: rel_err(w[:1], e) for n, w, e in
+                                                        zip(names, tokamax_out_grads, exact)}}
+        del exact
+        fwd = jax.jit(lambda q, k, v: cudnn_attention(q, k, v, scale))
+        t_fwd = time_calls(fwd, [(q, k, v)])
+        records.append({"variant": "forward (cudnn)", "ms": 1e3 * t_fwd, "tflops": fwd_flops / t_fwd / 1e12})
+        t = time_calls(cudnn, [(q, k, v)])
+        records.append({"variant": "forward+backward (cudnn)", "ms": 1e3 * t, "backward_ms": 1e3 * (t - t_fwd),
+                        "backward_tflops": 2.5 * fwd_flops / (t - t_fwd) / 1e12, "errors": errors})
+    except Exception as e:  # noqa: BLE001 - a backend that fails at this shape is a result
+        records.append({"variant": "cudnn", "error": str(e).split("\n")[0][:300]})
+    for rec in records:
+        print(json.dumps(rec), flush=True)
+    return records
 
 
 def main() -> None:
@@ -65,6 +110,7 @@ def main() -> None:
     records.append({"variant": "forward+backward (mosaic, heuristic)", "ms": 1e3 * t,
                     "backward_ms": 1e3 * t - fwd_ms, "backward_tflops": 2.5 * fwd_flops / (t - fwd_ms / 1e3) / 1e12})
     print(json.dumps(records[-3]), json.dumps(records[-2]), json.dumps(records[-1]), sep="\n", flush=True)
+    records += cudnn_records(q, k, v, do, scale, want, fwd_flops)
     for block_q, block_kv, stages, wgs in itertools.product((64, 128), (64, 128), (2,), (1, 2)):
         config = mgpu_vjp.Config(block_q_dkv=block_q, block_kv_dkv=block_kv, block_q_dq=block_q,
                                  block_kv_dq=block_kv, num_stages=stages, compute_wgs=wgs)

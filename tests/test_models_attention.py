@@ -150,6 +150,47 @@ def test_tokamax_backend_matches_xla_backend(case):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", ["mla_q_lora", "mqa_qk_norm"])
+def test_cudnn_backend_hands_the_binding_what_it_computes(case, monkeypatch):
+    """model.attention_backend=cudnn: the arguments reach JAX's cuDNN binding in its contract (BTNH, query head h on
+    key/value head h // (H/N), values as wide as they are, the causal mask, the scale). The binding is replaced by
+    that contract written out naively, since cuDNN needs a GPU (`make bench-attention-vjp` checks the kernels
+    against tokamax's there)."""
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+
+    def contract(q, k, v, *, scale, mask_type, qkv_layout):
+        assert mask_type == binding.MaskType.CAUSAL and qkv_layout == "BTNH"
+        (B, S_, H, Q), N, W = q.shape, k.shape[2], v.shape[3]
+        kv_head = jnp.arange(H) // (H // N)
+        logits = jnp.einsum("bshq,bthq->bhst", q.astype(jnp.float32), k[:, :, kv_head].astype(jnp.float32)) * scale
+        logits = jnp.where(jnp.tril(jnp.ones((S_, S_), bool)), logits, -jnp.inf)
+        out = jnp.einsum("bhst,bthw->bshw", jax.nn.softmax(logits, -1), v[:, :, kv_head].astype(jnp.float32))
+        assert out.shape == (B, S_, H, W)
+        return out.astype(q.dtype)
+
+    monkeypatch.setattr(binding, "dot_product_attention", contract)
+    monkeypatch.setattr(attn_lib, "_on_gpu", lambda: True)
+    m, _ = CASES[case]
+    params = _params(m)
+    x_BSD = jax.random.normal(jax.random.key(1), (2, S, m.hidden_size))
+    cos, sin = _tables(m)
+    run = lambda backend: attn_lib.attention(params, x_BSD.astype(jnp.bfloat16), cos, sin,
+                                             dataclasses.replace(m, attention_backend=backend)).astype(jnp.float32)
+    np.testing.assert_allclose(np.asarray(run("cudnn")), np.asarray(run("xla")), rtol=2e-2, atol=2e-2)
+
+
+def test_cudnn_backend_says_what_it_needs(monkeypatch):
+    from dropless.core.config import ConfigError
+
+    q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ConfigError, match="needs an NVIDIA GPU; set model.attention_backend=auto or xla"):
+            attn_lib.cudnn_attention(q, q, q, 1.0)
+    monkeypatch.setattr(attn_lib, "_on_gpu", lambda: True)
+    with pytest.raises(ConfigError, match="takes bfloat16 or float16 inputs, not float32"):
+        attn_lib.cudnn_attention(q.astype(jnp.float32), q, q, 1.0)
+
+
 def test_auto_backend_is_xla_off_gpu_and_in_float32():
     m = mla_config(16)
     assert attn_lib.attention_backend(m, jnp.bfloat16) == ("tokamax" if jax.default_backend() == "gpu" else "xla")

@@ -6,9 +6,10 @@ Shape suffixes (docs/architecture.md legend, plus, in this file): `S` query posi
 
 Both functions take one layer's parameters (unstacked; the transformer scans over the stacked `L` axis), run in
 the dtype of `x` (weights are float32 masters cast at use), and return the projection back to the hidden size.
-The per-head layouts of the weights are the ones fixed in docs/architecture.md. The attention itself runs on one of two
-backends (`model.attention_backend`): `xla`, a plain einsum with float32 logits and softmax (the reference), or
-`tokamax`, a flash-attention kernel that never holds the [S, S] logits (chosen by `auto` on GPUs in bfloat16).
+The per-head layouts of the weights are the ones fixed in docs/architecture.md. The attention itself runs on one of three
+backends (`model.attention_backend`): `xla`, a plain einsum with float32 logits and softmax (the reference),
+`tokamax`, a flash-attention kernel that never holds the [S, S] logits (chosen by `auto` on GPUs in bfloat16), or
+`cudnn`, NVIDIA's fused flash attention through JAX's cuDNN binding (GPU, 16-bit).
 """
 
 from __future__ import annotations
@@ -117,7 +118,10 @@ def _attend(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: floa
 def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, *, scale: float, m: ModelConfig) -> jax.Array:
     B, S, H, Q = q_BSHQ.shape
     N = k_BSNQ.shape[2]
-    if attention_backend(m, q_BSHQ.dtype) == "tokamax":
+    backend = attention_backend(m, q_BSHQ.dtype)
+    if backend == "cudnn":
+        return cudnn_attention(q_BSHQ, k_BSNQ, v_BSNW, scale)
+    if backend == "tokamax":
         try:
             import tokamax  # optional (dropless[gpu]); imported only when used
         except ImportError as error:
@@ -129,6 +133,26 @@ def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, *, sc
         return tokamax.dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, is_causal=True)
     out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, Q), k_BSNQ, v_BSNW, scale)
     return out_BSNGW.reshape(B, S, H, v_BSNW.shape[-1])
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def cudnn_attention(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: float) -> jax.Array:
+    """Causal attention by cuDNN's fused flash-attention kernels, forward and backward, H query heads over N
+    key/value heads. `jax.nn.dot_product_attention(implementation="cudnn")` asks the values to be as wide as the
+    keys, which MLA's are not (128 against 192, where padding would add a fifth to the matmuls), so this calls the
+    binding it wraps, which takes each width as it is."""
+    if not _on_gpu():
+        raise ConfigError("model.attention_backend=cudnn runs NVIDIA's cuDNN kernels and needs an NVIDIA GPU; set "
+                          "model.attention_backend=auto or xla on this machine.")
+    if q_BSHQ.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ConfigError(f"model.attention_backend=cudnn takes bfloat16 or float16 inputs, not {q_BSHQ.dtype}; set "
+                          "train.dtype=bfloat16 or model.attention_backend=xla.")
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    return dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH")
 
 
 def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,

@@ -55,6 +55,9 @@ RECOMPUTE_FACTOR = 0.9
 OFFLOADED_MOMENTS_AT_PEAK = 0.55
 
 
+# Attention backends that keep only a log-sum-exp per query and head, never the [S, S] logits.
+FLASH_BACKENDS = ("tokamax", "cudnn")
+
 def blocks(m) -> tuple[int, int]:
     """(dense, MoE) transformer blocks of the training step: the main model's and the MTP modules'."""
     dense, moe = transformer.layer_counts(m)
@@ -79,7 +82,7 @@ def _dims(config: Config, devices: int) -> Dims:
 
 def attention_bytes_per_token(config: Config, backend: str) -> int:
     """Bytes per token one attention layer saves for its backward: the projections' outputs, q, k, v and the
-    output in the compute dtype; flash attention (tokamax) adds its float32 log-sum-exp per head, the XLA einsum
+    output in the compute dtype; flash attention (tokamax, cuDNN) adds its float32 log-sum-exp per head, the XLA einsum
     its [S, S] float32 logits and probabilities and the compute-dtype probabilities per head."""
     m, c = config.model, jnp.dtype(config.train.dtype).itemsize
     H = m.num_heads
@@ -92,7 +95,7 @@ def attention_bytes_per_token(config: Config, backend: str) -> int:
         qk = v = m.head_dim
         norms = (H + m.num_kv_heads) * qk if m.qk_norm else 0
         widths = H * qk + 2 * m.num_kv_heads * qk + norms + H * v
-    score = H * 4 if backend == "tokamax" else H * config.train.seq_len * (2 * 4 + c)
+    score = H * 4 if backend in FLASH_BACKENDS else H * config.train.seq_len * (2 * 4 + c)
     return widths * c + score
 
 
@@ -298,7 +301,7 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         "layer_weights": layer_copy,  # one layer's weights cast to the compute dtype (gathered over fsdp)
         # One layer's attention backward: the XLA einsum's [S, S] float32 score gradients per head, or flash
         # attention's per-row statistics (float32 per head).
-        "attention": T * m.num_heads * 4 * (train.seq_len if attention_backend != "tokamax" else 2),
+        "attention": T * m.num_heads * 4 * (2 if attention_backend in FLASH_BACKENDS else train.seq_len),
     }
     moe_lb = layers["moe"][1]
     if num_moe:
