@@ -113,7 +113,8 @@ class ModelConfig:
     init_std: float = 0.02
     # The routers' initial weights: normal(0, router_init_std); 0 = model.init_std like every other matrix.
     router_init_std: float = 0.0
-    # Attention kernel: "auto" = tokamax's flash attention on GPU in bfloat16, the plain XLA einsum otherwise.
+    # Attention kernel: "auto" = tokamax's flash attention on GPU in bfloat16, the plain XLA einsum otherwise;
+    # "cudnn" = cuDNN's fused flash attention (NVIDIA GPU, bfloat16 or float16).
     attention_backend: Literal["auto", "xla", "tokamax", "cudnn"] = "auto"
     # Multi-token prediction (DeepSeek-V3): D sequential modules, module k predicting token i+k+1 from the
     # depth k-1 hidden state and the embedding of token i+k; 0 = off. Training only: inference ignores them.
