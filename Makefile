@@ -191,13 +191,18 @@ bench-fp8-kernels: $(BENCH_DEPS)
 	$(DROPLESS) bench gmm --shapes '' --stages dsv3-e32 --stage-paths default,fp8_blockwise,fp8_rowwise --table \
 	  --out $(RESULTS)/fp8-stage-$(GPU).json
 	DROPLESS_COMMIT=$$(git rev-parse --short HEAD) $(BENCH_PYTHON) benchmarks/fp8/kernel_check.py > $(RESULTS)/fp8-kernels-$(GPU).jsonl
+# STEP_OVERRIDES (key=value ...) change all three runs, recorded in fp8-step-$(STEP_TAG)-<gpu>.json when STEP_TAG is
+# set (e.g. STEP_OVERRIDES=model.attention_backend=cudnn STEP_TAG=cudnn).
+STEP_OVERRIDES ?=
+STEP_TAG ?=
+FP8_STEP_RUN = fp8-step$(if $(STEP_TAG),-$(STEP_TAG))
 bench-fp8-step: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
 	for recipe in off blockwise rowwise; do $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
-	  --record $(BENCH_SCRATCH)/fp8-step-$$recipe.json train.fp8=$$recipe || exit 1; done
+	  --record $(BENCH_SCRATCH)/$(FP8_STEP_RUN)-$$recipe.json train.fp8=$$recipe $(STEP_OVERRIDES) || exit 1; done
 	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
-	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-step-$(GPU).json \
-	  $(BENCH_SCRATCH)/fp8-step-off.json $(BENCH_SCRATCH)/fp8-step-blockwise.json $(BENCH_SCRATCH)/fp8-step-rowwise.json
+	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/$(FP8_STEP_RUN)-$(GPU).json \
+	  $(foreach r,off blockwise rowwise,$(BENCH_SCRATCH)/$(FP8_STEP_RUN)-$(r).json)
 
 # 1 GPU: tokamax's flash attention at DeepSeek-V3's MLA shape, the backward under each configuration of tokamax's
 # autotuning space against its heuristic one.
