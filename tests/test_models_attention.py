@@ -190,6 +190,16 @@ def test_cudnn_backend_says_what_it_needs(monkeypatch):
     with pytest.raises(ConfigError, match="takes bfloat16 or float16 inputs, not float32"):
         attn_lib.cudnn_attention(q.astype(jnp.float32), q, q, 1.0)
 
+    from jax._src.cudnn import fused_attention_stablehlo as binding
+
+    def refuses(*args, **kwargs):
+        raise NotImplementedError("mla requires cudnn version >= 9.10 and at least hopper arch.")
+
+    monkeypatch.setattr(binding, "dot_product_attention", refuses)
+    with pytest.raises(ConfigError, match=r"cannot run this attention here \(mla requires cudnn version >= 9.10 and "
+                                          r"at least hopper arch.\); set model.attention_backend=auto or xla"):
+        attn_lib.cudnn_attention(q, q, q, 1.0)
+
 
 def test_auto_backend_is_xla_off_gpu_and_in_float32():
     m = mla_config(16)

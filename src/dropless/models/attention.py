@@ -143,7 +143,7 @@ def cudnn_attention(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, sca
     """Causal attention by cuDNN's fused flash-attention kernels, forward and backward, H query heads over N
     key/value heads. `jax.nn.dot_product_attention(implementation="cudnn")` asks the values to be as wide as the
     keys, which MLA's are not (128 against 192, where padding would add a fifth to the matmuls), so this calls the
-    binding it wraps, which takes each width as it is."""
+    binding it wraps, which takes each width as it is (cuDNN 9.10 or later on Hopper)."""
     if not _on_gpu():
         raise ConfigError("model.attention_backend=cudnn runs NVIDIA's cuDNN kernels and needs an NVIDIA GPU; set "
                           "model.attention_backend=auto or xla on this machine.")
@@ -152,7 +152,12 @@ def cudnn_attention(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, sca
                           "train.dtype=bfloat16 or model.attention_backend=xla.")
     from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
 
-    return dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, mask_type=MaskType.CAUSAL, qkv_layout="BTNH")
+    try:
+        return dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, mask_type=MaskType.CAUSAL,
+                                     qkv_layout="BTNH")
+    except NotImplementedError as error:  # the binding's checks of this GPU, cuDNN version and shape
+        raise ConfigError(f"model.attention_backend=cudnn cannot run this attention here ({error}); set "
+                          "model.attention_backend=auto or xla.") from error
 
 
 def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
