@@ -11,11 +11,11 @@ its last stage is consumed), and the producer loads the next tile's first stages
 
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
   grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
-  grouped_matmul_tn_stream(lhs_MK, rhs_MN, group_sizes_G, tile)       the same, one stream of loads across tiles
+  grouped_matmul_stream, grouped_matmul_tn_stream                     the same, one stream of loads across tiles
 
 The work lists, the ragged store and the padding contracts are those of `dropless.gmm.mosaic.grouped_matmul`
 and `grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. The first two are
-`kernel="dropless_ws"` candidates of `dropless tune-gmm`, the third `kernel="dropless_ws_stream"` (dW only); the
+`kernel="dropless_ws"` candidates of `dropless tune-gmm`, the streaming pair `kernel="dropless_ws_stream"`; the
 tuned table decides, per shape and product, whether they run.
 """
 
@@ -438,14 +438,10 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
 
     def compute_tile(ring, wg, index, c):
         mi, ni, _, start, size = tile_at(index)
-        mine = pl.ds(wg * bn, bn)
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
         def _acc(acc_ref):
-            def mma(lhs, rhs):
-                plgpu.wgmma(acc_ref, lhs, rhs.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs.at[:, mine])
-                plgpu.wgmma_wait(0)
-
+            mma = lambda lhs, rhs: _rows_mma_ws(s, wg, None, lhs, rhs, acc_ref)
             after = k_steps(size, lambda _, c: ring.compute(c, mma), c)
 
             @pl.when(size > 0)
@@ -511,12 +507,8 @@ def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_g
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
         def _acc(acc_ref):
             def step(r, c):
-                def mma(lhs, rhs):
-                    mine = rhs.at[:, pl.ds(wg * bn, bn)]
-                    zero_rows_outside_group((lhs, mine), first + r * bk, start, end, (r == 0) | (r == steps - 1))
-                    plgpu.wgmma(acc_ref, lhs.transpose((1, 0)), mine)
-                    plgpu.wgmma_wait(0)
-                return ring.compute(c, mma)
+                return ring.compute(c, lambda lhs, rhs: _contract_mma_ws(s, wg, first, start, end, steps, (r,), lhs,
+                                                                         rhs, acc_ref))
 
             after = jax.lax.fori_loop(0, steps, step, c)
             block = ring.stage_output(wg, acc_ref[...])
