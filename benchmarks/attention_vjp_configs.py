@@ -28,24 +28,26 @@ def rel_err(got, want) -> float:
     return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
+def vjp_program(attend, cotangent):
+    """(q, k, v) -> (attend's output, dq, dk, dv) for `cotangent`, one jitted program."""
+    def f(q, k, v):
+        out, pullback = jax.vjp(attend, q, k, v)
+        return out, *pullback(cotangent)
+    return jax.jit(f)
+
+
 def cudnn_records(q, k, v, do, scale, tokamax_out_grads, fwd_flops) -> list[dict]:
     """cuDNN's forward and forward+backward through dropless's binding call, each checked first: against tokamax's
     output and gradients (both bf16 flash attention), and, with tokamax's, against the float32 einsum on the first
     sequence (the reference both must approach)."""
     from dropless.models.attention import causal_attention, cudnn_attention
 
-    def grads(attend, cotangent):
-        def f(q, k, v):
-            out, pullback = jax.vjp(attend, q, k, v)
-            return out, *pullback(cotangent)
-        return jax.jit(f)
-
     records = []
     try:
-        cudnn = grads(lambda q, k, v: cudnn_attention(q, k, v, scale), do)
+        cudnn = vjp_program(lambda q, k, v: cudnn_attention(q, k, v, scale), do)
         got = cudnn(q, k, v)
         f32 = lambda t: t[:1].astype(jnp.float32)
-        exact = grads(lambda q, k, v: causal_attention(q[:, :, :, None], k, v, scale)[:, :, :, 0], f32(do))(
+        exact = vjp_program(lambda q, k, v: causal_attention(q[:, :, :, None], k, v, scale)[:, :, :, 0], f32(do))(
             f32(q), f32(k), f32(v))  # one kv head per query head: G = 1
         names = ("out", "dq", "dk", "dv")
         errors = {"vs_tokamax": {n: rel_err(g, w) for n, g, w in zip(names, got, tokamax_out_grads)},
@@ -89,11 +91,8 @@ def main() -> None:
     scale = dq ** -0.5
 
     def grads(impl):
-        def f(q, k, v):
-            out, pullback = jax.vjp(lambda q, k, v: tokamax.dot_product_attention(
-                q, k, v, scale=scale, is_causal=True, implementation=(impl,)), q, k, v)
-            return out, *pullback(do)
-        return jax.jit(f)
+        return vjp_program(lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation=(impl,)), do)
 
     records = []
     x = jax.random.normal(jax.random.key(5), (8192, 8192), jnp.bfloat16)

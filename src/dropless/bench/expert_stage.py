@@ -287,6 +287,6 @@ def markdown_table(records: list[dict]) -> str:
             lines.append(f"| {name} | {path} | – | – | – | – | {r['error'][:60]} |")
             continue
         gemms = (f"{r['gemms_fwd_ms']:.2f} / {r['gemms_fwdbwd_ms']:.2f}" if "gemms_fwd_ms" in r else "–")
-        lines.append(f"| {name} | {path} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {gemms} | {r['dense_fwd_ms']:.2f} / "
-                     f"{r['dense_fwdbwd_ms']:.2f} | {r['fwd_vs_dense']:.0%} / **{r['fwdbwd_vs_dense']:.0%}** |")
+        lines.append(f"| {name} | {path} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | {gemms} | "
+                     f"{r['dense_fwd_ms']:.2f} / {r['dense_fwdbwd_ms']:.2f} | {r['fwd_vs_dense']:.0%} / **{r['fwdbwd_vs_dense']:.0%}** |")
     return "\n".join(lines)

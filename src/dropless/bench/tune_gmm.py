@@ -14,9 +14,7 @@ with --out and point DROPLESS_GMM_CONFIGS at it: its entries then take precedenc
 from __future__ import annotations
 
 import dataclasses
-
 import datetime
-import json
 import math
 import os
 import sys
@@ -29,7 +27,7 @@ import numpy as np
 
 from dropless.bench.gmm import SHAPES, SKEWS, checked_groups, group_sizes
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls, watchdog
-from dropless.bench.records import environment
+from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import load_preset
@@ -315,11 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         gt.save_table(table, out)  # after every shape: a timeout keeps what was done
         print(f"{name}: " + ", ".join(f"{p} {best[p].kernel} {best_ms[p]} ms" for p in gt.PRODUCTS), flush=True)
         if args.log:  # a record like the benchmarks': what ran where, then every trial
-            Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.log).write_text(json.dumps(
-                {"benchmark": "tune-gmm", "environment": env, "candidates": args.candidates, "skew": args.skew,
-                 "seed": args.seed, "kernels": list(kernels), "products": list(products), "trials": all_trials},
-                indent=1, default=str) + "\n")
+            write_json(args.log, {"benchmark": "tune-gmm", "environment": env, "candidates": args.candidates,
+                                  "skew": args.skew, "seed": args.seed, "kernels": list(kernels),
+                                  "products": list(products), "trials": all_trials})
     print(f"wrote {out}")
     return 0
 

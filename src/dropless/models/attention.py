@@ -6,8 +6,8 @@ Shape suffixes (docs/architecture.md legend, plus, in this file): `S` query posi
 
 Both functions take one layer's parameters (unstacked; the transformer scans over the stacked `L` axis), run in
 the dtype of `x` (weights are float32 masters cast at use), and return the projection back to the hidden size.
-The per-head layouts of the weights are the ones fixed in docs/architecture.md. The attention itself runs on one of three
-backends (`model.attention_backend`): `xla`, a plain einsum with float32 logits and softmax (the reference),
+The per-head layouts of the weights are the ones fixed in docs/architecture.md. The attention itself runs on one of
+three backends (`model.attention_backend`): `xla`, a plain einsum with float32 logits and softmax (the reference),
 `tokamax`, a flash-attention kernel that never holds the [S, S] logits (chosen by `auto` on GPUs in bfloat16), or
 `cudnn`, NVIDIA's fused flash attention through JAX's cuDNN binding (GPU, 16-bit).
 """

@@ -58,6 +58,7 @@ OFFLOADED_MOMENTS_AT_PEAK = 0.55
 # Attention backends that keep only a log-sum-exp per query and head, never the [S, S] logits.
 FLASH_BACKENDS = ("tokamax", "cudnn")
 
+
 def blocks(m) -> tuple[int, int]:
     """(dense, MoE) transformer blocks of the training step: the main model's and the MTP modules'."""
     dense, moe = transformer.layer_counts(m)
@@ -82,8 +83,8 @@ def _dims(config: Config, devices: int) -> Dims:
 
 def attention_bytes_per_token(config: Config, backend: str) -> int:
     """Bytes per token one attention layer saves for its backward: the projections' outputs, q, k, v and the
-    output in the compute dtype; flash attention (tokamax, cuDNN) adds its float32 log-sum-exp per head, the XLA einsum
-    its [S, S] float32 logits and probabilities and the compute-dtype probabilities per head."""
+    output in the compute dtype; flash attention (tokamax, cuDNN) adds its float32 log-sum-exp per head, the XLA
+    einsum its [S, S] float32 logits and probabilities and the compute-dtype probabilities per head."""
     m, c = config.model, jnp.dtype(config.train.dtype).itemsize
     H = m.num_heads
     if m.attention == "mla":
