@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -209,9 +209,22 @@ bench-fp8-step: $(BENCH_DEPS)
 bench-attention-vjp: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/attention_vjp_configs.py --out $(RESULTS)/attention-vjp-$(GPU).json
 
+# 1 GPU: the proxy's step with each flash-attention backend (tokamax, cudnn), bf16 and blockwise FP8, in one run
+# (attention-step-<gpu>.json).
+bench-attention-step: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	for recipe in off blockwise; do for backend in tokamax cudnn; do $(DROPLESS) bench step --preset deepseek-v3-proxy \
+	  --steps 5 --seconds 6 --record $(BENCH_SCRATCH)/attention-step-$$backend-$$recipe.json train.fp8=$$recipe \
+	  model.attention_backend=$$backend || exit 1; done; done
+	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "attention-step", \
+	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/attention-step-$(GPU).json \
+	  $(foreach r,off blockwise,$(foreach b,tokamax cudnn,$(BENCH_SCRATCH)/attention-step-$(b)-$(r).json))
+
 # 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at its own 8 x 4,096 tokens per step
-# (ROUTER_BATCH=2: the records without a -batch suffix) with one variant of the router's settings (VARIANT=, default `defaults`; the others are benchmarks/router_balance.py's
-# VARIANTS, e.g. seq-aux-1e-2, center-1, common-0.3, other-0.3): every layer's max/mean load per step and the
+# (ROUTER_BATCH=2: the records without a -batch suffix) with one variant of the router's settings (VARIANT=, default
+# `defaults`, the preset as it is; `deepseek-v3`, DeepSeek-V3's router settings; the others are
+# benchmarks/router_balance.py's VARIANTS, each a change to DeepSeek-V3's settings, e.g. seq-aux-1e-2, center-1,
+# common-0.3, other-0.3): every layer's max/mean load per step and the
 # held-out loss every 50 steps, in router-<variant>-batch<B>-<gpu>.json and .png. One variant takes about 6 minutes
 # at 8 sequences per step, under 4 at 2.
 # SEED=n (train.seed, default 0) repeats a variant from another initialisation, in router-<variant>-seed<n>-<gpu>.*:

@@ -5,7 +5,8 @@ short training run, for one variant of the router's settings; one record and one
         [--preset deepseek-v3-proxy] [--steps 300] [--eval-every 50] [key=value ...]
 
 A variant is a named set of overrides (VARIANTS below) applied on top of the preset and the command line's
-key=value pairs. The run is the very step `dropless train` runs (dropless.train.setup.build) on the run's batches
+key=value pairs: `defaults` is the preset as it is, `deepseek-v3` DeepSeek-V3's router settings, and every other
+variant a change to DeepSeek-V3's router settings. The run is the very step `dropless train` runs (dropless.train.setup.build) on the run's batches
 (dropless.data), every step's per-layer expert shares read back (`expert_share`, dropless.train.step), the
 held-out loss every --eval-every steps on fixed held-out batches; no checkpoints are written. The record holds,
 per step, every MoE layer's max/mean load and the largest |router bias|, every 10 steps each layer's full expert
@@ -22,6 +23,7 @@ whether the bias steers the selection (`bias_probe`).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 
@@ -39,20 +41,28 @@ def _unit_router_std(config) -> float:
     return 1.0 / math.sqrt(config.model.hidden_size)  # router logits of std ~1 over RMS-normalised inputs
 
 
-# Each variant: a description and a function of the base config giving its overrides. The preset's router logits
-# start with std init_std * sqrt(hidden) = 0.02 * sqrt(7168) = 1.7, while the bias moves 0.001 per step.
+# DeepSeek-V3's published router settings, the base of every variant but `defaults`, so that a variant means the
+# same change whatever the preset's own router settings are (the proxy preset's differ; the records up to e26f892
+# name these settings `defaults`). Router logits start with std init_std * sqrt(hidden) = 0.02 * sqrt(7168) = 1.7,
+# while the bias moves 0.001 per step.
+DEEPSEEK_V3_ROUTER = {"moe.bias_update_rate": 0.001, "moe.router_common_rate": 0.0,
+                      "moe.router_common_source": "running", "moe.seq_aux_loss_weight": 0.0001}
+
+# Each variant: a description and a function of the base config giving its overrides, on top of DEEPSEEK_V3_ROUTER.
 VARIANTS = {
     "defaults": ("the preset as it is", lambda c: {}),
+    "deepseek-v3": ("DeepSeek-V3's router settings: bias_update_rate 1e-3, no common-direction removal, "
+                    "seq_aux_loss_weight 1e-4", lambda c: {}),
     "router-std-unit": ("router init std 1/sqrt(hidden): initial router logits of std 1",
                         lambda c: {"model.router_init_std": _unit_router_std(c)}),
     "router-std-small": ("router init std 0.1/sqrt(hidden): initial router logits of std 0.1",
                          lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c)}),
-    "bias-rate-1e-2": ("bias_update_rate 1e-2 (the preset: 1e-3)", lambda c: {"moe.bias_update_rate": 0.01}),
-    "z-loss-1e-3": ("z_loss_weight 1e-3 (the preset: 0), ST-MoE's router z-loss against saturated scores",
+    "bias-rate-1e-2": ("bias_update_rate 1e-2 (DeepSeek-V3's: 1e-3)", lambda c: {"moe.bias_update_rate": 0.01}),
+    "z-loss-1e-3": ("z_loss_weight 1e-3 (DeepSeek-V3's: 0), ST-MoE's router z-loss against saturated scores",
                     lambda c: {"moe.z_loss_weight": 1e-3}),
-    "aux-1e-2": ("aux_loss_weight 1e-2 (the preset: 0), the Switch/GShard batch balance loss",
+    "aux-1e-2": ("aux_loss_weight 1e-2 (DeepSeek-V3's: 0), the Switch/GShard batch balance loss",
                  lambda c: {"moe.aux_loss_weight": 0.01}),
-    "seq-aux-1e-2": ("seq_aux_loss_weight 1e-2 (the preset: 1e-4)", lambda c: {"moe.seq_aux_loss_weight": 0.01}),
+    "seq-aux-1e-2": ("seq_aux_loss_weight 1e-2 (DeepSeek-V3's: 1e-4)", lambda c: {"moe.seq_aux_loss_weight": 0.01}),
     "router-lr-0.1": ("router_lr_scale 0.1: the routers' Adam updates a tenth of the other weights'",
                       lambda c: {"train.router_lr_scale": 0.1}),
     "router-lr-0.01": ("router_lr_scale 0.01", lambda c: {"train.router_lr_scale": 0.01}),
@@ -85,6 +95,13 @@ VARIANTS = {
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
                                               "moe.bias_update_rate": 0.01}),
 }
+
+
+def variant_overrides(name: str, config) -> dict:
+    """The config overrides of variant `name` on `config`: none for `defaults`, else DeepSeek-V3's router settings
+    with the variant's change."""
+    changes = VARIANTS[name][1](config)
+    return changes if name == "defaults" else {**DEEPSEEK_V3_ROUTER, **changes}
 
 
 def first_step_at_or_below(steps: list[int], worst: list[float], level: float) -> int | None:
@@ -235,7 +252,8 @@ def main() -> None:
     xla_flags.apply()
     base = config_lib.load_preset(a.preset).replace(
         **{"train.steps": a.steps, "train.eval_every": a.eval_every, **config_lib.parse_overrides(a.overrides)})
-    description, overrides = VARIANTS[a.variant]
+    description = VARIANTS[a.variant][0]
+    overrides = functools.partial(variant_overrides, a.variant)
     config = base.replace(**overrides(base))
     result = run(config, lambda m: print(f"{a.variant}: {m}", flush=True))
     record = {"benchmark": "router-balance", "variant": a.variant, "description": description,

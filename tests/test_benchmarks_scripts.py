@@ -94,3 +94,27 @@ def test_loss_parity_merge_keeps_other_modes_of_a_record_with_the_same_settings(
         env, {"commit": "bbbbbbb"}]
     with pytest.raises(SystemExit, match="another configuration \\(train.steps\\)"):
         loss_parity.kept_runs(str(path), {"train.steps": 100}, ["rowwise"])
+
+
+def test_router_variants_are_changes_to_deepseek_v3s_router_settings():
+    """benchmarks/router_balance.py: `defaults` is the preset as it is; every other variant starts from DeepSeek-V3's
+    router settings, whatever the preset's own are, so a variant's name means one setting on every preset."""
+    import sys
+
+    from dropless.core.config import load_preset
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import router_balance
+
+    proxy = load_preset("deepseek-v3-proxy")
+    assert proxy.moe.router_common_rate == 0.3 and proxy.moe.bias_update_rate == 0.01
+    assert router_balance.variant_overrides("defaults", proxy) == {}
+    dsv3 = proxy.replace(**router_balance.variant_overrides("deepseek-v3", proxy)).moe
+    assert (dsv3.bias_update_rate, dsv3.router_common_rate, dsv3.router_common_source) == (0.001, 0.0, "running")
+    common = proxy.replace(**router_balance.variant_overrides("common-0.3", proxy)).moe
+    assert (common.bias_update_rate, common.router_common_rate, common.router_common_source) == (0.001, 0.3, "running")
+    # The variant that the proxy preset adopted is the preset itself.
+    adopted = proxy.replace(**router_balance.variant_overrides("other-0.3-bias-1e-2", proxy))
+    assert adopted.moe == proxy.moe
+    for name in router_balance.VARIANTS:  # each variant's overrides are valid config keys
+        proxy.replace(**router_balance.variant_overrides(name, proxy))
