@@ -91,7 +91,7 @@ bench-gmm-fine: $(BENCH_DEPS)
 # TUNE_PRODUCTS and TUNE_SHAPES split it over several calls; TUNE_KERNELS (both by default) the kernel families.
 TUNE_PRODUCTS ?= fwd,dlhs,drhs
 TUNE_SHAPES ?= $(FINE_SHAPES)
-TUNE_KERNELS ?= dropless_ws,dropless_ws_stream
+TUNE_KERNELS ?= dropless_ws,dropless_ws_stream,dropless_ws_stream_async
 tune-gmm-fine: $(BENCH_DEPS)
 	$(DROPLESS) tune-gmm --candidates fine --kernels $(TUNE_KERNELS) --products $(TUNE_PRODUCTS) \
 	  --bench-shapes $(TUNE_SHAPES)
@@ -102,7 +102,7 @@ tune-gmm-fine: $(BENCH_DEPS)
 # packaged one).
 bench-gmm-stream: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
-	$(DROPLESS) tune-gmm --candidates quick --kernels dropless_ws,dropless_ws_stream --products $(TUNE_PRODUCTS) \
+	$(DROPLESS) tune-gmm --candidates quick --kernels dropless_ws,dropless_ws_stream,dropless_ws_stream_async --products $(TUNE_PRODUCTS) \
 	  --bench-shapes $(TUNE_SHAPES) --out $(BENCH_SCRATCH)/gmm-stream-table.json --log $(RESULTS)/gmm-stream-$(GPU).json
 
 # 1 GPU: every grouped-GEMM backend, shape and group-size skew (the default `bench gmm`), with its chart.

@@ -190,7 +190,8 @@ def test_tokamax_takes_an_explicit_config_but_never_matches_a_loaded_tuning_resu
     ("dropless", TileConfig(64, 256, 64, 4, True, 0, 4), 256, 256),
     ("dropless_ws", TileConfig(64, 64, 64, 2, True, 1, 2), 128, 256),
     ("dropless_ws", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256),
-    ("dropless_ws_stream", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256)])
+    ("dropless_ws_stream", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256),
+    ("dropless_ws_stream_async", TileConfig(128, 64, 64, 2, True, 1, 2), 128, 256)])
 def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter(rows_kernel, tile, k, n):
     """The dropless kernels through the custom_vjp, on padding rows holding NaN and an empty group, with the
     f32 output the MoE layer asks of its down projection (bf16 outputs are checked on the GPU by the benchmark)."""
@@ -400,7 +401,8 @@ def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_pa
 
 
 @pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS
-                                               for k in ("dropless", "dropless_ws", "dropless_ws_stream"))])
+                                               for k in ("dropless", "dropless_ws", "dropless_ws_stream",
+                                                         "dropless_ws_stream_async"))])
 def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product, kernel):
     """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -450,7 +452,8 @@ def test_fine_candidates_walk_the_warp_specialised_tiles_every_way():
 
     for product in gt.PRODUCTS:
         fine = tune_gmm.fine_candidates(product)
-        assert len(fine) == 36 and {c.kernel for c in fine} == {"dropless_ws", "dropless_ws_stream"}
+        assert len(fine) == 54 and {c.kernel for c in fine} == {"dropless_ws", "dropless_ws_stream",
+                                                                 "dropless_ws_stream_async"}
         assert len(set(fine)) == len(fine)
         assert {(c.tile.grid_minor_dim, c.tile.grid_tile_width) for c in fine} == {
             (minor, width) for minor in (0, 1) for width in (2, 4, 8)}
@@ -476,7 +479,8 @@ def tune_gmm_ws_candidates():
 def tune_gmm_stream_candidates():
     from dropless.bench import tune_gmm
 
-    return list(tune_gmm.STREAMING)  # the fine candidates' tiles; their walks do not change the lowering
+    return list(tune_gmm.STREAMING)  # the fine candidates' tiles and both streaming families; walks do not change
+    # the lowering
 
 
 def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=1024, n=2048, g=8):
@@ -507,7 +511,7 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     *((p, "dropless_ws", TileConfig(128, 128, 64, 3, grid_minor_dim=0, grid_tile_width=8), jnp.bfloat16)
       for p in gt.PRODUCTS),
     # the streaming kernels' candidates
-    *((p, "dropless_ws_stream", t, dtype) for p in gt.PRODUCTS for t in {c.tile for c in tune_gmm_stream_candidates()}
+    *((p, c.kernel, c.tile, dtype) for p in gt.PRODUCTS for c in tune_gmm_stream_candidates()
       for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
@@ -569,12 +573,14 @@ def test_kernels_when_the_last_groups_tile_runs_past_the_last_row_in_the_gpu_int
     assert rel(dw[3], want_dw[3]) < 1e-5 and rel(dw, want_dw) < 1e-5 and bool((dw[1] == 0).all())
 
 
+@pytest.mark.parametrize("in_flight", [0, 1])
 @pytest.mark.parametrize("tile", [TileConfig(64, 64, 64, 2, True, 1, 2), TileConfig(64, 64, 64, 3, True, 0, 1)])
-def test_streaming_weight_gradient_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(tile):
+def test_streaming_weight_gradient_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(tile, in_flight):
     """mosaic_ws.grouped_matmul_tn_stream: its producer walks each CTA's tiles through one ring of stages, so the
     interpreter's 4 SMs take 3-4 tiles each and the ring wraps inside tiles and across them (2 and 3 stages, a group
     of 130 rows is 3 steps). Empty, 1-row and unaligned groups, the last group's steps running past the last row,
-    and NaN in the padding rows."""
+    and NaN in the padding rows. With one MMA in flight (`in_flight`) each slot is released a step later and a
+    tile's last at its end: a slot released twice or never would hang or corrupt the ring here."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from dropless.gmm.mosaic_ws import grouped_matmul_tn_stream
@@ -586,7 +592,7 @@ def test_streaming_weight_gradient_matches_a_float64_loop_over_groups_in_the_gpu
     x[250], dy[255] = np.nan, np.nan
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         dw = grouped_matmul_tn_stream(jnp.asarray(x, jnp.bfloat16), jnp.asarray(dy, jnp.bfloat16),
-                                      jnp.asarray(sizes), tile, out_dtype=jnp.float32)
+                                      jnp.asarray(sizes), tile, out_dtype=jnp.float32, mma_in_flight=in_flight)
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     xb, dyb = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (x, dy))
     for g in range(len(sizes)):
@@ -594,9 +600,10 @@ def test_streaming_weight_gradient_matches_a_float64_loop_over_groups_in_the_gpu
         np.testing.assert_allclose(np.asarray(dw[g], np.float64), xb[lo:hi].T @ dyb[lo:hi], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("in_flight", [0, 1])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("tile", [TileConfig(64, 64, 64, 2, True, 1, 2), TileConfig(64, 64, 64, 3, True, 0, 1)])
-def test_streaming_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, transpose_rhs):
+def test_streaming_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, transpose_rhs, in_flight):
     """mosaic_ws.grouped_matmul_stream (fwd, and dlhs with transpose_rhs): three K steps per tile through 2 or 3
     stages, so the ring wraps inside tiles and across them; empty, 1-row and unaligned groups."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -609,6 +616,6 @@ def test_streaming_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, t
     w = (jax.random.normal(keys[1], (7, 192, 256), jnp.float32) / 8).astype(jnp.bfloat16)
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = grouped_matmul_stream(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, sizes, tile,
-                                    transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+                                    transpose_rhs=transpose_rhs, out_dtype=jnp.float32, mma_in_flight=in_flight)
     want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(out[:228]), np.asarray(want[:228]), rtol=1e-5, atol=1e-5)

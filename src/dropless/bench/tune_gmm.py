@@ -50,8 +50,10 @@ def _pc(kernel, bm, bn, bk, stages, persistent=True, minor="n", width=4) -> Prod
 # and 128x128, with as many stages as shared memory holds beside the two consumers' output blocks.
 WARP_SPECIALISED = (_pc("dropless_ws", 128, 128, 64, 3), _pc("dropless_ws", 64, 128, 64, 4),
                     _pc("dropless_ws", 128, 64, 64, 6))
-# The same tiles with one stream of loads across each CTA's tiles (no pipeline drain per tile).
-STREAMING = tuple(dataclasses.replace(c, kernel="dropless_ws_stream") for c in WARP_SPECIALISED)
+# The same tiles with one stream of loads across each CTA's tiles (no pipeline drain per tile), and that with one
+# MMA in flight across steps.
+STREAMING = tuple(dataclasses.replace(c, kernel=kernel) for kernel in ("dropless_ws_stream", "dropless_ws_stream_async")
+                  for c in WARP_SPECIALISED)
 # 64x256 tiles are wgmma's widest single instruction (m64n256k16): per MMA they read 17% fewer operand bytes
 # from shared memory than 128x128, and 64-row tiles waste fewer rows at group boundaries. Only the weight
 # gradient's kernel compiles them (the rows kernel's ragged store fails Mosaic GPU's layout inference, on an H200
@@ -90,10 +92,10 @@ def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
     """Around the warp-specialised tiles that win the fine-grained shapes' products (DeepSeek-V3 with 256 experts,
     Qwen3-30B-A3B: 128x128x64 in 3 stages; Qwen3-Next's rows products 64x128x64), every walk order and band
     width: which operand the concurrently running tiles share from L2 matters most when each expert has few rows.
-    Each also with one stream of loads across a CTA's tiles ("dropless_ws_stream"): 36 candidates per product,
-    against several hundred for `wide`."""
+    Each also with one stream of loads across a CTA's tiles ("dropless_ws_stream"), and that with one MMA in
+    flight ("dropless_ws_stream_async"): 54 candidates per product, against several hundred for `wide`."""
     out = []
-    for kernel in ("dropless_ws", "dropless_ws_stream"):
+    for kernel in ("dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async"):
         for bm, bn, bk, stages in ((128, 128, 64, 3), (128, 64, 64, 6), (64, 128, 64, 4)):
             for minor, width in (("n", 2), ("n", 4), ("n", 8), ("m", 2), ("m", 4), ("m", 8)):
                 c = _pc(kernel, bm, bn, bk, stages, minor=minor, width=width)

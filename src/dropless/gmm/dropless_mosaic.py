@@ -27,9 +27,13 @@ from dropless.gmm.vjp import GmmProducts, gmm_from_products
 
 # The kernel a table entry names (ProductConfig.kernel), for each kind of product.
 ROWS_KERNELS = {"dropless": mosaic.grouped_matmul, "dropless_ws": mosaic_ws.grouped_matmul_ws,
-                "dropless_ws_stream": mosaic_ws.grouped_matmul_stream, "tokamax": tokamax.tiled_rows}
+                "dropless_ws_stream": mosaic_ws.grouped_matmul_stream,
+                "dropless_ws_stream_async": functools.partial(mosaic_ws.grouped_matmul_stream, mma_in_flight=1),
+                "tokamax": tokamax.tiled_rows}
 CONTRACT_KERNELS = {"dropless": mosaic.grouped_matmul_tn, "dropless_ws": mosaic_ws.grouped_matmul_tn_ws,
-                    "dropless_ws_stream": mosaic_ws.grouped_matmul_tn_stream, "tokamax": tokamax.tiled_contract}
+                    "dropless_ws_stream": mosaic_ws.grouped_matmul_tn_stream,
+                    "dropless_ws_stream_async": functools.partial(mosaic_ws.grouped_matmul_tn_stream, mma_in_flight=1),
+                    "tokamax": tokamax.tiled_contract}
 
 
 # Each entry is one jitted program per (config, shapes): a step that calls one kernel from many places (layers,

@@ -15,8 +15,9 @@ its last stage is consumed), and the producer loads the next tile's first stages
 
 The work lists, the ragged store and the padding contracts are those of `dropless.gmm.mosaic.grouped_matmul`
 and `grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. The first two are
-`kernel="dropless_ws"` candidates of `dropless tune-gmm`, the streaming pair `kernel="dropless_ws_stream"`; the
-tuned table decides, per shape and product, whether they run.
+`kernel="dropless_ws"` candidates of `dropless tune-gmm`, the streaming pair `kernel="dropless_ws_stream"` and,
+with one MMA left running across steps (`mma_in_flight=1`, as CUTLASS's and tokamax's Hopper mainloops keep one),
+`kernel="dropless_ws_stream_async"`; the tuned table decides, per shape and product, whether they run.
 """
 
 from __future__ import annotations
@@ -77,12 +78,25 @@ class _RowsGridWS:
     out_dtype: Any
 
 
+def _check_in_flight(stream: bool, mma_in_flight: int, stages: int) -> None:
+    # A slot is released only once its MMA has finished, so with one MMA left running the producer can refill a
+    # slot only after the next step's MMA has been issued, which needs a second slot.
+    assert mma_in_flight in (0, 1) and (stream or mma_in_flight == 0) and stages > mma_in_flight, \
+        (stream, mma_in_flight, stages)
+
+
+def _family(stream: bool, mma_in_flight: int) -> str:
+    return ("stream" + ("_async" if mma_in_flight else "")) if stream else "ws"
+
+
 def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                      transpose_rhs: bool = False, out_dtype=None, interpret=None, stream: bool = False) -> jax.Array:
+                      transpose_rhs: bool = False, out_dtype=None, interpret=None, stream: bool = False,
+                      mma_in_flight: int = 0) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
 
     Output rows past sum(group_sizes) are left unwritten (as `dropless.gmm.mosaic.grouped_matmul`). `stream`: one
-    stream of loads per CTA (`grouped_matmul_stream`) instead of a pipeline per tile.
+    stream of loads per CTA (`grouped_matmul_stream`) instead of a pipeline per tile; `mma_in_flight` (streaming
+    only, 0 or 1): the MMAs each consumer leaves running when it moves to the next step (`_Ring.compute`).
     """
     m, k = lhs_MK.shape
     if transpose_rhs:
@@ -97,12 +111,15 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
     n_tiles, k_steps = n // cta_n, k // bk
     tables = row_tiles(group_sizes_G, bm, m_tiles)
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)
+    _check_in_flight(stream, mma_in_flight, stages)
     grid_shape = _RowsGridWS(tile, m, m_tiles, n_tiles, k_steps, stages, transpose_rhs, out_dtype)
+    kernel = (functools.partial(_rows_stream_kernel, grid_shape, in_flight=mma_in_flight) if stream
+              else functools.partial(_rows_kernel_ws, grid_shape))
     return plgpu.kernel(
-        functools.partial(_rows_stream_kernel if stream else _rows_kernel_ws, grid_shape),
+        kernel,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name=f"dropless_grouped_matmul_{'stream' if stream else 'ws'}" + ("_nt" if transpose_rhs else ""),
+        kernel_name=f"dropless_grouped_matmul_{_family(stream, mma_in_flight)}" + ("_nt" if transpose_rhs else ""),
         compiler_params=plgpu.CompilerParams(approx_math=True,
                                              lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
@@ -163,13 +180,14 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
 
 
-def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref):
-    """The pipeline body of one consumer: its block_n half of the CTA's columns."""
+def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref, in_flight: int = 0):
+    """The pipeline body of one consumer: its block_n half of the CTA's columns; returns with at most `in_flight`
+    MMAs still running."""
     bn = s.tile.block_n
     mine = pl.ds(wg * bn, bn)
     b = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
     plgpu.wgmma(acc_ref, lhs_smem, b)
-    plgpu.wgmma_wait(0)
+    plgpu.wgmma_wait(in_flight)
     return acc_ref
 
 
@@ -197,7 +215,7 @@ class _ContractGridWS:
 
 
 def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                         out_dtype=None, interpret=None, stream: bool = False) -> jax.Array:
+                         out_dtype=None, interpret=None, stream: bool = False, mma_in_flight: int = 0) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N] (the weight gradient xᵀ·dy), warp-specialised.
 
     As `dropless.gmm.mosaic.grouped_matmul_tn`, with a producer warpgroup loading while two consumers compute (a
@@ -207,6 +225,7 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     shared memory, the rows outside the group of its own half of `rhs` and of the shared `lhs` block: both
     consumers write the same values to `lhs` (zeros outside, the loaded rows inside), so whichever finishes
     first, its MMA reads a fully masked block, and NaN in padding rows cannot leak. Empty groups get zeros.
+    `stream` and `mma_in_flight` as `grouped_matmul_ws`'s.
     """
     m, k = lhs_MK.shape
     m_rhs, n = rhs_MN.shape
@@ -218,12 +237,15 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     k_tiles, n_tiles = k // bm, n // cta_n
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)  # its blocks are the rows kernel's sizes, transposed
     starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
+    _check_in_flight(stream, mma_in_flight, stages)
     grid_shape = _ContractGridWS(tile, g, k_tiles, n_tiles, stages, out_dtype)
+    kernel = (functools.partial(_stream_kernel, grid_shape, in_flight=mma_in_flight) if stream
+              else functools.partial(_contract_kernel_ws, grid_shape))
     return plgpu.kernel(
-        functools.partial(_stream_kernel if stream else _contract_kernel_ws, grid_shape),
+        kernel,
         out_type=jax.ShapeDtypeStruct((g, k, n), out_dtype),
         grid=(num_sms(),), grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
-        kernel_name=f"dropless_grouped_matmul_tn_{'stream' if stream else 'ws'}",
+        kernel_name=f"dropless_grouped_matmul_tn_{_family(stream, mma_in_flight)}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=interpret,
     )(starts_G, ends_G, first_G, steps_G, lhs_MK, rhs_MN)
@@ -296,14 +318,16 @@ def _contract_tile_ws(s: _ContractGridWS, refs: GroupRefs, allocations, store, w
             *_contract_operands_ws(s, refs.lhs, refs.rhs, ki, ni), allocations=allocations)
 
 
-def _contract_mma_ws(s: _ContractGridWS, wg, first, start, end, steps, idx, lhs_smem, rhs_smem, acc_ref):
-    """The pipeline body of one consumer: its half of rhs's columns, the rows outside the group zeroed first."""
+def _contract_mma_ws(s: _ContractGridWS, wg, first, start, end, steps, idx, lhs_smem, rhs_smem, acc_ref,
+                     in_flight: int = 0):
+    """The pipeline body of one consumer: its half of rhs's columns, the rows outside the group zeroed first;
+    returns with at most `in_flight` MMAs still running."""
     bn, bk = s.tile.block_n, s.tile.block_k
     (r,) = idx
     mine = rhs_smem.at[:, pl.ds(wg * bn, bn)]
     zero_rows_outside_group((lhs_smem, mine), first + r * bk, start, end, (r == 0) | (r == steps - 1))
     plgpu.wgmma(acc_ref, lhs_smem.transpose((1, 0)), mine)
-    plgpu.wgmma_wait(0)
+    plgpu.wgmma_wait(in_flight)
     return acc_ref
 
 
@@ -320,14 +344,16 @@ def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni
 
 
 def grouped_matmul_stream(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                          transpose_rhs: bool = False, out_dtype=None, interpret=None) -> jax.Array:
+                          transpose_rhs: bool = False, out_dtype=None, interpret=None,
+                          mma_in_flight: int = 0) -> jax.Array:
     """`grouped_matmul_ws` with one stream of loads per CTA: its producer walks every (row tile, K step) of the
     CTA's non-empty tiles through one ring of stages instead of draining a pipeline per tile (a contraction of
     768 or 512, Qwen3's down projections, is 12 or 8 steps of 64), and each consumer's ragged store runs under
     the next tile's MMAs. Same work lists, tiles and stores as `grouped_matmul_ws`; rows past sum(group_sizes)
-    are left unwritten."""
+    are left unwritten. `mma_in_flight=1`: each consumer issues its next step's MMA before the current one has
+    finished (kernel name "dropless_ws_stream_async")."""
     return grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                             interpret=interpret, stream=True)
+                             interpret=interpret, stream=True, mma_in_flight=mma_in_flight)
 
 
 class _Ring(NamedTuple):
@@ -367,14 +393,29 @@ class _Ring(NamedTuple):
         plgpu.copy_gmem_to_smem(rhs_src, self.rhs.at[slot], self.produced.at[slot])
         return c + 1
 
-    def compute(self, c, mma):
-        """A consumer's step c: wait for the slot's loads, `mma(lhs_block, rhs_block)` (which waits for its MMA),
-        then release the slot."""
+    def compute(self, c, mma, in_flight: int = 0, first=None):
+        """A consumer's step c: wait for the slot's loads, then `mma(lhs_block, rhs_block)`, which returns with at
+        most `in_flight` of its MMAs running, then release the slot whose MMA has finished: this step's, or with
+        one MMA in flight the previous step's unless this is the tile's `first` (`finish` releases a tile's last)."""
         slot = jax.lax.rem(c, self.stages)
         plgpu.barrier_wait(self.produced.at[slot])
         mma(self.lhs.at[slot], self.rhs.at[slot])
-        plgpu.barrier_arrive(self.consumed.at[slot])
+        if not in_flight:
+            plgpu.barrier_arrive(self.consumed.at[slot])
+        else:
+            @pl.when(jnp.logical_not(first))
+            def _release_previous():
+                plgpu.barrier_arrive(self.consumed.at[jax.lax.rem(c + self.stages - 1, self.stages)])
         return c + 1
+
+    def finish(self, before, after, in_flight: int = 0):
+        """A consumer at the end of a tile that took steps `before` to `after`: with one MMA in flight, wait for
+        it and release its slot, so that the accumulator can be read and every slot is released once."""
+        if in_flight:
+            @pl.when(after > before)
+            def _last():
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(self.consumed.at[jax.lax.rem(after - 1, self.stages)])
 
     def stage_output(self, wg, value):
         """A consumer's output block through shared memory: wait until its previous store has read the block (the
@@ -413,7 +454,7 @@ def _stream(allocations: dict, stages: int, tiles: int, load_tile, compute_tile)
 
 
 def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem,
-                        out_gmem):
+                        out_gmem, *, in_flight: int = 0):
     """grouped_matmul_stream's kernel: the CTA's (row tile, CTA column tile) pairs, K steps each; tiles past the
     last group (size 0) take no step in any warpgroup."""
     bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
@@ -441,8 +482,9 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
         def _acc(acc_ref):
-            mma = lambda lhs, rhs: _rows_mma_ws(s, wg, None, lhs, rhs, acc_ref)
-            after = k_steps(size, lambda _, c: ring.compute(c, mma), c)
+            mma = lambda lhs, rhs: _rows_mma_ws(s, wg, None, lhs, rhs, acc_ref, in_flight)
+            after = k_steps(size, lambda ki, c: ring.compute(c, mma, in_flight, ki == 0), c)
+            ring.finish(c, after, in_flight)
 
             @pl.when(size > 0)
             def _store():
@@ -458,7 +500,7 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
 
 
 def grouped_matmul_tn_stream(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                             out_dtype=None, interpret=None) -> jax.Array:
+                             out_dtype=None, interpret=None, mma_in_flight: int = 0) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N]: `grouped_matmul_tn_ws` with one stream of loads per CTA.
 
     `grouped_matmul_tn_ws` runs one pipeline per output tile, and a pipeline's producer waits until its last stage
@@ -468,10 +510,10 @@ def grouped_matmul_tn_stream(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G
     tile and store it (`plgpu.emit_pipeline_warp_specialized` cannot dovetail pipelines whose step counts vary,
     as a group's do). Each consumer's output store runs under the next tile's MMAs; it waits for the store to have
     read its output block only when it next writes the block. Masking, tile order and the empty groups' zeros are
-    `grouped_matmul_tn_ws`'s.
+    `grouped_matmul_tn_ws`'s. `mma_in_flight` as `grouped_matmul_stream`'s.
     """
     return grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile, out_dtype=out_dtype, interpret=interpret,
-                                stream=True)
+                                stream=True, mma_in_flight=mma_in_flight)
 
 
 def _compute_registers() -> int:
@@ -481,7 +523,8 @@ def _compute_registers() -> int:
     return int(min(256, (512 - MEMORY_REGISTERS) / CONSUMERS) // 8 * 8)
 
 
-def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem):
+def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_gmem, lhs_gmem, rhs_gmem, out_gmem,
+                   *, in_flight: int = 0):
     """grouped_matmul_tn_stream's kernel: the CTA's (group, K tile, CTA N tile) outputs, each over its group's row
     steps; both consumers mask the rows outside the group in a group's first and last step, as
     `grouped_matmul_tn_ws` does. An empty group takes no step and stores the zeros its accumulator starts as."""
@@ -508,9 +551,10 @@ def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_g
         def _acc(acc_ref):
             def step(r, c):
                 return ring.compute(c, lambda lhs, rhs: _contract_mma_ws(s, wg, first, start, end, steps, (r,), lhs,
-                                                                         rhs, acc_ref))
+                                                                         rhs, acc_ref, in_flight), in_flight, r == 0)
 
             after = jax.lax.fori_loop(0, steps, step, c)
+            ring.finish(c, after, in_flight)
             block = ring.stage_output(wg, acc_ref[...])
             plgpu.copy_smem_to_gmem(block, out_gmem.at[gi, pl.ds(ki * bm, bm), pl.ds(ni * cta_n + wg * bn, bn)])
             return after

@@ -15,7 +15,9 @@ Kernels (`dropless.gmm.dropless_mosaic` maps each name to its functions): "tokam
 ragged_dot (for dlhs/drhs it copies Wᵀ / xᵀ first); "dropless" is `dropless.gmm.mosaic`, which reads W and x
 in place; "dropless_ws" is `dropless.gmm.mosaic_ws`, its warp-specialised variant (two consumer warpgroups side
 by side: a CTA's output tile is block_m x 2*block_n); "dropless_ws_stream" is the same with one stream of loads
-across each CTA's tiles (`mosaic_ws.grouped_matmul_stream`, `grouped_matmul_tn_stream`).
+across each CTA's tiles (`mosaic_ws.grouped_matmul_stream`, `grouped_matmul_tn_stream`), and
+"dropless_ws_stream_async" the streaming kernels with one MMA left running while each consumer moves to its next
+step (`mma_in_flight=1`).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from typing import Any
 from dropless.core.errors import MoEError
 
 PRODUCTS = ("fwd", "dlhs", "drhs")
-KERNELS = ("tokamax", "dropless", "dropless_ws", "dropless_ws_stream")
+KERNELS = ("tokamax", "dropless", "dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async")
 # Output columns per CTA, in units of block_n: the warp-specialised kernels' consumers sit side by side.
-CTA_COLUMNS = {"tokamax": 1, "dropless": 1, "dropless_ws": 2, "dropless_ws_stream": 2}
+CTA_COLUMNS = {"tokamax": 1, "dropless": 1, "dropless_ws": 2, "dropless_ws_stream": 2, "dropless_ws_stream_async": 2}
 SCHEMA_VERSION = 1
 DATA_FILE = "configs.json"
 _MINOR_DIMS = {"m": 0, "n": 1}
