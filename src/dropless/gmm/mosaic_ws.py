@@ -414,8 +414,12 @@ class _Ring(NamedTuple):
         if in_flight:
             @pl.when(after > before)
             def _last():
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(self.consumed.at[jax.lax.rem(after - 1, self.stages)])
+                self.drain(after)
+
+    def drain(self, after):
+        """`finish` for a tile known to have taken a step: wait for its last MMA and release that MMA's slot."""
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(self.consumed.at[jax.lax.rem(after - 1, self.stages)])
 
     def stage_output(self, wg, value):
         """A consumer's output block through shared memory: wait until its previous store has read the block (the
@@ -465,17 +469,24 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
         mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
         return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
 
-    def k_steps(size, step, c):
-        """The tile's K steps (a static count, as the per-tile pipeline's), or none for an empty tile."""
-        return jax.lax.cond(size > 0, lambda c: jax.lax.fori_loop(0, s.k_steps, step, c), lambda c: c, c)
+    def k_steps(size, c, body):
+        """The tile's K steps (a static count, as the per-tile pipeline's) and whatever follows them in `body(c)`,
+        or nothing for an empty tile; the step count after it. The steps, the last MMA's wait and the store sit
+        in one branch, so that no MMA is in flight where an empty tile's branch rejoins a full one's (ptxas would
+        serialise the MMAs of an accumulator that crosses such a merge)."""
+        @pl.when(size > 0)
+        def _steps():
+            body(c)
+
+        return c + jnp.where(size > 0, s.k_steps, 0)
 
     def load_tile(ring, index, c):
         _, ni, group, start, size = tile_at(index)
         rows, cols = pl.ds(start, bm), pl.ds(ni * cta_n, cta_n)
         rhs = rhs_gmem.at[group]
-        return k_steps(size, lambda ki, c: ring.load(
+        return k_steps(size, c, lambda c: jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.load(
             c, lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-            rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c)
+            rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c))
 
     def compute_tile(ring, wg, index, c):
         mi, ni, _, start, size = tile_at(index)
@@ -483,15 +494,15 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
         def _acc(acc_ref):
             mma = lambda lhs, rhs: _rows_mma_ws(s, wg, None, lhs, rhs, acc_ref, in_flight)
-            after = k_steps(size, lambda ki, c: ring.compute(c, mma, in_flight, ki == 0), c)
-            ring.finish(c, after, in_flight)
 
-            @pl.when(size > 0)
-            def _store():
+            def body(c):
+                after = jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.compute(c, mma, in_flight, ki == 0), c)
+                if in_flight:
+                    ring.drain(after)
                 store_rows(ring.stage_output(wg, acc_ref[...]), out_gmem, row0=start, offset=offset_gmem[mi],
                            size=size, cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=False)
 
-            return after
+            return k_steps(size, c, body)
 
         return _acc
 
