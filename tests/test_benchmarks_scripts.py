@@ -118,3 +118,24 @@ def test_router_variants_are_changes_to_deepseek_v3s_router_settings():
     assert adopted.moe == proxy.moe
     for name in router_balance.VARIANTS:  # each variant's overrides are valid config keys
         proxy.replace(**router_balance.variant_overrides(name, proxy))
+
+
+def test_stage_profile_splits_the_stage_into_grouped_gemms_and_the_rest(tmp_path, monkeypatch):
+    """benchmarks/stage_profile.py on the CPU's tiny stage: the forward and forward+backward programs traced, the
+    grouped GEMMs' scopes counted apart from the permutation and combine, whose instructions are listed by name."""
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import stage_profile
+
+    out = tmp_path / "profile.json"
+    monkeypatch.setattr(sys, "argv", ["stage_profile", "--stages", "tiny", "--calls", "2", "--out", str(out)])
+    stage_profile.main()
+    record = json.loads(out.read_text())["stages"]["tiny"]
+    for program in ("fwd", "fwdbwd"):
+        r = record[program]
+        assert r["grouped_gemm_ms"] > 0 and r["outside_gemms_ms"] > 0
+        assert abs(r["grouped_gemm_ms"] + r["outside_gemms_ms"] - r["kernel_ms"]) < 1e-9
+        names = " ".join(op["op_name"] for op in r["top_ops"] if op["category"] != "grouped_gemm")
+        assert "permute" in names and "unpermute" in names
