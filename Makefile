@@ -56,7 +56,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
   ctas32:NCCL_MIN_CTAS=32+NCCL_MAX_CTAS=32 proto_simple:NCCL_PROTO=Simple buffsize16M:NCCL_BUFFSIZE=16777216 \
   nthreads512:NCCL_NTHREADS=512 user_buffers:XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true
 
-BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
+BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile bench-permute tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
   bench-fp8-step bench-fp8-layouts bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
@@ -113,6 +113,10 @@ bench-gmm-sass: $(BENCH_DEPS)
 # 1 GPU: the fine-grained expert stages profiled, kernel by kernel: what runs outside the grouped GEMMs.
 bench-stage-profile: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/stage_profile.py --out $(RESULTS)/stage-profile-$(GPU).json
+
+# 1 GPU: the expert stage's row gathers (permutation, its backward, the expert boundaries), each form in one run.
+bench-permute: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/permute_rows.py --out $(RESULTS)/permute-$(GPU).json
 
 # 1 GPU: every grouped-GEMM backend, shape and group-size skew (the default `bench gmm`), with its chart.
 bench-gmm-backends: $(BENCH_DEPS)

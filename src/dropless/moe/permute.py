@@ -17,6 +17,7 @@ know its inverse, so each backward pass is one more gather (plus a sum over K fo
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -42,21 +43,54 @@ def _rows(y_MD: jax.Array, rows_TK: jax.Array) -> jax.Array:
     return jnp.take(y_MD, rows_TK, axis=0, mode="fill", fill_value=0)
 
 
-@jax.custom_vjp
-def _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK):
-    top_k = row_of_slot_TK.shape[1]
-    return jnp.take(x_TD, slot_of_row_M // top_k, axis=0, mode="fill", fill_value=0)  # "none" slots: zero rows
+def _as_words(x_ND: jax.Array) -> jax.Array | None:
+    """A 2-byte [N, D] array (D even) seen as [N, D/2] uint32 words, each holding elements 2j and 2j+1; else None."""
+    if x_ND.dtype.itemsize != 2 or x_ND.shape[-1] % 2:
+        return None
+    return jax.lax.bitcast_convert_type(x_ND.reshape(*x_ND.shape[:-1], -1, 2), jnp.uint32)
 
 
-def _gather_token_rows_fwd(x_TD, slot_of_row_M, row_of_slot_TK):
-    return _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK), row_of_slot_TK
+def take_rows(x_ND: jax.Array, rows: jax.Array, *, in_bounds: bool = False) -> jax.Array:
+    """x_ND[rows] ([*rows.shape, D]), zero where an index is past x's rows unless `in_bounds` promises none is.
+    Rows of a 2-byte dtype move as uint32 words, two elements per word: the same bits, half the elements for
+    XLA's gather to index (`make bench-permute` measures both forms)."""
+    mode = dict(mode="promise_in_bounds") if in_bounds else dict(mode="fill", fill_value=0)
+    words = _as_words(x_ND)
+    if words is None:
+        return x_ND.at[rows].get(**mode)
+    out = words.at[rows].get(**mode)
+    return jax.lax.bitcast_convert_type(out, x_ND.dtype).reshape(*rows.shape, x_ND.shape[-1])
 
 
-def _gather_token_rows_bwd(row_of_slot_TK, g_MD):
+def sum_rows(y_MD: jax.Array, rows_TK: jax.Array) -> jax.Array:
+    """sum_k y_MD[rows_TK[:, k]] in float32 ([T, D]), a row past y's rows counting as zero. bfloat16 rows move as
+    uint32 words and each word's two elements become float32 by shifting their bits into place (exact: a
+    bfloat16 is a float32's upper half), so the gather, the widening and the sum are one pass over words."""
+    words = _as_words(y_MD) if y_MD.dtype == jnp.bfloat16 else None
+    if words is None:
+        return jnp.sum(_rows(y_MD, rows_TK).astype(jnp.float32), axis=1)
+    w = jnp.take(words, rows_TK, axis=0, mode="fill", fill_value=0)  # [T, K, D/2]
+    # Element 2j is the word's low half (bitcast_convert_type's order, checked against plain take in the tests).
+    even = jax.lax.bitcast_convert_type(w << 16, jnp.float32).sum(axis=1)
+    odd = jax.lax.bitcast_convert_type(w & jnp.uint32(0xFFFF0000), jnp.float32).sum(axis=1)
+    return jnp.stack([even, odd], axis=-1).reshape(rows_TK.shape[0], y_MD.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK, aligned: bool):
+    # An aligned layout's padding rows read slot T*K ("none"), i.e. token T, past x: zero rows. Without
+    # alignment every row holds a slot (a sentinel's too), so no index needs the bounds check.
+    return take_rows(x_TD, slot_of_row_M // row_of_slot_TK.shape[1], in_bounds=not aligned)
+
+
+def _gather_token_rows_fwd(x_TD, slot_of_row_M, row_of_slot_TK, aligned):
+    return _gather_token_rows(x_TD, slot_of_row_M, row_of_slot_TK, aligned), row_of_slot_TK
+
+
+def _gather_token_rows_bwd(aligned, row_of_slot_TK, g_MD):
     # Token t was copied to the K rows row_of_slot[t]; its gradient is the sum of theirs. A slot whose row holds
     # no pair (a sentinel, or a row a bounded buffer did not keep) contributes nothing.
-    g_TD = jnp.sum(_rows(g_MD, row_of_slot_TK).astype(jnp.float32), axis=1).astype(g_MD.dtype)
-    return g_TD, None, None
+    return sum_rows(g_MD, row_of_slot_TK).astype(g_MD.dtype), None, None
 
 
 _gather_token_rows.defvjp(_gather_token_rows_fwd, _gather_token_rows_bwd)
@@ -103,7 +137,8 @@ def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int, rows: i
         jnp.arange(num_pairs, dtype=jnp.int32), unique_indices=True)
     sorted_ids_M = flat_ids_M[order_M]
     # Boundaries of each expert's run in the sorted ids: a binary search, no scatter-add and no host sync.
-    bounds = jnp.searchsorted(sorted_ids_M, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left")
+    bounds = jnp.searchsorted(sorted_ids_M, jnp.arange(num_experts + 1, dtype=jnp.int32), side="left",
+                              method="compare_all")
     pairs_E = jnp.diff(bounds).astype(jnp.int32)
     if row_align == 1:
         slot_of_row_M = order_M[:rows]
@@ -117,7 +152,7 @@ def permute(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int, rows: i
         slot_of_row_M = jnp.where(holds_pair_M, order_M[position_P], num_pairs)
         row_of_slot_M = row_of_sorted_M[position_of_slot_M]
     info = PermuteInfo(slot_of_row_M, row_of_slot_M.reshape(num_tokens, top_k), holds_pair_M, pairs_E)
-    x_sorted_MD = _gather_token_rows(x_TD, info.slot_of_row_M, info.row_of_slot_TK)
+    x_sorted_MD = _gather_token_rows(x_TD, info.slot_of_row_M, info.row_of_slot_TK, row_align > 1)
     return x_sorted_MD, group_sizes_E, info
 
 
