@@ -7,8 +7,8 @@ At each fine-grained stage's shape (T = 8,192 tokens, its top-k and hidden size,
 - the permutation's gather of token rows into expert order, [T, D] -> [T*K, D]: `jnp.take` with zero fill (a
   bounds check per index), the same promised in bounds, and `permute.take_rows` (rows as uint32 words) with and
   without the promise;
-- its backward, each token's K rows gathered and summed in float32: gather, widen, sum as three jnp steps, and
-  `permute.sum_rows` (words, widened by shifting bits);
+- its backward, each token's K rows gathered and summed in float32: gather, widen, sum as three jnp steps (the
+  library's form), and the rows gathered as words and widened by shifting bits (`sum_rows_words`);
 - the expert boundaries in the sorted ids: `jnp.searchsorted` by its default scan and by `compare_all`.
 Each is checked bit for bit against the first form, timed as the median of batches, and reported in ms and
 in GB/s of the bytes it must move (read once, written once).
@@ -25,7 +25,17 @@ import numpy as np
 from dropless.bench import expert_stage
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, write_json
-from dropless.moe.permute import sum_rows, take_rows
+from dropless.moe.permute import _as_words, take_rows
+
+
+def sum_rows_words(y_MD, rows_TK):
+    """sum_k y_MD[rows_TK[:, k]] in float32, bfloat16 rows gathered as uint32 words and each word's two elements
+    widened by shifting their bits into place (exact: a bfloat16 is a float32's upper half); element 2j is the
+    word's low half."""
+    w = jnp.take(_as_words(y_MD), rows_TK, axis=0, mode="fill", fill_value=0)  # [T, K, D/2]
+    even = jax.lax.bitcast_convert_type(w << 16, jnp.float32).sum(axis=1)
+    odd = jax.lax.bitcast_convert_type(w & jnp.uint32(0xFFFF0000), jnp.float32).sum(axis=1)
+    return jnp.stack([even, odd], axis=-1).reshape(rows_TK.shape[0], y_MD.shape[-1])
 
 
 def forms(spec, ids_TK):
@@ -51,7 +61,7 @@ def forms(spec, ids_TK):
             "take_widen_sum": (jax.jit(lambda g, r: jnp.sum(jnp.take(g, r, axis=0, mode="fill", fill_value=0)
                                                             .astype(jnp.float32), axis=1).astype(g.dtype)),
                                (g, rows_TK)),
-            "sum_rows": (jax.jit(lambda g, r: sum_rows(g, r).astype(g.dtype)), (g, rows_TK))}),
+            "sum_rows": (jax.jit(lambda g, r: sum_rows_words(g, r).astype(g.dtype)), (g, rows_TK))}),
         "bounds": (4 * T * K, {
             "searchsorted_scan": (jax.jit(lambda s, q: jnp.searchsorted(s, q, side="left")), (sorted_ids, queries)),
             "searchsorted_compare_all": (jax.jit(lambda s, q: jnp.searchsorted(s, q, side="left",

@@ -167,10 +167,10 @@ def test_aligned_permutation_equals_the_contiguous_one(kind, bounded, row_align)
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("width", [6, 7])
-def test_row_gathers_through_words_equal_plain_take(dtype, width):
-    """take_rows and sum_rows move 2-byte rows as uint32 words (and widen bfloat16 by shifting bits): bit for bit
-    the plain gather and float32 sum, rows past the end zero (fill) or promised absent, an odd width plain."""
-    from dropless.moe.permute import sum_rows, take_rows
+def test_row_gather_through_words_equals_plain_take(dtype, width):
+    """take_rows moves 2-byte rows as uint32 words: bit for bit the plain gather (signed zeros and infinities
+    too), rows past the end zero (fill) or promised absent, an odd width gathered plainly."""
+    from dropless.moe.permute import take_rows
 
     rng = np.random.default_rng(0)
     y = jnp.asarray(rng.standard_normal((9, width)) * 10.0 ** rng.integers(-3, 4, (9, width)), dtype)
@@ -180,7 +180,5 @@ def test_row_gathers_through_words_equal_plain_take(dtype, width):
     np.testing.assert_array_equal(np.asarray(take_rows(y, rows_TK)).view(np.uint8),
                                   np.asarray(plain).view(np.uint8))
     inside = rows_TK % 9
-    np.testing.assert_array_equal(np.asarray(take_rows(y, inside, in_bounds=True)),
-                                  np.asarray(jnp.take(y, inside, axis=0)))
-    want = jnp.sum(plain.astype(jnp.float32), axis=1)
-    np.testing.assert_array_equal(np.asarray(sum_rows(y, rows_TK)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(take_rows(y, inside, in_bounds=True)).view(np.uint8),
+                                  np.asarray(jnp.take(y, inside, axis=0)).view(np.uint8))
