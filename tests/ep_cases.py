@@ -140,12 +140,33 @@ def executor_grads(executor, ids_TK, x_TD, weights_TK, experts):
     return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x_TD, weights_TK, experts)
 
 
+@jax.custom_vjp
+def _nan_grad_padding(lhs_MK, group_sizes_G):
+    """lhs_MK, whose gradient's padding rows become NaN."""
+    return lhs_MK
+
+
+def _nan_grad_padding_fwd(lhs_MK, group_sizes_G):
+    return lhs_MK, group_sizes_G
+
+
+def _nan_grad_padding_bwd(group_sizes_G, g_MK):
+    return (jnp.where(row_mask(g_MK.shape[0], group_sizes_G)[:, None], g_MK, jnp.nan),
+            np.zeros(group_sizes_G.shape, jax.dtypes.float0))
+
+
+_nan_grad_padding.defvjp(_nan_grad_padding_fwd, _nan_grad_padding_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class NanPaddingGmm(XlaGmm):
-    """XlaGmm whose output padding rows hold NaN wherever the caller lets them be anything (zero_padding=False),
-    as the GPU kernels leave them unwritten."""
+    """XlaGmm whose output padding rows, and its input gradient's, hold NaN wherever the caller lets them be
+    anything (zero_padding=False, zero_lhs_grad_padding=False), as the GPU kernels leave them unwritten."""
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
+                 zero_lhs_grad_padding=True):
+        if not zero_lhs_grad_padding:
+            lhs_MK = _nan_grad_padding(lhs_MK, group_sizes_G)
         out_MN = super().__call__(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type)
         return out_MN if zero_padding else jnp.where(row_mask(lhs_MK.shape[0], group_sizes_G)[:, None], out_MN,
                                                      jnp.nan)
@@ -158,9 +179,10 @@ class AlignedNanPaddingGmm(NanPaddingGmm):
 
     row_align = 8
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
+                 zero_lhs_grad_padding=True):
         out_MN = super().__call__(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type=preferred_element_type,
-                                  zero_padding=zero_padding)
+                                  zero_padding=zero_padding, zero_lhs_grad_padding=zero_lhs_grad_padding)
         return jnp.where(jnp.all(group_sizes_G % self.row_align == 0), out_MN, jnp.nan)
 
 

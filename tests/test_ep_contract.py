@@ -47,8 +47,9 @@ def test_bounded_local_buffer_that_fits_is_taken_and_keeps_only_its_rows():
 @pytest.mark.parametrize("local_buffer_factor", [0.0, 1.25])
 @pytest.mark.parametrize("name", ["allgather", "alltoall"])
 def test_padding_rows_of_the_grouped_gemms_never_reach_the_result(name, local_buffer_factor):
-    """The experts' GEMMs may leave their padding rows unwritten (NaN here): the worst-case and the bounded local
-    buffers both have such rows, and the output and every gradient still equal the single-device ones."""
+    """The experts' GEMMs may leave their padding rows unwritten (NaN here), and the gate+up projection its input
+    gradient's: the worst-case and the bounded local buffers both have such rows, and the output and every
+    gradient still equal the single-device ones."""
     rng = np.random.default_rng(3)
     ids_TK = np.stack([rng.choice(EXPERTS, 2, replace=False) for _ in range(BATCH * SEQ)])
     nan_padding = executor(STRATEGIES[name], 2, local_buffer_factor, gmm=NanPaddingGmm())

@@ -97,9 +97,11 @@ class Dense:
 class Grouped:
     """A grouped GEMM with float32 output, as a value (see Dense)."""
     gmm: Fp8Gmm
+    zero_lhs_grad_padding: bool = True
 
     def __call__(self, x, w, gs):
-        return self.gmm(x, w, gs, preferred_element_type=jnp.float32)
+        return self.gmm(x, w, gs, preferred_element_type=jnp.float32,
+                        zero_lhs_grad_padding=self.zero_lhs_grad_padding)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -166,6 +168,10 @@ def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
             assert rel(got, exact) < F32_RTOL
     np.testing.assert_array_equal(np.asarray(y)[sum(sizes):], 0.0)  # padding rows: zero out, zero gradient
     np.testing.assert_array_equal(np.asarray(dx)[sum(sizes):], 0.0)
+    # the input gradient's padding rows left unzeroed change none of the rows that hold data
+    _, dx_unzeroed, dw_unzeroed = fwd_bwd(Grouped(gmm, zero_lhs_grad_padding=False), x, w, gs, dy)
+    np.testing.assert_array_equal(np.asarray(dx_unzeroed)[:sum(sizes)], np.asarray(dx)[:sum(sizes)])
+    np.testing.assert_array_equal(np.asarray(dw_unzeroed), np.asarray(dw))
 
 
 def _aligned(a_MX, sizes, poison=np.nan):

@@ -31,9 +31,10 @@ def _config(kernel="dropless", bm=128, bn=128, bk=64, stages=4, **kw):
     return ProductConfig(kernel, TileConfig(bm, bn, bk, stages, **kw))
 
 
-def tuned_gmm(lhs, rhs, group_sizes, plan: GmmPlan, out_dtype=None, zero_padding=True):
+def tuned_gmm(lhs, rhs, group_sizes, plan: GmmPlan, out_dtype=None, zero_padding=True, zero_lhs_grad_padding=True):
     """The one custom VJP with the products of one tuned plan (what moe.gmm_backend=dropless_mosaic runs)."""
-    return gmm_from_products(lhs, rhs, group_sizes, tuned_products(plan), out_dtype, zero_padding)
+    return gmm_from_products(lhs, rhs, group_sizes, tuned_products(plan), out_dtype, zero_padding,
+                             zero_lhs_grad_padding)
 
 
 def test_shape_class_names_features_groups_and_rows_per_group():
@@ -216,11 +217,15 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
         out = tuned_gmm(x, w, sizes, plan, jnp.float32)
         unzeroed = tuned_gmm(x, w, sizes, plan, jnp.float32, False)  # padding rows left as the kernel left them
         grads = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32), x, w), (0, 1))
-        return out, unzeroed, *grads(x, w)
+        # the input gradient's padding rows left as the kernel left them (zero_lhs_grad_padding=False)
+        grads_unzeroed = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32, True,
+                                                                           False), x, w), (0, 1))
+        return out, unzeroed, *grads(x, w), *grads_unzeroed(x, w)
 
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out, unzeroed, dx, dw = run(x, w)
+        out, unzeroed, dx, dw, dx_unzeroed, dw_unzeroed = run(x, w)
     assert (unzeroed[:188] == out[:188]).all()
+    assert (dx_unzeroed[:188] == dx[:188]).all() and (dw_unzeroed == dw).all()
     assert out.dtype == jnp.float32 and dx.dtype == x.dtype and dw.dtype == w.dtype
     x_clean = jnp.where(live, x, 0)
     ragged_dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
@@ -300,8 +305,9 @@ def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch
     """DroplessMosaicGmm's path (checked here without a GPU: the one VJP is replaced by a recorder)."""
     seen = {}
 
-    def fake_gmm_from_products(lhs, rhs, group_sizes, products, out_dtype, zero_padding):
-        seen.update(rows=lhs.shape[0], products=products, out_dtype=out_dtype, zero_padding=zero_padding)
+    def fake_gmm_from_products(lhs, rhs, group_sizes, products, out_dtype, zero_padding, zero_lhs_grad_padding):
+        seen.update(rows=lhs.shape[0], products=products, out_dtype=out_dtype, zero_padding=zero_padding,
+                    zero_lhs_grad_padding=zero_lhs_grad_padding)
         return jnp.zeros((lhs.shape[0], rhs.shape[2]), out_dtype or lhs.dtype)
 
     monkeypatch.setattr(dropless_mosaic, "gmm_from_products", fake_gmm_from_products)
@@ -311,8 +317,10 @@ def test_gpu_backend_pads_rows_looks_up_the_plan_and_rejects_float32(monkeypatch
     assert out.shape == (200, 256) and out.dtype == jnp.float32
     assert seen["rows"] == 256 and seen["out_dtype"] == jnp.float32  # padded to the 128-row tile
     assert seen["products"] == tuned_products(gt.plan_for(256, 128, 256, 4)) and seen["zero_padding"] is True
-    dropless_mosaic.padded_tuned_gmm(x, w, jnp.array([50, 0, 93, 45], jnp.int32), None, zero_padding=False)
-    assert seen["zero_padding"] is False  # the caller's choice reaches the kernels' wrapper
+    assert seen["zero_lhs_grad_padding"] is True
+    dropless_mosaic.padded_tuned_gmm(x, w, jnp.array([50, 0, 93, 45], jnp.int32), None, zero_padding=False,
+                                     zero_lhs_grad_padding=False)
+    assert seen["zero_padding"] is False and seen["zero_lhs_grad_padding"] is False  # the caller's choices arrive
     with pytest.raises(MoEError, match="bf16 or f16"):
         dropless_mosaic.padded_tuned_gmm(x.astype(jnp.float32), w.astype(jnp.float32), jnp.array([1, 0, 0, 0]), None)
 
@@ -375,9 +383,9 @@ def test_tuned_gmm_gradients_inside_shard_map_keep_the_expert_axis():
 
 @pytest.mark.parametrize("zero_padding", [True, False])
 def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_padding):
-    """The kernel's output must vary over the axes its operands vary over, whether or not its padding rows are
-    zeroed: without the zeroing `where`, a custom_vjp downstream (unpermute) got a cotangent typed unlike its primal
-    ("the manual axis types do not match", `dropless bench ep` on two H200s)."""
+    """The kernel's output, and its input gradient, must vary over the axes its operands vary over, whether or not
+    their padding rows are zeroed: without the zeroing `where`, a custom_vjp downstream (unpermute) got a
+    cotangent typed unlike its primal ("the manual axis types do not match", `dropless bench ep` on two H200s)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -390,14 +398,15 @@ def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_pa
     seen = {}
 
     def per_device(x, w, sizes):
-        out = tuned_gmm(x[0], w, sizes[0], plan, None, zero_padding)
+        out, pullback = jax.vjp(lambda x: tuned_gmm(x, w, sizes[0], plan, None, zero_padding, zero_padding), x[0])
         seen["varying"] = jax.typeof(out).mat.varying
+        seen["dx_varying"] = jax.typeof(pullback(out)[0]).mat.varying
         return out[None]
 
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"))).trace(
             x, w, sizes)
-    assert seen["varying"] == {"expert"}
+    assert seen["varying"] == {"expert"} and seen["dx_varying"] == {"expert"}
 
 
 @pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS

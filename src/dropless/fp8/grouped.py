@@ -150,12 +150,14 @@ class Fp8Products:
         return self.dequantized_contract(a_PK, b_PN, 128 * blocks_G, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def fp8_gmm(x_MK, w_GKN, group_sizes_G, products: Fp8Products, dtypes: tuple, zero_padding: bool, aligned: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def fp8_gmm(x_MK, w_GKN, group_sizes_G, products: Fp8Products, dtypes: tuple, zero_padding: bool, aligned: bool,
+            zero_lhs_grad_padding: bool = True):
     """out_MN[m] = x[m] · W[g(m)] with e4m3 operands (module docstring), differentiable in x and W.
     dtypes: (output, x's, W's): the gradients come back in their primal's dtype. `aligned`: the rows are
-    expert-aligned (Fp8Gmm.row_align), so the weight gradient's copies are plain transposes."""
-    return _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned)[0]
+    expert-aligned (Fp8Gmm.row_align), so the weight gradient's copies are plain transposes.
+    `zero_lhs_grad_padding` as dropless.gmm.api's."""
+    return _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned, zero_lhs_grad_padding)[0]
 
 
 def _rows_and_copy(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe, aligned: bool):
@@ -168,7 +170,7 @@ def _rows_and_copy(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe, al
     return quantize(a_MX, recipe.operand(2)), copy(a_MX, group_sizes_G, recipe)
 
 
-def _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned):
+def _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned, zero_lhs_grad_padding):
     r = products.recipe
     w_fwd, w_dlhs = weight_copies(w_GKN, r)
     x_q, xT = _rows_and_copy(x_MK, group_sizes_G, r, aligned)
@@ -179,14 +181,16 @@ def _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned):
     return y_MN, (xT, w_dlhs, group_sizes_G)
 
 
-def _bwd(products, dtypes, zero_padding, aligned, residuals, dy_MN):
+def _bwd(products, dtypes, zero_padding, aligned, zero_lhs_grad_padding, residuals, dy_MN):
     xT, w_dlhs, group_sizes_G = residuals
     r = products.recipe
     _, x_dtype, w_dtype = dtypes
     dy_q, dyT = _rows_and_copy(dy_MN.astype(x_dtype), group_sizes_G, r, aligned)
     dx_MK = products.rows(dy_q, w_dlhs, group_sizes_G, "dlhs", x_dtype)
     dw_GKN = products.contract(xT, dyT, group_sizes_G, w_dtype)
-    return (varying_like(zero_padding_rows(dx_MK, group_sizes_G), xT.values, w_dlhs.values),
+    if zero_lhs_grad_padding:
+        dx_MK = zero_padding_rows(dx_MK, group_sizes_G)
+    return (varying_like(dx_MK, xT.values, w_dlhs.values),
             sum_like(dw_GKN, w_dlhs.values, xT.values), None)
 
 
@@ -209,14 +213,15 @@ class Fp8Gmm(GroupedMatmul):
         if self.row_align not in (1, ALIGN):
             raise ValueError(f"Fp8Gmm row_align={self.row_align}: use {ALIGN} (expert-aligned rows) or 1 (any).")
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
+                 zero_lhs_grad_padding=True):
         aligned = self.row_align > 1
         if aligned and lhs_MK.shape[0] % ALIGN:
             raise ValueError(f"Fp8Gmm with row_align={ALIGN} takes a multiple of {ALIGN} rows, got "
                              f"{lhs_MK.shape[0]}; permute with row_align={ALIGN} (dropless.moe.permute).")
         dtypes = (jnp.dtype(preferred_element_type or lhs_MK.dtype), lhs_MK.dtype, rhs_GKN.dtype)
         return fp8_gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), self.products, dtypes, zero_padding,
-                       aligned)
+                       aligned, zero_lhs_grad_padding)
 
 
 def experts_gmm(moe_cfg, recipe: Recipe | None) -> GroupedMatmul:

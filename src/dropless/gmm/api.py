@@ -6,7 +6,9 @@ exclusive cumulative sum of `group_sizes_G`. Rows past `sum(group_sizes_G)` are 
 as data (NaN there must not leak) and their outputs are zero, unless the caller passes `zero_padding=False`,
 which lets a backend leave them unwritten (anything, NaN included) when no reader looks at them: on a GPU the
 zeroing is a pass of its own over the output wherever XLA cannot fuse it into the reader. The padding rows'
-input gradients are zero either way. `dropped_rows(group_sizes_G, num_rows)` counts the rows a backend did not
+input gradients are zero too, unless the caller passes `zero_lhs_grad_padding=False` because nothing reads them
+(the routed experts' gate+up projection, whose input gradient only the permutation's backward reads, row by
+row of the (token, expert) pairs); backends whose zeros cost nothing ignore both flags. `dropped_rows(group_sizes_G, num_rows)` counts the rows a backend did not
 compute (always 0 except for `capacity`).
 
 `row_align`: the layout a backend asks of its caller. 1 (every backend but the FP8 one): groups lie end to end.
@@ -48,7 +50,8 @@ class GroupedMatmul:
     row_align: int = 1  # the layout asked of the caller (module docstring)
 
     def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
-                 preferred_element_type=None, zero_padding: bool = True) -> jax.Array:
+                 preferred_element_type=None, zero_padding: bool = True,
+                 zero_lhs_grad_padding: bool = True) -> jax.Array:
         raise NotImplementedError
 
     def dropped_rows(self, group_sizes_G: jax.Array, num_rows: int | None = None) -> jax.Array:

@@ -28,8 +28,9 @@ class CapacityGmm(GroupedMatmul):
     def capacity(self, num_rows: int, num_groups: int) -> int:
         return max(1, math.ceil(self.capacity_factor * num_rows / num_groups))
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
-        del zero_padding  # its padding rows are zero anyway
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
+                 zero_lhs_grad_padding=True):
+        del zero_padding, zero_lhs_grad_padding  # its padding rows are zero anyway
         num_rows, num_groups = lhs_MK.shape[0], rhs_GKN.shape[0]
         cap = self.capacity(num_rows, num_groups)
         group_sizes_G = group_sizes_G.astype(jnp.int32)

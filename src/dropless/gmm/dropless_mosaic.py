@@ -88,7 +88,8 @@ def tuned_products(plan: GmmPlan) -> GmmProducts:
     return GmmProducts(fwd=TiledRows(plan.fwd), dlhs=TiledRows(plan.dlhs), drhs=TiledContract(plan.drhs))
 
 
-def padded_tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding=True):
+def padded_tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zero_padding=True,
+                     zero_lhs_grad_padding=True):
     """The tuned three-product path; the plan is looked up while tracing (shapes are static)."""
     if lhs_MK.dtype != rhs_GKN.dtype or lhs_MK.dtype not in (jnp.bfloat16, jnp.float16):
         raise MoEError(f"moe.gmm_backend={DroplessMosaicGmm.name} multiplies bf16 or f16 operands of one dtype, "
@@ -100,7 +101,8 @@ def padded_tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G, preferred_element_type, zer
     lhs_PK = jnp.pad(lhs_MK, ((0, -num_rows % TOKAMAX_ROW_MULTIPLE), (0, 0)))
     out_dtype = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
     products = tuned_products(plan_for(lhs_PK.shape[0], k, n, g))
-    out_PN = gmm_from_products(lhs_PK, rhs_GKN, group_sizes_G, products, out_dtype, zero_padding)
+    out_PN = gmm_from_products(lhs_PK, rhs_GKN, group_sizes_G, products, out_dtype, zero_padding,
+                               zero_lhs_grad_padding)
     return out_PN[:num_rows]
 
 
@@ -110,9 +112,10 @@ class DroplessMosaicGmm(GroupedMatmul):
 
     name: ClassVar[str] = "dropless_mosaic"
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
+                 zero_lhs_grad_padding=True):
         if jax.default_backend() != "gpu":
             raise MoEError(f"moe.gmm_backend={self.name} needs an NVIDIA GPU (Mosaic GPU kernels) but the JAX "
                            f"backend is {jax.default_backend()!r}; use moe.gmm_backend=xla or auto.")
         return padded_tuned_gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), preferred_element_type,
-                                zero_padding)
+                                zero_padding, zero_lhs_grad_padding)

@@ -90,8 +90,10 @@ class TokamaxGmm(GroupedMatmul):
     weight_grad: ContractProduct = field(default_factory=XlaContract)
     name: ClassVar[str] = "tokamax_mosaic"
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
-        del zero_padding  # the output's padding rows are zeroed always: tokamax's kernel leaves them unwritten
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
+                 zero_lhs_grad_padding=True):
+        # Padding rows are zeroed always, output and input gradient: tokamax's kernel leaves them unwritten.
+        del zero_padding, zero_lhs_grad_padding
         if self.implementation != "xla" and jax.default_backend() != "gpu":
             raise MoEError(f"moe.gmm_backend={self.name} needs an NVIDIA GPU (tokamax's Mosaic GPU kernel) but the "
                            f"JAX backend is {jax.default_backend()!r}; use moe.gmm_backend=xla or auto.")

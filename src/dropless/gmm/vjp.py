@@ -54,13 +54,13 @@ class GmmProducts:
     zero_cotangent_padding: bool = False
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def gmm_from_products(lhs_MK, rhs_GKN, group_sizes_G, products: GmmProducts, out_dtype=None,
-                      zero_padding: bool = True):
+                      zero_padding: bool = True, zero_lhs_grad_padding: bool = True):
     """out_MN[m] = lhs_MK[m] · rhs_GKN[g(m)], differentiable in lhs and rhs, each product by `products`.
 
-    zero_padding=False leaves the output's padding rows unwritten (dropless.gmm.api); the input gradient's padding
-    rows are zero either way."""
+    zero_padding=False leaves the output's padding rows unwritten, zero_lhs_grad_padding=False the input
+    gradient's (dropless.gmm.api)."""
     out_dtype = jnp.dtype(out_dtype or lhs_MK.dtype)
     out_MN = products.fwd(lhs_MK, rhs_GKN, group_sizes_G, transpose_rhs=False, out_dtype=out_dtype)
     # Inside jax.shard_map a Pallas kernel's output varies over no mesh axis; it varies over its operands' axes
@@ -70,12 +70,12 @@ def gmm_from_products(lhs_MK, rhs_GKN, group_sizes_G, products: GmmProducts, out
     return zero_padding_rows(out_MN, group_sizes_G) if zero_padding else out_MN
 
 
-def _fwd(lhs_MK, rhs_GKN, group_sizes_G, products, out_dtype, zero_padding):
+def _fwd(lhs_MK, rhs_GKN, group_sizes_G, products, out_dtype, zero_padding, zero_lhs_grad_padding):
     out_MN = gmm_from_products(lhs_MK, rhs_GKN, group_sizes_G, products, out_dtype, zero_padding)
     return out_MN, (lhs_MK, rhs_GKN, group_sizes_G)
 
 
-def _bwd(products, out_dtype, zero_padding, residuals, dout_MN):
+def _bwd(products, out_dtype, zero_padding, zero_lhs_grad_padding, residuals, dout_MN):
     lhs_MK, rhs_GKN, group_sizes_G = residuals
     dout_MN = dout_MN.astype(lhs_MK.dtype)  # the kernels take one input dtype; an f32 output's cotangent is f32
     if products.zero_cotangent_padding:
@@ -85,7 +85,9 @@ def _bwd(products, out_dtype, zero_padding, residuals, dout_MN):
     # Inside jax.shard_map a cotangent must have its primal's type, although a Pallas kernel's output varies over
     # no mesh axis: the weight gradient of experts sharded over `expert` varies over `expert`, and is the sum of
     # every device's partial gradient along the axes the tokens vary over and the weights do not (`data`, `fsdp`).
-    return (varying_like(zero_padding_rows(dlhs_MK, group_sizes_G), lhs_MK),
+    if zero_lhs_grad_padding:
+        dlhs_MK = zero_padding_rows(dlhs_MK, group_sizes_G)
+    return (varying_like(dlhs_MK, lhs_MK),
             sum_like(drhs_GKN, rhs_GKN, lhs_MK, dout_MN), None)
 
 

@@ -17,8 +17,9 @@ class XlaGmm(GroupedMatmul):
 
     name: ClassVar[str] = "xla"
 
-    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True):
-        del zero_padding  # XLA's padding rows are zero anyway
+    def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
+                 zero_lhs_grad_padding=True):
+        del zero_padding, zero_lhs_grad_padding  # XLA's padding rows are zero anyway, gradients' too
         return jax.lax.ragged_dot(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32),
                                   preferred_element_type=preferred_element_type)
 
