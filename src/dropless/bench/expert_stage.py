@@ -131,16 +131,17 @@ def gemm_programs(gmm, x_TD, ids_TK, experts, seed: int):
     dh_MF2 = jax.random.normal(keys[1], (x_MD.shape[0], 2 * width), x_MD.dtype)
     dy_MD = jax.random.normal(keys[2], x_MD.shape, x_MD.dtype)
 
-    def product(lhs, weight, cotangent):
-        fwd = jax.jit(lambda lhs, w: gmm(lhs, w, group_sizes_E, zero_padding=False))
+    def product(lhs, weight, cotangent, zero_lhs_grad_padding):
+        call = lambda lhs, w: gmm(lhs, w, group_sizes_E, zero_padding=False,  # as routed_experts calls it
+                                  zero_lhs_grad_padding=zero_lhs_grad_padding)
 
         def fwdbwd(lhs, w, ct):
-            out, pullback = jax.vjp(lambda lhs, w: gmm(lhs, w, group_sizes_E, zero_padding=False), lhs, w)
+            out, pullback = jax.vjp(call, lhs, w)
             return (out, *pullback(ct))
 
-        return fwd, jax.jit(fwdbwd), (lhs, weight, cotangent)
+        return jax.jit(call), jax.jit(fwdbwd), (lhs, weight, cotangent)
 
-    return product(x_MD, experts["gate_up"], dh_MF2), product(a_MF, experts["down"], dy_MD)
+    return product(x_MD, experts["gate_up"], dh_MF2, False), product(a_MF, experts["down"], dy_MD, True)
 
 
 def time_gemms(gmm, x_TD, ids_TK, experts, seed: int, batches: int) -> dict:

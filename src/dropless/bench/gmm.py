@@ -123,9 +123,11 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
         op = PallasMosaicGpuRaggedDot(config=TOKAMAX_AUTOTUNED_FWD.to_tokamax())
         return lambda x, w, gs: op(x, w, group_sizes=gs)
     if name == "dropless":
-        # As the MoE layer calls it (dropless.moe.experts): padding rows of the output left unwritten. The groups
-        # here fill every row, so the output is the same; the zeroing pass would be a cost the layer never pays.
-        return lambda x, w, gs: gmm_from_products(x, w, gs, tuned_products(plan), None, False)
+        # As the MoE layer calls it (dropless.moe.experts): padding rows of the output and of the input gradient
+        # left unwritten, as for the gate+up projection (the down projection's input-gradient zeroing the layer's
+        # SwiGLU backward fuses). The groups here fill every row, so the results are the same; the zeroing
+        # passes would be costs the layer never pays.
+        return lambda x, w, gs: gmm_from_products(x, w, gs, tuned_products(plan), None, False, False)
     if name == "capacity":
         return CapacityGmm(capacity_factor)
     raise ValueError(f"backend={name!r} is not valid; choose one of {', '.join(BACKENDS)}.")
