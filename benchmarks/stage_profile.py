@@ -13,29 +13,15 @@ GEMMs (`gmm_up`/`gmm_down` scopes) and in the rest, and the costliest instructio
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
-
-import jax
 
 from dropless.bench import expert_stage
-from dropless.bench.profile import PROFILE_COMPILER_OPTIONS, breakdown, find_trace, hlo_module_name, parse_hlo, \
-    read_trace
+from dropless.bench.profile import PROFILE_COMPILER_OPTIONS, profile_calls
 from dropless.bench.records import environment, write_json
 
 
 def profile_program(program, args, calls: int, top: int) -> dict:
     """Kernel time per call of one jitted program, by category, and its `top` costliest HLO instructions."""
-    compiled = program.lower(*args).compile(PROFILE_COMPILER_OPTIONS)
-    jax.block_until_ready(compiled(*args))
-    hlo_text = compiled.as_text()
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(calls):
-                out = compiled(*args)
-            jax.block_until_ready(out)
-        events = read_trace(find_trace(Path(trace_dir)))
-    result = breakdown(events, parse_hlo(hlo_text), module=hlo_module_name(hlo_text), steps=calls, top=top)
+    result = profile_calls(program.lower(*args).compile(PROFILE_COMPILER_OPTIONS), args, calls, top=top)
     ms = result["ms_per_step_per_device"]
     return {"kernel_ms": result["kernel_ms_per_step_per_device"], "grouped_gemm_ms": ms["grouped_gemm"],
             "outside_gemms_ms": result["kernel_ms_per_step_per_device"] - ms["grouped_gemm"],

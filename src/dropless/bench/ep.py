@@ -22,8 +22,6 @@ Results: benchmarks/results/ep-<device>.json; `--table` prints the BENCHMARKS.md
 from __future__ import annotations
 
 import argparse
-import gzip
-import shutil
 import statistics
 import sys
 import tempfile
@@ -110,27 +108,6 @@ def _compiled(lowered, options: dict):
         return compiled, compiled
     compiled = lowered.compile(compiler_options=options or None)
     return compiled, lowered.compile(compiler_options={**options, **profile.PROFILE_COMPILER_OPTIONS})
-
-
-def _profile(compiled, args, iters: int, keep: Path | None = None) -> dict:
-    """Kernel-time breakdown of `iters` calls of `compiled` (the graph-free program of `_compiled`) on `args`,
-    placed for it. With `keep`, the trace and the HLO text are saved there as <keep>.trace.json.gz and
-    <keep>.hlo.txt.gz."""
-    jax.block_until_ready(compiled(*args))  # first-run allocations stay out of the trace
-    text = compiled.as_text()
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            for _ in range(iters):
-                out = compiled(*args)
-            jax.block_until_ready(out)
-        trace = profile.find_trace(Path(trace_dir))
-        events = profile.read_trace(trace)
-        if keep:
-            keep.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(trace, keep.with_name(keep.name + ".trace.json.gz"))
-            with gzip.open(keep.with_name(keep.name + ".hlo.txt.gz"), "wt") as stream:
-                stream.write(text)
-    return profile.breakdown(events, profile.parse_hlo(text), module=profile.hlo_module_name(text), steps=iters)
 
 
 def _kernel_time(breakdown: dict, top: int = 12) -> dict:
@@ -235,7 +212,7 @@ def _baselines(config, one, arguments: dict, skews, xla, *, iters: int, profile_
             baselines[skew, flags] = baseline, args
             keep = traces and traces / f"single-device-{flags}-{skew}"
             records.append({"strategy": "single-device", "xla": flags, "skew": skew, "devices": 1,
-                            "layer_ms": layer_ms, **_kernel_time(_profile(profiled, args, profile_iters, keep))})
+                            "layer_ms": layer_ms, **_kernel_time(profile.profile_calls(profiled, args, profile_iters, keep=keep))})
             log(f"ep: 1 device, xla {flags}, {skew}: {layer_ms:.2f} ms")
     return baselines, records
 
@@ -251,7 +228,7 @@ def _record(config, strategy, programs, arguments, baseline, *, name: str, chunk
     timing = paired_rounds(*baseline, compiled, args, iters)
     _, (_, stats) = jax.device_get(compiled(*args))
     keep = traces and traces / f"{name}-{chunk_count}-{flags}-{skew}"
-    breakdown = _profile(profiled, args, profile_iters, keep)
+    breakdown = profile.profile_calls(profiled, args, profile_iters, keep=keep)
     comm_ms = breakdown["ms_per_step_per_device"]["communication"]
     needed = needed_rows(*args[:3], config.moe, count)
     record = {
