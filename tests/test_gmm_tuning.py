@@ -628,3 +628,23 @@ def test_streaming_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, t
                                     transpose_rhs=transpose_rhs, out_dtype=jnp.float32, mma_in_flight=in_flight)
     want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(out[:228]), np.asarray(want[:228]), rtol=1e-5, atol=1e-5)
+
+
+def test_streaming_kernel_with_one_mma_in_flight_waits_for_each_where_only_one_stage_fits():
+    """A tile whose stages fit shared memory beside float32 output blocks only once (fitting_stages) cannot keep an
+    MMA running while the next slot loads: the async kernel then waits for each step's MMA, as the plain
+    streaming kernel does, and its results are ragged_dot's."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.gmm.mosaic_ws import fitting_stages, grouped_matmul_stream
+
+    tile = TileConfig(128, 128, 128, 3, True, 1, 2)
+    assert fitting_stages(tile, jnp.bfloat16, jnp.float32) == 1
+    sizes = jnp.array([100, 0, 120, 36], jnp.int32)
+    keys = jax.random.split(jax.random.key(7), 2)
+    x = jax.random.normal(keys[0], (256, 256), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (4, 256, 256), jnp.float32) / 8).astype(jnp.bfloat16)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = grouped_matmul_stream(x, w, sizes, tile, out_dtype=jnp.float32, mma_in_flight=1)
+    want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)

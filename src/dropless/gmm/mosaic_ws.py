@@ -78,11 +78,13 @@ class _RowsGridWS:
     out_dtype: Any
 
 
-def _check_in_flight(stream: bool, mma_in_flight: int, stages: int) -> None:
-    # A slot is released only once its MMA has finished, so with one MMA left running the producer can refill a
-    # slot only after the next step's MMA has been issued, which needs a second slot.
-    assert mma_in_flight in (0, 1) and (stream or mma_in_flight == 0) and stages > mma_in_flight, \
-        (stream, mma_in_flight, stages)
+def _in_flight(stream: bool, mma_in_flight: int, stages: int) -> int:
+    """The MMAs a streaming kernel leaves running across steps with `stages` stages: `mma_in_flight`, or 0 where
+    only one stage fits (`fitting_stages` with a float32 output). A slot is released only once its MMA has
+    finished, so with one MMA left running the producer can refill a slot only after the next step's MMA has been
+    issued, which needs a second slot."""
+    assert mma_in_flight in (0, 1) and (stream or mma_in_flight == 0), (stream, mma_in_flight)
+    return min(mma_in_flight, stages - 1)
 
 
 def _family(stream: bool, mma_in_flight: int) -> str:
@@ -111,7 +113,7 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
     n_tiles, k_steps = n // cta_n, k // bk
     tables = row_tiles(group_sizes_G, bm, m_tiles)
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)
-    _check_in_flight(stream, mma_in_flight, stages)
+    mma_in_flight = _in_flight(stream, mma_in_flight, stages)
     grid_shape = _RowsGridWS(tile, m, m_tiles, n_tiles, k_steps, stages, transpose_rhs, out_dtype)
     kernel = (functools.partial(_rows_stream_kernel, grid_shape, in_flight=mma_in_flight) if stream
               else functools.partial(_rows_kernel_ws, grid_shape))
@@ -237,7 +239,7 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     k_tiles, n_tiles = k // bm, n // cta_n
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)  # its blocks are the rows kernel's sizes, transposed
     starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
-    _check_in_flight(stream, mma_in_flight, stages)
+    mma_in_flight = _in_flight(stream, mma_in_flight, stages)
     grid_shape = _ContractGridWS(tile, g, k_tiles, n_tiles, stages, out_dtype)
     kernel = (functools.partial(_stream_kernel, grid_shape, in_flight=mma_in_flight) if stream
               else functools.partial(_contract_kernel_ws, grid_shape))
