@@ -1,7 +1,7 @@
 """What the bf16 warp-specialised grouped-GEMM kernels compile to on one GPU: for each kernel family and product,
-ptxas's warnings (a "serialized" wgmma warning means the MMAs of one accumulator run one at a time), its
-register and spill lines, and the MMA waits in the PTX by how many MMAs each leaves in flight
-(make bench-gmm-sass).
+ptxas's performance messages (C75xx: "Potential Performance Loss: wgmma.mma_async instructions are serialized"
+means the MMAs of one accumulator run one at a time; C7519 an injected warpgroup.arrive), its register and spill
+lines, and the MMA waits in the PTX by how many MMAs each leaves in flight (make bench-gmm-sass).
 
     python benchmarks/gmm_sass.py --out-dir DIR [--kernels dropless_ws_stream,dropless_ws_stream_async]
 
@@ -17,6 +17,7 @@ import collections
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,8 @@ from sass_dump import count_opcodes, ptxas_report  # noqa: E402
 PRODUCTS = ("fwd", "dlhs", "drhs")
 # `wgmma.wait_group.sync.aligned N;`: N MMA groups may still run after it.
 WAIT = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")
+# ptxas's numbered performance messages and its warnings, whatever words follow.
+PTXAS_MESSAGE = re.compile(r"\(C75\d\d\)|Potential Performance Loss|ptxas.*warning", re.IGNORECASE)
 
 
 def compile_one(kernel: str, product: str) -> None:
@@ -65,7 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out-dir", required=True)
     p.add_argument("--kernels", default="dropless_ws,dropless_ws_stream,dropless_ws_stream_async")
-    p.add_argument("--products", default="fwd,drhs")
+    p.add_argument("--products", default="fwd,drhs", help="fwd, drhs; dlhs runs the forward's shape transposed")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # the child process's kernel and product
     a = p.parse_args()
     if a.child:
@@ -77,7 +80,8 @@ def main() -> None:
         for product in a.products.split(","):
             name = f"{kernel}-{product}"
             folder = out / name
-            folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)  # a dump left by an earlier run would be counted again
+            folder.mkdir(parents=True)
             env = os.environ | {"MOSAIC_GPU_DUMP_SASS": "1", "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
                                 "MOSAIC_GPU_DUMP_TO": str(folder)}
             proc = subprocess.run([sys.executable, __file__, "--out-dir", a.out_dir, "--child", kernel, product],
@@ -85,14 +89,14 @@ def main() -> None:
             log = proc.stdout + proc.stderr
             (folder / "log.txt").write_text(log)
             files = [f for f in folder.rglob("*") if f.is_file()]
-            warnings = sorted({line.strip() for f in files for line in f.read_text(errors="replace").splitlines()
-                               if "warning" in line.lower() and ("ptxas" in line.lower() or "wgmma" in line.lower())})
+            messages = sorted({line.strip() for f in files for line in f.read_text(errors="replace").splitlines()
+                               if PTXAS_MESSAGE.search(line)})
             sass = count_opcodes(folder)
-            summary[name] = {"returncode": proc.returncode, "ptxas_warnings": warnings[:20],
+            summary[name] = {"returncode": proc.returncode, "ptxas_messages": messages[:20],
                              "ptxas": ptxas_report(folder), "ptx_mma_waits": mma_waits(folder),
                              "sass_depbar": {k: v for k, v in sass.items() if "DEPBAR" in k or k == "HGMMA"},
                              "files": sorted(str(f.relative_to(out)) for f in files)}
-            print(json.dumps({name: {k: summary[name][k] for k in ("returncode", "ptxas_warnings", "ptx_mma_waits",
+            print(json.dumps({name: {k: summary[name][k] for k in ("returncode", "ptxas_messages", "ptx_mma_waits",
                                                                   "sass_depbar")}}), flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 

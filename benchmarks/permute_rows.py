@@ -11,7 +11,8 @@ At each fine-grained stage's shape (T = 8,192 tokens, its top-k and hidden size,
   library's form), and the rows gathered as words and widened by shifting bits (`sum_rows_words`);
 - the expert boundaries in the sorted ids: `jnp.searchsorted` by its default scan and by `compare_all`.
 Each is checked bit for bit against the first form, timed as the median of batches, and reported in ms and
-in GB/s of the bytes it must move (read once, written once).
+in GB/s of the bytes it must move at least (each input read once, each output written once: the gather's K
+copies of a token row are one read of it, which caches may or may not give).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def forms(spec, ids_TK):
     queries = jnp.arange(E + 1, dtype=jnp.int32)
     row_bytes = 2 * D
     return {
-        "gather": (2 * T * K * row_bytes, {
+        "gather": ((T + T * K) * row_bytes, {  # each source row read once, each copy written once
             "take_fill": (jax.jit(lambda x, r: jnp.take(x, r, axis=0, mode="fill", fill_value=0)), (x, tokens_M)),
             "take_in_bounds": (jax.jit(lambda x, r: x.at[r].get(mode="promise_in_bounds")), (x, tokens_M)),
             "words_fill": (jax.jit(lambda x, r: take_rows(x, r)), (x, tokens_M)),

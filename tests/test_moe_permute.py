@@ -182,3 +182,9 @@ def test_row_gather_through_words_equals_plain_take(dtype, width):
     inside = rows_TK % 9
     np.testing.assert_array_equal(np.asarray(take_rows(y, inside, in_bounds=True)).view(np.uint8),
                                   np.asarray(jnp.take(y, inside, axis=0)).view(np.uint8))
+    assert take_rows(y[:0], rows_TK[:0]).shape == (0, 3, width)  # no rows to take from, none to take
+
+
+def test_permute_of_no_tokens_is_empty():
+    x_sorted, sizes, info = permute(jnp.zeros((0, 6), jnp.bfloat16), jnp.zeros((0, 2), jnp.int32), 4)
+    assert x_sorted.shape == (0, 6) and np.asarray(sizes).tolist() == [0, 0, 0, 0]

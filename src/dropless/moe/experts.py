@@ -28,7 +28,9 @@ def _glu(h_MF2: jax.Array, dtype) -> jax.Array:
 def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: dict,
                    gmm: GroupedMatmul, *, remat_activation: bool = False) -> jax.Array:
     """Each row of x_sorted through its own expert's SwiGLU: [M, D] -> [M, D] in x_sorted's dtype; the rows past
-    sum(group_sizes) are unspecified (read them through `unpermute`, which ignores them).
+    sum(group_sizes) are unspecified (read them through `unpermute`, which ignores them), and so are those rows of
+    x_sorted's gradient: x_sorted must come from `permute`, whose backward never reads them (a gather whose
+    transpose is a scatter-add over every row would take them in).
 
     `remat_activation`: the backward keeps only h and recomputes the activation. For code inside a lax.cond
     (expert parallelism's bounded buffer), whose residuals are materialised at the cond's boundary: there the
