@@ -2,6 +2,8 @@
 interpreter against float64 numpy loops over the groups, the tile table lowered for CUDA on the CPU, and the
 errors a caller gets for malformed operands."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -384,3 +386,37 @@ def test_a_kernel_called_from_several_places_is_lowered_once():
                 S((g, n // SCALE_BLOCK, k // SCALE_BLOCK), jnp.float32))
     text = export.export(jax.jit(three_calls), platforms=["cuda"])(*operands).mlir_module()
     assert text.count("custom_call @mosaic_gpu") == 2
+
+
+@pytest.mark.parametrize("stack, tile, sizes", [("n", TN_TILE, MIXED), ("m", TN_TILE, SKEW),
+                                                ("m", dataclasses.replace(TN_TILE, num_stages=3), MIXED),
+                                                ("m", WIDEST_TILE, MIXED)],
+                         ids=["side-by-side", "stacked-skew", "3-stages", "256-columns"])
+def test_streamed_weight_gradient_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, sizes):
+    """gmm_tn_aligned(stream=True): one ring of stages across the CTA's tiles, the same steps in the same order as
+    the per-tile pipeline, so the same bits: empty groups' zeros, 1-row groups, the ring wrapping inside and
+    across tiles, two accumulator slices per consumer."""
+    n = fp8_mosaic.cta_shape(tile, stack)[1] * (2 if tile.block_n < 128 else 1)
+    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(sizes, "blockwise", seed=8, n=n)
+    args = (jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), tile)
+    scales = dict(scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
+                  rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        per_tile = np.asarray(gmm_tn_aligned(*args, **scales))
+        streamed = np.asarray(gmm_tn_aligned(*args, **scales, stream=True))
+    np.testing.assert_array_equal(streamed.view(np.uint32), per_tile.view(np.uint32))
+    _assert_matches(streamed.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
+
+
+def test_the_streamed_weight_gradient_lowers_for_cuda_and_refuses_rowwise_scaling():
+    tile = FP8_TILES[("drhs", "blockwise")]
+    f32, k, n, g, m = jnp.float32, 7168, 4096, 32, 8192
+    p = m + g * SCALE_BLOCK
+    fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling="blockwise", lhs_scale=ls, rhs_scale=rs,
+                                                 stack=fp8_mosaic.default_stack("drhs", "blockwise"), stream=True)
+    operands = (S((k, p), FP8), S((n, p), FP8), S((g,), jnp.int32), S((p // SCALE_BLOCK, k), f32),
+                S((p // SCALE_BLOCK, n), f32))
+    assert export.export(jax.jit(fn), platforms=["cuda"])(*operands).platforms == ("cuda",)
+    with pytest.raises(ValueError, match="blockwise scaling only"):
+        gmm_tn_aligned(jnp.zeros((k, p), FP8), jnp.zeros((n, p), FP8), jnp.zeros((g,), jnp.int32), tile,
+                       scaling="rowwise", lhs_scale=jnp.ones((g, k)), rhs_scale=jnp.ones((g, n)), stream=True)

@@ -11,7 +11,8 @@ Kernels (dropless.gmm.fp8_mosaic, blockwise scaling) at DeepSeek-V3's shapes, ro
   gate-up drhs  gmm_tn_aligned  xᵀ [7168, P] · dyᵀ [4096, P] -> [G, 7168, 4096]
 Each variant (stack "n": the two consumers side by side along N; "m": stacked along M; its tile, the pipeline
 stages that fit in shared memory beside its output blocks, which can be fewer than the tile asks; a consumer
-wider than 128 columns runs 128-column accumulator slices one after another) gets one record:
+wider than 128 columns runs 128-column accumulator slices one after another; for drhs, `stream`: one ring of
+stages across the CTA's tiles instead of a pipeline per tile) gets one record:
 ms (kernel_check's timing: median of 5 batches of 10 calls), TF/s over the rows in groups, and whether its output
 equals the first variant's bit for bit (every layout and tile sums each output's K blocks in the same order, so
 they must; kernel_check.py and the tests hold the first against float32 references). At gate-up fwd the probe's
@@ -53,7 +54,9 @@ NT_VARIANTS = [
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR)),
     ("n", TileConfig(64, 128, 128, 4, **M_MINOR)),  # the unscaled kernel's layout and tile, below
 ]
-TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR))]  # at 64x256 one stage fits beside float32 outputs
+# The weight gradient: one pipeline per output tile, and the same tile streamed (`gmm_tn_aligned(stream=True)`: one
+# ring of stages across the CTA's tiles); at 64x256 one stage fits beside float32 outputs.
+TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR), False), ("m", TileConfig(64, 128, 128, 4, **M_MINOR), True)]
 UNSCALED = [TileConfig(64, 128, 128, 4, **M_MINOR), TileConfig(128, 128, 128, 3, **M_MINOR)]
 # (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)
 SHAPES = [("gate-up fwd", nt_case, 7168, 4096), ("gate-up dlhs", nt_case, 4096, 7168),
@@ -89,10 +92,12 @@ def main() -> None:
     for name, case, k, n in SHAPES:
         make_fn, args, _, live = case("blockwise", sizes, k, n, m)
         first = None
-        for stack, tile in TN_VARIANTS if case is tn_case else NT_VARIANTS:
+        for stack, tile, *stream in TN_VARIANTS if case is tn_case else NT_VARIANTS:
             rec = {"shape": name, "stack": stack, "tile": str(tile), "stages": _fitting_stages(case, tile, stack)}
+            if stream:
+                rec["stream"] = stream[0]
             try:
-                fn = make_fn(tile, stack)
+                fn = make_fn(tile, stack, *stream)
                 compile_s, ms = _time(fn, *args)
                 out = fn(*args)
                 out = out[:live] if live is not None else out

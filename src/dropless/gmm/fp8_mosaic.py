@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.gmm.mosaic import max_row_tiles, num_sms, plgpu, row_tiles, store_rows, swizzled
-from dropless.gmm.mosaic_ws import BARRIER_BYTES, CONSUMERS, MEMORY_REGISTERS
+from dropless.gmm.mosaic_ws import BARRIER_BYTES, CONSUMERS, MEMORY_REGISTERS, Ring, run_stream
 from dropless.gmm.tuning import SMEM_BYTES, TileConfig
 
 FP8 = jnp.float8_e4m3fn
@@ -464,10 +464,10 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
 def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                    scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32,
-                   stack: str = "n") -> jax.Array:
+                   stack: str = "n", stream: bool = False) -> jax.Array:
     """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
 
     Group g occupies columns [128 * first_g, 128 * (first_g + blocks_g)) of both copies, with (first_G, blocks_G)
@@ -476,6 +476,11 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     rowwise:   lhs_scale [G, K], rhs_scale [G, N]; out[g, k, n] = acc * lhs_scale[g, k] * rhs_scale[g, n].
     blockwise: lhs_scale [P/128, K], rhs_scale [P/128, N]; each 128-column block pb of group g adds its product
                times lhs_scale[pb, k] * rhs_scale[pb, n] into a float32 carry.
+    stream (blockwise only): one producer walks the CTA's whole sequence of (output tile, column block) steps
+    through one ring of stages (`mosaic_ws.run_stream`), so the next tile's blocks load while the consumers finish
+    and store the current one, instead of one pipeline per tile filled and drained: a group's gradient tile has
+    as many steps as the group has 128-row blocks (16 at DeepSeek-V3's 32 experts, 2 at 256). The same steps
+    in the same order: the same bits as the per-tile pipeline.
     """
     k, p = lhsT_KP.shape
     n = rhsT_NP.shape[0]
@@ -490,6 +495,8 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     if tile.block_k != SCALE_BLOCK or k % cta_m:
         raise ValueError(f"gmm_tn_aligned steps over the {SCALE_BLOCK}-column group blocks: block_k must be "
                          f"{SCALE_BLOCK} and K ({k}) a multiple of the CTA tile's {cta_m} rows; got {tile}.")
+    if stream and scaling != "blockwise":
+        raise ValueError("gmm_tn_aligned(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
     if scaling == "blockwise" and max(cta_m, cta_n) > TMA_MAX_BOX:
         raise ValueError(f"blockwise scaling loads the CTA tile's {cta_m} row and {cta_n} column scales in one copy "
                          f"each, at most {TMA_MAX_BOX} long: choose a smaller tile or stack the consumers.")
@@ -498,8 +505,9 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), k // cta_m, n // cta_n, scaling,
                 out_dtype, groups=g, stack=stack)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
-    return _call(_tn_kernel, s, (g, k, n), "tn_aligned")(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP,
-                                                        rhsT_NP, lhs_scale, rhs_scale)
+    kernel, name = (_tn_stream_kernel, "tn_aligned_stream") if stream else (_tn_kernel, "tn_aligned")
+    return _call(kernel, s, (g, k, n), name)(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP, rhsT_NP,
+                                             lhs_scale, rhs_scale)
 
 
 def _tn_blockwise_body(s: _Launch, wg):
@@ -576,3 +584,51 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
                     body = _rowwise_body(s, wg)
                     context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, steps, specs(first), body, context)(*operands(ki, ni), allocations=allocations)
+
+
+def _tn_stream_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, out):
+    """gmm_tn_aligned(stream=True)'s kernel (blockwise): the CTA's (group, K tile, CTA N tile) outputs in
+    `_tn_kernel`'s order, each over its group's column blocks, every step's two e4m3 blocks and two scale vectors
+    through one ring. An empty group takes no step and stores the zeros its carries start as. Each consumer's
+    store runs under the next tile's steps; it waits for the store to have read its output blocks only when it
+    next writes them."""
+    bm, bk = s.tile.block_m, s.tile.block_k
+    (cta_m, cta_n), per_group = s.cta, s.outer * s.n_tiles
+
+    def tile_at(index):
+        gi, kn = lax.div(index, per_group), lax.rem(index, per_group)
+        ki, ni = plgpu.planar_snake(kn, (s.outer, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+        return gi, ki, ni, first_G[gi], blocks_G[gi]
+
+    def load_tile(ring, index, c):
+        _, ki, ni, first, steps = tile_at(index)
+        rows, cols = pl.ds(ki * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+
+        def load(r, c):
+            block = first + r
+            return ring.load(c, lhs.at[rows, pl.ds(block * bk, bk)], rhs.at[cols, pl.ds(block * bk, bk)],
+                             row_scale.at[pl.ds(block, 1), rows], col_scale.at[pl.ds(block, 1), cols])
+
+        return lax.fori_loop(0, steps, load, c)
+
+    def compute_tile(ring, wg, index, c):
+        gi, ki, ni, _, steps = tile_at(index)
+        body = _tn_blockwise_body(s, wg)
+        start = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
+        c, carries = lax.fori_loop(0, steps, lambda r, state: ring.step(
+            state[0], lambda *blocks_and_carry: body(None, *blocks_and_carry), state[1]), (c, start))
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
+        s.stage_out(ring.out, wg)(carries)
+        plgpu.commit_smem()
+        row0, col0 = s.out_origin(wg)
+        for i in range(s.slices):
+            plgpu.copy_smem_to_gmem(ring.out.at[wg * s.slices + i],
+                                    out.at[gi, pl.ds(ki * cta_m + row0, bm), pl.ds(ni * cta_n + col0 + i * s.width,
+                                                                                   s.width)], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        return c
+
+    blocks = [((cta_m, bk), lhs.dtype, True), ((cta_n, bk), rhs.dtype, True), ((1, cta_m), jnp.float32, False),
+              ((1, cta_n), jnp.float32, False)]
+    run_stream(Ring.allocations(s.stages, blocks, CONSUMERS * s.slices, (bm, s.width), s.out_dtype), s.stages,
+               s.groups * per_group, load_tile, compute_tile)

@@ -98,7 +98,7 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
 
     Output rows past sum(group_sizes) are left unwritten (as `dropless.gmm.mosaic.grouped_matmul`). `stream`: one
     stream of loads per CTA (`grouped_matmul_stream`) instead of a pipeline per tile; `mma_in_flight` (streaming
-    only, 0 or 1): the MMAs each consumer leaves running when it moves to the next step (`_Ring.compute`).
+    only, 0 or 1): the MMAs each consumer leaves running when it moves to the next step (`Ring.compute`).
     """
     m, k = lhs_MK.shape
     if transpose_rhs:
@@ -358,50 +358,60 @@ def grouped_matmul_stream(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.
                              interpret=interpret, stream=True, mma_in_flight=mma_in_flight)
 
 
-class _Ring(NamedTuple):
-    """The streaming kernels' shared memory: `stages` slots of both operand blocks, each consumer's output block,
-    and per slot a barrier for its two loads landing and one for both consumers being done with it. Every
-    warpgroup walks the CTA's tiles in the same order and counts the steps it has passed; step c uses slot
-    c % stages."""
+class Ring(NamedTuple):
+    """The streaming kernels' shared memory: `stages` slots of each operand's block (both matrices; the FP8
+    kernels' scale vectors too), the consumers' output blocks, and per slot a barrier for its loads landing and
+    one for both consumers being done with it. Every warpgroup walks the CTA's tiles in the same order and
+    counts the steps it has passed; step c uses slot c % stages."""
 
-    lhs: Any
-    rhs: Any
+    operands: tuple
     out: Any
     produced: Any
     consumed: Any
     stages: int
 
     @staticmethod
-    def allocations(stages: int, lhs_block, lhs_dtype, rhs_block, rhs_dtype, out_block, out_dtype,
-                    out_leading_tile: int = 8) -> dict:
+    def allocations(stages: int, blocks, out_blocks: int, out_block, out_dtype, out_leading_tile: int = 8) -> dict:
+        """`blocks`: per operand, (block shape, dtype, swizzled: whether it is a 2-D MMA operand or a plain
+        vector); `out_blocks` output blocks of `out_block`."""
         return dict(
-            lhs=plgpu.SMEM((stages, *lhs_block), lhs_dtype, transforms=swizzled(lhs_block[1], lhs_dtype)),
-            rhs=plgpu.SMEM((stages, *rhs_block), rhs_dtype, transforms=swizzled(rhs_block[1], rhs_dtype)),
-            out=plgpu.SMEM((CONSUMERS, *out_block), out_dtype,
+            operands=tuple(plgpu.SMEM((stages, *shape), dtype, transforms=swizzled(shape[1], dtype) if swizzle else ())
+                           for shape, dtype, swizzle in blocks),
+            out=plgpu.SMEM((out_blocks, *out_block), out_dtype,
                            transforms=swizzled(out_block[1], out_dtype, leading_tile=out_leading_tile)),
-            produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # one arrival per operand's copy
+            produced=plgpu.Barrier(num_arrivals=len(blocks), num_barriers=stages),  # one arrival per copy
             consumed=plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         )
 
-    def load(self, c, lhs_src, rhs_src):
-        """The producer's step c: wait until both consumers are done with the slot's previous use, then load."""
+    def load(self, c, *sources):
+        """The producer's step c: wait until both consumers are done with the slot's previous use, then load each
+        operand's block from its source."""
         slot = jax.lax.rem(c, self.stages)
 
         @pl.when(c >= self.stages)
         def _reuse():
             plgpu.barrier_wait(self.consumed.at[slot])
 
-        plgpu.copy_gmem_to_smem(lhs_src, self.lhs.at[slot], self.produced.at[slot])
-        plgpu.copy_gmem_to_smem(rhs_src, self.rhs.at[slot], self.produced.at[slot])
+        for source, slots in zip(sources, self.operands, strict=True):
+            plgpu.copy_gmem_to_smem(source, slots.at[slot], self.produced.at[slot])
         return c + 1
 
-    def compute(self, c, mma, in_flight: int = 0, first=None):
-        """A consumer's step c: wait for the slot's loads, then `mma(lhs_block, rhs_block)`, which returns with at
-        most `in_flight` of its MMAs running, then release the slot whose MMA has finished: this step's, or with
-        one MMA in flight the previous step's unless this is the tile's `first` (`finish` releases a tile's last)."""
+    def step(self, c, body, carry):
+        """A consumer's step c whose `body(*blocks, carry) -> carry` has waited for its MMAs: wait for the slot's
+        loads, run it, release the slot. Returns (c + 1, the new carry)."""
         slot = jax.lax.rem(c, self.stages)
         plgpu.barrier_wait(self.produced.at[slot])
-        mma(self.lhs.at[slot], self.rhs.at[slot])
+        carry = body(*(slots.at[slot] for slots in self.operands), carry)
+        plgpu.barrier_arrive(self.consumed.at[slot])
+        return c + 1, carry
+
+    def compute(self, c, mma, in_flight: int = 0, first=None):
+        """A consumer's step c: wait for the slot's loads, then `mma(*blocks)`, which returns with at most
+        `in_flight` of its MMAs running, then release the slot whose MMA has finished: this step's, or with one
+        MMA in flight the previous step's unless this is the tile's `first` (`finish` releases a tile's last)."""
+        slot = jax.lax.rem(c, self.stages)
+        plgpu.barrier_wait(self.produced.at[slot])
+        mma(*(slots.at[slot] for slots in self.operands))
         if not in_flight:
             plgpu.barrier_arrive(self.consumed.at[slot])
         else:
@@ -432,13 +442,13 @@ class _Ring(NamedTuple):
         return self.out.at[wg]
 
 
-def _stream(allocations: dict, stages: int, tiles: int, load_tile, compute_tile) -> None:
+def run_stream(allocations: dict, stages: int, tiles: int, load_tile, compute_tile) -> None:
     """Run a streaming kernel: `load_tile(ring, tile, c) -> c` in the producer warpgroup and `compute_tile(ring, wg,
     tile, c) -> c` in each consumer, over this CTA's share of `tiles` tile indices (the same in every warpgroup)."""
 
     @functools.partial(pl.run_scoped, **allocations, collective_axes="wg")
     def _scope(**refs):
-        ring, wg = _Ring(**refs, stages=stages), jax.lax.axis_index("wg")
+        ring, wg = Ring(**refs, stages=stages), jax.lax.axis_index("wg")
 
         @pl.when(wg == CONSUMERS)
         def _producer():
@@ -508,8 +518,9 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
 
         return _acc
 
-    _stream(_Ring.allocations(s.stages, (bm, bk), lhs_gmem.dtype, rhs_block, rhs_gmem.dtype, (bm, bn), s.out_dtype,
-                              out_leading_tile=1), s.stages, s.m_tiles * s.n_tiles, load_tile, compute_tile)
+    blocks = [((bm, bk), lhs_gmem.dtype, True), (rhs_block, rhs_gmem.dtype, True)]
+    run_stream(Ring.allocations(s.stages, blocks, CONSUMERS, (bm, bn), s.out_dtype, out_leading_tile=1), s.stages,
+               s.m_tiles * s.n_tiles, load_tile, compute_tile)
 
 
 def grouped_matmul_tn_stream(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
@@ -574,5 +585,6 @@ def _stream_kernel(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, steps_g
 
         return _acc
 
-    _stream(_Ring.allocations(s.stages, (bk, bm), lhs_gmem.dtype, (bk, cta_n), rhs_gmem.dtype, (bm, bn), s.out_dtype),
-            s.stages, s.num_groups * s.k_tiles * s.n_tiles, load_tile, compute_tile)
+    blocks = [((bk, bm), lhs_gmem.dtype, True), ((bk, cta_n), rhs_gmem.dtype, True)]
+    run_stream(Ring.allocations(s.stages, blocks, CONSUMERS, (bm, bn), s.out_dtype), s.stages,
+               s.num_groups * s.k_tiles * s.n_tiles, load_tile, compute_tile)
