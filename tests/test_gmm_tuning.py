@@ -217,7 +217,10 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
         out = tuned_gmm(x, w, sizes, plan, jnp.float32)
         unzeroed = tuned_gmm(x, w, sizes, plan, jnp.float32, False)  # padding rows left as the kernel left them
         grads = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32), x, w), (0, 1))
-        # the input gradient's padding rows left as the kernel left them (zero_lhs_grad_padding=False)
+        if rows_kernel != "dropless_ws_stream":
+            return out, unzeroed, *grads(x, w), None, None
+        # the input gradient's padding rows left as the kernel left them (zero_lhs_grad_padding=False; the custom
+        # VJP's choice, the same for every kernel, so checked with one)
         grads_unzeroed = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32, True,
                                                                            False), x, w), (0, 1))
         return out, unzeroed, *grads(x, w), *grads_unzeroed(x, w)
@@ -225,7 +228,8 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out, unzeroed, dx, dw, dx_unzeroed, dw_unzeroed = run(x, w)
     assert (unzeroed[:188] == out[:188]).all()
-    assert (dx_unzeroed[:188] == dx[:188]).all() and (dw_unzeroed == dw).all()
+    if dx_unzeroed is not None:
+        assert (dx_unzeroed[:188] == dx[:188]).all() and (dw_unzeroed == dw).all()
     assert out.dtype == jnp.float32 and dx.dtype == x.dtype and dw.dtype == w.dtype
     x_clean = jnp.where(live, x, 0)
     ragged_dot = lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32)
@@ -610,10 +614,10 @@ def test_streaming_weight_gradient_matches_a_float64_loop_over_groups_in_the_gpu
 
 
 @pytest.mark.parametrize("in_flight", [0, 1])
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("tile, n", [(TileConfig(64, 64, 64, 2, True, 1, 2), 256),
-                                     (TileConfig(64, 64, 64, 3, True, 0, 1), 256),
-                                     (TileConfig(64, 64, 64, 2, True, 1, 2), 384)])
+@pytest.mark.parametrize("tile, n, transpose_rhs", [
+    *((tile, 256, transpose) for tile in (TileConfig(64, 64, 64, 2, True, 1, 2), TileConfig(64, 64, 64, 3, True, 0, 1))
+      for transpose in (False, True)),
+    (TileConfig(64, 64, 64, 2, True, 1, 2), 384, False)])
 def test_streaming_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, n, transpose_rhs, in_flight):
     """mosaic_ws.grouped_matmul_stream (fwd, and dlhs with transpose_rhs): three K steps per tile through 2 or 3
     stages, so the ring wraps inside tiles and across them; empty, 1-row and unaligned groups. At N = 384 the
