@@ -522,6 +522,19 @@ def _tn_blockwise_body(s: _Launch, wg):
     return body
 
 
+def _store_tn_tile(s: _Launch, out_smem, out, wg, gi, ki, ni) -> None:
+    """A weight-gradient consumer's staged output blocks (one per accumulator slice) into out[gi] at the CTA tile
+    (ki, ni): the smem writes committed, one copy per slice, one commit group; the caller waits for it when it
+    needs the blocks again."""
+    plgpu.commit_smem()
+    row0, col0 = s.out_origin(wg)
+    rows = pl.ds(ki * s.cta[0] + row0, s.tile.block_m)
+    for i in range(s.slices):
+        cols = pl.ds(ni * s.cta[1] + col0 + i * s.width, s.width)
+        plgpu.copy_smem_to_gmem(out_smem.at[wg * s.slices + i], out.at[gi, rows, cols], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+
+
 def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, out):
     """gmm_tn_aligned's kernel: pipeline and output blocks held for the whole kernel, the walk over (group, K tile,
     CTA N tile) outputs, each tile's pipeline over its group's column blocks."""
@@ -558,13 +571,7 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
             stage_out = s.stage_out(out_smem, wg)
 
             def store():
-                plgpu.commit_smem()
-                rows = pl.ds(ki * cta_m + row0, bm)
-                for i in range(s.slices):
-                    cols = pl.ds(ni * cta_n + col0 + i * s.width, s.width)
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg * s.slices + i], out.at[gi, rows, cols],
-                                            commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
+                _store_tn_tile(s, out_smem, out, wg, gi, ki, ni)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
             @pl.when(steps == 0)  # an empty group's gradient is zero; the producer has nothing to load
@@ -619,13 +626,7 @@ def _tn_stream_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_sc
             state[0], lambda *blocks_and_carry: body(None, *blocks_and_carry), state[1]), (c, start))
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
         s.stage_out(ring.out, wg)(carries)
-        plgpu.commit_smem()
-        row0, col0 = s.out_origin(wg)
-        for i in range(s.slices):
-            plgpu.copy_smem_to_gmem(ring.out.at[wg * s.slices + i],
-                                    out.at[gi, pl.ds(ki * cta_m + row0, bm), pl.ds(ni * cta_n + col0 + i * s.width,
-                                                                                   s.width)], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
+        _store_tn_tile(s, ring.out, out, wg, gi, ki, ni)
         return c
 
     blocks = [((cta_m, bk), lhs.dtype, True), ((cta_n, bk), rhs.dtype, True), ((1, cta_m), jnp.float32, False),
