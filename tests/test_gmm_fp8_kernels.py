@@ -215,7 +215,7 @@ def test_gmm_tn_aligned_with_a_256_column_consumer_matches_a_float64_loop_over_g
         _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, wrong))
 
 
-def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n"):
+def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=False):
     """Export the product of the layer y = x·W (x [m, k], W [g, k, n]) for CUDA on this CPU: Mosaic GPU's layout
     inference and shared-memory check run here, as when the GPU compiles the kernel."""
     f32, sizes = jnp.float32, S((g,), jnp.int32)
@@ -224,7 +224,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n"):
         scales = ((S((g, k), f32), S((g, n), f32)) if scaling == "rowwise" else
                   (S((p // SCALE_BLOCK, k), f32), S((p // SCALE_BLOCK, n), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                                     out_dtype=out_dtype, stack=stack)
+                                                     out_dtype=out_dtype, stack=stack, stream=stream)
         operands = (S((k, p), FP8), S((n, p), FP8), sizes, *scales)
     else:
         contract, out_cols = (k, n) if product == "fwd" else (n, k)  # dlhs: dy [m, n] · W[g]ᵀ, W read [g, k, n]
@@ -247,7 +247,8 @@ def test_every_table_tile_lowers_for_cuda_on_the_cpu(product, scaling, k, n, g, 
     tile = fp8_mosaic.default_tile(product, 8192, k, n, g, scaling)
     assert tile == FP8_TILES[(product, scaling)]
     stack = fp8_mosaic.default_stack(product, scaling)
-    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack).platforms == ("cuda",)
+    stream = {"stream": fp8_mosaic.default_stream(product, scaling)} if product == "drhs" else {}
+    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack, **stream).platforms == ("cuda",)
 
 
 @pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)

@@ -4,7 +4,7 @@
 
 Cases: gmm_nt (the fwd product x · W[g], rhs = Wᵀ [G, N, K], bf16 output) and gmm_tn_aligned (the weight gradient
 xᵀ · dy from 128-aligned transposed copies, float32 output), each with rowwise and blockwise scales and its
-FP8_TILES and FP8_STACKS entries (fwd, drhs). Shape: M = 16,384 rows in 8 groups, sizes Dirichlet(alpha=1)
+FP8_TILES, FP8_STACKS and FP8_STREAM entries (fwd, drhs). Shape: M = 16,384 rows in 8 groups, sizes Dirichlet(alpha=1)
 floored (seed 0: some rows past the groups, groups starting unaligned), K = 2048, N = 4096. Operands random
 normal * 32 cast to e4m3; scales random powers of two, 2^-4 .. 2^4, so dequantising is exact in float32.
 Reference: the dequantised operands (each e4m3 value times its scale) multiplied per group in float32 with
@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.gmm.fp8_mosaic import FP8, FP8_STACKS, FP8_TILES, SCALE_BLOCK, aligned_layout, gmm_nt, gmm_tn_aligned
+from dropless.gmm.fp8_mosaic import FP8, FP8_STACKS, FP8_STREAM, FP8_TILES, SCALE_BLOCK, aligned_layout, gmm_nt, gmm_tn_aligned
 from dropless.gmm.tuning import TileConfig
 
 ITERS, BATCHES = 10, 5
@@ -141,10 +141,11 @@ def run_case(kernel: str, scaling: str, small: bool) -> dict:
     try:
         key = ("fwd" if kernel == "gmm_nt" else "drhs", scaling)
         tile = SMALL_TILES["nt" if kernel == "gmm_nt" else "tn"] if small else FP8_TILES[key]
-        record |= {"tile": str(tile), "stack": FP8_STACKS[key]}
+        stream = {"stream": key in FP8_STREAM} if kernel == "gmm_tn_aligned" else {}
+        record |= {"tile": str(tile), "stack": FP8_STACKS[key], **stream}
         case = nt_case if kernel == "gmm_nt" else tn_case
         make_fn, args, reference, live = case(scaling, sizes, k, n, m)
-        fn = make_fn(tile, FP8_STACKS[key])
+        fn = make_fn(tile, FP8_STACKS[key], **stream)
         interpret = plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()) if small else contextlib.nullcontext()
         with interpret:
             compile_s, ms = _time(fn, *args, batches=0 if small else BATCHES)  # the interpreter's times: none

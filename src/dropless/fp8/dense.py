@@ -149,7 +149,8 @@ def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
         tile = fp8_mosaic.default_tile("drhs", t, k, n, 1, recipe.mode)
         return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
-                                         out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode))[0]
+                                         out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode),
+                                         stream=fp8_mosaic.default_stream("drhs", recipe.mode))[0]
     if recipe.mode == "rowwise" and not recipe.native:
         return _e4m3_nt(aT, bT)
     return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))

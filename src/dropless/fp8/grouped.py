@@ -142,7 +142,8 @@ class Fp8Products:
                 lhs_scale, rhs_scale = aT.scales.T, bT.scales.T
             return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, group_sizes_G, tile, scaling=r.mode,
                                              lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
-                                             stack=fp8_mosaic.default_stack("drhs", r.mode))
+                                             stack=fp8_mosaic.default_stack("drhs", r.mode),
+                                             stream=fp8_mosaic.default_stream("drhs", r.mode))
         block = (1, r.contract_block)
         a_PK = dequantize(aT, block, jnp.bfloat16).T
         b_PN = dequantize(bT, block, jnp.bfloat16).T
