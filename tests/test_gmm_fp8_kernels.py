@@ -76,11 +76,12 @@ def _nt_case(sizes, scaling, seed, m=256, k=256, n=256):
     return x, w, np.array(sizes, np.int32), lhs_scale, rhs_scale
 
 
-def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE):
+def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE,
+            stream=False):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), tile, scaling=scaling,
                      lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
-                     out_dtype=out_dtype, stack=stack)
+                     out_dtype=out_dtype, stack=stack, stream=stream)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
@@ -232,7 +233,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=Fals
                   (S((contract // SCALE_BLOCK, m), f32),
                    S((g, out_cols // SCALE_BLOCK, contract // SCALE_BLOCK), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_nt(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                             out_dtype=out_dtype, stack=stack)
+                                             out_dtype=out_dtype, stack=stack, stream=stream)
         operands = (S((m, contract), FP8), S((g, out_cols, contract), FP8), sizes, *scales)
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
 
@@ -247,8 +248,8 @@ def test_every_table_tile_lowers_for_cuda_on_the_cpu(product, scaling, k, n, g, 
     tile = fp8_mosaic.default_tile(product, 8192, k, n, g, scaling)
     assert tile == FP8_TILES[(product, scaling)]
     stack = fp8_mosaic.default_stack(product, scaling)
-    stream = {"stream": fp8_mosaic.default_stream(product, scaling)} if product == "drhs" else {}
-    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack, **stream).platforms == ("cuda",)
+    stream = fp8_mosaic.default_stream(product, scaling)
+    assert _lower(product, scaling, tile, 8192, k, n, g, out_dtype, stack, stream).platforms == ("cuda",)
 
 
 @pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)
@@ -405,6 +406,38 @@ def test_streamed_weight_gradient_equals_the_per_tile_pipeline_bit_for_bit(stack
         streamed = np.asarray(gmm_tn_aligned(*args, **scales, stream=True))
     np.testing.assert_array_equal(streamed.view(np.uint32), per_tile.view(np.uint32))
     _assert_matches(streamed.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
+
+
+@pytest.mark.parametrize("stack, tile, sizes, k", [("m", NT_TILE, MIXED, 384), ("n", NT_TILE, SKEW, 256),
+                                                   ("m", WIDEST_TILE, MIXED, 256)],
+                         ids=["stacked-wraps", "side-by-side-skew", "256-columns"])
+def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, sizes, k):
+    """gmm_nt(stream=True): one ring of stages across the CTA's (row tile, column tile) pairs, the same steps in
+    the same order as the per-tile pipeline, so the same bits on every row in a group: 1-row and empty groups, row
+    tiles split between groups and past the last group (no step), three K steps through two stages (the ring
+    wraps inside a tile), two accumulator slices per consumer."""
+    n = 2 * fp8_mosaic.cta_shape(tile, stack)[1]
+    x, w, sizes, lhs_scale, rhs_scale = _nt_case(sizes, "blockwise", seed=9, k=k, n=n)
+    per_tile = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile)
+    streamed = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile, stream=True)
+    live = sizes.sum()
+    np.testing.assert_array_equal(streamed[:live].view(np.uint64), per_tile[:live].view(np.uint64))
+    ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
+    _assert_matches(streamed[:live], ref[:live], mag[:live])
+
+
+def test_the_streamed_gmm_nt_lowers_for_cuda_and_refuses_rowwise_scaling():
+    for product in ("fwd", "dlhs"):
+        tile = fp8_mosaic.default_tile(product, 8192, 7168, 4096, 32, "blockwise")
+        m, (c, o) = 8192, ((7168, 4096) if product == "fwd" else (4096, 7168))
+        fn = lambda a, b, gs, ls, rs, tile=tile: gmm_nt(a, b, gs, tile, scaling="blockwise", lhs_scale=ls,
+                                                        rhs_scale=rs, stack="m", stream=True)
+        operands = (S((m, c), FP8), S((32, o, c), FP8), S((32,), jnp.int32),
+                    S((c // SCALE_BLOCK, m), jnp.float32), S((32, o // SCALE_BLOCK, c // SCALE_BLOCK), jnp.float32))
+        assert export.export(jax.jit(fn), platforms=["cuda"])(*operands).platforms == ("cuda",)
+    with pytest.raises(ValueError, match="blockwise scaling only"):
+        gmm_nt(jnp.zeros((256, 256), FP8), jnp.zeros((2, 256, 256), FP8), jnp.array([100, 100], jnp.int32),
+               NT_TILE, scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stream=True)
 
 
 def test_the_streamed_weight_gradient_lowers_for_cuda_and_refuses_rowwise_scaling():

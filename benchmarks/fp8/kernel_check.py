@@ -82,8 +82,8 @@ def nt_case(scaling, sizes, k, n, m):
         lhs_scale, rhs_scale = _pow2(kls, (m,)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (kb, m)), _pow2(krs, (g, n // SCALE_BLOCK, kb))
-    fn = lambda tile, stack: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(x, w, gs, tile, scaling=scaling, lhs_scale=ls,
-                                                                      rhs_scale=rs, stack=stack))
+    fn = lambda tile, stack, stream=False: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(
+        x, w, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream))
 
     def reference():
         if scaling == "rowwise":
@@ -141,7 +141,7 @@ def run_case(kernel: str, scaling: str, small: bool) -> dict:
     try:
         key = ("fwd" if kernel == "gmm_nt" else "drhs", scaling)
         tile = SMALL_TILES["nt" if kernel == "gmm_nt" else "tn"] if small else FP8_TILES[key]
-        stream = {"stream": key in FP8_STREAM} if kernel == "gmm_tn_aligned" else {}
+        stream = {"stream": key in FP8_STREAM} if scaling == "blockwise" else {}
         record |= {"tile": str(tile), "stack": FP8_STACKS[key], **stream}
         case = nt_case if kernel == "gmm_nt" else tn_case
         make_fn, args, reference, live = case(scaling, sizes, k, n, m)

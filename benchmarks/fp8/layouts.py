@@ -8,19 +8,21 @@ Kernels (dropless.gmm.fp8_mosaic, blockwise scaling) at DeepSeek-V3's shapes, ro
   gate-up fwd   gmm_nt          x [M, 7168] · Wᵀ[g]          -> [M, 4096]
   gate-up dlhs  gmm_nt          dy [M, 4096] · W[g] (as [g, 7168, 4096])  -> [M, 7168]
   down fwd      gmm_nt          h [M, 2048] · Wᵀ[g]          -> [M, 7168]
+  down dlhs     gmm_nt          dy [M, 7168] · W[g] (as [g, 2048, 7168])  -> [M, 2048]
   gate-up drhs  gmm_tn_aligned  xᵀ [7168, P] · dyᵀ [4096, P] -> [G, 7168, 4096]
+  down drhs     gmm_tn_aligned  hᵀ [2048, P] · dyᵀ [7168, P] -> [G, 2048, 7168]
 Each variant (stack "n": the two consumers side by side along N; "m": stacked along M; its tile, the pipeline
 stages that fit in shared memory beside its output blocks, which can be fewer than the tile asks; a consumer
-wider than 128 columns runs 128-column accumulator slices one after another; for drhs, `stream`: one ring of
-stages across the CTA's tiles instead of a pipeline per tile) gets one record:
+wider than 128 columns runs 128-column accumulator slices one after another; `stream`: one ring of stages across
+the CTA's tiles instead of a pipeline per tile) gets one record:
 ms (kernel_check's timing: median of 5 batches of 10 calls), TF/s over the rows in groups, and whether its output
 equals the first variant's bit for bit (every layout and tile sums each output's K blocks in the same order, so
 they must; kernel_check.py and the tests hold the first against float32 references). At gate-up fwd the probe's
 unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no scales) runs at the blockwise tile
 and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
 grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
-recipe under fp8_mosaic's tables and with gmm_nt's products at 64x128 in five stages, so each ratio to bf16
-comes from one run.
+recipe under fp8_mosaic's tables, with no product and with every product streamed, and with gmm_nt's products
+at 64x128 in five stages, so each ratio to bf16 comes from one run.
 """
 
 from __future__ import annotations
@@ -49,18 +51,22 @@ from dropless.gmm.tuning import TileConfig  # noqa: E402
 
 M_MINOR = dict(grid_minor_dim=0, grid_tile_width=8)
 N_MINOR = dict(grid_minor_dim=1, grid_tile_width=4)
+# (stack, tile, stream): each tile with one pipeline per output tile and streamed (`stream=True`: one ring of
+# stages across the CTA's tiles).
 NT_VARIANTS = [
-    ("m", TileConfig(64, 256, 128, 3, **M_MINOR)),  # two 128-column slices per consumer: a 128x256 CTA tile
-    ("m", TileConfig(64, 128, 128, 5, **M_MINOR)),
-    ("n", TileConfig(64, 128, 128, 4, **M_MINOR)),  # the unscaled kernel's layout and tile, below
+    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), False),  # two 128-column slices per consumer: a 128x256 CTA tile
+    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), True),
+    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), False),
+    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), True),
+    ("n", TileConfig(64, 128, 128, 4, **M_MINOR), False),  # the unscaled kernel's layout and tile, below
 ]
-# The weight gradient: one pipeline per output tile, and the same tile streamed (`gmm_tn_aligned(stream=True)`: one
-# ring of stages across the CTA's tiles); at 64x256 one stage fits beside float32 outputs.
+# The weight gradient; at 64x256 one stage fits beside float32 outputs.
 TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR), False), ("m", TileConfig(64, 128, 128, 4, **M_MINOR), True)]
 UNSCALED = [TileConfig(64, 128, 128, 4, **M_MINOR), TileConfig(128, 128, 128, 3, **M_MINOR)]
 # (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)
 SHAPES = [("gate-up fwd", nt_case, 7168, 4096), ("gate-up dlhs", nt_case, 4096, 7168),
-          ("down fwd", nt_case, 2048, 7168), ("gate-up drhs", tn_case, 7168, 4096)]
+          ("down fwd", nt_case, 2048, 7168), ("down dlhs", nt_case, 7168, 2048), ("gate-up drhs", tn_case, 7168, 4096),
+          ("down drhs", tn_case, 2048, 7168)]
 
 
 def _fitting_stages(case, tile, stack) -> int:
@@ -92,12 +98,11 @@ def main() -> None:
     for name, case, k, n in SHAPES:
         make_fn, args, _, live = case("blockwise", sizes, k, n, m)
         first = None
-        for stack, tile, *stream in TN_VARIANTS if case is tn_case else NT_VARIANTS:
-            rec = {"shape": name, "stack": stack, "tile": str(tile), "stages": _fitting_stages(case, tile, stack)}
-            if stream:
-                rec["stream"] = stream[0]
+        for stack, tile, stream in TN_VARIANTS if case is tn_case else NT_VARIANTS:
+            rec = {"shape": name, "stack": stack, "tile": str(tile), "stages": _fitting_stages(case, tile, stack),
+                   "stream": stream}
             try:
-                fn = make_fn(tile, stack, *stream)
+                fn = make_fn(tile, stack, stream)
                 compile_s, ms = _time(fn, *args)
                 out = fn(*args)
                 out = out[:live] if live is not None else out
@@ -141,10 +146,16 @@ def main() -> None:
     timed("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), gs, x, w, gemm_flops=flops)
     timed("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), gs, x, w, dy,
           gemm_flops=3 * flops)
-    tiles = dict(fp8_mosaic.FP8_TILES)
+    tiles, streamed = dict(fp8_mosaic.FP8_TILES), fp8_mosaic.FP8_STREAM
     narrow = tiles | {(p, "blockwise"): fp8_mosaic.FP8_NARROW for p in ("fwd", "dlhs")}
-    for name, tile_table in (("the tables", tiles), ("gmm_nt at 64x128 in five stages", narrow)):
-        fp8_mosaic.FP8_TILES.update(tile_table)  # read when a product is traced: each jit below traces anew
+    every = frozenset((p, "blockwise") for p in fp8_mosaic.PRODUCTS)
+    for name, tile_table, stream_set in (("the tables", tiles, streamed),
+                                         ("the tables, no product streamed", tiles, frozenset()),
+                                         ("the tables, every product streamed", tiles, every),
+                                         ("gmm_nt at 64x128 in five stages", narrow, streamed)):
+        # Both tables are read when a product is traced: each jit below traces anew.
+        fp8_mosaic.FP8_TILES.update(tile_table)
+        fp8_mosaic.FP8_STREAM = stream_set
         fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), bf16, TunedContract()), row_align=ALIGN)
         timed(f"blockwise Fp8Gmm fwd (aligned rows), {name}", lambda gs, x, w: fp8(x, w, gs), gs_al, x_al, w,
               gemm_flops=flops)
@@ -152,6 +163,7 @@ def main() -> None:
               lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy), gs_al, x_al, w, dy_al,
               gemm_flops=3 * flops)
     fp8_mosaic.FP8_TILES.update(tiles)
+    fp8_mosaic.FP8_STREAM = streamed
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
         lhs_scale, rhs_scale = (a.scales[:, 0], b.scales[None, :, 0]) if rowwise else (a.scales.T, b.scales[None])
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
                                  lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
-                                 stack=fp8_mosaic.default_stack(product, recipe.mode))
+                                 stack=fp8_mosaic.default_stack(product, recipe.mode),
+                                 stream=fp8_mosaic.default_stream(product, recipe.mode))
     if rowwise and not recipe.native:
         return _e4m3_nt(a, b).astype(out_dtype)
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)

@@ -93,10 +93,11 @@ MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise
                       ("dlhs", "blockwise"), ("drhs", "blockwise")})
 # The consumers' layout per table entry (STACKS).
 FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for product, scaling in FP8_TILES}
-# The products whose kernel streams its CTA's tiles through one ring of stages (gmm_tn_aligned(stream=True)): the
-# blockwise weight gradient, 752 TF/s against 697 for the per-tile pipeline at the same tile (gate+up, 65,536 rows
-# in 32 Dirichlet groups, one call: fp8-layouts-h200.json); the same bits. Rowwise has no streamed kernel.
-FP8_STREAM = frozenset({("drhs", "blockwise")})
+# The products whose kernel streams its CTA's tiles through one ring of stages (`stream=True`), the same bits as
+# the per-tile pipeline: every blockwise product. The weight gradient ran 752 TF/s against 697 per tile at the
+# same tile (gate+up, 65,536 rows in 32 Dirichlet groups, one call: fp8-layouts-h200.json). Rowwise has no
+# streamed kernel.
+FP8_STREAM = frozenset({("fwd", "blockwise"), ("dlhs", "blockwise"), ("drhs", "blockwise")})
 # gmm_nt's blockwise tile where the output's columns are not a multiple of the table's 256 (see default_tile).
 FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
 
@@ -128,7 +129,7 @@ def default_stack(product: str, scaling: str) -> str:
 
 
 def default_stream(product: str, scaling: str) -> bool:
-    """Whether a product's kernel streams its tiles (FP8_STREAM): gmm_tn_aligned's `stream`."""
+    """Whether a product's kernel streams its tiles (FP8_STREAM): gmm_nt's or gmm_tn_aligned's `stream`."""
     default_tile(product, 0, 0, 0, 0, scaling)  # the same check of the key
     return (product, scaling) in FP8_STREAM
 
@@ -364,14 +365,19 @@ def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int,
 
 # One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
 # from the recomputed forward lowers its kernel once (each lowering runs Mosaic GPU's compiler passes on the host).
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
-           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n") -> jax.Array:
+           lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n",
+           stream: bool = False) -> jax.Array:
     """out[m] = lhs[m] · rhs[g(m)]ᵀ, scaled, [M, N]; rows past sum(group_sizes) are left unwritten.
 
     rowwise:   lhs_scale [M], rhs_scale [G, N]; out[m, n] = acc[m, n] * lhs_scale[m] * rhs_scale[g(m), n].
     blockwise: lhs_scale [K/128, M], rhs_scale [G, N/128, K/128]; each 128-wide K block's product is scaled by
                lhs_scale[kb, m] * rhs_scale[g(m), n // 128, kb] and added into a float32 carry.
+    stream (blockwise only): one producer walks the CTA's whole sequence of (tile, K step) pairs through one ring
+    of stages (`mosaic_ws.run_stream`), so the next tile's first blocks load while the consumers finish the current
+    one and its store runs under the next tile's steps, instead of one pipeline per tile filled and drained. The
+    same steps in the same order: the same bits as the per-tile pipeline.
     """
     m, k = lhs_MK.shape
     g, n, _ = rhs_GNK.shape
@@ -381,6 +387,8 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check(scaling, tile, {"rhs_GNK": rhs_GNK.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
            expected, stack)
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
+    if stream and scaling != "blockwise":
+        raise ValueError("gmm_nt(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
     padded = max(cta_m, -(-m // TMA_ROW_ALIGNMENT) * TMA_ROW_ALIGNMENT)
@@ -388,7 +396,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
         rows = ((0, padded - m),)
         return gmm_nt(jnp.pad(lhs_MK, rows + ((0, 0),)), rhs_GNK, group_sizes_G, tile, scaling=scaling,
                       lhs_scale=jnp.pad(lhs_scale, rows if scaling == "rowwise" else ((0, 0),) + rows),
-                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack)[:m]
+                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack, stream=stream)[:m]
     m_tiles = max_row_tiles(m, g, cta_m)
     tables = row_tiles(group_sizes_G, cta_m, m_tiles)
     scale_lengths = (cta_m,) if scaling == "blockwise" else ()
@@ -399,7 +407,8 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
         # would zero-fill there on the GPU; the padding also keeps M < bm and the interpreter in bounds).
         lhs_scale = jnp.pad(lhs_scale, (0, cta_m))[None, :]
-    return _call(_nt_kernel, s, (m, n), "nt")(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
+    kernel, name = (_nt_stream_kernel, "nt_stream") if stream else (_nt_kernel, "nt")
+    return _call(kernel, s, (m, n), name)(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
 def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
@@ -472,6 +481,61 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                     body = _rowwise_body(s, wg)
                     context = _rowwise_context(s, wg, slots, rows_gmem, cols_gmem, stage_out, store)
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
+
+
+def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, offset_T, size_T, out):
+    """gmm_nt(stream=True)'s kernel (blockwise): the CTA's (row tile, CTA column tile) pairs in `_nt_kernel`'s order,
+    K steps each, every step's two e4m3 blocks and its row-scale vector through one ring. A tile past the last
+    group (size 0) takes no step in any warpgroup. Each consumer's store runs under the next tile's steps; it
+    waits for the store to have read its output blocks only when it next writes them."""
+    bm, bk = s.tile.block_m, s.tile.block_k
+    (cta_m, cta_n), k_steps = s.cta, lhs.shape[1] // bk
+
+    def tile_at(index):
+        mi, ni = plgpu.planar_snake(index, (s.outer, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+        return mi, ni, group_T[mi], pl.multiple_of(start_T[mi], TMA_ROW_ALIGNMENT), size_T[mi]
+
+    def steps(size, c, body):
+        """The tile's K steps and what follows them in `body(c)` in one branch, or nothing for an empty tile; the
+        step count after it."""
+        @pl.when(size > 0)
+        def _steps():
+            body(c)
+
+        return c + jnp.where(size > 0, k_steps, 0)
+
+    def load_tile(ring, index, c):
+        _, ni, group, start, size = tile_at(index)
+        rows, cols, weights = pl.ds(start, cta_m), pl.ds(ni * cta_n, cta_n), rhs.at[group]
+        return steps(size, c, lambda c: lax.fori_loop(0, k_steps, lambda ki, c: ring.load(
+            c, lhs.at[rows, pl.ds(ki * bk, bk)], weights.at[cols, pl.ds(ki * bk, bk)],
+            row_scale.at[pl.ds(ki, 1), rows]), c))
+
+    def compute_tile(ring, wg, index, c):
+        mi, ni, group, start, size = tile_at(index)
+        row0, col0 = s.out_origin(wg)
+
+        def body(c):
+            promote = _nt_blockwise_body(s, wg, col_scale, group, ni)
+            start_carries = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
+            _, carries = lax.fori_loop(0, k_steps, lambda ki, state: ring.step(
+                state[0], lambda *blocks_and_carry: promote((ki,), *blocks_and_carry), state[1]), (c, start_carries))
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
+            s.stage_out(ring.out, wg)(carries)
+            plgpu.commit_smem()
+            # The tile's valid rows [offset, offset + size) of the CTA tile, clipped to this consumer's rows.
+            lo = jnp.clip(offset_T[mi] - row0, 0, bm)
+            hi = jnp.clip(offset_T[mi] + size - row0, 0, bm)
+            for i in range(s.slices):
+                store_rows(ring.out.at[wg * s.slices + i], out, row0=start + row0, offset=lo,
+                           size=jnp.maximum(hi - lo, 0), cols=pl.ds(ni * cta_n + col0 + i * s.width, s.width),
+                           max_rows=min(bm, s.num_rows), wait=False)
+
+        return steps(size, c, body)
+
+    blocks = [((cta_m, bk), lhs.dtype, True), ((cta_n, bk), rhs.dtype, True), ((1, cta_m), jnp.float32, False)]
+    run_stream(Ring.allocations(s.stages, blocks, CONSUMERS * s.slices, (bm, s.width), s.out_dtype,
+                                out_leading_tile=1), s.stages, s.outer * s.n_tiles, load_tile, compute_tile)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
