@@ -5,7 +5,7 @@ kernel (make bench-fp8-sass).
     python benchmarks/fp8/sass_dump.py --out-dir DIR
 
 Kernels, at DeepSeek-V3's gate-up forward shape with 8,192 rows in 8 groups (the code does not depend on the
-row count): gmm_nt blockwise under each consumer layout (fp8_mosaic.FP8_TILES' tile) and
+row count): gmm_nt blockwise under each consumer layout (fp8_mosaic.FP8_TILES' tile), stacked also streamed, and
 e4m3_probe_kernels.gmm_nt_ws unscaled at the same 64 x 128 tile side by side. Each is compiled in a process of its
 own with MOSAIC_GPU_DUMP_{SASS,PTX,PTXAS} and MOSAIC_GPU_DUMP_TO=DIR/<kernel>, run once, and its dumped SASS
 counted by opcode (the static count of each instruction, e.g. HGMMA, FFMA, FMUL, MOV, CS2R, LDS, LDG, BAR);
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = ("blockwise-stacked", "blockwise-side-by-side", "unscaled-side-by-side")
+KERNELS = ("blockwise-stacked", "blockwise-stacked-streamed", "blockwise-side-by-side", "unscaled-side-by-side")
 OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?\b")
 # A PTX instruction line: optional predicate, then the opcode with its type suffixes (`fma.rn.f32`,
 # `wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3`).
@@ -52,11 +52,12 @@ def compile_one(kernel: str) -> None:
         out = jax.jit(lambda x, w, s: gmm_nt_ws(x, w, s, tile))(x, w, sizes)
     else:
         tile = fp8_mosaic.FP8_TILES[("fwd", "blockwise")]
-        stack = "m" if kernel == "blockwise-stacked" else "n"
+        stack = "n" if kernel == "blockwise-side-by-side" else "m"
         ls = jnp.ones((k // 128, m), jnp.float32)
         rs = jnp.ones((g, n // 128, k // 128), jnp.float32)
         out = jax.jit(lambda x, w, s, a, b: fp8_mosaic.gmm_nt(x, w, s, tile, scaling="blockwise", lhs_scale=a,
-                                                               rhs_scale=b, stack=stack))(x, w, sizes, ls, rs)
+                                                               rhs_scale=b, stack=stack,
+                                                               stream=kernel.endswith("streamed")))(x, w, sizes, ls, rs)
     jax.block_until_ready(out)
 
 
