@@ -261,10 +261,12 @@ bench-router-selection: $(BENCH_DEPS)
 	  --eval-every 50 --out $(RESULTS)/router-other-0.3-$$name-$(GPU).json \
 	  --chart $(RESULTS)/router-other-0.3-$$name-$(GPU).png train.batch_size=2 train.eval_batches=2 || exit 1; done
 
-# 1 GPU: the blockwise e4m3 kernels' consumer layouts and tiles, each checked and timed at DeepSeek-V3's shapes,
-# beside bf16 and the whole FP8 product under each layout (the choice behind fp8_mosaic.FP8_STACKS).
+# 1 GPU: the blockwise e4m3 kernels' consumer layouts and tiles, per tile and streamed, each checked and timed at
+# DeepSeek-V3's shapes with 32 and with 256 experts, beside bf16 and the whole FP8 product under each table (the
+# choices behind fp8_mosaic.FP8_STACKS and FP8_STREAM).
 bench-fp8-layouts: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --out $(RESULTS)/fp8-layouts-$(GPU).json
+	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --groups 256 --out $(RESULTS)/fp8-layouts-e256-$(GPU).json
 
 # 1 GPU: a dense e4m3 matmul through XLA compiled and timed with XLA's GEMM autotuning on and off (one process each).
 bench-fp8-rowwise-compile: $(BENCH_DEPS)
