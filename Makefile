@@ -273,9 +273,10 @@ bench-fp8-rowwise-compile: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/rowwise_compile.py --timeout 120 --out $(RESULTS)/fp8-rowwise-compile-$(GPU).json
 
 # 1 GPU: what the blockwise e4m3 kernels compile to (SASS, PTX, ptxas registers and spills, opcode counts) beside the
-# unscaled kernel at the same tile; the dumps stay in the scratch folder.
+# unscaled kernel at the same tile; the dumps stay in the scratch folder, their summary is fp8-sass-<gpu>.json.
 bench-fp8-sass: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/sass_dump.py --out-dir $(BENCH_SCRATCH)/fp8-sass
+	cp $(BENCH_SCRATCH)/fp8-sass/summary.json $(RESULTS)/fp8-sass-$(GPU).json
 
 # 1 GPU: loss parity, the proxy trained 300 steps with bf16 and each FP8 recipe (same data, seed, schedule).
 # PARITY_MODES=rowwise PARITY_MERGE=--merge adds one recipe's run to the record already there (one device call each).

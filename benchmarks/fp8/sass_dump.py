@@ -9,7 +9,8 @@ row count): gmm_nt blockwise under each consumer layout (fp8_mosaic.FP8_TILES' t
 e4m3_probe_kernels.gmm_nt_ws unscaled at the same 64 x 128 tile side by side. Each is compiled in a process of its
 own with MOSAIC_GPU_DUMP_{SASS,PTX,PTXAS} and MOSAIC_GPU_DUMP_TO=DIR/<kernel>, run once, and its dumped SASS
 counted by opcode (the static count of each instruction, e.g. HGMMA, FFMA, FMUL, MOV, CS2R, LDS, LDG, BAR);
-DIR/summary.json holds the counts, the ptxas lines and the files. The static counts say what one K step's
+DIR/summary.json holds the counts, the ptxas lines and the files (make bench-fp8-sass keeps it as the record
+fp8-sass-<gpu>.json). The static counts say what one K step's
 promotion costs against the unscaled kernel's step, which carries no promotion.
 """
 
@@ -107,8 +108,10 @@ def main() -> None:
     if a.kernel:
         compile_one(a.kernel)
         return
+    from dropless.bench.records import environment
+
     out = Path(a.out_dir)
-    summary = {"kernels": {}}
+    summary = {"benchmark": "fp8-sass", "environment": environment(), "kernels": {}}
     for kernel in KERNELS:
         folder = out / kernel
         folder.mkdir(parents=True, exist_ok=True)

@@ -96,11 +96,11 @@ FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for pro
 # The products whose kernel streams its CTA's tiles through one ring of stages (`stream=True`, the same bits as the
 # per-tile pipeline): the blockwise weight gradient. In one call (fp8-layouts-h200.json, DeepSeek-V3's widths,
 # 65,536 rows in 32 Dirichlet groups) it ran 749 / 841 TF/s against 687 / 697 per tile (gate+up / down). gmm_nt's
-# products stay per tile: at the table's 64x256 the streamed kernel ran 0.95-0.97x the per-tile one, at 256 groups
+# products stay per tile: at the table's 64x256 the streamed kernel ran 0.96-0.97x the per-tile one, at 256 groups
 # (fp8-layouts-e256-h200.json) 0.33x at gate+up fwd and down dlhs, and Fp8Gmm's forward on aligned rows ran 2.4x
-# slower with it (ptxas reports no spill, so the cause is elsewhere and not found); at 64x128 in five stages it ran
-# 1.00-1.16x per tile, still behind 64x256 per tile at gate+up (963 / 967 against 1,025 / 1,000). Rowwise has no
-# streamed kernel.
+# slower with it. That forward and the fast 32-group kernel are one compiled kernel at two row counts, so the
+# cause is a run-time one (unexplained); at 64x128 in five stages it ran 1.00-1.16x per tile, still behind 64x256
+# per tile at gate+up (963 / 968 against 1,025 / 1,000). Rowwise has no streamed kernel.
 FP8_STREAM = frozenset({("drhs", "blockwise")})
 # gmm_nt's blockwise tile where the output's columns are not a multiple of the table's 256 (see default_tile).
 FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
