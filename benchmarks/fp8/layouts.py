@@ -23,7 +23,8 @@ unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no s
 and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
 grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
 recipe under fp8_mosaic's tables, with no product and with every product streamed, and with gmm_nt's products
-at 64x128 in five stages, so each ratio to bf16 comes from one run.
+at 64x128 in five stages, so each ratio to bf16 comes from one run; then one call's weight quantization alone and
+Fp8Gmm on the rows laid end to end (row_align=1: only the weight gradient's copies padded, by a column gather).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dropless.bench.harness import time_calls  # noqa: E402
 from dropless.bench.records import environment, write_json  # noqa: E402
 from dropless.fp8 import Fp8Gmm, Recipe  # noqa: E402
 from dropless.fp8.grouped import ALIGN, Fp8Products, aligned_sources  # noqa: E402
+from dropless.fp8.recipe import weight_copies  # noqa: E402
 from dropless.gmm import fp8_mosaic  # noqa: E402
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract  # noqa: E402
 from dropless.gmm.tuning import TileConfig  # noqa: E402
@@ -181,7 +183,7 @@ def main() -> None:
 
     def timed(piece, fn, *args, gemm_flops):
         t = time_calls(jax.jit(fn), [args])
-        emit({"shape": "gate-up", "piece": piece, "ms": round(t * 1e3, 4), "tflops": round(gemm_flops / t / 1e12, 1)})
+        emit({"shape": "gate-up", "piece": piece, "ms": round(t * 1e3, 4), "tflops": round(gemm_flops / t / 1e12, 1) if gemm_flops else None})
 
     timed("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), gs, x, w, gemm_flops=flops)
     timed("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), gs, x, w, dy,
@@ -204,6 +206,16 @@ def main() -> None:
               gemm_flops=3 * flops)
     fp8_mosaic.FP8_TILES.update(tiles)
     fp8_mosaic.FP8_STREAM = streamed
+    # Under the tables: what a call spends quantizing the weight (both e4m3 copies), and the product on rows laid
+    # end to end (only the weight gradient's copies padded to 128-row groups, by a column gather).
+    recipe = Recipe("blockwise", native=True)
+    timed("blockwise weight copies (both e4m3 layouts, one call's quantization of W)",
+          lambda w: weight_copies(w, recipe), w, gemm_flops=0.0)
+    fp8 = Fp8Gmm(Fp8Products(recipe, bf16, TunedContract()), row_align=1)
+    timed("blockwise Fp8Gmm fwd (rows end to end), the tables", lambda gs, x, w: fp8(x, w, gs), gs, x, w,
+          gemm_flops=flops)
+    timed("blockwise Fp8Gmm fwd+bwd (rows end to end), the tables",
+          lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy), gs, x, w, dy, gemm_flops=3 * flops)
 
 
 if __name__ == "__main__":
