@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.gmm.mosaic import max_row_tiles, num_sms, plgpu, row_tiles, store_rows, swizzled
-from dropless.gmm.mosaic_ws import BARRIER_BYTES, CONSUMERS, MEMORY_REGISTERS, Ring, run_stream
+from dropless.gmm.mosaic_ws import BARRIER_BYTES, CONSUMERS, MEMORY_REGISTERS, Ring, run_stream, tile_steps
 from dropless.gmm.tuning import SMEM_BYTES, TileConfig
 
 FP8 = jnp.float8_e4m3fn
@@ -465,14 +465,7 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
             stage_out = s.stage_out(out_smem, wg)
 
             def store():
-                # The tile's valid rows [offset, offset + size) of the CTA tile, clipped to this consumer's rows.
-                lo = jnp.clip(offset_T[mi] - row0, 0, bm)
-                hi = jnp.clip(offset_T[mi] + size - row0, 0, bm)
-                plgpu.commit_smem()
-                for i in range(s.slices):
-                    store_rows(out_smem.at[wg * s.slices + i], out, row0=start + row0, offset=lo,
-                               size=jnp.maximum(hi - lo, 0), cols=pl.ds(ni * cta_n + col0 + i * s.width, s.width),
-                               max_rows=min(bm, s.num_rows))
+                _store_nt_tile(s, out_smem, out, wg, offset_T[mi], size, start, ni, wait=True)
 
             @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
             def _compute():
@@ -487,6 +480,20 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
                 _pipeline(s, k_steps, specs, body, context)(*operands(start, group, ni), allocations=allocations)
 
 
+def _store_nt_tile(s: _Launch, out_smem, out, wg, offset, size, start, ni, *, wait: bool) -> None:
+    """A gmm_nt consumer's staged output blocks (one per accumulator slice) into out: the tile's valid rows
+    [offset, offset + size) of the CTA tile at row `start`, clipped to this consumer's rows, the smem writes
+    committed first; `wait` as store_rows'."""
+    row0, col0 = s.out_origin(wg)
+    lo = jnp.clip(offset - row0, 0, s.tile.block_m)
+    hi = jnp.clip(offset + size - row0, 0, s.tile.block_m)
+    plgpu.commit_smem()
+    for i in range(s.slices):
+        store_rows(out_smem.at[wg * s.slices + i], out, row0=start + row0, offset=lo, size=jnp.maximum(hi - lo, 0),
+                   cols=pl.ds(ni * s.cta[1] + col0 + i * s.width, s.width), max_rows=min(s.tile.block_m, s.num_rows),
+                   wait=wait)
+
+
 def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, offset_T, size_T, out):
     """gmm_nt(stream=True)'s kernel (blockwise): the CTA's (row tile, CTA column tile) pairs in `_nt_kernel`'s order,
     K steps each, every step's two e4m3 blocks and its row-scale vector through one ring. A tile past the last
@@ -499,43 +506,26 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
         mi, ni = plgpu.planar_snake(index, (s.outer, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
         return mi, ni, group_T[mi], pl.multiple_of(start_T[mi], TMA_ROW_ALIGNMENT), size_T[mi]
 
-    def steps(size, c, body):
-        """The tile's K steps and what follows them in `body(c)` in one branch, or nothing for an empty tile; the
-        step count after it."""
-        @pl.when(size > 0)
-        def _steps():
-            body(c)
-
-        return c + jnp.where(size > 0, k_steps, 0)
-
     def load_tile(ring, index, c):
         _, ni, group, start, size = tile_at(index)
         rows, cols, weights = pl.ds(start, cta_m), pl.ds(ni * cta_n, cta_n), rhs.at[group]
-        return steps(size, c, lambda c: lax.fori_loop(0, k_steps, lambda ki, c: ring.load(
+        return tile_steps(size, k_steps, c, lambda c: lax.fori_loop(0, k_steps, lambda ki, c: ring.load(
             c, lhs.at[rows, pl.ds(ki * bk, bk)], weights.at[cols, pl.ds(ki * bk, bk)],
             row_scale.at[pl.ds(ki, 1), rows]), c))
 
     def compute_tile(ring, wg, index, c):
         mi, ni, group, start, size = tile_at(index)
-        row0, col0 = s.out_origin(wg)
 
         def body(c):
             promote = _nt_blockwise_body(s, wg, col_scale, group, ni)
             start_carries = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
-            _, carries = lax.fori_loop(0, k_steps, lambda ki, state: ring.step(
-                state[0], lambda *blocks_and_carry: promote((ki,), *blocks_and_carry), state[1]), (c, start_carries))
+            _, carries = ring.steps(c, k_steps, lambda ki, *blocks_and_carry: promote((ki,), *blocks_and_carry),
+                                    start_carries)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
             s.stage_out(ring.out, wg)(carries)
-            plgpu.commit_smem()
-            # The tile's valid rows [offset, offset + size) of the CTA tile, clipped to this consumer's rows.
-            lo = jnp.clip(offset_T[mi] - row0, 0, bm)
-            hi = jnp.clip(offset_T[mi] + size - row0, 0, bm)
-            for i in range(s.slices):
-                store_rows(ring.out.at[wg * s.slices + i], out, row0=start + row0, offset=lo,
-                           size=jnp.maximum(hi - lo, 0), cols=pl.ds(ni * cta_n + col0 + i * s.width, s.width),
-                           max_rows=min(bm, s.num_rows), wait=False)
+            _store_nt_tile(s, ring.out, out, wg, offset_T[mi], size, start, ni, wait=False)
 
-        return steps(size, c, body)
+        return tile_steps(size, k_steps, c, body)
 
     blocks = [((cta_m, bk), lhs.dtype, True), ((cta_n, bk), rhs.dtype, True), ((1, cta_m), jnp.float32, False)]
     run_stream(Ring.allocations(s.stages, blocks, CONSUMERS * s.slices, (bm, s.width), s.out_dtype,
@@ -700,8 +690,7 @@ def _tn_stream_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_sc
         gi, ki, ni, _, steps = tile_at(index)
         body = _tn_blockwise_body(s, wg)
         start = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
-        c, carries = lax.fori_loop(0, steps, lambda r, state: ring.step(
-            state[0], lambda *blocks_and_carry: body(None, *blocks_and_carry), state[1]), (c, start))
+        c, carries = ring.steps(c, steps, body, start)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
         s.stage_out(ring.out, wg)(carries)
         _store_tn_tile(s, ring.out, out, wg, gi, ki, ni)

@@ -405,6 +405,12 @@ class Ring(NamedTuple):
         plgpu.barrier_arrive(self.consumed.at[slot])
         return c + 1, carry
 
+    def steps(self, c, count, body, carry):
+        """`count` consecutive `step`s whose body is `body(r, *blocks, carry)` at the r-th. Returns (c + count,
+        the last carry)."""
+        return jax.lax.fori_loop(0, count, lambda r, state: self.step(state[0], functools.partial(body, r), state[1]),
+                                 (c, carry))
+
     def compute(self, c, mma, in_flight: int = 0, first=None):
         """A consumer's step c: wait for the slot's loads, then `mma(*blocks)`, which returns with at most
         `in_flight` of its MMAs running, then release the slot whose MMA has finished: this step's, or with one
@@ -440,6 +446,18 @@ class Ring(NamedTuple):
         self.out[wg] = value.astype(self.out.dtype)
         plgpu.commit_smem()
         return self.out.at[wg]
+
+
+def tile_steps(size, steps: int, c, body):
+    """A row tile's `steps` steps (a static count, as the per-tile pipeline's) and whatever follows them in
+    `body(c)`, or nothing for an empty tile (size 0); the step count after it, the same in every warpgroup. The
+    steps, the last MMA's wait and the store sit in one branch, so that no MMA is in flight where an empty tile's
+    branch rejoins a full one's (ptxas would serialise the MMAs of an accumulator that crosses such a merge)."""
+    @pl.when(size > 0)
+    def _steps():
+        body(c)
+
+    return c + jnp.where(size > 0, steps, 0)
 
 
 def run_stream(allocations: dict, stages: int, tiles: int, load_tile, compute_tile) -> None:
@@ -481,22 +499,12 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
         mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
         return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
 
-    def k_steps(size, c, body):
-        """The tile's K steps (a static count, as the per-tile pipeline's) and whatever follows them in `body(c)`,
-        or nothing for an empty tile; the step count after it. The steps, the last MMA's wait and the store sit
-        in one branch, so that no MMA is in flight where an empty tile's branch rejoins a full one's (ptxas would
-        serialise the MMAs of an accumulator that crosses such a merge)."""
-        @pl.when(size > 0)
-        def _steps():
-            body(c)
-
-        return c + jnp.where(size > 0, s.k_steps, 0)
 
     def load_tile(ring, index, c):
         _, ni, group, start, size = tile_at(index)
         rows, cols = pl.ds(start, bm), pl.ds(ni * cta_n, cta_n)
         rhs = rhs_gmem.at[group]
-        return k_steps(size, c, lambda c: jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.load(
+        return tile_steps(size, s.k_steps, c, lambda c: jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.load(
             c, lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
             rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c))
 
@@ -514,7 +522,7 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
                 store_rows(ring.stage_output(wg, acc_ref[...]), out_gmem, row0=start, offset=offset_gmem[mi],
                            size=size, cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=False)
 
-            return k_steps(size, c, body)
+            return tile_steps(size, s.k_steps, c, body)
 
         return _acc
 
