@@ -28,7 +28,8 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from dropless.gmm.fp8_mosaic import FP8, FP8_STACKS, FP8_STREAM, FP8_TILES, SCALE_BLOCK, aligned_layout, gmm_nt, gmm_tn_aligned
+from dropless.gmm.fp8_mosaic import (FP8, FP8_STACKS, FP8_STREAM, FP8_TILES, SCALE_BLOCK, aligned_layout, gmm_nt,
+                                      gmm_tn_aligned)
 from dropless.gmm.tuning import TileConfig
 
 ITERS, BATCHES = 10, 5
