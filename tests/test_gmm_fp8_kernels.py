@@ -433,29 +433,18 @@ def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, s
     _assert_matches(streamed[:live], ref[:live], mag[:live])
 
 
-def test_the_streamed_gmm_nt_lowers_for_cuda_and_refuses_rowwise_scaling():
-    for product in ("fwd", "dlhs"):
-        tile = fp8_mosaic.default_tile(product, 8192, 7168, 4096, 32, "blockwise")
-        m, (c, o) = 8192, ((7168, 4096) if product == "fwd" else (4096, 7168))
-        fn = lambda a, b, gs, ls, rs, tile=tile: gmm_nt(a, b, gs, tile, scaling="blockwise", lhs_scale=ls,
-                                                        rhs_scale=rs, stack="m", stream=True)
-        operands = (S((m, c), FP8), S((32, o, c), FP8), S((32,), jnp.int32),
-                    S((c // SCALE_BLOCK, m), jnp.float32), S((32, o // SCALE_BLOCK, c // SCALE_BLOCK), jnp.float32))
-        assert export.export(jax.jit(fn), platforms=["cuda"])(*operands).platforms == ("cuda",)
+@pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)
+def test_the_streamed_kernels_lower_for_cuda_and_refuse_rowwise_scaling(product):
+    tile = fp8_mosaic.default_tile(product, 8192, 7168, 4096, 32, "blockwise")
+    out_dtype = jnp.float32 if product == "drhs" else jnp.bfloat16
+    stack = fp8_mosaic.default_stack(product, "blockwise")
+    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, out_dtype, stack, stream=True).platforms == \
+        ("cuda",)
     with pytest.raises(ValueError, match="blockwise scaling only"):
-        gmm_nt(jnp.zeros((256, 256), FP8), jnp.zeros((2, 256, 256), FP8), jnp.array([100, 100], jnp.int32),
-               NT_TILE, scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stream=True)
-
-
-def test_the_streamed_weight_gradient_lowers_for_cuda_and_refuses_rowwise_scaling():
-    tile = FP8_TILES[("drhs", "blockwise")]
-    f32, k, n, g, m = jnp.float32, 7168, 4096, 32, 8192
-    p = m + g * SCALE_BLOCK
-    fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling="blockwise", lhs_scale=ls, rhs_scale=rs,
-                                                 stack=fp8_mosaic.default_stack("drhs", "blockwise"), stream=True)
-    operands = (S((k, p), FP8), S((n, p), FP8), S((g,), jnp.int32), S((p // SCALE_BLOCK, k), f32),
-                S((p // SCALE_BLOCK, n), f32))
-    assert export.export(jax.jit(fn), platforms=["cuda"])(*operands).platforms == ("cuda",)
-    with pytest.raises(ValueError, match="blockwise scaling only"):
-        gmm_tn_aligned(jnp.zeros((k, p), FP8), jnp.zeros((n, p), FP8), jnp.zeros((g,), jnp.int32), tile,
-                       scaling="rowwise", lhs_scale=jnp.ones((g, k)), rhs_scale=jnp.ones((g, n)), stream=True)
+        if product == "drhs":
+            gmm_tn_aligned(jnp.zeros((128, 256), FP8), jnp.zeros((256, 256), FP8), jnp.zeros((2,), jnp.int32),
+                           TN_TILE, scaling="rowwise", lhs_scale=jnp.ones((2, 128)), rhs_scale=jnp.ones((2, 256)),
+                           stream=True)
+        else:
+            gmm_nt(jnp.zeros((256, 256), FP8), jnp.zeros((2, 256, 256), FP8), jnp.array([100, 100], jnp.int32),
+                   NT_TILE, scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stream=True)
