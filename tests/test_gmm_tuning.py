@@ -265,6 +265,40 @@ def test_benchmark_records_schema_on_a_tiny_cpu_run(tmp_path):
     assert "| tiny | dirichlet |" in bench.markdown_table(records)
 
 
+def test_benchmark_times_fp8_paths_on_aligned_rows_and_checks_the_rows_they_came_from(monkeypatch):
+    """The fp8_* paths take the expert-aligned rows the MoE layer's permutation writes; the check maps their
+    results back to the rows laid end to end and compares those (run here through the dequantized XLA path). A
+    path fed the rows without the mapping is refused by the same check."""
+    from dropless.bench import gmm as bench
+    from dropless.fp8 import Fp8Gmm, Recipe
+    from dropless.fp8.grouped import ALIGN, Fp8Products
+    from dropless.gmm.xla import XlaContract, XlaGmm
+
+    shape = bench.ShapeSpec("t", 600, 128, 256, 5, "")
+    xs, dys, w = bench._operands(shape, 0)
+    sizes = np.array([0, 377, 1, 0, 222], np.int32)  # empty, tiny and ragged groups
+    fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise"), XlaGmm(), XlaContract()), row_align=ALIGN)
+    programs = bench.fwd_and_fwdbwd(fp8)
+    dense = {"fwd": 1.0, "fwdbwd": 1.0}
+    rec = {"backend": "fp8_blockwise"}
+    bench._check_and_time(rec, shape, sizes, programs, bench.reference_checker(), (xs, dys, w), dense, 1)
+    assert rec["row_layout"] == "expert-aligned (128)" and rec["gemm_rows"] == 128 * (3 + 1 + 2)
+    assert 0 < rec["max_rel_err"] < 0.1 and rec["fwd_tflops"] > 0
+    (x_al,), gs_al, back = bench.to_aligned(sizes, xs[0])
+    assert x_al.shape == (128 * (-(-600 // 128) + 5), 128) and list(gs_al) == [0, 384, 128, 0, 256]
+    np.testing.assert_array_equal(back(x_al), xs[0])
+    real = bench.to_aligned
+
+    def unmapped(sizes, *arrays):  # the results read back as if the rows lay end to end
+        moved, gs, _ = real(sizes, *arrays)
+        return moved, gs, lambda a: a[:600]
+
+    monkeypatch.setattr(bench, "to_aligned", unmapped)
+    with pytest.raises(AssertionError, match="not timed"):
+        bench._check_and_time({"backend": "fp8_blockwise"}, shape, sizes, programs, bench.reference_checker(),
+                              (xs, dys, w), dense, 1)
+
+
 def test_group_size_skews():
     from dropless.bench.gmm import group_sizes
 

@@ -2,8 +2,9 @@
 
 For each shape class and group-size skew, one run measures the dense matmul of equal FLOPs (the roofline
 reference), `jax.lax.ragged_dot`, tokamax's default path, tokamax with its forward tuned, our default path
-(`dropless`: the tuned plan for all three products) and the capacity-factor batched GEMM (drops rows),
-forward and forward+backward. Each path is checked against an f32 reference before it is timed. Timing:
+(`dropless`: the tuned plan for all three products), the FP8 recipes' grouped GEMM (`fp8_*`, on the
+expert-aligned rows the MoE layer's permutation writes for it: each group from a multiple of 128, zero rows
+between) and the capacity-factor batched GEMM (drops rows), forward and forward+backward. Each path is checked against an f32 reference before it is timed. Timing:
 warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
 input sets, each batch ended by one device sync. Results: a list of records in JSON (see `RECORD_KEYS`).
 
@@ -32,7 +33,7 @@ from dropless.core.arguments import ArgumentParser
 from dropless.gmm import tuning as gmm_tuning
 from dropless.gmm.capacity import CapacityGmm
 from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
-from dropless.fp8.grouped import Fp8Products
+from dropless.fp8.grouped import ALIGN, Fp8Products, aligned_sources
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract, tuned_products
 from dropless.gmm.tuning import TileConfig
 from dropless.gmm.vjp import gmm_from_products
@@ -68,6 +69,9 @@ SKEWS = ("balanced", "dirichlet", "hot")
 BACKENDS = ("dense", "dense_fp8", "xla", "tokamax_default", "tokamax_fwd_tuned", "dropless", "fp8_rowwise",
             "fp8_blockwise", "capacity")
 GPU_ONLY = ("tokamax_default", "tokamax_fwd_tuned", "dropless", "fp8_rowwise", "fp8_blockwise")
+# Paths that take expert-aligned rows (Fp8Gmm.row_align = ALIGN), as the routed experts' permutation hands them
+# under train.fp8; their FLOPs count the real rows only, and the check compares those rows.
+ALIGNED = ("fp8_rowwise", "fp8_blockwise")
 # FP8 paths are checked against the bf16 reference within e4m3's rounding (2^-4 per value, ~4% relative over a
 # product of random operands), not REL_ERR_LIMIT: a wrong scale or tile is off by far more.
 FP8_REL_ERR_LIMIT = 0.08
@@ -108,7 +112,7 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
         return lambda x, w, gs: fp8_matmul(x, w[0], Recipe("rowwise", native=True))
     if name.startswith("fp8_"):
         recipe = Recipe(name.removeprefix("fp8_"), native=True)
-        return Fp8Gmm(Fp8Products(recipe, DroplessMosaicGmm(), TunedContract()))
+        return Fp8Gmm(Fp8Products(recipe, DroplessMosaicGmm(), TunedContract()), row_align=ALIGN)
     if name == "xla":
         return lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)
     if name == "tokamax_default":
@@ -134,13 +138,14 @@ def make_backend(name: str, shape: ShapeSpec, plan=None, capacity_factor: float 
 
 
 def compile_all(paths, shape: ShapeSpec, plan, fwd_args: tuple, fwdbwd_args: tuple, *, dense_args: tuple,
-                workers: int = 8) -> dict:
+                aligned_args: tuple = (), workers: int = 8) -> dict:
     """{(path, "fwd" | "fwdbwd"): (compiled function, None) or (None, error)}. The Mosaic GPU paths compile in
     parallel threads (seconds each, mostly in compilers that release the GIL); the XLA-only paths one at a
-    time, because XLA's GEMM autotuner allocates device memory while it compiles."""
+    time, because XLA's GEMM autotuner allocates device memory while it compiles. `aligned_args`: the
+    (fwd, fwdbwd) arguments of the ALIGNED paths."""
     def build(job):
         path, which = job
-        args = dense_args if path.startswith("dense") else (fwd_args, fwdbwd_args)
+        args = dense_args if path.startswith("dense") else aligned_args if path in ALIGNED else (fwd_args, fwdbwd_args)
         try:
             fns = fwd_and_fwdbwd(make_backend(path, shape, plan))
             fn, a = (fns[0], args[0]) if which == "fwd" else (fns[1], args[1])
@@ -171,6 +176,19 @@ def fwd_and_fwdbwd(gmm: Callable):
         return (out, *pullback(dy))
 
     return jax.jit(gmm), jax.jit(fwdbwd)
+
+
+def to_aligned(sizes: np.ndarray, *arrays_MX):
+    """The rows of `arrays_MX` (groups of `sizes` laid end to end) in the expert-aligned layout of the MoE layer's
+    permutation under train.fp8 (each group from a multiple of ALIGN rows, zero rows between), the group sizes
+    rounded up to ALIGN as the permutation hands them to the GEMM, and back(a_PX) -> a_MX, the inverse for results."""
+    gs = jnp.asarray(sizes)
+    m = arrays_MX[0].shape[0]
+    source_P, valid_P, _ = aligned_sources(gs, m, ALIGN)
+    moved = [jnp.where(valid_P[:, None], a[source_P], 0) for a in arrays_MX]
+    target_P = jnp.where(valid_P, source_P, m)  # padding rows land past the end and are dropped
+    back = jax.jit(lambda a_PX: jnp.zeros((m, a_PX.shape[1]), a_PX.dtype).at[target_P].set(a_PX, mode="drop"))
+    return moved, ALIGN * -(-gs // ALIGN), back
 
 
 def reference_checker(rows: int = 256):
@@ -242,8 +260,11 @@ def bench_shape(shape: ShapeSpec, skews, backends, *, plan_path=None, seed: int 
     skipped = {}
     if "xla" in paths and xla_ragged_dot_bytes(shape) > 0.9 * device_memory_bytes():
         skipped["xla"] = f"out of memory (XLA expands ragged_dot densely: needs {xla_ragged_dot_bytes(shape) / 2**30:.0f} GiB)"
+    (x_al, dy_al), gs0_al, _ = to_aligned(np.asarray(gs0), xs[0], dys[0])
     compiled = compile_all([p for p in paths if p not in skipped], shape, plan, (xs[0], w, gs0), (xs[0], w, gs0, dys[0]),
-                           dense_args=(fwd_args[0], fwdbwd_args[0]))
+                           dense_args=(fwd_args[0], fwdbwd_args[0]),
+                           aligned_args=((x_al, w, gs0_al), (x_al, w, gs0_al, dy_al)))
+    del x_al, dy_al
     compiled |= {(p, which): (None, why) for p, why in skipped.items() for which in ("fwd", "fwdbwd")}
 
     dense_record = _dense_record(shape, compiled, fwd_args, fwdbwd_args, batches, log)
@@ -306,7 +327,15 @@ def _check_and_time(rec: dict, shape: ShapeSpec, sizes: np.ndarray, programs, ch
     xs, dys, w = operands
     gs = jnp.asarray(sizes)
     rows = int(sizes.sum())
-    out, dx, dw = fwdbwd(xs[0], w, gs, dys[0])
+    if rec["backend"] in ALIGNED:  # timed on the aligned rows, checked on the rows they came from
+        moved, gs, back = to_aligned(sizes, *xs, *dys)
+        xs_in, dys_in = moved[:len(xs)], moved[len(xs):]
+        rec["row_layout"], rec["gemm_rows"] = f"expert-aligned ({ALIGN})", int(gs.sum())
+        out, dx, dw = fwdbwd(xs_in[0], w, gs, dys_in[0])
+        out, dx = back(out), back(dx)
+    else:
+        xs_in, dys_in = xs, dys
+        out, dx, dw = fwdbwd(xs[0], w, gs, dys[0])
     ends = np.cumsum(sizes)
     errs = []
     cap = None
@@ -325,8 +354,8 @@ def _check_and_time(rec: dict, shape: ShapeSpec, sizes: np.ndarray, programs, ch
     limit = FP8_REL_ERR_LIMIT if rec["backend"].startswith("fp8_") else REL_ERR_LIMIT
     if not rec["max_rel_err"] <= limit:
         raise AssertionError(f"relative error {rec['rel_err']} > {limit}: not timed")
-    t_fwd = time_calls(fwd, [(x, w, gs) for x in xs], batches=batches)
-    t_fb = time_calls(fwdbwd, [(x, w, gs, dy) for x, dy in zip(xs, dys)], batches=batches)
+    t_fwd = time_calls(fwd, [(x, w, gs) for x in xs_in], batches=batches)
+    t_fb = time_calls(fwdbwd, [(x, w, gs, dy) for x, dy in zip(xs_in, dys_in)], batches=batches)
     rec |= {"fwd_ms": t_fwd * 1e3, "fwdbwd_ms": t_fb * 1e3,
             "fwd_tflops": _flops(rows, shape) / t_fwd / 1e12,
             "fwdbwd_tflops": 3 * _flops(rows, shape) / t_fb / 1e12}
