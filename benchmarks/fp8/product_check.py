@@ -1,0 +1,138 @@
+"""Check every piece of the blockwise FP8 grouped GEMM on one GPU at a `dropless bench gmm` shape, piece by piece.
+
+    PYTHONPATH=src python benchmarks/fp8/product_check.py --shapes dsv3-down-e256,dsv3-gate-up-e256 [--out F]
+
+For each shape (bench gmm's operands and Dirichlet groups, the rows expert-aligned as the MoE layer's permutation
+writes them) it compares what the GPU path computes with the same recipe's reference path:
+- the weight's two e4m3 copies (`weight_copies`: the one-pass Triton kernel against the quantizer): values and
+  scales bit for bit;
+- the rows' pair (`one_pass_pair`: x per 1 x 128 tile and its expert-aligned transpose) against the quantizer;
+- each product on the same quantized operands: the e4m3 kernels (`gmm_nt` fwd and dlhs, `gmm_tn_aligned` drhs)
+  against the dequantized operands multiplied by our bf16 grouped GEMM (the same products: dequantized values
+  are exact in bf16), relative Frobenius error over the rows in groups, and the non-finite count of each output.
+Prints one JSON line per piece and writes them to --out; a piece that fails prints its error and the script goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dropless.bench.gmm import SHAPES, _operands, group_sizes, to_aligned
+from dropless.bench.records import environment
+from dropless.fp8 import Recipe
+from dropless.fp8.grouped import ALIGN, Fp8Products, transposed
+from dropless.fp8.recipe import one_pass_pair, weight_copies
+from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
+from dropless.ops.fp8 import quantize
+
+
+def _bits_differ(a, b) -> int:
+    """How many elements of two arrays of one dtype differ in their bits (NaN payloads included)."""
+    if a.dtype.itemsize == 1:
+        a, b = a.view(jnp.uint8), b.view(jnp.uint8)
+    else:
+        a, b = a.view(jnp.uint32), b.view(jnp.uint32)
+    return int(jnp.sum(a != b))
+
+
+def _nonfinite(a) -> int:
+    return int(jnp.sum(~jnp.isfinite(a.astype(jnp.float32))))
+
+
+def _rel(got, ref, rows_valid=None) -> float:
+    got, ref = got.astype(jnp.float32), ref.astype(jnp.float32)
+    if rows_valid is not None:
+        got, ref = (jnp.where(rows_valid[:, None], a, 0) for a in (got, ref))
+    return float(jnp.linalg.norm((got - ref).ravel()) / jnp.maximum(jnp.linalg.norm(ref.ravel()), 1e-30))
+
+
+def check_shape(name: str, emit) -> None:
+    shape = SHAPES[name]
+    xs, dys, w = _operands(shape, 0)
+    sizes = group_sizes("dirichlet", shape.m, shape.g, 0)
+    (x, dy), gs, _ = to_aligned(sizes, xs[0], dys[0])
+    del xs, dys
+    starts = np.concatenate([[0], np.cumsum(np.asarray(gs))[:-1]])
+    valid = np.zeros(x.shape[0], bool)  # the aligned rows that hold a row of a group
+    for s, n in zip(starts, sizes):
+        valid[s:s + n] = True
+    rows_valid = jnp.asarray(valid)
+    native, ref = Recipe("blockwise", native=True), Recipe("blockwise", native=False)
+    base = {"shape": name, "m": shape.m, "k": shape.k, "n": shape.n, "g": shape.g, "gemm_rows": int(gs.sum())}
+
+    def piece(what, fn):
+        try:
+            emit(base | {"piece": what} | fn())
+        except Exception as e:  # noqa: BLE001 - a failing piece is a result; the others still run
+            emit(base | {"piece": what, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"})
+
+    w_fwd, w_dlhs = jax.jit(lambda w: weight_copies(w, native))(w)
+    r_fwd, r_dlhs = jax.jit(lambda w: weight_copies(w, ref))(w)
+    piece("weight copies (one pass vs quantizer)", lambda: {
+        "values_differ": [_bits_differ(w_fwd.values, r_fwd.values), _bits_differ(w_dlhs.values, r_dlhs.values)],
+        "scales_differ": [_bits_differ(w_fwd.scales, r_fwd.scales), _bits_differ(w_dlhs.scales, r_dlhs.scales)],
+        "nonfinite_scales": _nonfinite(w_fwd.scales)})
+    del r_fwd, r_dlhs
+
+    def pairs(a):
+        got = jax.jit(lambda a: one_pass_pair(a, native))(a)
+        want = jax.jit(lambda a: (quantize(a, ref.operand(2)), transposed(a, gs, ref)))(a)
+        return got, want
+
+    (x_q, xT), (x_r, xT_r) = pairs(x)
+    (dy_q, dyT), (dy_r, dyT_r) = pairs(dy)
+    for what, got, want in (("x", (x_q, xT), (x_r, xT_r)), ("dy", (dy_q, dyT), (dy_r, dyT_r))):
+        piece(f"{what} pair (one pass vs quantizer)", lambda got=got, want=want: {
+            "values_differ": [_bits_differ(g.values, r.values) for g, r in zip(got, want)],
+            "scales_differ": [_bits_differ(g.scales, r.scales) for g, r in zip(got, want)]})
+    del x_r, xT_r, dy_r, dyT_r
+
+    kernels = Fp8Products(native, DroplessMosaicGmm(), TunedContract())
+    dequantized = Fp8Products(ref, DroplessMosaicGmm(), TunedContract())
+    bf16 = jnp.bfloat16
+    products = {
+        "fwd": lambda p: p.rows(x_q, w_fwd, gs, "fwd", bf16),
+        "dlhs": lambda p: p.rows(dy_q, w_dlhs, gs, "dlhs", bf16),
+        "drhs": lambda p: p.contract(xT, dyT, gs, jnp.float32),
+    }
+    for product, run in products.items():
+        def compare(run=run, product=product):
+            got, want = jax.jit(lambda: run(kernels))(), jax.jit(lambda: run(dequantized))()
+            valid = None if product == "drhs" else rows_valid
+            got_v = got if valid is None else jnp.where(valid[:, None], got, 0)
+            bad_groups = []
+            if product == "drhs":
+                bad = jnp.any(~jnp.isfinite(got), axis=(1, 2))
+                bad_groups = [int(g) for g in np.flatnonzero(np.asarray(bad))][:20]
+            return {"product": product, "rel_err": _rel(got, want, valid), "nonfinite": _nonfinite(got_v),
+                    "nonfinite_reference": _nonfinite(want if valid is None else jnp.where(valid[:, None], want, 0)),
+                    "nonfinite_groups": bad_groups}
+        piece(f"{product} kernel vs dequantized bf16", compare)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="dsv3-down-e256,dsv3-gate-up-e256")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    records = []
+
+    def emit(rec):
+        print(json.dumps(rec), flush=True)
+        records.append(rec)
+
+    for name in args.shapes.split(","):
+        check_shape(name, emit)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "fp8-product-check", "environment": environment(), "records": records}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
