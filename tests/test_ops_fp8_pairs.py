@@ -109,6 +109,24 @@ def test_scale_exponent_is_exact_for_every_float32():
     assert scales[0] == 1 and np.isnan(scales[1]) and np.isnan(scales[2]) and scales[3] == 1
 
 
+def test_recipe_takes_the_two_pass_quantizer_where_the_kernel_does_not_fit(monkeypatch):
+    from dropless.fp8 import Recipe
+    from dropless.fp8.recipe import one_pass_pair, weight_copies
+    from dropless.ops import fp8_pairs
+
+    def refuse(*_, **__):
+        raise AssertionError("the one-pass kernel ran")
+
+    monkeypatch.setattr(fp8_pairs, "quantize_pair", refuse)
+    recipe = Recipe("blockwise", native=True)
+    w = jax.ShapeDtypeStruct((256, 2048, 7168), jnp.bfloat16)  # traced only: nothing of its 7.5 GB is allocated
+    w_fwd, w_dlhs = jax.eval_shape(lambda w: weight_copies(w, recipe), w)
+    assert w_fwd.values.shape == (256, 7168, 2048) and w_dlhs.scales.shape == (256, 16, 56)
+    assert one_pass_pair(jax.ShapeDtypeStruct((2**24, 256), jnp.bfloat16), recipe) is None
+    with pytest.raises(AssertionError, match="one-pass kernel ran"):
+        jax.eval_shape(lambda w: weight_copies(w, recipe), jax.ShapeDtypeStruct((256, 7168, 4096), jnp.bfloat16))
+
+
 def test_kernel_lowers_for_cuda_on_the_cpu():
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
@@ -124,5 +142,10 @@ def test_shapes_it_takes_and_one_clear_error_for_others():
     assert not fits((0, 128, 128))
     with pytest.raises(ValueError, match="multiples of 128"):
         quantize_pair(jnp.zeros((200, 128)), "tiles")
+    # Pallas Triton addresses an e4m3 output of 2**31 .. 2**32 bytes with wrapping 32-bit offsets: the operands of
+    # those sizes (DeepSeek-V3's down projection with 256 experts) go to the two-pass quantizer, and the ones below
+    # and above stay on the kernel.
+    assert not fits((256, 2048, 7168)) and not fits((2**24, 256)) and not fits((2**25, 128))
+    assert fits((146, 2048, 7168)) and fits((256, 7168, 4096)) and fits((2**24 + 128, 256))
     with pytest.raises(ValueError, match="choose from"):
         quantize_pair(jnp.zeros((128, 128)), "rows")

@@ -4,8 +4,9 @@
 
 For each shape (bench gmm's operands and Dirichlet groups, the rows expert-aligned as the MoE layer's permutation
 writes them) it compares what the GPU path computes with the same recipe's reference path:
-- the weight's two e4m3 copies (`weight_copies`: the one-pass Triton kernel against the quantizer): values and
-  scales bit for bit;
+- the weight's two e4m3 copies (`weight_copies`: the one-pass Triton kernel where `fp8_pairs.fits`, against the
+  quantizer): values and scales bit for bit; and the Triton kernel run directly on the weight whatever `fits`
+  says, the experts whose copies it gets wrong (JAX's Pallas Triton addressing, fp8_pairs.INT32_MAX);
 - the rows' pair (`one_pass_pair`: x per 1 x 128 tile and its expert-aligned transpose) against the quantizer;
 - each product on the same quantized operands: the e4m3 kernels (`gmm_nt` fwd and dlhs, `gmm_tn_aligned` drhs)
   against the dequantized operands multiplied by our bf16 grouped GEMM (the same products: dequantized values
@@ -16,6 +17,7 @@ Prints one JSON line per piece and writes them to --out; a piece that fails prin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import jax
@@ -28,6 +30,7 @@ from dropless.fp8 import Recipe
 from dropless.fp8.grouped import ALIGN, Fp8Products, transposed
 from dropless.fp8.recipe import one_pass_pair, weight_copies
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
+from dropless.ops import fp8_pairs
 from dropless.ops.fp8 import quantize
 
 
@@ -77,6 +80,16 @@ def check_shape(name: str, emit) -> None:
         "values_differ": [_bits_differ(w_fwd.values, r_fwd.values), _bits_differ(w_dlhs.values, r_dlhs.values)],
         "scales_differ": [_bits_differ(w_fwd.scales, r_fwd.scales), _bits_differ(w_dlhs.scales, r_dlhs.scales)],
         "nonfinite_scales": _nonfinite(w_fwd.scales)})
+
+    def forced():  # the Triton kernel itself, whether or not fp8_pairs.fits sends this weight to it
+        rows, cols, _ = jax.jit(lambda w: fp8_pairs._launch(w, "blocks", False, fp8_pairs.NUM_WARPS["blocks"]))(w)
+        wrong = jnp.any(rows.view(jnp.uint8) != r_dlhs.values.view(jnp.uint8), axis=(1, 2))
+        wrong |= jnp.any(cols.view(jnp.uint8) != r_fwd.values.view(jnp.uint8), axis=(1, 2))
+        groups = np.flatnonzero(np.asarray(wrong))
+        return {"fits": fp8_pairs.fits(w.shape), "wrong_groups": int(groups.size),
+                "first_wrong_group": int(groups[0]) if groups.size else None}
+
+    piece("one-pass weight kernel run directly (vs quantizer)", forced)
     del r_fwd, r_dlhs
 
     def pairs(a):
@@ -95,23 +108,25 @@ def check_shape(name: str, emit) -> None:
     kernels = Fp8Products(native, DroplessMosaicGmm(), TunedContract())
     dequantized = Fp8Products(ref, DroplessMosaicGmm(), TunedContract())
     bf16 = jnp.bfloat16
+    # Each product's operands are arguments of its jitted function (closed over, they would be baked into the
+    # program as constants of gigabytes).
     products = {
-        "fwd": lambda p: p.rows(x_q, w_fwd, gs, "fwd", bf16),
-        "dlhs": lambda p: p.rows(dy_q, w_dlhs, gs, "dlhs", bf16),
-        "drhs": lambda p: p.contract(xT, dyT, gs, jnp.float32),
+        "fwd": (lambda p, a, b, gs: p.rows(a, b, gs, "fwd", bf16), x_q, w_fwd),
+        "dlhs": (lambda p, a, b, gs: p.rows(a, b, gs, "dlhs", bf16), dy_q, w_dlhs),
+        "drhs": (lambda p, a, b, gs: p.contract(a, b, gs, jnp.float32), xT, dyT),
     }
-    for product, run in products.items():
-        def compare(run=run, product=product):
-            got, want = jax.jit(lambda: run(kernels))(), jax.jit(lambda: run(dequantized))()
+    for product, (run, a, b) in products.items():
+        def compare(run=run, a=a, b=b, product=product):
+            got = jax.jit(functools.partial(run, kernels))(a, b, gs)
+            want = jax.jit(functools.partial(run, dequantized))(a, b, gs)
             valid = None if product == "drhs" else rows_valid
-            got_v = got if valid is None else jnp.where(valid[:, None], got, 0)
+            mask = (lambda t: t) if valid is None else (lambda t: jnp.where(valid[:, None], t, 0))
             bad_groups = []
             if product == "drhs":
                 bad = jnp.any(~jnp.isfinite(got), axis=(1, 2))
                 bad_groups = [int(g) for g in np.flatnonzero(np.asarray(bad))][:20]
-            return {"product": product, "rel_err": _rel(got, want, valid), "nonfinite": _nonfinite(got_v),
-                    "nonfinite_reference": _nonfinite(want if valid is None else jnp.where(valid[:, None], want, 0)),
-                    "nonfinite_groups": bad_groups}
+            return {"product": product, "rel_err": _rel(got, want, valid), "nonfinite": _nonfinite(mask(got)),
+                    "nonfinite_reference": _nonfinite(mask(want)), "nonfinite_groups": bad_groups}
         piece(f"{product} kernel vs dequantized bf16", compare)
 
 

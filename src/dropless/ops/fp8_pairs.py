@@ -27,6 +27,7 @@ experts) pass through.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +43,20 @@ KINDS = ("tiles", "blocks")
 NUM_WARPS = {"tiles": 4, "blocks": 8}
 
 
+# JAX's Pallas Triton lowering addresses an array with 32-bit element offsets unless the array holds more than
+# 2**32 bytes (jax/_src/pallas/triton/lowering.py, _compute_offsets_from_indices), so a 1-byte e4m3 output of more
+# than 2**31 - 1 elements and at most 2**32 wraps to negative offsets: at [256, 2048, 7168] (DeepSeek-V3's down
+# projection, 256 experts) every expert from the 147th on came back wrong (fp8-product-check-h200.json). Such
+# operands take the two-pass quantizer; larger and smaller ones are addressed correctly.
+INT32_MAX = 2**31 - 1
+
+
 def fits(shape: tuple[int, ...]) -> bool:
-    """Whether quantize_pair takes an operand of this shape: 2-d or more, its last two axes multiples of 128."""
-    return len(shape) >= 2 and shape[-1] % TILE == 0 and shape[-2] % TILE == 0 and all(shape)
+    """Whether quantize_pair takes an operand of this shape: 2-d or more, its last two axes multiples of 128, and
+    not of the sizes JAX's Pallas Triton addresses wrongly (INT32_MAX)."""
+    size = math.prod(shape)
+    return (len(shape) >= 2 and shape[-1] % TILE == 0 and shape[-2] % TILE == 0 and size > 0
+            and not INT32_MAX < size <= 2**32)
 
 
 def quantize_pair(x: jax.Array, kind: str, *, interpret: bool | None = None,
