@@ -160,3 +160,32 @@ def test_fp8_model_on_a_mesh_is_within_the_bound_of_float32_on_one_device(mode="
         name = jax.tree_util.keystr(path)
         if not any(part in name for part in ("norm", "router", "experts")):  # as in the one-device test above
             assert rel(g, w) < MODEL_GRAD_BOUND, name
+
+
+def test_fp8_experts_take_the_stored_weights_and_bf16_experts_a_cast_copy(case):
+    """Under FP8 the routed experts' grouped GEMM receives the float32 master weights (one rounding, to e4m3, and no
+    bf16 copy or cast of the gradient); in bf16 it receives them cast to the rows' dtype. Either way the weights'
+    gradients come back float32."""
+    params, bias_E, x_BSD, cotangent_BSD, _ = case
+    seen = []
+
+    def spying(gmm):
+        def call(lhs, rhs, gs, **kw):
+            seen.append((type(gmm).__name__, rhs.dtype))
+            return gmm(lhs, rhs, gs, **kw)
+        return dataclasses.make_dataclass(type(gmm).__name__, [], bases=(type(gmm),), frozen=True,
+                                          namespace={"__call__": lambda self, *a, **kw: call(*a, **kw)})(
+            **{f.name: getattr(gmm, f.name) for f in dataclasses.fields(gmm)})
+
+    for mode in ("blockwise", "off"):
+        recipe = make_recipe(mode)
+        executor = LocalExecutor(spying(experts_gmm(MOE, recipe)))
+
+        def loss(params):
+            y_BSD, _ = moe_layer(params, bias_E, x_BSD.astype(jnp.bfloat16), MOE, compute_dtype=jnp.bfloat16,
+                                 executor=executor, recipe=recipe)
+            return jnp.sum(y_BSD.astype(jnp.float32) * cotangent_BSD)
+
+        grads = jax.grad(loss)(params)
+        assert {g.dtype for g in jax.tree.leaves(grads["experts"])} == {jnp.dtype(jnp.float32)}
+    assert seen == [("Fp8Gmm", jnp.float32)] * 2 + [("XlaGmm", jnp.bfloat16)] * 2, seen

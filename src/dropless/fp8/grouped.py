@@ -208,6 +208,7 @@ class Fp8Gmm(GroupedMatmul):
     builds the aligned copies by a column gather."""
 
     name: ClassVar[str] = "fp8"
+    weights_as_stored: ClassVar[bool] = True  # quantized from the master weights (dropless.gmm.api)
     products: Fp8Products
     row_align: int = 1
 

@@ -18,6 +18,10 @@ permutation (dropless.moe.permute) writes that layout. Zero rows change no produ
 weight gradient, SwiGLU), so the results are exact; the FP8 weight gradient then reads its 128-token scale tiles
 from a plain transpose (dropless.fp8.grouped).
 
+`weights_as_stored`: whether a backend takes the weights in their stored dtype (the float32 master weights) rather
+than cast to the rows' dtype. The FP8 one does: it quantizes them itself, and a cast first would add a pass over
+every weight and one over its gradient, hold a bf16 copy of them, and round each value twice.
+
 The backends and their names are in `dropless.gmm.registry`.
 """
 
@@ -48,6 +52,7 @@ class GroupedMatmul:
 
     name: ClassVar[str] = "abstract"
     row_align: int = 1  # the layout asked of the caller (module docstring)
+    weights_as_stored: ClassVar[bool] = False  # module docstring
 
     def __call__(self, lhs_MK: jax.Array, rhs_GKN: jax.Array, group_sizes_G: jax.Array, *,
                  preferred_element_type=None, zero_padding: bool = True,

@@ -38,18 +38,19 @@ def routed_experts(x_sorted_MD: jax.Array, group_sizes_E: jax.Array, experts: di
     XLA fuses them away, and the remat would cost an extra pass over h.
     """
     dtype = x_sorted_MD.dtype
+    weight = (lambda w: w) if gmm.weights_as_stored else (lambda w: w.astype(dtype))
     # Padding rows (past sum(group_sizes): a bounded or worst-case buffer's spare rows) are left unwritten by both
     # GEMMs: the activation is row by row, the down projection reads only rows of a group, and `unpermute` reads
     # only rows that hold a pair. Zeroing them was a pass of its own over h and y inside expert parallelism's
     # lax.cond, where XLA cannot fuse it into the reader. So is the gate+up's input gradient's: x_sorted comes
     # from `permute`, whose backward reads only the rows that hold a pair.
     with jax.named_scope("gmm_up"):
-        h_MF2 = gmm(x_sorted_MD, experts["gate_up"].astype(dtype), group_sizes_E, zero_padding=False,
+        h_MF2 = gmm(x_sorted_MD, weight(experts["gate_up"]), group_sizes_E, zero_padding=False,
                     zero_lhs_grad_padding=False)
     glu = jax.checkpoint(_glu, static_argnums=(1,)) if remat_activation else _glu
     a_MF = glu(h_MF2, dtype)
     with jax.named_scope("gmm_down"):
-        return gmm(a_MF, experts["down"].astype(dtype), group_sizes_E, zero_padding=False)
+        return gmm(a_MF, weight(experts["down"]), group_sizes_E, zero_padding=False)
 
 
 def dense_swiglu(x_TD: jax.Array, weights: dict, recipe: Recipe | None = None, mesh=None) -> jax.Array:

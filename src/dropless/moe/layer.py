@@ -136,7 +136,11 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
                 kernel_DE = fold_common(kernel_DE, jax.lax.stop_gradient(router_common_D))
         routing = route(kernel_DE, router_bias_E, x_TD, moe_cfg, mesh=executor.mesh, common_BD=common_BD)
     x_TD = x_TD.astype(compute_dtype)
-    experts = jax.tree.map(lambda w: w.astype(compute_dtype), params["experts"])
+    # Under FP8 the grouped GEMM quantizes the experts' weights as stored (GroupedMatmul.weights_as_stored), as the
+    # dense FP8 matmuls do theirs; in bf16 they are cast here, before expert parallelism's shard_map, so that any
+    # gathering of them moves bf16.
+    experts = params["experts"] if recipe is not None else jax.tree.map(lambda w: w.astype(compute_dtype),
+                                                                         params["experts"])
     y_TD, executor_stats = executor(x_TD, routing.expert_ids_TK, routing.weights_TK, experts)
     if "shared" in params:
         with jax.named_scope("shared"):
