@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile bench-permute tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-layouts bench-fp8-product-check bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -273,6 +273,11 @@ bench-fp8-layouts: $(BENCH_DEPS)
 CHECK_SHAPES ?= dsv3-down-e256,dsv3-gate-up-e256,dsv3-down-e32
 bench-fp8-product-check: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/product_check.py --shapes $(CHECK_SHAPES) --out $(RESULTS)/fp8-product-check-$(GPU).json
+
+# 1 GPU: the routed experts' grouped GEMM forward+backward from float32 master weights: bf16 (cast), blockwise cast
+# to bf16 first, blockwise on the weights as stored; 32 and 256 groups.
+bench-fp8-master: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/fp8/master_weights.py --out $(RESULTS)/fp8-master-$(GPU).json
 
 # 1 GPU: a dense e4m3 matmul through XLA compiled and timed with XLA's GEMM autotuning on and off (one process each).
 bench-fp8-rowwise-compile: $(BENCH_DEPS)
