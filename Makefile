@@ -275,7 +275,7 @@ bench-fp8-product-check: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/product_check.py --shapes $(CHECK_SHAPES) --out $(RESULTS)/fp8-product-check-$(GPU).json
 
 # 1 GPU: the routed experts' grouped GEMM forward+backward from float32 master weights: bf16 (cast), blockwise cast
-# to bf16 first, blockwise on the weights as stored; 32 and 256 groups.
+# to bf16 first, blockwise on the weights as stored; 32 groups.
 bench-fp8-master: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/master_weights.py --out $(RESULTS)/fp8-master-$(GPU).json
 

@@ -1,6 +1,6 @@
 """The routed experts' grouped GEMM forward+backward as training runs it: from float32 master weights, on one GPU.
 
-    PYTHONPATH=src python benchmarks/fp8/master_weights.py [--groups 32,256] [--out F]
+    PYTHONPATH=src python benchmarks/fp8/master_weights.py [--groups 32] [--out F]
 
 Training keeps float32 master weights; each step's products read them through a cast to bf16 (the bf16 path) or
 as stored (FP8: the quantizer reads them, GroupedMatmul.weights_as_stored). This times, at DeepSeek-V3's gate+up
@@ -78,7 +78,7 @@ def run(groups: int, emit) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", default="32,256")
+    p.add_argument("--groups", default="32", help="comma-separated group counts (256 does not fit one H200: its float32 weight, float32 gradient and both copies are 90 GB)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     records = []
