@@ -45,3 +45,16 @@ def test_a_block_that_never_finishes_ends_the_process_with_one_line():
             "with watchdog(2.0, 'x', 'y'):\n    pass\ntime.sleep(3)\nprint('finished')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "finished"  # a finished block's timer is cancelled
+
+
+def test_record_lines_prints_each_record_as_it_comes_and_writes_them_together(tmp_path, capsys):
+    import jax.numpy as jnp
+
+    out = tmp_path / "sub" / "r.json"
+    got = records.record_lines("b", out, lambda emit: [emit({"i": i, "dtype": jnp.dtype(jnp.float32)}) for i in range(2)], shape=[1])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [json.loads(line)["i"] for line in lines] == [0, 1] and len(got) == 2
+    written = json.loads(out.read_text())
+    assert written["benchmark"] == "b" and written["shape"] == [1] and written["environment"]["platform"]
+    assert [r["i"] for r in written["records"]] == [0, 1] and written["records"][0]["dtype"] == "float32"
+    assert records.record_lines("b", None, lambda emit: emit({"i": 0})) == [{"i": 0}]

@@ -189,3 +189,58 @@ def test_fp8_experts_take_the_stored_weights_and_bf16_experts_a_cast_copy(case):
         grads = jax.grad(loss)(params)
         assert {g.dtype for g in jax.tree.leaves(grads["experts"])} == {jnp.dtype(jnp.float32)}
     assert seen == [("Fp8Gmm", jnp.float32)] * 2 + [("XlaGmm", jnp.bfloat16)] * 2, seen
+
+
+GQA_MTP = {"model.attention": "gqa", "model.mtp_layers": 1, "model.layer_pattern": "MD",
+           "model.first_dense_layers": 0}
+
+
+@pytest.mark.parametrize("mode,parallel,model", [("blockwise", None, {}), ("rowwise", None, {}),
+                                                 ("blockwise", (2, 1, 4), {}), ("blockwise", None, GQA_MTP)])
+def test_grad_accumulation_quantizes_each_weight_once_per_step_with_the_same_bits(mode, parallel, model,
+                                                                                   monkeypatch):
+    """Under FP8 with train.grad_accum_steps > 1 the step makes each weight's e4m3 copies once, before its
+    microbatches (dropless.fp8.recipe.weight_cache): no FP8 product quantizes a weight inside them, and the loss and
+    every gradient are those of quantizing in each microbatch (the loss bit for bit, gradients to float32 rounding); on one device and under expert
+    parallelism (the copies cross its shard_map with the experts); with MLA or GQA attention, MTP and a dense layer
+    after a MoE one (every weight an FP8 product reads is cached: none is quantized in the microbatches)."""
+    from dropless.core.config import ParallelConfig
+    from dropless.core.mesh import make_mesh
+    from dropless.ep import make_executor
+    from dropless.fp8 import dense, grouped, recipe as recipe_lib
+    from dropless.train import step as step_lib
+
+    config = load_preset("tiny").replace(**{**OVERRIDES, "model.num_layers": 2, "train.fp8": mode,
+                                             "train.grad_accum_steps": 2, **model})
+    params = jax.jit(transformer.init_params, static_argnums=1)(jax.random.key(0), config)
+    state = transformer.init_state(config)
+    tokens = jax.random.randint(jax.random.key(1), (16, 33), 0, config.model.vocab_size)
+    executor = None if parallel is None else make_executor(config, make_mesh(ParallelConfig(*parallel)))
+    quantized = []
+
+    def counting(module):
+        original = module.weight_copies
+
+        def copies(w, r):
+            if not isinstance(w, recipe_lib.CachedWeight):
+                quantized.append(w.shape)
+            return original(w, r)
+        monkeypatch.setattr(module, "weight_copies", copies)
+
+    counting(dense)
+    counting(grouped)
+
+    def run():
+        fn = functools.partial(step_lib.accumulated_value_and_grad, config=config, executor=executor)
+        return jax.jit(fn, compiler_options=FAST_COMPILE)(params, state, tokens)
+
+    (got_loss, _), got = run()
+    assert quantized == []  # the products read the step's copies
+    monkeypatch.setattr(step_lib, "caches_weights", lambda recipe: False)
+    (want_loss, _), want = run()
+    assert quantized  # without the cache the products quantize their weights
+    # The products see the same e4m3 bits; the programs differ around them, so XLA may sum a gradient's terms in
+    # another order (float32 rounding). A copy of the wrong weight or layer would be off by e4m3's ~4%.
+    assert float(got_loss) == float(want_loss)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert rel(g, w) < 1e-5, jax.tree_util.keystr(path)

@@ -7,17 +7,16 @@ as stored (FP8: the quantizer reads them, GroupedMatmul.weights_as_stored). This
 shape (65,536 rows, K 7,168, N 4,096, Dirichlet groups), forward and both gradients, the weight's gradient in
 float32 as the optimizer takes it:
 - bf16: w.astype(bf16), our bf16 grouped GEMM (rows end to end);
-- blockwise, cast first: w.astype(bf16), then Fp8Gmm on the expert-aligned rows (the layer before
-  weights_as_stored);
-- blockwise, as stored: Fp8Gmm on the float32 weight (the layer now).
+- blockwise, cast first: w.astype(bf16), then Fp8Gmm on the expert-aligned rows (quantizing a bf16 copy);
+- blockwise, as stored: Fp8Gmm on the float32 weight (what the MoE layer runs: GroupedMatmul.weights_as_stored).
 Each path's results are checked finite; the two FP8 paths are compared (relative Frobenius error of the output, the
-input gradient and the first 8 experts' weight gradient: a double rounding through bf16 separates them). Median of 5 batches (dropless.bench.harness).
+input gradient and the first 8 experts' weight gradient: a double rounding through bf16 separates them). Median of
+5 batches (dropless.bench.harness).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import numpy as np
 
 from dropless.bench.gmm import group_sizes, to_aligned
 from dropless.bench.harness import time_calls
-from dropless.bench.records import environment
+from dropless.bench.records import record_lines
 from dropless.fp8 import Fp8Gmm, Recipe
 from dropless.fp8.grouped import ALIGN, Fp8Products
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
@@ -78,21 +77,12 @@ def run(groups: int, emit) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", default="32", help="comma-separated group counts (256 does not fit one H200: its float32 weight, float32 gradient and both copies are 90 GB)")
+    p.add_argument("--groups", default="32", help="comma-separated group counts (256 does not fit one H200: its "
+                   "float32 weight, float32 gradient and both copies are 90 GB)")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    records = []
-
-    def emit(rec):
-        print(json.dumps(rec), flush=True)
-        records.append(rec)
-
-    for g in args.groups.split(","):
-        run(int(g), emit)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "fp8-master-weights", "environment": environment(), "shape": [M, K, N],
-                       "records": records}, f, indent=1)
+    record_lines("fp8-master-weights", args.out,
+                 lambda emit: [run(int(g), emit) for g in args.groups.split(",")], shape=[M, K, N])
 
 
 if __name__ == "__main__":

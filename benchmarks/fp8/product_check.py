@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dropless.bench.gmm import SHAPES, _operands, group_sizes, to_aligned
-from dropless.bench.records import environment
+from dropless.bench.records import record_lines
 from dropless.fp8 import Recipe
 from dropless.fp8.grouped import ALIGN, Fp8Products, transposed
 from dropless.fp8.recipe import one_pass_pair, weight_copies
@@ -146,18 +145,7 @@ def main() -> None:
     p.add_argument("--shapes", default="dsv3-down-e256,dsv3-gate-up-e256")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    records = []
-
-    def emit(rec):
-        print(json.dumps(rec), flush=True)
-        records.append(rec)
-
-    for name in args.shapes.split(","):
-        check_shape(name, emit)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"benchmark": "fp8-product-check", "environment": environment(), "records": records}, f,
-                      indent=1)
+    record_lines("fp8-product-check", args.out, lambda emit: [check_shape(n, emit) for n in args.shapes.split(",")])
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ For each shape class and group-size skew, one run measures the dense matmul of e
 reference), `jax.lax.ragged_dot`, tokamax's default path, tokamax with its forward tuned, our default path
 (`dropless`: the tuned plan for all three products), the FP8 recipes' grouped GEMM (`fp8_*`, on the
 expert-aligned rows the MoE layer's permutation writes for it: each group from a multiple of 128, zero rows
-between) and the capacity-factor batched GEMM (drops rows), forward and forward+backward. Each path is checked against an f32 reference before it is timed. Timing:
-warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
+between) and the capacity-factor batched GEMM (drops rows), forward and forward+backward. Each path is checked
+against an f32 reference before it is timed. Timing: warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
 input sets, each batch ended by one device sync. Results: a list of records in JSON (see `RECORD_KEYS`).
 
 Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows inside groups. `--stages` adds

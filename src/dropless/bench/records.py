@@ -14,7 +14,7 @@ import platform
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -62,3 +62,20 @@ def write_json(path: Path, payload, *, indent: int = 1) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=indent, default=str) + "\n")
     return path
+
+
+def record_lines(benchmark: str, out: str | Path | None, run: Callable[[Callable[[dict], None]], None],
+                 **fields) -> list[dict]:
+    """Run `run(emit)`: each record it emits is printed as one JSON line as it comes (a call cut short keeps what
+    it printed), then, with `out`, all of them are written as one record {benchmark, environment, **fields,
+    records}."""
+    records: list[dict] = []
+
+    def emit(record: dict) -> None:
+        print(json.dumps(record, default=str), flush=True)
+        records.append(record)
+
+    run(emit)
+    if out:
+        write_json(Path(out), {"benchmark": benchmark, "environment": environment(), **fields, "records": records})
+    return records

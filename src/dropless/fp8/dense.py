@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from dropless.core.mesh import per_batch_shard
-from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe, one_pass_pair, weight_copies
+from dropless.fp8.recipe import BLOCK, MX_BLOCK, CachedWeight, Recipe, master, one_pass_pair, weight_copies
 from dropless.gmm import fp8_mosaic
 from dropless.ops.fp8 import Quantized, dequantize, quantize
 from dropless.ops.matmul import matmul_f32_out
@@ -47,7 +47,8 @@ def linear(x: jax.Array, w: jax.Array, recipe: Recipe | None = None, out_dtype=N
 
 
 def fp8_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, out_dtype=None, mesh: Mesh | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] with e4m3 operands as `recipe` scales them, float32 accumulation, out_dtype out.
+    """x [..., K] @ w [K, N] with e4m3 operands as `recipe` scales them, float32 accumulation, out_dtype out. A
+    CachedWeight w brings its e4m3 copies (quantized once per step) and takes the gradient in its master weight.
 
     `mesh`, the training mesh, for an x whose leading axis is the batch (split over the mesh as the batch is):
     with several devices each multiplies its own rows by the whole w (gathered, as FSDP gathers it for the bf16
@@ -59,9 +60,10 @@ def fp8_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, out_dtype=None, mesh:
     lead, k = x.shape[:-1], x.shape[-1]
     x_TK = x.reshape(-1, k)
     if recipe.mode == "mxfp8":
-        return _mxfp8_matmul(x_TK, w, out_dtype).reshape(*lead, w.shape[1])
+        return _mxfp8_matmul(x_TK, master(w), out_dtype).reshape(*lead, w.shape[1])
     dtypes = (out_dtype, x.dtype, w.dtype)
-    return _fp8_matmul_2d(x_TK, w, recipe, dtypes).reshape(*lead, w.shape[1])
+    copies = (w.fwd, w.dlhs) if isinstance(w, CachedWeight) else None
+    return _fp8_matmul_2d(x_TK, master(w), copies, recipe, dtypes).reshape(*lead, w.shape[1])
 
 
 def _mxfp8_matmul(x_TK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:
@@ -87,14 +89,15 @@ def _rows_and_transposed(a_TX: jax.Array, recipe: Recipe) -> tuple[Quantized, Qu
     return quantize(a_TX, recipe.operand(2)), quantize(padded_TX.T, recipe.operand(2))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_matmul_2d(x_TK, w_KN, recipe: Recipe, dtypes: tuple):
-    """dtypes: (output, x's, w's): the gradients come back in their primal's dtype."""
-    return _fwd(x_TK, w_KN, recipe, dtypes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_matmul_2d(x_TK, w_KN, copies, recipe: Recipe, dtypes: tuple):
+    """dtypes: (output, x's, w's): the gradients come back in their primal's dtype. `copies`: w's two e4m3 copies
+    (a CachedWeight's), or None to quantize w here; they take no gradient."""
+    return _fwd(x_TK, w_KN, copies, recipe, dtypes)[0]
 
 
-def _fwd(x_TK, w_KN, recipe, dtypes):
-    w_fwd, w_dlhs = weight_copies(w_KN, recipe)
+def _fwd(x_TK, w_KN, copies, recipe, dtypes):
+    w_fwd, w_dlhs = copies or weight_copies(w_KN, recipe)
     x_q, xT = _rows_and_transposed(x_TK, recipe)
     y_TN = rows_product(x_q, w_fwd, recipe, out_dtype=dtypes[0])
     return y_TN, (xT, w_dlhs)
@@ -106,7 +109,7 @@ def _bwd(recipe, dtypes, residuals, dy_TN):
     dy_q, dyT = _rows_and_transposed(dy_TN.astype(x_dtype), recipe)
     dx_TK = rows_product(dy_q, w_dlhs, recipe, "dlhs", out_dtype=x_dtype)
     dw_KN = contract_product(xT, dyT, recipe).astype(w_dtype)
-    return dx_TK, dw_KN
+    return dx_TK, dw_KN, None
 
 
 _fp8_matmul_2d.defvjp(_fwd, _bwd)

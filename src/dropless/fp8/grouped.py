@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.core.varying import sum_like, varying_like
-from dropless.fp8.recipe import Recipe, one_pass_pair, weight_copies
+from dropless.fp8.recipe import CachedWeight, Recipe, master, one_pass_pair, weight_copies
 from dropless.gmm import fp8_mosaic, make_gmm
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
 from dropless.gmm.api import GroupedMatmul, aligned_rows, zero_padding_rows
@@ -152,14 +152,16 @@ class Fp8Products:
         return self.dequantized_contract(a_PK, b_PN, 128 * blocks_G, out_dtype=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def fp8_gmm(x_MK, w_GKN, group_sizes_G, products: Fp8Products, dtypes: tuple, zero_padding: bool, aligned: bool,
-            zero_lhs_grad_padding: bool = True):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def fp8_gmm(x_MK, w_GKN, copies, group_sizes_G, products: Fp8Products, dtypes: tuple, zero_padding: bool,
+            aligned: bool, zero_lhs_grad_padding: bool = True):
     """out_MN[m] = x[m] · W[g(m)] with e4m3 operands (module docstring), differentiable in x and W.
+    `copies`: W's two e4m3 copies (a CachedWeight's; they take no gradient), or None to quantize W here.
     dtypes: (output, x's, W's): the gradients come back in their primal's dtype. `aligned`: the rows are
     expert-aligned (Fp8Gmm.row_align), so the weight gradient's copies are plain transposes.
     `zero_lhs_grad_padding` as dropless.gmm.api's."""
-    return _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned, zero_lhs_grad_padding)[0]
+    return _fwd(x_MK, w_GKN, copies, group_sizes_G, products, dtypes, zero_padding, aligned,
+                zero_lhs_grad_padding)[0]
 
 
 def _rows_and_copy(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe, aligned: bool):
@@ -172,9 +174,9 @@ def _rows_and_copy(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe, al
     return quantize(a_MX, recipe.operand(2)), copy(a_MX, group_sizes_G, recipe)
 
 
-def _fwd(x_MK, w_GKN, group_sizes_G, products, dtypes, zero_padding, aligned, zero_lhs_grad_padding):
+def _fwd(x_MK, w_GKN, copies, group_sizes_G, products, dtypes, zero_padding, aligned, zero_lhs_grad_padding):
     r = products.recipe
-    w_fwd, w_dlhs = weight_copies(w_GKN, r)
+    w_fwd, w_dlhs = copies or weight_copies(w_GKN, r)
     x_q, xT = _rows_and_copy(x_MK, group_sizes_G, r, aligned)
     y_MN = products.rows(x_q, w_fwd, group_sizes_G, "fwd", dtypes[0])
     y_MN = varying_like(y_MN, x_MK, w_GKN, group_sizes_G)
@@ -193,7 +195,7 @@ def _bwd(products, dtypes, zero_padding, aligned, zero_lhs_grad_padding, residua
     if zero_lhs_grad_padding:
         dx_MK = zero_padding_rows(dx_MK, group_sizes_G)
     return (varying_like(dx_MK, xT.values, w_dlhs.values),
-            sum_like(dw_GKN, w_dlhs.values, xT.values), None)
+            sum_like(dw_GKN, w_dlhs.values, xT.values), None, None)
 
 
 fp8_gmm.defvjp(_fwd, _bwd)
@@ -223,8 +225,9 @@ class Fp8Gmm(GroupedMatmul):
             raise ValueError(f"Fp8Gmm with row_align={ALIGN} takes a multiple of {ALIGN} rows, got "
                              f"{lhs_MK.shape[0]}; permute with row_align={ALIGN} (dropless.moe.permute).")
         dtypes = (jnp.dtype(preferred_element_type or lhs_MK.dtype), lhs_MK.dtype, rhs_GKN.dtype)
-        return fp8_gmm(lhs_MK, rhs_GKN, group_sizes_G.astype(jnp.int32), self.products, dtypes, zero_padding,
-                       aligned, zero_lhs_grad_padding)
+        copies = (rhs_GKN.fwd, rhs_GKN.dlhs) if isinstance(rhs_GKN, CachedWeight) else None
+        return fp8_gmm(lhs_MK, master(rhs_GKN), copies, group_sizes_G.astype(jnp.int32), self.products, dtypes,
+                       zero_padding, aligned, zero_lhs_grad_padding)
 
 
 def experts_gmm(moe_cfg, recipe: Recipe | None) -> GroupedMatmul:

@@ -31,6 +31,7 @@ are the same on every backend and the CPU tests check them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,9 +83,71 @@ class Recipe:
         return MX_BLOCK if self.mode == "mxfp8" else BLOCK
 
 
-def weight_copies(w: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class CachedWeight:
+    """A master weight with the two e4m3 copies its products read (`weight_copies`), quantized once per optimizer
+    step instead of in every microbatch (`weight_cache`). The FP8 matmuls take it wherever they take the weight;
+    their gradient is the master weight's (the copies are constants of the step). Shape and dtype are the
+    master's."""
+
+    weight: jax.Array
+    fwd: Quantized
+    dlhs: Quantized
+
+    shape = property(lambda self: self.weight.shape)
+    dtype = property(lambda self: self.weight.dtype)
+    ndim = property(lambda self: self.weight.ndim)
+
+
+def master(w) -> jax.Array:
+    """The weight array of a weight or a CachedWeight."""
+    return w.weight if isinstance(w, CachedWeight) else w
+
+
+# The parameters the FP8 recipes quantize, by leaf name: the attention projections, the dense and shared experts'
+# MLPs and the routed experts (gate_up, down), MTP's projection. Embedding, output head, norms and routers stay in
+# their precision (docs/fp8.md).
+FP8_WEIGHTS = frozenset({"q_a", "q_b", "q", "kv_a", "kv_b", "k", "v", "o", "gate_up", "down", "eh_proj"})
+
+
+def caches_weights(recipe: Recipe | None) -> bool:
+    """Whether `weight_cache` serves this recipe: blockwise and rowwise (mxfp8's dense products quantize inside
+    jax.nn.scaled_dot_general)."""
+    return recipe is not None and recipe.mode in ("blockwise", "rowwise")
+
+
+def _leaf_name(path) -> str | None:
+    last = path[-1] if path else None
+    return getattr(last, "key", None)
+
+
+def weight_cache(params: Any, recipe: Recipe) -> dict[str, tuple[Quantized, Quantized]]:
+    """Every FP8_WEIGHTS leaf's two e4m3 copies, by key path: quantized once, before a step's microbatches, so that
+    each microbatch reads them instead of quantizing its weights again (stacked layers' weights at once: the blocks
+    are per matrix, so the bits are those of the per-layer quantization)."""
+    return {jax.tree_util.keystr(path): weight_copies(w, recipe)
+            for path, w in jax.tree_util.tree_leaves_with_path(params) if _leaf_name(path) in FP8_WEIGHTS}
+
+
+def with_weight_cache(params: Any, cache: dict | None) -> Any:
+    """`params` with each cached leaf a CachedWeight of itself and its copies (None: params unchanged)."""
+    if not cache:
+        return params
+
+    def attach(path, w):
+        copies = cache.get(jax.tree_util.keystr(path))
+        return w if copies is None else CachedWeight(w, *copies)
+
+    return jax.tree_util.tree_map_with_path(attach, params)
+
+
+def weight_copies(w, recipe: Recipe) -> tuple[Quantized, Quantized]:
     """(Wᵀ [..., N, K] for the forward, W [..., K, N] for the input gradient), each contraction-last, for a weight
-    [K, N] or stacked [G, K, N]. Under blockwise one set of 128 x 128 block scales serves both copies."""
+    [K, N] or stacked [G, K, N]. Under blockwise one set of 128 x 128 block scales serves both copies. A
+    CachedWeight gives its copies."""
+    if isinstance(w, CachedWeight):
+        return w.fwd, w.dlhs
     swap = lambda a: jnp.swapaxes(a, -1, -2)
     if recipe.one_pass_pairs and fp8_pairs.fits(w.shape):
         w_q, wT_q = fp8_pairs.quantize_pair(w, "blocks")

@@ -16,7 +16,9 @@ With `train.grad_accum_steps = N > 1` the batch is split into N microbatches, ru
 `jax.lax.scan`; their gradients are averaged in float32 before the one optimizer update, their expert loads
 summed for the bias rule. Cross-entropy, the per-sequence balance loss and the z-loss are means over
 sequences or tokens, so the step computes what one big batch would; the batch-level aux loss
-(`moe.aux_loss_weight`) and capacity (`gmm_backend=capacity`) are per microbatch, as in other trainers.
+(`moe.aux_loss_weight`) and capacity (`gmm_backend=capacity`) are per microbatch, as in other trainers. Under
+`train.fp8` (blockwise, rowwise) the weights' e4m3 copies are made once, before the microbatches, and every
+microbatch reads them (`dropless.fp8.recipe.weight_cache`): the same bits as quantizing in each.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from dropless.core.config import Config
+from dropless.fp8.recipe import caches_weights, make_recipe, weight_cache, with_weight_cache
 from dropless.models import transformer
 from dropless.moe import update_router_bias
 from dropless.moe.balance import (center_router_bias, common_alignment, input_common_share, max_load_ratio,
@@ -69,10 +72,12 @@ def mtp_cross_entropies(mtp_logits: tuple, targets_BS: jax.Array) -> jax.Array:
 
 
 def loss_fn(params, model_state, batch_BS1, config: Config, executor=None, *, mtp: bool = True,
-            training: bool = True):
+            training: bool = True, weight_cache: dict | None = None):
     """Mean next-token cross-entropy + MoE balancing losses (+ the MTP loss with `mtp` and model.mtp_layers).
     Returns (total, (cross_entropy, aux)); aux["mtp_loss"] is mean_k CE_k (0 without MTP). `training`: a training
-    step's forward pass (evaluation: False, the model as inference runs it)."""
+    step's forward pass (evaluation: False, the model as inference runs it). `weight_cache`: the FP8 weights' e4m3
+    copies (`dropless.fp8.recipe.weight_cache`), read instead of quantizing the weights again."""
+    params = with_weight_cache(params, weight_cache)
     inputs_BS, targets_BS = split_batch(batch_BS1)
     with_mtp = mtp and config.model.mtp_layers > 0
     logits_BSV, aux = transformer.forward(params, model_state, inputs_BS, config, executor=executor, mtp=with_mtp,
@@ -181,9 +186,14 @@ def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, e
     count = config.train.grad_accum_steps
     if count == 1:
         return grad_fn(params, model_state, batch_BS1, config, executor)
+    # Under FP8 each weight's e4m3 copies are made once for the step's microbatches (XLA does not hoist the
+    # quantization out of the scan by itself): N - 1 fewer passes over every quantized weight.
+    recipe = make_recipe(config.train.fp8)
+    cache = weight_cache(params, recipe) if caches_weights(recipe) else None
 
     def one(grads_sum, micro_BS1):
-        (total, (cross_entropy, aux)), grads = grad_fn(params, model_state, micro_BS1, config, executor)
+        (total, (cross_entropy, aux)), grads = grad_fn(params, model_state, micro_BS1, config, executor,
+                                                       weight_cache=cache)
         grads_sum = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), grads_sum, grads)
         return grads_sum, (total, cross_entropy, aux)
 
