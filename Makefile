@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile bench-permute tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -267,6 +267,20 @@ bench-router-selection: $(BENCH_DEPS)
 bench-fp8-layouts: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --out $(RESULTS)/fp8-layouts-$(GPU).json
 	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --groups 256 --out $(RESULTS)/fp8-layouts-e256-$(GPU).json
+
+# 1 GPU: the proxy's step with 4 microbatches (train.grad_accum_steps=4): bf16, blockwise with the weights' e4m3
+# copies made once per step (train.fp8_cache_weights, the default) and blockwise quantizing in each microbatch, one
+# call; ACCUM_OVERRIDES (key=value ...) change all three, e.g. finer experts.
+ACCUM_OVERRIDES ?=
+bench-fp8-accum: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	for run in "off" "blockwise" "blockwise train.fp8_cache_weights=false"; do set -- $$run; \
+	  $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
+	  --record $(BENCH_SCRATCH)/fp8-accum-$$1$${2:+-nocache}.json train.fp8=$$1 $$2 train.grad_accum_steps=4 \
+	  $(ACCUM_OVERRIDES) || exit 1; done
+	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-accum", \
+	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-accum-$(GPU).json \
+	  $(foreach r,off blockwise blockwise-nocache,$(BENCH_SCRATCH)/fp8-accum-$(r).json)
 
 # 1 GPU: each piece of the blockwise FP8 grouped GEMM (the one-pass quantizers, each e4m3 kernel) against the
 # recipe's reference path at bench gmm's shapes (CHECK_SHAPES), one JSON line per piece.

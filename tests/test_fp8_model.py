@@ -236,7 +236,7 @@ def test_grad_accumulation_quantizes_each_weight_once_per_step_with_the_same_bit
 
     (got_loss, _), got = run()
     assert quantized == []  # the products read the step's copies
-    monkeypatch.setattr(step_lib, "caches_weights", lambda recipe: False)
+    config = config.replace(**{"train.fp8_cache_weights": False})
     (want_loss, _), want = run()
     assert quantized  # without the cache the products quantize their weights
     # The products see the same e4m3 bits; the programs differ around them, so XLA may sum a gradient's terms in

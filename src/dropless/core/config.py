@@ -277,6 +277,10 @@ class TrainConfig:
     router_lr_scale: float = 1.0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights are float32
     fp8: Literal["off", "rowwise", "blockwise", "mxfp8"] = "off"
+    # With grad_accum_steps > 1 under fp8 blockwise or rowwise: make each weight's e4m3 copies once per step for all
+    # microbatches (docs/fp8.md); false quantizes them in every microbatch, holding one byte less per quantized
+    # parameter through the step.
+    fp8_cache_weights: bool = True
     remat: Literal["none", "moe", "full"] = "none"
     seed: int = 0
     log_every: int = 10
