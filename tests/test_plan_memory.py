@@ -178,3 +178,17 @@ def test_plan_is_within_the_targets_of_the_accuracy_record():
         measured = row["measured"]
         assert abs(plan.memory.peak / GIB / measured["peak_gib"] - 1) < 0.10, row["name"]
         assert abs(plan.time["seconds"] * 1e3 / measured["step_ms"] - 1) < 0.20, row["name"]
+
+
+def test_fp8_microbatches_hold_the_steps_e4m3_weight_copies():
+    """Under FP8 with microbatches both e4m3 copies of every quantized weight (one byte each) are held through the
+    step, unless train.fp8_cache_weights is off."""
+    config = micro_config(**{"train.batch_size": 8, "train.grad_accum_steps": 2, "train.fp8": "blockwise",
+                             "train.remat": "full", "train.scan_layers": False})
+    from dropless.plan.layout import state_bytes
+
+    matrices = state_bytes(config, mesh_sizes(config, 1)).matrix_elements
+    cached = plan_memory(config, mesh_sizes(config, 1))
+    uncached = plan_memory(config.replace(**{"train.fp8_cache_weights": False}), mesh_sizes(config, 1))
+    assert uncached.weight_copies == 0 < cached.weight_copies < 2 * matrices
+    assert cached.weight_copies > matrices  # the layers hold most of the matrices

@@ -22,6 +22,9 @@ The model counts what the step holds on one device at its peak, the start of the
 - under expert parallelism, the routed experts' weights are cast inside the shard_map: their gradients stay
   float32 and, without remat, their compute-dtype copies are saved for the backward pass.
 
+Under `train.fp8` with microbatches the step holds both e4m3 copies of every quantized weight throughout
+(`train.fp8_cache_weights`, docs/fp8.md), modelled from their sizes (no measured step yet).
+
 `train.scan_layers=true` adds what the GPU program measurably adds under `jax.lax.scan`: the loop-invariant
 cast of every stacked weight to the compute dtype, hoisted out of the loop (one copy; a second one is saved for the
 backward pass without remat), and stacked residual buffers (`SCAN_RESIDUAL_EXTRA` of the activations).
@@ -215,7 +218,7 @@ class MemoryPlan:
     model_state_and_batch: int
     activations: int
     activations_in_host: int
-    weight_copies: int  # compute-dtype copies of stacked weights under scan (hoisted casts)
+    weight_copies: int  # compute-dtype copies of stacked weights under scan (hoisted casts), FP8's step copies
     temporaries: dict[str, int]  # the candidates for the largest temporary
     moe_buffers: dict = field(default_factory=dict)
     update_phase: int = 0  # the optimizer update's peak with an offloaded optimizer state
@@ -289,10 +292,16 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         if train.remat == "none":
             weight_copies += state.expert_elements * c
     stacked_bytes = 0
+    # The layers' share of the parameters (all but the embedding and the output head).
+    stacked_share = 1.0 - (V * m.hidden_size * (1 if m.tie_embeddings else 2)) / max(1, model_facts(config)[2][0])
     if train.scan_layers:
-        stacked_share = 1.0 - (V * m.hidden_size * (1 if m.tie_embeddings else 2)) / max(1, model_facts(config)[2][0])
         weight_copies += int(matrix_bytes * stacked_share * (2 if train.remat == "none" else 1))
         stacked_bytes = int(T * device_tok + stacked_share * state.gradients)
+    if train.grad_accum_steps > 1 and train.fp8_cache_weights and train.fp8 in ("blockwise", "rowwise"):
+        # The step's e4m3 copies of every quantized weight, both layouts at one byte each, held from before the
+        # first microbatch to the last (dropless.fp8.recipe.weight_cache); they stand in for the copies a scanned
+        # stack hoists (above). Not yet checked against a measured step.
+        weight_copies = max(weight_copies, int(2 * state.matrix_elements * stacked_share))
 
     layer_copy = state.largest_layer_gathered * (1 if d.fp8 else c)
     temporaries = {
