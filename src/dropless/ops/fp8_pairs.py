@@ -46,7 +46,7 @@ NUM_WARPS = {"tiles": 4, "blocks": 8}
 # JAX's Pallas Triton lowering addresses an array with 32-bit element offsets unless the array holds more than
 # 2**32 bytes (jax/_src/pallas/triton/lowering.py, _compute_offsets_from_indices), so a 1-byte e4m3 output of more
 # than 2**31 - 1 elements and at most 2**32 wraps to negative offsets: at [256, 2048, 7168] (DeepSeek-V3's down
-# projection, 256 experts) every expert from the 147th on came back wrong (fp8-product-check-h200.json). Such
+# projection, 256 experts) 147 of the experts came back wrong, from the 110th on (fp8-product-check-h200.json). Such
 # operands take the two-pass quantizer; larger and smaller ones are addressed correctly.
 INT32_MAX = 2**31 - 1
 
