@@ -485,3 +485,19 @@ def test_recipes_config_and_backend_choice():
         load_preset("tiny").replace(**{"train.fp8": "rowwise", "moe.gmm_backend": "capacity"})
     with pytest.raises(ConfigError, match="train.fp8"):
         load_preset("tiny").replace(**{"train.fp8": "fp4"})
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise", "mxfp8"])
+def test_gradients_come_back_in_their_primals_dtypes(mode):
+    """bf16 activations and float32 master weights (as training passes them): every FP8 product gives the input
+    gradient in bf16 and the weight gradient in float32 (scaled_dot_general's own VJP, under mxfp8, gives float32
+    for both; a float32 cotangent reaching the permutation's bf16 rows fails its VJP)."""
+    recipe = Recipe(mode)
+    x = jax.random.normal(jax.random.key(0), (256, 128), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (2, 128, 256), jnp.float32)
+    gs = jnp.array([100, 156], jnp.int32)
+    grouped = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()))
+    for f, w_ in ((lambda x, w: fp8_matmul(x, w, recipe), w[0]), (lambda x, w: grouped(x, w, gs), w)):
+        y, pullback = jax.vjp(f, x, w_)
+        dx, dw = pullback(jnp.ones_like(y))
+        assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)

@@ -72,11 +72,23 @@ def _mxfp8_matmul(x_TK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:
     blocks (zeros change neither a block's scale nor a sum)."""
     (t, k), n = x_TK.shape, w_KN.shape[1]
     config = jax.nn.get_scaled_dot_general_config("mxfp8")
+    x_TK = _gradient_in(x_TK, x_TK.dtype)
     x_TK = jnp.pad(x_TK, ((0, -t % MX_BLOCK), (0, -k % MX_BLOCK)))
     w_KN = jnp.pad(w_KN.astype(x_TK.dtype), ((0, -k % MX_BLOCK), (0, -n % MX_BLOCK)))
     y_TN = jax.nn.scaled_dot_general(x_TK, w_KN, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
                                      configs=[config] * 3)
     return y_TN[:t, :n].astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gradient_in(x, dtype):
+    """x, whose cotangent comes back in `dtype`: scaled_dot_general's VJP returns its operands' gradients in its
+    preferred_element_type (float32), where the caller's bf16 x needs a bf16 one (the permutation's VJP, for one,
+    checks it)."""
+    return x
+
+
+_gradient_in.defvjp(lambda x, dtype: (x, None), lambda dtype, _, g: (g.astype(dtype),))
 
 
 def _rows_and_transposed(a_TX: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
