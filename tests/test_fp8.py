@@ -501,3 +501,28 @@ def test_gradients_come_back_in_their_primals_dtypes(mode):
         y, pullback = jax.vjp(f, x, w_)
         dx, dw = pullback(jnp.ones_like(y))
         assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
+
+
+def test_weight_cache_on_several_devices_is_partitioned_like_the_weights(monkeypatch):
+    """The step's e4m3 weight copies (recipe.weight_cache) are made outside any shard_map: on several devices by the
+    two-pass quantizer, which XLA partitions like the weights (the one-pass Pallas kernel it would gather whole onto
+    every device); on one device by the one-pass kernel."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from dropless.fp8.recipe import weight_cache
+
+    calls = []
+    monkeypatch.setattr(fp8_pairs, "quantize_pair", lambda x, kind, **_: calls.append(kind) or
+                        fp8_pairs.quantize_pair_reference(x, kind))
+    recipe = Recipe("blockwise", native=True)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
+    w = jax.device_put(jnp.ones((2, 8, 256, 128), jnp.float32), NamedSharding(mesh, P(None, "expert")))
+    params = {"moe": {"experts": {"down": w}, "router": {"kernel": jnp.ones((128, 8))}}}
+    cache = jax.jit(weight_cache, static_argnums=1)(params, recipe)
+    assert list(cache) == ["['moe']['experts']['down']"] and calls == []
+    for copy in cache["['moe']['experts']['down']"]:
+        assert not copy.values.sharding.is_fully_replicated
+        assert copy.values.addressable_shards[0].data.shape[1] == 1  # one expert per device
+    monkeypatch.setattr(jax, "device_count", lambda *_: 1)
+    jax.eval_shape(lambda p: weight_cache(p, recipe), params)
+    assert calls == ["blocks"]

@@ -30,6 +30,7 @@ are the same on every backend and the CPU tests check them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +127,11 @@ def weight_cache(params: Any, recipe: Recipe) -> dict[str, tuple[Quantized, Quan
     """Every FP8_WEIGHTS leaf's two e4m3 copies, by key path: quantized once, before a step's microbatches, so that
     each microbatch reads them instead of quantizing its weights again (stacked layers' weights at once: the blocks
     are per matrix, so the bits are those of the per-layer quantization)."""
+    if jax.device_count() > 1:
+        # XLA does not partition a Pallas call: here, outside any shard_map, the one-pass kernel would gather each
+        # sharded weight whole onto every device and keep its copies whole there. The two-pass quantizer gives
+        # the same bits and is partitioned like the weights.
+        recipe = dataclasses.replace(recipe, fuse_pairs=False)
     return {jax.tree_util.keystr(path): weight_copies(w, recipe)
             for path, w in jax.tree_util.tree_leaves_with_path(params) if _leaf_name(path) in FP8_WEIGHTS}
 

@@ -289,8 +289,8 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         # compute-dtype copies leave it as residuals of every MoE layer: deepseek-v3-proxy on 2 H200s with
         # parallel.expert=2 (benchmarks/results/step-h200.json rung 8 and step-4x4096-h200x2.json).
         gradient_buffers += state.expert_elements * (4 - c)
-        if train.remat == "none":
-            weight_copies += state.expert_elements * c
+        if train.remat == "none":  # under FP8 the residual is the input gradient's e4m3 copy
+            weight_copies += state.expert_elements * (1 if d.fp8 else c)
     stacked_bytes = 0
     # The layers' share of the parameters (all but the embedding and the output head).
     stacked_share = 1.0 - (V * m.hidden_size * (1 if m.tie_embeddings else 2)) / max(1, model_facts(config)[2][0])
