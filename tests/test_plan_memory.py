@@ -192,3 +192,7 @@ def test_fp8_microbatches_hold_the_steps_e4m3_weight_copies():
     uncached = plan_memory(config.replace(**{"train.fp8_cache_weights": False}), mesh_sizes(config, 1))
     assert uncached.weight_copies == 0 < cached.weight_copies < 2 * matrices
     assert cached.weight_copies > matrices  # the layers hold most of the matrices
+    from dropless.plan.report import format_plan
+
+    text = format_plan(make_plan(config, Cluster(1, 1, "H200")))
+    assert "e4m3 copies of the quantized weights, made once per step" in text

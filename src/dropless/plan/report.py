@@ -137,7 +137,10 @@ def format_plan(plan: Plan) -> str:
              + (f"; {mem.activations_in_host / GIB:.2f} GiB offloaded to host" if mem.activations_in_host else ""),
              ]
     if mem.weight_copies:
-        lines.append(f"  weight copies      {_gib(mem.weight_copies)}  stacked weights cast under scan_layers")
+        fp8_cached = cfg.fp8 in ("blockwise", "rowwise") and cfg.grad_accum_steps > 1 and cfg.fp8_cache_weights
+        what = "e4m3 copies of the quantized weights, made once per step" if fp8_cached else \
+            "stacked weights cast under scan_layers"
+        lines.append(f"  weight copies      {_gib(mem.weight_copies)}  {what}")
     lines.append(f"  largest temporary  {_gib(largest)}  {name.replace('_', ' ')}")
     lines.append(f"  state + batch      {_gib(mem.model_state_and_batch)}")
     if mem.update_phase:
