@@ -23,7 +23,8 @@ unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no s
 and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
 grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
 recipe under fp8_mosaic's tables, with no product and with every product streamed, and with gmm_nt's products
-at 64x128 in five stages, so each ratio to bf16 comes from one run; then one call's weight quantization alone and
+at 64x128 in five stages, so each ratio to bf16 comes from one run; then one call's weight quantization alone,
+Fp8Gmm fwd+bwd with the weight's copies made outside it (as each microbatch runs under gradient accumulation) and
 Fp8Gmm on the rows laid end to end (row_align=1: only the weight gradient's copies padded, by a column gather).
 """
 
@@ -47,7 +48,7 @@ from dropless.bench.harness import same_bits, time_calls  # noqa: E402
 from dropless.bench.records import environment, write_json  # noqa: E402
 from dropless.fp8 import Fp8Gmm, Recipe  # noqa: E402
 from dropless.fp8.grouped import ALIGN, Fp8Products, aligned_sources  # noqa: E402
-from dropless.fp8.recipe import weight_copies  # noqa: E402
+from dropless.fp8.recipe import CachedWeight, weight_copies  # noqa: E402
 from dropless.gmm import fp8_mosaic  # noqa: E402
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract  # noqa: E402
 from dropless.gmm.tuning import TileConfig  # noqa: E402
@@ -204,6 +205,14 @@ def main() -> None:
     recipe = Recipe("blockwise", native=True)
     timed("blockwise weight copies (both e4m3 layouts, one call's quantization of W)",
           lambda w: weight_copies(w, recipe), w, gemm_flops=0.0)
+    # The weight's copies made outside (once per optimizer step under gradient accumulation, train.fp8_cache_weights):
+    # what each microbatch's products cost on top of them.
+    fp8 = Fp8Gmm(Fp8Products(recipe, bf16, TunedContract()), row_align=ALIGN)
+    w_fwd, w_dlhs = jax.jit(lambda w: weight_copies(w, recipe))(w)
+    timed("blockwise Fp8Gmm fwd+bwd (aligned rows), the weight's copies made outside",
+          lambda gs, x, w, dy, c0, c1: fwd_bwd(lambda x, w: fp8(x, CachedWeight(w, c0, c1), gs), x, w, dy),
+          gs_al, x_al, w, dy_al, w_fwd, w_dlhs, gemm_flops=3 * flops)
+    del w_fwd, w_dlhs
     fp8 = Fp8Gmm(Fp8Products(recipe, bf16, TunedContract()), row_align=1)
     timed("blockwise Fp8Gmm fwd (rows end to end), the tables", lambda gs, x, w: fp8(x, w, gs), gs, x, w,
           gemm_flops=flops)
