@@ -44,10 +44,11 @@ from breakdown import fwd_bwd  # noqa: E402
 from e4m3_probe_kernels import gmm_nt_ws  # noqa: E402
 from kernel_check import _time, nt_case, tn_case  # noqa: E402
 
+from dropless.bench.gmm import group_sizes, to_aligned  # noqa: E402
 from dropless.bench.harness import same_bits, time_calls  # noqa: E402
 from dropless.bench.records import environment, write_json  # noqa: E402
 from dropless.fp8 import Fp8Gmm, Recipe  # noqa: E402
-from dropless.fp8.grouped import ALIGN, Fp8Products, aligned_sources  # noqa: E402
+from dropless.fp8.grouped import ALIGN, Fp8Products  # noqa: E402
 from dropless.fp8.recipe import CachedWeight, weight_copies  # noqa: E402
 from dropless.gmm import fp8_mosaic  # noqa: E402
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract  # noqa: E402
@@ -117,8 +118,7 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=32)
     a = p.parse_args()
     m, g = a.rows, a.groups
-    rng = np.random.default_rng(0)
-    sizes = rng.multinomial(m, rng.dirichlet(np.ones(g))).astype(np.int32)
+    sizes = group_sizes("dirichlet", m, g, 0)
     records, env = [], environment()
 
     def emit(rec):
@@ -168,9 +168,7 @@ def main() -> None:
     w = (jax.random.normal(keys[1], (g, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     gs = jnp.asarray(sizes)
-    source_P, valid_P, _ = aligned_sources(gs, m, ALIGN)
-    x_al, dy_al = (jnp.where(valid_P[:, None], v[source_P], 0) for v in (x, dy))
-    gs_al = ALIGN * -(-gs // ALIGN)
+    (x_al, dy_al), gs_al, _ = to_aligned(sizes, x, dy)
     flops = 2.0 * m * k * n
     bf16 = DroplessMosaicGmm()
 

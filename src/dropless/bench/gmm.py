@@ -5,8 +5,9 @@ reference), `jax.lax.ragged_dot`, tokamax's default path, tokamax with its forwa
 (`dropless`: the tuned plan for all three products), the FP8 recipes' grouped GEMM (`fp8_*`, on the
 expert-aligned rows the MoE layer's permutation writes for it: each group from a multiple of 128, zero rows
 between) and the capacity-factor batched GEMM (drops rows), forward and forward+backward. Each path is checked
-against an f32 reference before it is timed. Timing: warm-up (compile + one run), then the median over batches of back-to-back calls that rotate between two
-input sets, each batch ended by one device sync. Results: a list of records in JSON (see `RECORD_KEYS`).
+against an f32 reference before it is timed. Timing: warm-up (compile + one run), then the median over batches
+of back-to-back calls that rotate between two input sets, each batch ended by one device sync. Results: a list
+of records in JSON (see `RECORD_KEYS`).
 
 Shapes are rows M x K -> N with G groups (local experts); FLOPs count only rows inside groups. `--stages` adds
 the whole routed-expert stage (permute -> gate+up -> SwiGLU -> down -> unpermute) against its dense matmuls
@@ -145,7 +146,8 @@ def compile_all(paths, shape: ShapeSpec, plan, fwd_args: tuple, fwdbwd_args: tup
     (fwd, fwdbwd) arguments of the ALIGNED paths."""
     def build(job):
         path, which = job
-        args = dense_args if path.startswith("dense") else aligned_args if path in ALIGNED else (fwd_args, fwdbwd_args)
+        args = (dense_args if path.startswith("dense") else aligned_args if path in ALIGNED
+                else (fwd_args, fwdbwd_args))
         try:
             fns = fwd_and_fwdbwd(make_backend(path, shape, plan))
             fn, a = (fns[0], args[0]) if which == "fwd" else (fns[1], args[1])

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from dropless.core.mesh import per_batch_shard
-from dropless.fp8.recipe import BLOCK, MX_BLOCK, CachedWeight, Recipe, master, one_pass_pair, weight_copies
+from dropless.fp8.recipe import BLOCK, MX_BLOCK, Recipe, one_pass_pair, unpack, weight_copies
 from dropless.gmm import fp8_mosaic
 from dropless.ops.fp8 import Quantized, dequantize, quantize
 from dropless.ops.matmul import matmul_f32_out
@@ -59,11 +59,11 @@ def fp8_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, out_dtype=None, mesh:
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     x_TK = x.reshape(-1, k)
+    w_KN, copies = unpack(w)
     if recipe.mode == "mxfp8":
-        return _mxfp8_matmul(x_TK, master(w), out_dtype).reshape(*lead, w.shape[1])
+        return _mxfp8_matmul(x_TK, w_KN, out_dtype).reshape(*lead, w.shape[1])
     dtypes = (out_dtype, x.dtype, w.dtype)
-    copies = (w.fwd, w.dlhs) if isinstance(w, CachedWeight) else None
-    return _fp8_matmul_2d(x_TK, master(w), copies, recipe, dtypes).reshape(*lead, w.shape[1])
+    return _fp8_matmul_2d(x_TK, w_KN, copies, recipe, dtypes).reshape(*lead, w.shape[1])
 
 
 def _mxfp8_matmul(x_TK: jax.Array, w_KN: jax.Array, out_dtype) -> jax.Array:

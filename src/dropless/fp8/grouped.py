@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.core.varying import sum_like, varying_like
-from dropless.fp8.recipe import CachedWeight, Recipe, master, one_pass_pair, weight_copies
+from dropless.fp8.recipe import Recipe, one_pass_pair, unpack, weight_copies
 from dropless.gmm import fp8_mosaic, make_gmm
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract
 from dropless.gmm.api import GroupedMatmul, aligned_rows, zero_padding_rows
@@ -225,8 +225,7 @@ class Fp8Gmm(GroupedMatmul):
             raise ValueError(f"Fp8Gmm with row_align={ALIGN} takes a multiple of {ALIGN} rows, got "
                              f"{lhs_MK.shape[0]}; permute with row_align={ALIGN} (dropless.moe.permute).")
         dtypes = (jnp.dtype(preferred_element_type or lhs_MK.dtype), lhs_MK.dtype, rhs_GKN.dtype)
-        copies = (rhs_GKN.fwd, rhs_GKN.dlhs) if isinstance(rhs_GKN, CachedWeight) else None
-        return fp8_gmm(lhs_MK, master(rhs_GKN), copies, group_sizes_G.astype(jnp.int32), self.products, dtypes,
+        return fp8_gmm(lhs_MK, *unpack(rhs_GKN), group_sizes_G.astype(jnp.int32), self.products, dtypes,
                        zero_padding, aligned, zero_lhs_grad_padding)
 
 

@@ -101,9 +101,10 @@ class CachedWeight:
     ndim = property(lambda self: self.weight.ndim)
 
 
-def master(w) -> jax.Array:
-    """The weight array of a weight or a CachedWeight."""
-    return w.weight if isinstance(w, CachedWeight) else w
+def unpack(w) -> tuple[jax.Array, tuple[Quantized, Quantized] | None]:
+    """(the master weight, its e4m3 copies) of a CachedWeight, (w, None) of a plain weight: what the FP8 products'
+    custom VJPs take."""
+    return (w.weight, (w.fwd, w.dlhs)) if isinstance(w, CachedWeight) else (w, None)
 
 
 # The parameters the FP8 recipes quantize, by leaf name: the attention projections, the dense and shared experts'
@@ -112,10 +113,11 @@ def master(w) -> jax.Array:
 FP8_WEIGHTS = frozenset({"q_a", "q_b", "q", "kv_a", "kv_b", "k", "v", "o", "gate_up", "down", "eh_proj"})
 
 
-def caches_weights(recipe: Recipe | None) -> bool:
-    """Whether `weight_cache` serves this recipe: blockwise and rowwise (mxfp8's dense products quantize inside
-    jax.nn.scaled_dot_general)."""
-    return recipe is not None and recipe.mode in ("blockwise", "rowwise")
+def caches_weights(train) -> bool:
+    """Whether a training step (its `TrainConfig`) makes the weights' copies once for its microbatches
+    (`weight_cache`): under train.fp8 blockwise or rowwise (mxfp8's dense products quantize inside
+    jax.nn.scaled_dot_general) with several microbatches, unless train.fp8_cache_weights is off."""
+    return train.fp8 in ("blockwise", "rowwise") and train.grad_accum_steps > 1 and train.fp8_cache_weights
 
 
 def _leaf_name(path) -> str | None:
@@ -148,12 +150,9 @@ def with_weight_cache(params: Any, cache: dict | None) -> Any:
     return jax.tree_util.tree_map_with_path(attach, params)
 
 
-def weight_copies(w, recipe: Recipe) -> tuple[Quantized, Quantized]:
+def weight_copies(w: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized]:
     """(Wᵀ [..., N, K] for the forward, W [..., K, N] for the input gradient), each contraction-last, for a weight
-    [K, N] or stacked [G, K, N]. Under blockwise one set of 128 x 128 block scales serves both copies. A
-    CachedWeight gives its copies."""
-    if isinstance(w, CachedWeight):
-        return w.fwd, w.dlhs
+    [K, N] or stacked [G, K, N]. Under blockwise one set of 128 x 128 block scales serves both copies."""
     swap = lambda a: jnp.swapaxes(a, -1, -2)
     if recipe.one_pass_pairs and fp8_pairs.fits(w.shape):
         w_q, wT_q = fp8_pairs.quantize_pair(w, "blocks")

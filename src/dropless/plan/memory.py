@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from dropless.core.config import Config
 from dropless.ep.plan import balanced_rows, worst_case_rows
 from dropless.fp8.grouped import ALIGN as FP8_ROW_ALIGN
+from dropless.fp8.recipe import caches_weights
 from dropless.gmm.api import TMA_ROW_ALIGNMENT, aligned_rows
 from dropless.models import transformer
 from dropless.plan.layout import StateBytes, model_facts, state_bytes
@@ -297,7 +298,7 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
     if train.scan_layers:
         weight_copies += int(matrix_bytes * stacked_share * (2 if train.remat == "none" else 1))
         stacked_bytes = int(T * device_tok + stacked_share * state.gradients)
-    if train.grad_accum_steps > 1 and train.fp8_cache_weights and train.fp8 in ("blockwise", "rowwise"):
+    if caches_weights(train):
         # The step's e4m3 copies of every quantized weight, both layouts at one byte each, held from before the
         # first microbatch to the last (dropless.fp8.recipe.weight_cache); they stand in for the copies a scanned
         # stack hoists (above). Not yet checked against a measured step.

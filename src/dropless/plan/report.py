@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dropless.core.config import Config
+from dropless.fp8.recipe import caches_weights
 from dropless.plan.cost import device_rates, load_rates, step_time
 from dropless.plan.layout import Cluster, mesh_sizes, model_facts, state_bytes
 from dropless.plan.memory import MemoryPlan, plan_memory
@@ -137,8 +138,7 @@ def format_plan(plan: Plan) -> str:
              + (f"; {mem.activations_in_host / GIB:.2f} GiB offloaded to host" if mem.activations_in_host else ""),
              ]
     if mem.weight_copies:
-        fp8_cached = cfg.fp8 in ("blockwise", "rowwise") and cfg.grad_accum_steps > 1 and cfg.fp8_cache_weights
-        what = "e4m3 copies of the quantized weights, made once per step" if fp8_cached else \
+        what = "e4m3 copies of the quantized weights, made once per step" if caches_weights(cfg) else \
             "stacked weights cast under scan_layers"
         lines.append(f"  weight copies      {_gib(mem.weight_copies)}  {what}")
     lines.append(f"  largest temporary  {_gib(largest)}  {name.replace('_', ' ')}")

@@ -188,8 +188,7 @@ def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, e
         return grad_fn(params, model_state, batch_BS1, config, executor)
     # Under FP8 each weight's e4m3 copies are made once for the step's microbatches (XLA does not hoist the
     # quantization out of the scan by itself): N - 1 fewer passes over every quantized weight.
-    recipe = make_recipe(config.train.fp8)
-    cache = weight_cache(params, recipe) if config.train.fp8_cache_weights and caches_weights(recipe) else None
+    cache = weight_cache(params, make_recipe(config.train.fp8)) if caches_weights(config.train) else None
 
     def one(grads_sum, micro_BS1):
         (total, (cross_entropy, aux)), grads = grad_fn(params, model_state, micro_BS1, config, executor,
