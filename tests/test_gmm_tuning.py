@@ -560,10 +560,6 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     # the streaming kernels' candidates
     *((p, c.kernel, c.tile, dtype) for p in gt.PRODUCTS for c in tune_gmm_stream_candidates()
       for dtype in (jnp.bfloat16, jnp.float32)),
-    # half tiles: the rows products of every warp-specialised family at its 128-row tiles
-    *((p, kernel, TileConfig(bm, bn, 64, stages, half_tiles=True), dtype) for p in ("fwd", "dlhs")
-      for kernel in gt.HALF_TILE_KERNELS for bm, bn, stages in ((128, 128, 3), (128, 64, 6))
-      for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)
@@ -694,76 +690,3 @@ def test_streaming_kernel_with_one_mma_in_flight_waits_for_each_where_only_one_s
         out = grouped_matmul_stream(x, w, sizes, tile, out_dtype=jnp.float32, mma_in_flight=1)
     want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
-
-
-# Row tiles of 128 whose stored rows (offset + size) are 32, 22, 12, 4, 16 and exactly 64 take the half-height
-# path; 100, 128, 74 and 128 rows the full one (groups start off the 8-row TMA alignment, and one is empty).
-HALF_TILE_SIZES = [100, 0, 28, 150, 6, 70, 2, 140, 64]
-
-
-@pytest.mark.parametrize("kernel", ["dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async"])
-@pytest.mark.parametrize("product", ["fwd", "dlhs"])
-def test_half_tiles_match_ragged_dot_and_the_full_tiles_in_the_gpu_interpreter(kernel, product):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    _, _, offset, size = row_tiles(jnp.array(HALF_TILE_SIZES, jnp.int32), 128, max_row_tiles(576, 9, 128))
-    used = np.asarray(offset + size)
-    assert sorted(used[(used > 0) & (used <= 64)].tolist()) == [4, 12, 16, 22, 32, 64]  # the half tiles are there
-    m, k, n = 576, 256, 128 if product == "dlhs" else 256
-    keys = jax.random.split(jax.random.key(5), 2)
-    x = jax.random.normal(keys[0], (m, n if product == "dlhs" else k), jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (9, k, n), jnp.float32) / 8).astype(jnp.bfloat16)
-    sizes = jnp.array(HALF_TILE_SIZES, jnp.int32)
-    out = {}
-    for half in (False, True):
-        config = ProductConfig(kernel, TileConfig(128, 128, 64, 2, half_tiles=half))
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            out[half] = ragged_rows(x, w, sizes, config, transpose_rhs=product == "dlhs", out_dtype=jnp.float32)
-    rhs = jnp.swapaxes(w, 1, 2) if product == "dlhs" else w
-    want = jax.lax.ragged_dot(x, rhs, sizes, preferred_element_type=jnp.float32)
-    rows = int(sum(HALF_TILE_SIZES))
-    got = out[True][:rows]
-    assert float(jnp.linalg.norm(got - want[:rows]) / jnp.linalg.norm(want[:rows])) < 1e-5
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(out[False][:rows]))
-
-
-def test_a_tile_takes_the_half_height_when_its_stored_rows_fit_in_the_first_half():
-    from dropless.gmm.mosaic_ws import by_height
-
-    def heights(tile, used_rows):
-        ran = []
-        by_height(tile, used_rows, ran.append)
-        return ran
-
-    half, full = TileConfig(128, 128, 64, 3, half_tiles=True), TileConfig(128, 128, 64, 3)
-    assert [heights(half, used) for used in (1, 64, 65, 128)] == [[64], [64], [128], [128]]
-    assert heights(full, 1) == [128]
-
-
-def test_the_table_candidates_are_the_tables_choice_and_its_half_tiles_twin(monkeypatch):
-    from dropless.bench import tune_gmm
-
-    monkeypatch.setattr(gt, "device_kind", lambda: "NVIDIA H200")
-    shape = ShapeKey(65536, 7168, 4096, 256)
-    plan = gt.plan_for(*astuple(shape), kind="NVIDIA H200")
-    for product in ("fwd", "dlhs"):
-        assert plan.product(product).kernel in gt.HALF_TILE_KERNELS and plan.product(product).tile.block_m == 128
-        current, twin = tune_gmm.candidates(product, shape, "table")
-        assert current == plan.product(product) and twin.tile.half_tiles != current.tile.half_tiles
-        assert astuple(twin.tile)[:-1] == astuple(current.tile)[:-1] and twin.kernel == current.kernel
-    assert tune_gmm.candidates("drhs", shape, "table") == [plan.drhs]  # no row tiles to halve
-    qwen3_next = ShapeKey(65536, 2048, 1024, 512)  # 64-row tiles: nothing to halve
-    assert len(tune_gmm.table_candidates("fwd", qwen3_next)) == 1
-
-
-def test_half_tiles_are_a_warp_specialised_option_of_128_row_tiles():
-    with pytest.raises(GmmConfigError, match="block_m to be a multiple of 128"):
-        TileConfig(64, 128, 64, 4, half_tiles=True)
-    with pytest.raises(GmmConfigError, match="does not have it"):
-        ProductConfig("dropless", TileConfig(128, 128, 64, 4, half_tiles=True))
-    config = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3, half_tiles=True))
-    assert ProductConfig.from_json(config.to_json()) == config
-    without = {k: v for k, v in config.to_json().items() if k != "half_tiles"}  # the tables' older entries
-    assert ProductConfig.from_json(without).tile.half_tiles is False
-    with pytest.raises(GmmConfigError, match="half_tiles must be true or false"):
-        ProductConfig.from_json({**config.to_json(), "half_tiles": "yes"})

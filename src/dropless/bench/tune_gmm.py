@@ -107,25 +107,12 @@ def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
 # A candidate's first run: well over a second would be thousands of times its expected time, so this is a hang.
 CANDIDATE_SECONDS = 120.0
 
-def table_candidates(product: str, shape: ShapeKey, kind: str | None = None) -> tuple[ProductConfig, ...]:
-    """The table's config for this shape and product (what the MoE layer runs now) and, where it is a
-    warp-specialised rows product at 128-row tiles, the same with `half_tiles` switched: the tile option measured
-    against the tile the table chose, in the same run."""
-    current = gt.plan_for(*astuple(shape), kind=kind).product(product)
-    if product == "drhs" or current.kernel not in gt.HALF_TILE_KERNELS or current.tile.block_m % 128:
-        return (current,)
-    tile = dataclasses.replace(current.tile, half_tiles=not current.tile.half_tiles)
-    return current, dataclasses.replace(current, tile=tile)
-
-
-CANDIDATE_SETS = {"quick": lambda product, shape: QUICK[product],
-                  "fine": lambda product, shape: fine_candidates(product),
-                  "wide": lambda product, shape: wide_candidates(product), "table": table_candidates}
+CANDIDATE_SETS = {"quick": lambda product: QUICK[product], "fine": fine_candidates, "wide": wide_candidates}
 
 
 def candidates(product: str, shape: ShapeKey, which: str = "quick",
                kernels: tuple[str, ...] = gt.KERNELS) -> list[ProductConfig]:
-    pool = CANDIDATE_SETS[which](product, shape)
+    pool = CANDIDATE_SETS[which](product)
     return [c for c in pool if c.kernel in kernels and c.fits(product, shape.k, shape.n)]
 
 
@@ -242,8 +229,7 @@ def parse_args(argv):
     p.add_argument("--skew", default="dirichlet", help="group-size distribution to tune on")
     p.add_argument("--candidates", choices=tuple(CANDIDATE_SETS), default="quick",
                    help="quick (the default, ~10 per product), fine (the warp-specialised tiles in every walk order, "
-                        "for many small experts), wide (several hundred) or table (the table's own choice for the "
-                        "shape, and its rows products with half_tiles switched)")
+                        "for many small experts) or wide (several hundred)")
     p.add_argument("--products", default=",".join(gt.PRODUCTS),
                    help="comma-separated subset of fwd,dlhs,drhs to tune; the others keep the table's configs")
     p.add_argument("--kernels", default=",".join(gt.KERNELS),

@@ -173,55 +173,34 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
             group, size = group_gmem[mi], size_gmem[mi]
             start = pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT)
 
-            def run(rows):
+            @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
+            def _compute():
                 store = functools.partial(_rows_epilogue_ws, s, out_smem, out_gmem, wg, offset_gmem, mi, start, size,
                                           ni)
                 pipeline = _rows_pipeline_ws(s, lhs_gmem, rhs_gmem, functools.partial(_rows_mma_ws, s, wg),
-                                             _accumulate_then(rows, bn, store))
+                                             _accumulate_then(bm, bn, store))
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
-
-            @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
-            def _compute():
-                by_height(s.tile, offset_gmem[mi] + size, run)
-
-
-def by_height(tile: TileConfig, used_rows, run) -> None:
-    """`run(rows)` with the accumulator height a row tile needs: tile.block_m, or with `tile.half_tiles` half of it
-    when the tile's stored rows (offset + size, `used_rows`) all lie in its first half. The tile tables are the same
-    in every warpgroup, so every warpgroup takes the same branch."""
-    bm = tile.block_m
-    if not tile.half_tiles:
-        run(bm)
-        return
-    pl.when(used_rows <= bm // 2)(lambda: run(bm // 2))
-    pl.when(used_rows > bm // 2)(lambda: run(bm))
 
 
 def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref, in_flight: int = 0):
-    """The pipeline body of one consumer: its block_n half of the CTA's columns, over the accumulator's rows (the
-    lhs block's first half for a half tile); returns with at most `in_flight` MMAs still running."""
-    bn, rows = s.tile.block_n, acc_ref.shape[0]
+    """The pipeline body of one consumer: its block_n half of the CTA's columns; returns with at most `in_flight`
+    MMAs still running."""
+    bn = s.tile.block_n
     mine = pl.ds(wg * bn, bn)
     b = rhs_smem.at[mine, :].transpose((1, 0)) if s.transpose_rhs else rhs_smem.at[:, mine]
-    plgpu.wgmma(acc_ref, lhs_smem if rows == s.tile.block_m else lhs_smem.at[pl.ds(0, rows)], b)
+    plgpu.wgmma(acc_ref, lhs_smem, b)
     plgpu.wgmma_wait(in_flight)
     return acc_ref
 
 
 def _rows_epilogue_ws(s: _RowsGridWS, out_smem, out_gmem, wg, offset_gmem, mi, start, size, ni, value):
-    """One consumer's epilogue: its accumulator (block_m rows, or a half tile's first half) through its output block,
-    then the ragged store of its columns."""
-    rows, bn = value.shape[0], s.tile.block_n
+    """One consumer's epilogue: its accumulator through its output block, then the ragged store of its columns."""
+    bm, bn = s.tile.block_m, s.tile.block_n
     cta_n = CONSUMERS * bn
-    _output_rows(out_smem.at[wg], rows)[...] = value.astype(s.out_dtype)
+    out_smem[wg] = value.astype(s.out_dtype)
     plgpu.commit_smem()
     store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
-               cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(rows, s.num_rows))
-
-
-def _output_rows(block, rows: int):
-    """The first `rows` rows of an output block (all of it for a full tile)."""
-    return block if rows == block.shape[0] else block.at[pl.ds(0, rows)]
+               cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows))
 
 
 @dataclass(frozen=True)
@@ -462,10 +441,9 @@ class Ring(NamedTuple):
 
     def stage_output(self, wg, value):
         """A consumer's output block through shared memory: wait until its previous store has read the block (the
-        store runs under the next tile's MMAs), then write `value` to its first rows (a half tile's are half of
-        them); the caller issues the store."""
+        store runs under the next tile's MMAs), then write it; the caller issues the store."""
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        _output_rows(self.out.at[wg], value.shape[0])[...] = value.astype(self.out.dtype)
+        self.out[wg] = value.astype(self.out.dtype)
         plgpu.commit_smem()
         return self.out.at[wg]
 
@@ -532,21 +510,21 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
 
     def compute_tile(ring, wg, index, c):
         mi, ni, _, start, size = tile_at(index)
-        offset = offset_gmem[mi]
 
-        def run(rows, c):
-            @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((rows, bn), jnp.float32))
-            def _acc(acc_ref):
-                mma = lambda lhs, rhs: _rows_mma_ws(s, wg, None, lhs, rhs, acc_ref, in_flight)
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+        def _acc(acc_ref):
+            mma = lambda lhs, rhs: _rows_mma_ws(s, wg, None, lhs, rhs, acc_ref, in_flight)
+
+            def body(c):
                 after = jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.compute(c, mma, in_flight, ki == 0), c)
                 if in_flight:
                     ring.drain(after)
-                store_rows(ring.stage_output(wg, acc_ref[...]), out_gmem, row0=start, offset=offset, size=size,
-                           cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(rows, s.num_rows), wait=False)
+                store_rows(ring.stage_output(wg, acc_ref[...]), out_gmem, row0=start, offset=offset_gmem[mi],
+                           size=size, cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=False)
 
-        # Each height's steps, last wait and store sit in its own branch (`tile_steps`' reason).
-        return tile_steps(size, s.k_steps, c, lambda c: by_height(s.tile, offset + size,
-                                                                  lambda rows: run(rows, c)))
+            return tile_steps(size, s.k_steps, c, body)
+
+        return _acc
 
     blocks = [((bm, bk), lhs_gmem.dtype, True), (rhs_block, rhs_gmem.dtype, True)]
     run_stream(Ring.allocations(s.stages, blocks, CONSUMERS, (bm, bn), s.out_dtype, out_leading_tile=1), s.stages,

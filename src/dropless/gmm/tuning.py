@@ -61,11 +61,7 @@ class GmmConfigError(MoEError):
 @dataclass(frozen=True)
 class TileConfig:
     """One kernel launch shape. grid_minor_dim: which output-tile axis ("m" or "n") the tile walk advances
-    fastest along, in bands of grid_tile_width tiles (for L2 reuse of the operand shared along that band).
-    half_tiles (the warp-specialised kernels' rows products): a row tile whose stored rows all lie in its first
-    block_m / 2 multiplies only those, with half the MMAs; a group's last tile holds 1 to block_m of its rows, so
-    with many small groups (256 experts, ~256 rows each) about a quarter of the arithmetic is padding, and with
-    this an eighth."""
+    fastest along, in bands of grid_tile_width tiles (for L2 reuse of the operand shared along that band)."""
 
     block_m: int
     block_n: int
@@ -74,7 +70,6 @@ class TileConfig:
     persistent: bool = True
     grid_minor_dim: int = 1
     grid_tile_width: int = 1
-    half_tiles: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -86,9 +81,6 @@ class TileConfig:
         if self.grid_minor_dim not in (0, 1) or self.grid_tile_width < 1:
             raise GmmConfigError(f"grid_minor_dim={self.grid_minor_dim} must be 0 (m) or 1 (n) and "
                                  f"grid_tile_width={self.grid_tile_width} must be >= 1.")
-        if self.half_tiles and self.block_m % 128:
-            raise GmmConfigError(f"half_tiles needs block_m to be a multiple of 128 (two halves of wgmma's 64 rows); "
-                                 f"got block_m={self.block_m}: drop half_tiles or use block_m=128.")
 
     def to_tokamax(self):
         """The same tile as tokamax's `PallasMosaicRaggedDotConfig`."""
@@ -103,9 +95,7 @@ class TileConfig:
 
 # A product's entry in a tuning table: its ProductConfig fields and the time it was measured at.
 _PRODUCT_KEYS = frozenset({"kernel", "block_m", "block_n", "block_k", "num_stages", "persistent", "grid_minor_dim",
-                           "grid_tile_width", "half_tiles", "ms"})
-# The kernels that implement TileConfig.half_tiles (in their rows products; the weight gradient has no row tiles).
-HALF_TILE_KERNELS = ("dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async")
+                           "grid_tile_width", "ms"})
 
 
 @dataclass(frozen=True)
@@ -118,9 +108,6 @@ class ProductConfig:
     def __post_init__(self):
         if self.kernel not in KERNELS:
             raise GmmConfigError(f"kernel={self.kernel!r} is not valid; choose one of {', '.join(KERNELS)}.")
-        if self.tile.half_tiles and self.kernel not in HALF_TILE_KERNELS:
-            raise GmmConfigError(f"half_tiles is a tile option of the kernels {', '.join(HALF_TILE_KERNELS)}; "
-                                 f"kernel {self.kernel!r} does not have it: drop half_tiles.")
 
     def fits(self, product: str, k: int, n: int) -> bool:
         """Whether this kernel computes the product and its tile divides the output and contraction dims."""
@@ -136,8 +123,7 @@ class ProductConfig:
         t = self.tile
         return {"kernel": self.kernel, "block_m": t.block_m, "block_n": t.block_n, "block_k": t.block_k,
                 "num_stages": t.num_stages, "persistent": t.persistent,
-                "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width,
-                "half_tiles": t.half_tiles}
+                "grid_minor_dim": "mn"[t.grid_minor_dim], "grid_tile_width": t.grid_tile_width}
 
     @classmethod
     def from_json(cls, d: dict[str, Any], where: str = "config") -> "ProductConfig":
@@ -152,20 +138,13 @@ class ProductConfig:
             minor = d.get("grid_minor_dim", "n")
             tile = TileConfig(int(d["block_m"]), int(d["block_n"]), int(d["block_k"]), int(d["num_stages"]),
                               bool(d.get("persistent", True)), _MINOR_DIMS[minor] if isinstance(minor, str) else int(minor),
-                              int(d.get("grid_tile_width", 1)), _flag(d.get("half_tiles", False), "half_tiles"))
+                              int(d.get("grid_tile_width", 1)))
             return cls(str(d["kernel"]), tile)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, GmmConfigError):
                 raise GmmConfigError(f"{where}: {e}") from None
             raise GmmConfigError(f"{where} is malformed ({e!r}); it needs kernel, block_m, block_n, block_k, "
-                                 f"num_stages and optionally persistent, grid_minor_dim ('m'/'n'), grid_tile_width, "
-                                 f"half_tiles.") from None
-
-
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise GmmConfigError(f"{name} must be true or false; got {value!r}.")
-    return value
+                                 f"num_stages and optionally persistent, grid_minor_dim ('m'/'n'), grid_tile_width.") from None
 
 
 @dataclass(frozen=True)
