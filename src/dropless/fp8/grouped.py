@@ -66,20 +66,16 @@ def aligned_sources(group_sizes_G: jax.Array, num_rows: int, align: int):
     return source_P, valid_P, block_group_B
 
 
-def _quantized_copy(a_PX: jax.Array, block_group_B: jax.Array, num_groups: int, recipe: Recipe) -> Quantized:
-    """The expert-aligned copy aᵀ [X, P] of a_PX [P, X] in e4m3: per (1, recipe.contract_block) block, for rowwise one
-    scale per expert and feature over its 128-row blocks (`block_group_B`: each block's expert, G for none)."""
-    # Maxima and values are computed on a_PX as laid out and only the e4m3 values are transposed: computed on the
-    # transpose, XLA on a GPU writes the transposed operand in float32 for the reduction and the quantization to
-    # share (7.1 GiB at DeepSeek-V3's gate+up with 266,240 aligned rows).
+def _quantized_copy(aT_XP: jax.Array, block_group_B: jax.Array, num_groups: int, recipe: Recipe) -> Quantized:
+    """An expert-aligned copy aᵀ [X, P] in e4m3: per (1, recipe.contract_block) block, for rowwise one scale per
+    expert and feature over its 128-row blocks (`block_group_B`: each block's expert, G for none)."""
     block = recipe.contract_block
     if recipe.mode != "rowwise":
-        q = quantize(a_PX, (block, 1))
-        return Quantized(q.values.T, q.scales.T)
-    amax_BX = block_amax(a_PX, (block, 1))
+        return quantize(aT_XP, (1, block))
+    amax_BX = block_amax(aT_XP, (1, block)).T
     group_amax_GX = jax.ops.segment_max(amax_BX, block_group_B, num_segments=num_groups + 1)
-    scales_BX = power_of_two_scale(jnp.maximum(group_amax_GX, 0.0))[block_group_B]
-    return Quantized(quantize_with_scales(a_PX, scales_BX, (block, 1)).values.T, scales_BX.T)
+    scales_XB = power_of_two_scale(jnp.maximum(group_amax_GX, 0.0))[block_group_B].T
+    return quantize_with_scales(aT_XP, scales_XB, (1, block))
 
 
 def aligned_transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe) -> Quantized:
@@ -91,7 +87,7 @@ def aligned_transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe
     # DeepSeek-V3's gate+up); the barrier keeps XLA from fusing the transpose into the gather.
     aT_XM = jax.lax.optimization_barrier(a_MX.T)
     aT_XP = jnp.where(valid_P[None, :], jnp.take(aT_XM, source_P, axis=1), 0)
-    return _quantized_copy(aT_XP.T, block_group_B, group_sizes_G.shape[0], recipe)
+    return _quantized_copy(aT_XP, block_group_B, group_sizes_G.shape[0], recipe)
 
 
 def transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe) -> Quantized:
@@ -99,7 +95,7 @@ def transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe) -> Qua
     one transpose fused with its quantization. The rows past sum(group_sizes) may hold anything (a grouped GEMM's
     unwritten padding): they fill whole 128-row blocks of their own, whose scales no product reads."""
     m = a_MX.shape[0]
-    return _quantized_copy(a_MX, _block_groups(group_sizes_G, m // ALIGN, ALIGN), group_sizes_G.shape[0], recipe)
+    return _quantized_copy(a_MX.T, _block_groups(group_sizes_G, m // ALIGN, ALIGN), group_sizes_G.shape[0], recipe)
 
 
 @dataclass(frozen=True)
