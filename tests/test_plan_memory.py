@@ -113,6 +113,14 @@ def _recorded_steps():
             config = from_dict(base).replace(**{k: v for k, v in overrides.items() if k != "moe.gmm_backend"})
             cases.append((f"{name}:{key}", config, variant["devices"], variant["peak_device_gib"],
                           variant.get("step_ms")))
+    # FP8 steps: each recipe, and each with 4 microbatches with and without the weight cache (one record per run)
+    for name in ("fp8-step-h200.json", "fp8-accum-h200.json"):
+        for run in json.loads((RESULTS / name).read_text())["records"]:
+            record = run["record"]
+            base = json.loads(json.dumps(run["config"]))
+            base["moe"].pop("local_buffer_factor", None)
+            cases.append((f"{name}:{' '.join(run['overrides'])}", from_dict(base), record["devices"],
+                          record["peak_device_gib"], record["step_ms"]))
     return cases
 
 
@@ -190,8 +198,9 @@ def test_fp8_microbatches_hold_the_steps_e4m3_weight_copies():
     matrices = state_bytes(config, mesh_sizes(config, 1)).matrix_elements
     cached = plan_memory(config, mesh_sizes(config, 1))
     uncached = plan_memory(config.replace(**{"train.fp8_cache_weights": False}), mesh_sizes(config, 1))
-    assert uncached.weight_copies == 0 < cached.weight_copies < 2 * matrices
-    assert cached.weight_copies > matrices  # the layers hold most of the matrices
+    # One byte per quantized parameter more than the uncached step (the measured difference, fp8-accum-h200.json)
+    assert uncached.weight_copies == 0 < cached.weight_copies <= matrices
+    assert cached.weight_copies > matrices / 2  # the layers hold most of the matrices
     from dropless.plan.report import format_plan
 
     text = format_plan(make_plan(config, Cluster(1, 1, "H200")))

@@ -22,8 +22,9 @@ The model counts what the step holds on one device at its peak, the start of the
 - under expert parallelism, the routed experts' weights are cast inside the shard_map: their gradients stay
   float32 and, without remat, their compute-dtype copies are saved for the backward pass.
 
-Under `train.fp8` with microbatches the step holds both e4m3 copies of every quantized weight throughout
-(`train.fp8_cache_weights`, docs/fp8.md), modelled from their sizes (no measured step yet).
+Under `train.fp8` the inputs of the FP8 products are kept as their e4m3 copies (one byte per value); with
+microbatches the step holds every quantized weight's e4m3 copies throughout (`train.fp8_cache_weights`,
+docs/fp8.md), one byte per quantized parameter more than without them, as measured (fp8-accum-h200.json).
 
 `train.scan_layers=true` adds what the GPU program measurably adds under `jax.lax.scan`: the loop-invariant
 cast of every stacked weight to the compute dtype, hoisted out of the loop (one copy; a second one is saved for the
@@ -88,20 +89,24 @@ def _dims(config: Config, devices: int) -> Dims:
 def attention_bytes_per_token(config: Config, backend: str) -> int:
     """Bytes per token one attention layer saves for its backward: the projections' outputs, q, k, v and the
     output in the compute dtype; flash attention (tokamax, cuDNN) adds its float32 log-sum-exp per head, the XLA
-    einsum its [S, S] float32 logits and probabilities and the compute-dtype probabilities per head."""
+    einsum its [S, S] float32 logits and probabilities and the compute-dtype probabilities per head. Under
+    `train.fp8` the inputs of the FP8 projections inside the layer (MLA's normed q and kv latents, the output
+    projection's input) are kept as their e4m3 copies, one byte each."""
     m, c = config.model, jnp.dtype(config.train.dtype).itemsize
     H = m.num_heads
+    fp8_in = 1 if config.train.fp8 != "off" else c
     if m.attention == "mla":
         qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
-        lora = 2 * m.q_lora_rank if m.q_lora_rank else 0
-        widths = lora + H * qk + (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + H * (m.qk_nope_head_dim + v) \
-            + H * qk + H * v
+        lora = m.q_lora_rank if m.q_lora_rank else 0  # q_a's output; its normed copy is q_b's input
+        widths = lora + H * qk + (m.kv_lora_rank + m.qk_rope_head_dim) + H * (m.qk_nope_head_dim + v) + H * qk
+        projection_inputs = lora + m.kv_lora_rank + H * v
     else:
         qk = v = m.head_dim
         norms = (H + m.num_kv_heads) * qk if m.qk_norm else 0
-        widths = H * qk + 2 * m.num_kv_heads * qk + norms + H * v
+        widths = H * qk + 2 * m.num_kv_heads * qk + norms
+        projection_inputs = H * v
     score = H * 4 if backend in FLASH_BACKENDS else H * config.train.seq_len * (2 * 4 + c)
-    return widths * c + score
+    return widths * c + projection_inputs * fp8_in + score
 
 
 @dataclass(frozen=True)
@@ -178,12 +183,16 @@ def layer_bytes(config: Config, kind: str, backend: str, buffers: MoEBuffers | N
     m, moe, train = config.model, config.moe, config.train
     c = jnp.dtype(train.dtype).itemsize
     fp8 = train.fp8 != "off"
+    fp8_in = 1 if fp8 else c  # an FP8 product's input is kept as its e4m3 copy
     D = m.hidden_size
-    residual = 4 * D * c
+    # The layer input and the attention output in the compute dtype; the attention's normed input feeds only
+    # (FP8) projections, the MLP's too in a dense layer, while a MoE layer's router reads its normed input in the
+    # compute dtype.
+    residual = 2 * D * c + D * fp8_in + D * (fp8_in if kind == "dense" else c)
     attention = attention_bytes_per_token(config, backend)
     if kind == "dense":
         F = m.dense_intermediate_size
-        mlp = 3 * F * c
+        mlp = 2 * F * c + F * fp8_in  # gate and up, and the activation the down projection reads
         names = ("attn_out", "mlp_out")
     else:
         Fs = moe.num_shared_experts * moe.expert_intermediate_size
@@ -191,7 +200,8 @@ def layer_bytes(config: Config, kind: str, backend: str, buffers: MoEBuffers | N
         rows = branches * buffers.local_rows / max(tokens, 1)
         received = buffers.received_rows + buffers.worst_received_rows
         exchange = 2 * D * c * received / max(tokens, 1)  # received rows and their partial outputs
-        mlp = int(moe.num_experts * 4 + rows * _moe_row_bytes(config, c, fp8) + 3 * Fs * c + D * 4 + exchange)
+        mlp = int(moe.num_experts * 4 + rows * _moe_row_bytes(config, c, fp8) + Fs * (2 * c + fp8_in) + D * 4
+                  + exchange)
         names = ("attn_out", "moe_in", "moe_out")
     offloaded = sum(1 for n in train.offload_names if n in names) * D * c
     return LayerBytes(residual, attention, mlp, offloaded)
@@ -299,10 +309,12 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         weight_copies += int(matrix_bytes * stacked_share * (2 if train.remat == "none" else 1))
         stacked_bytes = int(T * device_tok + stacked_share * state.gradients)
     if caches_weights(train):
-        # The step's e4m3 copies of every quantized weight, both layouts at one byte each, held from before the
-        # first microbatch to the last (dropless.fp8.recipe.weight_cache); they stand in for the copies a scanned
-        # stack hoists (above). Not yet checked against a measured step.
-        weight_copies = max(weight_copies, int(2 * state.matrix_elements * stacked_share))
+        # The step's e4m3 copies of every quantized weight, held from before the first microbatch to the last
+        # (dropless.fp8.recipe.weight_cache); they stand in for the copies a scanned stack hoists (above). Both
+        # layouts take two bytes per parameter, but the proxy's step with 4 microbatches holds one byte per quantized
+        # parameter more with them than without (fp8-accum-h200.json: 85.80 against 82.32 GiB for 3.6 G quantized
+        # parameters, 3.35 GiB); which buffer of the uncached step the second copy stands in for is not traced.
+        weight_copies = max(weight_copies, int(state.matrix_elements * stacked_share))
 
     layer_copy = state.largest_layer_gathered * (1 if d.fp8 else c)
     temporaries = {
@@ -326,6 +338,11 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         worst_received = (buffers.worst_received_rows or buffers.received_rows) * 2 * m.hidden_size * c
         temporaries["moe_worst_case"] = (temporaries["moe_buffers"] if buffers.local_rows >= buffers.worst_rows
                                          else int(buffers.worst_rows * (row + cotangent_row) + worst_received))
+        if train.fp8 == "rowwise":
+            # rowwise quantizes the weight gradient's transposed copies with XLA, which writes their operands
+            # transposed in float32: the proxy's compiled step holds two of gate+up's [D, rows] at once
+            # (benchmarks/results/fp8-step-memory-h200.json; blockwise's one-pass kernel writes none).
+            temporaries["rowwise_transposes"] = 2 * buffers.local_rows * m.hidden_size * 4
     if train.remat == "full":
         per_layer = max(lb.residual + lb.attention + lb.mlp for n, lb in layers.values() if n)
         temporaries["recompute_layer"] = int(RECOMPUTE_FACTOR * T * per_layer)
