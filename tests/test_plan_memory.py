@@ -205,3 +205,39 @@ def test_fp8_microbatches_hold_the_steps_e4m3_weight_copies():
 
     text = format_plan(make_plan(config, Cluster(1, 1, "H200")))
     assert "e4m3 copies of the quantized weights, made once per step" in text
+
+
+def test_fp8_keeps_its_products_inputs_as_e4m3_copies_and_leaves_bf16_as_it_was():
+    """Per token and layer, the bytes each recipe saves differ from bf16's by the FP8 products' inputs: one byte
+    instead of two under blockwise and rowwise (flash attention's output is kept in bf16 as well, so its output
+    projection's copy comes on top; the shared experts keep their own copy of the normed input), none under mxfp8,
+    whose dense products keep bf16 inputs."""
+    from dropless.core.config import build_config
+    from dropless.plan.memory import attention_bytes_per_token, layer_bytes
+
+    config = build_config("deepseek-v3-proxy", {})
+    m, moe = config.model, config.moe
+    D, F, H, v = m.hidden_size, m.dense_intermediate_size, m.num_heads, m.v_head_dim
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+
+    def saved(fp8, kind, backend="tokamax"):
+        c = config.replace(**{"train.fp8": fp8})
+        return layer_bytes(c, kind, backend, moe_buffers(c, {"data": 1, "fsdp": 1, "expert": 1}, 32768), 32768)
+
+    bf16 = saved("off", "dense")  # the bf16 accounting: 4 [D] residuals, gate, up and activation, MLA's tensors
+    assert bf16.residual == 4 * D * 2 and bf16.mlp == 3 * F * 2
+    widths = 2 * m.q_lora_rank + H * qk + m.kv_lora_rank + m.qk_rope_head_dim + m.kv_lora_rank \
+        + H * (m.qk_nope_head_dim + v) + H * qk + H * v
+    assert bf16.attention == widths * 2 + H * 4
+    # The projections' inputs, one byte each: MLA's normed q and kv latents and the output projection's input
+    # (kept beside flash attention's bf16 output; instead of it for the XLA einsum).
+    inputs = m.q_lora_rank + m.kv_lora_rank
+    assert attention_bytes_per_token(config, "tokamax") - attention_bytes_per_token(
+        config.replace(**{"train.fp8": "blockwise"}), "tokamax") == inputs - H * v
+    assert attention_bytes_per_token(config, "xla") - attention_bytes_per_token(
+        config.replace(**{"train.fp8": "blockwise"}), "xla") == inputs + H * v
+    for recipe in ("blockwise", "rowwise"):
+        dense, sparse = saved(recipe, "dense"), saved(recipe, "moe")
+        assert bf16.residual - dense.residual == 2 * D and bf16.mlp - dense.mlp == F
+        assert saved("off", "moe").residual - sparse.residual == D - D * bool(moe.num_shared_experts)
+    assert saved("mxfp8", "dense").residual == bf16.residual and saved("mxfp8", "dense").mlp == bf16.mlp

@@ -86,27 +86,38 @@ def _dims(config: Config, devices: int) -> Dims:
                 config.train.fp8 != "off")
 
 
+def fp8_input_bytes(config: Config) -> int:
+    """Bytes per value of an input a dense FP8 product keeps for its backward: its e4m3 copy under blockwise and
+    rowwise; mxfp8's `jax.nn.scaled_dot_general` keeps the compute-dtype input."""
+    if config.train.fp8 in ("blockwise", "rowwise"):
+        return 1
+    return jnp.dtype(config.train.dtype).itemsize
+
+
 def attention_bytes_per_token(config: Config, backend: str) -> int:
     """Bytes per token one attention layer saves for its backward: the projections' outputs, q, k, v and the
     output in the compute dtype; flash attention (tokamax, cuDNN) adds its float32 log-sum-exp per head, the XLA
     einsum its [S, S] float32 logits and probabilities and the compute-dtype probabilities per head. Under
     `train.fp8` the inputs of the FP8 projections inside the layer (MLA's normed q and kv latents, the output
-    projection's input) are kept as their e4m3 copies, one byte each."""
+    projection's input) are kept as their copies (`fp8_input_bytes`); flash attention keeps its output for its
+    own backward as well, so there the output projection's copy comes on top."""
     m, c = config.model, jnp.dtype(config.train.dtype).itemsize
     H = m.num_heads
-    fp8_in = 1 if config.train.fp8 != "off" else c
+    fp8_in = fp8_input_bytes(config)
+    flash = backend in FLASH_BACKENDS
     if m.attention == "mla":
         qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
         lora = m.q_lora_rank if m.q_lora_rank else 0  # q_a's output; its normed copy is q_b's input
         widths = lora + H * qk + (m.kv_lora_rank + m.qk_rope_head_dim) + H * (m.qk_nope_head_dim + v) + H * qk
-        projection_inputs = lora + m.kv_lora_rank + H * v
+        projection_inputs = lora + m.kv_lora_rank
     else:
         qk = v = m.head_dim
         norms = (H + m.num_kv_heads) * qk if m.qk_norm else 0
         widths = H * qk + 2 * m.num_kv_heads * qk + norms
-        projection_inputs = H * v
-    score = H * 4 if backend in FLASH_BACKENDS else H * config.train.seq_len * (2 * 4 + c)
-    return widths * c + projection_inputs * fp8_in + score
+        projection_inputs = 0
+    output = H * v * ((c + (fp8_in if fp8_in < c else 0)) if flash else fp8_in)
+    score = H * 4 if flash else H * config.train.seq_len * (2 * 4 + c)
+    return widths * c + projection_inputs * fp8_in + output + score
 
 
 @dataclass(frozen=True)
@@ -183,12 +194,16 @@ def layer_bytes(config: Config, kind: str, backend: str, buffers: MoEBuffers | N
     m, moe, train = config.model, config.moe, config.train
     c = jnp.dtype(train.dtype).itemsize
     fp8 = train.fp8 != "off"
-    fp8_in = 1 if fp8 else c  # an FP8 product's input is kept as its e4m3 copy
+    fp8_in = fp8_input_bytes(config)  # what an FP8 product keeps of its input
     D = m.hidden_size
     # The layer input and the attention output in the compute dtype; the attention's normed input feeds only
     # (FP8) projections, the MLP's too in a dense layer, while a MoE layer's router reads its normed input in the
-    # compute dtype.
-    residual = 2 * D * c + D * fp8_in + D * (fp8_in if kind == "dense" else c)
+    # compute dtype and its shared experts keep their own copy of it.
+    if kind == "dense":
+        residual = 2 * D * c + 2 * D * fp8_in
+    else:
+        shared_copy = D * fp8_in if fp8_in < c and moe.num_shared_experts else 0
+        residual = 3 * D * c + D * fp8_in + shared_copy
     attention = attention_bytes_per_token(config, backend)
     if kind == "dense":
         F = m.dense_intermediate_size
@@ -310,10 +325,11 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
         stacked_bytes = int(T * device_tok + stacked_share * state.gradients)
     if caches_weights(train):
         # The step's e4m3 copies of every quantized weight, held from before the first microbatch to the last
-        # (dropless.fp8.recipe.weight_cache); they stand in for the copies a scanned stack hoists (above). Both
-        # layouts take two bytes per parameter, but the proxy's step with 4 microbatches holds one byte per quantized
-        # parameter more with them than without (fp8-accum-h200.json: 85.80 against 82.32 GiB for 3.6 G quantized
-        # parameters, 3.35 GiB); which buffer of the uncached step the second copy stands in for is not traced.
+        # (dropless.fp8.recipe.weight_cache); they stand in for the copies a scanned stack hoists (above). Each FP8
+        # forward keeps its weight's input-gradient copy for the backward; with the cache that residual is the
+        # cached copy, so the cache adds the forward's copy, one byte per quantized parameter: the proxy's step with
+        # 4 microbatches holds 3.48 GiB more with it (fp8-accum-h200.json), for 3.60 GiB of quantized parameters.
+        # (The uncached step's per-layer residual copies are not counted: its planned peak errs high by more.)
         weight_copies = max(weight_copies, int(state.matrix_elements * stacked_share))
 
     layer_copy = state.largest_layer_gathered * (1 if d.fp8 else c)
@@ -340,8 +356,10 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
                                          else int(buffers.worst_rows * (row + cotangent_row) + worst_received))
         if train.fp8 == "rowwise":
             # rowwise quantizes the weight gradient's transposed copies with XLA, which writes their operands
-            # transposed in float32: the proxy's compiled step holds two of gate+up's [D, rows] at once
-            # (benchmarks/results/fp8-step-memory-h200.json; blockwise's one-pass kernel writes none).
+            # transposed in float32: the proxy's compiled step holds two of gate+up's [D, rows] in its heap
+            # (benchmarks/results/fp8-step-memory-h200.json), and with them as the largest temporary the plan is
+            # within 1% of its measured peak. blockwise's one-pass kernel writes none; its two-pass quantizer (on
+            # several devices) and mxfp8's copies are not measured.
             temporaries["rowwise_transposes"] = 2 * buffers.local_rows * m.hidden_size * 4
     if train.remat == "full":
         per_layer = max(lb.residual + lb.attention + lb.mlp for n, lb in layers.values() if n)
