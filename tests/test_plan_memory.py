@@ -204,7 +204,7 @@ def test_fp8_microbatches_hold_the_steps_e4m3_weight_copies():
     from dropless.plan.report import format_plan
 
     text = format_plan(make_plan(config, Cluster(1, 1, "H200")))
-    assert "e4m3 copies of the quantized weights, made once per step" in text
+    assert "what the quantized weights' e4m3 copies, made once per step, add" in text
 
 
 def test_fp8_keeps_its_products_inputs_as_e4m3_copies_and_leaves_bf16_as_it_was():

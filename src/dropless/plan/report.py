@@ -138,7 +138,7 @@ def format_plan(plan: Plan) -> str:
              + (f"; {mem.activations_in_host / GIB:.2f} GiB offloaded to host" if mem.activations_in_host else ""),
              ]
     if mem.weight_copies:
-        what = "e4m3 copies of the quantized weights, made once per step" if caches_weights(cfg) else \
+        what = "what the quantized weights' e4m3 copies, made once per step, add" if caches_weights(cfg) else \
             "stacked weights cast under scan_layers"
         lines.append(f"  weight copies      {_gib(mem.weight_copies)}  {what}")
     lines.append(f"  largest temporary  {_gib(largest)}  {name.replace('_', ' ')}")
