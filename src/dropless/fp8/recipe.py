@@ -43,6 +43,9 @@ from dropless.ops.fp8 import BlockShape, Quantized, quantize
 BLOCK = 128  # blockwise tile and weight-block extent (DeepSeek-V3)
 MX_BLOCK = 32  # OCP MX block
 MODES = ("rowwise", "blockwise", "mxfp8")
+# The recipes whose products make their operands' e4m3 copies themselves (and keep them for the backward); mxfp8's
+# dense products quantize inside jax.nn.scaled_dot_general, which keeps the compute-dtype operands.
+COPY_MODES = ("rowwise", "blockwise")
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ def caches_weights(train) -> bool:
     """Whether a training step (its `TrainConfig`) makes the weights' copies once for its microbatches
     (`weight_cache`): under train.fp8 blockwise or rowwise (mxfp8's dense products quantize inside
     jax.nn.scaled_dot_general) with several microbatches, unless train.fp8_cache_weights is off."""
-    return train.fp8 in ("blockwise", "rowwise") and train.grad_accum_steps > 1 and train.fp8_cache_weights
+    return train.fp8 in COPY_MODES and train.grad_accum_steps > 1 and train.fp8_cache_weights
 
 
 def _leaf_name(path) -> str | None:

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from dropless.core.config import Config
 from dropless.ep.plan import balanced_rows, worst_case_rows
 from dropless.fp8.grouped import ALIGN as FP8_ROW_ALIGN
-from dropless.fp8.recipe import caches_weights
+from dropless.fp8.recipe import COPY_MODES, caches_weights
 from dropless.gmm.api import TMA_ROW_ALIGNMENT, aligned_rows
 from dropless.models import transformer
 from dropless.plan.layout import StateBytes, model_facts, state_bytes
@@ -88,10 +88,14 @@ def _dims(config: Config, devices: int) -> Dims:
 
 def fp8_input_bytes(config: Config) -> int:
     """Bytes per value of an input a dense FP8 product keeps for its backward: its e4m3 copy under blockwise and
-    rowwise; mxfp8's `jax.nn.scaled_dot_general` keeps the compute-dtype input."""
-    if config.train.fp8 in ("blockwise", "rowwise"):
-        return 1
-    return jnp.dtype(config.train.dtype).itemsize
+    rowwise (COPY_MODES); mxfp8's `jax.nn.scaled_dot_general` keeps the compute-dtype input."""
+    return 1 if config.train.fp8 in COPY_MODES else jnp.dtype(config.train.dtype).itemsize
+
+
+def fp8_copy_bytes(config: Config) -> int:
+    """Bytes per value of the e4m3 copy an FP8 product keeps of an input that the layer also keeps in the compute
+    dtype for another reader: 1 under COPY_MODES, else 0."""
+    return 1 if config.train.fp8 in COPY_MODES else 0
 
 
 def attention_bytes_per_token(config: Config, backend: str) -> int:
@@ -115,7 +119,7 @@ def attention_bytes_per_token(config: Config, backend: str) -> int:
         norms = (H + m.num_kv_heads) * qk if m.qk_norm else 0
         widths = H * qk + 2 * m.num_kv_heads * qk + norms
         projection_inputs = 0
-    output = H * v * ((c + (fp8_in if fp8_in < c else 0)) if flash else fp8_in)
+    output = H * v * (c + fp8_copy_bytes(config) if flash else fp8_in)
     score = H * 4 if flash else H * config.train.seq_len * (2 * 4 + c)
     return widths * c + projection_inputs * fp8_in + output + score
 
@@ -196,20 +200,17 @@ def layer_bytes(config: Config, kind: str, backend: str, buffers: MoEBuffers | N
     fp8 = train.fp8 != "off"
     fp8_in = fp8_input_bytes(config)  # what an FP8 product keeps of its input
     D = m.hidden_size
-    # The layer input and the attention output in the compute dtype; the attention's normed input feeds only
-    # (FP8) projections, the MLP's too in a dense layer, while a MoE layer's router reads its normed input in the
-    # compute dtype and its shared experts keep their own copy of it.
+    attention = attention_bytes_per_token(config, backend)
+    # The residual stream: the layer input and the attention output in the compute dtype; the attention's normed
+    # input feeds only (FP8) projections, the MLP's too in a dense layer, while a MoE layer's router reads its normed
+    # input in the compute dtype and its shared experts keep their own copy of it.
     if kind == "dense":
         residual = 2 * D * c + 2 * D * fp8_in
-    else:
-        shared_copy = D * fp8_in if fp8_in < c and moe.num_shared_experts else 0
-        residual = 3 * D * c + D * fp8_in + shared_copy
-    attention = attention_bytes_per_token(config, backend)
-    if kind == "dense":
         F = m.dense_intermediate_size
         mlp = 2 * F * c + F * fp8_in  # gate and up, and the activation the down projection reads
         names = ("attn_out", "mlp_out")
     else:
+        residual = 3 * D * c + D * fp8_in + (D * fp8_copy_bytes(config) if moe.num_shared_experts else 0)
         Fs = moe.num_shared_experts * moe.expert_intermediate_size
         branches = 2 if buffers.worst_received_rows else 1
         rows = branches * buffers.local_rows / max(tokens, 1)
