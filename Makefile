@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile bench-permute tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-pingpong bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -216,12 +216,6 @@ bench-fp8-step: $(BENCH_DEPS)
 	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
 	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/$(FP8_STEP_RUN)-$(GPU).json \
 	  $(foreach r,off blockwise rowwise,$(BENCH_SCRATCH)/$(FP8_STEP_RUN)-$(r).json)
-
-# 1 GPU: the proxy's blockwise step with the e4m3 kernels' consumers taking turns in every product and in none, and
-# the bf16 step, one call.
-bench-fp8-pingpong: $(BENCH_DEPS)
-	$(BENCH_PYTHON) benchmarks/fp8/pingpong_step.py --out $(RESULTS)/fp8-pingpong-step-$(GPU).json \
-	  --scratch $(BENCH_SCRATCH) $(STEP_OVERRIDES)
 
 # 1 GPU: tokamax's flash attention at DeepSeek-V3's MLA shape, the backward under each configuration of tokamax's
 # autotuning space against its heuristic one.

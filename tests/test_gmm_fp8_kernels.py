@@ -77,11 +77,11 @@ def _nt_case(sizes, scaling, seed, m=256, k=256, n=256):
 
 
 def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE,
-            stream=False, pingpong=False):
+            stream=False):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), tile, scaling=scaling,
                      lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
-                     out_dtype=out_dtype, stack=stack, stream=stream, pingpong=pingpong)
+                     out_dtype=out_dtype, stack=stack, stream=stream)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
@@ -216,7 +216,7 @@ def test_gmm_tn_aligned_with_a_256_column_consumer_matches_a_float64_loop_over_g
         _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, wrong))
 
 
-def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=False, pingpong=False):
+def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=False):
     """Export the product of the layer y = x·W (x [m, k], W [g, k, n]) for CUDA on this CPU: Mosaic GPU's layout
     inference and shared-memory check run here, as when the GPU compiles the kernel."""
     f32, sizes = jnp.float32, S((g,), jnp.int32)
@@ -225,8 +225,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=Fals
         scales = ((S((g, k), f32), S((g, n), f32)) if scaling == "rowwise" else
                   (S((p // SCALE_BLOCK, k), f32), S((p // SCALE_BLOCK, n), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                                     out_dtype=out_dtype, stack=stack, stream=stream,
-                                                     pingpong=pingpong)
+                                                     out_dtype=out_dtype, stack=stack, stream=stream)
         operands = (S((k, p), FP8), S((n, p), FP8), sizes, *scales)
     else:
         contract, out_cols = (k, n) if product == "fwd" else (n, k)  # dlhs: dy [m, n] · W[g]ᵀ, W read [g, k, n]
@@ -234,7 +233,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=Fals
                   (S((contract // SCALE_BLOCK, m), f32),
                    S((g, out_cols // SCALE_BLOCK, contract // SCALE_BLOCK), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_nt(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                             out_dtype=out_dtype, stack=stack, stream=stream, pingpong=pingpong)
+                                             out_dtype=out_dtype, stack=stack, stream=stream)
         operands = (S((m, contract), FP8), S((g, out_cols, contract), FP8), sizes, *scales)
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
 
@@ -449,53 +448,3 @@ def test_the_streamed_kernels_lower_for_cuda_and_refuse_rowwise_scaling(product)
         else:
             gmm_nt(jnp.zeros((256, 256), FP8), jnp.zeros((2, 256, 256), FP8), jnp.array([100, 100], jnp.int32),
                    NT_TILE, scaling="rowwise", lhs_scale=jnp.ones((256,)), rhs_scale=jnp.ones((2, 256)), stream=True)
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["per-tile", "streamed"])
-@pytest.mark.parametrize("stack, tile, sizes, k, n_tiles", [
-    ("m", EMPTY_THEN_FULL, MIXED, 384, 4), ("n", NT_TILE, SKEW, 256, 2), ("m", WIDEST_TILE, MIXED, 256, 2)],
-    ids=["stacked-wraps-empty-then-full", "side-by-side-skew", "256-columns"])
-def test_ping_pong_gmm_nt_equals_the_kernel_without_it_bit_for_bit(stack, tile, sizes, k, n_tiles, stream):
-    """pingpong=True: the consumers take turns issuing their MMAs (one barrier, consumer 1 a turn behind, each
-    tile's turns balanced), the same steps in the same order, so the same bits: row tiles past the last group (no
-    turn in either consumer) then full ones, two accumulator slices per consumer (two turns a step). A consumer
-    that took a turn the other did not would hang the interpreter, not pass."""
-    n = n_tiles * fp8_mosaic.cta_shape(tile, stack)[1]
-    x, w, sizes, lhs_scale, rhs_scale = _nt_case(sizes, "blockwise", seed=11, k=k, n=n)
-    plain = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile, stream=stream)
-    turns = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile, stream=stream,
-                    pingpong=True)
-    live = sizes.sum()
-    np.testing.assert_array_equal(turns[:live].view(np.uint64), plain[:live].view(np.uint64))
-    ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
-    _assert_matches(turns[:live], ref[:live], mag[:live])
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["per-tile", "streamed"])
-@pytest.mark.parametrize("stack, tile, sizes", [("m", TN_TILE, [0, 384, 0, 5]), ("m", WIDEST_TILE, MIXED)],
-                         ids=["wraps-in-a-tile", "256-columns"])
-def test_ping_pong_weight_gradient_equals_the_kernel_without_it_bit_for_bit(stack, tile, sizes, stream):
-    """gmm_tn_aligned(pingpong=True): the same bits, empty groups (no step, balanced turns) among full ones."""
-    n = fp8_mosaic.cta_shape(tile, stack)[1] * (2 if tile.block_n < 128 else 1)
-    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(sizes, "blockwise", seed=12, n=n)
-    args = (jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), tile)
-    scales = dict(scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
-                  rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack, stream=stream)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        plain = np.asarray(gmm_tn_aligned(*args, **scales))
-        turns = np.asarray(gmm_tn_aligned(*args, **scales, pingpong=True))
-    np.testing.assert_array_equal(turns.view(np.uint32), plain.view(np.uint32))
-    _assert_matches(turns.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
-
-
-@pytest.mark.parametrize("stream", [False, True], ids=["per-tile", "streamed"])
-@pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)
-def test_the_ping_pong_kernels_lower_for_cuda_and_refuse_rowwise_scaling(product, stream):
-    tile = fp8_mosaic.default_tile(product, 8192, 7168, 4096, 32, "blockwise")
-    out_dtype = jnp.float32 if product == "drhs" else jnp.bfloat16
-    stack = fp8_mosaic.default_stack(product, "blockwise")
-    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, out_dtype, stack, stream=stream,
-                  pingpong=True).platforms == ("cuda",)
-    with pytest.raises(ValueError, match="blockwise scaling only"):
-        _lower(product, "rowwise", fp8_mosaic.default_tile(product, 8192, 7168, 4096, 32, "rowwise"), 8192, 7168,
-               4096, 32, out_dtype, pingpong=True)

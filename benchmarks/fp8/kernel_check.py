@@ -83,8 +83,8 @@ def nt_case(scaling, sizes, k, n, m):
         lhs_scale, rhs_scale = _pow2(kls, (m,)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (kb, m)), _pow2(krs, (g, n // SCALE_BLOCK, kb))
-    fn = lambda tile, stack, stream=False, pingpong=False: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(
-        x, w, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream, pingpong=pingpong))
+    fn = lambda tile, stack, stream=False: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(
+        x, w, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream))
 
     def reference():
         if scaling == "rowwise":
@@ -117,8 +117,8 @@ def tn_case(scaling, sizes, k, n, m):
         lhs_scale, rhs_scale = _pow2(kls, (g, k)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (p // SCALE_BLOCK, k)), _pow2(krs, (p // SCALE_BLOCK, n))
-    fn = lambda tile, stack, stream=False, pingpong=False: jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(
-        a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream, pingpong=pingpong))
+    fn = lambda tile, stack, stream=False: jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(
+        a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream))
 
     def reference():
         outs = []

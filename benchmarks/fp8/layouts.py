@@ -56,23 +56,18 @@ from dropless.gmm.tuning import TileConfig  # noqa: E402
 
 M_MINOR = dict(grid_minor_dim=0, grid_tile_width=8)
 N_MINOR = dict(grid_minor_dim=1, grid_tile_width=4)
-# (stack, tile, stream, pingpong): each tile with one pipeline per output tile and streamed (`stream=True`: one ring
-# of stages across the CTA's tiles); at 64x256 also streamed with its stores waited for (_with_waited_stores); the
-# tables' tiles also with the consumers taking turns issuing their MMAs (`pingpong=True`).
+# (stack, tile, stream): each tile with one pipeline per output tile and streamed (`stream=True`: one ring of
+# stages across the CTA's tiles); at 64x256 also streamed with its stores waited for (_with_waited_stores).
 NT_VARIANTS = [
-    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), False, False),  # two 128-column slices per consumer: 128x256 CTA
-    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), False, True),
-    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), True, False),
-    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), True, True),
-    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), "stores waited", False),  # each tile's store done before the next
-    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), False, False),
-    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), False, True),
-    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), True, False),
-    ("n", TileConfig(64, 128, 128, 4, **M_MINOR), False, False),  # the unscaled kernel's layout and tile, below
+    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), False),  # two 128-column slices per consumer: a 128x256 CTA tile
+    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), True),
+    ("m", TileConfig(64, 256, 128, 3, **M_MINOR), "stores waited"),  # each tile's store finished before the next
+    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), False),
+    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), True),
+    ("n", TileConfig(64, 128, 128, 4, **M_MINOR), False),  # the unscaled kernel's layout and tile, below
 ]
 # The weight gradient; at 64x256 one stage fits beside float32 outputs.
-TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR), stream, pingpong) for stream in (False, True)
-               for pingpong in (False, True)]
+TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR), stream) for stream in (False, True)]
 UNSCALED = [TileConfig(64, 128, 128, 4, **M_MINOR), TileConfig(128, 128, 128, 3, **M_MINOR)]
 # (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)
 SHAPES = [("gate-up fwd", nt_case, 7168, 4096), ("gate-up dlhs", nt_case, 4096, 7168),
@@ -135,11 +130,11 @@ def main() -> None:
     for name, case, k, n in SHAPES:
         make_fn, args, _, live = case("blockwise", sizes, k, n, m)
         first = None
-        for stack, tile, stream, pingpong in TN_VARIANTS if case is tn_case else NT_VARIANTS:
+        for stack, tile, stream in TN_VARIANTS if case is tn_case else NT_VARIANTS:
             rec = {"shape": name, "stack": stack, "tile": str(tile), "stages": _fitting_stages(case, tile, stack),
-                   "stream": stream, "pingpong": pingpong}
+                   "stream": stream}
             try:
-                fn = make_fn(tile, stack, bool(stream), pingpong)
+                fn = make_fn(tile, stack, bool(stream))
                 if stream == "stores waited":
                     fn = _with_waited_stores(fn)
                 compile_s, ms = _time(fn, *args)
@@ -185,19 +180,16 @@ def main() -> None:
     timed("bf16 gmm fwd", lambda gs, x, w: bf16(x, w, gs), gs, x, w, gemm_flops=flops)
     timed("bf16 gmm fwd+bwd", lambda gs, x, w, dy: fwd_bwd(lambda x, w: bf16(x, w, gs), x, w, dy), gs, x, w, dy,
           gemm_flops=3 * flops)
-    tiles, streamed, turns = dict(fp8_mosaic.FP8_TILES), fp8_mosaic.FP8_STREAM, fp8_mosaic.FP8_PINGPONG
+    tiles, streamed = dict(fp8_mosaic.FP8_TILES), fp8_mosaic.FP8_STREAM
     narrow = tiles | {(p, "blockwise"): fp8_mosaic.FP8_NARROW for p in ("fwd", "dlhs")}
-    every, none = frozenset((p, "blockwise") for p in fp8_mosaic.PRODUCTS), frozenset()
-    for name, tile_table, stream_set, pingpong_set in (
-            ("the tables", tiles, streamed, turns),
-            ("the tables, no product ping-pong", tiles, streamed, none),
-            ("the tables, every product ping-pong", tiles, streamed, every),
-            ("the tables, no product streamed", tiles, none, turns),
-            ("the tables, every product streamed", tiles, every, turns),
-            ("gmm_nt at 64x128 in five stages", narrow, streamed, turns)):
-        # The tables are read when a product is traced: each jit below traces anew.
+    every = frozenset((p, "blockwise") for p in fp8_mosaic.PRODUCTS)
+    for name, tile_table, stream_set in (("the tables", tiles, streamed),
+                                         ("the tables, no product streamed", tiles, frozenset()),
+                                         ("the tables, every product streamed", tiles, every),
+                                         ("gmm_nt at 64x128 in five stages", narrow, streamed)):
+        # Both tables are read when a product is traced: each jit below traces anew.
         fp8_mosaic.FP8_TILES.update(tile_table)
-        fp8_mosaic.FP8_STREAM, fp8_mosaic.FP8_PINGPONG = stream_set, pingpong_set
+        fp8_mosaic.FP8_STREAM = stream_set
         fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), bf16, TunedContract()), row_align=ALIGN)
         timed(f"blockwise Fp8Gmm fwd (aligned rows), {name}", lambda gs, x, w: fp8(x, w, gs), gs_al, x_al, w,
               gemm_flops=flops)
@@ -205,7 +197,7 @@ def main() -> None:
               lambda gs, x, w, dy: fwd_bwd(lambda x, w: fp8(x, w, gs), x, w, dy), gs_al, x_al, w, dy_al,
               gemm_flops=3 * flops)
     fp8_mosaic.FP8_TILES.update(tiles)
-    fp8_mosaic.FP8_STREAM, fp8_mosaic.FP8_PINGPONG = streamed, turns
+    fp8_mosaic.FP8_STREAM = streamed
     # Under the tables: what a call spends quantizing the weight (both e4m3 copies), and the product on rows laid
     # end to end (only the weight gradient's copies padded to 128-row groups, by a column gather).
     recipe = Recipe("blockwise", native=True)

@@ -151,7 +151,8 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
         lhs_scale, rhs_scale = (a.scales[:, 0], b.scales[None, :, 0]) if rowwise else (a.scales.T, b.scales[None])
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
                                  lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
-                                 **fp8_mosaic.launch_options(product, recipe.mode))
+                                 stack=fp8_mosaic.default_stack(product, recipe.mode),
+                                 stream=fp8_mosaic.default_stream(product, recipe.mode))
     if rowwise and not recipe.native:
         return _e4m3_nt(a, b).astype(out_dtype)
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
@@ -164,7 +165,8 @@ def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
         tile = fp8_mosaic.default_tile("drhs", t, k, n, 1, recipe.mode)
         return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
-                                         out_dtype=jnp.float32, **fp8_mosaic.launch_options("drhs", recipe.mode))[0]
+                                         out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode),
+                                         stream=fp8_mosaic.default_stream("drhs", recipe.mode))[0]
     if recipe.mode == "rowwise" and not recipe.native:
         return _e4m3_nt(aT, bT)
     return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))

@@ -102,8 +102,6 @@ FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for pro
 # cause is a run-time one (unexplained); at 64x128 in five stages it ran 1.00-1.16x per tile, still behind 64x256
 # per tile at gate+up (963 / 968 against 1,025 / 1,000). Rowwise has no streamed kernel.
 FP8_STREAM = frozenset({("drhs", "blockwise")})
-# The blockwise products whose consumers take turns issuing their MMAs (`pingpong=True`, `_Turns`; the same bits).
-FP8_PINGPONG = frozenset()
 # gmm_nt's blockwise tile where the output's columns are not a multiple of the table's 256 (see default_tile).
 FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
 
@@ -138,19 +136,6 @@ def default_stream(product: str, scaling: str) -> bool:
     """Whether a product's kernel streams its tiles (FP8_STREAM): gmm_nt's or gmm_tn_aligned's `stream`."""
     default_tile(product, 0, 0, 0, 0, scaling)  # the same check of the key
     return (product, scaling) in FP8_STREAM
-
-
-def default_pingpong(product: str, scaling: str) -> bool:
-    """Whether a product's consumers take turns issuing their MMAs (FP8_PINGPONG): the kernels' `pingpong`."""
-    default_tile(product, 0, 0, 0, 0, scaling)  # the same check of the key
-    return (product, scaling) in FP8_PINGPONG
-
-
-def launch_options(product: str, scaling: str) -> dict:
-    """The kernels' stack, stream and pingpong arguments for a product: default_stack's, default_stream's and
-    default_pingpong's."""
-    return dict(stack=default_stack(product, scaling), stream=default_stream(product, scaling),
-                pingpong=default_pingpong(product, scaling))
 
 
 def fits(product: str, k: int, n: int, scaling: str) -> bool:
@@ -188,7 +173,6 @@ class _Launch:
     num_rows: int = 0
     groups: int = 1
     stack: str = "n"
-    pingpong: bool = False
 
     @property
     def slices(self) -> int:
@@ -283,49 +267,16 @@ def _zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _promote(a, bs, carries, scaled, turn=None):
+def _promote(a, bs, carries, scaled):
     """One K step of blockwise promotion: for each accumulator slice in turn, its product into a fresh float32
-    accumulator, waited for, and scaled(i, partial) added into carries[i] (one partial live at a time). With a
-    `turn` (`_Turns.take`), each slice's wgmma is issued before the turn is taken and waited for after it."""
+    accumulator, waited for, and scaled(i, partial) added into carries[i] (one partial live at a time)."""
     def run(b, acc):
         plgpu.wgmma(acc, a, b)
-        if turn is not None:
-            turn()
         return acc[...]
 
     return tuple(carry + scaled(i, pl.run_scoped(functools.partial(run, b), plgpu.ACC((a.shape[0], b.shape[1]),
                                                                                      jnp.float32)))
                  for i, (b, carry) in enumerate(zip(bs, carries)))
-
-
-class _Turns:
-    """Ping-pong scheduling of the two blockwise consumers (FlashAttention-3's, as JAX's attention_mgpu does it):
-    a barrier both consumers arrive at and wait on after issuing each slice's wgmma, with consumer 1 one turn
-    behind. So the consumers issue their MMAs in alternation, each after the other's previous one, and the tensor
-    cores run one consumer's product while the other promotes its last (waits for it, scales it, adds it) rather
-    than running both at once and then idling through both promotions. `around(wg, fn)` runs a tile's steps with
-    consumer 1's extra turn before them and consumer 0's after them, so every tile takes as many turns in each."""
-
-    def __init__(self, barrier):
-        self.barrier = barrier
-
-    @staticmethod
-    def allocation(s: _Launch):
-        return plgpu.Barrier(num_arrivals=CONSUMERS) if s.pingpong else None
-
-    def take(self):
-        plgpu.barrier_arrive(self.barrier)
-        plgpu.barrier_wait(self.barrier)
-
-    def around(self, wg, fn):
-        pl.when(wg == 1)(self.take)
-        result = fn()
-        pl.when(wg == 0)(self.take)
-        return result
-
-
-def _turn_of(turns):
-    return None if turns is None else turns.take
 
 
 def _rowwise_body(s: _Launch, wg):
@@ -370,12 +321,11 @@ def _rowwise_context(s: _Launch, wg, slots, rows_gmem, cols_gmem, stage_out, sto
     return context
 
 
-def _blockwise_context(s: _Launch, stage_out, store, wg=None, turns=None):
-    """The blockwise consumers' context: a float32 register carry per accumulator slice through the pipeline
-    (inside `turns.around` when ping-ponging), staged, then stored."""
+def _blockwise_context(s: _Launch, stage_out, store):
+    """The blockwise consumers' context: a float32 register carry per accumulator slice through the pipeline,
+    staged, then stored."""
     def context(run_pipeline):
-        steps = lambda: run_pipeline(tuple(_zeros((s.tile.block_m, s.width)) for _ in range(s.slices)))
-        stage_out(steps() if turns is None else turns.around(wg, steps))
+        stage_out(run_pipeline(tuple(_zeros((s.tile.block_m, s.width)) for _ in range(s.slices))))
         store()
 
     return context
@@ -419,10 +369,10 @@ def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int,
 
 # One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
 # from the recomputed forward lowers its kernel once (each lowering runs Mosaic GPU's compiler passes on the host).
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream", "pingpong"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
            lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n",
-           stream: bool = False, pingpong: bool = False) -> jax.Array:
+           stream: bool = False) -> jax.Array:
     """out[m] = lhs[m] · rhs[g(m)]ᵀ, scaled, [M, N]; rows past sum(group_sizes) are left unwritten.
 
     rowwise:   lhs_scale [M], rhs_scale [G, N]; out[m, n] = acc[m, n] * lhs_scale[m] * rhs_scale[g(m), n].
@@ -432,7 +382,6 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     of stages (`mosaic_ws.run_stream`), so the next tile's first blocks load while the consumers finish the current
     one and its store runs under the next tile's steps, instead of one pipeline per tile filled and drained. The
     same steps in the same order: the same bits as the per-tile pipeline.
-    pingpong (blockwise only): the two consumers take turns issuing their MMAs (`_Turns`); the same bits.
     """
     m, k = lhs_MK.shape
     g, n, _ = rhs_GNK.shape
@@ -442,8 +391,8 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check(scaling, tile, {"rhs_GNK": rhs_GNK.shape, "lhs_scale": lhs_scale.shape, "rhs_scale": rhs_scale.shape},
            expected, stack)
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
-    if (stream or pingpong) and scaling != "blockwise":
-        raise ValueError("gmm_nt(stream=True or pingpong=True) runs blockwise scaling only; use False for rowwise.")
+    if stream and scaling != "blockwise":
+        raise ValueError("gmm_nt(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
     padded = max(cta_m, -(-m // TMA_ROW_ALIGNMENT) * TMA_ROW_ALIGNMENT)
@@ -451,12 +400,12 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
         rows = ((0, padded - m),)
         return gmm_nt(jnp.pad(lhs_MK, rows + ((0, 0),)), rhs_GNK, group_sizes_G, tile, scaling=scaling,
                       lhs_scale=jnp.pad(lhs_scale, rows if scaling == "rowwise" else ((0, 0),) + rows),
-                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack, stream=stream, pingpong=pingpong)[:m]
+                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack, stream=stream)[:m]
     m_tiles = max_row_tiles(m, g, cta_m)
     tables = row_tiles(group_sizes_G, cta_m, m_tiles)
     scale_lengths = (cta_m,) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), m_tiles, n // cta_n, scaling,
-                out_dtype, m, stack=stack, pingpong=pingpong)
+                out_dtype, m, stack=stack)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     if scaling == "rowwise":
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
@@ -466,7 +415,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     return _call(kernel, s, (m, n), name)(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
-def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni, turns=None):
+def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni):
     """Blockwise promotion along K: each slice's product of the step, times its row scales and its weight block's
     scale (read from global memory, one scalar per slice and step; reading it a step ahead, before the wgmma, ran
     no faster on an H200), added into its carry. A slice lies inside one 128-wide weight-scale block (_check)."""
@@ -477,7 +426,7 @@ def _nt_blockwise_body(s: _Launch, wg, col_scale_gmem, group, ni, turns=None):
         rows = row_scale_smem[0, s.lhs_rows(wg)]
         block_scales = [col_scale_gmem[group, block, idx[0]] for block in blocks]
         return _promote(a, bs, carries, lambda i, partial: partial * lax.broadcast_in_dim(
-            rows * block_scales[i], partial.shape, [0]), _turn_of(turns))
+            rows * block_scales[i], partial.shape, [0]))
 
     return body
 
@@ -502,9 +451,9 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
     slots = None if blockwise else _scale_slots(s.tile)
 
     @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, slots=slots,
-                       turns=_Turns.allocation(s), collective_axes="wg")
-    def _scope(allocations, out_smem, slots, turns):
-        wg, turns = lax.axis_index("wg"), None if turns is None else _Turns(turns)
+                       collective_axes="wg")
+    def _scope(allocations, out_smem, slots):
+        wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((s.outer * s.n_tiles,), collective_axes="sm")
         def _tile(loop_info):
@@ -521,8 +470,8 @@ def _nt_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start_T, off
             @pl.when(size > 0)  # the same branch in every warpgroup: the pipeline's barriers stay paired
             def _compute():
                 if blockwise:
-                    body = _nt_blockwise_body(s, wg, col_scale, group, ni, turns)
-                    context = _blockwise_context(s, stage_out, store, wg, turns)
+                    body = _nt_blockwise_body(s, wg, col_scale, group, ni)
+                    context = _blockwise_context(s, stage_out, store)
                 else:
                     rows_gmem = row_scale.at[:, pl.ds(start + row0, bm)]
                     cols_gmem = col_scale.at[pl.ds(group, 1), pl.ds(ni * cta_n + col0, bn)]
@@ -564,16 +513,14 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
             c, lhs.at[rows, pl.ds(ki * bk, bk)], weights.at[cols, pl.ds(ki * bk, bk)],
             row_scale.at[pl.ds(ki, 1), rows]), c))
 
-    def compute_tile(ring, wg, index, c, turns=None):
+    def compute_tile(ring, wg, index, c):
         mi, ni, group, start, size = tile_at(index)
-        turns = None if turns is None else _Turns(turns)
 
         def body(c):
-            promote = _nt_blockwise_body(s, wg, col_scale, group, ni, turns)
+            promote = _nt_blockwise_body(s, wg, col_scale, group, ni)
             start_carries = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
-            steps = lambda: ring.steps(c, k_steps, lambda ki, *blocks_and_carry: promote((ki,), *blocks_and_carry),
-                                       start_carries)
-            _, carries = steps() if turns is None else turns.around(wg, steps)
+            _, carries = ring.steps(c, k_steps, lambda ki, *blocks_and_carry: promote((ki,), *blocks_and_carry),
+                                    start_carries)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
             s.stage_out(ring.out, wg)(carries)
             _store_nt_tile(s, ring.out, out, wg, offset_T[mi], size, start, ni, wait=False)
@@ -582,14 +529,13 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
 
     blocks = [((cta_m, bk), lhs.dtype, True), ((cta_n, bk), rhs.dtype, True), ((1, cta_m), jnp.float32, False)]
     run_stream(Ring.allocations(s.stages, blocks, CONSUMERS * s.slices, (bm, s.width), s.out_dtype,
-                                out_leading_tile=1), s.stages, s.outer * s.n_tiles, load_tile, compute_tile,
-               scratch=dict(turns=_Turns.allocation(s)))
+                                out_leading_tile=1), s.stages, s.outer * s.n_tiles, load_tile, compute_tile)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream", "pingpong"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
 def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                    scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32,
-                   stack: str = "n", stream: bool = False, pingpong: bool = False) -> jax.Array:
+                   stack: str = "n", stream: bool = False) -> jax.Array:
     """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
 
     Group g occupies columns [128 * first_g, 128 * (first_g + blocks_g)) of both copies, with (first_G, blocks_G)
@@ -603,7 +549,6 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     and store the current one, instead of one pipeline per tile filled and drained: a group's gradient tile has
     as many steps as the group has 128-row blocks (16 at DeepSeek-V3's 32 experts, 2 at 256). The same steps
     in the same order: the same bits as the per-tile pipeline.
-    pingpong (blockwise only): the two consumers take turns issuing their MMAs (`_Turns`); the same bits.
     """
     k, p = lhsT_KP.shape
     n = rhsT_NP.shape[0]
@@ -618,31 +563,29 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     if tile.block_k != SCALE_BLOCK or k % cta_m:
         raise ValueError(f"gmm_tn_aligned steps over the {SCALE_BLOCK}-column group blocks: block_k must be "
                          f"{SCALE_BLOCK} and K ({k}) a multiple of the CTA tile's {cta_m} rows; got {tile}.")
-    if (stream or pingpong) and scaling != "blockwise":
-        raise ValueError("gmm_tn_aligned(stream=True or pingpong=True) runs blockwise scaling only; use False for "
-                         "rowwise.")
+    if stream and scaling != "blockwise":
+        raise ValueError("gmm_tn_aligned(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
     if scaling == "blockwise" and max(cta_m, cta_n) > TMA_MAX_BOX:
         raise ValueError(f"blockwise scaling loads the CTA tile's {cta_m} row and {cta_n} column scales in one copy "
                          f"each, at most {TMA_MAX_BOX} long: choose a smaller tile or stack the consumers.")
     out_dtype = jnp.dtype(out_dtype)
     scale_lengths = (cta_m, cta_n) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), k // cta_m, n // cta_n, scaling,
-                out_dtype, groups=g, stack=stack, pingpong=pingpong)
+                out_dtype, groups=g, stack=stack)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     kernel, name = (_tn_stream_kernel, "tn_aligned_stream") if stream else (_tn_kernel, "tn_aligned")
     return _call(kernel, s, (g, k, n), name)(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP, rhsT_NP,
                                              lhs_scale, rhs_scale)
 
 
-def _tn_blockwise_body(s: _Launch, wg, turns=None):
+def _tn_blockwise_body(s: _Launch, wg):
     """Blockwise promotion along the group's columns: the block's product times the outer product of its K-row
     and N-column scales, added into the carry."""
     def body(_, lhs_smem, rhs_smem, row_scale_smem, col_scale_smem, carries):
         a, bs = s.slice_operands(lhs_smem, rhs_smem, wg)
         rows = row_scale_smem[0, s.lhs_rows(wg)]
         cols = [col_scale_smem[0, s.slice_cols(wg, i)] for i in range(s.slices)]
-        return _promote(a, bs, carries, lambda i, partial: partial * _outer(rows, cols[i], partial.shape),
-                        _turn_of(turns))
+        return _promote(a, bs, carries, lambda i, partial: partial * _outer(rows, cols[i], partial.shape))
 
     return body
 
@@ -683,9 +626,9 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
     slots = None if blockwise else _scale_slots(s.tile)
 
     @functools.partial(pl.run_scoped, allocations=allocations, out_smem=out_type, slots=slots,
-                       turns=_Turns.allocation(s), collective_axes="wg")
-    def _scope(allocations, out_smem, slots, turns):
-        wg, turns = lax.axis_index("wg"), None if turns is None else _Turns(turns)
+                       collective_axes="wg")
+    def _scope(allocations, out_smem, slots):
+        wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((s.groups * per_group,), collective_axes="sm")
         def _tile(loop_info):
@@ -709,7 +652,7 @@ def _tn_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_scale, ou
             @pl.when(steps > 0)
             def _group():
                 if blockwise:
-                    body, context = _tn_blockwise_body(s, wg, turns), _blockwise_context(s, stage_out, store, wg, turns)
+                    body, context = _tn_blockwise_body(s, wg), _blockwise_context(s, stage_out, store)
                 else:
                     rows_gmem = row_scale.at[pl.ds(gi, 1), pl.ds(ki * cta_m + row0, bm)]
                     cols_gmem = col_scale.at[pl.ds(gi, 1), pl.ds(ni * cta_n + col0, bn)]
@@ -743,13 +686,11 @@ def _tn_stream_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_sc
 
         return lax.fori_loop(0, steps, load, c)
 
-    def compute_tile(ring, wg, index, c, turns=None):
+    def compute_tile(ring, wg, index, c):
         gi, ki, ni, _, steps = tile_at(index)
-        turns = None if turns is None else _Turns(turns)
-        body = _tn_blockwise_body(s, wg, turns)
+        body = _tn_blockwise_body(s, wg)
         start = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
-        run = lambda: ring.steps(c, steps, body, start)
-        c, carries = run() if turns is None else turns.around(wg, run)
+        c, carries = ring.steps(c, steps, body, start)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
         s.stage_out(ring.out, wg)(carries)
         _store_tn_tile(s, ring.out, out, wg, gi, ki, ni)
@@ -758,4 +699,4 @@ def _tn_stream_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_sc
     blocks = [((cta_m, bk), lhs.dtype, True), ((cta_n, bk), rhs.dtype, True), ((1, cta_m), jnp.float32, False),
               ((1, cta_n), jnp.float32, False)]
     run_stream(Ring.allocations(s.stages, blocks, CONSUMERS * s.slices, (bm, s.width), s.out_dtype), s.stages,
-               s.groups * per_group, load_tile, compute_tile, scratch=dict(turns=_Turns.allocation(s)))
+               s.groups * per_group, load_tile, compute_tile)

@@ -460,15 +460,12 @@ def tile_steps(size, steps: int, c, body):
     return c + jnp.where(size > 0, steps, 0)
 
 
-def run_stream(allocations: dict, stages: int, tiles: int, load_tile, compute_tile, scratch=None) -> None:
+def run_stream(allocations: dict, stages: int, tiles: int, load_tile, compute_tile) -> None:
     """Run a streaming kernel: `load_tile(ring, tile, c) -> c` in the producer warpgroup and `compute_tile(ring, wg,
-    tile, c, **scratch) -> c` in each consumer, over this CTA's share of `tiles` tile indices (the same in every
-    warpgroup); `scratch` names further shared-memory allocations (None: none) for the consumers."""
-    scratch = scratch or {}
+    tile, c) -> c` in each consumer, over this CTA's share of `tiles` tile indices (the same in every warpgroup)."""
 
-    @functools.partial(pl.run_scoped, **allocations, **scratch, collective_axes="wg")
+    @functools.partial(pl.run_scoped, **allocations, collective_axes="wg")
     def _scope(**refs):
-        extra = {name: refs.pop(name) for name in scratch}
         ring, wg = Ring(**refs, stages=stages), jax.lax.axis_index("wg")
 
         @pl.when(wg == CONSUMERS)
@@ -485,7 +482,7 @@ def run_stream(allocations: dict, stages: int, tiles: int, load_tile, compute_ti
 
             @plgpu.nd_loop((tiles,), collective_axes="sm", init_carry=jnp.int32(0))
             def _tile(loop_info, carry):
-                return compute_tile(ring, wg, loop_info.index[0], carry, **extra)
+                return compute_tile(ring, wg, loop_info.index[0], carry)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
