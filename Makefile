@@ -56,7 +56,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
   ctas32:NCCL_MIN_CTAS=32+NCCL_MAX_CTAS=32 proto_simple:NCCL_PROTO=Simple buffsize16M:NCCL_BUFFSIZE=16777216 \
   nthreads512:NCCL_NTHREADS=512 user_buffers:XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true
 
-BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile bench-permute tune-gmm-fine bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
+BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile bench-permute tune-gmm-fine tune-gmm-stacked bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
   bench-fp8-step bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
@@ -95,6 +95,13 @@ TUNE_KERNELS ?= dropless_ws,dropless_ws_stream,dropless_ws_stream_async
 tune-gmm-fine: $(BENCH_DEPS)
 	$(DROPLESS) tune-gmm --candidates fine --kernels $(TUNE_KERNELS) --products $(TUNE_PRODUCTS) \
 	  --bench-shapes $(TUNE_SHAPES)
+
+# 1 GPU: the stacked rows kernel (consumers one above the other, the second resting where a group's rows end)
+# against the table's current choice, the fine-grained shapes' rows products in one run; writes the packaged table
+# where it wins, every trial in gmm-stacked-<gpu>.json.
+tune-gmm-stacked: $(BENCH_DEPS)
+	$(DROPLESS) tune-gmm --candidates stacked --products fwd,dlhs --bench-shapes $(TUNE_SHAPES) \
+	  --log $(RESULTS)/gmm-stacked-$(GPU).json $(if $(TUNE_OUT),--out $(TUNE_OUT))
 
 # 1 GPU: the streaming warp-specialised kernels against the per-tile-pipeline ones, the same tiles in the same run,
 # every product of the fine-grained shapes: tune-gmm's quick warp-specialised candidates of both families, each

@@ -449,7 +449,8 @@ def test_tuned_gmm_output_inside_shard_map_varies_over_its_operands_axes(zero_pa
 
 @pytest.mark.parametrize("product, kernel", [*((p, k) for p in gt.PRODUCTS
                                                for k in ("dropless", "dropless_ws", "dropless_ws_stream",
-                                                         "dropless_ws_stream_async"))])
+                                                         "dropless_ws_stream_async")),
+                                             ("fwd", "dropless_ws_stacked"), ("dlhs", "dropless_ws_stacked")])
 def test_tune_gmm_products_run_and_pass_their_checker_in_the_gpu_interpreter(product, kernel):
     """What `dropless tune-gmm` times on the GPU: each product's function and the check it must pass first."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -492,6 +493,18 @@ def test_tuning_some_products_keeps_the_others_and_says_where_they_come_from():
     assert best == {"fwd": _config(stages=4), "dlhs": old["dlhs"], "drhs": old["drhs"]}
     assert best_ms == {"fwd": 0.5, "dlhs": 2.0, "drhs": 3.0}
     assert note == "; fwd tuned here, dlhs, drhs kept from: dropless tune-gmm, commit abc"
+
+
+def test_stacked_candidates_stand_beside_the_tables_current_choice():
+    from dropless.bench import tune_gmm
+
+    shape = ShapeKey(65536, 7168, 4096, 256)
+    current = gt.plan_for(*astuple(shape))  # this machine's table (on a CPU: DEFAULT_PLAN)
+    for product in ("fwd", "dlhs"):
+        pool = tune_gmm.candidates(product, shape, "stacked")
+        assert len(pool) == 7 and {c.kernel for c in pool[:-1]} == {"dropless_ws_stacked"}
+        assert pool[-1] == current.product(product)
+    assert tune_gmm.candidates("drhs", shape, "stacked") == [current.drhs]
 
 
 def test_fine_candidates_walk_the_warp_specialised_tiles_every_way():
@@ -559,6 +572,10 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
       for p in gt.PRODUCTS),
     # the streaming kernels' candidates
     *((p, c.kernel, c.tile, dtype) for p in gt.PRODUCTS for c in tune_gmm_stream_candidates()
+      for dtype in (jnp.bfloat16, jnp.float32)),
+    # the stacked rows kernel's tiles (--candidates stacked)
+    *((p, "dropless_ws_stacked", t, dtype) for p in ("fwd", "dlhs")
+      for t in (TileConfig(64, 256, 64, 3, grid_minor_dim=0, grid_tile_width=4), TileConfig(64, 128, 64, 4))
       for dtype in (jnp.bfloat16, jnp.float32)),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
@@ -690,3 +707,40 @@ def test_streaming_kernel_with_one_mma_in_flight_waits_for_each_where_only_one_s
         out = grouped_matmul_stream(x, w, sizes, tile, out_dtype=jnp.float32, mma_in_flight=1)
     want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile, n, transpose_rhs", [
+    (TileConfig(64, 64, 64, 2, True, 1, 2), 128, False), (TileConfig(64, 64, 64, 3, True, 0, 1), 128, True),
+    (TileConfig(64, 256, 64, 2, True, 0, 2), 256, False)], ids=["n-minor", "m-minor-dlhs", "256-columns"])
+def test_stacked_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, n, transpose_rhs):
+    """mosaic_ws.grouped_matmul_stacked (fwd, and dlhs with transpose_rhs): 128-row tiles whose second consumer
+    holds none of the group's rows (it passes the steps without an MMA) beside tiles split between the consumers,
+    empty, 1-row and unaligned groups, three K steps through 2 or 3 stages, a 256-column consumer stored in two
+    128-column blocks. The work list has tiles of each kind, so a consumer that rested where it should have
+    computed, or stored another consumer's rows, fails the comparison."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from dropless.gmm.mosaic_ws import grouped_matmul_stacked
+
+    sizes = jnp.array([37, 0, 200, 1, 0, 51, 9, 150], jnp.int32)  # 448 of 480 rows
+    _, _, offset_T, size_T = (np.asarray(t) for t in row_tiles(sizes, 2 * tile.block_m, 16))
+    resting = (size_T > 0) & (offset_T + size_T <= tile.block_m)
+    assert resting.sum() >= 3 and ((size_T > 0) & ~resting).sum() >= 3
+    keys = jax.random.split(jax.random.key(8), 2)
+    x = jax.random.normal(keys[0], (480, 192), jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (8, 192, n), jnp.float32) / 8).astype(jnp.bfloat16)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = grouped_matmul_stacked(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, sizes, tile,
+                                     transpose_rhs=transpose_rhs, out_dtype=jnp.float32)
+    want = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(out[:448]), np.asarray(want[:448]), rtol=1e-5, atol=1e-5)
+
+
+def test_the_stacked_kernel_computes_the_rows_products_only():
+    config = ProductConfig("dropless_ws_stacked", TileConfig(64, 256, 64, 3))
+    assert config.fits("fwd", 2048, 4096) and config.fits("dlhs", 4096, 2048) and not config.fits("drhs", 2048, 4096)
+    rows = ProductConfig("dropless_ws", TileConfig(128, 128, 64, 3))
+    with pytest.raises(GmmConfigError, match="drhs .* cannot run kernel='dropless_ws_stacked'"):
+        GmmPlan(config, config, config)
+    assert GmmPlan(config, config, rows).fwd == config
+    assert gt.smem_bytes(config) == 2 * 3 * (128 * 64 + 64 * 256) + 2 * 2 * 64 * 256

@@ -104,16 +104,32 @@ def fine_candidates(product: str) -> tuple[ProductConfig, ...]:
     return tuple(out)
 
 
+def stacked_candidates(product: str) -> tuple[ProductConfig, ...]:
+    """The stacked rows kernel ("dropless_ws_stacked": consumers one above the other, 64 rows each, the second
+    resting where a group's last rows fit in the first's) at 64 x 256 and 64 x 128 per consumer, walked m-minor in
+    bands of 4 and 8 and n-minor in bands of 4; no weight-gradient candidate (`candidates` adds the table's
+    current choice for the shape, so one run compares them)."""
+    if product == "drhs":
+        return ()
+    return tuple(_pc("dropless_ws_stacked", 64, bn, 64, stages, minor=minor, width=width)
+                 for bn, stages in ((256, 3), (128, 4)) for minor, width in (("m", 4), ("m", 8), ("n", 4)))
+
+
 # A candidate's first run: well over a second would be thousands of times its expected time, so this is a hang.
 CANDIDATE_SECONDS = 120.0
 
-CANDIDATE_SETS = {"quick": lambda product: QUICK[product], "fine": fine_candidates, "wide": wide_candidates}
+CANDIDATE_SETS = {"quick": lambda product: QUICK[product], "fine": fine_candidates, "wide": wide_candidates,
+                  "stacked": stacked_candidates}
 
 
 def candidates(product: str, shape: ShapeKey, which: str = "quick",
                kernels: tuple[str, ...] = gt.KERNELS) -> list[ProductConfig]:
+    """The candidate set's configs of one product that fit the shape; "stacked" also takes the table's current
+    choice for the shape (the one the stacked kernel would replace)."""
     pool = CANDIDATE_SETS[which](product)
-    return [c for c in pool if c.kernel in kernels and c.fits(product, shape.k, shape.n)]
+    if which == "stacked":
+        pool = (*pool, gt.plan_for(*astuple(shape)).product(product))
+    return list(dict.fromkeys(c for c in pool if c.kernel in kernels and c.fits(product, shape.k, shape.n)))
 
 
 def preset_shapes(name: str, rows: int) -> list[tuple[str, ShapeKey]]:
@@ -229,7 +245,8 @@ def parse_args(argv):
     p.add_argument("--skew", default="dirichlet", help="group-size distribution to tune on")
     p.add_argument("--candidates", choices=tuple(CANDIDATE_SETS), default="quick",
                    help="quick (the default, ~10 per product), fine (the warp-specialised tiles in every walk order, "
-                        "for many small experts) or wide (several hundred)")
+                        "for many small experts), stacked (the stacked rows kernel beside the table's choice) or wide "
+                        "(several hundred)")
     p.add_argument("--products", default=",".join(gt.PRODUCTS),
                    help="comma-separated subset of fwd,dlhs,drhs to tune; the others keep the table's configs")
     p.add_argument("--kernels", default=",".join(gt.KERNELS),

@@ -29,7 +29,7 @@ from dropless.gmm.vjp import GmmProducts, gmm_from_products
 ROWS_KERNELS = {"dropless": mosaic.grouped_matmul, "dropless_ws": mosaic_ws.grouped_matmul_ws,
                 "dropless_ws_stream": mosaic_ws.grouped_matmul_stream,
                 "dropless_ws_stream_async": functools.partial(mosaic_ws.grouped_matmul_stream, mma_in_flight=1),
-                "tokamax": tokamax.tiled_rows}
+                "dropless_ws_stacked": mosaic_ws.grouped_matmul_stacked, "tokamax": tokamax.tiled_rows}
 CONTRACT_KERNELS = {"dropless": mosaic.grouped_matmul_tn, "dropless_ws": mosaic_ws.grouped_matmul_tn_ws,
                     "dropless_ws_stream": mosaic_ws.grouped_matmul_tn_stream,
                     "dropless_ws_stream_async": functools.partial(mosaic_ws.grouped_matmul_tn_stream, mma_in_flight=1),

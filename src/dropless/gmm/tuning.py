@@ -34,9 +34,16 @@ from typing import Any
 from dropless.core.errors import MoEError
 
 PRODUCTS = ("fwd", "dlhs", "drhs")
-KERNELS = ("tokamax", "dropless", "dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async")
-# Output columns per CTA, in units of block_n: the warp-specialised kernels' consumers sit side by side.
-CTA_COLUMNS = {"tokamax": 1, "dropless": 1, "dropless_ws": 2, "dropless_ws_stream": 2, "dropless_ws_stream_async": 2}
+KERNELS = ("tokamax", "dropless", "dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async",
+           "dropless_ws_stacked")
+# Output columns and rows per CTA, in units of block_n and block_m: the warp-specialised kernels' consumers sit side
+# by side, the stacked kernel's one above the other.
+CTA_COLUMNS = {"tokamax": 1, "dropless": 1, "dropless_ws": 2, "dropless_ws_stream": 2, "dropless_ws_stream_async": 2,
+               "dropless_ws_stacked": 1}
+CTA_ROWS = {kernel: 2 if kernel == "dropless_ws_stacked" else 1 for kernel in KERNELS}
+# The kernels of the rows products only (fwd, dlhs): the stacked kernel's consumers rest where a group's rows end,
+# which a weight gradient (contracting the rows) has no use for.
+ROWS_ONLY = frozenset({"dropless_ws_stacked"})
 SCHEMA_VERSION = 1
 DATA_FILE = "configs.json"
 _MINOR_DIMS = {"m": 0, "n": 1}
@@ -49,9 +56,9 @@ def smem_bytes(config: "ProductConfig", in_itemsize: int = 2, out_itemsize: int 
     """Shared memory a kernel holds at once: its pipeline stages of both operand blocks plus the output staging
     blocks (one per consumer warpgroup). Exact for "dropless_ws", which keeps both for the whole kernel; the
     single-warpgroup kernels reuse the stages' memory for the output, so this over-counts them."""
-    tile, columns = config.tile, CTA_COLUMNS[config.kernel]
-    return (in_itemsize * tile.num_stages * (tile.block_m * tile.block_k + tile.block_k * tile.block_n * columns)
-            + out_itemsize * columns * tile.block_m * tile.block_n)
+    tile, columns, rows = config.tile, CTA_COLUMNS[config.kernel], CTA_ROWS[config.kernel]
+    return (in_itemsize * tile.num_stages * (rows * tile.block_m * tile.block_k + tile.block_k * tile.block_n * columns)
+            + out_itemsize * rows * columns * tile.block_m * tile.block_n)
 
 
 class GmmConfigError(MoEError):
@@ -117,6 +124,8 @@ class ProductConfig:
             return n % cta_n == 0 and k % t.block_k == 0
         if product == "dlhs":  # out [M, K], contracts N
             return k % cta_n == 0 and n % t.block_k == 0
+        if self.kernel in ROWS_ONLY:
+            return False
         return k % t.block_m == 0 and n % cta_n == 0  # drhs: out [G, K, N], contracts rows
 
     def to_json(self) -> dict[str, Any]:
@@ -155,6 +164,12 @@ class GmmPlan:
     dlhs: ProductConfig
     drhs: ProductConfig
     source: str = "default"
+
+    def __post_init__(self):
+        if self.drhs.kernel in ROWS_ONLY:
+            raise GmmConfigError(f"drhs (the weight gradient) cannot run kernel={self.drhs.kernel!r}, which computes "
+                                 f"the rows products only; choose one of "
+                                 f"{', '.join(k for k in KERNELS if k not in ROWS_ONLY)}.")
 
     def product(self, name: str) -> ProductConfig:
         return getattr(self, name)
