@@ -12,12 +12,14 @@ its last stage is consumed), and the producer loads the next tile's first stages
   grouped_matmul_ws(lhs_MK, rhs, group_sizes_G, tile, transpose_rhs)   out_MN = rows of group g · rhs[g] (rhs[g]ᵀ)
   grouped_matmul_tn_ws(lhs_MK, rhs_MN, group_sizes_G, tile)           out_GKN = (rows of g of lhs)ᵀ · (rows of g of rhs)
   grouped_matmul_stream, grouped_matmul_tn_stream                     the same, one stream of loads across tiles
+  grouped_matmul_stacked                                              rows, streamed, consumers stacked along M
 
 The work lists, the ragged store and the padding contracts are those of `dropless.gmm.mosaic.grouped_matmul`
-and `grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n. The first two are
+and `grouped_matmul_tn`. The output's last dim must be a multiple of 2 * tile.block_n (block_n stacked). The first two are
 `kernel="dropless_ws"` candidates of `dropless tune-gmm`, the streaming pair `kernel="dropless_ws_stream"` and,
 with one MMA left running across steps (`mma_in_flight=1`, as CUTLASS's and tokamax's Hopper mainloops keep one),
-`kernel="dropless_ws_stream_async"`; the tuned table decides, per shape and product, whether they run.
+`kernel="dropless_ws_stream_async"`, and the stacked rows kernel `kernel="dropless_ws_stacked"`; the tuned table
+decides, per shape and product, whether they run.
 """
 
 from __future__ import annotations
@@ -503,6 +505,27 @@ def run_stream(allocations: dict, stages: int, tiles: int, load_tile, compute_ti
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _rows_walk(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, size_gmem, cta_m: int, cta_n: int):
+    """The streaming rows kernels' walk: `tile_at(index) -> (mi, ni, group, start, size)` over the CTA's (row tile,
+    column tile) pairs, and the producer's `load_tile` of each tile's K steps of its cta_m x block_k lhs block and
+    its cta_n-wide rhs block (none for a tile past the last group)."""
+    bk = s.tile.block_k
+
+    def tile_at(index):
+        mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
+        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
+
+    def load_tile(ring, index, c):
+        _, ni, group, start, size = tile_at(index)
+        rows, cols = pl.ds(start, cta_m), pl.ds(ni * cta_n, cta_n)
+        rhs = rhs_gmem.at[group]
+        return tile_steps(size, s.k_steps, c, lambda c: jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.load(
+            c, lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
+            rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c))
+
+    return tile_at, load_tile
+
+
 def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, offset_gmem, size_gmem,
                         out_gmem, *, in_flight: int = 0):
     """grouped_matmul_stream's kernel: the CTA's (row tile, CTA column tile) pairs, K steps each; tiles past the
@@ -510,19 +533,7 @@ def _rows_stream_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gm
     bm, bn, bk = s.tile.block_m, s.tile.block_n, s.tile.block_k
     cta_n = CONSUMERS * bn
     rhs_block = (cta_n, bk) if s.transpose_rhs else (bk, cta_n)
-
-    def tile_at(index):
-        mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
-        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
-
-
-    def load_tile(ring, index, c):
-        _, ni, group, start, size = tile_at(index)
-        rows, cols = pl.ds(start, bm), pl.ds(ni * cta_n, cta_n)
-        rhs = rhs_gmem.at[group]
-        return tile_steps(size, s.k_steps, c, lambda c: jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.load(
-            c, lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-            rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c))
+    tile_at, load_tile = _rows_walk(s, lhs_gmem, rhs_gmem, group_gmem, start_gmem, size_gmem, bm, cta_n)
 
     def compute_tile(ring, wg, index, c):
         mi, ni, _, start, size = tile_at(index)
@@ -572,18 +583,7 @@ def _rows_stacked_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_g
     # 256-column WGMMA accumulator into the row-tiled (1-row leading tile) block the ragged store needs.
     slices = max(1, bn // 128)
     width = bn // slices
-
-    def tile_at(index):
-        mi, ni = plgpu.planar_snake(index, (s.m_tiles, s.n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
-        return mi, ni, group_gmem[mi], pl.multiple_of(start_gmem[mi], TMA_ROW_ALIGNMENT), size_gmem[mi]
-
-    def load_tile(ring, index, c):
-        _, ni, group, start, size = tile_at(index)
-        rows, cols = pl.ds(start, cta_m), pl.ds(ni * bn, bn)
-        rhs = rhs_gmem.at[group]
-        return tile_steps(size, s.k_steps, c, lambda c: jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.load(
-            c, lhs_gmem.at[rows, pl.ds(ki * bk, bk)],
-            rhs.at[cols, pl.ds(ki * bk, bk)] if s.transpose_rhs else rhs.at[pl.ds(ki * bk, bk), cols]), c))
+    tile_at, load_tile = _rows_walk(s, lhs_gmem, rhs_gmem, group_gmem, start_gmem, size_gmem, cta_m, bn)
 
     def compute_tile(ring, wg, index, c):
         mi, ni, _, start, size = tile_at(index)

@@ -17,7 +17,8 @@ in place; "dropless_ws" is `dropless.gmm.mosaic_ws`, its warp-specialised varian
 by side: a CTA's output tile is block_m x 2*block_n); "dropless_ws_stream" is the same with one stream of loads
 across each CTA's tiles (`mosaic_ws.grouped_matmul_stream`, `grouped_matmul_tn_stream`), and
 "dropless_ws_stream_async" the streaming kernels with one MMA left running while each consumer moves to its next
-step (`mma_in_flight=1`).
+step (`mma_in_flight=1`); "dropless_ws_stacked" (rows products only) the streaming rows kernel with its consumers
+stacked along M (`mosaic_ws.grouped_matmul_stacked`: a CTA's output tile is 2*block_m x block_n).
 """
 
 from __future__ import annotations
