@@ -7,6 +7,8 @@ import errno
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -210,3 +212,29 @@ def test_orbax_notes_on_a_checkpoint_metadata_file_stay_out_of_the_one_line_outp
     finally:
         for f in [f for f in absl.filters if isinstance(f, cli._CheckpointMetadataNotes)]:
             absl.removeFilter(f)
+
+
+def test_writes_a_failed_step_left_pending_add_no_line_after_the_error():
+    """A full disk can stop a run while orbax's asynchronous writes of the failed checkpoint are pending; the
+    interpreter's shutdown then warns of each coroutine it never ran. The output ends with dropless's one line,
+    as a new process shows (the warning is printed at exit, after main returns)."""
+    script = """
+import errno, sys
+from dropless import cli
+
+pending = []
+
+async def write_fragment():
+    pass
+
+def full_disk(args):
+    pending.append(write_fragment())  # started by the failing step, never awaited
+    raise OSError(errno.ENOSPC, "No space left on device", "run/checkpoints")
+
+cli.cmd_presets = full_disk
+sys.exit(cli.main(["presets"]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dropless: error: run/checkpoints: "), done.stderr

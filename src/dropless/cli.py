@@ -365,6 +365,14 @@ def _one_line_warnings() -> None:
     warnings.showwarning = show
 
 
+def _quiet_abandoned_writes() -> None:
+    """After a user error the process exits with writes the failed step had started still pending (orbax's
+    asynchronous tensor writes, e.g. on a full disk), and the interpreter's shutdown warns of each coroutine it
+    never ran, after the one line that already said what failed (an interrupted checkpoint is never made
+    visible). Those warnings stay out of that output; DROPLESS_DEBUG keeps them."""
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+
+
 class _CheckpointMetadataNotes(logging.Filter):
     """orbax logs an error for each step whose optional metadata file it cannot parse. That file is not what a
     checkpoint is verified by: the checkpoint then restores and matches its digest, or dropless reports it
@@ -415,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"dropless: error: {user_message(err)}", file=sys.stderr)
+        if not debug:
+            _quiet_abandoned_writes()
         # An error may carry its own documented status (e.g. a stopped run); 2 for every other user error.
         return int(getattr(err, "exit_status", 2))
     except KeyboardInterrupt:
