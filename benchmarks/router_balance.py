@@ -86,6 +86,12 @@ VARIANTS = {
     "other-0.3-bias-1e-2": ("router_common_source other_sequences, router_common_rate 0.3, bias_update_rate 1e-2",
                             lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3,
                                        "moe.bias_update_rate": 0.01}),
+    **{f"other-0.3-bias-1e-2-first-{steps}": (
+        f"router_common_source other_sequences for the first {steps} steps (router_common_other_steps), the running "
+        "mean after them, router_common_rate 0.3, bias_update_rate 1e-2",
+        lambda c, steps=steps: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3,
+                                "moe.router_common_other_steps": steps, "moe.bias_update_rate": 0.01})
+       for steps in (100, 200)},
     "common-1": ("router_common_rate 1: the previous step's mean router input",
                  lambda c: {"moe.router_common_rate": 1.0}),
     "common-0.3-bias-1e-2": ("router_common_rate 0.3 and bias_update_rate 1e-2",

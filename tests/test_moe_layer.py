@@ -187,6 +187,17 @@ def test_training_takes_each_sequence_s_common_direction_from_the_other_sequence
         ids_running = reference_route(x.reshape(-1, HIDDEN), params["router"]["kernel"], bias_E, cfg, running_D)
         np.testing.assert_array_equal(np.bincount(ids_running.ravel(), minlength=cfg.num_experts),
                                       stats_running["tokens_per_expert"])
+    # moe.router_common_other_steps: a training step past them (`other_sequences` false) routes on the running
+    # mean as evaluation does; one within them as above, bit for bit.
+    switched = jax.jit(lambda p, x, flag: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.float32,
+                                                    router_common_D=jnp.asarray(running_D), training=True,
+                                                    other_sequences=flag))
+    y_on, stats_on = switched(params, x_BSD, jnp.asarray(True))
+    np.testing.assert_array_equal(y_on, y)
+    y_off, stats_off = switched(params, x_BSD, jnp.asarray(False))
+    y_eval, stats_eval = jax.jit(lambda p, x: layer(p, x, False))(params, x_BSD)
+    np.testing.assert_array_equal(stats_off.tokens_per_expert, stats_eval["tokens_per_expert"])
+    assert _rel_err(y_off, y_eval) < 1e-5 and _rel_err(y_off, y) > 1e-3
 
 
 def test_bfloat16_compute_stays_close_to_reference():

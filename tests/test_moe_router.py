@@ -76,6 +76,9 @@ def test_softmax_router_follows_mixtral_and_qwen3():
     (dict(router_common_rate=1.5), r"router_common_rate=1.5 must be in \[0, 1\]"),
     (dict(router_common_rate=-0.1), r"router_common_rate=-0.1 must be in \[0, 1\]"),
     (dict(router_common_source="other_sequences"), r"needs moe.router_common_rate > 0"),
+    (dict(router_common_rate=0.3, router_common_other_steps=100), r"> 0 only with moe.router_common_source=other"),
+    (dict(router_common_rate=0.3, router_common_source="other_sequences", router_common_other_steps=-1),
+     r"router_common_other_steps=-1 counts the training steps"),
 ])
 def test_bad_router_configs_raise_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -148,6 +148,29 @@ def test_router_common_moves_towards_the_step_s_mean_router_input(batch_and_stat
     assert "router_common" not in transformer.init_state(CONFIG.replace(**{"moe.router_common_rate": 0.0}))
 
 
+def test_the_other_sequences_direction_serves_the_first_router_common_other_steps(batch_and_state):
+    """moe.router_common_other_steps=1: step 0 routes on the other sequences' mean, as without the option, and
+    step 1 on the running mean, as evaluation does (the loss of that pass, not the other sequences')."""
+    from dropless.models import transformer
+    from dropless.train.optimizer import make_optimizer
+    from dropless.train.step import init_train_state, loss_fn, make_train_step
+
+    params, state, batch, _ = batch_and_state
+    always = CONFIG.replace(**{"moe.router_common_rate": 0.5, "moe.router_common_source": "other_sequences"})
+    first = always.replace(**{"moe.router_common_other_steps": 1})
+    optimizer = make_optimizer(always.train)
+    with_common = {**state, "router_common": transformer.init_state(always)["router_common"]}
+    start = init_train_state(jax.random.key(0), always, optimizer, params, with_common)
+    (a1, m_a1), (b1, m_b1) = (jax.jit(make_train_step(c, optimizer))(start, batch) for c in (always, first))
+    assert float(m_a1["loss"]) == float(m_b1["loss"])
+    (_, m_a2), (_, m_b2) = (jax.jit(make_train_step(c, optimizer))(s, batch) for c, s in ((always, a1), (first, b1)))
+    losses = jax.jit(lambda p, s: [loss_fn(p, s, batch, first, mtp=False, other_sequences=jnp.asarray(flag))[1][0]
+                                   for flag in (False, True)])(b1.params, b1.model_state)
+    np.testing.assert_allclose(float(m_b2["loss"]), float(losses[0]), rtol=1e-6)
+    np.testing.assert_allclose(float(m_a2["loss"]), float(losses[1]), rtol=1e-6)
+    assert abs(float(losses[0]) - float(losses[1])) > 3 * 1e-6 * float(losses[0])  # the two passes told apart
+
+
 def test_the_training_step_threads_the_router_common_options(batch_and_state):
     """With moe.router_common_source="other_sequences" a training pass routes on the other sequences' mean and an
     evaluation pass on the running mean (zero here: as the model without the option); the step moves the running

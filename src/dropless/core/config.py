@@ -192,6 +192,9 @@ class MoEConfig:
     # the running mean lags; the running mean when a microbatch holds one sequence). Evaluation, inference and HF
     # export use the running mean.
     router_common_source: Literal["running", "other_sequences"] = "running"
+    # With "other_sequences": the training steps that take it (steps 0 .. N-1); later steps route on the running
+    # mean, as evaluation does. 0 = every step.
+    router_common_other_steps: int = 0
     # Balancing losses, each weighted; 0 = off.
     aux_loss_weight: float = 0.0
     seq_aux_loss_weight: float = 0.0
@@ -246,6 +249,11 @@ class MoEConfig:
         _require(self.router_common_source == "running" or self.router_common_rate > 0,
                  f"moe.router_common_source={self.router_common_source!r} needs moe.router_common_rate > 0 (the running "
                  "mean that evaluation and inference use); set moe.router_common_rate, e.g. 0.3.")
+        _require(self.router_common_other_steps >= 0 and (self.router_common_other_steps == 0
+                                                          or self.router_common_source == "other_sequences"),
+                 f"moe.router_common_other_steps={self.router_common_other_steps} counts the training steps that take "
+                 "the other sequences' direction: set it >= 0, and > 0 only with "
+                 "moe.router_common_source=other_sequences.")
         _require(0.0 <= self.router_common_rate <= 1.0,
                  f"moe.router_common_rate={self.router_common_rate} must be in [0, 1]: the weight of each step's mean "
                  "router input in the running mean whose direction the router does not see (0 = off).")

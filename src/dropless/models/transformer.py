@@ -289,9 +289,10 @@ class _Layers:
     """The bodies of a dense and of a MoE layer, `(x_BSD, weights) -> (x_BSD, per-layer output)`, closed over
     what every layer of one forward pass shares (RoPE tables, mesh, executor, recipe)."""
 
-    def __init__(self, config: Config, executor: ExpertExecutor, cos_SP, sin_SP, dtype, training: bool = False):
+    def __init__(self, config: Config, executor: ExpertExecutor, cos_SP, sin_SP, dtype, training: bool = False,
+                 other_sequences: jax.Array | None = None):
         self.config, self.executor, self.cos_SP, self.sin_SP, self.dtype = config, executor, cos_SP, sin_SP, dtype
-        self.training = training
+        self.training, self.other_sequences = training, other_sequences
         self.recipe = make_recipe(config.train.fp8)
         self.mesh = executor.mesh  # the attention kernel and FP8 matmuls run per batch shard over the same mesh
         def remat_moe(in_scan: bool):
@@ -305,19 +306,20 @@ class _Layers:
 
     @classmethod
     def for_sequence(cls, config: Config, executor: ExpertExecutor | None, seq_len: int,
-                     training: bool = False) -> "_Layers":
+                     training: bool = False, other_sequences: jax.Array | None = None) -> "_Layers":
         """The layers of one forward pass over `seq_len` positions; executor None = the one-device LocalExecutor;
-        `training`: a training step's pass (`forward`)."""
+        `training` and `other_sequences`: as `forward`'s."""
         if executor is None:
             executor = LocalExecutor.from_config(config.moe, make_recipe(config.train.fp8))
         m = config.model
         cos_SP, sin_SP = rope_tables(seq_len, rotary_dim(m), m.rope_theta, m.rope_scaling)
-        return cls(config, executor, cos_SP, sin_SP, compute_dtype(config), training)
+        return cls(config, executor, cos_SP, sin_SP, compute_dtype(config), training, other_sequences)
 
     def _moe_block(self, moe_params, router: dict, h_BSD):
         y_BSD, stats = moe_layer(moe_params, router["router_bias"], h_BSD, self.config.moe, compute_dtype=self.dtype,
                                  executor=self.executor, recipe=self.recipe,
-                                 router_common_D=router.get("router_common"), training=self.training)
+                                 router_common_D=router.get("router_common"), training=self.training,
+                                 other_sequences=self.other_sequences)
         return y_BSD.astype(self.dtype), stats
 
     def attention(self, layer, x_BSD):
@@ -389,7 +391,8 @@ def mtp_logits(params: dict, state: dict, tokens_BS: jax.Array, hidden_BSD: jax.
 
 
 def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
-            executor: ExpertExecutor | None = None, mtp: bool = False, hidden: bool = False, training: bool = False):
+            executor: ExpertExecutor | None = None, mtp: bool = False, hidden: bool = False, training: bool = False,
+            other_sequences: jax.Array | None = None):
     """Logits for next-token prediction. Returns (logits_BSV float32, aux).
 
     aux = {"moe": MoEStats stacked over the MoE layers [Lmoe, ...], "balance_loss": their summed
@@ -400,9 +403,11 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
     MTP modules read (`mtp_logits`). `executor` (built once: `dropless.ep.make_executor`) is handed to every
     `dropless.moe.moe_layer`; None = the one-device `LocalExecutor` for `config.moe`. `training`: a training
     step's pass (moe.router_common_source="other_sequences" applies; evaluation and inference leave it False).
+    `other_sequences`: a traced boolean, whether this training step takes the other sequences' direction
+    (moe.router_common_other_steps); None = every training step does.
     """
     m = config.model
-    layers = _Layers.for_sequence(config, executor, tokens_BS.shape[1], training)
+    layers = _Layers.for_sequence(config, executor, tokens_BS.shape[1], training, other_sequences)
     dtype, mesh = layers.dtype, layers.mesh
     with jax.named_scope("embed"):
         x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)

@@ -113,13 +113,16 @@ def moe_stats(routing: Routing, executor_stats: ExecutorStats, batch_size: int, 
 
 def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, moe_cfg, *, compute_dtype,
               executor: ExpertExecutor | None = None, recipe: Recipe | None = None,
-              router_common_D: jax.Array | None = None, training: bool = False) -> tuple[jax.Array, MoEStats]:
+              router_common_D: jax.Array | None = None, training: bool = False,
+              other_sequences: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
     """The routed (+ shared) expert layer: returns (y_BSD in compute_dtype, MoEStats).
 
     `router_common_D`: the running mean of the router's input (moe.router_common_rate); the router then sees its
     input without that direction, the experts see it whole. None = the router sees the input as it is. In
     `training` with moe.router_common_source="other_sequences" and more than one sequence, each sequence's
-    direction is instead the mean over the batch's other sequences (`dropless.moe.router.other_sequences_mean`).
+    direction is instead the mean over the batch's other sequences (`dropless.moe.router.other_sequences_mean`),
+    or, where the traced boolean `other_sequences` is given and false (moe.router_common_other_steps), the running
+    mean as evaluation uses it.
 
     `executor`: built once with the model (`dropless.ep.make_executor`: the grouped-GEMM backend, and the mesh
     under expert parallelism); None = the one-device `LocalExecutor.from_config(moe_cfg)`."""
@@ -132,6 +135,9 @@ def moe_layer(params: dict, router_bias_E: jax.Array | None, x_BSD: jax.Array, m
         if router_common_D is not None:
             if training and moe_cfg.router_common_source == "other_sequences" and batch > 1:
                 common_BD = other_sequences_mean(x_BSD)
+                if other_sequences is not None:
+                    running_BD = jnp.broadcast_to(router_common_D.astype(jnp.float32), common_BD.shape)
+                    common_BD = jnp.where(other_sequences, common_BD, running_BD)
             else:  # folded into the [D, E] kernel: cheaper than projecting the [T, D] input
                 kernel_DE = fold_common(kernel_DE, jax.lax.stop_gradient(router_common_D))
         routing = route(kernel_DE, router_bias_E, x_TD, moe_cfg, mesh=executor.mesh, common_BD=common_BD)

@@ -23,6 +23,7 @@ microbatch reads them (`dropless.fp8.recipe.weight_cache`): the same bits as qua
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -72,16 +73,17 @@ def mtp_cross_entropies(mtp_logits: tuple, targets_BS: jax.Array) -> jax.Array:
 
 
 def loss_fn(params, model_state, batch_BS1, config: Config, executor=None, *, mtp: bool = True,
-            training: bool = True, weight_cache: dict | None = None):
+            training: bool = True, weight_cache: dict | None = None, other_sequences: jax.Array | None = None):
     """Mean next-token cross-entropy + MoE balancing losses (+ the MTP loss with `mtp` and model.mtp_layers).
     Returns (total, (cross_entropy, aux)); aux["mtp_loss"] is mean_k CE_k (0 without MTP). `training`: a training
     step's forward pass (evaluation: False, the model as inference runs it). `weight_cache`: the FP8 weights' e4m3
-    copies (`dropless.fp8.recipe.weight_cache`), read instead of quantizing the weights again."""
+    copies (`dropless.fp8.recipe.weight_cache`), read instead of quantizing the weights again. `other_sequences`:
+    `transformer.forward`'s (moe.router_common_other_steps)."""
     params = with_weight_cache(params, weight_cache)
     inputs_BS, targets_BS = split_batch(batch_BS1)
     with_mtp = mtp and config.model.mtp_layers > 0
     logits_BSV, aux = transformer.forward(params, model_state, inputs_BS, config, executor=executor, mtp=with_mtp,
-                                          training=training)
+                                          training=training, other_sequences=other_sequences)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()
     total = cross_entropy + aux["balance_loss"]
     mtp_loss = jnp.zeros((), jnp.float32)
@@ -176,13 +178,15 @@ def merge_microbatch_stats(stats_N):
     return type(stats_N)(**merged)
 
 
-def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, executor=None):
-    """`jax.value_and_grad(loss_fn, has_aux=True)` over `config.train.grad_accum_steps` microbatches.
+def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, executor=None,
+                               other_sequences: jax.Array | None = None):
+    """`jax.value_and_grad(loss_fn, has_aux=True)` over `config.train.grad_accum_steps` microbatches
+    (`other_sequences`: loss_fn's).
 
     Returns ((total, (cross_entropy, aux)), grads) like one call on the whole batch: losses and gradients
     averaged, the MoE statistics merged (`merge_microbatch_stats`).
     """
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    grad_fn = functools.partial(jax.value_and_grad(loss_fn, has_aux=True), other_sequences=other_sequences)
     count = config.train.grad_accum_steps
     if count == 1:
         return grad_fn(params, model_state, batch_BS1, config, executor)
@@ -209,13 +213,20 @@ def where_tree(ok: jax.Array, new, old):
     return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
+def other_sequences_step(config: Config, step: jax.Array) -> jax.Array | None:
+    """Whether training step `step` takes each sequence's common direction from the other sequences
+    (moe.router_common_other_steps > 0: the first that many steps); None where every step does."""
+    steps = config.moe.router_common_other_steps
+    return None if steps == 0 else step < steps
+
+
 def make_train_step(config: Config, optimizer: optax.GradientTransformation, executor=None) -> Callable:
     """The un-jitted step; callers jit it with their shardings (see `dropless.train.loop`)."""
     schedule_lr = learning_rate_schedule(config.train)
 
     def train_step(state: TrainState, batch_BS1: jax.Array):
         (total, (cross_entropy, aux)), grads = accumulated_value_and_grad(
-            state.params, state.model_state, batch_BS1, config, executor)
+            state.params, state.model_state, batch_BS1, config, executor, other_sequences_step(config, state.step))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate,
