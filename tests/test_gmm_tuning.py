@@ -573,10 +573,11 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     # the streaming kernels' candidates
     *((p, c.kernel, c.tile, dtype) for p in gt.PRODUCTS for c in tune_gmm_stream_candidates()
       for dtype in (jnp.bfloat16, jnp.float32)),
-    # the stacked rows kernel's tiles (--candidates stacked)
+    # the stacked rows kernel's tiles (--candidates stacked): the 256-column consumer's two output blocks in
+    # float32 (the fewest stages), the 128-column one's in bf16
     *((p, "dropless_ws_stacked", t, dtype) for p in ("fwd", "dlhs")
-      for t in (TileConfig(64, 256, 64, 3, grid_minor_dim=0, grid_tile_width=4), TileConfig(64, 128, 64, 4))
-      for dtype in (jnp.bfloat16, jnp.float32)),
+      for t, dtype in ((TileConfig(64, 256, 64, 3, grid_minor_dim=0, grid_tile_width=4), jnp.float32),
+                       (TileConfig(64, 128, 64, 4), jnp.bfloat16))),
 ])
 def test_kernels_lower_for_cuda_on_the_cpu(product, kernel, tile, out_dtype):
     exported = _lower_for_cuda(product, ProductConfig(kernel, tile), out_dtype)
@@ -710,8 +711,8 @@ def test_streaming_kernel_with_one_mma_in_flight_waits_for_each_where_only_one_s
 
 
 @pytest.mark.parametrize("tile, n, transpose_rhs", [
-    (TileConfig(64, 64, 64, 2, True, 1, 2), 128, False), (TileConfig(64, 64, 64, 3, True, 0, 1), 128, True),
-    (TileConfig(64, 256, 64, 2, True, 0, 2), 256, False)], ids=["n-minor", "m-minor-dlhs", "256-columns"])
+    (TileConfig(64, 64, 64, 3, True, 0, 1), 128, True), (TileConfig(64, 256, 64, 2, True, 1, 2), 256, False)],
+    ids=["m-minor-dlhs", "256-columns-n-minor"])
 def test_stacked_rows_kernel_matches_ragged_dot_in_the_gpu_interpreter(tile, n, transpose_rhs):
     """mosaic_ws.grouped_matmul_stacked (fwd, and dlhs with transpose_rhs): 128-row tiles whose second consumer
     holds none of the group's rows (it passes the steps without an MMA) beside tiles split between the consumers,
