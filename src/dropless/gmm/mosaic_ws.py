@@ -444,14 +444,6 @@ class Ring(NamedTuple):
             def _last():
                 self.drain(after)
 
-    def skip(self, c):
-        """A consumer's step c that computes nothing: wait for the slot's loads (so that every warpgroup passes
-        every phase of its barriers) and release the slot. Returns c + 1."""
-        slot = jax.lax.rem(c, self.stages)
-        plgpu.barrier_wait(self.produced.at[slot])
-        plgpu.barrier_arrive(self.consumed.at[slot])
-        return c + 1
-
     def drain(self, after):
         """`finish` for a tile known to have taken a step: wait for its last MMA and release that MMA's slot."""
         plgpu.wgmma_wait(0)
@@ -615,8 +607,9 @@ def _rows_stacked_kernel(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_g
                                    wait=False)
 
             @pl.when(mine == 0)
-            def _rest():
-                jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.skip(c), c)
+            def _rest():  # each step without an MMA: its slot's loads waited for (every warpgroup passes every
+                # phase of the ring's barriers) and the slot released
+                jax.lax.fori_loop(0, s.k_steps, lambda ki, c: ring.compute(c, lambda *blocks: None), c)
 
         return tile_steps(size, s.k_steps, c, body)
 
