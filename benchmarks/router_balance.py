@@ -94,6 +94,9 @@ VARIANTS = {
        for steps in (100, 200)},
     "common-1": ("router_common_rate 1: the previous step's mean router input",
                  lambda c: {"moe.router_common_rate": 1.0}),
+    "common-1-bias-1e-2": ("router_common_rate 1 and bias_update_rate 1e-2: the direction of the previous step's "
+                           "mean router input, in training as in evaluation",
+                           lambda c: {"moe.router_common_rate": 1.0, "moe.bias_update_rate": 0.01}),
     "common-0.3-bias-1e-2": ("router_common_rate 0.3 and bias_update_rate 1e-2",
                              lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01}),
     "center-0.3": ("bias_center_rate 0.3", lambda c: {"moe.bias_center_rate": 0.3}),
