@@ -59,7 +59,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-stage-profile bench-permute tune-gmm-fine tune-gmm-stacked bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-step-profile bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -223,6 +223,16 @@ bench-fp8-step: $(BENCH_DEPS)
 	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
 	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/$(FP8_STEP_RUN)-$(GPU).json \
 	  $(foreach r,off blockwise rowwise,$(BENCH_SCRATCH)/$(FP8_STEP_RUN)-$(r).json)
+
+# 1 GPU: the proxy's training step profiled in bf16 and in blockwise FP8 (`dropless profile`, every HLO instruction
+# listed), one record with both breakdowns; the traces stay in the scratch folder.
+bench-fp8-step-profile: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	for recipe in off blockwise; do $(DROPLESS) profile --preset deepseek-v3-proxy --steps 2 --top 100000 \
+	  --out $(BENCH_SCRATCH)/step-profile-$$recipe train.fp8=$$recipe || exit 1; done
+	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step-profiles", \
+	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-step-profiles-$(GPU).json \
+	  $(foreach r,off blockwise,$(BENCH_SCRATCH)/step-profile-$(r)/breakdown.json)
 
 # 1 GPU: tokamax's flash attention at DeepSeek-V3's MLA shape, the backward under each configuration of tokamax's
 # autotuning space against its heuristic one.
