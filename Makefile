@@ -27,10 +27,14 @@ $(STAMP): pyproject.toml
 train: setup
 	$(VENV)/bin/dropless train $(ARGS)
 
+# One worker per core: the suite is CPU-bound (compiling), and a third worker on two cores measured more CPU time
+# for the same tests (1,970 against 1,800 s) and a longer run.
+# (At most 8: each worker holds its own compiled programs.)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
 test: setup
 	XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 $$XLA_FLAGS" \
 	  JAX_PLATFORMS=cpu JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	  $(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
+	  $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs build src/*.egg-info .jax_cache
