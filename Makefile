@@ -51,6 +51,9 @@ BENCH_DEPS := bench-needs-gpu $(BENCH_SETUP)
 DROPLESS := $(BENCH_PYTHON) -m dropless.cli
 RESULTS := benchmarks/results
 BENCH_SCRATCH := build/bench
+# $(call merge_records,BENCHMARK,OUT,RECORDS): one record for a benchmark of several runs, each run's record in it.
+merge_records = $(BENCH_PYTHON) -c 'import json, sys; name, out, *parts = sys.argv[1:]; json.dump({"benchmark": name, \
+  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(1) $(2) $(3)
 # The device part of a record's name, read when a target runs: "NVIDIA H200" -> h200; two GPUs -> h200x2.
 GPU = $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
 DSV3_SHAPES := dsv3-gate-up-e32,dsv3-down-e32,dsv3-gate-up-e256,dsv3-down-e256
@@ -224,9 +227,7 @@ bench-fp8-step: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
 	for recipe in off blockwise rowwise; do $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
 	  --record $(BENCH_SCRATCH)/$(FP8_STEP_RUN)-$$recipe.json train.fp8=$$recipe $(STEP_OVERRIDES) || exit 1; done
-	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step", \
-	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/$(FP8_STEP_RUN)-$(GPU).json \
-	  $(foreach r,off blockwise rowwise,$(BENCH_SCRATCH)/$(FP8_STEP_RUN)-$(r).json)
+	$(call merge_records,fp8-step,$(RESULTS)/$(FP8_STEP_RUN)-$(GPU).json,$(foreach r,off blockwise rowwise,$(BENCH_SCRATCH)/$(FP8_STEP_RUN)-$(r).json))
 
 # 1 GPU: the proxy's training step profiled in bf16 and in blockwise FP8 (`dropless profile`, every HLO instruction
 # listed), one record with both breakdowns; the traces stay in the scratch folder.
@@ -234,9 +235,7 @@ bench-fp8-step-profile: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
 	for recipe in off blockwise; do $(DROPLESS) profile --preset deepseek-v3-proxy --steps 2 --top 100000 \
 	  --out $(BENCH_SCRATCH)/step-profile-$$recipe train.fp8=$$recipe || exit 1; done
-	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-step-profiles", \
-	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-step-profiles-$(GPU).json \
-	  $(foreach r,off blockwise,$(BENCH_SCRATCH)/step-profile-$(r)/breakdown.json)
+	$(call merge_records,fp8-step-profiles,$(RESULTS)/fp8-step-profiles-$(GPU).json,$(foreach r,off blockwise,$(BENCH_SCRATCH)/step-profile-$(r)/breakdown.json))
 
 # 1 GPU: tokamax's flash attention at DeepSeek-V3's MLA shape, the backward under each configuration of tokamax's
 # autotuning space against its heuristic one.
@@ -250,9 +249,7 @@ bench-attention-step: $(BENCH_DEPS)
 	for recipe in off blockwise; do for backend in tokamax cudnn; do $(DROPLESS) bench step --preset deepseek-v3-proxy \
 	  --steps 5 --seconds 6 --record $(BENCH_SCRATCH)/attention-step-$$backend-$$recipe.json train.fp8=$$recipe \
 	  model.attention_backend=$$backend || exit 1; done; done
-	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "attention-step", \
-	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/attention-step-$(GPU).json \
-	  $(foreach r,off blockwise,$(foreach b,tokamax cudnn,$(BENCH_SCRATCH)/attention-step-$(b)-$(r).json))
+	$(call merge_records,attention-step,$(RESULTS)/attention-step-$(GPU).json,$(foreach r,off blockwise,$(foreach b,tokamax cudnn,$(BENCH_SCRATCH)/attention-step-$(b)-$(r).json)))
 
 # 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at its own 8 x 4,096 tokens per step
 # (ROUTER_BATCH=2: the records without a -batch suffix) with one variant of the router's settings (VARIANT=, default
@@ -299,9 +296,7 @@ bench-fp8-accum: $(BENCH_DEPS)
 	  $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
 	  --record $(BENCH_SCRATCH)/fp8-accum-$$1$${2:+-nocache}.json train.fp8=$$1 $$2 train.grad_accum_steps=4 \
 	  $(ACCUM_OVERRIDES) || exit 1; done
-	$(BENCH_PYTHON) -c 'import json, sys; out, *parts = sys.argv[1:]; json.dump({"benchmark": "fp8-accum", \
-	  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(RESULTS)/fp8-accum-$(GPU).json \
-	  $(foreach r,off blockwise blockwise-nocache,$(BENCH_SCRATCH)/fp8-accum-$(r).json)
+	$(call merge_records,fp8-accum,$(RESULTS)/fp8-accum-$(GPU).json,$(foreach r,off blockwise blockwise-nocache,$(BENCH_SCRATCH)/fp8-accum-$(r).json))
 
 # 1 GPU: each piece of the blockwise FP8 grouped GEMM (the one-pass quantizers, each e4m3 kernel) against the
 # recipe's reference path at bench gmm's shapes (CHECK_SHAPES), one JSON line per piece.
