@@ -39,7 +39,7 @@ from pathlib import Path
 import jax
 
 from dropless.bench import harness
-from dropless.bench.records import write_json
+from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     jax.block_until_ready(state)
     state, result = profile_compiled(compiled, state, batches, args.steps, out / "trace", top=args.top)
     result.update(preset=args.preset, overrides=args.overrides, device=jax.devices()[0].device_kind,
-                  device_count=jax.device_count())
+                  device_count=jax.device_count(), environment=environment())
     write_json(out / "breakdown.json", result, indent=2)
     print(format_breakdown(result))
     print(f"dropless: trace and breakdown.json in {out}", file=sys.stderr)
