@@ -66,7 +66,7 @@ def main() -> None:
         m, k, n = SHAPES[name]
         keys = jax.random.split(jax.random.key(0), 4)
         pairs = [(jax.random.normal(keys[i], (m, k), jnp.bfloat16),
-                  jax.random.normal(keys[i + 1], (k, n), jnp.bfloat16) / np.sqrt(k)) for i in (0, 2)]
+                  (jax.random.normal(keys[i + 1], (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)) for i in (0, 2)]
         flops = 2 * m * k * n
         dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
         want = np.asarray(dot(*pairs[0]).astype(jnp.float32))
