@@ -63,7 +63,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
   ctas32:NCCL_MIN_CTAS=32+NCCL_MAX_CTAS=32 proto_simple:NCCL_PROTO=Simple buffsize16M:NCCL_BUFFSIZE=16777216 \
   nthreads512:NCCL_NTHREADS=512 user_buffers:XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true
 
-BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-gmm-cluster-probe bench-gmm-store-overlap bench-stage-profile bench-permute tune-gmm-fine tune-gmm-stacked bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
+BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-gmm-cluster-probe bench-stage-profile bench-permute tune-gmm-fine tune-gmm-stacked bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
   bench-fp8-step bench-fp8-step-profile bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
@@ -136,11 +136,6 @@ bench-permute: $(BENCH_DEPS)
 # our kernel at the same tile and XLA's dot, at the expert layers' dense shapes.
 bench-gmm-cluster-probe: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/gmm_cluster_probe.py --out $(RESULTS)/gmm-cluster-probe-$(GPU).json
-
-# 1 GPU: the per-tile warp-specialised rows kernel with each tile's store overlapped with the next tile's MMAs and
-# waited for at once, DeepSeek-V3's rows products with the packaged tiles, in one run.
-bench-gmm-store-overlap: $(BENCH_DEPS)
-	$(BENCH_PYTHON) benchmarks/gmm_store_overlap.py --out $(RESULTS)/gmm-store-overlap-$(GPU).json
 
 # 1 GPU: every grouped-GEMM backend, shape and group-size skew (the default `bench gmm`), with its chart.
 bench-gmm-backends: $(BENCH_DEPS)

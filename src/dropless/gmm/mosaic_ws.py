@@ -78,7 +78,6 @@ class _RowsGridWS:
     stages: int
     transpose_rhs: bool
     out_dtype: Any
-    overlap_store: bool = True
 
 
 def _in_flight(stream: bool, mma_in_flight: int, stages: int) -> int:
@@ -96,15 +95,13 @@ def _family(stream: bool, mma_in_flight: int) -> str:
 
 def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                       transpose_rhs: bool = False, out_dtype=None, interpret=None, stream: bool = False,
-                      mma_in_flight: int = 0, stacked: bool = False, overlap_store: bool = True) -> jax.Array:
+                      mma_in_flight: int = 0, stacked: bool = False) -> jax.Array:
     """out[m] = lhs[m] @ rhs[g(m)] for the rows m of group g; rhs is [G, K, N], or [G, N, K] with transpose_rhs.
 
     Output rows past sum(group_sizes) are left unwritten (as `dropless.gmm.mosaic.grouped_matmul`). `stream`: one
     stream of loads per CTA (`grouped_matmul_stream`) instead of a pipeline per tile; `mma_in_flight` (streaming
     only, 0 or 1): the MMAs each consumer leaves running when it moves to the next step (`Ring.compute`).
-    `stacked`: `grouped_matmul_stacked`'s layout (streaming, no MMA in flight). `overlap_store` (the per-tile
-    kernel): each consumer waits for its tile's store to have read the output block at its next tile's epilogue,
-    so the store runs under the next tile's MMAs (False: it waits at once, the form measured against).
+    `stacked`: `grouped_matmul_stacked`'s layout (streaming, no MMA in flight).
     """
     m, k = lhs_MK.shape
     if transpose_rhs:
@@ -119,13 +116,13 @@ def grouped_matmul_ws(lhs_MK: jax.Array, rhs: jax.Array, group_sizes_G: jax.Arra
     if stacked and m < cta_m:  # a row tile's box cannot exceed the array; the extra rows are stored by no tile
         return grouped_matmul_ws(jnp.pad(lhs_MK, ((0, cta_m - m), (0, 0))), rhs, group_sizes_G, tile,
                                  transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret, stream=stream,
-                                 stacked=True, overlap_store=overlap_store)[:m]
+                                 stacked=True)[:m]
     m_tiles = max_row_tiles(m, g, cta_m)
     n_tiles, k_steps = n // cta_n, k // bk
     tables = row_tiles(group_sizes_G, cta_m, m_tiles)
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype, "dropless_ws_stacked" if stacked else "dropless_ws")
     mma_in_flight = _in_flight(stream, mma_in_flight, stages)
-    grid_shape = _RowsGridWS(tile, m, m_tiles, n_tiles, k_steps, stages, transpose_rhs, out_dtype, overlap_store)
+    grid_shape = _RowsGridWS(tile, m, m_tiles, n_tiles, k_steps, stages, transpose_rhs, out_dtype)
     kernel = (functools.partial(_rows_stacked_kernel, grid_shape) if stacked else
               functools.partial(_rows_stream_kernel, grid_shape, in_flight=mma_in_flight) if stream
               else functools.partial(_rows_kernel_ws, grid_shape))
@@ -194,8 +191,6 @@ def _rows_kernel_ws(s: _RowsGridWS, lhs_gmem, rhs_gmem, group_gmem, start_gmem, 
                                              _accumulate_then(bm, bn, store))
                 pipeline(*_rows_operands_ws(s, lhs_gmem, rhs_gmem, start, group, ni), allocations=allocations)
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store (overlap_store) has read its block
-
 
 def _rows_mma_ws(s: _RowsGridWS, wg, _, lhs_smem, rhs_smem, acc_ref, in_flight: int = 0):
     """The pipeline body of one consumer: its block_n half of the CTA's columns; returns with at most `in_flight`
@@ -212,12 +207,10 @@ def _rows_epilogue_ws(s: _RowsGridWS, out_smem, out_gmem, wg, offset_gmem, mi, s
     """One consumer's epilogue: its accumulator through its output block, then the ragged store of its columns."""
     bm, bn = s.tile.block_m, s.tile.block_n
     cta_n = CONSUMERS * bn
-    if s.overlap_store:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read out_smem[wg]
     out_smem[wg] = value.astype(s.out_dtype)
     plgpu.commit_smem()
     store_rows(out_smem.at[wg], out_gmem, row0=start, offset=offset_gmem[mi], size=size,
-               cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows), wait=not s.overlap_store)
+               cols=pl.ds(ni * cta_n + wg * bn, bn), max_rows=min(bm, s.num_rows))
 
 
 @dataclass(frozen=True)
@@ -231,12 +224,10 @@ class _ContractGridWS:
     n_tiles: int
     stages: int
     out_dtype: Any
-    overlap_store: bool = True
 
 
 def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
-                         out_dtype=None, interpret=None, stream: bool = False, mma_in_flight: int = 0,
-                         overlap_store: bool = True) -> jax.Array:
+                         out_dtype=None, interpret=None, stream: bool = False, mma_in_flight: int = 0) -> jax.Array:
     """out[g] = lhs[rows of g]ᵀ @ rhs[rows of g], [G, K, N] (the weight gradient xᵀ·dy), warp-specialised.
 
     As `dropless.gmm.mosaic.grouped_matmul_tn`, with a producer warpgroup loading while two consumers compute (a
@@ -246,7 +237,7 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     shared memory, the rows outside the group of its own half of `rhs` and of the shared `lhs` block: both
     consumers write the same values to `lhs` (zeros outside, the loaded rows inside), so whichever finishes
     first, its MMA reads a fully masked block, and NaN in padding rows cannot leak. Empty groups get zeros.
-    `stream`, `mma_in_flight` and `overlap_store` as `grouped_matmul_ws`'s.
+    `stream` and `mma_in_flight` as `grouped_matmul_ws`'s.
     """
     m, k = lhs_MK.shape
     m_rhs, n = rhs_MN.shape
@@ -259,7 +250,7 @@ def grouped_matmul_tn_ws(lhs_MK: jax.Array, rhs_MN: jax.Array, group_sizes_G: ja
     stages = fitting_stages(tile, lhs_MK.dtype, out_dtype)  # its blocks are the rows kernel's sizes, transposed
     starts_G, ends_G, first_G, steps_G = row_steps(group_sizes_G, bk)
     mma_in_flight = _in_flight(stream, mma_in_flight, stages)
-    grid_shape = _ContractGridWS(tile, g, k_tiles, n_tiles, stages, out_dtype, overlap_store)
+    grid_shape = _ContractGridWS(tile, g, k_tiles, n_tiles, stages, out_dtype)
     kernel = (functools.partial(_stream_kernel, grid_shape, in_flight=mma_in_flight) if stream
               else functools.partial(_contract_kernel_ws, grid_shape))
     return plgpu.kernel(
@@ -319,8 +310,6 @@ def _contract_kernel_ws(s: _ContractGridWS, start_gmem, end_gmem, first_gmem, st
             ki, ni = plgpu.planar_snake(kn, (k_tiles, n_tiles), s.tile.grid_minor_dim, s.tile.grid_tile_width)
             _contract_tile_ws(s, refs, allocations, store, wg, gi, ki, ni)
 
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's store (overlap_store) has read its block
-
 
 def _contract_tile_ws(s: _ContractGridWS, refs: GroupRefs, allocations, store, wg, gi, ki, ni):
     """One output tile out[gi, K tile ki, CTA N tile ni]: zeros for an empty group (the producer has nothing to
@@ -358,14 +347,11 @@ def _contract_epilogue_ws(s: _ContractGridWS, out_smem, out_gmem, wg, gi, ki, ni
     """One consumer's epilogue: its accumulator through its output block to out[gi], its half of the columns."""
     bm, bn = s.tile.block_m, s.tile.block_n
     cta_n = CONSUMERS * bn
-    if s.overlap_store:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read out_smem[wg]
     out_smem[wg] = value.astype(s.out_dtype)
     plgpu.commit_smem()
     cols = pl.ds(ni * cta_n + wg * bn, bn)
     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[gi, pl.ds(ki * bm, bm), cols])
-    if not s.overlap_store:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 
