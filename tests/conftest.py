@@ -4,7 +4,8 @@
 collection order (`--no-loadscope-reorder`). Started last, a file of several minutes keeps one worker busy after
 the others have run out of work; started first, it runs beside the many short files, and the workers end
 together. LONGEST_FIRST lists the files of 20 seconds or more, longest first (measured on 2 CPU cores with
---durations); every other file keeps its place after them.
+--durations), except that the two whose tests start `dropless train` processes lead: those processes run beside
+the worker's own tests from the start. Every other file keeps its place after them.
 
 Python's cyclic garbage collector runs rarely in the workers (`pytest_configure`): tracing and lowering allocate
 objects by the million, and each full collection walks the whole heap of JAX's caches and compiled programs.
@@ -21,10 +22,12 @@ from dropless.cli import fewer_collections
 from dropless.core import xla_flags
 
 LONGEST_FIRST = (
-    "test_train_faults.py", "test_train_parallel.py", "test_fp8_model.py", "test_gmm_tuning.py",
-    "test_models_transformer.py", "test_ep_contract.py", "test_fp8.py", "test_train_checkpoint.py", "test_cli.py",
-    "test_train.py", "test_ep_wire.py", "test_bench_scale.py", "test_bench_step.py", "test_ep_executor.py",
-    "test_bench_ep.py", "test_models_mtp.py", "test_gmm_fp8_kernels.py", "test_plan_cost.py",
+    "test_train_faults.py", "test_train_parallel.py", "test_gmm_tuning.py", "test_fp8_model.py",
+    "test_gmm_fp8_kernels.py", "test_fp8.py", "test_ep_contract.py", "test_train_checkpoint.py", "test_train_step.py",
+    "test_models_transformer.py", "test_plan_cost.py", "test_train.py", "test_cli.py", "test_plan_search.py",
+    "test_bench_ep.py", "test_bench_step.py", "test_ep_wire.py", "test_moe_layer.py", "test_ep_executor.py",
+    "test_bench_scale.py", "test_models_mtp.py", "test_bench_plan.py", "test_gmm.py", "test_models_attention.py",
+    "test_moe_permute.py", "test_convert_fixtures.py", "test_train_offload.py", "test_ep_alltoall.py",
 )
 
 
