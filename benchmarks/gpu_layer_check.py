@@ -106,7 +106,7 @@ def main(argv=None) -> int:
               f"rel. err auto/xla vs f32: {errs}")
     if args.out:
         with open(args.out, "w") as stream:
-            json.dump({"environment": environment(), "device": jax.devices()[0].device_kind, "auto_backend": backend,
+            json.dump({"environment": environment(), "auto_backend": backend,
                        "records": records}, stream, indent=1)
     return 0 if all(r["ok"] for r in records) else 1
 

@@ -444,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     state, _ = compiled(state, batches[0])  # warm-up: first-run allocations stay out of the trace
     jax.block_until_ready(state)
     state, result = profile_compiled(compiled, state, batches, args.steps, out / "trace", top=args.top)
-    result.update(preset=args.preset, overrides=args.overrides, device=jax.devices()[0].device_kind,
-                  device_count=jax.device_count(), environment=environment())
+    result.update(preset=args.preset, overrides=args.overrides, device_count=jax.device_count(),
+                  environment=environment())  # the device kind is environment's
     write_json(out / "breakdown.json", result, indent=2)
     print(format_breakdown(result))
     print(f"dropless: trace and breakdown.json in {out}", file=sys.stderr)
