@@ -27,8 +27,8 @@ $(STAMP): pyproject.toml
 train: setup
 	$(VENV)/bin/dropless train $(ARGS)
 
-# One worker per core: the suite is CPU-bound (compiling), and a third worker on two cores measured more CPU time
-# for the same tests (1,970 against 1,800 s) and a longer run.
+# One worker per core: the suite is CPU-bound (compiling), and a worker more than the cores spends more CPU time
+# on the same tests and makes the run longer.
 # (At most 8: each worker holds its own compiled programs.)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 8 ? n : 8 )))
 test: setup

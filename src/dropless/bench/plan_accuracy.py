@@ -40,7 +40,7 @@ QWEN = ("qwen3-30b-a3b", ["model.num_layers=4", "train.batch_size=4"])
 OUT_OF_TIME = "not run: the time budget (--budget) ran out"  # a row's status when --budget ends first
 # A row whose timed steps spread wider than this (slowest / fastest - 1) is marked in the table: its median does
 # not measure the program alone. A step alone on its device repeats within a few percent; one that shares the
-# host's CPUs with compiles does not (qwen3-30b-a3b remat=full ran 500-721 ms so, 182-199 ms alone).
+# host's CPUs with compiles does not.
 NOISY_SPREAD = 0.10
 
 CONFIG_SETS = {

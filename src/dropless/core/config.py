@@ -31,7 +31,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-# Values that were renamed, by key: the old value raises one sentence naming the new one, wherever it comes from
+# Retired values, by key: each raises one sentence naming its replacement, wherever it comes from
 # (the CLI, a preset, a saved run's config).
 RENAMED_VALUES = {
     "moe.gmm_backend": {"tokamax": "dropless_mosaic (our Mosaic GPU kernels)",

@@ -23,8 +23,8 @@ per tile, take no pipeline buffers.
 "blockwise": DeepSeek-V3 / DeepGEMM promotion: each 128-wide contraction block's wgmma goes into a fresh
 accumulator that is waited for, scaled and added into a float32 register carry. Hopper's e4m3 wgmma accumulates
 with reduced precision, and the promotion bounds that error to one 128-wide block. A blockwise consumer holds two
-float32 tiles (partial and carry), so its tile is 64x128: at 128x128 the 256 registers per thread spill (3.2x
-slower on an H200. A blockwise consumer wider than 128 columns computes each K block in 128-column slices, one
+float32 tiles (partial and carry), so its tile is 64x128: at 128x128 the 256 registers per thread spill. A
+blockwise consumer wider than 128 columns computes each K block in 128-column slices, one
 after another (one partial live beside the carry: 64x256 fits where two 64x256 tiles do not), each slice inside
 one 128x128 weight-scale block.
 
@@ -55,31 +55,25 @@ PRODUCTS = ("fwd", "dlhs", "drhs")
 TMA_MAX_BOX = 256  # elements along any dim of one TMA copy
 STACKS = ("n", "m")  # where the two consumers' tiles sit in the CTA tile: side by side along N, stacked along M
 
-# Tiles per consumer warpgroup, keyed by (product, scaling), with the consumers' layout in FP8_STACKS. Measured on
-# one H200 at DeepSeek-V3's 32-expert shapes by benchmarks/fp8/grouped_gemm.py (fp8-probe-h200.json) and, for the
-# blockwise layouts, benchmarks/fp8/layouts.py (fp8-layouts-h200.json):
-#   fwd/dlhs rowwise: 128x128x128/3 m-minor 8 ran 1,198-1,284 TF/s with no scales applied; the rowwise epilogue
-#                     (two scale-vector loads per tile, two multiplies per output) is not timed.
-#   drhs rowwise:     128x128x128/3 n-minor 4 ran 1,174-1,191 TF/s unscaled, with bf16 outputs; with the default
-#                     float32 output only 2 stages fit beside the output blocks (untimed).
-#   blockwise:        64 rows per consumer (a 128-row partial beside the carry spills), stacked along M. In one
-#                     call (330a81b) gate-up fwd / dlhs / down fwd ran 950 / 914 / 886 TF/s stacked 64x128 with
-#                     four stages against 954 / 923 / 907 side by side, within the spread between calls; stacked
-#                     takes N in multiples of 128 rather than 256, and Fp8Gmm fwd+bwd ran 3.5% faster with every
-#                     product stacked; five stages ran ahead of four at all three shapes (1-7%). In one call
-#                     (a8098a6): 64x256 in two 128-column slices run one after another (a 128x256 CTA tile, three
-#                     stages) 1,014 / 986 / 985 against 998 / 945 / 978 for 64x128 in five, and Fp8Gmm fwd+bwd
-#                     752 against 728 TF/s: gmm_nt's products take 64x256 where the output's columns are a
-#                     multiple of 256 (64x128 in five stages elsewhere). With a float32 output (the shared experts'
-#                     and dense MLPs' down projection) two stages fit at 64x256: untimed alone, inside the measured
-#                     step (fp8-step-h200.json). In the same call as the above the
-#                     unscaled kernel ran 1,176 TF/s side by side at 64x128 against 917 blockwise: promotion costs
-#                     22% at equal tiles. Splitting a 64x128 consumer into two 64-column accumulators, both issued
-#                     before either is promoted (overlapping one's promotion with the other's wgmma), ran 8-11%
-#                     behind one accumulator at the three gmm_nt shapes in that call (narrower wgmmas re-read the
-#                     lhs) and 3% ahead for drhs (712 against 691): not in the code, one reading for drhs.
+# Tiles per consumer warpgroup, keyed by (product, scaling), with the consumers' layout in FP8_STACKS. Chosen on
+# one H200 at DeepSeek-V3's 32-expert shapes by benchmarks/fp8/grouped_gemm.py (measured: fp8-probe-h200.json) and,
+# for the blockwise layouts, benchmarks/fp8/layouts.py (measured: fp8-layouts-h200.json):
+#   fwd/dlhs rowwise: 128x128x128/3 m-minor 8, timed with no scales applied; the rowwise epilogue (two
+#                     scale-vector loads per tile, two multiplies per output) is not timed.
+#   drhs rowwise:     128x128x128/3 n-minor 4, timed unscaled with bf16 outputs; with the default float32 output
+#                     only 2 stages fit beside the output blocks (untimed).
+#   blockwise:        64 rows per consumer (a 128-row partial beside the carry spills), stacked along M: stacked
+#                     takes N in multiples of 128 rather than 256, and at 64x128 it runs ahead of side by side in
+#                     every gmm_nt product. gmm_nt's products take 64x256 in two 128-column slices run one after
+#                     another (a 128x256 CTA tile, three stages), the fastest layout measured at 32 groups, where
+#                     the output's columns are a multiple of 256 (64x128 in five stages elsewhere). With a float32
+#                     output (the shared experts' and dense MLPs' down projection) two stages fit at 64x256:
+#                     untimed alone, inside the measured step (fp8-step-h200.json). The promotion's cost at equal
+#                     tiles is the gap to the unscaled kernel in the same record. Splitting a 64x128 consumer into
+#                     two 64-column accumulators, both issued before either is promoted (overlapping one's
+#                     promotion with the other's wgmma), is not in the code: narrower wgmmas re-read the lhs.
 #                     drhs (float32 output): stacked 64x128 in four stages (five do not fit beside the output
-#                     blocks), 691 TF/s.
+#                     blocks).
 FP8_TILES = {
     ("fwd", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
     ("dlhs", "rowwise"): TileConfig(128, 128, 128, 3, grid_minor_dim=0, grid_tile_width=8),
@@ -94,13 +88,12 @@ MEASURED = frozenset({("fwd", "rowwise"), ("dlhs", "rowwise"), ("drhs", "rowwise
 # The consumers' layout per table entry (STACKS).
 FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for product, scaling in FP8_TILES}
 # The products whose kernel streams its CTA's tiles through one ring of stages (`stream=True`, the same bits as the
-# per-tile pipeline): the blockwise weight gradient. In one call (fp8-layouts-h200.json, DeepSeek-V3's widths,
-# 65,536 rows in 32 Dirichlet groups) it ran 749 / 841 TF/s against 687 / 697 per tile (gate+up / down). gmm_nt's
-# products stay per tile: at the table's 64x256 the streamed kernel ran 0.96-0.97x the per-tile one, at 256 groups
-# (fp8-layouts-e256-h200.json) 0.33x at gate+up fwd and down dlhs, and Fp8Gmm's forward on aligned rows ran 2.4x
-# slower with it. That forward and the fast 32-group kernel are one compiled kernel at two row counts, so the
-# cause is a run-time one (unexplained); at 64x128 in five stages it ran 1.00-1.16x per tile, still behind 64x256
-# per tile at gate+up (963 / 968 against 1,025 / 1,000). Rowwise has no streamed kernel.
+# per-tile pipeline): the blockwise weight gradient, faster streamed than per tile at DeepSeek-V3's widths with 32
+# and 256 groups (measured: fp8-layouts-h200.json, fp8-layouts-e256-h200.json). gmm_nt's products stay per tile:
+# at the table's 64x256 the streamed kernel is slower in every product, at 256 groups several times slower at
+# gate+up fwd and down dlhs, and Fp8Gmm's forward on aligned rows is slower with it. That slow case and the fast
+# 32-group kernel are one compiled kernel at two row counts, so the cause is a run-time one (unexplained); at
+# 64x128 in five stages the streamed kernel stays behind 64x256 per tile at gate+up. Rowwise has no streamed kernel.
 FP8_STREAM = frozenset({("drhs", "blockwise")})
 # gmm_nt's blockwise tile where the output's columns are not a multiple of the table's 256 (see default_tile).
 FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)

@@ -37,9 +37,9 @@ from dropless.ops.fp8 import FP8, Quantized, magnitude, quantize, scale_and_inve
 
 TILE = 128
 KINDS = ("tiles", "blocks")
-# Warps per program (one 128 x 128 tile each), by kind. Measured on one H200 (benchmarks/fp8/pairs_sweep.py,
-# fp8-pairs-h200.json): tiles at [65536, 7168] ran 0.71 ms with 4 warps (81% of a bf16 elementwise pass's
-# bandwidth), 0.82 with 8, 1.27 with 16; blocks ran within 3% of that pass with 4, 8 or 16.
+# Warps per program (one 128 x 128 tile each), by kind: for tiles the fastest of 4, 8 and 16 warps; blocks run at
+# about a bf16 elementwise pass's bandwidth with any of them (measured on one H200 by
+# benchmarks/fp8/pairs_sweep.py: fp8-pairs-h200.json).
 NUM_WARPS = {"tiles": 4, "blocks": 8}
 
 
