@@ -44,8 +44,8 @@ OUT_OF_TIME = "not run: the time budget (--budget) ran out"  # a row's status wh
 NOISY_SPREAD = 0.10
 
 CONFIG_SETS = {
-    # Twelve configurations: about 20 minutes on one H200 machine (a parallel compile, then ~70 s per process),
-    # so `make bench-plan` runs them in three parts of four, each under 10 minutes.
+    # Twelve configurations, each measured in a process of its own: `make bench-plan` runs them in three parts of
+    # four, so that each part fits one device call's 10-minute limit.
     "h200": [("proxy b1", PROXY, ["train.batch_size=1"])]
     + [(f"proxy b{b} remat={r}", PROXY, [f"train.batch_size={b}", f"train.remat={r}"])
        for b in (4, 8) for r in ("none", "moe", "full")]

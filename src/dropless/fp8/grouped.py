@@ -83,8 +83,8 @@ def aligned_transposed(a_MX: jax.Array, group_sizes_G: jax.Array, recipe: Recipe
     scales per (1, recipe.contract_block) block [X, P / block], for rowwise one value per expert over its blocks."""
     source_P, valid_P, block_group_B = aligned_sources(group_sizes_G, a_MX.shape[0], ALIGN)
     # Transpose first, then gather columns: neighbouring outputs then read neighbouring inputs. Fused into one
-    # pass, the row gather read x[source[p], k] for consecutive p, K elements apart (8x slower on an H200 at
-    # DeepSeek-V3's gate+up); the barrier keeps XLA from fusing the transpose into the gather.
+    # pass, the row gather would read x[source[p], k] for consecutive p, K elements apart (a strided read, several
+    # times slower on an H200); the barrier keeps XLA from fusing the transpose into the gather.
     aT_XM = jax.lax.optimization_barrier(a_MX.T)
     aT_XP = jnp.where(valid_P[None, :], jnp.take(aT_XM, source_P, axis=1), 0)
     return _quantized_copy(aT_XP, block_group_B, group_sizes_G.shape[0], recipe)
