@@ -338,3 +338,21 @@ def test_a_damaged_token_cache_is_rebuilt(text_run, tmp_path):
     again, _ = load_token_dataset(cfg, VOCAB, SEQ, copy)
     np.testing.assert_array_equal(again.train_batch(9, 4), dataset.train_batch(9, 4))
     assert cache.stat().st_size > 100  # written again, whole
+
+
+def test_a_resumed_run_reads_its_own_tokenizer_whatever_the_cache_says(tmp_path):
+    """A run copied without its token cache (corpus/), whose data then changed: a new run there trains a tokenizer
+    on the new data, but a resumed one (weights trained with the old tokenizer) reads RUN/tokenizer.json as it is,
+    and refuses in one line where it is missing."""
+    cfg = _cfg(_write_jsonl(tmp_path / "docs.jsonl", _documents(120)), eval_fraction=0.1)
+    load_token_dataset(cfg, VOCAB, SEQ, tmp_path / "run")
+    saved = (tmp_path / "run" / "tokenizer.json").read_bytes()
+    _write_jsonl(tmp_path / "docs.jsonl", _documents(120, seed=7)[::-1])  # other text at the same path
+    for resume in (True, False):
+        copy = tmp_path / f"copy-{resume}"
+        shutil.copytree(tmp_path / "run", copy, ignore=shutil.ignore_patterns("corpus"))
+        load_token_dataset(cfg, VOCAB, SEQ, copy, resume=resume)
+        assert ((copy / "tokenizer.json").read_bytes() == saved) == resume, resume
+    (copy := tmp_path / "copy-True" / "tokenizer.json").unlink()
+    with pytest.raises(DataError, match=r"tokenizer.json is missing, and the run's weights were trained with it"):
+        load_token_dataset(cfg, VOCAB, SEQ, copy.parent, resume=True)

@@ -197,12 +197,15 @@ def _process_rows(batch_size: int, process_index: int, process_count: int) -> tu
 
 
 def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_dir: str | Path | None = None,
-                       log: Callable[[str], None] | None = None) -> tuple[TokenDataset, TextTokenizer | None]:
+                       log: Callable[[str], None] | None = None, *,
+                       resume: bool = False) -> tuple[TokenDataset, TextTokenizer | None]:
     """Build the dataset of `data_cfg` for a model of `vocab_size` tokens; returns (dataset, tokenizer).
 
     The tokenizer is `data.tokenizer` if given, else a byte-level BPE trained on the corpus; it is None for a
     pre-tokenized corpus without `data.tokenizer`. With `run_dir`, the tokenizer is written to
     RUN_DIR/tokenizer.json and the tokenized corpus cached under RUN_DIR/corpus/, so a resumed run reuses both.
+    `resume`: the run directory holds a run whose weights were trained with its tokenizer.json, which is then read
+    as it is (never trained again over, whatever the cache says; DataError where it is missing).
     """
     log = log or (lambda message: None)
     corpus = corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes)
@@ -210,7 +213,7 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     if cache_dir is not None:
         cache_dir.mkdir(parents=True, exist_ok=True)
     texts = functools.cache(lambda: _read_texts(corpus, log))
-    tokenizer = _tokenizer(data_cfg, corpus, vocab_size, run_dir, cache_dir, texts, log)
+    tokenizer = _tokenizer(data_cfg, corpus, vocab_size, run_dir, cache_dir, texts, log, resume)
     if corpus.kind == "text":
         # Text documents are small and many: one contiguous reordered copy makes batch gathers cheap.
         tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log)
@@ -243,7 +246,7 @@ def _read_texts(corpus: Corpus, log: Callable[[str], None]) -> list[str]:
 
 
 def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, cache_dir: Path | None,
-               texts: Callable[[], list[str]], log) -> TextTokenizer | None:
+               texts: Callable[[], list[str]], log, resume: bool = False) -> TextTokenizer | None:
     """The run's tokenizer: given, reused from the run directory, or trained (and saved there)."""
     run_file = Path(run_dir) / TOKENIZER_FILE if run_dir is not None else None
     origin_file = cache_dir / "tokenizer-origin.json" if cache_dir is not None else None
@@ -258,6 +261,16 @@ def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, c
     else:
         # Reuse the run's tokenizer only if it was trained for this corpus and vocabulary (the same config).
         origin = {"source": data_cfg.source, "max_bytes": data_cfg.max_bytes, "vocab_size": vocab_size}
+        if run_file is not None and resume:
+            # The weights belong to this tokenizer. The cache's record of its origin may be gone (a run copied
+            # without corpus/) while the data changed since: retraining would pair the weights with another one.
+            if not run_file.is_file():
+                raise DataError(f"{run_file} is missing, and the run's weights were trained with it; put it back "
+                                "(from a copy of the run) or start a new run with --overwrite.")
+            tokenizer = load_tokenizer(run_file, vocab_size)
+            if _read_json(origin_file) != origin:
+                write_atomic(origin_file, json.dumps(origin).encode())
+            return tokenizer
         if run_file is not None and run_file.is_file() and _read_json(origin_file) == origin:
             return load_tokenizer(run_file, vocab_size)
         log(f"dropless: training a byte-level BPE tokenizer of {vocab_size} tokens on {corpus.name}")

@@ -155,6 +155,37 @@ def _silence_failed_writes(temporary: Path, reason: str) -> None:
         gc.collect()  # the tasks freed now report while the save's output is held
 
 
+class _FailedReads(logging.Filter):
+    """Drops the reports of the reader tasks of a restore that failed (the one line raised says what failed):
+    asyncio's "exception was never retrieved" for each task, and the interpreter's "Exception ignored" for each
+    coroutine, both issued when they are freed, which may be at exit. A report is theirs when its text names the
+    checkpoints' directory (tensorstore's error quotes the absolute path of the array it could not read)."""
+
+    def __init__(self, directory: Path, hook):
+        super().__init__()
+        self.directory, self.hook = str(Path(directory).resolve()), hook
+
+    def theirs(self, error: BaseException | None) -> bool:
+        return error is not None and self.directory in str(error)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.directory in record.getMessage() or self.theirs(record.exc_info and record.exc_info[1]))
+
+    def unraisable(self, report) -> None:
+        if not self.theirs(report.exc_value):
+            self.hook(report)
+
+
+def _silence_failed_reads(directory: Path) -> None:
+    """Once per directory: several of its checkpoints may fail in turn."""
+    installed = getattr(sys.unraisablehook, "__self__", None)
+    if not debugging() and not (isinstance(installed, _FailedReads) and installed.directory == str(directory.resolve())):
+        reads = _FailedReads(directory, sys.unraisablehook)
+        logging.getLogger("asyncio").addFilter(reads)
+        sys.unraisablehook = reads.unraisable
+    gc.collect()  # what is freed now reports while restore's output still goes to its sink
+
+
 class _HeldOutput:
     """What is logged (through the root logger's handlers) and printed to sys.stderr while held: emitted when
     released, unless dropped. DROPLESS_DEBUG=1 (or --debug) keeps everything."""
@@ -336,11 +367,13 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
                 restored = dict(mngr.restore(step, args=ocp.args.Composite(**items)))
             except (ValueError, KeyError, TypeError) as err:
                 time.sleep(_STRAGGLERS_S)
+                _silence_failed_reads(checkpoint_dir(run_dir))
                 error = (CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
                                          f"parameters ({_first_line(err)}); check the run's config.json.")
                          if _shape_mismatch(err) else DamagedCheckpoint(f"{where} cannot be read ({_first_line(err)})"))
             except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
                 time.sleep(_STRAGGLERS_S)
+                _silence_failed_reads(checkpoint_dir(run_dir))
                 error = DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {_first_line(err)})")
         _agree(error, where)
     saved = restored.pop("digest", None)
@@ -388,8 +421,10 @@ def agreed_outcome(outcome: int) -> tuple[int, int]:
 
 
 def _first_line(err: BaseException) -> str:
+    """The error's first line, without the pointer to tensorstore's spec that orbax appends (a method's repr)."""
     lines = str(err).strip().splitlines()
-    return (lines[0] if lines else type(err).__name__)[:160]
+    line = (lines[0] if lines else type(err).__name__).split(" See full TensorStore details")[0]
+    return line[:160]
 
 
 def _shape_mismatch(err: BaseException) -> bool:
