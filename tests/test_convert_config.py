@@ -145,6 +145,38 @@ def test_unsupported_settings_are_named(hf, field):
     assert str(err.value).count(".") >= 1 and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("hf, field", [
+    ({**DEEPSEEK_V3, "hidden_size": "big"}, "hidden_size='big' is not an integer"),
+    ({**DEEPSEEK_V3, "n_routed_experts": [256]}, "n_routed_experts=[256] is not an integer"),
+    ({**DEEPSEEK_V3, "rms_norm_eps": "tiny"}, "rms_norm_eps='tiny' is not a number"),
+    ({**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "factor": "forty"}},
+     "rope_scaling.factor='forty' is not a number"),
+    ({**DEEPSEEK_V3, "rope_scaling": "yarn"}, "rope_scaling='yarn' is not an object"),
+    ({**DEEPSEEK_V3, "moe_layer_freq": "every"}, "moe_layer_freq='every' is not an integer"),
+    ({**DEEPSEEK_V3, "max_position_embeddings": None}, "max_position_embeddings=None is not an integer"),
+    ({**MIXTRAL_8X7B, "sliding_window": "4k"}, "sliding_window='4k' is not an integer"),
+    ({**MIXTRAL_8X7B, "num_local_experts": float("inf")}, "num_local_experts=inf is not an integer"),
+    ({**QWEN3_30B_A3B, "mlp_only_layers": 3}, "mlp_only_layers=3 is not a list"),
+    ({**QWEN3_30B_A3B, "num_key_value_heads": "four"}, "num_key_value_heads='four' is not an integer"),
+])
+def test_fields_of_the_wrong_json_kind_are_named(hf, field):
+    """A value no number can be read from is the file's mistake: one ConvertError naming the field and the fix,
+    not Python's ValueError or TypeError."""
+    with pytest.raises(ConvertError) as err:
+        config_from_hf(hf)
+    assert f"config.json field {field}" in str(err.value) and "re-download" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_malformed_fp8_block_size_is_named():
+    from dropless.convert.hf_weights import fp8_block_size
+
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": ["128", 128]}
+    with pytest.raises(ConvertError, match=r"weight_block_size=\['128', 128\] must be two positive integers"):
+        fp8_block_size({"quantization_config": quant})
+    assert fp8_block_size({"quantization_config": {**quant, "weight_block_size": [128, 64]}}) == (128, 64)
+
+
 def test_unsupported_architecture_lists_the_supported_ones():
     with pytest.raises(ConvertError, match="Qwen2MoeForCausalLM is not supported.*DeepseekV3ForCausalLM, "
                                            "MixtralForCausalLM, Qwen3MoeForCausalLM"):

@@ -82,6 +82,25 @@ def _get(hf: dict, family: str, key: str, *aliases: str) -> Any:
     return _DEFAULTS[family][key]
 
 
+def _as(kind: type, key: str, value: Any) -> Any:
+    """`kind(value)` (int or float) for a config.json field: a value of another JSON kind (a string, a list, a
+    null where a number is needed) raises ConvertError naming the field, not Python's own error."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        what = "an integer" if kind is int else "a number"
+        raise ConvertError(f"config.json field {key}={value!r} is not {what}; correct it in config.json or "
+                           "re-download the checkpoint.") from None
+
+
+def _field(hf: dict, family: str, kind: type, key: str, *aliases: str, null: Any = None) -> Any:
+    """`_get` as `kind`, with the error naming the key the file holds; `null`, if given, stands in for a null
+    (or zero) value, as transformers reads these keys."""
+    name = next((n for n in (key, *aliases) if n in hf), key)
+    value = _get(hf, family, key, *aliases)
+    return _as(kind, name, null if null is not None and not value else value)
+
+
 def _unsupported(key: str, value: Any, supported: str) -> ConvertError:
     return ConvertError(f"config.json field {key}={value!r} is not supported; dropless supports {supported}.")
 
@@ -90,9 +109,13 @@ def rope_settings(hf: dict, family: str) -> tuple[float, dict | None]:
     """(rope_theta, our rope_scaling or None) from either config style."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if not isinstance(value, dict):
+            raise ConvertError(f"config.json field {key}={value!r} is not an object; correct it in config.json or "
+                               "re-download the checkpoint.")
     if params and any(isinstance(v, dict) for v in params.values()):
         raise _unsupported("rope_parameters", "per-layer-type RoPE", "one RoPE setting for all layers")
-    theta = float(hf.get("rope_theta", params.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
+    theta = _as(float, "rope_theta", hf.get("rope_theta", params.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
     merged = {**params, **scaling}
     kind = merged.get("rope_type", merged.get("type", "default"))
     if merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -101,13 +124,15 @@ def rope_settings(hf: dict, family: str) -> tuple[float, dict | None]:
         return theta, None
     if kind != "yarn":
         raise _unsupported("rope_scaling.type", kind, "'yarn' or no scaling")
-    max_pos = int(_get(hf, family, "max_position_embeddings"))
-    original = merged.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or max_pos
-    factor = merged.get("factor") or max_pos / original  # transformers derives a missing factor the same way
-    out = {"type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    max_pos = _field(hf, family, int, "max_position_embeddings")
+    original = _as(int, "rope_scaling.original_max_position_embeddings", merged.get("original_max_position_embeddings")
+                   or hf.get("original_max_position_embeddings") or max_pos)
+    # transformers derives a missing factor the same way
+    factor = _as(float, "rope_scaling.factor", merged.get("factor") or (max_pos / original if original else 0))
+    out = {"type": "yarn", "factor": factor, "original_max_position_embeddings": original}
     for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
         if merged.get(key) is not None:
-            out[key] = float(merged[key])
+            out[key] = _as(float, f"rope_scaling.{key}", merged[key])
     if merged.get("truncate") is not None:
         out["truncate"] = bool(merged["truncate"])
     return theta, out
@@ -131,15 +156,19 @@ def layer_letters(hf: dict, family: str, count: int) -> str:
     if family == "mixtral":
         return "M" * count
     if family == "deepseek_v3":
-        first_k = int(_get(hf, family, "first_k_dense_replace") or 0)
-        freq = int(hf.get("moe_layer_freq") or 1)
+        first_k = _field(hf, family, int, "first_k_dense_replace", null=0)
+        freq = _as(int, "moe_layer_freq", hf.get("moe_layer_freq") or 1)
         if freq < 1:
             raise _unsupported("moe_layer_freq", freq, "a positive layer interval")
         return "".join("M" if _deepseek_is_moe(i, first_k, freq) else "D" for i in range(count))
-    step = int(_get(hf, family, "decoder_sparse_step"))
+    step = _field(hf, family, int, "decoder_sparse_step")
     if step < 1:
         raise _unsupported("decoder_sparse_step", step, "a positive layer interval")
-    only = set(_get(hf, family, "mlp_only_layers") or [])
+    only = _get(hf, family, "mlp_only_layers") or []
+    if not isinstance(only, list):
+        raise ConvertError(f"config.json field mlp_only_layers={only!r} is not a list of layer numbers; correct it "
+                           "in config.json or re-download the checkpoint.")
+    only = {_as(int, "mlp_only_layers", layer) for layer in only}
     return "".join("D" if i in only or (i + 1) % step != 0 else "M" for i in range(count))
 
 
@@ -171,53 +200,61 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
     def get(key: str, *aliases: str) -> Any:
         return _get(hf, family, key, *aliases)
 
+    def integer(key: str, *aliases: str, null: int | None = None) -> int:
+        return _field(hf, family, int, key, *aliases, null=null)
+
+    def real(key: str, *aliases: str) -> float:
+        return _field(hf, family, float, key, *aliases)
+
     theta, rope_scaling = rope_settings(hf, family)
-    num_layers = int(get("num_hidden_layers"))
-    hidden, heads = int(get("hidden_size")), int(get("num_attention_heads"))
-    max_len = int(get("max_position_embeddings"))
-    mtp_layers = int(hf.get("num_nextn_predict_layers") or 0) if family == "deepseek_v3" else 0
+    num_layers = integer("num_hidden_layers")
+    hidden, heads = integer("hidden_size"), integer("num_attention_heads")
+    max_len = integer("max_position_embeddings")
+    mtp_layers = (_as(int, "num_nextn_predict_layers", hf.get("num_nextn_predict_layers") or 0)
+                  if family == "deepseek_v3" else 0)
     letters = layer_letters(hf, family, num_layers + mtp_layers)
     if mtp_layers and len(set(letters[num_layers:])) > 1:
         raise _unsupported("num_nextn_predict_layers", mtp_layers, "MTP layers all dense or all MoE")
-    model = dict(family=family, vocab_size=int(get("vocab_size")), hidden_size=hidden, num_layers=num_layers,
+    model = dict(family=family, vocab_size=integer("vocab_size"), hidden_size=hidden, num_layers=num_layers,
                  **_pattern_keys(letters[:num_layers]), num_heads=heads, mtp_layers=mtp_layers,
                  mtp_block="moe" if letters[num_layers:][:1] != "D" else "dense",
                  rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_len,
-                 rms_norm_eps=float(get("rms_norm_eps")), tie_embeddings=bool(get("tie_word_embeddings")),
-                 init_std=float(get("initializer_range")))
+                 rms_norm_eps=real("rms_norm_eps"), tie_embeddings=bool(get("tie_word_embeddings")),
+                 init_std=real("initializer_range"))
     if family == "deepseek_v3":
-        model.update(attention="mla", dense_intermediate_size=int(get("intermediate_size")),
-                     q_lora_rank=int(get("q_lora_rank") or 0), kv_lora_rank=int(get("kv_lora_rank")),
-                     qk_rope_head_dim=int(get("qk_rope_head_dim")), qk_nope_head_dim=int(get("qk_nope_head_dim")),
-                     v_head_dim=int(get("v_head_dim")))
-        moe = dict(num_experts=int(get("n_routed_experts", "num_local_experts")),
-                   expert_intermediate_size=int(get("moe_intermediate_size")),
-                   num_shared_experts=int(get("n_shared_experts") or 0), score_func="sigmoid",
+        model.update(attention="mla", dense_intermediate_size=integer("intermediate_size"),
+                     q_lora_rank=integer("q_lora_rank", null=0), kv_lora_rank=integer("kv_lora_rank"),
+                     qk_rope_head_dim=integer("qk_rope_head_dim"), qk_nope_head_dim=integer("qk_nope_head_dim"),
+                     v_head_dim=integer("v_head_dim"))
+        moe = dict(num_experts=integer("n_routed_experts", "num_local_experts"),
+                   expert_intermediate_size=integer("moe_intermediate_size"),
+                   num_shared_experts=integer("n_shared_experts", null=0), score_func="sigmoid",
                    norm_topk_prob=bool(get("norm_topk_prob")),
-                   routed_scaling_factor=float(get("routed_scaling_factor")),
-                   n_group=int(get("n_group") or 1), topk_group=int(get("topk_group") or 1))
+                   routed_scaling_factor=real("routed_scaling_factor"),
+                   n_group=integer("n_group", null=1), topk_group=integer("topk_group", null=1))
         if hf.get("seq_aux") and hf.get("aux_loss_alpha"):  # the official config's sequence-wise balance loss
-            moe["seq_aux_loss_weight"] = float(hf["aux_loss_alpha"])
+            moe["seq_aux_loss_weight"] = _as(float, "aux_loss_alpha", hf["aux_loss_alpha"])
     else:
-        head_dim = get("head_dim") or hidden // heads
-        model.update(attention="gqa", num_kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(head_dim),
+        head_dim = integer("head_dim", null=hidden // heads if heads else 0)  # ModelConfig refuses 0 heads
+        model.update(attention="gqa", num_kv_heads=integer("num_key_value_heads", null=heads), head_dim=head_dim,
                      qk_norm=family == "qwen3_moe")
         window = hf.get("sliding_window")
+        window = None if window is None else _as(int, "sliding_window", window)
         if family == "mixtral" and window is not None and window < max_len:
             raise _unsupported("sliding_window", window, f"null (or >= max_position_embeddings={max_len})")
         if family == "mixtral":
-            width = int(get("intermediate_size"))
+            width = integer("intermediate_size")
             model["dense_intermediate_size"] = width
-            moe = dict(num_experts=int(get("num_local_experts", "num_experts")), expert_intermediate_size=width,
+            moe = dict(num_experts=integer("num_local_experts", "num_experts"), expert_intermediate_size=width,
                        norm_topk_prob=True)
         else:
-            model["dense_intermediate_size"] = int(get("intermediate_size"))
-            moe = dict(num_experts=int(get("num_experts", "num_local_experts")),
-                       expert_intermediate_size=int(get("moe_intermediate_size")),
+            model["dense_intermediate_size"] = integer("intermediate_size")
+            moe = dict(num_experts=integer("num_experts", "num_local_experts"),
+                       expert_intermediate_size=integer("moe_intermediate_size"),
                        norm_topk_prob=bool(get("norm_topk_prob")))
         moe.update(num_shared_experts=0, score_func="softmax", routed_scaling_factor=1.0, n_group=1, topk_group=1,
-                   aux_loss_weight=float(get("router_aux_loss_coef")))
-    moe["num_experts_per_tok"] = int(get("num_experts_per_tok"))
+                   aux_loss_weight=real("router_aux_loss_coef"))
+    moe["num_experts_per_tok"] = integer("num_experts_per_tok")
     base = base or Config()
     train = base.train
     if train.seq_len > max_len:  # keep the Config valid for models with a short context

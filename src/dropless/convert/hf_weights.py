@@ -243,9 +243,11 @@ def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
                            f"fmt={quant.get('fmt')!r}) is not supported; dropless reads fp8 block-quantized "
                            "checkpoints (DeepSeek-V3's) and unquantized ones.")
     block = quant.get("weight_block_size") or [128, 128]
-    if len(block) != 2:
-        raise ConvertError(f"config.json field quantization_config.weight_block_size={block} must have 2 entries.")
-    return int(block[0]), int(block[1])
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in block)):
+        raise ConvertError(f"config.json field quantization_config.weight_block_size={block!r} must be two positive "
+                           "integers; correct it in config.json or re-download the checkpoint.")
+    return block[0], block[1]
 
 
 # --------------------------------------------------------------------------------------------- reading and checking
