@@ -40,7 +40,7 @@ def test_a_block_that_never_finishes_ends_the_process_with_one_line():
             "with watchdog(0.5, 'the candidate', 'leave it out.'):\n    time.sleep(30)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3
-    assert done.stderr.strip() == "error: the candidate did not finish in 0.5 s, so it never completes; leave it out."
+    assert done.stderr.strip() == "dropless: error: the candidate did not finish in 0.5 s, so it never completes; leave it out."
     code = ("from dropless.bench.harness import watchdog\nimport time\n"
             "with watchdog(2.0, 'x', 'y'):\n    pass\ntime.sleep(3)\nprint('finished')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

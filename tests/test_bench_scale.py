@@ -5,6 +5,7 @@ import json
 import pytest
 
 from dropless.bench import report, scale
+from dropless.core.config import ConfigError
 from tests.micro_config import MICRO
 
 
@@ -55,7 +56,11 @@ def test_scale_runs_every_mesh_and_strategy_on_cpu(tmp_path, capsys):
     assert scale.mesh_layouts([1, 4], fsdp=False) == [(1, 1), (1, 4)]
 
 
-def test_scale_rejects_bad_devices(capsys):
-    assert scale.main(["--devices", "2,4"]) == 2
-    assert "include 1" in capsys.readouterr().err
-    assert scale.main(["--devices", "one"]) == 2
+def test_scale_rejects_bad_devices():
+    # ConfigError: `dropless bench scale` prints it as its one `dropless: error:` line, exit status 2
+    with pytest.raises(ConfigError, match="include 1"):
+        scale.main(["--devices", "2,4"])
+    with pytest.raises(ConfigError, match="comma-separated integers"):
+        scale.main(["--devices", "one"])
+    with pytest.raises(ConfigError, match="not known; choose from"):
+        scale.main(["--devices", "1", "--strategies", "teleport"])

@@ -59,6 +59,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (root / "badtok" / "tokenizer.json").write_text("garbage")
     (root / "hf").mkdir()
     (root / "hf" / "config.json").write_text('{"model_type": "mixtral", ')
+    (root / "hfbig").mkdir()
+    (root / "hfbig" / "config.json").write_text('{"model_type": "mixtral", "hidden_size": "big"}')
     (root / "empty.npy").write_bytes(b"")
     (root / "garbage.npy").write_text("not an array")
     np.save(root / "zero.npy", np.zeros((0, 8), np.int32))
@@ -74,6 +76,10 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["convert", "--from", "{f}/binary", "--to-hf", "{f}/out"], ["binary/config.json is not a text file"]),
     (["generate", "--run-dir", "{f}/badtok", "--prompt", "x"], ["badtok/tokenizer.json is not a valid tokenizer"]),
     (["generate", "--hf-dir", "{f}/hf", "--prompt", "x"], ["hf/config.json is not valid JSON", "re-download"]),
+    (["generate", "--hf-dir", "{f}/hfbig", "--prompt", "x"], ["config.json field hidden_size='big' is not an integer"]),
+    (["convert", "--from-hf", "{f}/hfbig", "--to", "{f}/imported1"], ["hidden_size='big'", "re-download"]),
+    (["convert", "--from-hf", "{f}/hf", "--to", "{f}/imported2", "--from", "{f}/run", "--to-hf", "{f}/exported"],
+     ["one direction at a time", "not both"]),
     (["generate", "--run-dir", "{f}/ok.npy", "--prompt", "x"], ["ok.npy is not a dropless run directory"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),
@@ -101,6 +107,9 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["plan", "--devices", "x"], ["argument --devices: invalid int value: 'x'", "'dropless plan --help'"]),
     (["bench", "gmm", "--bogus"], ["unrecognized arguments: --bogus", "'dropless bench gmm --help'"]),
     (["tune-gmm", "--workers", "many"], ["invalid int value: 'many'", "'dropless tune-gmm --help'"]),
+    (["tune-gmm", "--shape", "1,2,3"], ["--shape '1,2,3' must be four integers M,K,N,G."]),
+    (["bench", "gmm", "--shapes", "nope"], ["nope not known; choose from"]),
+    (["bench", "scale", "--devices", "one"], ["--devices 'one' must be comma-separated integers"]),
     (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
 ])
 def test_broken_input_gives_one_line(capsys, files, argv, fragments):
@@ -238,3 +247,47 @@ sys.exit(cli.main(["presets"]))
     assert done.returncode == 2
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("dropless: error: run/checkpoints: "), done.stderr
+
+
+def test_running_out_of_host_memory_gives_one_line(capsys, monkeypatch):
+    def allocate(args):
+        raise MemoryError("Unable to allocate 29.8 TiB for an array with shape (1000000000, 8193) and data type int32")
+
+    monkeypatch.setattr(cli, "cmd_train", allocate)
+    assert_one_line(*run_main(capsys, "train"), "out of host memory (unable to allocate 29.8 TiB",
+                    "lower train.batch_size", "train.eval_batches")
+    monkeypatch.setattr(cli, "cmd_presets", allocate)
+    assert_one_line(*run_main(capsys, "presets"), "out of host memory", "free some memory")
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_to_run_the_command_again(capsys, monkeypatch, tmp_path):
+    """Ctrl-C outside the training loop (which turns SIGINT into a checkpoint itself): the advice fits whether or
+    not the run has a checkpoint, since --resume is refused for a run without one."""
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_train", interrupted)
+    run_dir = tmp_path / "run"
+    assert run_main(capsys, "train", "--run-dir", str(run_dir)) == (
+        130, f"dropless: interrupted before {run_dir} had a checkpoint; run the same command again to start it "
+             "from step 0.\n")
+    (run_dir / "checkpoints" / "2").mkdir(parents=True)  # a finished checkpoint, as orbax names it
+    assert run_main(capsys, "train", "--run-dir", str(run_dir)) == (
+        130, f"dropless: interrupted; {run_dir}'s last finished checkpoint is intact (continue it with --resume).\n")
+    assert run_main(capsys, "train")[1] == ("dropless: interrupted before the run's first checkpoint; run the same "
+                                            "command again to start over.\n")
+    monkeypatch.setattr(cli, "cmd_presets", interrupted)
+    assert run_main(capsys, "presets") == (130, "dropless: interrupted.\n")
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_output_quietly():
+    """`dropless presets | head -1`: no BrokenPipeError traceback, and the status of a command SIGPIPE ended."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-c", "import sys\nfrom dropless import cli\n"
+                               "sys.exit(cli.main(['presets', '--keys']))"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, ""), done.stderr

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from jax import export
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dropless.core.config import ConfigError
 from dropless.core.errors import MoEError
 from dropless.gmm import dropless_mosaic
 from dropless.gmm import tuning as gt
@@ -311,18 +312,20 @@ def test_group_size_skews():
         group_sizes("zipf", 10, 2)
 
 
-def test_tune_gmm_cli_refuses_cpu_and_bad_arguments(capsys):
+def test_tune_gmm_cli_refuses_cpu_and_bad_arguments():
     from dropless.bench import tune_gmm
 
-    assert tune_gmm.main(["--shape", "1,2,3"]) == 2
-    assert "M,K,N,G" in capsys.readouterr().err
-    assert tune_gmm.main([]) == 2
-    assert tune_gmm.main(["--shape", "4096,512,1024,8", "--kernels", "dropless,cutlass"]) == 2
-    assert "--kernels" in capsys.readouterr().err
-    assert tune_gmm.main(["--shape", "4096,512,1024,8", "--products", "fwd,dW"]) == 2
-    assert "--products must be a comma-separated subset of fwd, dlhs, drhs" in capsys.readouterr().err
-    assert tune_gmm.main(["--shape", "4096,512,1024,8"]) == 2
-    assert "GPU" in capsys.readouterr().err
+    # ConfigError: `dropless tune-gmm` prints it as its one `dropless: error:` line, exit status 2
+    with pytest.raises(ConfigError, match="M,K,N,G"):
+        tune_gmm.main(["--shape", "1,2,3"])
+    with pytest.raises(ConfigError, match="give --preset NAME"):
+        tune_gmm.main([])
+    with pytest.raises(ConfigError, match="--kernels"):
+        tune_gmm.main(["--shape", "4096,512,1024,8", "--kernels", "dropless,cutlass"])
+    with pytest.raises(ConfigError, match="--products must be a comma-separated subset of fwd, dlhs, drhs"):
+        tune_gmm.main(["--shape", "4096,512,1024,8", "--products", "fwd,dW"])
+    with pytest.raises(ConfigError, match="GPU"):
+        tune_gmm.main(["--shape", "4096,512,1024,8"])
     shapes = tune_gmm.preset_shapes("deepseek-v3-671b", 65536)
     assert [s for _, s in shapes] == [ShapeKey(65536, 7168, 4096, 256), ShapeKey(65536, 2048, 7168, 256)]
     for product in gt.PRODUCTS:

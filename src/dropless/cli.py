@@ -16,6 +16,7 @@ import importlib
 import logging
 import math
 import os
+import signal
 import sys
 import traceback
 import warnings
@@ -143,7 +144,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
     source = Path(args.hf_dir or args.run_dir)
-    ckpt.load_run_config(source) if args.run_dir else read_hf_config(source)
+    ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
     tokenizer_path = source / "tokenizer.json"
     if not tokenizer_path.exists():
         raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
@@ -191,6 +192,9 @@ def cmd_logits(args) -> int:
 
 
 def cmd_convert(args) -> int:
+    if (args.from_hf or args.to) and (args.from_run or args.to_hf):
+        raise ConfigError("convert does one direction at a time: give --from-hf HF_DIR --to RUN_DIR or "
+                          "--from RUN_DIR --to-hf HF_DIR, not both; run it twice for both.")
     if args.from_hf and args.to:
         convert.convert_from_hf(Path(args.from_hf), Path(args.to))
         print(f"dropless: imported {args.from_hf} into run directory {args.to}")
@@ -210,6 +214,35 @@ def cmd_presets(args) -> int:
     for name in config_lib.preset_names():
         print(f"{name:20s} {config_lib.preset_description(name)}")
     return 0
+
+
+def _out_of_memory_message(err: MemoryError, args) -> str:
+    """The one line for host memory running out, with numpy's size of the failed allocation where it gives one."""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    what = f"out of host memory ({detail[0].lower() + detail[1:].rstrip('.')})" if detail else "out of host memory"
+    if getattr(args, "command", None) == "train":
+        return (f"{what}; lower train.batch_size, train.seq_len or train.eval_batches (the held-out set alone holds "
+                "eval_batches x batch_size sequences).")
+    return f"{what}; ask for less (a smaller model, batch or input) or free some memory."
+
+
+def _interrupted_message(args) -> str:
+    """The line after Ctrl-C, true whether or not the run has a checkpoint. The training loop turns SIGINT into a
+    checkpoint and a clean stop itself, so a KeyboardInterrupt mostly comes from before it (loading, tokenizing,
+    compiling), often before any checkpoint exists."""
+    if getattr(args, "command", None) != "train":
+        return "dropless: interrupted."
+    if not (args.run_dir or args.resume):  # a new runs/<preset>-<time>, which no checkpoint reached
+        return "dropless: interrupted before the run's first checkpoint; run the same command again to start over."
+    try:
+        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(args.preset or DEFAULT_PRESET, True)
+        has_checkpoint = ckpt.latest_step(run_dir) is not None
+    except Exception:  # noqa: BLE001 - whatever stops the look (no run yet, a damaged one), the advice below holds
+        return "dropless: interrupted; run the same command again (with --resume if a checkpoint was written)."
+    if has_checkpoint:
+        return f"dropless: interrupted; {run_dir}'s last finished checkpoint is intact (continue it with --resume)."
+    again = "run the same command again without --resume" if args.resume else "run the same command again"
+    return f"dropless: interrupted before {run_dir} had a checkpoint; {again} to start it from step 0."
 
 
 def _delegate(module: str, argv: list[str]) -> int:
@@ -408,15 +441,30 @@ def main(argv: list[str] | None = None) -> int:
     _one_line_warnings()
     _quiet_library_logs(debug)
     fewer_collections()
+    args = None
     try:
         with _debug_environment(debug):
             delegated = _pass_through(argv)
             if delegated is not None:
-                return _delegate(*delegated)
-            args = parse_args(argv)
-            # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
-            distributed.initialize()
-            return args.func(args)
+                status = _delegate(*delegated)
+            else:
+                args = parse_args(argv)
+                # Several processes (hosts) join one JAX runtime before anything else touches JAX; a no-op alone.
+                distributed.initialize()
+                status = args.func(args)
+            sys.stdout.flush()  # a reader that has gone (`| head`) shows here, not in the interpreter's last flush
+            return status
+    except BrokenPipeError:
+        # The reader of our output closed it (`dropless presets | head -1`): stop quietly, with the status of a
+        # command SIGPIPE ended, as other tools do. stdout then points at devnull, so that the interpreter's
+        # flush at exit does not fail a second time (the recipe of Python's `signal` documentation).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    except MemoryError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"dropless: error: {_out_of_memory_message(err, args)}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as err:
         if not is_user_error(err):
             raise  # our own bug: keep the traceback
@@ -428,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         # An error may carry its own documented status (e.g. a stopped run); 2 for every other user error.
         return int(getattr(err, "exit_status", 2))
     except KeyboardInterrupt:
-        print("dropless: interrupted; the last finished checkpoint is intact (resume with --resume).", file=sys.stderr)
+        print(_interrupted_message(args), file=sys.stderr)
         return 130
 
 

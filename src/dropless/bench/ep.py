@@ -37,7 +37,7 @@ from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
-from dropless.core.config import ParallelConfig, build_config, parse_overrides
+from dropless.core.config import ConfigError, ParallelConfig, build_config, parse_overrides
 from dropless.core.mesh import batch_sharding, make_mesh
 from dropless.core.xla_flags import SCHEDULING_CANDIDATES
 from dropless.ep import ExpertParallelExecutor, make_strategy
@@ -301,29 +301,24 @@ def main(argv: list[str] | None = None) -> int:
     xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag
     devices = jax.devices()[:args.devices]
     if len(devices) < args.devices:
-        print(f"error: --devices {args.devices} but only {len(devices)} are present; lower --devices.", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--devices {args.devices} but only {len(devices)} are present; lower --devices.")
     platform = devices[0].platform
     strategies = [s for s in args.strategies.split(",") if s] or [
         s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
     skews = [s for s in args.skews.split(",") if s]
     for chosen, allowed in ((strategies, STRATEGIES), (skews, SKEWS)):
         if unknown := [x for x in chosen if x not in allowed]:
-            print(f"error: {', '.join(unknown)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
-            return 2
+            raise ConfigError(f"{', '.join(unknown)} not known; choose from {', '.join(allowed)}.")
     try:
         chunks = tuple(int(n) for n in args.chunks.split(",") if n)
     except ValueError:
         chunks = ()
     if not chunks or min(chunks) < 1 or any(args.tokens % n for n in chunks):
-        print(f"error: --chunks {args.chunks!r} must list positive divisors of --tokens {args.tokens}, e.g. 1,2,4.",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"--chunks {args.chunks!r} must list positive divisors of --tokens {args.tokens}, "
+                          "e.g. 1,2,4.")
     xla = tuple(x for x in args.xla.split(",") if x)
     if not xla or (unknown := [x for x in xla if x not in ("none", "pgle", *xla_flags.SCHEDULING_CANDIDATES)]):
-        print(f"error: --xla {args.xla!r}: choose from none, pgle, {', '.join(xla_flags.SCHEDULING_CANDIDATES)}.",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"--xla {args.xla!r}: choose from none, pgle, {', '.join(xla_flags.SCHEDULING_CANDIDATES)}.")
     config = build_config(args.preset, parse_overrides(args.overrides))
     out = results_path(args.out, devices[0].device_kind)
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,

@@ -31,6 +31,7 @@ from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
+from dropless.core.config import ConfigError
 from dropless.gmm import tuning as gmm_tuning
 from dropless.gmm.capacity import CapacityGmm
 from dropless.fp8 import Fp8Gmm, Recipe, fp8_matmul
@@ -403,8 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                           (stages, expert_stage.STAGES), (stage_paths, expert_stage.STAGE_PATHS)):
         bad = [x for x in name if x not in allowed]
         if bad:
-            print(f"error: {', '.join(bad)} not known; choose from {', '.join(allowed)}.", file=sys.stderr)
-            return 2
+            raise ConfigError(f"{', '.join(bad)} not known; choose from {', '.join(allowed)}.")
     xla_flags.apply()  # before JAX starts a backend
     out = results_path(args.out, jax.devices()[0].device_kind)
     records: list[dict] = []

@@ -103,7 +103,7 @@ def watchdog(seconds: float, what: str, fix: str, *, exit_code: int = 3):
     kernel that never completes (a deadlocked candidate) cannot be interrupted from Python; without this a tuner
     would wait forever and say nothing."""
     def expire():
-        print(f"error: {what} did not finish in {seconds:g} s, so it never completes; {fix}", file=sys.stderr,
+        print(f"dropless: error: {what} did not finish in {seconds:g} s, so it never completes; {fix}", file=sys.stderr,
               flush=True)
         os._exit(exit_code)
 

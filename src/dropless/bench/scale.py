@@ -28,7 +28,7 @@ from dropless.bench.records import environment, results_path, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
-from dropless.core.config import build_config, parse_overrides
+from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
 
 STRATEGIES = ("allgather", "alltoall", "ragged")
@@ -107,19 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wanted = sorted({int(n) for n in args.devices.split(",") if n})
     except ValueError:
-        print(f"error: --devices {args.devices!r} must be comma-separated integers, e.g. 1,2,4,8.", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--devices {args.devices!r} must be comma-separated integers, e.g. 1,2,4,8.") from None
     devices = [n for n in wanted if 1 <= n <= jax.device_count()]
     skipped = [n for n in wanted if n not in devices]
     platform = jax.default_backend()
     strategies = [s for s in args.strategies.split(",") if s] or [
         s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
     if unknown := [s for s in strategies if s not in STRATEGIES]:
-        print(f"error: {', '.join(unknown)} not known; choose from {', '.join(STRATEGIES)}.", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{', '.join(unknown)} not known; choose from {', '.join(STRATEGIES)}.")
     if not devices or devices[0] != 1:
-        print("error: weak scaling is measured against one device; include 1 in --devices.", file=sys.stderr)
-        return 2
+        raise ConfigError("weak scaling is measured against one device; include 1 in --devices.")
     config = build_config(args.preset, parse_overrides(args.overrides))
     env = environment()
     say = lambda message: print(message, flush=True)

@@ -30,7 +30,7 @@ from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
-from dropless.core.config import load_preset
+from dropless.core.config import ConfigError, load_preset
 from dropless.gmm import tuning as gt
 from dropless.gmm.dropless_mosaic import ragged_contract, ragged_rows
 from dropless.gmm.tuning import ProductConfig, ShapeKey, TileConfig
@@ -258,20 +258,20 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def _shapes(args) -> list[tuple[str, ShapeKey]] | str:
-    """The (name, shape) pairs that --shape, --preset and --bench-shapes ask for, or the error message."""
+def _shapes(args) -> list[tuple[str, ShapeKey]]:
+    """The (name, shape) pairs that --shape, --preset and --bench-shapes ask for."""
     shapes: list[tuple[str, ShapeKey]] = []
     try:
         for spec in args.shape:
             m, k, n, g = (int(v) for v in spec.split(","))
             shapes.append((gt.shape_class(m, k, n, g), ShapeKey(m, k, n, g)))
     except ValueError:
-        return f"error: --shape {spec!r} must be four integers M,K,N,G."
+        raise ConfigError(f"--shape {spec!r} must be four integers M,K,N,G.") from None
     for name in args.preset:
         shapes += preset_shapes(name, args.rows)
     for name in filter(None, args.bench_shapes.split(",")):
         if name not in SHAPES:
-            return f"error: unknown bench shape {name!r}; choose from {', '.join(SHAPES)}."
+            raise ConfigError(f"unknown bench shape {name!r}; choose from {', '.join(SHAPES)}.")
         s = SHAPES[name]
         shapes.append((name, ShapeKey(s.m, s.k, s.n, s.g)))
     return shapes
@@ -294,28 +294,20 @@ def _keep_untuned(table: dict, device: str, shape: ShapeKey, products, best: dic
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     shapes = _shapes(args)
-    if isinstance(shapes, str):
-        print(shapes, file=sys.stderr)
-        return 2
     if not shapes or args.skew not in SKEWS:
-        print("error: give --preset NAME, --shape M,K,N,G or --bench-shapes, and a --skew from "
-              f"{', '.join(SKEWS)}.", file=sys.stderr)
-        return 2
+        raise ConfigError("give --preset NAME, --shape M,K,N,G or --bench-shapes, and a --skew from "
+                          f"{', '.join(SKEWS)}.")
     products, kernels = _subset(args.products, gt.PRODUCTS), _subset(args.kernels, gt.KERNELS)
     for flag, chosen, allowed in (("--products", products, gt.PRODUCTS), ("--kernels", kernels, gt.KERNELS)):
         if not chosen:
-            print(f"error: {flag} must be a comma-separated subset of {', '.join(allowed)}.", file=sys.stderr)
-            return 2
+            raise ConfigError(f"{flag} must be a comma-separated subset of {', '.join(allowed)}.")
     xla_flags.apply()  # before JAX starts a backend
     env = environment()
     if env["platform"] != "gpu":
-        print("error: tune-gmm measures GPU kernels; run it on an NVIDIA Hopper GPU.", file=sys.stderr)
-        return 2
+        raise ConfigError("tune-gmm measures GPU kernels; run it on an NVIDIA Hopper GPU.")
     out = Path(args.out) if args.out else PACKAGED_TABLE
     if not os.access(out if out.exists() else out.parent, os.W_OK):
-        print(f"error: cannot write {out}; pass --out my_gmm.json and set DROPLESS_GMM_CONFIGS=my_gmm.json.",
-              file=sys.stderr)
-        return 2
+        raise ConfigError(f"cannot write {out}; pass --out my_gmm.json and set DROPLESS_GMM_CONFIGS=my_gmm.json.")
     table = gt.load_table(out) if out.exists() else gt.empty_table()
     all_trials = []
     for name, shape in shapes:
