@@ -158,6 +158,11 @@ def test_unsupported_settings_are_named(hf, field):
     ({**MIXTRAL_8X7B, "num_local_experts": float("inf")}, "num_local_experts=inf is not an integer"),
     ({**QWEN3_30B_A3B, "mlp_only_layers": 3}, "mlp_only_layers=3 is not a list"),
     ({**QWEN3_30B_A3B, "num_key_value_heads": "four"}, "num_key_value_heads='four' is not an integer"),
+    # a quoted "false" would read as True through bool()
+    ({**QWEN3_30B_A3B, "norm_topk_prob": "false"}, "norm_topk_prob='false' is not true or false"),
+    ({**MIXTRAL_8X7B, "tie_word_embeddings": "false"}, "tie_word_embeddings='false' is not true or false"),
+    ({**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "truncate": 0}},
+     "rope_scaling.truncate=0 is not true or false"),
 ])
 def test_fields_of_the_wrong_json_kind_are_named(hf, field):
     """A value no number can be read from is the file's mistake: one ConvertError naming the field and the fix,
@@ -197,3 +202,4 @@ def test_export_refuses_what_the_family_cannot_express():
         config_to_hf(config_from_hf(DEEPSEEK_V3).replace(**{"moe.score_func": "softmax"}))
     qwen = config_from_hf(QWEN3_30B_A3B)
     assert config_to_hf(qwen.replace(**{"model.first_dense_layers": 2}))["mlp_only_layers"] == [0, 1]
+

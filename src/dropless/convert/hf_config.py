@@ -83,8 +83,14 @@ def _get(hf: dict, family: str, key: str, *aliases: str) -> Any:
 
 
 def _as(kind: type, key: str, value: Any) -> Any:
-    """`kind(value)` (int or float) for a config.json field: a value of another JSON kind (a string, a list, a
-    null where a number is needed) raises ConvertError naming the field, not Python's own error."""
+    """`kind(value)` (int, float or bool) for a config.json field: a value of another JSON kind (a string, a list,
+    a null where a number is needed, a string "false" for a flag) raises ConvertError naming the field, not Python's
+    own error or a silently truthy value."""
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConvertError(f"config.json field {key}={value!r} is not true or false; correct it in config.json or "
+                               "re-download the checkpoint.")
+        return value
     try:
         return kind(value)
     except (TypeError, ValueError, OverflowError):
@@ -134,7 +140,7 @@ def rope_settings(hf: dict, family: str) -> tuple[float, dict | None]:
         if merged.get(key) is not None:
             out[key] = _as(float, f"rope_scaling.{key}", merged[key])
     if merged.get("truncate") is not None:
-        out["truncate"] = bool(merged["truncate"])
+        out["truncate"] = _as(bool, "rope_scaling.truncate", merged["truncate"])
     return theta, out
 
 
@@ -219,7 +225,8 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
                  **_pattern_keys(letters[:num_layers]), num_heads=heads, mtp_layers=mtp_layers,
                  mtp_block="moe" if letters[num_layers:][:1] != "D" else "dense",
                  rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_len,
-                 rms_norm_eps=real("rms_norm_eps"), tie_embeddings=bool(get("tie_word_embeddings")),
+                 rms_norm_eps=real("rms_norm_eps"),
+                 tie_embeddings=_as(bool, "tie_word_embeddings", get("tie_word_embeddings")),
                  init_std=real("initializer_range"))
     if family == "deepseek_v3":
         model.update(attention="mla", dense_intermediate_size=integer("intermediate_size"),
@@ -229,7 +236,7 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
         moe = dict(num_experts=integer("n_routed_experts", "num_local_experts"),
                    expert_intermediate_size=integer("moe_intermediate_size"),
                    num_shared_experts=integer("n_shared_experts", null=0), score_func="sigmoid",
-                   norm_topk_prob=bool(get("norm_topk_prob")),
+                   norm_topk_prob=_as(bool, "norm_topk_prob", get("norm_topk_prob")),
                    routed_scaling_factor=real("routed_scaling_factor"),
                    n_group=integer("n_group", null=1), topk_group=integer("topk_group", null=1))
         if hf.get("seq_aux") and hf.get("aux_loss_alpha"):  # the official config's sequence-wise balance loss
@@ -251,7 +258,7 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
             model["dense_intermediate_size"] = integer("intermediate_size")
             moe = dict(num_experts=integer("num_experts", "num_local_experts"),
                        expert_intermediate_size=integer("moe_intermediate_size"),
-                       norm_topk_prob=bool(get("norm_topk_prob")))
+                       norm_topk_prob=_as(bool, "norm_topk_prob", get("norm_topk_prob")))
         moe.update(num_shared_experts=0, score_func="softmax", routed_scaling_factor=1.0, n_group=1, topk_group=1,
                    aux_loss_weight=real("router_aux_loss_coef"))
     moe["num_experts_per_tok"] = integer("num_experts_per_tok")
