@@ -54,6 +54,12 @@ def files(tmp_path_factory) -> pathlib.Path:
         else:
             (root / name / "config.json").write_text(text)
     train_bpe(["def f(x):\n    return x\n"] * 20, 300).save(root / "run" / "tokenizer.json")
+    for name, group, key, value in (("choicelist", "moe", "gmm_backend", [1]),
+                                    ("choicedict", "train", "dtype", {"a": 1})):
+        (root / name).mkdir()
+        broken = json.loads(saved)
+        broken[group][key] = value
+        (root / name / "config.json").write_text(json.dumps(broken))
     (root / "badtok").mkdir()
     (root / "badtok" / "config.json").write_text(saved)
     (root / "badtok" / "tokenizer.json").write_text("garbage")
@@ -98,6 +104,17 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--resume", "--overwrite", "--run-dir", "{f}/run"], ["--resume", "--overwrite", "only one"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--preset", "tiny"], ["differs from --preset tiny", "drop --preset"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--init-from-hf", "{f}/hf"], ["--init-from-hf", "--resume"]),
+    # sizes, seeds and integers no model can use, refused before anything runs or is written
+    (["train", "--run-dir", "{f}/new6", "model.dense_intermediate_size=0"],
+     ["model.dense_intermediate_size=0 must be > 0"]),
+    (["train", "--run-dir", "{f}/new7", "model.v_head_dim=0"], ["model.v_head_dim=0 must be > 0"]),
+    (["train", "--run-dir", "{f}/new8", "data.shuffle_seed=-1"], ["data.shuffle_seed=-1 must be >= 0"]),
+    (["train", "--run-dir", "{f}/new9", "model.hidden_size=100000000000000000000"],
+     ["model.hidden_size=100000000000000000000 is out of range", "2147483647"]),
+    (["train", "--resume", "--run-dir", "{f}/choicelist"],
+     ["choicelist/config.json", "moe.gmm_backend=[1] is not valid"]),
+    (["generate", "--run-dir", "{f}/choicedict", "--prompt", "x"],
+     ["choicedict/config.json", "train.dtype={'a': 1} is not valid", "choose one of bfloat16, float32"]),
     # key=value after options is an override (here a misspelt one), not an unrecognized argument
     (["train", "--steps", "1", "--run-dir", "{f}/new5", "moe.gmm_backnd=xla"], ["Unknown config key 'moe.gmm_backnd'"]),
     (["train", "--bogus-flag"], ["unrecognized arguments: --bogus-flag", "'dropless train --help'"]),
@@ -116,6 +133,14 @@ def test_broken_input_gives_one_line(capsys, files, argv, fragments):
     status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))
     assert_one_line(status, stderr, *fragments)
     assert "dropless dropless" not in stderr
+
+
+def test_a_refused_config_writes_no_run_directory(capsys, files):
+    for number, override in enumerate(["model.v_head_dim=0", "data.shuffle_seed=-1",
+                                      "model.hidden_size=100000000000000000000"]):
+        status, stderr = run_main(capsys, "train", "--run-dir", str(files / f"refused{number}"), override)
+        assert_one_line(status, stderr, override.partition("=")[0])
+        assert not (files / f"refused{number}").exists()
 
 
 def test_debug_shows_the_traceback_of_a_user_error(capsys, files, monkeypatch):

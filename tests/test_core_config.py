@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 
 import pytest
 
-from dropless.core.config import (ACTIVATION_NAMES, Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig,
-                                  TrainConfig, _group_classes, apply_overrides)
+from dropless.core.config import (ACTIVATION_NAMES, INT_LIMIT, Config, ConfigError, DataConfig, ModelConfig,
+                                  MoEConfig, ParallelConfig, TrainConfig, _group_classes, apply_overrides, from_dict,
+                                  load_preset)
 
 LITERAL_FIELDS = [(group, f.name, typing.get_args(typing.get_type_hints(cls)[f.name]))
                   for group, cls in _group_classes().items() for f in dataclasses.fields(cls)
@@ -58,3 +60,60 @@ def test_cross_group_and_rope_settings_are_validated_when_the_config_is_built():
         ModelConfig(rope_scaling={"type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match="type 'linear' is not supported"):
         ModelConfig(rope_scaling={"type": "linear", "factor": 4.0})
+
+
+@pytest.mark.parametrize("preset, key", [
+    ("tiny", "model.dense_intermediate_size"), ("tiny", "model.v_head_dim"), ("tiny", "model.qk_nope_head_dim"),
+    ("tiny", "model.qk_rope_head_dim"), ("tiny", "model.kv_lora_rank"), ("tiny", "model.vocab_size"),
+    ("tiny", "model.hidden_size"), ("tiny", "model.num_layers"), ("tiny", "model.num_heads"),
+    ("tiny", "moe.num_experts"), ("tiny", "moe.expert_intermediate_size"), ("mixtral-8x7b", "model.head_dim"),
+    ("mixtral-8x7b", "model.num_kv_heads")])
+def test_every_width_the_model_reads_must_be_positive(preset, key):
+    config = load_preset(preset)
+    for value in (0, -2):
+        with pytest.raises(ConfigError) as refused:
+            config.replace(**{key: str(value)})
+        assert str(refused.value) == f"{key}={value} must be > 0."
+
+
+def test_zero_is_kept_where_it_means_something():
+    tiny = load_preset("tiny")
+    for key in ("model.q_lora_rank", "model.first_dense_layers", "model.mtp_layers", "moe.num_shared_experts"):
+        assert tiny.replace(**{key: "0"}).to_flat_dict()[key] == 0
+    # Mixtral has no dense layer, so nothing reads the dense width; an MTP block that is dense reads it.
+    assert load_preset("mixtral-8x7b").replace(**{"model.dense_intermediate_size": "0"})
+    dense_mtp = {"model.first_dense_layers": "0", "model.mtp_layers": "1", "model.mtp_block": "dense"}
+    tiny.replace(**dense_mtp)
+    with pytest.raises(ConfigError, match=r"^model.dense_intermediate_size=0 must be > 0.$"):
+        tiny.replace(**dense_mtp, **{"model.dense_intermediate_size": "0"})
+
+
+def test_the_data_seed_must_not_be_negative():
+    with pytest.raises(ConfigError, match=r"^data.shuffle_seed=-1 must be >= 0.$"):
+        apply_overrides(Config(), {"data.shuffle_seed": "-1"})
+    assert DataConfig(shuffle_seed=0).shuffle_seed == 0
+    assert TrainConfig(seed=-1).seed == -1  # jax.random.key takes a negative seed
+
+
+def test_integers_beyond_32_bits_are_refused_from_every_source():
+    message = (f"model.hidden_size=100000000000000000000 is out of range; give an integer between -{INT_LIMIT} "
+               f"and {INT_LIMIT}.")
+    for build in (lambda: apply_overrides(Config(), {"model.hidden_size": "100_000_000_000_000_000_000"}),
+                  lambda: from_dict(json.loads('{"model": {"hidden_size": 100000000000000000000}}')),
+                  lambda: ModelConfig(hidden_size=10**20)):  # as an HF import builds it
+        with pytest.raises(ConfigError) as refused:
+            build()
+        assert str(refused.value) == message
+    with pytest.raises(ConfigError, match=r"^train.seed=-4294967296 is out of range"):
+        apply_overrides(Config(), {"train.seed": str(-2**32)})
+    with pytest.raises(ConfigError, match=r"^train.learning_rate=1000.* must be a finite number.$"):
+        from_dict({"train": {"learning_rate": 10**400}})
+    assert apply_overrides(Config(), {"data.max_bytes": str(INT_LIMIT)}).data.max_bytes == INT_LIMIT
+
+
+@pytest.mark.parametrize("value", [[1], {"a": 1}, ["xla"]])
+def test_a_list_or_object_for_a_choice_is_refused_with_one_sentence(value):
+    with pytest.raises(ConfigError) as refused:
+        from_dict({"moe": {"gmm_backend": value}})
+    assert str(refused.value) == (f"moe.gmm_backend={value!r} is not valid; choose one of auto, dropless_mosaic, "
+                                  "tokamax_mosaic, xla, capacity.")

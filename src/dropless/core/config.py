@@ -40,10 +40,12 @@ RENAMED_VALUES = {
 
 
 def _in_choices(key: str, value: Any, choices: tuple) -> None:
+    listed = ", ".join(map(str, choices))
+    # A list or object (from a JSON file) cannot even be looked up among the choices: it is unhashable.
+    _require(isinstance(value, (str, int, float)), f"{key}={value!r} is not valid; choose one of {listed}.")
     renamed = RENAMED_VALUES.get(key, {})
-    _require(value not in renamed, f"{key}={value} is now called {renamed.get(value)}; choose one of "
-                                   f"{', '.join(map(str, choices))}.")
-    _require(value in choices, f"{key}={value!r} is not valid; choose one of {', '.join(map(str, choices))}.")
+    _require(value not in renamed, f"{key}={value} is now called {renamed.get(value)}; choose one of {listed}.")
+    _require(value in choices, f"{key}={value!r} is not valid; choose one of {listed}.")
 
 
 def _positive(key: str, value: int | float, allow_zero: bool = False) -> None:
@@ -60,9 +62,25 @@ def _choices(cls: type) -> dict[str, tuple]:
             if typing.get_origin(hints[f.name]) is Literal}
 
 
-def _check_choices(group: str, values: Any) -> None:
+# No option needs an integer beyond 32 bits (a size that large fits no device); a larger one is a typo that would
+# otherwise fail deep inside XLA with a traceback.
+INT_LIMIT = 2**31 - 1
+
+
+@functools.cache
+def _int_fields(cls: type) -> tuple[str, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(f.name for f in dataclasses.fields(cls) if hints[f.name] is int)
+
+
+def _check_fields(group: str, values: Any) -> None:
+    """The checks every field of a kind needs: each choice among its `Literal`'s values, each integer within 32 bits."""
     for name, choices in _choices(type(values)).items():
         _in_choices(f"{group}.{name}", getattr(values, name), choices)
+    for name in _int_fields(type(values)):
+        value = getattr(values, name)
+        _require(-INT_LIMIT <= value <= INT_LIMIT,
+                 f"{group}.{name}={value} is out of range; give an integer between -{INT_LIMIT} and {INT_LIMIT}.")
 
 
 def check_yarn_keys(rope_scaling: dict) -> None:
@@ -125,7 +143,7 @@ class ModelConfig:
     mtp_block: Literal["moe", "dense"] = "moe"
 
     def __post_init__(self):
-        _check_choices("model", self)
+        _check_fields("model", self)
         for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "max_seq_len"):
             _positive(f"model.{key}", getattr(self, key))
         _require(0 <= self.first_dense_layers <= self.num_layers,
@@ -142,15 +160,22 @@ class ModelConfig:
                      f"{pattern!r}, which starts with {leading} dense layer(s); set model.first_dense_layers="
                      f"{leading} or leave model.layer_pattern empty.")
         _positive("model.mtp_layers", self.mtp_layers, allow_zero=True)
+        if "D" in self.layer_types or (self.mtp_layers and self.mtp_block == "dense"):
+            # Only dense layers read it: a model without them (Mixtral, Qwen3) may leave it at anything.
+            _positive("model.dense_intermediate_size", self.dense_intermediate_size)
         _positive("model.router_init_std", self.router_init_std, allow_zero=True)
         _positive("model.mtp_loss_weight", self.mtp_loss_weight, allow_zero=True)
+        # Each attention kind checks the widths it reads; 0 keeps a meaning only for q_lora_rank (no low-rank q).
         if self.attention == "gqa":
-            _require(self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads == 0,
+            _positive("model.num_kv_heads", self.num_kv_heads)
+            _require(self.num_heads % self.num_kv_heads == 0,
                      f"model.num_heads={self.num_heads} must be a multiple of model.num_kv_heads={self.num_kv_heads}.")
+            _positive("model.head_dim", self.head_dim)
             _require(self.head_dim % 2 == 0, f"model.head_dim={self.head_dim} must be even for RoPE.")
         else:
+            for key in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"):
+                _positive(f"model.{key}", getattr(self, key))
             _require(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE.")
-            _positive("model.kv_lora_rank", self.kv_lora_rank)
             _positive("model.q_lora_rank", self.q_lora_rank, allow_zero=True)
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
@@ -224,7 +249,7 @@ class MoEConfig:
     router_warn_logs: int = 5
 
     def __post_init__(self):
-        _check_choices("moe", self)
+        _check_fields("moe", self)
         _require(0 < self.router_warn_share <= 1, f"moe.router_warn_share={self.router_warn_share} must be in (0, 1]: "
                  "the fraction of a layer's tokens one expert may take before training warns.")
         _positive("moe.router_warn_logs", self.router_warn_logs)
@@ -321,7 +346,7 @@ class TrainConfig:
     auto_fit: bool = False
 
     def __post_init__(self):
-        _check_choices("train", self)
+        _check_fields("train", self)
         _positive("train.schedule_steps", self.schedule_steps, allow_zero=True)
         _positive("train.max_nonfinite_steps", self.max_nonfinite_steps)
         _positive("train.device_memory_gib", self.device_memory_gib, allow_zero=True)
@@ -376,9 +401,12 @@ class DataConfig:
     prefetch: int = 4
 
     def __post_init__(self):
+        _check_fields("data", self)
         _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction={self.eval_fraction} must be in (0, 0.5).")
         _positive("data.max_bytes", self.max_bytes)
         _positive("data.prefetch", self.prefetch, allow_zero=True)
+        # numpy's generators take no negative seed (train.seed may be negative: jax.random.key takes it).
+        _positive("data.shuffle_seed", self.shuffle_seed, allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -390,6 +418,7 @@ class ParallelConfig:
     expert: int = 1
 
     def __post_init__(self):
+        _check_fields("parallel", self)
         _require(self.data == -1 or self.data > 0, f"parallel.data={self.data} must be > 0 or -1 (all remaining devices).")
         _positive("parallel.fsdp", self.fsdp)
         _positive("parallel.expert", self.expert)
@@ -472,6 +501,8 @@ def _coerce(key: str, raw: Any, hint: Any) -> Any:
             number = float(raw)
         except ValueError:
             raise ConfigError(f"{key}={raw!r} must be a number.")
+        except OverflowError:  # an integer beyond any float, from a JSON file
+            raise ConfigError(f"{key}={raw!r} must be a finite number.") from None
         _require(math.isfinite(number), f"{key}={raw!r} must be a finite number.")
         return number
     if not isinstance(raw, str):
