@@ -363,7 +363,8 @@ def test_an_overwrite_whose_data_is_wrong_keeps_the_run_it_would_have_replaced(t
 
 
 def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, corpus):
-    """The file is rewritten only for a change a resume may make (the steps, say), and then atomically."""
+    """The file is rewritten only for a change a resume may make (the steps, say), and then atomically: a write that
+    fails partway (a full disk) names the file and leaves the old one whole."""
     from dropless.train import loop
     run_dir, config = tmp_path / "run", small_config(corpus, **{"train.schedule_steps": 8})
     _fake_run(run_dir, config)
@@ -372,6 +373,17 @@ def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, co
     assert (run_dir / "config.json").stat().st_mtime_ns == 0
     loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 9}), resume=True, overwrite=False)
     assert config_lib.load(run_dir / "config.json").train.steps == 9
+    def fills_the_disk(path, data, *args, **kwargs):  # a write that stops partway, as on a full disk
+        with open(path, "w") as file:
+            file.write(data[:40])
+        raise OSError(28, "No space left on device")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "write_text", fills_the_disk)
+        with pytest.raises(OSError, match="config.json"):  # named, for the one-line error
+            loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 10}), resume=True, overwrite=False)
+    assert config_lib.load(run_dir / "config.json").train.steps == 9  # the old file, whole
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("config")) == ["config.json"]
 
 
 def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_path, monkeypatch):

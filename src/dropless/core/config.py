@@ -21,6 +21,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from dropless.core.files import write_atomic
+
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake; the message is one sentence naming the key and the fix."""
@@ -62,9 +64,10 @@ def _choices(cls: type) -> dict[str, tuple]:
             if typing.get_origin(hints[f.name]) is Literal}
 
 
-# No option needs an integer beyond 32 bits (a size that large fits no device); a larger one is a typo that would
-# otherwise fail deep inside XLA with a traceback.
+# No size needs an integer beyond 32 bits (a size that large fits no device); a larger one is a typo that would
+# otherwise fail deep inside XLA with a traceback. The corpus cap and its shuffling seed (numpy's) may take 64.
 INT_LIMIT = 2**31 - 1
+WIDE_INTS = {"data.max_bytes": 2**63 - 1, "data.shuffle_seed": 2**63 - 1}
 
 
 @functools.cache
@@ -74,13 +77,14 @@ def _int_fields(cls: type) -> tuple[str, ...]:
 
 
 def _check_fields(group: str, values: Any) -> None:
-    """The checks every field of a kind needs: each choice among its `Literal`'s values, each integer within 32 bits."""
+    """The checks every field of a kind needs: each choice among its `Literal`'s values, each integer within 32 bits
+    (64 for WIDE_INTS)."""
     for name, choices in _choices(type(values)).items():
         _in_choices(f"{group}.{name}", getattr(values, name), choices)
     for name in _int_fields(type(values)):
-        value = getattr(values, name)
-        _require(-INT_LIMIT <= value <= INT_LIMIT,
-                 f"{group}.{name}={value} is out of range; give an integer between -{INT_LIMIT} and {INT_LIMIT}.")
+        value, limit = getattr(values, name), WIDE_INTS.get(f"{group}.{name}", INT_LIMIT)
+        _require(-limit <= value <= limit,
+                 f"{group}.{name}={value} is out of range; give an integer between -{limit} and {limit}.")
 
 
 def check_yarn_keys(rope_scaling: dict) -> None:
@@ -571,7 +575,8 @@ def load_preset(name: str) -> Config:
 
 
 def save(config: Config, path: Path) -> None:
-    Path(path).write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+    """Write `config` to `path` atomically: a full disk or a kill leaves the old file (a resumed run's) whole."""
+    write_atomic(Path(path), json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
 
 
 def load(path: Path) -> Config:
