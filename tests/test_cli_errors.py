@@ -88,6 +88,8 @@ def files(tmp_path_factory) -> pathlib.Path:
      ["one direction at a time", "not both"]),
     (["generate", "--run-dir", "{f}/ok.npy", "--prompt", "x"], ["ok.npy is not a dropless run directory"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],
+     ["--seed=18446744073709551616 is out of range"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/garbage.npy", "--out", "{f}/o.npy"],
      ["garbage.npy is not an .npy file"]),

@@ -143,6 +143,9 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {args.temperature} and {args.top_p}.")
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
+    if abs(args.seed) > config_lib.INT_LIMIT:  # as train.seed: JAX's keys take 32 bits
+        raise ConfigError(f"--seed={args.seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
+                          f"{config_lib.INT_LIMIT}.")
     source = Path(args.hf_dir or args.run_dir)
     ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
     tokenizer_path = source / "tokenizer.json"
