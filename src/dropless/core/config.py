@@ -164,10 +164,8 @@ class ModelConfig:
                      f"{pattern!r}, which starts with {leading} dense layer(s); set model.first_dense_layers="
                      f"{leading} or leave model.layer_pattern empty.")
         _positive("model.mtp_layers", self.mtp_layers, allow_zero=True)
-        dense = "D" in self.layer_pattern if self.layer_pattern else self.first_dense_layers > 0
-        if dense or (self.mtp_layers and self.mtp_block == "dense"):
-            # Only dense layers read it: a model without them (Mixtral, Qwen3) may leave it at anything. (Not
-            # through layer_types: a symbolic config's sizes, `Dim`s, do not multiply strings.)
+        if "D" in self.layer_types or (self.mtp_layers and self.mtp_block == "dense"):
+            # Only dense layers read it: a model without them (Mixtral, Qwen3) may leave it at anything.
             _positive("model.dense_intermediate_size", self.dense_intermediate_size)
         _positive("model.router_init_std", self.router_init_std, allow_zero=True)
         _positive("model.mtp_loss_weight", self.mtp_loss_weight, allow_zero=True)

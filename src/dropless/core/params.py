@@ -13,6 +13,7 @@ order, so switching it on or off leaves the other weights' initial values as the
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Union
 
@@ -153,25 +154,28 @@ class Dim(int):
         text = str(other)
         return f"({text})" if in_product and getattr(other, "compound", False) else text
 
-    def _combine(self, other, value: int, symbol: str, reverse: bool) -> "Dim":
+    def _combine(self, other, symbol: str, reverse: bool) -> "Dim":
+        if not isinstance(other, int):  # a string repeated (`"D" * layers`) or a float: Python's own operation
+            return NotImplemented
         product = symbol == "*"
         left, right = (other, self) if reverse else (self, other)
+        value = {"+": operator.add, "-": operator.sub, "*": operator.mul}[symbol](int(left), int(right))
         return Dim(value, f"{self._term(left, product)}{symbol}{self._term(right, product)}", compound=not product)
 
     def __add__(self, other):
-        return self._combine(other, int(self) + int(other), "+", False)
+        return self._combine(other, "+", False)
 
     def __radd__(self, other):
-        return self._combine(other, int(other) + int(self), "+", True)
+        return self._combine(other, "+", True)
 
     def __sub__(self, other):
-        return self._combine(other, int(self) - int(other), "-", False)
+        return self._combine(other, "-", False)
 
     def __mul__(self, other):
-        return self._combine(other, int(self) * int(other), "*", False)
+        return self._combine(other, "*", False)
 
     def __rmul__(self, other):
-        return self._combine(other, int(other) * int(self), "*", True)
+        return self._combine(other, "*", True)
 
 
 def symbolic(values: Any, names: dict[str, str]) -> Any:
