@@ -261,18 +261,18 @@ def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, c
     else:
         # Reuse the run's tokenizer only if it was trained for this corpus and vocabulary (the same config).
         origin = {"source": data_cfg.source, "max_bytes": data_cfg.max_bytes, "vocab_size": vocab_size}
-        if run_file is not None and resume:
-            # The weights belong to this tokenizer. The cache's record of its origin may be gone (a run copied
-            # without corpus/) while the data changed since: retraining would pair the weights with another one.
-            if not run_file.is_file():
-                raise DataError(f"{run_file} is missing, and the run's weights were trained with it; put it back "
-                                "(from a copy of the run) or start a new run with --overwrite.")
+        # A resumed run's weights belong to its tokenizer, whatever the cache's record of its origin says: that may
+        # be gone (a run copied without corpus/) while the data changed since, and retraining would pair the
+        # weights with another tokenizer.
+        if run_file is not None and resume and not run_file.is_file():
+            raise DataError(f"{run_file} is missing, and the run's weights were trained with it; put it back "
+                            "(from a copy of the run) or start a new run with --overwrite.")
+        recorded = _read_json(origin_file)
+        if run_file is not None and run_file.is_file() and (resume or recorded == origin):
             tokenizer = load_tokenizer(run_file, vocab_size)
-            if _read_json(origin_file) != origin:
+            if recorded != origin:
                 write_atomic(origin_file, json.dumps(origin).encode())
             return tokenizer
-        if run_file is not None and run_file.is_file() and _read_json(origin_file) == origin:
-            return load_tokenizer(run_file, vocab_size)
         log(f"dropless: training a byte-level BPE tokenizer of {vocab_size} tokens on {corpus.name}")
         tokenizer = train_bpe(texts(), vocab_size)
     if run_file is not None:
