@@ -88,15 +88,12 @@ def _as(kind: type, key: str, value: Any) -> Any:
     own error or a silently truthy value."""
     if kind is bool:
         if not isinstance(value, bool):
-            raise ConvertError(f"config.json field {key}={value!r} is not true or false; correct it in config.json or "
-                               "re-download the checkpoint.")
+            raise malformed(key, value, "is not true or false")
         return value
     try:
         return kind(value)
     except (TypeError, ValueError, OverflowError):
-        what = "an integer" if kind is int else "a number"
-        raise ConvertError(f"config.json field {key}={value!r} is not {what}; correct it in config.json or "
-                           "re-download the checkpoint.") from None
+        raise malformed(key, value, "is not an integer" if kind is int else "is not a number") from None
 
 
 def _field(hf: dict, family: str, kind: type, key: str, *aliases: str, null: Any = None) -> Any:
@@ -105,6 +102,12 @@ def _field(hf: dict, family: str, kind: type, key: str, *aliases: str, null: Any
     name = next((n for n in (key, *aliases) if n in hf), key)
     value = _get(hf, family, key, *aliases)
     return _as(kind, name, null if null is not None and not value else value)
+
+
+def malformed(key: str, value: Any, fault: str) -> ConvertError:
+    """The error for a config.json field the file got wrong: `fault` says how ("is not a number")."""
+    return ConvertError(f"config.json field {key}={value!r} {fault}; correct it in config.json or re-download the "
+                        "checkpoint.")
 
 
 def _unsupported(key: str, value: Any, supported: str) -> ConvertError:
@@ -117,8 +120,7 @@ def rope_settings(hf: dict, family: str) -> tuple[float, dict | None]:
     scaling = hf.get("rope_scaling") or {}
     for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
         if not isinstance(value, dict):
-            raise ConvertError(f"config.json field {key}={value!r} is not an object; correct it in config.json or "
-                               "re-download the checkpoint.")
+            raise malformed(key, value, "is not an object")
     if params and any(isinstance(v, dict) for v in params.values()):
         raise _unsupported("rope_parameters", "per-layer-type RoPE", "one RoPE setting for all layers")
     theta = _as(float, "rope_theta", hf.get("rope_theta", params.get("rope_theta", _DEFAULTS[family]["rope_theta"])))
@@ -172,8 +174,7 @@ def layer_letters(hf: dict, family: str, count: int) -> str:
         raise _unsupported("decoder_sparse_step", step, "a positive layer interval")
     only = _get(hf, family, "mlp_only_layers") or []
     if not isinstance(only, list):
-        raise ConvertError(f"config.json field mlp_only_layers={only!r} is not a list of layer numbers; correct it "
-                           "in config.json or re-download the checkpoint.")
+        raise malformed("mlp_only_layers", only, "is not a list of layer numbers")
     only = {_as(int, "mlp_only_layers", layer) for layer in only}
     return "".join("D" if i in only or (i + 1) % step != 0 else "M" for i in range(count))
 
@@ -212,6 +213,9 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
     def real(key: str, *aliases: str) -> float:
         return _field(hf, family, float, key, *aliases)
 
+    def flag(key: str) -> bool:
+        return _field(hf, family, bool, key)
+
     theta, rope_scaling = rope_settings(hf, family)
     num_layers = integer("num_hidden_layers")
     hidden, heads = integer("hidden_size"), integer("num_attention_heads")
@@ -226,7 +230,7 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
                  mtp_block="moe" if letters[num_layers:][:1] != "D" else "dense",
                  rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_len,
                  rms_norm_eps=real("rms_norm_eps"),
-                 tie_embeddings=_as(bool, "tie_word_embeddings", get("tie_word_embeddings")),
+                 tie_embeddings=flag("tie_word_embeddings"),
                  init_std=real("initializer_range"))
     if family == "deepseek_v3":
         model.update(attention="mla", dense_intermediate_size=integer("intermediate_size"),
@@ -236,7 +240,7 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
         moe = dict(num_experts=integer("n_routed_experts", "num_local_experts"),
                    expert_intermediate_size=integer("moe_intermediate_size"),
                    num_shared_experts=integer("n_shared_experts", null=0), score_func="sigmoid",
-                   norm_topk_prob=_as(bool, "norm_topk_prob", get("norm_topk_prob")),
+                   norm_topk_prob=flag("norm_topk_prob"),
                    routed_scaling_factor=real("routed_scaling_factor"),
                    n_group=integer("n_group", null=1), topk_group=integer("topk_group", null=1))
         if hf.get("seq_aux") and hf.get("aux_loss_alpha"):  # the official config's sequence-wise balance loss
@@ -258,7 +262,7 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
             model["dense_intermediate_size"] = integer("intermediate_size")
             moe = dict(num_experts=integer("num_experts", "num_local_experts"),
                        expert_intermediate_size=integer("moe_intermediate_size"),
-                       norm_topk_prob=_as(bool, "norm_topk_prob", get("norm_topk_prob")))
+                       norm_topk_prob=flag("norm_topk_prob"))
         moe.update(num_shared_experts=0, score_func="softmax", routed_scaling_factor=1.0, n_group=1, topk_group=1,
                    aux_loss_weight=real("router_aux_loss_coef"))
     moe["num_experts_per_tok"] = integer("num_experts_per_tok")

@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from dropless.core.config import Config
-from dropless.convert.hf_config import ConvertError
+from dropless.convert.hf_config import ConvertError, malformed
 from dropless.convert.safetensors_io import CheckpointReader
 from dropless.models import transformer
 
@@ -245,8 +245,7 @@ def fp8_block_size(hf_config: dict) -> tuple[int, int] | None:
     block = quant.get("weight_block_size") or [128, 128]
     if not (isinstance(block, list) and len(block) == 2
             and all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in block)):
-        raise ConvertError(f"config.json field quantization_config.weight_block_size={block!r} must be two positive "
-                           "integers; correct it in config.json or re-download the checkpoint.")
+        raise malformed("quantization_config.weight_block_size", block, "must be two positive integers")
     return block[0], block[1]
 
 
