@@ -99,6 +99,13 @@ VARIANTS = {
                            lambda c: {"moe.router_common_rate": 1.0, "moe.bias_update_rate": 0.01}),
     "common-0.3-bias-1e-2": ("router_common_rate 0.3 and bias_update_rate 1e-2",
                              lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01}),
+    "other-0.3-bias-1e-2-seq-aux-1e-2": (
+        "router_common_source other_sequences, router_common_rate 0.3, bias_update_rate 1e-2, seq_aux_loss_weight "
+        "1e-2", lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3,
+                           "moe.bias_update_rate": 0.01, "moe.seq_aux_loss_weight": 0.01}),
+    "common-0.3-bias-1e-2-seq-aux-1e-2": (
+        "router_common_rate 0.3, bias_update_rate 1e-2 and seq_aux_loss_weight 1e-2",
+        lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01, "moe.seq_aux_loss_weight": 0.01}),
     "center-0.3": ("bias_center_rate 0.3", lambda c: {"moe.bias_center_rate": 0.3}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
