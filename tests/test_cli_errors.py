@@ -17,7 +17,7 @@ from dropless import cli
 from dropless.core import config as config_lib
 from dropless.core.config import ConfigError
 from dropless.data import train_bpe
-from dropless.train import loop
+from dropless.train import loop, overwrite
 from tests.test_train import SMALL
 
 SMALL_OVERRIDES = [f"{k}={v}" for k, v in SMALL.items()]
@@ -223,6 +223,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, 
     assert prepared == config.replace(**{"train.schedule_steps": 1}) and not (run_dir / "metrics.jsonl").exists()
     assert lines == [f"dropless: {run_dir} holds this run, which never reached its first checkpoint; starting it "
                      "again from step 0"], lines
+    overwrite.discard(run_dir)  # as train does once the data has loaded
     (run_dir / "checkpoints" / "1").mkdir(parents=True)  # a finished checkpoint, as orbax names it
     with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
         loop.prepare_run_dir(run_dir, config, resume=False, overwrite=False)

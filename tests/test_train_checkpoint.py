@@ -31,6 +31,7 @@ from dropless.train.loop import train
 from dropless.train.metrics import read_metrics
 from tests.filesystems import mounted_tmpfs
 from tests.test_train import corpus, small_config  # noqa: F401 (corpus is a fixture)
+from tests.test_train_overwrite import fake_run
 from tests.test_train_parallel import run_two_processes
 
 
@@ -333,41 +334,12 @@ def test_the_worst_outcome_of_any_process_is_everyones(monkeypatch):
     ckpt._agree(None, where)  # all restored: nothing raised
 
 
-def _fake_run(run_dir: Path, config) -> dict[str, bytes]:
-    """A run directory's files as a trained run leaves them (their contents stand in): {relative path: bytes}."""
-    files = {"config.json": None, "metrics.jsonl": b'{"step": 1}\n', "router.json": b"{}", "router.bin": b"\0" * 8,
-             "checkpoints/10/model/data": b"weights", "tensorboard/events": b"events"}
-    for name, data in files.items():
-        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        if name == "config.json":
-            config_lib.save(config, run_dir / name)
-        else:
-            (run_dir / name).write_bytes(data)
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-
-
-def test_an_overwrite_whose_data_is_wrong_keeps_the_run_it_would_have_replaced(tmp_path, corpus):
-    """`--overwrite --data TYPO`: the old run's files wait aside until the new run's data has loaded, so the data
-    error leaves them as they were; an overwrite that gets its data deletes them."""
-    run_dir = tmp_path / "run"
-    before = _fake_run(run_dir, small_config(corpus))
-    wrong = small_config(corpus, **{"data.source": str(tmp_path / "no-such-data")})
-    with pytest.raises(Exception, match="does not exist"):
-        train(wrong, run_dir, overwrite=True, progress=False, log=lambda s: None)
-    after = {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    assert {name: data for name, data in after.items() if name != ".lock"} == before  # the OS lock stays
-    from dropless.train import loop
-    loop.prepare_run_dir(run_dir, small_config(corpus), resume=False, overwrite=True)
-    loop.discard_replaced_run(run_dir)
-    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.json"]
-
-
 def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, corpus):
     """The file is rewritten only for a change a resume may make (the steps, say), and then atomically: a write that
     fails partway (a full disk) names the file and leaves the old one whole."""
     from dropless.train import loop
     run_dir, config = tmp_path / "run", small_config(corpus, **{"train.schedule_steps": 8})
-    _fake_run(run_dir, config)
+    fake_run(run_dir, config)
     os.utime(run_dir / "config.json", ns=(0, 0))  # any write would stamp it now
     loop.prepare_run_dir(run_dir, config.replace(**{"train.schedule_steps": 0}), resume=True, overwrite=False)
     assert (run_dir / "config.json").stat().st_mtime_ns == 0
@@ -406,3 +378,4 @@ def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_
     assert not reads.filter(record(f"Task exception was never retrieved: {directory.resolve()}/10"))
     assert reads.filter(record("Task exception was never retrieved: elsewhere"))
     logging.getLogger("asyncio").removeFilter(reads)
+

@@ -20,7 +20,6 @@ What stops a run early:
 
 from __future__ import annotations
 
-import shutil
 import signal
 import sys
 import threading
@@ -44,6 +43,7 @@ from dropless.models import transformer
 from dropless.plan.report import LAYOUT_KEYS
 from dropless.train import checkpoint as ckpt
 from dropless.train import metrics as metrics_lib
+from dropless.train import overwrite as overwrite_lib
 from dropless.train import run_lock
 from dropless.train import setup as setup_lib
 from dropless.train.step import TrainState, make_eval_step
@@ -100,6 +100,7 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     nothing worth keeping: the same config starts it again from step 0 without --overwrite; another config is
     refused with the one flag that replaces it."""
     run_dir = Path(run_dir)
+    overwrite_lib.recover(run_dir, log)
     saved_path = run_dir / "config.json"
     if resume:
         if not saved_path.is_file():
@@ -131,54 +132,14 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             what = "a different config" if saved is not None and saved != config else "a run"
             raise ConfigError(f"{run_dir} already holds {what}; pass --resume to continue it, --overwrite to "
                               "replace it, or choose another --run-dir.")
-        _set_aside(run_dir)
+        overwrite_lib.set_aside(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         config_lib.save(config, saved_path)
     except BaseException:
-        put_back_replaced_run(run_dir)
+        overwrite_lib.put_back(run_dir)
         raise
     return config
-
-
-# The files of a run that --overwrite replaces. They wait in REPLACED until the new run's data has loaded
-# (`discard_replaced_run`), so that a mistake found there (a mistyped --data, say) puts them back
-# (`put_back_replaced_run`) instead of having cost the old run. The tokenizer and the token cache stay: the loader
-# checks them against the data and reuses or rebuilds them.
-REPLACED_FILES = ("checkpoints", "metrics.jsonl", "router.bin", "router.json", "tensorboard", "training.png",
-                  "config.json")
-REPLACED = ".replaced"
-
-
-def _set_aside(run_dir: Path) -> None:
-    aside = run_dir / REPLACED
-    if aside.exists():  # an earlier --overwrite that ended between the move and its data: that run was replaced
-        shutil.rmtree(aside)
-    aside.mkdir()
-    for name in REPLACED_FILES:
-        if (run_dir / name).exists():
-            (run_dir / name).rename(aside / name)
-
-
-def put_back_replaced_run(run_dir: Path) -> None:
-    """The run --overwrite set aside, back in place of what the new run wrote (nothing, where none was)."""
-    aside = Path(run_dir) / REPLACED
-    if not aside.is_dir():
-        return
-    for name in REPLACED_FILES:
-        target = Path(run_dir) / name
-        if (aside / name).exists():
-            if target.is_dir():
-                shutil.rmtree(target)
-            (aside / name).replace(target)
-        elif name == "config.json":
-            target.unlink(missing_ok=True)
-    shutil.rmtree(aside)
-
-
-def discard_replaced_run(run_dir: Path) -> None:
-    """Delete the run --overwrite set aside: the new one has its data."""
-    shutil.rmtree(Path(run_dir) / REPLACED, ignore_errors=True)
 
 
 def _global_batch(local_BS1: np.ndarray, sharding, global_batch: int) -> jax.Array:
@@ -366,21 +327,23 @@ def _process() -> dict:
 
 def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, overwrite: bool, log):
     """(the run's config, its token dataset): process 0 prepares the directory, the others read it after."""
-    trained = resume and ckpt.reached_a_checkpoint(run_dir)  # weights that belong to the run's tokenizer
+    def trained() -> bool:  # weights that belong to the run's tokenizer (after prepare_run_dir: it may put some back)
+        return resume and ckpt.reached_a_checkpoint(run_dir)
+
     if primary:
         config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite, log=log)
         try:
             dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir,
-                                            log=log, resume=trained)
+                                            log=log, resume=trained())
         except BaseException:
-            put_back_replaced_run(run_dir)
+            overwrite_lib.put_back(run_dir)
             raise
-        discard_replaced_run(run_dir)
+        overwrite_lib.discard(run_dir)
     _sync_processes("dropless: run directory ready")
     if not primary:
         config = ckpt.load_run_config(run_dir)  # as process 0 resolved it (the schedule horizon)
         dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir,
-                                        resume=trained)
+                                        resume=trained())
     return config, dataset
 
 

@@ -1,0 +1,173 @@
+"""`--overwrite` keeps the run it replaces until the new run's data has loaded (dropless.train.overwrite): a data
+error puts it back whole, tokenizer included, and a process killed at any point of setting it aside, putting it
+back or discarding it leaves a state that the next start in the directory finishes undoing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dropless.core import config as config_lib
+from dropless.train import loop
+from dropless.train import overwrite as overwrite_lib
+from dropless.train.loop import train
+from tests.test_train import corpus, small_config  # noqa: F401 (corpus is a fixture)
+
+
+def fake_run(run_dir: Path, config, tokenizer: bool = True) -> dict[str, bytes]:
+    """A run directory's files as a trained run leaves them (their contents stand in): {relative path: bytes}.
+    `tokenizer`: the run has one (trained on text; none on tokens)."""
+    files = {"config.json": None, "metrics.jsonl": b'{"step": 1}\n', "router.json": b"{}", "router.bin": b"\0" * 8,
+             "checkpoints/10/model/data": b"weights", "tensorboard/events": b"events",
+             "corpus/tokens-0123.npz": b"the old run's tokens"}
+    if tokenizer:
+        files |= {"tokenizer.json": b"the old run's tokenizer", "corpus/tokenizer-origin.json": b'{"source": "old"}'}
+    for name, data in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        if name == "config.json":
+            config_lib.save(config, run_dir / name)
+        else:
+            (run_dir / name).write_bytes(data)
+    return files_of(run_dir)
+
+
+def files_of(run_dir: Path) -> dict[str, bytes]:
+    """Every file under `run_dir` but the OS lock: {relative path: bytes}."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in run_dir.rglob("*")
+            if p.is_file() and p.name != ".lock"}
+
+
+def test_an_overwrite_whose_data_is_wrong_keeps_the_run_it_would_have_replaced(tmp_path, corpus):
+    """`--overwrite --data TYPO`: the old run's files wait aside until the new run's data has loaded, so the data
+    error leaves them as they were; an overwrite that gets its data deletes them (the tokenizer stays for the
+    loader to check against the new data)."""
+    run_dir = tmp_path / "run"
+    before = fake_run(run_dir, small_config(corpus))
+    wrong = small_config(corpus, **{"data.source": str(tmp_path / "no-such-data")})
+    with pytest.raises(Exception, match="does not exist"):
+        train(wrong, run_dir, overwrite=True, progress=False, log=lambda s: None)
+    assert files_of(run_dir) == before
+    loop.prepare_run_dir(run_dir, small_config(corpus), resume=False, overwrite=True)
+    overwrite_lib.discard(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "config.json", "corpus", "tokenizer.json"]
+
+
+def test_an_overwrite_whose_data_fails_after_its_tokenizer_keeps_the_old_run_s_tokenizer(tmp_path, corpus):
+    """A corpus too small for one training and one held-out sequence fails after its tokenizer was trained and
+    saved over the run's: the run put back reads with its own tokenizer, not the failed run's."""
+    run_dir = tmp_path / "run"
+    before = fake_run(run_dir, small_config(corpus))
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "doc.txt").write_text("a few words")
+    with pytest.raises(Exception, match="needs at least"):
+        train(small_config(corpus, **{"data.source": str(small)}), run_dir, overwrite=True, progress=False,
+              log=lambda s: None)
+    after = files_of(run_dir)
+    assert {k: v for k, v in after.items() if not k.startswith("corpus/tokens-")} == \
+           {k: v for k, v in before.items() if not k.startswith("corpus/tokens-")}
+
+
+class Killed(BaseException):
+    """The process dies here: nothing after it runs, no handler sees it."""
+
+
+def partly(name: str, *args) -> None:
+    """What a change does before a kill in its middle: a deletion has deleted one file, a copy written half."""
+    if name == "rmtree" and Path(args[0]).is_dir():
+        first = next((p for p in sorted(Path(args[0]).rglob("*")) if p.is_file()), None)
+        if first is not None:
+            os.unlink(first)  # not Path.unlink: that one is counted
+    elif name == "copy2":
+        Path(args[1]).write_bytes(Path(args[0]).read_bytes()[:4])
+
+
+def kill_at(monkeypatch, n: int | None) -> list[str]:
+    """Count the filesystem changes dropless.train.overwrite makes and die in the n-th (None: never), after
+    `partly`; returns the list of the changes made."""
+    made: list[str] = []
+
+    def counted(name, original):
+        def wrapper(*args, **kwargs):
+            if len(made) == n:
+                partly(name, *args)
+                raise Killed(name)
+            made.append(name)
+            return original(*args, **kwargs)
+        return wrapper
+
+    for owner, name in ((Path, "rename"), (Path, "mkdir"), (Path, "unlink"), (shutil, "rmtree"), (shutil, "copy2")):
+        monkeypatch.setattr(owner, name, counted(name, getattr(owner, name)))
+    return made
+
+
+def new_run_starts(run_dir: Path, config) -> None:
+    """What an overwriting run writes before its data has loaded: its config and a tokenizer trained over the old."""
+    config_lib.save(config, run_dir / "config.json")
+    (run_dir / "tokenizer.json").write_bytes(b"the new run's tokenizer")
+    (run_dir / "corpus" / "tokenizer-origin.json").write_bytes(b'{"source": "new"}')
+
+
+STAGES = ("set aside", "put back", "discard")
+
+
+def _interrupted(tmp_path: Path, monkeypatch, stage: str, n: int | None, old, new,
+                 tokenizer: bool) -> tuple[Path, list[str]]:
+    run_dir = tmp_path / f"{stage}-{n}"
+    fake_run(run_dir, old, tokenizer)
+    if stage != "set aside":
+        overwrite_lib.set_aside(run_dir)
+        new_run_starts(run_dir, new)
+    made = kill_at(monkeypatch, n)
+    try:
+        {"set aside": overwrite_lib.set_aside, "put back": overwrite_lib.put_back,
+         "discard": overwrite_lib.discard}[stage](run_dir)
+    except Killed:
+        pass
+    monkeypatch.undo()
+    return run_dir, made
+
+
+@pytest.mark.parametrize("tokenizer", [True, False], ids=["text", "tokens"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_kill_at_any_point_of_an_overwrite_is_undone_by_the_next_start(tmp_path, monkeypatch, corpus, stage,
+                                                                         tokenizer):
+    """Killed in each of the filesystem changes of setting the old run aside, of putting it back after a data
+    error, or of discarding it once the new run has its data, for an old run with a tokenizer and one without
+    (whose new run trained one): the next start in the directory finds the old run
+    whole where the new one never trained, and the new run's files, nothing of the old, where `.replaced` was gone."""
+    old, new = small_config(corpus), small_config(corpus, **{"train.steps": 7})
+    reference = fake_run(tmp_path / "reference", old, tokenizer)
+    _, made = _interrupted(tmp_path, monkeypatch, stage, None, old, new, tokenizer)
+    assert made
+    for n in range(len(made)):
+        run_dir, _ = _interrupted(tmp_path, monkeypatch, stage, n, old, new, tokenizer)
+        interrupted = any(p.name.startswith(".") for p in run_dir.iterdir())
+        logged = []
+        overwrite_lib.recover(run_dir, logged.append)
+        left = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("."))
+        assert left == [], (stage, n, left)
+        if stage == "discard" and n > 0:  # the new run had its data, and `.replaced` was gone in one rename
+            assert config_lib.load(run_dir / "config.json").train.steps == 7, (stage, n)
+            assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists(), (stage, n)
+        else:  # a kill before that rename: the new run had not trained, and the old comes back
+            assert files_of(run_dir) == reference, (stage, n)
+        assert len(logged) == (interrupted and not (stage == "discard" and n > 0)), (stage, n, logged)
+
+
+def test_the_next_start_resumes_the_run_an_interrupted_overwrite_set_aside(tmp_path, corpus):
+    """Killed after setting the old run aside and writing its own config, before its data loaded: `--resume` then
+    continues the old run, with one line saying so."""
+    old = small_config(corpus)
+    run_dir = tmp_path / "run"
+    before = fake_run(run_dir, old)
+    overwrite_lib.set_aside(run_dir)
+    new_run_starts(run_dir, small_config(corpus, **{"train.steps": 7}))
+    logged = []
+    assert loop.prepare_run_dir(run_dir, old, resume=True, overwrite=False, log=logged.append).train.steps == 300
+    assert {k: v for k, v in files_of(run_dir).items() if k != "config.json"} == \
+           {k: v for k, v in before.items() if k != "config.json"}  # config.json: the resolved schedule horizon
+    assert len(logged) == 1 and "back in place" in logged[0]
