@@ -378,4 +378,3 @@ def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_
     assert not reads.filter(record(f"Task exception was never retrieved: {directory.resolve()}/10"))
     assert reads.filter(record("Task exception was never retrieved: elsewhere"))
     logging.getLogger("asyncio").removeFilter(reads)
-

@@ -22,6 +22,7 @@ def fake_run(run_dir: Path, config, tokenizer: bool = True) -> dict[str, bytes]:
     `tokenizer`: the run has one (trained on text; none on tokens)."""
     files = {"config.json": None, "metrics.jsonl": b'{"step": 1}\n', "router.json": b"{}", "router.bin": b"\0" * 8,
              "checkpoints/10/model/data": b"weights", "tensorboard/events": b"events",
+             "checkpoints.damaged/5/model/data": b"damaged", "hf_source.json": b"{}",
              "corpus/tokens-0123.npz": b"the old run's tokens"}
     if tokenizer:
         files |= {"tokenizer.json": b"the old run's tokenizer", "corpus/tokenizer-origin.json": b'{"source": "old"}'}
@@ -57,18 +58,52 @@ def test_an_overwrite_whose_data_is_wrong_keeps_the_run_it_would_have_replaced(t
 
 def test_an_overwrite_whose_data_fails_after_its_tokenizer_keeps_the_old_run_s_tokenizer(tmp_path, corpus):
     """A corpus too small for one training and one held-out sequence fails after its tokenizer was trained and
-    saved over the run's: the run put back reads with its own tokenizer, not the failed run's."""
+    saved over the run's, and its tokens cached in place of the run's: the run put back reads with its own
+    tokenizer and tokens, not the failed run's."""
     run_dir = tmp_path / "run"
     before = fake_run(run_dir, small_config(corpus))
     small = tmp_path / "small"
     small.mkdir()
     (small / "doc.txt").write_text("a few words")
+    logged = []
     with pytest.raises(Exception, match="needs at least"):
         train(small_config(corpus, **{"data.source": str(small)}), run_dir, overwrite=True, progress=False,
-              log=lambda s: None)
-    after = files_of(run_dir)
-    assert {k: v for k, v in after.items() if not k.startswith("corpus/tokens-")} == \
-           {k: v for k, v in before.items() if not k.startswith("corpus/tokens-")}
+              log=logged.append)
+    assert any("training a byte-level BPE" in line for line in logged)  # it failed after its tokenizer
+    assert any("tokenizing" in line for line in logged)  # and after its token cache
+    assert files_of(run_dir) == before
+
+
+def test_a_resume_after_an_interrupted_overwrite_reads_the_run_s_own_tokenizer(tmp_path, corpus):
+    """Killed while its data loaded, an overwrite leaves the old run aside; `--resume` then puts it back and reads
+    its tokenizer as it is, although no origin record says which data it was trained on (a run copied without
+    corpus/): the weights were trained with it."""
+    from dropless.data.tokenizer import train_bpe
+
+    config = small_config(corpus)
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, config, tokenizer=False)
+    train_bpe(["another text altogether, " * 50], config.model.vocab_size).save(run_dir / "tokenizer.json")
+    before = (run_dir / "tokenizer.json").read_bytes()
+    overwrite_lib.set_aside(run_dir)
+    new_run_starts(run_dir, small_config(corpus, **{"train.steps": 7}))
+    logged = []
+    loop._open_run(config, run_dir, True, resume=True, overwrite=False, log=logged.append)
+    assert (run_dir / "tokenizer.json").read_bytes() == before
+    assert not any("training a byte-level BPE" in line for line in logged), logged
+
+
+def test_a_trained_run_beside_a_set_aside_one_is_kept(tmp_path, corpus):
+    """A `.replaced` beside a run that has reached a checkpoint is not what an interrupted overwrite leaves (its
+    new run discards the old before training); the next start keeps the trained run and deletes the other."""
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, small_config(corpus))
+    overwrite_lib.set_aside(run_dir)
+    trained = {name: data for name, data in fake_run(run_dir, small_config(corpus, **{"train.steps": 7})).items()
+               if not name.startswith(".replaced/")}
+    logged = []
+    overwrite_lib.recover(run_dir, logged.append)
+    assert files_of(run_dir) == trained and not (run_dir / ".replaced").exists() and not logged
 
 
 class Killed(BaseException):
@@ -105,10 +140,14 @@ def kill_at(monkeypatch, n: int | None) -> list[str]:
 
 
 def new_run_starts(run_dir: Path, config) -> None:
-    """What an overwriting run writes before its data has loaded: its config and a tokenizer trained over the old."""
+    """What an overwriting run writes before its data has loaded: its config, a tokenizer trained over the old, and
+    its tokens in place of the old run's."""
     config_lib.save(config, run_dir / "config.json")
     (run_dir / "tokenizer.json").write_bytes(b"the new run's tokenizer")
     (run_dir / "corpus" / "tokenizer-origin.json").write_bytes(b'{"source": "new"}')
+    for stale in (run_dir / "corpus").glob("tokens-*.npz"):
+        stale.unlink()
+    (run_dir / "corpus" / "tokens-4567.npz").write_bytes(b"the new run's tokens")
 
 
 STAGES = ("set aside", "put back", "discard")

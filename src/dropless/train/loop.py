@@ -98,7 +98,9 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
 
     A directory whose run never reached its first checkpoint (it failed on its data, or was killed early) holds
     nothing worth keeping: the same config starts it again from step 0 without --overwrite; another config is
-    refused with the one flag that replaces it."""
+    refused with the one flag that replaces it. A run replaced so waits in RUN_DIR/.replaced, which the caller
+    deletes once the new run's data has loaded (`overwrite.discard`) or puts back where it fails
+    (`overwrite.put_back`); a start that finds one puts it back first (`overwrite.recover`)."""
     run_dir = Path(run_dir)
     overwrite_lib.recover(run_dir, log)
     saved_path = run_dir / "config.json"

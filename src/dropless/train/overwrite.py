@@ -1,59 +1,75 @@
-"""`--overwrite` without losing the run it replaces to a mistake or a kill.
+"""`--overwrite` that keeps the run it replaces until the new run's data has loaded.
 
 The old run's files wait in RUN_DIR/.replaced until the new run's data has loaded (`discard`), so that a mistake
-found while loading it (a mistyped --data, a corpus too small) puts them back (`put_back`) instead of having cost
-the old run. The tokenizer and its origin record are copied aside rather than moved: the new run's loader checks
-them against its data and reuses them or trains over them, and the old run gets back the tokenizer its weights were
-trained with either way.
+found while loading it (a mistyped --data, a corpus too small) or a kill before it has loaded puts them back
+(`put_back`) instead of having cost the old run. The tokenizer and its origin record are copied aside and the
+token cache linked there, rather than moved: the new run's loader checks them against its data and reuses them,
+or trains and tokenizes over them, and the old run gets back the tokenizer its weights were trained with and its
+tokens either way. Once the data has loaded, the old run is gone: a failure after that (a compile error, a kill in
+the first steps) leaves the new run, which a restart of the same command begins again.
 
-Every step is a rename or works on a directory whose name says how far it got, so a process killed anywhere
+Every step is a rename, or works on a directory whose name says how far it got, so a process killed anywhere
 leaves a state that the next `dropless train` in the directory finishes undoing (`recover`) before it does
 anything else:
 
 - `.replacing`: being set aside; each of REPLACED_FILES is in it or still in place, both the old run's.
-- `.replaced`: set aside whole; the run directory's REPLACED_FILES and COPIED_FILES are the new run's (or absent).
+- `.replaced`: set aside whole; the run directory's REPLACED_FILES, COPIED_FILES and token cache are the new
+  run's, or copies of the old run's, or absent.
 - `.restoring`: being put back; whatever it still holds goes back to its place, where nothing is.
 - `.discarded`: the new run has its data; deleting it finishes.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
 from dropless.data.loader import CACHE_DIR, TOKENIZER_FILE
+from dropless.train import checkpoint as ckpt
 
-# What the new run replaces; it writes only config.json (and the tokenizer) before its data has loaded.
-REPLACED_FILES = ("checkpoints", "metrics.jsonl", "router.bin", "router.json", "tensorboard", "training.png",
-                  "config.json")
-COPIED_FILES = (TOKENIZER_FILE, f"{CACHE_DIR}/tokenizer-origin.json")
+# What the new run replaces (hf_source.json: a run made by `dropless convert --from-hf`, whose export reads it).
+REPLACED_FILES = ("checkpoints", "checkpoints.damaged", "metrics.jsonl", "router.bin", "router.json", "tensorboard",
+                  "training.png", "hf_source.json", "config.json")
+COPIED_FILES = (TOKENIZER_FILE, f"{CACHE_DIR}/tokenizer-origin.json")  # the loader may write over them in place
+TOKEN_CACHE = "tokens-*.npz"  # under CACHE_DIR; the loader replaces and deletes these, never writes into one
 REPLACING, REPLACED, RESTORING, DISCARDED = ".replacing", ".replaced", ".restoring", ".discarded"
 
 
 def set_aside(run_dir: Path) -> None:
-    """Move the run in `run_dir` into RUN_DIR/.replaced (the tokenizer copied) before a new run starts there."""
-    building = Path(run_dir) / REPLACING
+    """Move the run in `run_dir` into RUN_DIR/.replaced (the tokenizer copied, the token cache linked) before a
+    new run starts there. The caller puts it back (`put_back`) or deletes it (`discard`)."""
+    run_dir = Path(run_dir)
+    building = run_dir / REPLACING
     building.mkdir()  # none is left: `recover` runs first
     for name in COPIED_FILES:
-        if (Path(run_dir) / name).is_file():
+        if (run_dir / name).is_file():
             (building / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(run_dir) / name, building / name)
+            shutil.copy2(run_dir / name, building / name)
+    for cache in sorted((run_dir / CACHE_DIR).glob(TOKEN_CACHE)):
+        (building / CACHE_DIR).mkdir(exist_ok=True)
+        _link_or_copy(cache, building / CACHE_DIR / cache.name)
     for name in REPLACED_FILES:
-        if (Path(run_dir) / name).exists():
-            (Path(run_dir) / name).rename(building / name)
-    building.rename(Path(run_dir) / REPLACED)
+        if (run_dir / name).exists():
+            (run_dir / name).rename(building / name)
+    building.rename(run_dir / REPLACED)
 
 
 def put_back(run_dir: Path) -> None:
     """The run set aside, back in place of what the new run wrote (nothing, where the old run had none)."""
     run_dir = Path(run_dir)
     if (run_dir / REPLACED).is_dir():
-        for name in REPLACED_FILES + COPIED_FILES:  # the new run's: the old run's are all aside
-            _remove(run_dir / name)
+        for path in _restorable(run_dir):  # the new run's, or copies: the old run's are all aside
+            _remove(path)
         (run_dir / REPLACED).rename(run_dir / RESTORING)
     if (run_dir / RESTORING).is_dir():
-        _move_back(run_dir, run_dir / RESTORING, REPLACED_FILES + COPIED_FILES)
+        aside = run_dir / RESTORING
+        for path in _restorable(aside):
+            target = run_dir / path.relative_to(aside)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(target)
+        shutil.rmtree(aside)
 
 
 def discard(run_dir: Path) -> None:
@@ -71,21 +87,34 @@ def recover(run_dir: Path, log: Callable[[str], None]) -> None:
     if not run_dir.is_dir():
         return
     shutil.rmtree(run_dir / DISCARDED, ignore_errors=True)
-    interrupted = [name for name in (REPLACING, REPLACED, RESTORING) if (run_dir / name).is_dir()]
     if (run_dir / REPLACING).is_dir():  # the copies are partial at worst, and their originals untouched
-        _move_back(run_dir, run_dir / REPLACING, REPLACED_FILES)
+        aside = run_dir / REPLACING
+        for name in REPLACED_FILES:
+            if (aside / name).exists():
+                (aside / name).rename(run_dir / name)
+        shutil.rmtree(aside)
+    elif (run_dir / REPLACED).is_dir() and ckpt.reached_a_checkpoint(run_dir):
+        # Never left by `discard`, which renames before deleting; a trained run beside it is the one to keep.
+        discard(run_dir)
+        return
+    elif not (run_dir / REPLACED).is_dir() and not (run_dir / RESTORING).is_dir():
+        return
     put_back(run_dir)
-    if interrupted:
-        log(f"dropless: {run_dir} held the run that an interrupted --overwrite had set aside before the new run's "
-            "data loaded; that run is back in place")
+    log(f"dropless: {run_dir} held the run that an interrupted --overwrite had set aside before the new run's "
+        "data loaded; that run is back in place")
 
 
-def _move_back(run_dir: Path, aside: Path, names: tuple[str, ...]) -> None:
-    for name in names:
-        if (aside / name).exists():
-            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            (aside / name).rename(run_dir / name)
-    shutil.rmtree(aside)
+def _restorable(root: Path) -> list[Path]:
+    """The paths under `root` that a set-aside run may hold, as they stand there."""
+    names = [root / name for name in REPLACED_FILES + COPIED_FILES]
+    return [path for path in names if path.exists()] + sorted((root / CACHE_DIR).glob(TOKEN_CACHE))
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)  # free, and safe: the loader replaces a cache file, never writes into it
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(source, target)
 
 
 def _remove(path: Path) -> None:
