@@ -64,12 +64,7 @@ def put_back(run_dir: Path) -> None:
             _remove(path)
         (run_dir / REPLACED).rename(run_dir / RESTORING)
     if (run_dir / RESTORING).is_dir():
-        aside = run_dir / RESTORING
-        for path in _restorable(aside):
-            target = run_dir / path.relative_to(aside)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            path.rename(target)
-        shutil.rmtree(aside)
+        _move_back(run_dir, run_dir / RESTORING, _restorable(run_dir / RESTORING))
 
 
 def discard(run_dir: Path) -> None:
@@ -87,17 +82,13 @@ def recover(run_dir: Path, log: Callable[[str], None]) -> None:
     if not run_dir.is_dir():
         return
     shutil.rmtree(run_dir / DISCARDED, ignore_errors=True)
+    if not any((run_dir / name).is_dir() for name in (REPLACING, REPLACED, RESTORING)):
+        return
     if (run_dir / REPLACING).is_dir():  # the copies are partial at worst, and their originals untouched
-        aside = run_dir / REPLACING
-        for name in REPLACED_FILES:
-            if (aside / name).exists():
-                (aside / name).rename(run_dir / name)
-        shutil.rmtree(aside)
+        _move_back(run_dir, run_dir / REPLACING, [run_dir / REPLACING / name for name in REPLACED_FILES])
     elif (run_dir / REPLACED).is_dir() and ckpt.reached_a_checkpoint(run_dir):
         # Never left by `discard`, which renames before deleting; a trained run beside it is the one to keep.
         discard(run_dir)
-        return
-    elif not (run_dir / REPLACED).is_dir() and not (run_dir / RESTORING).is_dir():
         return
     put_back(run_dir)
     log(f"dropless: {run_dir} held the run that an interrupted --overwrite had set aside before the new run's "
@@ -108,6 +99,16 @@ def _restorable(root: Path) -> list[Path]:
     """The paths under `root` that a set-aside run may hold, as they stand there."""
     names = [root / name for name in REPLACED_FILES + COPIED_FILES]
     return [path for path in names if path.exists()] + sorted((root / CACHE_DIR).glob(TOKEN_CACHE))
+
+
+def _move_back(run_dir: Path, aside: Path, paths: list[Path]) -> None:
+    """Each of `paths` (under `aside`) that exists, back to its place under `run_dir`; then `aside` deleted."""
+    for path in paths:
+        if path.exists():
+            target = run_dir / path.relative_to(aside)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path.rename(target)
+    shutil.rmtree(aside)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
