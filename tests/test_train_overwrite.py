@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from dropless.core import config as config_lib
 from dropless.train import loop
 from dropless.train import overwrite as overwrite_lib
 from dropless.train.loop import train
-from tests.test_train import corpus, small_config  # noqa: F401 (corpus is a fixture)
+from tests.test_train import SMALL, corpus, small_config  # noqa: F401 (corpus is a fixture)
+from tests.test_train_parallel import run_processes
 
 
 def fake_run(run_dir: Path, config, tokenizer: bool = True) -> dict[str, bytes]:
@@ -71,6 +73,28 @@ def test_an_overwrite_whose_data_fails_after_its_tokenizer_keeps_the_old_run_s_t
               log=logged.append)
     assert any("training a byte-level BPE" in line for line in logged)  # it failed after its tokenizer
     assert any("tokenizing" in line for line in logged)  # and after its token cache
+    assert files_of(run_dir) == before
+
+
+def test_an_overwrite_that_another_process_cannot_follow_keeps_the_run_it_would_have_replaced(tmp_path, corpus):
+    """Two processes of the real CLI, process 1 given a run directory of its own (as on a host that does not share
+    the filesystem): process 0 has set the old run aside and loaded the new data, process 1 cannot read the run,
+    and the agreement that follows puts the old run back before anything is deleted; each process ends with one
+    line and status 2."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    before = fake_run(run_dir, small_config(corpus))
+    command = [sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus), "--overwrite", "--no-progress",
+               *(f"{k}={v}" for k, v in SMALL.items()), "--run-dir"]
+    results = run_processes([[*command, str(run_dir)], [*command, str(elsewhere)]])
+    errors = [[line for line in stderr.splitlines() if line.startswith("dropless: error")]
+              for _, _, stderr in results]
+    assert [status for status, _, _ in results] == [2, 2], [stderr[-3000:] for _, _, stderr in results]
+    assert errors[0] == ["dropless: error: process 1 of 2 could not load the run's data (its own error line says "
+                         "why); the run that --overwrite set aside is put back."]
+    assert errors[1] == [f"dropless: error: process 1 finds no config.json in {elsewhere}, which process 0 has just "
+                         "written: every process must see the same run directory; put --run-dir on a filesystem "
+                         "that all hosts share."]
+    assert all("Traceback" not in stderr for _, _, stderr in results)
     assert files_of(run_dir) == before
 
 

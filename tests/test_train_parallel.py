@@ -71,14 +71,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_processes(command: list[str]) -> list[str]:
-    """Run `command` as processes 0 and 1 of one jax.distributed run on localhost (2 CPU devices each);
-    both must succeed. Returns their standard outputs."""
+def run_processes(commands: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Run `commands[i]` as process i of one jax.distributed run on localhost (2 CPU devices each). Returns each
+    one's (exit status, stdout, stderr)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
-           "DROPLESS_COORDINATOR": f"127.0.0.1:{_free_port()}", "DROPLESS_NUM_PROCESSES": "2"}
+           "DROPLESS_COORDINATOR": f"127.0.0.1:{_free_port()}", "DROPLESS_NUM_PROCESSES": str(len(commands))}
     workers = [subprocess.Popen(command, cwd=ROOT, env={**env, "DROPLESS_PROCESS_ID": str(i)},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for i, command in enumerate(commands)]
     try:
         outputs = [worker.communicate(timeout=400) for worker in workers]
     finally:
@@ -86,9 +87,15 @@ def run_two_processes(command: list[str]) -> list[str]:
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
-    for worker, (_, stderr) in zip(workers, outputs):
-        assert worker.returncode == 0, stderr[-3000:]
-    return [stdout for stdout, _ in outputs]
+    return [(worker.returncode, stdout, stderr) for worker, (stdout, stderr) in zip(workers, outputs)]
+
+
+def run_two_processes(command: list[str]) -> list[str]:
+    """Run `command` as processes 0 and 1 (run_processes); both must succeed. Returns their standard outputs."""
+    results = run_processes([command, command])
+    for status, _, stderr in results:
+        assert status == 0, stderr[-3000:]
+    return [stdout for _, stdout, _ in results]
 
 
 def test_dropless_train_across_two_processes_matches_one_process(tmp_path):

@@ -328,7 +328,11 @@ def _process() -> dict:
 
 
 def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, overwrite: bool, log):
-    """(the run's config, its token dataset): process 0 prepares the directory, the others read it after."""
+    """(the run's config, its token dataset): process 0 prepares the directory, the others read it after.
+
+    A run that --overwrite set aside is deleted only once every process has loaded the new run's data: a process
+    that cannot (a run directory not on a filesystem all hosts share, a corpus missing on its host) makes
+    process 0 put the old run back, and every process ends with one line."""
     def trained() -> bool:  # weights that belong to the run's tokenizer (after prepare_run_dir: it may put some back)
         return resume and ckpt.reached_a_checkpoint(run_dir)
 
@@ -340,13 +344,34 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
         except BaseException:
             overwrite_lib.put_back(run_dir)
             raise
-        overwrite_lib.discard(run_dir)
     _sync_processes("dropless: run directory ready")
+    failure = None
     if not primary:
-        config = ckpt.load_run_config(run_dir)  # as process 0 resolved it (the schedule horizon)
-        dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir,
-                                        resume=trained())
+        try:
+            config = _read_prepared_config(run_dir)  # as process 0 resolved it (the schedule horizon)
+            dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir,
+                                            resume=trained())
+        except Exception as err:  # raised below, once the processes agree
+            failure = err
+    failed, process = ckpt.agreed_outcome(int(failure is not None))
+    if failed:
+        if primary:
+            overwrite_lib.put_back(run_dir)
+        raise failure or ConfigError(
+            f"process {process} of {jax.process_count()} could not load the run's data (its own error line says "
+            f"why){'; the run that --overwrite set aside is put back' if primary and overwrite else ''}.")
+    if primary:
+        overwrite_lib.discard(run_dir)
     return config, dataset
+
+
+def _read_prepared_config(run_dir: Path) -> Config:
+    """The config process 0 has just written to `run_dir`, read by another process."""
+    if not (Path(run_dir) / "config.json").is_file():
+        raise ConfigError(f"process {jax.process_index()} finds no config.json in {run_dir}, which process 0 has "
+                          "just written: every process must see the same run directory; put --run-dir on a "
+                          "filesystem that all hosts share.")
+    return ckpt.load_run_config(run_dir)
 
 
 def _restore(setup, run_dir: Path, init_weights: tuple | None, resume: bool, log) -> tuple[TrainState, int]:
