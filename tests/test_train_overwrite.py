@@ -98,6 +98,29 @@ def test_an_overwrite_that_another_process_cannot_follow_keeps_the_run_it_would_
     assert files_of(run_dir) == before
 
 
+def test_a_disk_full_while_setting_the_old_run_aside_leaves_it_in_place(tmp_path, corpus, monkeypatch, capsys):
+    """`--overwrite` on a disk that fills while the old run's tokenizer is copied aside (half the file written):
+    one line naming the run directory and the full disk, status 2, and the old run as it was, nothing aside."""
+    import errno
+
+    from dropless.cli import main
+
+    run_dir = tmp_path / "run"
+    before = fake_run(run_dir, small_config(corpus))
+
+    def disk_full(source, target, **kwargs):
+        Path(target).write_bytes(Path(source).read_bytes()[:4])
+        raise OSError(errno.ENOSPC, "No space left on device", str(target))
+
+    monkeypatch.setattr(shutil, "copy2", disk_full)
+    assert main(["train", "--data", str(corpus), "--run-dir", str(run_dir), "--overwrite", "--no-progress",
+                 *(f"{k}={v}" for k, v in SMALL.items())]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"dropless: error: {run_dir}: no space left on device; the disk is full; free some space or choose another "
+        "location.")
+    assert files_of(run_dir) == before
+
+
 def test_a_resume_after_an_interrupted_overwrite_reads_the_run_s_own_tokenizer(tmp_path, corpus):
     """Killed while its data loaded, an overwrite leaves the old run aside; `--resume` then puts it back and reads
     its tokenizer as it is, although no origin record says which data it was trained on (a run copied without

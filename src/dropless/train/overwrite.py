@@ -43,16 +43,20 @@ def set_aside(run_dir: Path) -> None:
     run_dir = Path(run_dir)
     building = run_dir / REPLACING
     building.mkdir()  # none is left: `recover` runs first
-    for name in COPIED_FILES:
-        if (run_dir / name).is_file():
-            (building / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(run_dir / name, building / name)
-    for cache in sorted((run_dir / CACHE_DIR).glob(TOKEN_CACHE)):
-        (building / CACHE_DIR).mkdir(exist_ok=True)
-        _link_or_copy(cache, building / CACHE_DIR / cache.name)
-    for name in REPLACED_FILES:
-        if (run_dir / name).exists():
-            (run_dir / name).rename(building / name)
+    try:
+        for name in COPIED_FILES:
+            if (run_dir / name).is_file():
+                (building / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(run_dir / name, building / name)
+        for cache in sorted((run_dir / CACHE_DIR).glob(TOKEN_CACHE)):
+            (building / CACHE_DIR).mkdir(exist_ok=True)
+            _link_or_copy(cache, building / CACHE_DIR / cache.name)
+        for name in REPLACED_FILES:
+            if (run_dir / name).exists():
+                (run_dir / name).rename(building / name)
+    except OSError as err:  # a full disk while copying: the run goes back as it was, and the error names it
+        _move_back(run_dir, building, [building / name for name in REPLACED_FILES])
+        raise OSError(err.errno, err.strerror, str(run_dir)) from None
     building.rename(run_dir / REPLACED)
 
 
