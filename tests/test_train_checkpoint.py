@@ -358,6 +358,21 @@ def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, co
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("config")) == ["config.json"]
 
 
+def test_a_start_deletes_the_temporary_files_a_kill_mid_write_left_and_nothing_else(tmp_path, corpus):
+    """write_atomic's `NAME.<pid>.tmp`, left by a kill between writing and renaming (a token cache's can be large),
+    in the run directory and its corpus cache: the next start, holding the run's lock, deletes them; files of
+    other names stay."""
+    from dropless.train import loop
+    run_dir, config = tmp_path / "run", small_config(corpus)
+    fake_run(run_dir, config)
+    left = [run_dir / "config.json.4242.tmp", run_dir / "corpus" / "tokens-0123.npz.77.tmp"]
+    kept = [run_dir / "notes.tmp", run_dir / "corpus" / "tokens.x.tmp", run_dir / "checkpoints" / "10" / "a.1.tmp"]
+    for path in left + kept:
+        path.write_bytes(b"partial")
+    loop.prepare_run_dir(run_dir, config, resume=True, overwrite=False)
+    assert [path.exists() for path in left + kept] == [False] * len(left) + [True] * len(kept)
+
+
 def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_path, monkeypatch):
     """Tasks and coroutines of a restore that failed report at exit, each with tensorstore's error naming the
     array's path under the checkpoints' directory: those reports are dropped, any other passes."""

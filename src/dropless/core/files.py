@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+_TEMPORARY = re.compile(r".+\.\d+\.tmp")  # write_atomic's: NAME.<pid>.tmp
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -31,3 +34,14 @@ def refused(err: OSError, path: Path, *temporaries: Path) -> OSError:
         except OSError:
             pass
     return OSError(err.errno, err.strerror, str(path)) if err.errno is not None else err
+
+
+def remove_temporaries(directory: Path) -> list[Path]:
+    """Delete the temporary files `write_atomic` left in `directory` when killed mid-write (a token cache's can be
+    large); returns them. Only for a directory no live process writes into: the caller holds its lock."""
+    removed = []
+    for path in Path(directory).glob("*.tmp"):
+        if _TEMPORARY.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

@@ -35,8 +35,10 @@ from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from dropless.core import config as config_lib
+from dropless.core import files
 from dropless.core.config import Config, ConfigError
 from dropless.data import load_token_dataset
+from dropless.data.loader import CACHE_DIR
 from dropless.gmm.registry import resolve_backend_name
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
@@ -103,6 +105,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     (`overwrite.put_back`); a start that finds one puts it back first (`overwrite.recover`)."""
     run_dir = Path(run_dir)
     overwrite_lib.recover(run_dir, log)
+    for directory in (run_dir, run_dir / CACHE_DIR):  # a kill's leftovers: this process holds the run's lock
+        files.remove_temporaries(directory)
     saved_path = run_dir / "config.json"
     if resume:
         if not saved_path.is_file():
