@@ -18,7 +18,7 @@ from dropless.core import config as config_lib
 from dropless.core.config import ConfigError
 from dropless.data import train_bpe
 from dropless.train import loop, overwrite
-from tests.test_train import SMALL
+from tests.test_train import CORPUS, SMALL
 
 SMALL_OVERRIDES = [f"{k}={v}" for k, v in SMALL.items()]
 
@@ -63,6 +63,9 @@ def files(tmp_path_factory) -> pathlib.Path:
     (root / "badtok").mkdir()
     (root / "badtok" / "config.json").write_text(saved)
     (root / "badtok" / "tokenizer.json").write_text("garbage")
+    (root / "bigtok").mkdir()  # a tokenizer whose merges reach ids beyond the model's 320 entries
+    (root / "bigtok" / "config.json").write_text(saved)
+    train_bpe([CORPUS], 2048).save(root / "bigtok" / "tokenizer.json")
     (root / "hf").mkdir()
     (root / "hf" / "config.json").write_text('{"model_type": "mixtral", ')
     (root / "hfbig").mkdir()
@@ -81,6 +84,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["generate", "--run-dir", "{f}/listed", "--prompt", "x"], ["listed/config.json", "JSON object"]),
     (["convert", "--from", "{f}/binary", "--to-hf", "{f}/out"], ["binary/config.json is not a text file"]),
     (["generate", "--run-dir", "{f}/badtok", "--prompt", "x"], ["badtok/tokenizer.json is not a valid tokenizer"]),
+    (["generate", "--run-dir", "{f}/bigtok", "--prompt", "return x * y + 123"],
+     ["bigtok/tokenizer.json gives the prompt token id", "vocabulary has 320 entries"]),
     (["generate", "--hf-dir", "{f}/hf", "--prompt", "x"], ["hf/config.json is not valid JSON", "re-download"]),
     (["generate", "--hf-dir", "{f}/hfbig", "--prompt", "x"], ["config.json field hidden_size='big' is not an integer"]),
     (["convert", "--from-hf", "{f}/hfbig", "--to", "{f}/imported1"], ["hidden_size='big'", "re-download"]),

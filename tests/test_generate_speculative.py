@@ -43,6 +43,18 @@ def model():
     return params, transformer.init_state(MODEL)
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 1e-300])
+def test_a_temperature_near_zero_samples_greedily_instead_of_from_nan(temperature):
+    """Scaled first, logits / 1e-40 overflow to inf in float32 and the softmax of inf - inf is NaN (every draw
+    then token 0); shifted by the largest logit first, the nucleus is the argmax alone."""
+    logits = jnp.asarray([0.5, 3.0, -1.0, 2.9], jnp.float32)
+    for top_p in (1.0, 0.9):
+        truncated = gen.truncated_logits(logits, temperature, top_p)
+        assert not np.isnan(np.asarray(truncated)).any()
+        assert np.asarray(jax.nn.softmax(truncated)).tolist() == [0.0, 1.0, 0.0, 0.0]
+        assert {int(gen.sample_next(logits, jax.random.key(seed), temperature, top_p)) for seed in range(8)} == {1}
+
+
 def test_speculative_greedy_equals_plain_greedy(model):
     params, state = model
     prompt = [5, 9, 2, 7]

@@ -32,6 +32,7 @@ from dropless.core import distributed
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
+from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import generate
 from dropless.train import checkpoint as ckpt
@@ -147,15 +148,21 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"--seed={args.seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
                           f"{config_lib.INT_LIMIT}.")
     source = Path(args.hf_dir or args.run_dir)
-    ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
+    vocab = (ckpt.load_run_config(source) if args.run_dir
+             else convert.config_from_hf(read_hf_config(source))).model.vocab_size
     tokenizer_path = source / "tokenizer.json"
     if not tokenizer_path.exists():
         raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
     tokenizer = read_tokenizer_file(tokenizer_path)
+    prompt_ids = tokenizer.encode(args.prompt).ids
+    if prompt_ids and max(prompt_ids) >= vocab:
+        raise ConfigError(f"{tokenizer_path} gives the prompt token id {max(prompt_ids)}, but the model's vocabulary "
+                          f"has {vocab} entries: it is not the tokenizer the model was trained with; put that one "
+                          "there.")
     config, params, state = _load_for_inference(args)
     stop_id = tokenizer.token_to_id("<|endoftext|>")
     stats: dict = {}
-    ids = generate(config, params, state, tokenizer.encode(args.prompt).ids, max_new_tokens=args.max_new_tokens,
+    ids = generate(config, params, state, prompt_ids, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id,
                    speculative=args.speculative, stats=stats)
     print(args.prompt + tokenizer.decode(ids))
@@ -189,7 +196,8 @@ def cmd_logits(args) -> int:
         raise ConfigError(f"--tokens holds ids outside [0, {config.model.vocab_size}); the model's vocabulary "
                           f"has {config.model.vocab_size} entries.")
     logits = compute_logits(config, params, state, tokens.astype(np.int32))
-    np.save(out, np.asarray(logits, np.float32))
+    with atomic_file(out) as file:  # a full disk leaves the previous file whole
+        np.save(file, np.asarray(logits, np.float32))
     print(f"dropless: wrote float32 logits of shape {tuple(logits.shape)} to {out}")
     return 0
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 _TEMPORARY = re.compile(r".+\.\d+\.tmp")  # write_atomic's: NAME.<pid>.tmp
 
@@ -14,7 +16,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     processes) never see a partial file and a kill leaves the old file or the new one. A write the filesystem
     refuses (a full disk) removes the temporary file and raises the OSError naming `path`."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = _temporary(path)
     try:
         if isinstance(data, str):
             tmp.write_text(data)
@@ -23,6 +25,36 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         os.replace(tmp, path)
     except OSError as err:
         raise refused(err, path, tmp) from None
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """`write_atomic` for contents written in parts (a large array): a binary file whose contents replace `path`
+    when the block ends without an error; any error removes them and leaves `path` as it was. Writes go through
+    Python's file object, which reports a short write as the OSError of the system call (ENOSPC on a full disk),
+    where NumPy's own writer to a real file reports one without an errno."""
+    path = Path(path)
+    tmp = _temporary(path)
+    try:
+        with open(tmp, "wb") as file:
+            yield _Parts(file)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise refused(err, path, tmp) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class _Parts:
+    """A file object NumPy writes in chunks through `write` (it is no real file to numpy.save)."""
+
+    def __init__(self, file: BinaryIO):
+        self.write = file.write
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f"{path.name}.{os.getpid()}.tmp")
 
 
 def refused(err: OSError, path: Path, *temporaries: Path) -> OSError:

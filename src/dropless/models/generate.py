@@ -33,8 +33,13 @@ def sample_next(logits_V: jax.Array, key: jax.Array, temperature: float, top_p: 
 
 
 def truncated_logits(logits_V: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """The logits `sample_next` samples from at temperature > 0: scaled, and -inf outside the top-p nucleus."""
-    logits_V = logits_V / temperature
+    """The logits `sample_next` samples from at temperature > 0: scaled, and -inf outside the top-p nucleus.
+
+    The largest logit is subtracted before scaling, so that a temperature near 0 (1e-40, or one below float32's
+    range) gives 0 for the largest and -inf for the others, greedy's choice, where scaling first would overflow
+    to inf - inf = NaN."""
+    logits_V = logits_V.astype(jnp.float32)
+    logits_V = (logits_V - jnp.max(logits_V)) / jnp.maximum(jnp.float32(temperature), jnp.finfo(jnp.float32).tiny)
     if top_p < 1.0:
         order_V = jnp.argsort(-logits_V)
         probs_sorted = jax.nn.softmax(logits_V[order_V])
