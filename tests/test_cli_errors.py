@@ -131,8 +131,11 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["plan", "--devices", "x"], ["argument --devices: invalid int value: 'x'", "'dropless plan --help'"]),
     (["bench", "gmm", "--bogus"], ["unrecognized arguments: --bogus", "'dropless bench gmm --help'"]),
     (["tune-gmm", "--workers", "many"], ["invalid int value: 'many'", "'dropless tune-gmm --help'"]),
-    (["tune-gmm", "--shape", "1,2,3"], ["--shape '1,2,3' must be four integers M,K,N,G."]),
+    (["tune-gmm", "--shape", "1,2,3"], ["--shape '1,2,3' must be four positive integers M,K,N,G."]),
     (["bench", "gmm", "--shapes", "nope"], ["nope not known; choose from"]),
+    (["bench", "gmm", "--shapes", "tiny", "--batches", "0"], ["--batches 0 must be at least 1"]),
+    (["tune-gmm", "--shape", "1024,64,64,0"], ["--shape '1024,64,64,0' must be four positive integers"]),
+    (["bench", "plan-accuracy", "--part", "3/2"], ["--part '3/2' is not K/N"]),
     (["bench", "scale", "--devices", "one"], ["--devices 'one' must be comma-separated integers"]),
     (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
 ])

@@ -3,6 +3,7 @@ GPU interpreter, forward and both gradients against ragged_dot), and the benchma
 
 import json
 from dataclasses import astuple
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,25 @@ def test_json_round_trip_merge_and_overlay(tmp_path):
     assert gt.lookup(merged, H200, 4096, 512, 1024, 8).source == "mine-again"
     assert gt.lookup(merged, H200, *DSV3["dsv3-gate-up-e32"]).source == "dsv3-gate-up-e32"
     assert hash(plan) == hash(GmmPlan(plan.fwd, plan.dlhs, plan.drhs, plan.source))  # a static jit argument
+
+
+def test_a_table_write_that_fails_partway_leaves_the_previous_table_whole(tmp_path, monkeypatch):
+    """`dropless tune-gmm` writes the packaged table in place: a full disk mid-write names the file and leaves the
+    table every later kernel launch reads as it was."""
+    path = tmp_path / "table.json"
+    gt.save_table(gt.empty_table(), path)
+    before = path.read_bytes()
+
+    def fills_the_disk(self, data, *args, **kwargs):
+        open(self, "w").write(data[:10])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", fills_the_disk)
+    with pytest.raises(OSError, match="table.json"):
+        gt.save_table(gt.merge_entry(gt.empty_table(), H200, gt.make_entry(
+            "mine", ShapeKey(4096, 512, 1024, 8), {p: _config(stages=3) for p in gt.PRODUCTS}, {}, "t")), path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["table.json"]
 
 
 def test_user_table_from_environment(tmp_path, monkeypatch):

@@ -405,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in name if x not in allowed]
         if bad:
             raise ConfigError(f"{', '.join(bad)} not known; choose from {', '.join(allowed)}.")
+    if args.batches < 1:
+        raise ConfigError(f"--batches {args.batches} must be at least 1: the timed batches whose median is kept.")
     xla_flags.apply()  # before JAX starts a backend
     out = results_path(args.out, jax.devices()[0].device_kind)
     records: list[dict] = []

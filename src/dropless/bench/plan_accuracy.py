@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from dropless.core.arguments import ArgumentParser
-from dropless.core.config import build_config, parse_overrides
+from dropless.core.config import ConfigError, build_config, parse_overrides
 
 GIB = 1024**3
 PROXY = "deepseek-v3-proxy"
@@ -158,7 +158,7 @@ def select_part(configs: list, part: str | None) -> list:
     except ValueError:
         k = n = 0
     if not 1 <= k <= n:
-        raise ValueError(f"--part {part!r} is not K/N with 1 <= K <= N; pass e.g. --part 1/3.")
+        raise ConfigError(f"--part {part!r} is not K/N with 1 <= K <= N; pass e.g. --part 1/3.")
     return configs[(k - 1) * len(configs) // n:k * len(configs) // n]
 
 

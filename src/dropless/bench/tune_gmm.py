@@ -264,9 +264,11 @@ def _shapes(args) -> list[tuple[str, ShapeKey]]:
     try:
         for spec in args.shape:
             m, k, n, g = (int(v) for v in spec.split(","))
+            if min(m, k, n, g) < 1:
+                raise ValueError
             shapes.append((gt.shape_class(m, k, n, g), ShapeKey(m, k, n, g)))
     except ValueError:
-        raise ConfigError(f"--shape {spec!r} must be four integers M,K,N,G.") from None
+        raise ConfigError(f"--shape {spec!r} must be four positive integers M,K,N,G.") from None
     for name in args.preset:
         shapes += preset_shapes(name, args.rows)
     for name in filter(None, args.bench_shapes.split(",")):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dropless.core.errors import MoEError
+from dropless.core.files import write_atomic
 
 PRODUCTS = ("fwd", "dlhs", "drhs")
 KERNELS = ("tokamax", "dropless", "dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async",
@@ -387,4 +388,6 @@ def merge_entry(table: dict[str, Any], kind: str, entry: dict[str, Any]) -> dict
 
 def save_table(table: dict[str, Any], path: str | Path) -> None:
     validate_table(table, str(path))
-    Path(path).write_text(json.dumps(table, indent=1, sort_keys=False) + "\n")
+    # Whole or not at all: the packaged table is written in place by `dropless tune-gmm`, and a kill or a full
+    # disk mid-write would leave every later kernel launch reading a torn file.
+    write_atomic(Path(path), json.dumps(table, indent=1, sort_keys=False) + "\n")
