@@ -40,18 +40,20 @@ from dropless.train.loop import resume_changes, train
 
 DEFAULT_PRESET = "tiny"
 DEBUG_FLAG = "--debug"
-# OS errors the user's files or machine cause, with the fix each sentence ends with.
+# OS errors the user's files or machine cause, with the fix each sentence ends with (after the system's own
+# description of the error, "Is a directory", "No space left on device", which the fix does not repeat).
 OS_ERROR_FIXES = {
     errno.ENOENT: "check the path",
     errno.ENOTDIR: "check the path (a part of it is a file)",
-    errno.EISDIR: "it is a directory; give a file",
+    errno.EISDIR: "give a file",
     errno.EACCES: "check its permissions or choose another location",
     errno.EPERM: "check its permissions or choose another location",
-    errno.EROFS: "the filesystem is read-only; choose another location",
-    errno.ENOSPC: "the disk is full; free some space or choose another location",
-    errno.EDQUOT: "the disk quota is used up; free some space or choose another location",
+    errno.EROFS: "choose another location",
+    errno.ENOSPC: "free some space or choose another location",
+    errno.EDQUOT: "free some space or choose another location",
     errno.ENAMETOOLONG: "choose a shorter path",
     errno.EEXIST: "remove it or choose another path",
+    errno.ENOTEMPTY: "remove it or choose another path",
 }
 BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
               "scale": "dropless.bench.scale", "rates": "dropless.bench.rates",
