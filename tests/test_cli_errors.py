@@ -66,6 +66,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (root / "bigtok").mkdir()  # a tokenizer whose merges reach ids beyond the model's 320 entries
     (root / "bigtok" / "config.json").write_text(saved)
     train_bpe([CORPUS], 2048).save(root / "bigtok" / "tokenizer.json")
+    (root / "hfmodel").mkdir()
+    (root / "hfmodel" / "config.json").write_text('{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}')
     (root / "hf").mkdir()
     (root / "hf" / "config.json").write_text('{"model_type": "mixtral", ')
     (root / "hfbig").mkdir()
@@ -92,6 +94,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["convert", "--from-hf", "{f}/hf", "--to", "{f}/imported2", "--from", "{f}/run", "--to-hf", "{f}/exported"],
      ["one direction at a time", "not both"]),
     (["generate", "--run-dir", "{f}/ok.npy", "--prompt", "x"], ["ok.npy is not a dropless run directory"]),
+    (["generate", "--run-dir", "{f}/hfmodel", "--prompt", "x"], ["hfmodel holds a Hugging Face model", "--hf-dir"]),
+    (["convert", "--from", "{f}/hfmodel", "--to-hf", "{f}/out2"], ["hfmodel holds a Hugging Face model"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],
      ["--seed=18446744073709551616 is out of range"]),

@@ -149,8 +149,12 @@ def test_no_good_checkpoint_and_no_checkpoint_are_one_line_errors(tmp_path, corp
     _save_run(tmp_path / "run", [10])
     for data in (tmp_path / "run" / "checkpoints" / "10").rglob("d/*"):
         data.write_bytes(b"")
-    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint 10 in .* and so is every older checkpoint"):
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint 10 in .* and so is every older checkpoint.*"
+                                                   r"start again with --overwrite\.$"):
         _restore_latest(tmp_path / "run")
+    # `generate` and `logits` (load_model) have no --overwrite to offer
+    with pytest.raises(ckpt.CheckpointError, match=r"every older checkpoint .*; restore its checkpoints from a copy"):
+        ckpt.restore_latest(tmp_path / "run", _model(0)[0], fix=ckpt.READ_FIX)
     # A run with a config but no finished checkpoint: --resume says so instead of starting at step 0.
     config = small_config(corpus, **{"train.steps": 2, "train.eval_every": 100, "train.checkpoint_every": 100})
     (tmp_path / "early").mkdir()

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import gc
 import io
+import json
 import logging
 import os
 import shutil
@@ -450,13 +451,18 @@ def reached_a_checkpoint(run_dir: Path) -> bool:
     return bool(_all_steps(run_dir)) or (damaged.is_dir() and any(damaged.iterdir()))
 
 
+# What a run none of whose checkpoints is good leaves the user to do: train it again, or read weights elsewhere.
+RESUME_FIX = "start again with --overwrite"
+READ_FIX = "restore its checkpoints from a copy of the run, or train it again"
+
+
 def restore_latest(run_dir: Path, like_model, like_optimizer=None, *, log: Callable[[str], None] = print,
-                   set_aside: bool = True) -> tuple[int, dict[str, Any]]:
+                   set_aside: bool = True, fix: str = RESUME_FIX) -> tuple[int, dict[str, Any]]:
     """(step, restored trees) of the newest good checkpoint, for --resume.
 
     Each damaged checkpoint on the way is reported in one line and, with `set_aside`, moved to
     RUN_DIR/checkpoints.damaged/ so that the resumed run can save that step again. Raises CheckpointError when
-    the run has no finished checkpoint or none is good.
+    the run has no finished checkpoint or none is good (ending with `fix`).
     """
     steps = _all_steps(run_dir)
     if not steps:
@@ -475,7 +481,7 @@ def restore_latest(run_dir: Path, like_model, like_optimizer=None, *, log: Calla
                 f"resuming from checkpoint {step}.")
         return step, restored
     raise CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in {checkpoint_dir(run_dir)} "
-                          f"(steps {', '.join(str(s) for s, _ in damaged)}); start again with --overwrite.")
+                          f"(steps {', '.join(str(s) for s, _ in damaged)}); {fix}.")
 
 
 def _set_aside(run_dir: Path, step: int) -> Path | None:
@@ -498,7 +504,23 @@ def load_run_config(run_dir: Path) -> config_lib.Config:
     if not path.is_file():
         raise CheckpointError(f"{run_dir} is not a dropless run directory (no config.json); "
                               "pass the directory a 'dropless train' or 'dropless convert' wrote.")
-    return config_lib.load(path)
+    try:
+        return config_lib.load(path)
+    except config_lib.ConfigError:
+        if _hugging_face_config(path):
+            raise CheckpointError(f"{run_dir} holds a Hugging Face model, not a dropless run; pass it with --hf-dir "
+                                  f"(generate, logits), or import it first: dropless convert --from-hf {run_dir} "
+                                  "--to RUN_DIR.") from None
+        raise
+
+
+def _hugging_face_config(path: Path) -> bool:
+    """Whether `path` reads as a Hugging Face config.json (a model_type or architectures field)."""
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return False
+    return isinstance(fields, dict) and ("model_type" in fields or "architectures" in fields)
 
 
 def save_model(run_dir: Path, config: config_lib.Config, params, state, step: int = 0, *,
@@ -525,5 +547,5 @@ def load_model(run_dir: Path, step: int | None = None):
     else:
         def warn(message):
             warnings.warn(message.removeprefix("dropless: ").replace("resuming from", "using"), CheckpointWarning)
-        model = restore_latest(run_dir, like, log=warn, set_aside=False)[1]["model"]
+        model = restore_latest(run_dir, like, log=warn, set_aside=False, fix=READ_FIX)[1]["model"]
     return config, model["params"], model["state"]
