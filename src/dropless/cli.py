@@ -193,6 +193,9 @@ def cmd_logits(args) -> int:
     if not out.parent.is_dir():
         raise ConfigError(f"--out {args.out}: the directory {out.parent} does not exist; create it or choose "
                           "another path.")
+    if out.resolve() == tokens_path.resolve():
+        raise ConfigError(f"--out {args.out} is the --tokens file; writing the logits there would replace the input, "
+                          "so choose another path.")
     config, params, state = _load_for_inference(args)
     if tokens.min() < 0 or tokens.max() >= config.model.vocab_size:
         raise ConfigError(f"--tokens holds ids outside [0, {config.model.vocab_size}); the model's vocabulary "
