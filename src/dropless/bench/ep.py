@@ -299,6 +299,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag
+    if args.devices < 1:
+        raise ConfigError(f"--devices {args.devices} must be at least 1.")
     devices = jax.devices()[:args.devices]
     if len(devices) < args.devices:
         raise ConfigError(f"--devices {args.devices} but only {len(devices)} are present; lower --devices.")

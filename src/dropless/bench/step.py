@@ -32,7 +32,7 @@ from dropless.bench.records import environment, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
-from dropless.core.config import build_config, parse_overrides
+from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
 
 
@@ -69,12 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.chart:
         path = Path(args.chart)
-        print(f"dropless: wrote {report.ladder_chart(json.loads(path.read_text()), path.with_suffix('.png'))}")
+        try:
+            ladder = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConfigError(f"--chart {path} is not a JSON record; give the step-<device>.json a ladder wrote.") from None
+        print(f"dropless: wrote {report.ladder_chart(ladder, path.with_suffix('.png'))}")
         return 0
     try:
         rungs = {int(r) for r in args.rungs.split(",")} if args.rungs else None
     except ValueError:
         rungs = {0}
+    if not (args.steps >= 1 and args.warmup >= 0 and math.isfinite(args.seconds) and args.seconds > 0):
+        raise ConfigError(f"--steps {args.steps} must be at least 1, --warmup {args.warmup} at least 0 and --seconds "
+                          f"{args.seconds} a positive number of seconds.")
     if rungs is not None and not rungs <= set(RUNGS):
         print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to {max(RUNGS)}, e.g. --rungs 1,4,5.",
               file=sys.stderr)
