@@ -147,6 +147,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "plan-accuracy", "--part", "3/2"], ["--part '3/2' is not K/N"]),
     (["bench", "scale", "--devices", "one"], ["--devices 'one' must be comma-separated integers"]),
     (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
+    (["profile", "--preset", "tiny", "--out", "{f}/ok.npy"], ["ok.npy: file exists", "choose another path"]),
+    (["profile", "--preset", "tiny", "--out", "{f}/run"], ["--out", "holds a run"]),
 ])
 def test_broken_input_gives_one_line(capsys, files, argv, fragments):
     status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))

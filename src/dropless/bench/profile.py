@@ -437,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--steps={args.steps} must be >= 1.")
     config = build_config(args.preset, parse_overrides(args.overrides))
     out = Path(args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if (out / "config.json").exists():
+        raise ConfigError(f"--out {out} holds a run; give the profile a directory of its own.")
+    out.mkdir(parents=True, exist_ok=True)  # a path that cannot be written fails now, not after the steps
     setup = harness.build(config)
     options = PROFILE_COMPILER_OPTIONS if jax.default_backend() == "gpu" else {}
     compiled = harness.lower(setup).compile(compiler_options=options)
