@@ -173,6 +173,25 @@ def test_fields_of_the_wrong_json_kind_are_named(hf, field):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("hf, field", [
+    ({**DEEPSEEK_V3, "hidden_size": 32.5}, "hidden_size=32.5 is not an integer"),  # int() would make it 32
+    ({**MIXTRAL_8X7B, "rope_theta": float("nan")}, "rope_theta=nan is not a finite number"),
+    ({**QWEN3_30B_A3B, "rms_norm_eps": float("inf")}, "rms_norm_eps=inf is not a finite number"),
+    ({**QWEN3_30B_A3B, "rms_norm_eps": -1}, "rms_norm_eps=-1.0 is not positive"),  # NaN logits
+    ({**DEEPSEEK_V3, "rope_theta": 0}, "rope_theta=0.0 is not positive"),
+    ({**MIXTRAL_8X7B, "num_hidden_layers": 10**12}, "num_hidden_layers=1000000000000 is beyond the 10000 layers"),
+    ({**DEEPSEEK_V3, "num_nextn_predict_layers": 10**9}, "num_nextn_predict_layers=1000000000 is beyond"),
+])
+def test_values_no_model_has_are_named(hf, field):
+    """Numbers of the right kind but impossible for a model are refused at import, naming the field: accepted,
+    they would be truncated, give NaN logits, make every later command refuse the run, or spell out one layer
+    letter per claimed layer for ever."""
+    with pytest.raises(ConvertError) as err:
+        config_from_hf(hf)
+    assert f"config.json field {field}" in str(err.value) and "re-download" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 def test_a_malformed_fp8_block_size_is_named():
     from dropless.convert.hf_weights import fp8_block_size
 

@@ -11,7 +11,7 @@ import collections
 import functools
 import json
 import shutil
-import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from dropless.core.config import Config
 from dropless.convert.hf_config import ConvertError, config_from_hf, config_to_hf
 from dropless.convert.hf_weights import (FP8_DTYPES, Slab, check_checkpoint, check_coverage, fp8_block_size,
                                          hf_shapes, name_pattern, plan, read_hf_tensor, to_hf, to_ours)
+from dropless.convert import run_store
 from dropless.convert.run_store import LeafPath, RunReader, RunWriter, model_leaf_shapes
 from dropless.convert.safetensors_io import DTYPES, CheckpointReader, write_sharded
 from dropless.models import transformer
@@ -37,6 +38,8 @@ CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
                  "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 EXPORT_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 _TORCH_NAMES = {code: name for name, code in EXPORT_DTYPES.items()}
+# What hf_source.json may record for a weight: an import records the float dtype it read (FP8 as BF16).
+WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")
 
 
 def read_hf_config(hf_dir: Path) -> dict:
@@ -173,12 +176,33 @@ def _export_dtype(name: str, recorded: dict[str, str], dtype: str | None) -> str
     return recorded.get(name_pattern(name), "F32")
 
 
+def _read_source(run_dir: Path) -> tuple[dict | None, dict[str, str]]:
+    """(the original config.json or None, the recorded dtype of each tensor pattern) from the run's hf_source.json;
+    (None, {}) for a run trained here. A malformed file raises ConvertError naming it."""
+    path = run_dir / HF_SOURCE
+    if not path.is_file():
+        return None, {}
+    fix = "restore it, or delete it to export with float32 weights and a config.json written from the run's config"
+    source = _read_json(path, fix)
+    config, recorded = (source.get("config"), source.get("dtypes", {})) if isinstance(source, dict) else (None, None)
+    if not isinstance(config, (dict, type(None))) or not isinstance(recorded, dict):
+        raise ConvertError(f"{path} is not an object with a 'config' object and a 'dtypes' object; {fix}.")
+    for pattern, code in recorded.items():
+        if code not in WEIGHT_DTYPES:
+            raise ConvertError(f"{path} records dtype {code!r} for {pattern}, but weights export only as "
+                               f"{', '.join(WEIGHT_DTYPES)}; {fix}.")
+    return config, recorded
+
+
 def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step: int | None = None,
                   max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Export a run directory's checkpoint (latest step unless `step`) as an HF model directory.
+    """Export a run directory's checkpoint (latest good step unless `step`) as an HF model directory.
 
     `dtype` ("float32", "bfloat16", "float16") casts every weight; None keeps each tensor's dtype from the
-    import this run came from, or float32 (lossless) for a run trained from scratch. Streams slab by slab.
+    import this run came from, or float32 (lossless) for a run trained from scratch. Streams slab by slab,
+    verifying what it reads against the checkpoint's digest: without `step`, a damaged checkpoint is skipped for
+    the newest good one with a CheckpointWarning naming both (as `dropless.train.checkpoint.load_model` does);
+    a damaged `step` raises DamagedCheckpoint.
     """
     run_dir, hf_dir = Path(run_dir), Path(hf_dir)
     if dtype is not None and dtype not in EXPORT_DTYPES:
@@ -186,50 +210,65 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
     if hf_dir.exists() and any(hf_dir.iterdir()):
         raise ConvertError(f"{hf_dir} already exists and is not empty; choose a new output directory.")
     config = ckpt.load_run_config(run_dir)
-    source = _read_json(run_dir / HF_SOURCE, "restore it, or delete it to export with float32 weights and a "
-                        "config.json written from the run's config") if (run_dir / HF_SOURCE).is_file() else {}
-    source_config, recorded = source.get("config"), source.get("dtypes", {})
+    source_config, recorded = _read_source(run_dir)
     rope_interleave = bool((source_config or {}).get("rope_interleave", True))
     shapes = model_leaf_shapes(config)
     slabs = plan(config, rope_interleave=rope_interleave)
     check_coverage(slabs, shapes)
-    reader = RunReader(run_dir, step)
     entries = [(name, _export_dtype(name, recorded, dtype), shape) for slab in slabs
                for name, shape in zip(slab.hf_names, hf_shapes(slab, shapes[slab.leaf][len(slab.index):]))]
+    main_code = collections.Counter(code for _, code, _ in entries).most_common(1)[0][0]
+    hf = config_to_hf(config, source_config, dtype=_TORCH_NAMES.get(main_code, "float32"))
+    if config.model.attention == "mla":
+        hf["rope_interleave"] = rope_interleave
+    depths = _leaf_depths([slab for slab in slabs if slab.duplicate_of is None])
+    layout = {leaf: (shape, depths.get(leaf, 0)) for leaf, shape in shapes.items()}
+    steps = [step] if step is not None else run_store.finished_steps(run_dir)
+    if not steps:
+        raise ckpt.CheckpointError(f"{run_dir} has no finished checkpoint; train or import into it first.")
+    damaged: list[tuple[int, str]] = []
+    for candidate in steps:
+        tmp = run_store.temporary_sibling(hf_dir)
+        try:
+            reader = RunReader(run_dir, candidate, layout)
+            write_sharded(tmp, entries, _export_tensors(reader, slabs, shapes, entries, run_dir), max_shard_bytes)
+            reader.verify()
+            (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+            if (run_dir / HF_FILES).is_dir():
+                _copy_carried(run_dir / HF_FILES, tmp)
+            elif (run_dir / "tokenizer.json").is_file():
+                shutil.copy2(run_dir / "tokenizer.json", tmp / "tokenizer.json")
+            run_store.move_into_place(tmp, hf_dir)
+        except ckpt.DamagedCheckpoint as err:
+            if step is not None:
+                raise
+            damaged.append((candidate, str(err)))
+            continue
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        for _, message in damaged:
+            warnings.warn(f"{message}; exported checkpoint {candidate} instead.", ckpt.CheckpointWarning)
+        return hf_dir
+    raise ckpt.CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in "
+                               f"{ckpt.checkpoint_dir(run_dir)} (steps {', '.join(str(s) for s, _ in damaged)}); {ckpt.READ_FIX}.")
 
-    def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        codes = dict((name, code) for name, code, _ in entries)
-        for slab in slabs:
-            if not slab.hf_names:
-                continue
-            array = reader.read(slab.leaf, slab.index)
-            want = shapes[slab.leaf][len(slab.index):]
-            if array.shape != want:
-                raise ckpt.CheckpointError(f"{'.'.join(slab.leaf)} in {run_dir} has slabs of shape {array.shape}, "
-                                           f"but the run's config.json implies {want}.")
-            if slab.fold is not None:
-                array = fold_common(array, reader.read(("state", "router_common"), (slab.fold,)))
-            for name, tensor in zip(slab.hf_names, to_hf(slab, array)):
-                yield name, np.asarray(tensor, DTYPES[codes[name]], order="C")  # cast and lay out in one copy
 
-    tmp = hf_dir.with_name(f".{hf_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        write_sharded(tmp, [(n, c, s) for n, c, s in entries], tensors(), max_shard_bytes)
-        main_code = collections.Counter(code for _, code, _ in entries).most_common(1)[0][0]
-        hf = config_to_hf(config, source_config, dtype=_TORCH_NAMES.get(main_code, "float32"))
-        if config.model.attention == "mla":
-            hf["rope_interleave"] = rope_interleave
-        (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-        if (run_dir / HF_FILES).is_dir():
-            _copy_carried(run_dir / HF_FILES, tmp)
-        elif (run_dir / "tokenizer.json").is_file():
-            shutil.copy2(run_dir / "tokenizer.json", tmp / "tokenizer.json")
-        if hf_dir.exists():
-            hf_dir.rmdir()
-        tmp.rename(hf_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return hf_dir
+def _export_tensors(reader: RunReader, slabs: list[Slab], shapes: dict, entries: list,
+                    run_dir: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF tensors of `entries`, in order, from the slabs `reader` reads."""
+    codes = {name: code for name, code, _ in entries}
+    for slab in slabs:
+        if not slab.hf_names:
+            continue
+        array = reader.read(slab.leaf, slab.index)
+        want = shapes[slab.leaf][len(slab.index):]
+        if array.shape != want:
+            raise ckpt.CheckpointError(f"{'.'.join(slab.leaf)} in {run_dir} has slabs of shape {array.shape}, "
+                                       f"but the run's config.json implies {want}.")
+        if slab.fold is not None:
+            array = fold_common(array, reader.read(("state", "router_common"), (slab.fold,)))
+        for name, tensor in zip(slab.hf_names, to_hf(slab, array)):
+            yield name, np.asarray(tensor, DTYPES[codes[name]], order="C")  # cast and lay out in one copy
 
 
 @functools.lru_cache(maxsize=8)

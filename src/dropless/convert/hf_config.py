@@ -54,6 +54,8 @@ _REQUIRED = {
     "use_sliding_window": False,  # Qwen3
     "partial_rotary_factor": 1.0,
 }
+# More layers than any published model has by far; a larger count is a damaged file, not a model to build.
+MAX_LAYERS = 10_000
 # Keys copied from a source config.json into an export unchanged (they do not change the function).
 PASSTHROUGH_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -84,16 +86,22 @@ def _get(hf: dict, family: str, key: str, *aliases: str) -> Any:
 
 def _as(kind: type, key: str, value: Any) -> Any:
     """`kind(value)` (int, float or bool) for a config.json field: a value of another JSON kind (a string, a list,
-    a null where a number is needed, a string "false" for a flag) raises ConvertError naming the field, not Python's
-    own error or a silently truthy value."""
+    a null where a number is needed, a string "false" for a flag), a fraction where an integer is needed (which
+    int() would truncate) or NaN or infinity (which Python's json reads) raises ConvertError naming the field, not
+    Python's own error or a silently changed value."""
     if kind is bool:
         if not isinstance(value, bool):
             raise malformed(key, value, "is not true or false")
         return value
+    if kind is int and isinstance(value, float) and not value.is_integer():
+        raise malformed(key, value, "is not an integer")
     try:
-        return kind(value)
+        number = kind(value)
     except (TypeError, ValueError, OverflowError):
         raise malformed(key, value, "is not an integer" if kind is int else "is not a number") from None
+    if kind is float and not math.isfinite(number):
+        raise malformed(key, value, "is not a finite number")
+    return number
 
 
 def _field(hf: dict, family: str, kind: type, key: str, *aliases: str, null: Any = None) -> Any:
@@ -217,11 +225,19 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
         return _field(hf, family, bool, key)
 
     theta, rope_scaling = rope_settings(hf, family)
+    if theta <= 0:
+        raise malformed("rope_theta", theta, "is not positive")
     num_layers = integer("num_hidden_layers")
     hidden, heads = integer("hidden_size"), integer("num_attention_heads")
     max_len = integer("max_position_embeddings")
     mtp_layers = (_as(int, "num_nextn_predict_layers", hf.get("num_nextn_predict_layers") or 0)
                   if family == "deepseek_v3" else 0)
+    for key, count in (("num_hidden_layers", num_layers), ("num_nextn_predict_layers", mtp_layers)):
+        if count > MAX_LAYERS:  # before layer_letters spells out one letter per layer
+            raise malformed(key, count, f"is beyond the {MAX_LAYERS} layers dropless builds")
+    eps = real("rms_norm_eps")
+    if eps <= 0:  # RMSNorm divides by sqrt(mean square + eps): a negative eps gives NaN for small inputs
+        raise malformed("rms_norm_eps", eps, "is not positive")
     letters = layer_letters(hf, family, num_layers + mtp_layers)
     if mtp_layers and len(set(letters[num_layers:])) > 1:
         raise _unsupported("num_nextn_predict_layers", mtp_layers, "MTP layers all dense or all MoE")
@@ -229,7 +245,7 @@ def config_from_hf(hf: dict, base: Config | None = None) -> Config:
                  **_pattern_keys(letters[:num_layers]), num_heads=heads, mtp_layers=mtp_layers,
                  mtp_block="moe" if letters[num_layers:][:1] != "D" else "dense",
                  rope_theta=theta, rope_scaling=rope_scaling, max_seq_len=max_len,
-                 rms_norm_eps=real("rms_norm_eps"),
+                 rms_norm_eps=eps,
                  tie_embeddings=flag("tie_word_embeddings"),
                  init_std=real("initializer_range"))
     if family == "deepseek_v3":

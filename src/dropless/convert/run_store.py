@@ -7,13 +7,20 @@ simple, though: an OCDBT key-value store holding one zarr array per leaf, keyed 
      which writes every metadata file as this orbax version wants it;
   2. replaces each leaf's zarr array with a full-size one (same codec) through tensorstore and writes it one
      slab at a time, chunked one slab per chunk, so no slab write reads anything back;
-  3. fixes the recorded shapes in orbax's metadata, and renames the finished directory into place.
-orbax then restores it like any checkpoint it wrote (tests/test_convert_run_store.py holds it to that). The
-reader opens the same arrays and reads slab by slice, from converted and trained checkpoints alike.
+  3. fixes the recorded shapes in orbax's metadata, replaces the placeholders' digest by the digest of the slabs
+     written, and renames the finished directory into place.
+orbax then restores it like any checkpoint it wrote, verified against that digest (tests/test_convert_run_store.py
+holds it to that). The reader opens the same arrays and reads slab by slab, from converted and trained checkpoints
+alike, and verifies what it reads against the checkpoint's digest as `dropless.train.checkpoint.restore` does.
+
+The digest of a leaf (two sums of its elements' bit patterns modulo 2**32, the second weighted by 1 + the flat
+position) adds up over slabs: a slab starting at flat position `offset` adds `offset * sum + weighted sum`. So both
+the writer and the reader fold each slab as it passes, and a slab never written (zeros) adds nothing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import uuid
@@ -33,6 +40,78 @@ _CHUNK_BYTES = 64 * 2**20  # unstacked leaves (the embedding) are split into chu
 # Slab writes are grouped into transactions of about this many bytes: committing each slab on its own costs
 # a commit and a file in the store per slab (31k expert slabs in DeepSeek-V3); a transaction holds its data until commit.
 _COMMIT_BYTES = 64 * 2**20
+_FOLD_WORDS = 1 << 18  # a slab is folded this many words at a time, so folding adds 1 MiB to host memory
+
+
+def temporary_sibling(path: Path) -> Path:
+    """A fresh hidden name next to `path` (resolved, so that `.` has a name) to build an output in, then rename."""
+    path = Path(path).resolve()
+    if not path.name:
+        raise ckpt.CheckpointError(f"{path} cannot be an output directory (it has no parent to build it in); "
+                                   "choose a directory below it.")
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished `tmp` to `out`, which may exist only as an empty directory; raises CheckpointError when
+    another process filled `out` meanwhile (the caller removes `tmp`)."""
+    out = Path(out).resolve()
+    try:
+        if out.is_dir():
+            out.rmdir()
+        tmp.rename(out)
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        raise ckpt.CheckpointError(f"{out} appeared while converting (another process wrote it); nothing was "
+                                   "written there: choose a new output directory, or delete it and convert again.") \
+            from None
+
+
+def fold(slab: np.ndarray, offset: int) -> tuple[int, int]:
+    """The digest of `slab`'s words as part of a leaf in which it starts at flat element `offset` (the words and
+    their order of `dropless.train.checkpoint.digest`: 8-byte elements count as two little-endian words)."""
+    slab = np.ascontiguousarray(slab)
+    if slab.dtype == np.bool_:
+        slab = slab.view(np.uint8)
+    if slab.dtype.itemsize == 8:
+        words, offset = slab.reshape(-1).view(np.uint32), 2 * offset
+    else:
+        words = slab.reshape(-1).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[slab.dtype.itemsize])
+    total = weighted = 0
+    for start in range(0, words.size, _FOLD_WORDS):
+        chunk = words[start:start + _FOLD_WORDS].astype(np.uint32, copy=False)
+        # uint32 arithmetic wraps modulo 2**32, as the digest's sums do; one temporary of the chunk's size
+        position = np.arange(chunk.size, dtype=np.uint32) + np.uint32((offset + start + 1) & 0xFFFFFFFF)
+        np.multiply(position, chunk, out=position)
+        total += int(chunk.sum(dtype=np.uint32))
+        weighted += int(position.sum(dtype=np.uint32))
+    return total & 0xFFFFFFFF, weighted & 0xFFFFFFFF
+
+
+def _flat_offset(shape: tuple[int, ...], index: tuple[int, ...]) -> int:
+    """The flat element offset of the slab `index` (leading indices) of a leaf of `shape`."""
+    if not index:
+        return 0
+    slab_size = int(np.prod(shape[len(index):], dtype=np.int64))
+    return int(np.ravel_multi_index(index, shape[:len(index)])) * slab_size
+
+
+def digest_key(leaf: LeafPath) -> str:
+    """The leaf's key in the checkpoint's digest item (the model item's tree path)."""
+    return "/".join(("model", *leaf))
+
+
+def _digest_path(run_dir: Path, step: int) -> Path:
+    return ckpt.checkpoint_dir(run_dir) / str(step) / "digest" / "metadata"  # where orbax's JsonSave writes
+
+
+def finished_steps(run_dir: Path) -> list[int]:
+    """The run's finished checkpoint steps, newest first."""
+    if not ckpt.checkpoint_dir(run_dir).is_dir():
+        return []
+    with ckpt.manager(run_dir, read_only=True) as mngr:
+        return sorted(mngr.all_steps(), reverse=True)
 
 
 def _model_item_dir(run_dir: Path, step: int) -> Path:
@@ -79,20 +158,29 @@ class RunWriter:
         self.run_dir = Path(run_dir)
         if self.run_dir.exists() and any(self.run_dir.iterdir()):
             raise ckpt.CheckpointError(f"{self.run_dir} already exists and is not empty; choose a new run directory.")
-        self.tmp_dir = self.run_dir.with_name(f".{self.run_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.tmp_dir = temporary_sibling(self.run_dir)
         self.config, self.leaf_shapes = config, leaf_shapes
         self._arrays: dict[LeafPath, ts.TensorStore] = {}
         self._transaction, self._pending_bytes = ts.Transaction(), 0
+        self._folds = {leaf: [0, 0] for leaf in leaf_shapes}
 
     def __enter__(self) -> "RunWriter":
+        try:
+            self._start()
+        except BaseException:
+            self._discard()
+            raise
+        return self
+
+    def _start(self) -> None:
         tree: dict = {}
         for leaf, (shape, _) in self.leaf_shapes.items():
             node = tree
             for key in leaf[:-1]:
                 node = node.setdefault(key, {})
             node[leaf[-1]] = jnp.zeros((1,) * len(shape), jnp.float32)
-        # No digest: it would describe the placeholders, not the slabs written below.
-        ckpt.save_model(self.tmp_dir, self.config, tree["params"], tree["state"], step=0, with_digest=False)
+        # orbax writes the digest item too; `_write_digest` replaces the placeholders' digest by the slabs'.
+        ckpt.save_model(self.tmp_dir, self.config, tree["params"], tree["state"], step=0)
         self.item_dir = _model_item_dir(self.tmp_dir, 0)
         for leaf, (shape, depth) in self.leaf_shapes.items():
             placeholder = _open_leaf(self.item_dir, leaf)
@@ -106,12 +194,14 @@ class RunWriter:
             else:  # zarr v3
                 meta["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": chunk}}
             self._arrays[leaf] = ts.open(spec, create=True, delete_existing=True).result()
-        return self
 
     def write(self, leaf: LeafPath, index: tuple[int, ...], slab: np.ndarray) -> None:
         array = self._arrays[leaf]
         want = tuple(array.shape[len(index):])
         assert slab.shape == want and slab.dtype == np.float32, f"{leaf}{list(index)}: {slab.shape} {slab.dtype} != {want}"
+        total, weighted = fold(slab, _flat_offset(tuple(array.shape), index))
+        folds = self._folds[leaf]
+        folds[0], folds[1] = (folds[0] + total) & 0xFFFFFFFF, (folds[1] + weighted) & 0xFFFFFFFF
         if index or slab.nbytes <= _COMMIT_BYTES:
             self._write(array, index, slab)
             return
@@ -155,31 +245,65 @@ class RunWriter:
                     info["write_shape"], info["chunk_shape"] = shapes[info["param_name"]], chunks[info["param_name"]]
             path.write_text(json.dumps(arrays))
 
+    def _write_digest(self) -> None:
+        """The digest of the slabs written, in the file where orbax wrote the placeholders' one."""
+        path = _digest_path(self.tmp_dir, 0)
+        assert path.is_file(), f"orbax wrote no digest at {path}"
+        leaves = {digest_key(leaf): folds for leaf, folds in self._folds.items()}
+        path.write_text(json.dumps({"version": 1, "leaves": leaves}))
+
+    def _discard(self) -> None:
+        self._arrays.clear()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
-            self._arrays.clear()
-            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self._discard()
             return
-        self._commit()
-        self._arrays.clear()
-        self._fix_metadata()
-        if self.run_dir.exists():
-            self.run_dir.rmdir()  # empty (checked in __init__)
-        self.tmp_dir.rename(self.run_dir)
+        try:
+            self._commit()
+            self._arrays.clear()
+            self._fix_metadata()
+            self._write_digest()
+            move_into_place(self.tmp_dir, self.run_dir)  # run_dir is absent or empty (checked in __init__)
+        finally:
+            self._discard()  # nothing left once renamed
 
 
 class RunReader:
-    """Read slabs of the model item of a run directory's checkpoint (latest step unless given)."""
+    """Read slabs of the model item of a run directory's checkpoint (latest step unless given), verified.
 
-    def __init__(self, run_dir: Path, step: int | None = None):
+    `layout` maps each leaf to (shape, depth) as for RunWriter. Each slab read is folded into its leaf's digest;
+    once every slab of a leaf has been read, the leaf is compared with the checkpoint's digest (if it has one),
+    and `verify` reads and compares the rest. A file that cannot be read or a mismatch raises DamagedCheckpoint.
+    """
+
+    def __init__(self, run_dir: Path, step: int | None = None,
+                 layout: dict[LeafPath, tuple[tuple[int, ...], int]] | None = None):
         step = ckpt.latest_step(run_dir) if step is None else step
         if step is None:
             raise ckpt.CheckpointError(f"{run_dir} has no finished checkpoint; train or import into it first.")
-        self.step = step
+        self.step, self.layout = step, layout or {}
+        self.where = f"checkpoint {step} in {ckpt.checkpoint_dir(run_dir)}"
         self.item_dir = _model_item_dir(Path(run_dir).resolve(), step)
+        self.digest = self._saved_digest(Path(run_dir))
         self._arrays: dict[LeafPath, ts.TensorStore] = {}
+        self._folded: dict[LeafPath, dict[tuple[int, ...], tuple[int, int]]] = {}
 
-    def read(self, leaf: LeafPath, index: tuple[int, ...]) -> np.ndarray:
+    def _saved_digest(self, run_dir: Path) -> dict | None:
+        """The digest's leaves, or None for a checkpoint without one (it reads unverified, as orbax restores it)."""
+        path = _digest_path(run_dir, self.step)
+        if not path.parent.is_dir():
+            return None
+        try:
+            leaves = json.loads(path.read_text()).get("leaves")
+        except (OSError, ValueError, AttributeError):
+            leaves = None
+        if not isinstance(leaves, dict):
+            raise ckpt.DamagedCheckpoint(f"{self.where} has an unreadable digest")
+        return leaves
+
+    def _open(self, leaf: LeafPath, index: tuple[int, ...]) -> ts.TensorStore:
         array = self._arrays.get(leaf)
         if array is None:
             # A trained checkpoint may hold several slabs per chunk (orbax chunks by shard): cache one chunk
@@ -190,7 +314,42 @@ class RunReader:
             chunk_bytes = int(np.prod(chunk, dtype=np.int64)) * probe.dtype.numpy_dtype.itemsize
             cache = chunk_bytes + chunk_bytes // 4 if slabs_per_chunk > 1 else 0
             array = self._arrays[leaf] = _open_leaf(self.item_dir, leaf, cache)
-        return np.asarray((array[index] if index else array).read().result(), np.float32)
+        return array
+
+    def read(self, leaf: LeafPath, index: tuple[int, ...]) -> np.ndarray:
+        array = self._open(leaf, index)
+        try:
+            raw = np.asarray((array[index] if index else array).read().result())
+        except Exception as err:  # tensorstore raises several kinds on a truncated, emptied or deleted file
+            lines = str(err).strip().splitlines() or [type(err).__name__]
+            line = lines[0] if len(lines[0]) <= 160 else lines[0][:159] + "…"
+            raise ckpt.DamagedCheckpoint(f"{self.where} cannot be read ({line})") from None
+        shape, depth = self.layout.get(leaf, ((), -1))
+        if self.digest is not None and depth == len(index):  # `verify` reads a slab read otherwise
+            folded = self._folded.setdefault(leaf, {})
+            if index not in folded:
+                folded[index] = fold(raw, _flat_offset(tuple(array.shape), index))
+                if len(folded) == int(np.prod(shape[:depth], dtype=np.int64)):
+                    self._compare(leaf)
+        return np.asarray(raw, np.float32)
+
+    def _compare(self, leaf: LeafPath) -> None:
+        folds = self._folded[leaf].values()
+        got = [sum(f[0] for f in folds) & 0xFFFFFFFF, sum(f[1] for f in folds) & 0xFFFFFFFF]
+        if self.digest.get(digest_key(leaf)) != got:
+            raise ckpt.DamagedCheckpoint(f"{self.where} is damaged (digest mismatch in {digest_key(leaf)})")
+
+    def verify(self) -> None:
+        """Read the slabs of the layout's leaves not read yet and compare every leaf with the digest."""
+        if self.digest is None:
+            return
+        for leaf, (shape, depth) in self.layout.items():
+            folded = self._folded.get(leaf, {})
+            if len(folded) == int(np.prod(shape[:depth], dtype=np.int64)):
+                continue  # compared when its last slab was read
+            for index in np.ndindex(*shape[:depth]):
+                if index not in folded:
+                    self.read(leaf, index)  # the last one compares the leaf
 
 
 def model_leaf_shapes(config: Config) -> dict[LeafPath, tuple[int, ...]]:

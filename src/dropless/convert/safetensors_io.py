@@ -64,11 +64,19 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             dtype, (begin, end), shape = entry["dtype"], entry["data_offsets"], tuple(entry["shape"])
         except (KeyError, TypeError, ValueError):
             raise ConvertError(f"{path} has a corrupt safetensors header (entry {name}); re-download it.") from None
+        if not all(_is_count(n) for n in (begin, end, *shape)) or end < begin or not isinstance(dtype, str):
+            raise ConvertError(f"{path} has a corrupt safetensors header (entry {name} has offsets {[begin, end]}, "
+                               f"shape {list(shape)}: not counts); re-download it.")
         if dtype not in DTYPES:
             raise ConvertError(f"Tensor {name} in {path} has dtype {dtype}, which dropless cannot read; "
                                f"the readable dtypes are {', '.join(DTYPES)}.")
         tensors[name] = TensorInfo(name, dtype, shape, Path(path), 8 + length + begin, end - begin)
     return tensors
+
+
+def _is_count(value) -> bool:
+    """A non-negative JSON integer (what offsets and dimensions must be; bool is an int in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class CheckpointReader:
