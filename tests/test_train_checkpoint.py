@@ -212,7 +212,7 @@ def test_a_full_filesystem_is_one_line_and_keeps_earlier_checkpoints(small_tmpfs
             for step in range(20, 200, 10):
                 ckpt.save(mngr, step, model["params"], model["state"], optimizer["opt_state"])
     assert step > 20  # the filesystem filled up after a few checkpoints, not at once
-    finished = ckpt._all_steps(run_dir)
+    finished = ckpt.all_steps(run_dir)
     assert finished == list(range(step - 10, 0, -10))
     assert not [p for p in ckpt.checkpoint_dir(run_dir).iterdir() if "tmp" in p.name]
     printed = capfd.readouterr().err

@@ -21,10 +21,10 @@ import numpy as np
 
 from dropless.core import config as config_lib
 from dropless.core.config import Config
+from dropless.convert import run_store
 from dropless.convert.hf_config import ConvertError, config_from_hf, config_to_hf
 from dropless.convert.hf_weights import (FP8_DTYPES, Slab, check_checkpoint, check_coverage, fp8_block_size,
                                          hf_shapes, name_pattern, plan, read_hf_tensor, to_hf, to_ours)
-from dropless.convert import run_store
 from dropless.convert.run_store import LeafPath, RunReader, RunWriter, model_leaf_shapes
 from dropless.convert.safetensors_io import DTYPES, CheckpointReader, write_sharded
 from dropless.models import transformer
@@ -223,11 +223,8 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
         hf["rope_interleave"] = rope_interleave
     depths = _leaf_depths([slab for slab in slabs if slab.duplicate_of is None])
     layout = {leaf: (shape, depths.get(leaf, 0)) for leaf, shape in shapes.items()}
-    steps = [step] if step is not None else run_store.finished_steps(run_dir)
-    if not steps:
-        raise ckpt.CheckpointError(f"{run_dir} has no finished checkpoint; train or import into it first.")
-    damaged: list[tuple[int, str]] = []
-    for candidate in steps:
+
+    def export(candidate: int) -> None:
         tmp = run_store.temporary_sibling(hf_dir)
         try:
             reader = RunReader(run_dir, candidate, layout)
@@ -239,18 +236,19 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
             elif (run_dir / "tokenizer.json").is_file():
                 shutil.copy2(run_dir / "tokenizer.json", tmp / "tokenizer.json")
             run_store.move_into_place(tmp, hf_dir)
-        except ckpt.DamagedCheckpoint as err:
-            if step is not None:
-                raise
-            damaged.append((candidate, str(err)))
-            continue
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        for _, message in damaged:
-            warnings.warn(f"{message}; exported checkpoint {candidate} instead.", ckpt.CheckpointWarning)
+
+    if step is not None:
+        export(step)
         return hf_dir
-    raise ckpt.CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in "
-                               f"{ckpt.checkpoint_dir(run_dir)} (steps {', '.join(str(s) for s, _ in damaged)}); {ckpt.READ_FIX}.")
+    steps = ckpt.all_steps(run_dir)
+    if not steps:
+        raise ckpt.CheckpointError(f"{run_dir} has no finished checkpoint; train or import into it first.")
+    exported, _, damaged = ckpt.newest_good(run_dir, steps, export, ckpt.READ_FIX)
+    for _, message in damaged:
+        warnings.warn(f"{message}; exported checkpoint {exported} instead.", ckpt.CheckpointWarning)
+    return hf_dir
 
 
 def _export_tensors(reader: RunReader, slabs: list[Slab], shapes: dict, entries: list,

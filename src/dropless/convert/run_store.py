@@ -106,14 +106,6 @@ def _digest_path(run_dir: Path, step: int) -> Path:
     return ckpt.checkpoint_dir(run_dir) / str(step) / "digest" / "metadata"  # where orbax's JsonSave writes
 
 
-def finished_steps(run_dir: Path) -> list[int]:
-    """The run's finished checkpoint steps, newest first."""
-    if not ckpt.checkpoint_dir(run_dir).is_dir():
-        return []
-    with ckpt.manager(run_dir, read_only=True) as mngr:
-        return sorted(mngr.all_steps(), reverse=True)
-
-
 def _model_item_dir(run_dir: Path, step: int) -> Path:
     item = ckpt.checkpoint_dir(run_dir) / str(step) / "model"
     if not (item / "_METADATA").is_file():
@@ -321,9 +313,7 @@ class RunReader:
         try:
             raw = np.asarray((array[index] if index else array).read().result())
         except Exception as err:  # tensorstore raises several kinds on a truncated, emptied or deleted file
-            lines = str(err).strip().splitlines() or [type(err).__name__]
-            line = lines[0] if len(lines[0]) <= 160 else lines[0][:159] + "…"
-            raise ckpt.DamagedCheckpoint(f"{self.where} cannot be read ({line})") from None
+            raise ckpt.DamagedCheckpoint(f"{self.where} cannot be read ({ckpt.first_line(err)})") from None
         shape, depth = self.layout.get(leaf, ((), -1))
         if self.digest is not None and depth == len(index):  # `verify` reads a slab read otherwise
             folded = self._folded.setdefault(leaf, {})

@@ -68,12 +68,9 @@ def refused(err: OSError, path: Path, *temporaries: Path) -> OSError:
     return OSError(err.errno, err.strerror, str(path)) if err.errno is not None else err
 
 
-def remove_temporaries(directory: Path) -> list[Path]:
+def remove_temporaries(directory: Path) -> None:
     """Delete the temporary files `write_atomic` left in `directory` when killed mid-write (a token cache's can be
-    large); returns them. Only for a directory no live process writes into: the caller holds its lock."""
-    removed = []
+    large). Only for a directory no live process writes into: the caller holds its lock."""
     for path in Path(directory).glob("*.tmp"):
         if _TEMPORARY.fullmatch(path.name) and path.is_file():
             path.unlink(missing_ok=True)
-            removed.append(path)
-    return removed

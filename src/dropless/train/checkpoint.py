@@ -370,12 +370,12 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
                 time.sleep(_STRAGGLERS_S)
                 _silence_failed_reads(checkpoint_dir(run_dir))
                 error = (CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
-                                         f"parameters ({_first_line(err)}); check the run's config.json.")
-                         if _shape_mismatch(err) else DamagedCheckpoint(f"{where} cannot be read ({_first_line(err)})"))
+                                         f"parameters ({first_line(err)}); check the run's config.json.")
+                         if _shape_mismatch(err) else DamagedCheckpoint(f"{where} cannot be read ({first_line(err)})"))
             except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
                 time.sleep(_STRAGGLERS_S)
                 _silence_failed_reads(checkpoint_dir(run_dir))
-                error = DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {_first_line(err)})")
+                error = DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {first_line(err)})")
         _agree(error, where)
     saved = restored.pop("digest", None)
     if saved is not None:
@@ -421,7 +421,7 @@ def agreed_outcome(outcome: int) -> tuple[int, int]:
     return int(outcomes.max()), int(np.argmax(outcomes == outcomes.max()))
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     """The error's first line, without the pointer to tensorstore's spec that orbax appends (a method's repr)."""
     lines = str(err).strip().splitlines()
     line = (lines[0] if lines else type(err).__name__).split(" See full TensorStore details")[0]
@@ -438,7 +438,8 @@ def _item_names(mngr: ocp.CheckpointManager, step: int) -> set[str]:
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
 
 
-def _all_steps(run_dir: Path) -> list[int]:
+def all_steps(run_dir: Path) -> list[int]:
+    """The run's finished checkpoint steps, newest first."""
     if not checkpoint_dir(run_dir).is_dir():
         return []
     with manager(run_dir, read_only=True) as mngr:
@@ -448,7 +449,7 @@ def _all_steps(run_dir: Path) -> list[int]:
 def reached_a_checkpoint(run_dir: Path) -> bool:
     """Whether the run in `run_dir` ever finished a checkpoint (one kept, or one set aside as damaged)."""
     damaged = checkpoint_dir(run_dir).with_name("checkpoints.damaged")
-    return bool(_all_steps(run_dir)) or (damaged.is_dir() and any(damaged.iterdir()))
+    return bool(all_steps(run_dir)) or (damaged.is_dir() and any(damaged.iterdir()))
 
 
 # What a run none of whose checkpoints is good leaves the user to do: train it again, or read weights elsewhere.
@@ -464,22 +465,30 @@ def restore_latest(run_dir: Path, like_model, like_optimizer=None, *, log: Calla
     RUN_DIR/checkpoints.damaged/ so that the resumed run can save that step again. Raises CheckpointError when
     the run has no finished checkpoint or none is good (ending with `fix`).
     """
-    steps = _all_steps(run_dir)
+    steps = all_steps(run_dir)
     if not steps:
         raise CheckpointError(f"--resume was given but {run_dir} has no finished checkpoint (the run stopped "
                               "before its first save); start it again with the same command without --resume.")
+    step, restored, damaged = newest_good(run_dir, steps, lambda s: restore(run_dir, s, like_model, like_optimizer),
+                                          fix)
+    for bad_step, message in damaged:
+        moved = _set_aside(run_dir, bad_step) if set_aside else None
+        log(f"dropless: {message}; " + (f"moved it to {moved}; " if moved else "") +
+            f"resuming from checkpoint {step}.")
+    return step, restored
+
+
+def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
+                fix: str) -> tuple[int, Any, list[tuple[int, str]]]:
+    """(step, attempt(step), damaged) for the first of `steps` (newest first) whose `attempt` raises no
+    DamagedCheckpoint; `damaged` holds the (step, message) of those before it. Where none is good, a
+    CheckpointError names them all and ends with `fix` (what the user can do: RESUME_FIX, READ_FIX)."""
     damaged = []
     for step in steps:
         try:
-            restored = restore(run_dir, step, like_model, like_optimizer)
+            return step, attempt(step), damaged
         except DamagedCheckpoint as err:
             damaged.append((step, str(err)))
-            continue
-        for bad_step, message in damaged:
-            moved = _set_aside(run_dir, bad_step) if set_aside else None
-            log(f"dropless: {message}; " + (f"moved it to {moved}; " if moved else "") +
-                f"resuming from checkpoint {step}.")
-        return step, restored
     raise CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in {checkpoint_dir(run_dir)} "
                           f"(steps {', '.join(str(s) for s, _ in damaged)}); {fix}.")
 
@@ -542,7 +551,7 @@ def load_model(run_dir: Path, step: int | None = None):
                                    "state": transformer.init_state(config)})
     if step is not None:
         model = restore(run_dir, step, like)["model"]
-    elif not _all_steps(run_dir):
+    elif not all_steps(run_dir):
         raise CheckpointError(f"{run_dir} has no finished checkpoint yet; train longer or pick another run.")
     else:
         def warn(message):

@@ -26,6 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from dropless.core import files
 from dropless.data.loader import CACHE_DIR, TOKENIZER_FILE
 from dropless.train import checkpoint as ckpt
 
@@ -56,7 +57,7 @@ def set_aside(run_dir: Path) -> None:
                 (run_dir / name).rename(building / name)
     except OSError as err:  # a full disk while copying: the run goes back as it was, and the error names it
         _move_back(run_dir, building, [building / name for name in REPLACED_FILES])
-        raise OSError(err.errno, err.strerror, str(run_dir)) from None
+        raise files.refused(err, run_dir) from None
     building.rename(run_dir / REPLACED)
 
 
