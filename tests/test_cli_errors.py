@@ -97,6 +97,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["generate", "--run-dir", "{f}/hfmodel", "--prompt", "x"], ["hfmodel holds a Hugging Face model", "--hf-dir"]),
     (["convert", "--from", "{f}/hfmodel", "--to-hf", "{f}/out2"], ["hfmodel holds a Hugging Face model"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", ""], ["The prompt encodes to no tokens"]),  # before the load
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],
      ["--seed=18446744073709551616 is out of range"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),
@@ -154,6 +155,15 @@ def test_broken_input_gives_one_line(capsys, files, argv, fragments):
     status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))
     assert_one_line(status, stderr, *fragments)
     assert "dropless dropless" not in stderr
+
+
+def test_a_prompt_longer_than_the_context_window_is_named_before_the_model_loads(capsys, files):
+    """The run has no checkpoint, so the load fails after the note: the note comes first, from the saved config."""
+    status, stderr = run_main(capsys, "generate", "--run-dir", str(files / "run"), "--prompt", "return x\n" * 40)
+    lines = stderr.splitlines()
+    assert status == 2 and len(lines) == 2, stderr
+    assert lines[0].startswith("dropless: the prompt is ") and "sees the last 32 of them" in lines[0], lines[0]
+    assert lines[1].startswith("dropless: error:"), lines[1]
 
 
 def test_a_refused_config_writes_no_run_directory(capsys, files):

@@ -34,7 +34,7 @@ from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
-from dropless.models.generate import generate
+from dropless.models.generate import MAX_WINDOW, context_window, generate
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import resume_changes, train
 
@@ -150,17 +150,23 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"--seed={args.seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
                           f"{config_lib.INT_LIMIT}.")
     source = Path(args.hf_dir or args.run_dir)
-    vocab = (ckpt.load_run_config(source) if args.run_dir
-             else convert.config_from_hf(read_hf_config(source))).model.vocab_size
+    saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
+    vocab = saved.model.vocab_size
     tokenizer_path = source / "tokenizer.json"
     if not tokenizer_path.exists():
         raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
     tokenizer = read_tokenizer_file(tokenizer_path)
     prompt_ids = tokenizer.encode(args.prompt).ids
-    if prompt_ids and max(prompt_ids) >= vocab:
+    if not prompt_ids:
+        raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
+    if max(prompt_ids) >= vocab:
         raise ConfigError(f"{tokenizer_path} gives the prompt token id {max(prompt_ids)}, but the model's vocabulary "
                           f"has {vocab} entries: it is not the tokenizer the model was trained with; put that one "
                           "there.")
+    window = context_window(saved)
+    if len(prompt_ids) > window:
+        print(f"dropless: the prompt is {len(prompt_ids)} tokens and the model sees the last {window} of them "
+              f"(its context window, model.max_seq_len capped at {MAX_WINDOW}).", file=sys.stderr)
     config, params, state = _load_for_inference(args)
     stop_id = tokenizer.token_to_id("<|endoftext|>")
     stats: dict = {}

@@ -67,6 +67,16 @@ def verify_draft(p_logits_V: jax.Array, q_logits_V: jax.Array, draft: jax.Array,
     return accepted, jnp.where(accepted, draft, resampled)
 
 
+# The window each step re-runs: the model's context, at most 1,024 tokens, so that one step of a long-context model
+# stays cheap on the CPU (there is no KV cache).
+MAX_WINDOW = 1024
+
+
+def context_window(config: Config) -> int:
+    """How many of the latest tokens each forward pass of `generate` sees."""
+    return min(config.model.max_seq_len, MAX_WINDOW)
+
+
 def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_tokens: int = 64,
              temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
              stop_id: int | None = None, speculative: bool = False, stats: dict | None = None) -> list[int]:
@@ -80,7 +90,7 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
     if speculative and not config.model.mtp_layers:
         raise ConfigError("--speculative drafts tokens with the model's MTP module, and this model has none "
                           "(model.mtp_layers=0); drop --speculative.")
-    window = config.model.max_seq_len if config.model.max_seq_len <= 1024 else 1024
+    window = context_window(config)
     config = config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
     if speculative:
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
