@@ -109,6 +109,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "{f}/adir"], ["--out", "is a directory"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "{f}/no/o.npy"], ["no/o.npy", "create it"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "{f}/ok"], ["is the --tokens file"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "/dev/null"],
+     ["--out /dev/null is not a regular file"]),
     (["train", "--data", "{f}/empty.npy", "--run-dir", "{f}/new1", "--steps", "1"], ["empty.npy is empty"]),
     (["train", "--data", "{f}/garbage.npy", "--run-dir", "{f}/new2"], ["garbage.npy is not an .npy file"]),
     (["train", "--tokenizer", "{f}/adir", "--run-dir", "{f}/new3"], ["adir is a directory", "tokenizer.json"]),

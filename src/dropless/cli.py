@@ -196,6 +196,8 @@ def cmd_logits(args) -> int:
     out = out if out.suffix == ".npy" else out.with_name(out.name + ".npy")  # where numpy.save writes
     if Path(args.out).is_dir() or out.is_dir():
         raise ConfigError(f"--out {args.out} is a directory; give the path of the .npy file to write.")
+    if Path(args.out).exists() and not Path(args.out).is_file():  # /dev/null, a pipe: numpy.save would add .npy
+        raise ConfigError(f"--out {args.out} is not a regular file; give the path of the .npy file to write.")
     if not out.parent.is_dir():
         raise ConfigError(f"--out {args.out}: the directory {out.parent} does not exist; create it or choose "
                           "another path.")
