@@ -34,7 +34,7 @@ from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
-from dropless.models.generate import MAX_WINDOW, context_window, generate
+from dropless.models.generate import MAX_WINDOW, check_prompt, context_window, generate
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import resume_changes, train
 
@@ -157,8 +157,7 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
     tokenizer = read_tokenizer_file(tokenizer_path)
     prompt_ids = tokenizer.encode(args.prompt).ids
-    if not prompt_ids:
-        raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
+    check_prompt(prompt_ids)  # before the model loads
     if max(prompt_ids) >= vocab:
         raise ConfigError(f"{tokenizer_path} gives the prompt token id {max(prompt_ids)}, but the model's vocabulary "
                           f"has {vocab} entries: it is not the tokenizer the model was trained with; put that one "

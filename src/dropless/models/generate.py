@@ -72,6 +72,12 @@ def verify_draft(p_logits_V: jax.Array, q_logits_V: jax.Array, draft: jax.Array,
 MAX_WINDOW = 1024
 
 
+def check_prompt(prompt_ids: list[int]) -> None:
+    """Refuse a prompt of no tokens (there is nothing to continue)."""
+    if not prompt_ids:
+        raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
+
+
 def context_window(config: Config) -> int:
     """How many of the latest tokens each forward pass of `generate` sees."""
     return min(config.model.max_seq_len, MAX_WINDOW)
@@ -85,8 +91,7 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
     and accepted."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
-    if not prompt_ids:
-        raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
+    check_prompt(prompt_ids)
     if speculative and not config.model.mtp_layers:
         raise ConfigError("--speculative drafts tokens with the model's MTP module, and this model has none "
                           "(model.mtp_layers=0); drop --speculative.")
