@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -317,6 +319,34 @@ def test_running_out_of_host_memory_gives_one_line(capsys, monkeypatch):
                     "lower train.batch_size", "train.eval_batches")
     monkeypatch.setattr(cli, "cmd_presets", allocate)
     assert_one_line(*run_main(capsys, "presets"), "out of host memory", "free some memory")
+
+
+def _allocate_too_much(*args, **kwargs):
+    """A real XLA allocation larger than any machine's memory: XLA's own RESOURCE_EXHAUSTED error."""
+    return jax.jit(lambda: jnp.ones((400_000, 1_000_000), jnp.float32))().block_until_ready()
+
+
+def test_running_out_of_device_memory_gives_one_line(capsys, files, monkeypatch):
+    config = config_lib.load(files / "run" / "config.json")
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))  # no checkpoint needed
+    monkeypatch.setattr(cli, "compute_logits", _allocate_too_much)
+    assert_one_line(*run_main(capsys, "logits", "--run-dir", str(files / "run"), "--tokens", str(files / "ok.npy"),
+                              "--out", str(files / "oom.npy")),
+                    "out of device memory (out of memory allocating 1600000000000 bytes)", "fewer or shorter rows")
+    assert not (files / "oom.npy").exists()
+    monkeypatch.setattr(cli, "cmd_train", _allocate_too_much)
+    assert_one_line(*run_main(capsys, "train"), "out of device memory", "lower train.batch_size", "dropless plan")
+    monkeypatch.setattr(cli, "cmd_presets", _allocate_too_much)
+    assert_one_line(*run_main(capsys, "presets"), "out of device memory", "ask for less")
+
+
+def test_other_runtime_errors_keep_their_traceback(monkeypatch):
+    def failed(args):
+        raise jax.errors.JaxRuntimeError("INTERNAL: a kernel failed")
+
+    monkeypatch.setattr(cli, "cmd_presets", failed)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        cli.main(["presets"])
 
 
 def test_ctrl_c_before_the_first_checkpoint_says_to_run_the_command_again(capsys, monkeypatch, tmp_path):

@@ -22,6 +22,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from dropless import convert
@@ -247,6 +248,24 @@ def _out_of_memory_message(err: MemoryError, args) -> str:
         return (f"{what}; lower train.batch_size, train.seq_len or train.eval_batches (the held-out set alone holds "
                 "eval_batches x batch_size sequences).")
     return f"{what}; ask for less (a smaller model, batch or input) or free some memory."
+
+
+def _device_memory_message(err: BaseException, args) -> str | None:
+    """The one line for the accelerator (or XLA's CPU heap) running out of memory, with XLA's own words on the failed
+    allocation; None for any other runtime error, which keeps its traceback."""
+    text = str(err).strip()
+    if not text.startswith("RESOURCE_EXHAUSTED"):
+        return None
+    detail = text.splitlines()[0].removeprefix("RESOURCE_EXHAUSTED:").strip().rstrip(".")
+    what = f"out of device memory ({detail[0].lower() + detail[1:]})" if detail else "out of device memory"
+    command = getattr(args, "command", None)
+    if command == "train":
+        return (f"{what}; lower train.batch_size or train.seq_len, raise train.grad_accum_steps, or set "
+                "train.remat=full ('dropless plan --search' with the same --preset and overrides lists layouts that fit); "
+                "the run's saved checkpoints are unchanged.")
+    if command == "logits":
+        return f"{what}; give fewer or shorter rows in --tokens (the logits alone take rows x length x vocab x 4 bytes)."
+    return f"{what}; ask for less (a smaller model, batch or input) or free the device."
 
 
 def _interrupted_message(args) -> str:
@@ -487,6 +506,14 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"dropless: error: {_out_of_memory_message(err, args)}", file=sys.stderr)
+        return 2
+    except jax.errors.JaxRuntimeError as err:
+        message = _device_memory_message(err, args)
+        if message is None:
+            raise  # not the user's request outgrowing the device: keep the traceback
+        if debug:
+            traceback.print_exc()
+        print(f"dropless: error: {message}", file=sys.stderr)
         return 2
     except (ValueError, OSError) as err:
         if not is_user_error(err):
