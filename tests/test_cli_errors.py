@@ -145,6 +145,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "gmm", "--shapes", "nope"], ["nope not known; choose from"]),
     (["bench", "gmm", "--shapes", "tiny", "--batches", "0"], ["--batches 0 must be at least 1"]),
     (["bench", "step", "--preset", "tiny", "--steps", "0"], ["--steps 0 must be at least 1"]),
+    (["bench", "step"], ["the plan does not fit", "usable of cpu's"]),  # the proxy, before anything is compiled
     (["bench", "step", "--preset", "tiny", "--seconds", "nan"], ["--seconds nan a number of seconds, 0 or more"]),
     (["bench", "step", "--chart", "{f}/garbage.npy"], ["--chart", "is not a JSON record"]),
     (["bench", "ep", "--devices", "0"], ["--devices 0 must be at least 1"]),

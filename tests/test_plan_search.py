@@ -46,11 +46,16 @@ def test_check_fit_refuses_with_the_shortfall_and_a_layout_that_fits():
         check_fit(config, cluster, 1)
 
 
-def test_fit_check_on_cpu_only_with_a_limit_and_auto_fit_picks_a_layout():
+def test_fit_check_on_cpu_against_the_hosts_memory_or_the_limit_and_auto_fit_picks_a_layout(monkeypatch):
     config = micro_config(**{"train.batch_size": 8})
     devices = jax.devices()[:1]
-    assert setup_lib.fit_check(config, devices) is config  # no limit on a CPU: nothing to check
+    assert setup_lib.fit_check(config, devices) is config  # fits this host's memory
     need = make_plan(config, Cluster(1, 1, "cpu")).memory.peak / GIB
+    with monkeypatch.context() as patched:  # a host too small for it, its memory shared by the process's devices
+        patched.setattr(setup_lib, "host_memory_bytes", lambda: int(need * GIB * 0.9))
+        with pytest.raises(ConfigError, match=r"the plan does not fit.*usable of cpu's"):
+            setup_lib.fit_check(config, devices)
+        assert setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 1.2}), devices) is not None
     with pytest.raises(ConfigError, match="the plan does not fit"):
         setup_lib.fit_check(config.replace(**{"train.device_memory_gib": need * 0.9}), devices)
     warned = []

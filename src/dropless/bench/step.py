@@ -34,6 +34,7 @@ from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
+from dropless.train.setup import fit_check
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     config = build_config(args.preset, parse_overrides(args.overrides))
+    if not args.ladder:  # the ladder's rungs change the layout, and each reports its own out-of-memory
+        config = fit_check(config, log=_progress)  # as `dropless train` would refuse it, before compiling
     timing = {"warmup": args.warmup, "steps": args.steps, "seconds": args.seconds}
     if args.ladder:
         default_backend = args.default_backend or ("tokamax_mosaic" if jax.default_backend() == "gpu" else None)

@@ -345,7 +345,8 @@ class TrainConfig:
     # Steps in a row whose loss or gradient norm is not finite (each one skipped) before the run stops.
     max_nonfinite_steps: int = 3
     # The fit check before compiling (dropless.plan): memory per device to plan against, in GiB; 0 = the GPU's own
-    # limit (no check on other backends). auto_fit: train with the fastest layout the plan says fits.
+    # limit, on the CPU the host's memory divided among its devices. auto_fit: train with the fastest layout the
+    # plan says fits.
     device_memory_gib: float = 0.0
     auto_fit: bool = False
 

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -66,16 +67,29 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSe
     return StepSetup(config, mesh, executor, optimizer, state_shapes, shardings, batch_sharding, step)
 
 
+def host_memory_bytes() -> int:
+    """This host's physical memory (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
 def fit_check(config: Config, devices: Sequence[jax.Device] | None = None, log=print,
               keep: frozenset[str] = frozenset()) -> Config:
-    """The plan's verdict before compiling (`dropless.plan`): against `train.device_memory_gib`, or on a GPU its
-    own limit. A config whose planned peak exceeds the limit raises a ConfigError naming the shortfall and a layout
-    that fits; one within the plan's margin of it runs with a warning; with `train.auto_fit` the fastest layout
-    that fits with the margin is returned (and printed) instead, changing none of the layout keys in `keep`."""
+    """The plan's verdict before compiling (`dropless.plan`): against `train.device_memory_gib`, on a GPU its own
+    limit, on the CPU the host's memory shared by its devices. A config whose planned peak exceeds the limit raises
+    a ConfigError naming the shortfall and a layout that fits; one within the plan's margin of it runs with a
+    warning; with `train.auto_fit` the fastest layout that fits with the margin is returned (and printed) instead,
+    changing none of the layout keys in `keep`."""
     devices = list(jax.devices() if devices is None else devices)
     limit = config.train.device_memory_gib
     if not limit and devices[0].platform == "gpu":
         limit = (devices[0].memory_stats() or {}).get("bytes_limit", 0) / 1024**3
+    elif not limit and devices[0].platform == "cpu":
+        # The CPU devices of one process share its host's memory: a config that cannot fit would otherwise make
+        # the host swap or be killed without a word.
+        limit = host_memory_bytes() / 1024**3 / (len(devices) // jax.process_count())
     if not limit:
         return config
     rates = load_rates()
