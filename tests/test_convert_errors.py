@@ -18,6 +18,7 @@ from dropless.convert import ConvertError, convert_from_hf, convert_to_hf, run_s
 from dropless.convert import api
 from dropless.convert.api import HF_SOURCE
 from dropless.convert.safetensors_io import CheckpointReader
+from dropless.core import config as config_lib
 from dropless.train import checkpoint as ckpt
 from tests.test_convert_run_store import _random_model, _tiny
 
@@ -85,6 +86,35 @@ def test_export_skips_a_damaged_checkpoint_for_the_newest_good_one(trained, tmp_
     with pytest.raises(ckpt.DamagedCheckpoint, match="checkpoint 4 .* is damaged"):
         convert_to_hf(run, tmp_path / "hf4", step=4)
     assert not (tmp_path / "hf4").exists() and _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("index", ["manifest", "metadata"])
+def test_export_skips_a_checkpoint_whose_index_is_damaged(trained, tmp_path, capsys, index):
+    """A torn OCDBT manifest (where each array's chunks are found) or orbax's _METADATA (the tree) of the newest
+    checkpoint: a damaged checkpoint, exported from the one before as `dropless train --resume` would resume."""
+    run = _copy(trained, tmp_path)
+    item = run / "checkpoints" / "4" / "model"
+    for path in (item.glob("**/manifest.ocdbt") if index == "manifest" else [item / "_METADATA"]):
+        path.write_bytes(path.read_bytes()[:20])
+    status, lines = _cli(capsys, "convert", "--from", str(run), "--to-hf", str(tmp_path / "hf"))
+    assert status == 0 and len(lines) == 1, lines
+    assert lines[0].startswith("dropless: warning: checkpoint 4 in ") and "cannot be read" in lines[0], lines
+    assert lines[0].endswith("exported checkpoint 2 instead."), lines
+    _, params, _ = ckpt.load_model(run, step=2)
+    with CheckpointReader(tmp_path / "hf") as reader:
+        np.testing.assert_array_equal(reader.read("model.embed_tokens.weight"), np.asarray(params["embed"]))
+
+
+def test_export_of_a_checkpoint_of_another_config_is_one_line(trained, tmp_path, capsys):
+    """A config.json that names parameters the checkpoints do not hold (an MTP module added) is no damage: no
+    fallback, one line naming the mismatch."""
+    run = _copy(trained, tmp_path)
+    config = config_lib.load(run / "config.json")
+    config_lib.save(config.replace(**{"model.mtp_layers": 1}), run / "config.json")
+    status, lines = _cli(capsys, "convert", "--from", str(run), "--to-hf", str(tmp_path / "hf"))
+    assert status == 2 and len(lines) == 1, lines
+    assert "has no array for params.mtp" in lines[0] and "does not match the run's config.json" in lines[0], lines
+    assert not (tmp_path / "hf").exists() and _leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate", "delete"])

@@ -119,14 +119,25 @@ def _kvstore(item_dir: Path) -> dict:
 
 
 def _open_leaf(item_dir: Path, leaf: LeafPath, cache_bytes: int = 0) -> ts.TensorStore:
+    """The leaf's array in a checkpoint item. A leaf that orbax's tree metadata lists but that cannot be opened
+    (a damaged index or manifest) is a DamagedCheckpoint, so that a reader can fall back to an older checkpoint;
+    one it does not list means the checkpoint belongs to another config."""
     key = ".".join(leaf)
-    driver = "zarr3" if json.loads((item_dir / "_METADATA").read_text()).get("use_zarr3") else "zarr"
+    where = f"checkpoint {item_dir.parent.name} in {item_dir.parent.parent}"
+    try:
+        metadata = json.loads((item_dir / "_METADATA").read_text())
+        listed = str(tuple(leaf)) in metadata.get("tree_metadata", {})
+    except (ValueError, AttributeError) as err:  # torn or garbled JSON, or JSON of another shape
+        raise ckpt.DamagedCheckpoint(f"{where} cannot be read (its _METADATA: {ckpt.first_line(err)})") from None
+    driver = "zarr3" if metadata.get("use_zarr3") else "zarr"
     spec = {"driver": driver, "kvstore": {**_kvstore(item_dir), "path": key + "/"},
             "context": {"cache_pool": {"total_bytes_limit": cache_bytes}}}
     try:
         return ts.open(spec, open=True, read=True, write=True).result()
     except ValueError as err:
-        raise ckpt.CheckpointError(f"{item_dir} has no array for {key} ({str(err).splitlines()[0][:120]}); the "
+        if listed:
+            raise ckpt.DamagedCheckpoint(f"{where} cannot be read ({key}: {ckpt.first_line(err)[:120]})") from None
+        raise ckpt.CheckpointError(f"{item_dir} has no array for {key} ({ckpt.first_line(err)[:120]}); the "
                                    "checkpoint does not match the run's config.json.") from None
 
 
