@@ -146,6 +146,11 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "gmm", "--shapes", "tiny", "--batches", "0"], ["--batches 0 must be at least 1"]),
     (["bench", "step", "--preset", "tiny", "--steps", "0"], ["--steps 0 must be at least 1"]),
     (["bench", "step"], ["the plan does not fit", "usable of cpu's"]),  # the proxy, before anything is compiled
+    # An unset shell variable (`--run-dir "$RUN"`): never the current directory, the default or an earlier run.
+    (["generate", "--hf-dir", "", "--prompt", "x"], ["argument --hf-dir: an empty path"]),
+    (["train", "--resume", "--run-dir", " "], ["argument --run-dir: an empty path"]),
+    (["convert", "--from", "", "--to-hf", "{f}/out"], ["argument --from: an empty path"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", ""], ["argument --out: an empty path"]),
     (["bench", "step", "--preset", "tiny", "--seconds", "nan"], ["--seconds nan a number of seconds, 0 or more"]),
     (["bench", "step", "--chart", "{f}/garbage.npy"], ["--chart", "is not a JSON record"]),
     (["bench", "ep", "--devices", "0"], ["--devices 0 must be at least 1"]),

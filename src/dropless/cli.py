@@ -30,7 +30,7 @@ from dropless.convert import compute_logits, load_hf
 from dropless.convert.api import read_hf_config
 from dropless.core import config as config_lib
 from dropless.core import distributed
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, path_text
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
@@ -261,10 +261,11 @@ def _device_memory_message(err: BaseException, args) -> str | None:
     command = getattr(args, "command", None)
     if command == "train":
         return (f"{what}; lower train.batch_size or train.seq_len, raise train.grad_accum_steps, or set "
-                "train.remat=full ('dropless plan --search' with the same --preset and overrides lists layouts that fit); "
-                "the run's saved checkpoints are unchanged.")
+                "train.remat=full ('dropless plan --search' with the same --preset and overrides lists layouts that "
+                "fit); the run's saved checkpoints are unchanged.")
     if command == "logits":
-        return f"{what}; give fewer or shorter rows in --tokens (the logits alone take rows x length x vocab x 4 bytes)."
+        return (f"{what}; give fewer or shorter rows in --tokens (the logits alone take rows x length x vocab x 4 "
+                "bytes).")
     return f"{what}; ask for less (a smaller model, batch or input) or free the device."
 
 
@@ -299,12 +300,16 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", help=f"a preset name (see 'dropless presets'; default {DEFAULT_PRESET}); "
                        "with --resume, it picks the latest runs/<preset>-* and must match the run")
     train.add_argument("--steps", type=int, help="total optimizer steps of the run (with --resume: train until N)")
-    train.add_argument("--run-dir", help="where config, checkpoints and metrics go (default: runs/<preset>-<time>)")
-    train.add_argument("--data", help="file, directory or glob of .txt/.jsonl/.parquet/.npy/.bin (default: stdlib)")
-    train.add_argument("--tokenizer", help="a tokenizer.json to use instead of training a BPE on the corpus")
+    train.add_argument("--run-dir", type=path_text,
+                       help="where config, checkpoints and metrics go (default: runs/<preset>-<time>)")
+    train.add_argument("--data", type=path_text,
+                       help="file, directory or glob of .txt/.jsonl/.parquet/.npy/.bin (default: stdlib)")
+    train.add_argument("--tokenizer", type=path_text,
+                       help="a tokenizer.json to use instead of training a BPE on the corpus")
     train.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     train.add_argument("--overwrite", action="store_true", help="replace whatever run --run-dir holds")
-    train.add_argument("--init-from-hf", help="start from a Hugging Face checkpoint directory (fine-tuning)")
+    train.add_argument("--init-from-hf", type=path_text,
+                       help="start from a Hugging Face checkpoint directory (fine-tuning)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, anywhere among the options, e.g. moe.gmm_backend=xla")
@@ -314,8 +319,8 @@ def make_parser() -> argparse.ArgumentParser:
                                   ("logits", cmd_logits, "float32 logits for token ids, to verify a model")):
         p = sub.add_parser(name, help=help_text)
         source = p.add_mutually_exclusive_group(required=True)
-        source.add_argument("--run-dir", help="a dropless run directory (latest checkpoint)")
-        source.add_argument("--hf-dir", help="a Hugging Face checkpoint directory")
+        source.add_argument("--run-dir", type=path_text, help="a dropless run directory (latest checkpoint)")
+        source.add_argument("--hf-dir", type=path_text, help="a Hugging Face checkpoint directory")
         p.set_defaults(func=func)
         if name == "generate":
             p.add_argument("--prompt", required=True)
@@ -327,14 +332,15 @@ def make_parser() -> argparse.ArgumentParser:
                            help="draft each next token with the model's MTP module and verify it in the same pass "
                                 "(same output distribution; greedy output unchanged)")
         else:
-            p.add_argument("--tokens", required=True, help=".npy int array [batch, seq]")
-            p.add_argument("--out", required=True, help="where to write the .npy float32 [batch, seq, vocab]")
+            p.add_argument("--tokens", required=True, type=path_text, help=".npy int array [batch, seq]")
+            p.add_argument("--out", required=True, type=path_text,
+                           help="where to write the .npy float32 [batch, seq, vocab]")
 
     convert = sub.add_parser("convert", help="import from / export to Hugging Face format")
-    convert.add_argument("--from-hf", help="Hugging Face directory to import")
-    convert.add_argument("--to", help="run directory to create")
-    convert.add_argument("--from", dest="from_run", help="run directory to export")
-    convert.add_argument("--to-hf", help="Hugging Face directory to write")
+    convert.add_argument("--from-hf", type=path_text, help="Hugging Face directory to import")
+    convert.add_argument("--to", type=path_text, help="run directory to create")
+    convert.add_argument("--from", dest="from_run", type=path_text, help="run directory to export")
+    convert.add_argument("--to-hf", type=path_text, help="Hugging Face directory to write")
     convert.set_defaults(func=cmd_convert)
 
     presets = sub.add_parser("presets", help="list the model presets")

@@ -11,3 +11,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"dropless: error: {message} (see '{self.prog} --help').\n")
+
+
+def path_text(value: str) -> str:
+    """An argparse `type` for options naming a file or directory: an empty value (an unset shell variable in
+    `--run-dir "$RUN"`) is refused instead of meaning the current directory or the option's default."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path; give a file or directory name")
+    return value
