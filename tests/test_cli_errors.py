@@ -146,6 +146,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "gmm", "--shapes", "tiny", "--batches", "0"], ["--batches 0 must be at least 1"]),
     (["bench", "step", "--preset", "tiny", "--steps", "0"], ["--steps 0 must be at least 1"]),
     (["bench", "step"], ["the plan does not fit", "usable of cpu's"]),  # the proxy, before anything is compiled
+    (["profile", "--preset", "deepseek-v3-proxy", "--out", "{f}/profile"], ["the plan does not fit"]),
     # An unset shell variable (`--run-dir "$RUN"`): never the current directory, the default or an earlier run.
     (["generate", "--hf-dir", "", "--prompt", "x"], ["argument --hf-dir: an empty path"]),
     (["train", "--resume", "--run-dir", " "], ["argument --run-dir: an empty path"]),

@@ -112,8 +112,8 @@ MEANINGS = {
     "train.max_nonfinite_steps": "steps in a row whose loss or gradient norm is not finite (each one skipped, "
                                  "not applied) before the run stops with exit status 3",
     "train.optimizer_moments_dtype": "storage dtype of AdamW's moments (the update runs in float32)",
-    "train.device_memory_gib": "memory per device, in GiB, that the fit check of `dropless train` and `dropless "
-                               "bench step` plans against before compiling (docs/planning.md); 0 = the GPU's own "
+    "train.device_memory_gib": "memory per device, in GiB, that the fit check of `dropless train`, `bench step` and "
+                               "`profile` plans against before compiling (docs/planning.md); 0 = the GPU's own "
                                "limit, on the CPU the host's memory divided among its devices",
     "train.auto_fit": "when the plan says the run does not fit, train with the fastest layout that does (printed) "
                       "instead of stopping with the suggested fix",

@@ -43,6 +43,7 @@ from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.train.setup import fit_check
 
 CATEGORIES = ("grouped_gemm", "other_matmul", "attention", "communication", "other")
 COLLECTIVES = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
@@ -435,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     xla_flags.apply()  # before JAX starts a backend
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1.")
-    config = build_config(args.preset, parse_overrides(args.overrides))
+    config = fit_check(build_config(args.preset, parse_overrides(args.overrides)),
+                       log=lambda line: print(line, file=sys.stderr))  # refused as `dropless train` would refuse it
     out = Path(args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     if (out / "config.json").exists():
         raise ConfigError(f"--out {out} holds a run; give the profile a directory of its own.")
