@@ -103,3 +103,18 @@ def test_speculative_needs_an_mtp_module(model):
     plain = MODEL.replace(**{"model.mtp_layers": 0})
     with pytest.raises(ConfigError, match="model.mtp_layers=0"):
         gen.generate(plain, params, state, [1], speculative=True)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_generate_with_yarn_rope_scaling(model, speculative):
+    """A config with a dict field (model.rope_scaling, as every imported DeepSeek-V3 has) keys the compiled-step
+    cache by value: generating works, and a second call reuses the first's program."""
+    params, state = model
+    yarn = MODEL.replace(**{"model.rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 16}})
+    first = gen.generate(yarn, params, state, [5, 9, 2], max_new_tokens=3, temperature=0.0, speculative=speculative)
+    again = gen.generate(yarn.replace(), params, state, [5, 9, 2], max_new_tokens=3, temperature=0.0,
+                         speculative=speculative)
+    assert len(first) == 3 and again == first
+    cached = gen._speculative_step if speculative else gen._plain_step
+    assert cached.cache_info().hits >= 1

@@ -16,6 +16,7 @@ equals plain greedy decoding token for token.
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +102,7 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
                                      stop_id, window, {} if stats is None else stats)
 
-    next_token = _plain_step(config, temperature, top_p)
+    next_token = _plain_step(_ByValue(config), temperature, top_p)
 
     ids = list(prompt_ids)
     key = jax.random.key(seed)
@@ -135,7 +136,7 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     """`generate` with MTP drafts: one jitted pass per iteration verifies the pending draft, emits one or two
     tokens and drafts the next (module docstring). The context keeps two free positions of the window: the
     draft's and the token after it."""
-    step = _speculative_step(config, temperature, top_p)
+    step = _speculative_step(_ByValue(config), temperature, top_p)
 
     ids = list(prompt_ids)
     key = jax.random.key(seed)
@@ -167,9 +168,27 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     return new
 
 
+class _ByValue:
+    """A Config as a cache key, equal and hashed by its values: the dataclass's own hash fails on a dict field
+    (model.rope_scaling)."""
+
+    __slots__ = ("config", "_key")
+
+    def __init__(self, config: Config):
+        self.config = config
+        self._key = json.dumps(config.to_dict(), sort_keys=True)
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _ByValue) and self._key == other._key
+
+
 @functools.lru_cache(maxsize=8)
-def _plain_step(config: Config, temperature: float, top_p: float):
+def _plain_step(keyed: _ByValue, temperature: float, top_p: float):
     """The jitted next-token program, one per (config, sampling settings): later calls reuse its compilation."""
+    config = keyed.config
     @jax.jit
     def next_token(params, state, tokens_1S, length, key):
         logits_1SV, _ = transformer.forward(params, state, tokens_1S, config)
@@ -179,8 +198,9 @@ def _plain_step(config: Config, temperature: float, top_p: float):
 
 
 @functools.lru_cache(maxsize=8)
-def _speculative_step(config: Config, temperature: float, top_p: float):
+def _speculative_step(keyed: _ByValue, temperature: float, top_p: float):
     """The jitted speculative iteration: verify the pending draft, emit one or two tokens, draft the next."""
+    config = keyed.config
     @jax.jit
     def step(params, state, tokens_1S, length, has_draft, draft, q_logits_V, key):
         logits_1SV, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
