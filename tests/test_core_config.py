@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 
 import pytest
@@ -60,6 +61,20 @@ def test_cross_group_and_rope_settings_are_validated_when_the_config_is_built():
         ModelConfig(rope_scaling={"type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match="type 'linear' is not supported"):
         ModelConfig(rope_scaling={"type": "linear", "factor": 4.0})
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    ModelConfig(rope_scaling=yarn)
+    for bad, match in [({"factor": "x"}, "factor='x' is not a number of at least 1"),
+                       ({"factor": -4.0}, "factor=-4.0 is not a number"), ({"factor": math.nan}, "factor=nan"),
+                       ({"beta_fast": "a"}, "beta_fast='a'"), ({"mscale": True}, "mscale=True"),
+                       ({"original_max_position_embeddings": 0}, "=0 is not a positive integer"),
+                       ({"original_max_position_embeddings": [1]}, r"=\[1\] is not a positive integer")]:
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig(rope_scaling={**yarn, **bad})
+    for bad, match in [({"rope_theta": 0.0}, "rope_theta=0.0 must be a positive"),
+                       ({"rope_theta": -1e4}, "rope_theta=-10000.0"), ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0"),
+                       ({"rms_norm_eps": math.inf}, "rms_norm_eps=inf")]:
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig(**bad)
 
 
 @pytest.mark.parametrize("preset, key", [

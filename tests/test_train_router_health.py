@@ -124,6 +124,10 @@ def test_top_direction_share_says_whether_tokens_differ_in_one_way_or_many():
                                                                                             rel=1e-5)
     empty = routing_covariance(jnp.zeros((E, E)), jnp.zeros((2, E)), 0)
     assert float(top_direction_share(empty)) == 0.0  # an empty layer: no NaN
+    # A diverging step's non-finite values: NaN for that row (the loop's guard reports the step), the others kept.
+    covariance = np.stack([np.asarray(routing_covariance(gram, moments, T)), np.full((E, E), np.nan)])
+    shares = top_direction_share(covariance)
+    assert shares[0] == pytest.approx(_top_direction(values), rel=1e-5) and np.isnan(shares[1])
 
 
 def test_input_common_share_says_how_alike_the_routers_inputs_are():

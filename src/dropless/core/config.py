@@ -87,11 +87,28 @@ def _check_fields(group: str, values: Any) -> None:
                  f"{group}.{name}={value} is out of range; give an integer between -{limit} and {limit}.")
 
 
+# YaRN's real-valued settings (HF's config.json keys) and the least each may be.
+YARN_NUMBERS = {"factor": 1.0, "beta_fast": 0.0, "beta_slow": 0.0, "mscale": 0.0, "mscale_all_dim": 0.0,
+                "attention_factor": 0.0}
+
+
 def check_yarn_keys(rope_scaling: dict) -> None:
-    """A YaRN setting names the two values it cannot do without (HF's config.json keys)."""
+    """A YaRN setting names the two values it cannot do without (HF's config.json keys), each value a number in
+    its range: the factor at least 1 (YaRN extends the context), the original context a positive integer."""
     has_both = all(rope_scaling.get(key) is not None for key in ("factor", "original_max_position_embeddings"))
     _require(has_both, "model.rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'; "
              "add both (DeepSeek-V3 uses 40.0 and 4096).")
+    for key, least in YARN_NUMBERS.items():
+        value = rope_scaling.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        _require(number and value >= least, f"model.rope_scaling's {key}={value!r} is not a number of at least "
+                 f"{least:g}; give one (DeepSeek-V3: factor 40, beta_fast 32, beta_slow 1, mscale 1).")
+    original = rope_scaling["original_max_position_embeddings"]
+    _require(isinstance(original, int) and not isinstance(original, bool) and original > 0,
+             f"model.rope_scaling's original_max_position_embeddings={original!r} is not a positive integer; give "
+             "the context length the model was trained at (DeepSeek-V3: 4096).")
 
 
 # Activations tagged with `checkpoint_name` in every layer (all [B, S, D] in the compute dtype): what
@@ -185,6 +202,10 @@ class ModelConfig:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             _require(kind == "yarn", f"model.rope_scaling type {kind!r} is not supported; use 'yarn' or null.")
             check_yarn_keys(self.rope_scaling)
+        _require(math.isfinite(self.rope_theta) and self.rope_theta > 0,
+                 f"model.rope_theta={self.rope_theta} must be a positive number (RoPE's base; 10000 in most models).")
+        _require(math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0,
+                 f"model.rms_norm_eps={self.rms_norm_eps} must be 0 or a small positive number (e.g. 1e-6).")
 
     @property
     def layer_types(self) -> str:

@@ -153,8 +153,13 @@ def top_direction_share(covariance_EE) -> np.ndarray:
     1/(E-1) for isotropic values): tokens differ in many independent ways. Read with `token_variance_share`: a
     router can lose the token by a common part outgrowing the per-token one (that share falls) or by the per-token
     part collapsing onto one direction (this one rises)."""
-    eigenvalues = np.maximum(np.linalg.eigvalsh(np.asarray(covariance_EE, np.float64)), 0.0)
-    return eigenvalues[..., -1] / np.maximum(np.sum(eigenvalues, axis=-1), 1e-30)
+    covariance = np.asarray(covariance_EE, np.float64)
+    finite = np.isfinite(covariance).all(axis=(-2, -1))
+    # A step whose routing values are not finite (a diverging step, which the training loop's guard reports) has
+    # no eigenvalues: NaN for its rows, instead of an eigensolver error.
+    eigenvalues = np.maximum(np.linalg.eigvalsh(np.where(finite[..., None, None], covariance, 0.0)), 0.0)
+    share = eigenvalues[..., -1] / np.maximum(np.sum(eigenvalues, axis=-1), 1e-30)
+    return np.where(finite, share, np.nan)
 
 
 def z_loss(logits_TE: jax.Array) -> jax.Array:
