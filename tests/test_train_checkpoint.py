@@ -347,8 +347,12 @@ def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, co
     os.utime(run_dir / "config.json", ns=(0, 0))  # any write would stamp it now
     loop.prepare_run_dir(run_dir, config.replace(**{"train.schedule_steps": 0}), resume=True, overwrite=False)
     assert (run_dir / "config.json").stat().st_mtime_ns == 0
-    loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 9}), resume=True, overwrite=False)
-    assert config_lib.load(run_dir / "config.json").train.steps == 9
+    # Fewer steps than the run's checkpoint (step 10) would shrink the saved config behind the run: refused.
+    with pytest.raises(config_lib.ConfigError, match="--resume to step 9, but .* has a checkpoint of step 10 already"):
+        loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 9}), resume=True, overwrite=False)
+    assert (run_dir / "config.json").stat().st_mtime_ns == 0
+    loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 11}), resume=True, overwrite=False)
+    assert config_lib.load(run_dir / "config.json").train.steps == 11
     def fills_the_disk(path, data, *args, **kwargs):  # a write that stops partway, as on a full disk
         with open(path, "w") as file:
             file.write(data[:40])
@@ -357,8 +361,8 @@ def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, co
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Path, "write_text", fills_the_disk)
         with pytest.raises(OSError, match="config.json"):  # named, for the one-line error
-            loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 10}), resume=True, overwrite=False)
-    assert config_lib.load(run_dir / "config.json").train.steps == 9  # the old file, whole
+            loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 12}), resume=True, overwrite=False)
+    assert config_lib.load(run_dir / "config.json").train.steps == 11  # the old file, whole
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("config")) == ["config.json"]
 
 

@@ -120,6 +120,11 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             raise ConfigError(f"--resume keeps the saved config, but {key} differs from the run's "
                               f"({saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} given); drop "
                               "that override or start a new run with --overwrite or another --run-dir.")
+        reached = ckpt.latest_step(run_dir)
+        if reached is not None and config.train.steps < reached:  # the saved config would shrink behind the run
+            raise ConfigError(f"--resume to step {config.train.steps}, but {run_dir} has a checkpoint of step "
+                              f"{reached} already; give --steps {reached} or more (the run's is "
+                              f"{saved.train.steps}).")
         if config != saved:  # a resumable setting changed (the steps, say); an unchanged file is left untouched
             config_lib.save(config, saved_path)
         return config
