@@ -72,6 +72,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (root / "hfmodel" / "config.json").write_text('{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}')
     (root / "hf").mkdir()
     (root / "hf" / "config.json").write_text('{"model_type": "mixtral", ')
+    os.mkfifo(root / "fifo.npy")  # nothing ever writes it: reading it would block for ever
     (root / "hfbig").mkdir()
     (root / "hfbig" / "config.json").write_text('{"model_type": "mixtral", "hidden_size": "big"}')
     (root / "empty.npy").write_bytes(b"")
@@ -116,6 +117,10 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--data", "{f}/empty.npy", "--run-dir", "{f}/new1", "--steps", "1"], ["empty.npy is empty"]),
     (["train", "--data", "{f}/garbage.npy", "--run-dir", "{f}/new2"], ["garbage.npy is not an .npy file"]),
     (["train", "--tokenizer", "{f}/adir", "--run-dir", "{f}/new3"], ["adir is a directory", "tokenizer.json"]),
+    (["train", "--tokenizer", "/dev/null", "--run-dir", "{f}/new5"], ["/dev/null is not a regular file"]),
+    (["train", "--data", "{f}/fifo.npy", "--run-dir", "{f}/new6"], ["fifo.npy is not a regular file"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/fifo.npy", "--out", "{f}/o.npy"],
+     ["--tokens", "fifo.npy is not a regular file"]),
     (["train", "--tokenizer", "{f}/badtok/tokenizer.json", "--run-dir", "{f}/new4"], ["not a valid tokenizer"]),
     (["train", "--run-dir", "{f}/ok.npy"], ["--run-dir", "ok.npy is a file"]),
     (["train", "--resume", "--overwrite", "--run-dir", "{f}/run"], ["--resume", "--overwrite", "only one"]),

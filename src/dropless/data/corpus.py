@@ -107,6 +107,9 @@ def resolve(source: str, max_bytes: int) -> Corpus:
 
 
 def _checked_file(path: Path) -> Path:
+    if path.exists() and not path.is_file():  # a pipe or a device: reading it may never end, and it is read twice
+        raise DataError(f"{path} is not a regular file (a pipe or a device); save the data into a file and give "
+                        "its path.")
     if path.suffix.lower() not in SUFFIXES:
         raise DataError(f"{path} has an unsupported extension '{path.suffix}'; data files must be "
                         f"{', '.join(SUFFIXES)}.")
@@ -225,6 +228,9 @@ def load_token_array(path: Path, what: str = "") -> np.ndarray:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{what}{path} is a directory; give an .npy file saved with numpy.save.")
+    if path.exists() and not path.is_file():  # a pipe or a device: numpy would block on it or misread it
+        raise DataError(f"{what}{path} is not a regular file (a pipe or a device); save the token ids into an "
+                        ".npy file with numpy.save.")
     with open(path, "rb") as f:
         magic = f.read(len(NPY_MAGIC))
     if not magic:

@@ -77,6 +77,8 @@ def read_tokenizer_file(path: Path) -> Tokenizer:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"{path} is a directory; give the path of a tokenizer.json file.")
+    if path.exists() and not path.is_file():
+        raise DataError(f"{path} is not a regular file (a pipe or a device); give the path of a tokenizer.json.")
     if not path.is_file():
         raise DataError(f"The tokenizer file {path} does not exist; give the path of a tokenizer.json.")
     try:
