@@ -151,6 +151,9 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "gmm", "--shapes", "tiny", "--batches", "0"], ["--batches 0 must be at least 1"]),
     (["bench", "step", "--preset", "tiny", "--steps", "0"], ["--steps 0 must be at least 1"]),
     (["bench", "step"], ["the plan does not fit", "usable of cpu's"]),  # the proxy, before anything is compiled
+    (["bench", "step", "--preset", "tiny", "--ladder", "--rungs", "4", "--out", "{f}/ladder", *SMALL_OVERRIDES],
+     ["no rung of the ladder ran (--rungs 4 on cpu"]),  # rung 4 needs a GPU's kernels
+    (["bench", "step", "--preset", "tiny", "--ladder", "--budget", "-1"], ["--budget -1.0 must be"]),
     (["profile", "--preset", "deepseek-v3-proxy", "--out", "{f}/profile"], ["the plan does not fit"]),
     # An unset shell variable (`--run-dir "$RUN"`): never the current directory, the default or an earlier run.
     (["generate", "--hf-dir", "", "--prompt", "x"], ["argument --hf-dir: an empty path"]),

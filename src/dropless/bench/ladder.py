@@ -35,6 +35,7 @@ from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 from dropless.bench.records import device_slug, environment, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
+from dropless.core.config import ConfigError
 from dropless.models import transformer
 from dropless.train import metrics as metrics_lib
 
@@ -276,6 +277,11 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     shutil.rmtree(scratch, ignore_errors=True)
     result["ladder"] = assemble_ladder(result["variants"], hlo_texts)
     save()
+    if not any(r.get("status") == "ok" for r in result["ladder"]):  # no rung ran here (none for this device, or none started within --budget)
+        asked = f"--rungs {','.join(map(str, sorted(rungs)))}" if rungs else "every rung"
+        raise ConfigError(f"no rung of the ladder ran ({asked} on {jax.default_backend()}, --budget {budget_s:g} s); "
+                          f"the record {json_path} says why for each: choose rungs this device runs, or a larger "
+                          "--budget.")
     try:
         report.ladder_chart(result, json_path.with_suffix(".png"))
     except ImportError as error:  # matplotlib is optional on a bare GPU machine; redraw with --chart

@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         rungs = {int(r) for r in args.rungs.split(",")} if args.rungs else None
     except ValueError:
         rungs = {0}
+    if not (args.budget >= 0):
+        raise ConfigError(f"--budget {args.budget} must be a number of seconds, 0 or more.")
     if not (args.steps >= 1 and args.warmup >= 0 and math.isfinite(args.seconds) and args.seconds >= 0):
         raise ConfigError(f"--steps {args.steps} must be at least 1, --warmup {args.warmup} at least 0 and --seconds "
                           f"{args.seconds} a number of seconds, 0 or more.")
