@@ -277,7 +277,8 @@ def run_ladder(base_config, out_dir: Path, *, budget_s: float, tuned_backend: st
     shutil.rmtree(scratch, ignore_errors=True)
     result["ladder"] = assemble_ladder(result["variants"], hlo_texts)
     save()
-    if not any(r.get("status") == "ok" for r in result["ladder"]):  # no rung ran here (none for this device, or none started within --budget)
+    # No rung ran here: none runs on this device, or none started within --budget.
+    if not any(r.get("status") == "ok" for r in result["ladder"]):
         asked = f"--rungs {','.join(map(str, sorted(rungs)))}" if rungs else "every rung"
         raise ConfigError(f"no rung of the ladder ran ({asked} on {jax.default_backend()}, --budget {budget_s:g} s); "
                           f"the record {json_path} says why for each: choose rungs this device runs, or a larger "

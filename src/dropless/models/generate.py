@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dropless.core import config as config_lib
 from dropless.core.config import Config, ConfigError
 from dropless.models import transformer
 
@@ -102,7 +103,7 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
                                      stop_id, window, {} if stats is None else stats)
 
-    next_token = _plain_step(_ByValue(config), temperature, top_p)
+    next_token = _plain_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
 
     ids = list(prompt_ids)
     key = jax.random.key(seed)
@@ -136,7 +137,7 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     """`generate` with MTP drafts: one jitted pass per iteration verifies the pending draft, emits one or two
     tokens and drafts the next (module docstring). The context keeps two free positions of the window: the
     draft's and the token after it."""
-    step = _speculative_step(_ByValue(config), temperature, top_p)
+    step = _speculative_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
 
     ids = list(prompt_ids)
     key = jax.random.key(seed)
@@ -168,27 +169,11 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     return new
 
 
-class _ByValue:
-    """A Config as a cache key, equal and hashed by its values: the dataclass's own hash fails on a dict field
-    (model.rope_scaling)."""
-
-    __slots__ = ("config", "_key")
-
-    def __init__(self, config: Config):
-        self.config = config
-        self._key = json.dumps(config.to_dict(), sort_keys=True)
-
-    def __hash__(self) -> int:
-        return hash(self._key)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _ByValue) and self._key == other._key
-
-
 @functools.lru_cache(maxsize=8)
-def _plain_step(keyed: _ByValue, temperature: float, top_p: float):
-    """The jitted next-token program, one per (config, sampling settings): later calls reuse its compilation."""
-    config = keyed.config
+def _plain_step(config_json: str, temperature: float, top_p: float):
+    """The jitted next-token program, one per (config, sampling settings): later calls reuse its compilation.
+    (Config holds a dict, model.rope_scaling, so it is keyed by its JSON, as convert's forward is.)"""
+    config = config_lib.from_dict(json.loads(config_json))
     @jax.jit
     def next_token(params, state, tokens_1S, length, key):
         logits_1SV, _ = transformer.forward(params, state, tokens_1S, config)
@@ -198,9 +183,10 @@ def _plain_step(keyed: _ByValue, temperature: float, top_p: float):
 
 
 @functools.lru_cache(maxsize=8)
-def _speculative_step(keyed: _ByValue, temperature: float, top_p: float):
-    """The jitted speculative iteration: verify the pending draft, emit one or two tokens, draft the next."""
-    config = keyed.config
+def _speculative_step(config_json: str, temperature: float, top_p: float):
+    """The jitted speculative iteration: verify the pending draft, emit one or two tokens, draft the next (keyed
+    as `_plain_step`)."""
+    config = config_lib.from_dict(json.loads(config_json))
     @jax.jit
     def step(params, state, tokens_1S, length, has_draft, draft, q_logits_V, key):
         logits_1SV, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
