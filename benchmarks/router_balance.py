@@ -45,7 +45,7 @@ def _unit_router_std(config) -> float:
 # same change whatever the preset's own router settings are (the proxy preset's differ; the records up to e26f892
 # name these settings `defaults`). Router logits start with std init_std * sqrt(hidden) = 0.02 * sqrt(7168) = 1.7,
 # while the bias moves 0.001 per step.
-DEEPSEEK_V3_ROUTER = {"moe.bias_update_rate": 0.001, "moe.router_common_rate": 0.0,
+DEEPSEEK_V3_ROUTER = {"moe.bias_update_rate": 0.001, "moe.bias_update_rule": "sign", "moe.router_common_rate": 0.0,
                       "moe.router_common_source": "running", "moe.seq_aux_loss_weight": 0.0001}
 
 # Each variant: a description and a function of the base config giving its overrides, on top of DEEPSEEK_V3_ROUTER.
@@ -106,6 +106,14 @@ VARIANTS = {
     "common-0.3-bias-1e-2-seq-aux-1e-2": (
         "router_common_rate 0.3, bias_update_rate 1e-2 and seq_aux_loss_weight 1e-2",
         lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01, "moe.seq_aux_loss_weight": 0.01}),
+    "common-0.3-bias-1e-2-proportional": (
+        "router_common_rate 0.3, bias_update_rate 1e-2, bias_update_rule proportional",
+        lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01,
+                   "moe.bias_update_rule": "proportional"}),
+    "other-0.3-bias-1e-2-proportional": (
+        "router_common_source other_sequences, router_common_rate 0.3, bias_update_rate 1e-2, bias_update_rule "
+        "proportional", lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3,
+                                   "moe.bias_update_rate": 0.01, "moe.bias_update_rule": "proportional"}),
     "center-0.3": ("bias_center_rate 0.3", lambda c: {"moe.bias_center_rate": 0.3}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),

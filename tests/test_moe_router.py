@@ -91,7 +91,21 @@ def test_update_router_bias_sign_rule_on_any_leading_axes():
     np.testing.assert_allclose(bias_LE, [[-0.1, 0.1, 0.0, 0.0], [0, 0, 0, 0]])
 
 
-def test_bias_update_drives_a_skewed_router_toward_balance():
+def test_update_router_bias_proportional_rule_is_the_sign_rule_far_from_balance_and_smaller_near_it():
+    # mean load 2: expert 0 at 4x the mean and expert 1 empty take the sign rule's full step; experts 2 and 3,
+    # 10% off the mean, a tenth of it; an all-empty row (mean 0) does not move.
+    load_LE = jnp.array([[8.0, 0.0, 2.2, 1.8, 0.0, 2.0, 2.0, 0.0], [0, 0, 0, 0, 0, 0, 0, 0]])
+    mean = 2.0
+    assert float(jnp.mean(load_LE[0])) == mean
+    bias_LE = update_router_bias(jnp.full((2, 8), 0.5), load_LE, 0.1, rule="proportional")
+    np.testing.assert_allclose(bias_LE[0], [0.4, 0.6, 0.49, 0.51, 0.6, 0.5, 0.5, 0.6], rtol=1e-6)
+    np.testing.assert_array_equal(bias_LE[1], jnp.full(8, 0.5))
+    sign_LE = update_router_bias(jnp.full((2, 8), 0.5), load_LE, 0.1)
+    np.testing.assert_allclose(sign_LE[0], [0.4, 0.6, 0.4, 0.6, 0.6, 0.5, 0.5, 0.6], rtol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["sign", "proportional"])
+def test_bias_update_drives_a_skewed_router_toward_balance(rule):
     cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, score_func="sigmoid", n_group=4, topk_group=2)
     rng = np.random.default_rng(2)
     # Diverse tokens plus one constant feature that the kernel maps to a strong preference for experts 0, 1.
@@ -100,7 +114,7 @@ def test_bias_update_drives_a_skewed_router_toward_balance():
 
     def step(bias_E, _):
         counts_E = tokens_per_expert(route(kernel_DE, bias_E, x_TD, cfg).expert_ids_TK, 8)
-        return update_router_bias(bias_E, counts_E, 0.01), max_load_ratio(counts_E)
+        return update_router_bias(bias_E, counts_E, 0.01, rule), max_load_ratio(counts_E)
 
     _, ratios = jax.jit(lambda b: jax.lax.scan(step, b, length=300))(jnp.zeros(8))
     assert float(ratios[0]) > 2.5  # most tokens pick experts 0 and 1 (the worst is E/K = 4)

@@ -120,6 +120,28 @@ def test_bias_centring_equalises_the_step_s_mean_selection_scores(batch_and_stat
                                atol=1e-7)
 
 
+def test_the_training_step_moves_the_bias_by_moe_bias_update_rule(batch_and_state):
+    """moe.bias_update_rule="proportional": the step's bias update is rate * clip((mean - load) / mean, -1, 1) of
+    the step's own loads, per router row; "sign" (the default) rate * sign(mean - load)."""
+    from dropless.train.optimizer import make_optimizer
+    from dropless.train.step import init_train_state, make_train_step
+
+    params, state, batch, _ = batch_and_state
+    expected = {}
+    for rule in ("sign", "proportional"):
+        config = CONFIG.replace(**{"moe.bias_update_rate": 0.1, "moe.bias_update_rule": rule})
+        optimizer = make_optimizer(config.train)
+        start = init_train_state(jax.random.key(0), config, optimizer, params, state)
+        stepped, _ = jax.jit(make_train_step(config, optimizer))(start, batch)
+        (_, (_, aux)), _ = jax.jit(lambda p: accumulated_value_and_grad(p, start.model_state, batch, config))(params)
+        load = np.asarray(aux["moe"].tokens_per_expert, np.float64)
+        mean = load.mean(axis=1, keepdims=True)
+        expected[rule] = np.sign(mean - load) if rule == "sign" else np.clip((mean - load) / mean, -1, 1)
+        np.testing.assert_allclose(np.asarray(stepped.model_state["router_bias"]) - np.asarray(state["router_bias"]),
+                                   0.1 * expected[rule], atol=1e-6)
+    assert np.abs(expected["sign"] - expected["proportional"]).max() > 0.1  # the two rules told apart
+
+
 def test_router_common_moves_towards_the_step_s_mean_router_input(batch_and_state):
     """moe.router_common_rate: after a step each router's running mean moves `rate` of the way to the mean of its
     input over the step's tokens (its input_moments, summed over the microbatches); the bias is left to its own

@@ -229,6 +229,10 @@ class MoEConfig:
     topk_group: int = 1
     # Aux-loss-free balancing: bias += rate * sign(mean_load - load) after each step; 0 = off.
     bias_update_rate: float = 0.0
+    # How far each bias moves: "sign", DeepSeek-V3's rate * sign(mean_load - load), or "proportional",
+    # rate * clip((mean_load - load) / mean_load, -1, 1): the sign rule's step for an expert off by the mean load or
+    # more, a smaller one near balance (dropless.moe.balance.update_router_bias).
+    bias_update_rule: Literal["sign", "proportional"] = "sign"
     # After each step the bias also moves every expert's mean selection score over the step's tokens this fraction
     # of the way to the mean over experts (dropless.moe.balance.center_router_bias); 0 = off, 1 = equal means.
     bias_center_rate: float = 0.0

@@ -181,11 +181,20 @@ def center_router_bias(bias_E: jax.Array, score_moments_2E: jax.Array, tokens: j
     return (bias_E.astype(jnp.float32) - rate * offset_E).astype(bias_E.dtype)
 
 
-def update_router_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float) -> jax.Array:
+def update_router_bias(bias_E: jax.Array, tokens_per_expert_E: jax.Array, rate: float,
+                       rule: str = "sign") -> jax.Array:
     """Aux-loss-free balancing (DeepSeek-V3): bias += rate * sign(mean_load - load), outside the gradient.
 
+    rule="proportional" moves each bias by rate * clip((mean_load - load) / mean_load, -1, 1) instead: the sign
+    rule's step wherever an expert is off by the mean load or more (a collapse), and a step in proportion to the
+    gap near balance, where the sign rule's fixed step keeps every bias moving by `rate` each update and so keeps
+    moving tokens between experts whose loads already agree to sampling noise.
     Works on any leading axes (e.g. [L, E] for stacked layers); the mean is over the last (expert) axis.
     """
     load_E = tokens_per_expert_E.astype(jnp.float32)
-    step_E = jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E)
+    mean_E = jnp.mean(load_E, axis=-1, keepdims=True)
+    if rule == "sign":
+        step_E = jnp.sign(mean_E - load_E)
+    else:
+        step_E = jnp.clip((mean_E - load_E) / jnp.maximum(mean_E, 1e-9), -1.0, 1.0)
     return (bias_E.astype(jnp.float32) + rate * step_E).astype(bias_E.dtype)

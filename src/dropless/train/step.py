@@ -130,7 +130,7 @@ def _moe_metrics(aux, top_k: int) -> dict[str, jax.Array]:
     }
 
 
-def update_router_biases(model_state, aux, rate: float, center_rate: float = 0.0):
+def update_router_biases(model_state, aux, rate: float, center_rate: float = 0.0, rule: str = "sign"):
     """Apply the aux-loss-free bias rule (and, with center_rate > 0, the mean-score centring) to every router row
     (vectorised over the stacked row axis)."""
     if (rate == 0.0 and center_rate == 0.0) or "router_bias" not in model_state or aux.get("moe") is None:
@@ -140,7 +140,8 @@ def update_router_biases(model_state, aux, rate: float, center_rate: float = 0.0
     if center_rate > 0.0:
         bias_LE = center_router_bias(bias_LE, stats.score_moments, stats.tokens_routed, center_rate)
     if rate > 0.0:
-        bias_LE = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias_LE, stats.tokens_per_expert, rate)
+        bias_LE = jax.vmap(update_router_bias, in_axes=(0, 0, None, None))(bias_LE, stats.tokens_per_expert, rate,
+                                                                          rule)
     return {**model_state, "router_bias": bias_LE}
 
 
@@ -230,7 +231,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         model_state = update_router_biases(state.model_state, aux, config.moe.bias_update_rate,
-                                           config.moe.bias_center_rate)
+                                           config.moe.bias_center_rate, config.moe.bias_update_rule)
         model_state = update_router_commons(model_state, aux, config.moe.router_common_rate)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
