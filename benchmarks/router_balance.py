@@ -106,14 +106,13 @@ VARIANTS = {
     "common-0.3-bias-1e-2-seq-aux-1e-2": (
         "router_common_rate 0.3, bias_update_rate 1e-2 and seq_aux_loss_weight 1e-2",
         lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01, "moe.seq_aux_loss_weight": 0.01}),
-    "common-0.3-bias-1e-2-proportional": (
-        "router_common_rate 0.3, bias_update_rate 1e-2, bias_update_rule proportional",
-        lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01,
-                   "moe.bias_update_rule": "proportional"}),
-    "other-0.3-bias-1e-2-proportional": (
-        "router_common_source other_sequences, router_common_rate 0.3, bias_update_rate 1e-2, bias_update_rule "
-        "proportional", lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3,
-                                   "moe.bias_update_rate": 0.01, "moe.bias_update_rule": "proportional"}),
+    **{f"{name}-0.3-bias-{rate_name}-proportional": (
+        f"router_common_source {source}, router_common_rate 0.3, bias_update_rate {rate_name}, bias_update_rule "
+        "proportional", lambda c, source=source, rate=rate: {
+            "moe.router_common_source": source, "moe.router_common_rate": 0.3, "moe.bias_update_rate": rate,
+            "moe.bias_update_rule": "proportional"})
+       for name, source in (("common", "running"), ("other", "other_sequences"))
+       for rate_name, rate in (("1e-2", 0.01), ("3e-2", 0.03))},
     "center-0.3": ("bias_center_rate 0.3", lambda c: {"moe.bias_center_rate": 0.3}),
     "router-std-small-bias-1e-2": ("router init std 0.1/sqrt(hidden) and bias_update_rate 1e-2",
                                    lambda c: {"model.router_init_std": 0.1 * _unit_router_std(c),
