@@ -99,6 +99,8 @@ VARIANTS = {
                            lambda c: {"moe.router_common_rate": 1.0, "moe.bias_update_rate": 0.01}),
     "common-0.3-bias-1e-2": ("router_common_rate 0.3 and bias_update_rate 1e-2",
                              lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.01}),
+    "common-0.3-bias-3e-2": ("router_common_rate 0.3 and bias_update_rate 3e-2",
+                             lambda c: {"moe.router_common_rate": 0.3, "moe.bias_update_rate": 0.03}),
     "other-0.3-bias-1e-2-seq-aux-1e-2": (
         "router_common_source other_sequences, router_common_rate 0.3, bias_update_rate 1e-2, seq_aux_loss_weight "
         "1e-2", lambda c: {"moe.router_common_source": "other_sequences", "moe.router_common_rate": 0.3,
