@@ -131,6 +131,7 @@ def files(tmp_path_factory) -> pathlib.Path:
      ["model.dense_intermediate_size=0 must be > 0"]),
     (["train", "--run-dir", "{f}/new7", "model.v_head_dim=0"], ["model.v_head_dim=0 must be > 0"]),
     (["train", "--run-dir", "{f}/new8", "data.shuffle_seed=-1"], ["data.shuffle_seed=-1 must be >= 0"]),
+    (["train", "--run-dir", "{f}/new10", "data.source="], ["data.source is empty", "'stdlib'"]),
     (["train", "--run-dir", "{f}/new9", "model.hidden_size=100000000000000000000"],
      ["model.hidden_size=100000000000000000000 is out of range", "2147483647"]),
     (["train", "--resume", "--run-dir", "{f}/choicelist"],
@@ -187,7 +188,7 @@ def test_a_prompt_longer_than_the_context_window_is_named_before_the_model_loads
 
 def test_a_refused_config_writes_no_run_directory(capsys, files):
     for number, override in enumerate(["model.v_head_dim=0", "data.shuffle_seed=-1",
-                                      "model.hidden_size=100000000000000000000"]):
+                                      "model.hidden_size=100000000000000000000", "data.source="]):
         status, stderr = run_main(capsys, "train", "--run-dir", str(files / f"refused{number}"), override)
         assert_one_line(status, stderr, override.partition("=")[0])
         assert not (files / f"refused{number}").exists()

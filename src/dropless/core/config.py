@@ -432,6 +432,9 @@ class DataConfig:
 
     def __post_init__(self):
         _check_fields("data", self)
+        # An empty source (`data.source=` with an unset shell variable) would read the current directory.
+        _require(str(self.source).strip() != "", "data.source is empty; give a file, directory or glob of .txt, "
+                 ".jsonl, .parquet, .npy or .bin files, or leave it out for the default 'stdlib' corpus.")
         _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction={self.eval_fraction} must be in (0, 0.5).")
         _positive("data.max_bytes", self.max_bytes)
         _positive("data.prefetch", self.prefetch, allow_zero=True)
