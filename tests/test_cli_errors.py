@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -56,6 +57,8 @@ def files(tmp_path_factory) -> pathlib.Path:
         else:
             (root / name / "config.json").write_text(text)
     train_bpe(["def f(x):\n    return x\n"] * 20, 300).save(root / "run" / "tokenizer.json")
+    shutil.copytree(root / "run", root / "ckfile")
+    (root / "ckfile" / "checkpoints").write_text("")  # a file where the run's checkpoints directory belongs
     for name, group, key, value in (("choicelist", "moe", "gmm_backend", [1]),
                                     ("choicedict", "train", "dtype", {"a": 1})):
         (root / name).mkdir()
@@ -97,6 +100,11 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["convert", "--from-hf", "{f}/hf", "--to", "{f}/imported2", "--from", "{f}/run", "--to-hf", "{f}/exported"],
      ["one direction at a time", "not both"]),
     (["generate", "--run-dir", "{f}/ok.npy", "--prompt", "x"], ["ok.npy is not a dropless run directory"]),
+    (["generate", "--run-dir", "{f}/ckfile", "--prompt", "x"], ["ckfile/checkpoints is a file, not a checkpoints"]),
+    (["logits", "--run-dir", "{f}/ckfile", "--tokens", "{f}/ok.npy", "--out", "{f}/o.npy"],
+     ["ckfile/checkpoints is a file, not a checkpoints directory", "move it out of the way"]),
+    (["train", "--resume", "--run-dir", "{f}/ckfile"], ["ckfile/checkpoints is a file, not a checkpoints"]),
+    (["convert", "--from", "{f}/ckfile", "--to-hf", "{f}/out3"], ["ckfile/checkpoints is a file, not a checkpoints"]),
     (["generate", "--run-dir", "{f}/hfmodel", "--prompt", "x"], ["hfmodel holds a Hugging Face model", "--hf-dir"]),
     (["convert", "--from", "{f}/hfmodel", "--to-hf", "{f}/out2"], ["hfmodel holds a Hugging Face model"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),

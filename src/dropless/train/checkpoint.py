@@ -92,8 +92,18 @@ def manager(run_dir: Path, keep: int | None = None, read_only: bool = False) -> 
     return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=ITEMS)
 
 
+def _has_checkpoint_dir(run_dir: Path) -> bool:
+    """Whether the run has a checkpoints directory yet. A file in its place is refused in one line: read as a run
+    without checkpoints, it would be reported as 'no finished checkpoint yet'."""
+    directory = checkpoint_dir(run_dir)
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{directory} is a file, not a checkpoints directory; move it out of the way (a run "
+                              "keeps its checkpoints in a directory of that name).")
+    return directory.is_dir()
+
+
 def latest_step(run_dir: Path) -> int | None:
-    if not checkpoint_dir(run_dir).is_dir():
+    if not _has_checkpoint_dir(run_dir):
         return None
     with manager(run_dir, read_only=True) as mngr:
         return mngr.latest_step()
@@ -440,7 +450,7 @@ def _item_names(mngr: ocp.CheckpointManager, step: int) -> set[str]:
 
 def all_steps(run_dir: Path) -> list[int]:
     """The run's finished checkpoint steps, newest first."""
-    if not checkpoint_dir(run_dir).is_dir():
+    if not _has_checkpoint_dir(run_dir):
         return []
     with manager(run_dir, read_only=True) as mngr:
         return sorted(mngr.all_steps(), reverse=True)
