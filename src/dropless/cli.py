@@ -199,6 +199,12 @@ def cmd_logits(args) -> int:
     if Path(args.out).exists() and not Path(args.out).is_file():  # /dev/null, a pipe: numpy.save would add .npy
         raise ConfigError(f"--out {args.out} is not a regular file; give the path of the .npy file to write.")
     if not out.parent.is_dir():
+        # The nearest part of the path that exists tells a file standing where a directory should from a path
+        # not made yet ('/' and '.' always exist).
+        existing = next(part for part in out.parents if part.exists())
+        if not existing.is_dir():
+            raise ConfigError(f"--out {args.out}: {existing} is a file, not a directory; give a path inside a "
+                              "directory.")
         raise ConfigError(f"--out {args.out}: the directory {out.parent} does not exist; create it or choose "
                           "another path.")
     if out.resolve() == tokens_path.resolve():
