@@ -8,6 +8,7 @@ the same token ids, files and dtypes: HF -> dropless -> HF gives byte-identical 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import shutil
@@ -50,7 +51,17 @@ def read_hf_config(hf_dir: Path) -> dict:
     hf = _read_json(path, "re-download it")
     if not isinstance(hf, dict):
         raise ConvertError(f"{path} holds a JSON {type(hf).__name__}, not an object; re-download it.")
+    if _dropless_config(hf):
+        raise ConvertError(f"{hf_dir} looks like a dropless run directory (its config.json is dropless's own), not a "
+                           f"Hugging Face model; pass it with --run-dir (generate, logits), or export it first: "
+                           f"dropless convert --from {hf_dir} --to-hf HF_DIR.")
     return hf
+
+
+def _dropless_config(fields: dict) -> bool:
+    """Whether a config.json reads as a dropless run's (every group of Config, none of HF's identifying fields)."""
+    groups = {field.name for field in dataclasses.fields(Config)}
+    return groups <= fields.keys() and not fields.keys() & {"model_type", "architectures"}
 
 
 def _read_json(path: Path, fix: str):
