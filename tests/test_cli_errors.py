@@ -180,6 +180,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", ""], ["argument --out: an empty path"]),
     (["bench", "step", "--preset", "tiny", "--seconds", "nan"], ["--seconds nan a number of seconds, 0 or more"]),
     (["bench", "step", "--chart", "{f}/garbage.npy"], ["--chart", "is not a JSON record"]),
+    (["bench", "step", "--preset", "tiny", "--compilation-cache", "{f}/ok.npy", *SMALL_OVERRIDES],
+     ["--compilation-cache", "ok.npy is a file, not a directory"]),  # before compiling
     (["bench", "ep", "--devices", "0"], ["--devices 0 must be at least 1"]),
     (["tune-gmm", "--shape", "1024,64,64,0"], ["--shape '1024,64,64,0' must be four positive integers"]),
     (["bench", "plan-accuracy", "--part", "3/2"], ["--part '3/2' is not K/N"]),

@@ -33,7 +33,7 @@ from dropless.core import distributed
 from dropless.core.arguments import ArgumentParser, path_text
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
-from dropless.core.files import atomic_file
+from dropless.core.files import atomic_file, file_in_the_way
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import MAX_WINDOW, check_prompt, context_window, generate
 from dropless.train import checkpoint as ckpt
@@ -199,11 +199,8 @@ def cmd_logits(args) -> int:
     if Path(args.out).exists() and not Path(args.out).is_file():  # /dev/null, a pipe: numpy.save would add .npy
         raise ConfigError(f"--out {args.out} is not a regular file; give the path of the .npy file to write.")
     if not out.parent.is_dir():
-        # The nearest part of the path that exists tells a file standing where a directory should from a path
-        # not made yet ('/' and '.' always exist).
-        existing = next(part for part in out.parents if part.exists())
-        if not existing.is_dir():
-            raise ConfigError(f"--out {args.out}: {existing} is a file, not a directory; give a path inside a "
+        if blocking := file_in_the_way(out.parent):
+            raise ConfigError(f"--out {args.out}: {blocking} is a file, not a directory; give a path inside a "
                               "directory.")
         raise ConfigError(f"--out {args.out}: the directory {out.parent} does not exist; create it or choose "
                           "another path.")

@@ -33,6 +33,7 @@ from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
+from dropless.core.files import file_in_the_way
 from dropless.train import metrics as metrics_lib
 from dropless.train.setup import fit_check
 
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to {max(RUNGS)}, e.g. --rungs 1,4,5.",
               file=sys.stderr)
         return 2
+    if args.compilation_cache and (blocking := file_in_the_way(Path(args.compilation_cache))):
+        # JAX would only warn, once per program, that it cannot write its cache, and compile everything again.
+        raise ConfigError(f"--compilation-cache {args.compilation_cache}: {blocking} is a file, not a directory; give "
+                          "a directory (new or one an earlier run filled).")
     xla_flags.apply()  # before JAX starts a backend
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)

@@ -68,6 +68,15 @@ def refused(err: OSError, path: Path, *temporaries: Path) -> OSError:
     return OSError(err.errno, err.strerror, str(path)) if err.errno is not None else err
 
 
+def file_in_the_way(directory: Path) -> Path | None:
+    """The file (or pipe, or device) standing at `directory` or at the nearest of its parents that exists, which
+    keeps the directory from being used or created; None where it is a directory or can be made. A check made
+    before minutes of work that would otherwise end on the write."""
+    directory = Path(directory)
+    existing = next((part for part in (directory, *directory.parents) if part.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
+
+
 def remove_temporaries(directory: Path) -> None:
     """Delete the temporary files `write_atomic` left in `directory` when killed mid-write (a token cache's can be
     large). Only for a directory no live process writes into: the caller holds its lock."""
