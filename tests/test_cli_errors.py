@@ -187,6 +187,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "plan-accuracy", "--part", "3/2"], ["--part '3/2' is not K/N"]),
     (["bench", "scale", "--devices", "one"], ["--devices 'one' must be comma-separated integers"]),
     (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
+    (["profile", "--preset", "tiny", "--top", "-5", "--out", "{f}/profile1"], ["--top=-5 must be >= 1"]),
+    (["profile", "--preset", "tiny", "--top", "0", "--out", "{f}/profile2"], ["--top=0 must be >= 1"]),
     (["profile", "--preset", "tiny", "--out", "{f}/ok.npy"], ["ok.npy: file exists", "choose another path"]),
     (["profile", "--preset", "tiny", "--out", "{f}/run"], ["--out", "holds a run"]),
 ])

@@ -436,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     xla_flags.apply()  # before JAX starts a backend
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1.")
+    if args.top < 1:  # a negative count would slice the list from its end: all but the last few
+        raise ConfigError(f"--top={args.top} must be >= 1 (the number of costliest instructions to list).")
     config = fit_check(build_config(args.preset, parse_overrides(args.overrides)),
                        log=lambda line: print(line, file=sys.stderr))  # refused as `dropless train` would refuse it
     out = Path(args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
