@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+
+import pytest
 
 from dropless.bench import harness, step
 from dropless.bench import runner as runner_lib
+from dropless.core.config import ConfigError
 from tests.micro_config import micro_config
 
 
-def test_one_step_saves_its_record(tmp_path, capsys):
+def test_one_step_saves_its_record(tmp_path, capsys, monkeypatch):
     out = tmp_path / "one" / "step.json"
     assert step.main(["--preset", "tiny", "--warmup", "1", "--steps", "3", "--seconds", "0", "--record", str(out),
                       "model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]) == 0
@@ -22,9 +27,17 @@ def test_one_step_saves_its_record(tmp_path, capsys):
     assert "step " in printed.out and "compiled" not in printed.out
     assert "dropless: lowered step in" in printed.err and "dropless: compiled step in" in printed.err
     (tmp_path / "file").write_text("")
-    assert step.main(["--preset", "tiny", "--warmup", "0", "--steps", "1", "--seconds", "0", "--record",
-                      str(tmp_path / "file" / "step.json"), "model.num_layers=2", "train.batch_size=8",
-                      "train.seq_len=16"]) == 2
+    argv = ["--preset", "tiny", "--warmup", "0", "--steps", "1", "--seconds", "0", "model.num_layers=2",
+            "train.batch_size=8", "train.seq_len=16"]
+    with pytest.raises(ConfigError, match="file is a file, not a directory"):  # refused before compiling
+        step.main([*argv, "--record", str(tmp_path / "file" / "step.json")])
+    assert "lowered" not in capsys.readouterr().err
+
+    def full_disk(path, payload):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(step, "write_json", full_disk)  # a write that fails after the measurement
+    assert step.main([*argv, "--record", str(tmp_path / "full" / "step.json")]) == 2
     assert "cannot write --record" in capsys.readouterr().err
 
 

@@ -182,6 +182,12 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "step", "--chart", "{f}/garbage.npy"], ["--chart", "is not a JSON record"]),
     (["bench", "step", "--preset", "tiny", "--compilation-cache", "{f}/ok.npy", *SMALL_OVERRIDES],
      ["--compilation-cache", "ok.npy is a file, not a directory"]),  # before compiling
+    (["bench", "step", "--preset", "tiny", "--record", "{f}/adir", *SMALL_OVERRIDES],
+     ["--record", "adir is a directory", "JSON file"]),  # before compiling, as the two below
+    (["bench", "step", "--preset", "tiny", "--record", "{f}/ok.npy/step.json", *SMALL_OVERRIDES],
+     ["--record", "ok.npy is a file, not a directory"]),
+    (["bench", "step", "--preset", "tiny", "--record", "{f}/ok.npy/new/step.json", *SMALL_OVERRIDES],
+     ["--record", "ok.npy is a file, not a directory"]),
     (["bench", "ep", "--devices", "0"], ["--devices 0 must be at least 1"]),
     (["tune-gmm", "--shape", "1024,64,64,0"], ["--shape '1024,64,64,0' must be four positive integers"]),
     (["bench", "plan-accuracy", "--part", "3/2"], ["--part '3/2' is not K/N"]),

@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         # JAX would only warn, once per program, that it cannot write its cache, and compile everything again.
         raise ConfigError(f"--compilation-cache {args.compilation_cache}: {blocking} is a file, not a directory; give "
                           "a directory (new or one an earlier run filled).")
+    if args.record:  # checked now, not after minutes of compiling and timing (a missing folder is created then)
+        if Path(args.record).is_dir():
+            raise ConfigError(f"--record {args.record} is a directory; give the path of the JSON file to write.")
+        if blocking := file_in_the_way(Path(args.record).parent):
+            raise ConfigError(f"--record {args.record}: {blocking} is a file, not a directory; give a path inside a "
+                              "directory.")
     xla_flags.apply()  # before JAX starts a backend
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
