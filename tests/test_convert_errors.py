@@ -96,10 +96,13 @@ def test_export_skips_a_checkpoint_whose_index_is_damaged(trained, tmp_path, cap
     item = run / "checkpoints" / "4" / "model"
     for path in (item.glob("**/manifest.ocdbt") if index == "manifest" else [item / "_METADATA"]):
         path.write_bytes(path.read_bytes()[:20])
-    status, lines = _cli(capsys, "convert", "--from", str(run), "--to-hf", str(tmp_path / "hf"))
+    status = cli.main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "hf")])
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
     assert status == 0 and len(lines) == 1, lines
     assert lines[0].startswith("dropless: warning: checkpoint 4 in ") and "cannot be read" in lines[0], lines
     assert lines[0].endswith("exported checkpoint 2 instead."), lines
+    assert captured.out == f"dropless: exported checkpoint 2 of {run} to Hugging Face format in {tmp_path / 'hf'}\n"
     _, params, _ = ckpt.load_model(run, step=2)
     with CheckpointReader(tmp_path / "hf") as reader:
         np.testing.assert_array_equal(reader.read("model.embed_tokens.weight"), np.asarray(params["embed"]))

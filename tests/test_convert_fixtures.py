@@ -50,7 +50,8 @@ def test_logits_match_transformers_and_round_trip_is_exact(name, tmp_path):
     from_run = _logits_cli(tmp_path, ["--run-dir", str(run)], tokens)
     np.testing.assert_array_equal(from_run, from_hf)  # the run directory holds exactly the same weights
 
-    exported = convert_to_hf(run, tmp_path / "exported")
+    exported = tmp_path / "exported"
+    assert convert_to_hf(run, exported) == 0  # the import's one checkpoint
     source, back = CheckpointReader(fixture), CheckpointReader(exported)
     assert sorted(back.tensors) == sorted(source.tensors)
     for tensor in source.tensors:

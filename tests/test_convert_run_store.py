@@ -76,7 +76,8 @@ def test_a_run_trained_here_exports_and_reimports_exactly(tmp_path, overrides):
     ckpt.save_model(tmp_path / "run", config, params, state, step=7)
     (tmp_path / "run" / "tokenizer.json").write_text("{}")
     assert RunReader(tmp_path / "run").step == 7
-    exported = convert_to_hf(tmp_path / "run", tmp_path / "hf")
+    exported = tmp_path / "hf"
+    assert convert_to_hf(tmp_path / "run", exported) == 7
     assert not (tmp_path / "run" / HF_SOURCE).exists() and (exported / "tokenizer.json").is_file()
     assert json.loads((exported / "config.json").read_text())["torch_dtype"] == "float32"
     loaded_config, loaded_params, loaded_state = load_hf(exported)
@@ -99,7 +100,8 @@ def test_a_router_s_running_input_mean_is_folded_into_its_weight_on_export(tmp_p
     params, state = _random_model(config, seed=5)
     assert state["router_common"].shape == (transformer.num_router_rows(config.model), 32)
     ckpt.save_model(tmp_path / "run", config, params, state, step=3)
-    loaded_config, loaded_params, loaded_state = load_hf(convert_to_hf(tmp_path / "run", tmp_path / "hf"))
+    convert_to_hf(tmp_path / "run", tmp_path / "hf")
+    loaded_config, loaded_params, loaded_state = load_hf(tmp_path / "hf")
     assert loaded_config.moe.router_common_rate == 0.0 and set(loaded_state) == {"router_bias"}
     np.testing.assert_array_equal(loaded_state["router_bias"], state["router_bias"])
     tokens = np.random.default_rng(0).integers(0, 96, size=(2, 12))

@@ -116,7 +116,8 @@ def test_fp8_checkpoint_imports_dequantized_and_exports_as_bfloat16(tmp_path):
     assert_trees_equal((params, state), (ref_params, ref_state))
 
     convert_from_hf(fp8, tmp_path / "run")
-    exported = convert_to_hf(tmp_path / "run", tmp_path / "exported")
+    exported = tmp_path / "exported"
+    convert_to_hf(tmp_path / "run", exported)
     assert_same_tensors(exported, reference)  # bfloat16 where FP8 was, nothing else changed, no scales
     config = json.loads((exported / "config.json").read_text())
     assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"  # most tensors are
@@ -164,7 +165,8 @@ def test_rope_interleave_false_checkpoints_load_to_the_same_model(tmp_path):
     assert_trees_equal((params, state), (ref_params, ref_state))
 
     convert_from_hf(half, tmp_path / "run")
-    exported = convert_to_hf(tmp_path / "run", tmp_path / "exported")
+    exported = tmp_path / "exported"
+    convert_to_hf(tmp_path / "run", exported)
     assert_same_tensors(exported, half)
     assert json.loads((exported / "config.json").read_text())["rope_interleave"] is False
 
@@ -175,10 +177,12 @@ def test_bfloat16_checkpoint_round_trips_byte_identical(tmp_path):
 
     source = rewrite(FIXTURES / "deepseek_v3", tmp_path / "bf16", to_bf16, {"torch_dtype": "bfloat16"})
     convert_from_hf(source, tmp_path / "run")
-    exported = convert_to_hf(tmp_path / "run", tmp_path / "exported")
+    exported = tmp_path / "exported"
+    convert_to_hf(tmp_path / "run", exported)
     assert_same_tensors(exported, source)
     assert json.loads((exported / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    cast = convert_to_hf(tmp_path / "run", tmp_path / "as_f16", dtype="float16")
+    cast = tmp_path / "as_f16"
+    convert_to_hf(tmp_path / "run", cast, dtype="float16")
     reader = CheckpointReader(cast)
     assert {reader.tensors[n].dtype for n in reader.tensors if "correction" not in n} == {"F16"}
 
@@ -247,7 +251,8 @@ def test_multi_shard_import_streams_with_memory_bounded_by_the_largest_tensor(tm
 
     _, params, state = ckpt.load_model(tmp_path / "run")
     assert_trees_equal((params, state), load_hf(source)[1:])
-    exported = convert_to_hf(tmp_path / "run", tmp_path / "exported", max_shard_bytes=1_000_000)
+    exported = tmp_path / "exported"
+    convert_to_hf(tmp_path / "run", exported, max_shard_bytes=1_000_000)
     assert len(list(exported.glob("*.safetensors"))) >= total // 1_000_000
     index = json.loads((exported / INDEX_NAME).read_text())
     assert index["metadata"]["total_size"] == total and set(index["weight_map"]) == set(CheckpointReader(source).tensors)

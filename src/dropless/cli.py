@@ -226,8 +226,8 @@ def cmd_convert(args) -> int:
         convert.convert_from_hf(Path(args.from_hf), Path(args.to))
         print(f"dropless: imported {args.from_hf} into run directory {args.to}")
     elif args.from_run and args.to_hf:
-        convert.convert_to_hf(Path(args.from_run), Path(args.to_hf))
-        print(f"dropless: exported {args.from_run} to Hugging Face format in {args.to_hf}")
+        step = convert.convert_to_hf(Path(args.from_run), Path(args.to_hf))
+        print(f"dropless: exported checkpoint {step} of {args.from_run} to Hugging Face format in {args.to_hf}")
     else:
         raise ConfigError("convert needs either --from-hf HF_DIR --to RUN_DIR or --from RUN_DIR --to-hf HF_DIR.")
     return 0

@@ -1,7 +1,7 @@
 """Hugging Face interchange: DeepSeek-V3, Mixtral and Qwen3-MoE checkpoints in and out, streamed tensor by tensor.
 
     convert_from_hf(hf_dir, run_dir) -> Config             HF directory -> new run directory
-    convert_to_hf(run_dir, hf_dir, dtype=None) -> Path     run directory -> HF directory (sharded safetensors)
+    convert_to_hf(run_dir, hf_dir, dtype=None) -> step     run directory -> HF directory (sharded safetensors)
     load_hf(hf_dir) -> (Config, params, state)             HF directory -> in-memory model (no run directory)
     compute_logits(config, params, state, tokens_BS)       float32 logits [B, S, V], computed in float32
 """

@@ -206,8 +206,9 @@ def _read_source(run_dir: Path) -> tuple[dict | None, dict[str, str]]:
 
 
 def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step: int | None = None,
-                  max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Export a run directory's checkpoint (latest good step unless `step`) as an HF model directory.
+                  max_shard_bytes: int = 5 * 2**30) -> int:
+    """Export a run directory's checkpoint (latest good step unless `step`) as an HF model directory; returns the
+    step exported.
 
     `dtype` ("float32", "bfloat16", "float16") casts every weight; None keeps each tensor's dtype from the
     import this run came from, or float32 (lossless) for a run trained from scratch. Streams slab by slab,
@@ -252,14 +253,14 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
 
     if step is not None:
         export(step)
-        return hf_dir
+        return step
     steps = ckpt.all_steps(run_dir)
     if not steps:
         raise ckpt.CheckpointError(f"{run_dir} has no finished checkpoint; train or import into it first.")
     exported, _, damaged = ckpt.newest_good(run_dir, steps, export, ckpt.READ_FIX)
     for _, message in damaged:
         warnings.warn(f"{message}; exported checkpoint {exported} instead.", ckpt.CheckpointWarning)
-    return hf_dir
+    return exported
 
 
 def _export_tensors(reader: RunReader, slabs: list[Slab], shapes: dict, entries: list,
