@@ -204,6 +204,26 @@ def test_broken_input_gives_one_line(capsys, files, argv, fragments):
     assert "dropless dropless" not in stderr
 
 
+def measured(*args, **kwargs):
+    raise AssertionError("measured: the output path was not checked first")
+
+
+# The output each command writes only after minutes of compiling and timing, refused before anything is measured:
+# the measuring function fails the test if it is called.
+@pytest.mark.parametrize("argv, measuring, fragments", [
+    (["bench", "step", "--preset", "tiny", "--record", "{f}/adir", *SMALL_OVERRIDES], "step.compile_variants",
+     ["--record", "adir is a directory", "JSON file"]),
+    (["bench", "step", "--preset", "tiny", "--ladder", "--out", "{f}/ok.npy"], "step.run_ladder",
+     ["--out", "ok.npy is a file, not a directory", "a directory, new or existing"]),
+    (["bench", "step", "--preset", "tiny", "--ladder", "--out", "{f}/ladder2", "--traces", "{f}/ok.npy/traces"],
+     "step.run_ladder", ["--traces", "ok.npy is a file, not a directory"]),
+])
+def test_an_unusable_output_is_refused_before_measuring(capsys, files, monkeypatch, argv, measuring, fragments):
+    monkeypatch.setattr(f"dropless.bench.{measuring}", measured)
+    status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))
+    assert_one_line(status, stderr, *fragments)
+
+
 def test_a_prompt_longer_than_the_context_window_is_named_before_the_model_loads(capsys, files):
     """The run has no checkpoint, so the load fails after the note: the note comes first, from the saved config."""
     status, stderr = run_main(capsys, "generate", "--run-dir", str(files / "run"), "--prompt", "return x\n" * 40)

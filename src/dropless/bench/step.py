@@ -31,9 +31,8 @@ from dropless.bench.ladder import RUNGS, run_ladder
 from dropless.bench.records import environment, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError, build_config, parse_overrides
-from dropless.core.files import file_in_the_way
 from dropless.train import metrics as metrics_lib
 from dropless.train.setup import fit_check
 
@@ -90,16 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to {max(RUNGS)}, e.g. --rungs 1,4,5.",
               file=sys.stderr)
         return 2
-    if args.compilation_cache and (blocking := file_in_the_way(Path(args.compilation_cache))):
-        # JAX would only warn, once per program, that it cannot write its cache, and compile everything again.
-        raise ConfigError(f"--compilation-cache {args.compilation_cache}: {blocking} is a file, not a directory; give "
-                          "a directory (new or one an earlier run filled).")
+    if args.compilation_cache:  # JAX would only warn, once per program, that it cannot write there
+        check_output("--compilation-cache", args.compilation_cache, directory=True)
     if args.record:  # checked now, not after minutes of compiling and timing (a missing folder is created then)
-        if Path(args.record).is_dir():
-            raise ConfigError(f"--record {args.record} is a directory; give the path of the JSON file to write.")
-        if blocking := file_in_the_way(Path(args.record).parent):
-            raise ConfigError(f"--record {args.record}: {blocking} is a file, not a directory; give a path inside a "
-                              "directory.")
+        check_output("--record", args.record)
+    if args.ladder:
+        check_output("--out", args.out, directory=True)
+    if args.traces:
+        check_output("--traces", args.traces, directory=True)
     xla_flags.apply()  # before JAX starts a backend
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)

@@ -1,8 +1,13 @@
-"""The command-line parser every `dropless` command uses: argparse, with its errors on one line."""
+"""The command-line parser every `dropless` command uses: argparse, with its errors on one line; and the check of
+an output path that a command writes only after minutes of work."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from dropless.core.config import ConfigError
+from dropless.core.files import file_in_the_way
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -19,3 +24,18 @@ def path_text(value: str) -> str:
     if not value.strip():
         raise argparse.ArgumentTypeError("an empty path; give a file or directory name")
     return value
+
+
+def check_output(flag: str, path: str | Path, *, directory: bool = False, kind: str = "JSON") -> Path:
+    """`path`, given as `flag`, as a Path, or a ConfigError naming what stands in its way: a directory where the
+    `kind` file goes, a file where the directory goes (with `directory`), or a file in place of any folder above
+    it. A folder not made yet passes: the benchmarks' writers create theirs. Called before anything is compiled or
+    timed, so that a mistyped path costs a second, not the measurement the write comes after."""
+    path = Path(path)
+    if not directory and path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give the path of the {kind} file to write.")
+    if blocking := file_in_the_way(path if directory else path.parent):
+        raise ConfigError(f"{flag} {path}: {blocking} is a file, not a directory; give a path "
+                          + ("to a directory, new or existing." if directory else "inside a directory."))
+    return path
+
