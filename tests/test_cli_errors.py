@@ -83,6 +83,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     np.save(root / "zero.npy", np.zeros((0, 8), np.int32))
     np.save(root / "ok.npy", np.ones((1, 4), np.int32))
     (root / "adir").mkdir()
+    (root / "chart.png").mkdir()  # where bench gmm --out chart.json draws its chart
     return root
 
 
@@ -217,11 +218,40 @@ def measured(*args, **kwargs):
      ["--out", "ok.npy is a file, not a directory", "a directory, new or existing"]),
     (["bench", "step", "--preset", "tiny", "--ladder", "--out", "{f}/ladder2", "--traces", "{f}/ok.npy/traces"],
      "step.run_ladder", ["--traces", "ok.npy is a file, not a directory"]),
+    (["bench", "gmm", "--shapes", "tiny", "--out", "{f}/adir"], "gmm.bench_shape",
+     ["--out", "adir is a directory", "JSON file"]),
+    (["bench", "gmm", "--shapes", "tiny", "--out", "{f}/ok.npy/gmm-{device}.json"], "gmm.bench_shape",
+     ["--out", "ok.npy/gmm-cpu.json: ", "ok.npy is a file, not a directory", "inside a directory"]),
+    (["bench", "gmm", "--shapes", "tiny", "--out", "{f}/chart.json"], "gmm.bench_shape",
+     ["--chart", "chart.png is a directory", "PNG file"]),  # the chart's default path: beside --out
+    (["bench", "gmm", "--shapes", "tiny", "--out", "{f}/gmm/g.json", "--chart", "{f}/ok.npy/g.png"],
+     "gmm.bench_shape", ["--chart", "ok.npy is a file, not a directory"]),
+    (["bench", "scale", "--preset", "tiny", "--devices", "1,2", "--out", "{f}/adir"], "scale.compile_variants",
+     ["--out", "adir is a directory"]),
+    (["bench", "scale", "--preset", "tiny", "--devices", "1,2", "--out", "{f}/ok.npy/new/scale.json"],
+     "scale.compile_variants", ["--out", "ok.npy is a file, not a directory"]),
+    (["bench", "ep", "--preset", "tiny", "--out", "{f}/adir"], "ep.measure", ["--out", "adir is a directory"]),
+    (["bench", "ep", "--preset", "tiny", "--out", "{f}/ep.json", "--traces", "{f}/ok.npy"], "ep.measure",
+     ["--traces", "ok.npy is a file, not a directory"]),
 ])
 def test_an_unusable_output_is_refused_before_measuring(capsys, files, monkeypatch, argv, measuring, fragments):
     monkeypatch.setattr(f"dropless.bench.{measuring}", measured)
     status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))
     assert_one_line(status, stderr, *fragments)
+
+
+@pytest.mark.parametrize("argv, measuring", [
+    (["bench", "gmm", "--shapes", "tiny", "--out", "{f}/new1/gmm-{device}.json", "--chart", "{f}/new2/g.png"],
+     "gmm.bench_shape"),
+    (["bench", "scale", "--preset", "tiny", "--devices", "1,2", "--out", "{f}/new3/scale.json"],
+     "scale.compile_variants"),
+    (["bench", "ep", "--preset", "tiny", "--out", "{f}/new4/ep.json", "--traces", "{f}/new5"], "ep.measure"),
+])
+def test_an_output_folder_not_made_yet_is_no_reason_to_refuse(files, monkeypatch, argv, measuring):
+    """The benchmarks create the folders they write into: a new one passes the check and the measurement starts."""
+    monkeypatch.setattr(f"dropless.bench.{measuring}", measured)
+    with pytest.raises(AssertionError, match="measured"):
+        cli.main([a.replace("{f}", str(files)) for a in argv])
 
 
 def test_a_prompt_longer_than_the_context_window_is_named_before_the_model_loads(capsys, files):

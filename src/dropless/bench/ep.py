@@ -36,7 +36,7 @@ from dropless.bench import pgle, profile, report
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError, ParallelConfig, build_config, parse_overrides
 from dropless.core.mesh import batch_sharding, make_mesh
 from dropless.core.xla_flags import SCHEDULING_CANDIDATES
@@ -298,6 +298,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.traces:
+        check_output("--traces", args.traces, directory=True)
     xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag
     if args.devices < 1:
         raise ConfigError(f"--devices {args.devices} must be at least 1.")
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     if not xla or (unknown := [x for x in xla if x not in ("none", "pgle", *xla_flags.SCHEDULING_CANDIDATES)]):
         raise ConfigError(f"--xla {args.xla!r}: choose from none, pgle, {', '.join(xla_flags.SCHEDULING_CANDIDATES)}.")
     config = build_config(args.preset, parse_overrides(args.overrides))
-    out = results_path(args.out, devices[0].device_kind)
+    out = results_path(args.out, devices[0].device_kind)  # checked before measuring
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,
                       profile_iters=args.profile_iters, chunks=chunks, xla=xla,
                       traces=Path(args.traces) if args.traces else None)

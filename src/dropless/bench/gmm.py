@@ -30,7 +30,7 @@ from dropless.bench import expert_stage, report
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError
 from dropless.gmm import tuning as gmm_tuning
 from dropless.gmm.capacity import CapacityGmm
@@ -367,7 +367,9 @@ def _check_and_time(rec: dict, shape: ShapeSpec, sizes: np.ndarray, programs, ch
 
 
 def write_chart(records: list[dict], path: Path, skew: str = "dirichlet") -> None:
-    """Bar chart: fwd+bwd TFLOP/s per shape and path at one skew (`dropless.bench.report.gmm_chart`)."""
+    """Bar chart: fwd+bwd TFLOP/s per shape and path at one skew (`dropless.bench.report.gmm_chart`), its folder
+    created as write_json creates the results'."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     report.gmm_chart(records, path, BACKENDS, skew)
 
 
@@ -408,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         raise ConfigError(f"--batches {args.batches} must be at least 1: the timed batches whose median is kept.")
     xla_flags.apply()  # before JAX starts a backend
-    out = results_path(args.out, jax.devices()[0].device_kind)
+    out = results_path(args.out, jax.devices()[0].device_kind)  # checked, as the chart's path, before measuring
+    chart = check_output("--chart", args.chart or out.with_suffix(".png"), kind="PNG")
     records: list[dict] = []
     for name in shapes:
         records += bench_shape(SHAPES[name], args.skews.split(","), args.backends.split(","),
@@ -420,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(out, records)
     gemms = [r for r in records if not r["shape"].startswith("stage:")]
     if gemms:
-        write_chart(gemms, Path(args.chart) if args.chart else out.with_suffix(".png"))
+        write_chart(gemms, chart)
     if args.table:
         print(markdown_table(gemms, args.skews.split(",")))
         if stages:

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import jax
 
+from dropless.core.arguments import check_output
+
 
 def environment() -> dict[str, Any]:
     """The device, software and commit a measurement was taken with."""
@@ -48,9 +50,10 @@ def device_slug(device_kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", "-".join(words)).strip("-") or "cpu"
 
 
-def results_path(template: str, device_kind: str) -> Path:
-    """`template` with `{device}` filled in by the device's slug; its directory is created."""
-    path = Path(template.format(device=device_slug(device_kind)))
+def results_path(template: str, device_kind: str, flag: str = "--out") -> Path:
+    """`template` with `{device}` filled in by the device's slug, checked as `flag` (`check_output`); its directory
+    is created."""
+    path = check_output(flag, template.format(device=device_slug(device_kind)))
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

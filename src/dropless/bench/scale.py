@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("weak scaling is measured against one device; include 1 in --devices.")
     config = build_config(args.preset, parse_overrides(args.overrides))
     env = environment()
+    out = results_path(args.out, env["device"])  # before compiling: the record is written at the end
     say = lambda message: print(message, flush=True)
     if skipped:
         say(f"dropless: skipping {skipped} devices: only {jax.device_count()} present")
@@ -130,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         records[key] = runner.run(program)
         say(f"{key:32s} {records[key]['status']}" + (f" {records[key]['step_ms']:.1f} ms" if records[key].get("step_ms") else ""))
     rows = scaling_records(records)
-    out = results_path(args.out, env["device"])
     write_json(out, {"preset": args.preset, "per_device_batch": config.train.batch_size,
                      "seq_len": config.train.seq_len, "overrides": args.overrides,
                      "devices_skipped": skipped, "environment": env, "records": rows, "raw": records})
