@@ -233,6 +233,19 @@ def measured(*args, **kwargs):
     (["bench", "ep", "--preset", "tiny", "--out", "{f}/adir"], "ep.measure", ["--out", "adir is a directory"]),
     (["bench", "ep", "--preset", "tiny", "--out", "{f}/ep.json", "--traces", "{f}/ok.npy"], "ep.measure",
      ["--traces", "ok.npy is a file, not a directory"]),
+    (["bench", "rates", "--size", "small", "--out", "{f}/adir"], "rates.measure", ["--out", "adir is a directory"]),
+    (["bench", "rates", "--size", "small", "--out", "{f}/ok.npy/rates.json"], "rates.measure",
+     ["--out", "ok.npy is a file, not a directory"]),
+    (["tune-gmm", "--shape", "1024,64,64,4", "--out", "{f}/adir"], "tune_gmm.tune_shape",
+     ["--out", "adir is a directory"]),  # before the GPU is looked for, as the one below
+    (["tune-gmm", "--shape", "1024,64,64,4", "--out", "{f}/t.json", "--log", "{f}/ok.npy/log.json"],
+     "tune_gmm.tune_shape", ["--log", "ok.npy is a file, not a directory"]),
+    (["bench", "plan-accuracy", "--set", "tiny", "--out", "{f}/adir"], "plan_accuracy.run",
+     ["--out", "adir is a directory"]),
+    (["bench", "plan-accuracy", "--set", "tiny", "--out", "{f}/ok.npy/pa.json"], "plan_accuracy.run",
+     ["--out", "ok.npy is a file, not a directory"]),
+    (["plan", "--preset", "tiny", "--compiled", "--json", "{f}/adir"], "plan.make_plan",
+     ["--json", "adir is a directory"]),
 ])
 def test_an_unusable_output_is_refused_before_measuring(capsys, files, monkeypatch, argv, measuring, fragments):
     monkeypatch.setattr(f"dropless.bench.{measuring}", measured)
@@ -246,6 +259,9 @@ def test_an_unusable_output_is_refused_before_measuring(capsys, files, monkeypat
     (["bench", "scale", "--preset", "tiny", "--devices", "1,2", "--out", "{f}/new3/scale.json"],
      "scale.compile_variants"),
     (["bench", "ep", "--preset", "tiny", "--out", "{f}/new4/ep.json", "--traces", "{f}/new5"], "ep.measure"),
+    (["bench", "rates", "--size", "small", "--out", "{f}/new6/rates.json"], "rates.measure"),
+    (["bench", "plan-accuracy", "--set", "tiny", "--out", "{f}/new7/pa.json"], "plan_accuracy.run"),
+    (["plan", "--preset", "tiny", "--json", "{f}/new8/plan.json"], "plan.make_plan"),
 ])
 def test_an_output_folder_not_made_yet_is_no_reason_to_refuse(files, monkeypatch, argv, measuring):
     """The benchmarks create the folders they write into: a new one passes the check and the measurement starts."""

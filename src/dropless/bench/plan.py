@@ -18,7 +18,7 @@ import math
 from dropless.bench import harness
 from dropless.bench.records import write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.plan import Cluster, format_plan, make_plan, search
 from dropless.plan.cost import load_rates
@@ -99,6 +99,8 @@ def compiled_memory(config, devices: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.json:  # written last, after the search and the compile (--compiled)
+        check_output("--json", args.json)
     config = build_config(args.preset, parse_overrides(args.overrides))
     cluster = cluster_from_args(args)
     check_memory_flag(args.device_memory_gib)

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError, build_config, parse_overrides
 
 GIB = 1024**3
@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(run_one(json.loads(args.worker), args.cache, args.warmup, args.steps, args.seconds)))
         return 0
+    if args.out:  # the record is written once every configuration has run
+        check_output("--out", args.out)
     record = run(args.set, args.out, warmup=args.warmup, steps=args.steps, seconds=args.seconds,
                  budget=args.budget, device=args.device, part=args.part)
     print(markdown_table(record))

@@ -23,7 +23,7 @@ import numpy as np
 from dropless.bench import harness
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import MoEConfig
 from dropless.gmm.registry import make_gmm
 from dropless.plan.cost import load_rates, rate_key
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", help="the entry's key (default: the device kind without spaces, e.g. NVIDIA_H200)")
     parser.add_argument("--size", choices=tuple(SIZES), default="full", help="shapes: full (GPU) or small (CPU)")
     args = parser.parse_args(argv)
+    if args.out:  # checked before the minutes of measuring, not at the write after them
+        check_output("--out", args.out)
     xla_flags.apply()
     start = time.perf_counter()
     entry = measure(args.size)

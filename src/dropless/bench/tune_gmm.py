@@ -29,7 +29,7 @@ from dropless.bench.gmm import SHAPES, SKEWS, checked_groups, group_sizes
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls, watchdog
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError, load_preset
 from dropless.gmm import tuning as gt
 from dropless.gmm.dropless_mosaic import ragged_contract, ragged_rows
@@ -303,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     for flag, chosen, allowed in (("--products", products, gt.PRODUCTS), ("--kernels", kernels, gt.KERNELS)):
         if not chosen:
             raise ConfigError(f"{flag} must be a comma-separated subset of {', '.join(allowed)}.")
+    if args.out:  # the table and the log are written after each shape's minutes of trials
+        check_output("--out", args.out)
+    if args.log:
+        check_output("--log", args.log)
     xla_flags.apply()  # before JAX starts a backend
     env = environment()
     if env["platform"] != "gpu":
