@@ -196,7 +196,6 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
     (["profile", "--preset", "tiny", "--top", "-5", "--out", "{f}/profile1"], ["--top=-5 must be >= 1"]),
     (["profile", "--preset", "tiny", "--top", "0", "--out", "{f}/profile2"], ["--top=0 must be >= 1"]),
-    (["profile", "--preset", "tiny", "--out", "{f}/ok.npy"], ["ok.npy: file exists", "choose another path"]),
     (["profile", "--preset", "tiny", "--out", "{f}/run"], ["--out", "holds a run"]),
 ])
 def test_broken_input_gives_one_line(capsys, files, argv, fragments):
@@ -246,6 +245,10 @@ def measured(*args, **kwargs):
      ["--out", "ok.npy is a file, not a directory"]),
     (["plan", "--preset", "tiny", "--compiled", "--json", "{f}/adir"], "plan.make_plan",
      ["--json", "adir is a directory"]),
+    (["profile", "--preset", "tiny", "--out", "{f}/ok.npy"], "harness.build",
+     ["--out", "ok.npy is a file, not a directory", "a directory, new or existing"]),
+    (["profile", "--preset", "tiny", "--out", "{f}/ok.npy/new"], "harness.build",
+     ["--out", "ok.npy/new: ", "ok.npy is a file, not a directory"]),
 ])
 def test_an_unusable_output_is_refused_before_measuring(capsys, files, monkeypatch, argv, measuring, fragments):
     monkeypatch.setattr(f"dropless.bench.{measuring}", measured)

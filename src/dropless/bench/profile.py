@@ -41,7 +41,7 @@ import jax
 from dropless.bench import harness
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train.setup import fit_check
 
@@ -440,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--top={args.top} must be >= 1 (the number of costliest instructions to list).")
     config = fit_check(build_config(args.preset, parse_overrides(args.overrides)),
                        log=lambda line: print(line, file=sys.stderr))  # refused as `dropless train` would refuse it
-    out = Path(args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    out = check_output("--out", args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}",
+                       directory=True)
     if (out / "config.json").exists():
         raise ConfigError(f"--out {out} holds a run; give the profile a directory of its own.")
     out.mkdir(parents=True, exist_ok=True)  # a path that cannot be written fails now, not after the steps
