@@ -113,9 +113,11 @@ def test_router_variants_are_changes_to_deepseek_v3s_router_settings():
     assert (dsv3.bias_update_rate, dsv3.router_common_rate, dsv3.router_common_source) == (0.001, 0.0, "running")
     common = proxy.replace(**router_balance.variant_overrides("common-0.3", proxy)).moe
     assert (common.bias_update_rate, common.router_common_rate, common.router_common_source) == (0.001, 0.3, "running")
-    # The variant that the proxy preset adopted is the preset itself.
+    # The variants that the proxy and tiny presets adopted are the presets themselves.
     adopted = proxy.replace(**router_balance.variant_overrides("other-0.3-bias-1e-2", proxy))
     assert adopted.moe == proxy.moe
+    tiny = load_preset("tiny")
+    assert tiny.replace(**router_balance.variant_overrides("common-0.3-bias-3e-2-proportional", tiny)).moe == tiny.moe
     for name in router_balance.VARIANTS:  # each variant's overrides are valid config keys
         proxy.replace(**router_balance.variant_overrides(name, proxy))
 
