@@ -58,9 +58,9 @@ def test_accumulated_gradients_equal_the_whole_batch(count, batch_and_state):
     np.testing.assert_allclose(np.asarray(aux["moe"].max_load_ratio), np.asarray(want_aux["moe"].max_load_ratio), rtol=1e-6)
     # The router's moments add too: the token shares are the whole batch's, not a mean of the microbatches'.
     np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_routed), np.asarray(want_aux["moe"].tokens_routed))
-    for name in ("score_moments", "logit_moments"):
+    for name in ("score_moments", "logit_moments", "logit_gram", "input_moments"):
         np.testing.assert_allclose(np.asarray(getattr(aux["moe"], name)), np.asarray(getattr(want_aux["moe"], name)),
-                                   rtol=1e-4, atol=1e-4)
+                                   rtol=1e-4, atol=1e-4, err_msg=name)
     assert int(jnp.sum(aux["moe"].tokens_dropped)) == 0
     # Evaluation splits the same way and gives the same mean.
     evaluated = jax.jit(make_eval_step(config))(params, state, batch)
