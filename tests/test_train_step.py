@@ -132,13 +132,20 @@ def test_the_training_step_moves_the_bias_by_moe_bias_update_rule(batch_and_stat
         config = CONFIG.replace(**{"moe.bias_update_rate": 0.1, "moe.bias_update_rule": rule})
         optimizer = make_optimizer(config.train)
         start = init_train_state(jax.random.key(0), config, optimizer, params, state)
-        stepped, _ = jax.jit(make_train_step(config, optimizer))(start, batch)
+        train_step = jax.jit(make_train_step(config, optimizer))
+        stepped, metrics = train_step(start, batch)
         (_, (_, aux)), _ = jax.jit(lambda p: accumulated_value_and_grad(p, start.model_state, batch, config))(params)
         load = np.asarray(aux["moe"].tokens_per_expert, np.float64)
         mean = load.mean(axis=1, keepdims=True)
         expected[rule] = np.sign(mean - load) if rule == "sign" else np.clip((mean - load) / mean, -1, 1)
         np.testing.assert_allclose(np.asarray(stepped.model_state["router_bias"]) - np.asarray(state["router_bias"]),
                                    0.1 * expected[rule], atol=1e-6)
+        np.testing.assert_array_equal(metrics["router_bias"], stepped.model_state["router_bias"])  # after the update
+    # A non-finite step (the output head poisoned: the routing before it stays finite) moves no bias either.
+    poisoned = start._replace(params={**start.params, "lm_head": start.params["lm_head"].at[0, 0].set(jnp.nan)})
+    skipped, metrics = train_step(poisoned, batch)
+    assert int(metrics["nonfinite"]) == 1
+    np.testing.assert_array_equal(skipped.model_state["router_bias"], poisoned.model_state["router_bias"])
     assert np.abs(expected["sign"] - expected["proportional"]).max() > 0.1  # the two rules told apart
 
 
