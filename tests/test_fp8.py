@@ -267,11 +267,14 @@ def test_dense_kernel_writes_the_output_dtype_in_the_gpu_interpreter(mode):
     x, w, dy = _dense_case(t=64, k=256, n=256)
     # Magnitudes spread over every axis by powers of two (exact): each row or column scale the kernels take (x's
     # rows, W's rows and columns, the transposed copies' rows: x's and dy's columns) differs from its neighbours,
-    # so a scale applied to the wrong row or column is far outside float32 rounding.
+    # so a scale applied to the wrong row or column is far outside float32 rounding; a factor per 128-wide tile
+    # and per 128 x 128 block does the same for blockwise's tile and block scales (W's are [2, 2]: transposed, the
+    # off-diagonal blocks swap).
     rng = np.random.default_rng(7)
     spread = lambda shape: 2.0 ** rng.integers(-5, 6, size=shape)
-    x, dy = x * spread((1, 256)), dy * spread((1, 256))
-    w = w * spread((256, 1)) * spread((1, 256))
+    tiles = np.repeat(2.0 ** np.asarray([[0, 3]]), 128, axis=1)
+    x, dy = x * spread((1, 256)) * tiles, dy * spread((1, 256)) * tiles[:, ::-1]
+    w = w * spread((256, 1)) * spread((1, 256)) * np.kron(2.0 ** np.asarray([[0, 4], [-4, 2]]), np.ones((128, 128)))
     x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))  # exact in bf16 and float32
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         native = Recipe(mode, native=True)
