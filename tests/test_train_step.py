@@ -62,6 +62,14 @@ def test_accumulated_gradients_equal_the_whole_batch(count, batch_and_state):
         np.testing.assert_allclose(np.asarray(getattr(aux["moe"], name)), np.asarray(getattr(want_aux["moe"], name)),
                                    rtol=1e-4, atol=1e-4, err_msg=name)
     assert int(jnp.sum(aux["moe"].tokens_dropped)) == 0
+    # Losses that are means over tokens or sequences average over equal microbatches to the whole batch's: the
+    # layers' z-loss and per-sequence balance loss, and the step's balance loss (the metrics report it).
+    for name in ("z_loss", "seq_aux_loss"):
+        want = np.asarray(getattr(want_aux["moe"], name))
+        assert np.all(want > 0), name
+        np.testing.assert_allclose(np.asarray(getattr(aux["moe"], name)), want, rtol=1e-5, err_msg=name)
+    assert float(want_aux["balance_loss"]) > 0
+    assert float(aux["balance_loss"]) == pytest.approx(float(want_aux["balance_loss"]), rel=1e-5)
     # Evaluation splits the same way and gives the same mean.
     evaluated = jax.jit(make_eval_step(config))(params, state, batch)
     assert float(evaluated) == pytest.approx(float(want_cross_entropy), rel=1e-6)
