@@ -75,6 +75,13 @@ def test_quantizer_at_the_range_limits_and_with_non_finite_values():
     assert float(q.scales[2, 0]) == 1.0
     assert np.all(np.isnan(deq[4])) and np.all(np.isnan(deq[5]))  # inf / NaN reach the product
     np.testing.assert_array_equal(np.asarray(power_of_two_scale(jnp.asarray([448.0, 449.0, 224.0]))), [1, 2, 0.5])
+    # Blocks of the smallest normal magnitudes take the floor 2^-126, as in the reference.
+    tiny = np.asarray([[1.5e-38, -1.2e-38, 0.0, 0.0], [1.2e-38, 0.0, 0.0, 0.0]], np.float32)
+    q = jit_quantize(jnp.asarray(tiny), (1, None))
+    want_values, want_scales = ref.quantize(tiny, (1, None))
+    np.testing.assert_array_equal(np.asarray(q.scales), want_scales)
+    assert np.all(want_scales == 2.0 ** -126)
+    np.testing.assert_array_equal(np.asarray(q.values.astype(jnp.float32)), want_values)
 
 
 def _dense_case(seed=0, t=200, k=256, n=384):
