@@ -120,7 +120,7 @@ def caches_weights(train) -> bool:
     """Whether a training step (its `TrainConfig`) makes the weights' copies once for its microbatches
     (`weight_cache`): under train.fp8 blockwise or rowwise (mxfp8's dense products quantize inside
     jax.nn.scaled_dot_general) with several microbatches, unless train.fp8_cache_weights is off."""
-    return train.fp8 in COPY_MODES and train.grad_accum_steps > 1 and train.fp8_cache_weights
+    return train.fp8 in COPY_MODES and train.fp8_cache_weights
 
 
 def _leaf_name(path) -> str | None:
