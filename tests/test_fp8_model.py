@@ -177,12 +177,13 @@ GQA_MTP = {"model.attention": "gqa", "model.mtp_layers": 1, "model.layer_pattern
 # MoE one. The first compiles and runs two whole training steps and compares their numbers; the second (the cache
 # keyed by the same leaf paths through the same `weight_copies`) traces them only, which is where the count is
 # taken: every combination compiled would cost minutes of the suite.
-@pytest.mark.parametrize("mode,parallel,model,compare", [("blockwise", (2, 1, 4), {}, True),
-                                                         ("rowwise", None, GQA_MTP, False)])
+@pytest.mark.parametrize("mode,parallel,model,compare,accum", [("blockwise", (2, 1, 4), {}, True, 2),
+                                                               ("rowwise", None, GQA_MTP, False, 2),
+                                                               ("blockwise", None, {}, False, 1)])
 def test_grad_accumulation_quantizes_each_weight_once_per_step_with_the_same_bits(mode, parallel, model, compare,
-                                                                                   monkeypatch):
-    """Under FP8 with train.grad_accum_steps > 1 the step makes each weight's e4m3 copies once, before its
-    microbatches (dropless.fp8.recipe.weight_cache): no FP8 product quantizes a weight inside them, on one device
+                                                                                   accum, monkeypatch):
+    """Under FP8 the step makes each weight's e4m3 copies once, before its microbatches (one or several:
+    dropless.fp8.recipe.weight_cache): no FP8 product quantizes a weight inside them, on one device
     and under expert parallelism (the copies cross its shard_map with the experts), with MLA or GQA attention, MTP
     and a dense layer after a MoE one (every weight an FP8 product reads is cached); and (`compare`) the loss and
     every gradient are those of quantizing in each microbatch (the loss bit for bit, gradients to float32
@@ -194,7 +195,7 @@ def test_grad_accumulation_quantizes_each_weight_once_per_step_with_the_same_bit
     from dropless.train import step as step_lib
 
     config = load_preset("tiny").replace(**{**OVERRIDES, "model.num_layers": 2, "train.fp8": mode,
-                                             "train.grad_accum_steps": 2, **model})
+                                             "train.grad_accum_steps": accum, **model})
     params = jax.jit(transformer.init_params, static_argnums=1)(jax.random.key(0), config)
     state = transformer.init_state(config)
     tokens = jax.random.randint(jax.random.key(1), (16, 33), 0, config.model.vocab_size)

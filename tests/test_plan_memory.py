@@ -190,7 +190,8 @@ def test_plan_is_within_the_targets_of_the_accuracy_record():
 
 def test_fp8_microbatches_hold_the_steps_e4m3_weight_copies():
     """Under FP8 with microbatches both e4m3 copies of every quantized weight (one byte each) are held through the
-    step, unless train.fp8_cache_weights is off."""
+    step, unless train.fp8_cache_weights is off; with one microbatch the cache's copies are the products' own and
+    add nothing."""
     config = micro_config(**{"train.batch_size": 8, "train.grad_accum_steps": 2, "train.fp8": "blockwise",
                              "train.remat": "full", "train.scan_layers": False})
     from dropless.plan.layout import state_bytes
@@ -201,6 +202,9 @@ def test_fp8_microbatches_hold_the_steps_e4m3_weight_copies():
     # One byte per quantized parameter more than the uncached step (the measured difference, fp8-accum-h200.json)
     assert uncached.weight_copies == 0 < cached.weight_copies <= matrices
     assert cached.weight_copies > matrices / 2  # the layers hold most of the matrices
+    single = config.replace(**{"train.batch_size": 4, "train.grad_accum_steps": 1})
+    assert plan_memory(single, mesh_sizes(single, 1)) == plan_memory(
+        single.replace(**{"train.fp8_cache_weights": False}), mesh_sizes(single, 1))
     from dropless.plan.report import format_plan
 
     text = format_plan(make_plan(config, Cluster(1, 1, "H200")))

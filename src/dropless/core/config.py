@@ -339,9 +339,9 @@ class TrainConfig:
     router_lr_scale: float = 1.0
     dtype: Literal["bfloat16", "float32"] = "bfloat16"  # compute dtype; master weights are float32
     fp8: Literal["off", "rowwise", "blockwise", "mxfp8"] = "off"
-    # With grad_accum_steps > 1 under fp8 blockwise or rowwise: make each weight's e4m3 copies once per step for all
-    # microbatches (docs/fp8.md); false quantizes them in every microbatch, holding one byte less per quantized
-    # parameter through the step.
+    # Under fp8 blockwise or rowwise: make each weight's e4m3 copies once per step, before its microbatches
+    # (docs/fp8.md); false quantizes them in every microbatch's products, holding (with grad_accum_steps > 1) one
+    # byte less per quantized parameter through the step.
     fp8_cache_weights: bool = True
     remat: Literal["none", "moe", "full"] = "none"
     seed: int = 0

@@ -117,10 +117,18 @@ FP8_WEIGHTS = frozenset({"q_a", "q_b", "q", "kv_a", "kv_b", "k", "v", "o", "gate
 
 
 def caches_weights(train) -> bool:
-    """Whether a training step (its `TrainConfig`) makes the weights' copies once for its microbatches
+    """Whether a training step (its `TrainConfig`) makes the weights' copies once, before its microbatches
     (`weight_cache`): under train.fp8 blockwise or rowwise (mxfp8's dense products quantize inside
-    jax.nn.scaled_dot_general) with several microbatches, unless train.fp8_cache_weights is off."""
+    jax.nn.scaled_dot_general), unless train.fp8_cache_weights is off. With one microbatch too: the copies then
+    come from one pass over each weight (`weight_copies`) instead of the forward's and the backward's own."""
     return train.fp8 in COPY_MODES and train.fp8_cache_weights
+
+
+def holds_weight_cache(train) -> bool:
+    """Whether the step's weight cache adds to its peak memory: with several microbatches it holds both copies of
+    every quantized weight through the step; with one, its copies are those the step's products would make (the
+    measured peak is the same with and without it, fp8-step-h200.json)."""
+    return caches_weights(train) and train.grad_accum_steps > 1
 
 
 def _leaf_name(path) -> str | None:

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from dropless.core.config import Config
 from dropless.ep.plan import balanced_rows, worst_case_rows
 from dropless.fp8.grouped import ALIGN as FP8_ROW_ALIGN
-from dropless.fp8.recipe import COPY_MODES, caches_weights
+from dropless.fp8.recipe import COPY_MODES, holds_weight_cache
 from dropless.gmm.api import TMA_ROW_ALIGNMENT, aligned_rows
 from dropless.models import transformer
 from dropless.plan.layout import StateBytes, model_facts, state_bytes
@@ -324,7 +324,7 @@ def plan_memory(config: Config, sizes: dict[str, int], *, attention_backend: str
     if train.scan_layers:
         weight_copies += int(matrix_bytes * stacked_share * (2 if train.remat == "none" else 1))
         stacked_bytes = int(T * device_tok + stacked_share * state.gradients)
-    if caches_weights(train):
+    if holds_weight_cache(train):
         # The step's e4m3 copies of every quantized weight, held from before the first microbatch to the last
         # (dropless.fp8.recipe.weight_cache); they stand in for the copies a scanned stack hoists (above). Each FP8
         # forward keeps its weight's input-gradient copy for the backward; with the cache that residual is the

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dropless.core.config import Config
-from dropless.fp8.recipe import caches_weights
+from dropless.fp8.recipe import holds_weight_cache
 from dropless.plan.cost import device_rates, load_rates, step_time
 from dropless.plan.layout import Cluster, mesh_sizes, model_facts, state_bytes
 from dropless.plan.memory import MemoryPlan, plan_memory
@@ -138,7 +138,7 @@ def format_plan(plan: Plan) -> str:
              + (f"; {mem.activations_in_host / GIB:.2f} GiB offloaded to host" if mem.activations_in_host else ""),
              ]
     if mem.weight_copies:
-        what = "what the quantized weights' e4m3 copies, made once per step, add" if caches_weights(cfg) else \
+        what = "what the quantized weights' e4m3 copies, made once per step, add" if holds_weight_cache(cfg) else \
             "stacked weights cast under scan_layers"
         lines.append(f"  weight copies      {_gib(mem.weight_copies)}  {what}")
     lines.append(f"  largest temporary  {_gib(largest)}  {name.replace('_', ' ')}")
