@@ -52,7 +52,9 @@ DROPLESS := $(BENCH_PYTHON) -m dropless.cli
 RESULTS := benchmarks/results
 BENCH_SCRATCH := build/bench
 # $(call merge_records,BENCHMARK,OUT,RECORDS): one record for a benchmark of several runs, each run's record in it.
-merge_records = $(BENCH_PYTHON) -c 'import json, sys; name, out, *parts = sys.argv[1:]; json.dump({"benchmark": name, \
+# (RESULTS may name a folder not made yet, e.g. on a device machine's output folder.)
+merge_records = $(BENCH_PYTHON) -c 'import json, os, sys; name, out, *parts = sys.argv[1:]; \
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True); json.dump({"benchmark": name, \
   "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(1) $(2) $(3)
 # The device part of a record's name, read when a target runs: "NVIDIA H200" -> h200; two GPUs -> h200x2.
 GPU = $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
