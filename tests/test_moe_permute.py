@@ -105,12 +105,15 @@ def test_rows_that_hold_no_pair_are_never_read(row_align):
 
 
 def _routing(kind, num_tokens, top_k, num_experts, seed):
-    """Distinct expert ids per token: skewed (some experts empty), all on expert 0's neighbours, or with
-    sentinels (ids >= E, "not on this device") in some slots."""
+    """Distinct expert ids per token: skewed (some experts empty), all on expert 2, group sizes at every residue
+    that rounding up to an alignment can get wrong, or with sentinels (ids >= E, "not on this device") in some
+    slots."""
     rng = np.random.default_rng(seed)
-    if kind == "one_expert":  # every token's first choice is expert 2; the other columns are sentinels
+    if kind in ("one_expert", "residues"):  # one real column, the others sentinels
         ids = np.full((num_tokens, top_k), num_experts)
-        ids[:, 0] = 2
+        ids[:, 0] = 2  # one_expert: every token's first choice is expert 2
+        if kind == "residues":  # group sizes 1, 0, 9, 7, 8, 12: one past a multiple of 8 (and of 128), one short, ...
+            ids[:, 0] = np.repeat(np.arange(num_experts), [1, 0, 9, 7, 8, num_tokens - 25])
         return ids
     p = rng.dirichlet(np.full(num_experts, 0.3))
     ids = np.stack([rng.choice(num_experts, top_k, replace=False, p=p) for _ in range(num_tokens)])
@@ -119,8 +122,8 @@ def _routing(kind, num_tokens, top_k, num_experts, seed):
     return ids
 
 
-@pytest.mark.parametrize("kind, bounded", [("skewed", False), ("one_expert", False), ("sentinels", False),
-                                           ("sentinels", True), ("skewed", True)])
+@pytest.mark.parametrize("kind, bounded", [("skewed", False), ("one_expert", False), ("residues", False),
+                                           ("sentinels", False), ("sentinels", True), ("skewed", True)])
 @pytest.mark.parametrize("row_align", [8, 128])
 def test_aligned_permutation_equals_the_contiguous_one(kind, bounded, row_align):
     """permute(row_align=a): each expert's rows from a multiple of a, zero rows between, padded group sizes; and
