@@ -36,6 +36,27 @@ def test_group_limited_selection_matches_brute_force(num_experts, top_k, n_group
         assert list(np.argsort(-choice_TE[t][ids_TK[t]], kind="stable")) == list(range(top_k))  # best first
 
 
+@pytest.mark.parametrize("score_func,n_group,bias", [
+    ("softmax", 1, None),
+    # Every group ties (each holds a 0.5 and a 0 bias), and so do the experts within the kept groups.
+    ("sigmoid", 4, [0.0, 0.5, 0.5, 0.0, 0.5, 0.0, 0.0, 0.5]),
+])
+def test_tied_scores_go_to_the_lower_expert_and_group(score_func, n_group, bias):
+    """A zero router input scores every expert alike (so do saturated or rounded scores): the choice is then the
+    lower id, of experts and of groups, as in the reference (and PyTorch's stable top-k), not any of the tied."""
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=3, score_func=score_func, n_group=n_group,
+                    topk_group=2 if n_group > 1 else 1)
+    rng = np.random.default_rng(5)
+    x_TD = rng.normal(size=(16, 6)).astype(np.float32)
+    x_TD[::2] = 0.0  # every other token: all logits 0
+    kernel_DE = rng.normal(size=(6, 8)).astype(np.float32)
+    bias_E = None if bias is None else np.asarray(bias, np.float32)
+    routing = jax.jit(route, static_argnums=3)(kernel_DE, bias_E, x_TD, cfg)
+    want_TK = reference_route(x_TD, kernel_DE, bias_E, cfg)
+    np.testing.assert_array_equal(routing.expert_ids_TK, want_TK)
+    np.testing.assert_array_equal(want_TK[0], [0, 1, 2] if bias is None else [1, 2, 0])
+
+
 def test_bias_changes_selection_but_not_weights():
     cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, score_func="sigmoid", n_group=4, topk_group=2,
                     norm_topk_prob=False, routed_scaling_factor=2.0)
