@@ -40,6 +40,17 @@ def test_alltoall_routing_that_fits_takes_the_slots():
     assert int(stats.dispatch_overflowed) == 0 and int(stats.rows_sent) == ids_TK.size * 7 // 8
 
 
+def test_alltoall_one_row_past_the_slots_overflows():
+    """Balanced routing fills every slot exactly (2 per destination at buffer factor 1); moving one token's expert
+    to another device makes that destination's rows one more than its slots: the worst-case exchange runs and
+    nothing is dropped, as it must at any excess however small."""
+    ids_TK = np.asarray(balanced_inputs()[0]).copy()
+    ids_TK[0, 0] = 1  # token 0 (device 0): experts 1 and 3, so device 0 sends 3 rows to device 1 and 1 to itself
+    inputs = balanced_inputs(ids_TK)
+    stats = assert_executor_matches_local(executor(AllToAll(buffer_factor=1.0), 8), *inputs)
+    assert int(stats.dispatch_overflowed) == 1
+
+
 @pytest.mark.parametrize("which", ["to_slots", "from_slots"])
 def test_slot_packing_backward_is_a_gather_that_equals_the_scatter_add(which):
     """alltoall's slot packing and unpacking differentiate as the inverse pick (a gather; JAX's own transpose of a
