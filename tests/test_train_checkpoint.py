@@ -129,13 +129,18 @@ def test_a_trained_checkpoint_without_its_optimizer_state_is_damaged_but_an_impo
     assert (tmp_path / "import" / "checkpoints" / "20" / "model").is_dir()  # nothing moved
 
 
-def test_bit_flip_in_the_array_values_is_a_digest_mismatch(tmp_path):
-    """Rewrite one leaf through orbax itself with one bit changed: the files are valid, only the digest knows."""
+@pytest.mark.parametrize("change", ["flip", "swap"])
+def test_a_changed_array_value_is_a_digest_mismatch(tmp_path, change):
+    """Rewrite one leaf through orbax itself with one bit changed, or two of its elements exchanged: the files are
+    valid, only the digest knows."""
     _save_run(tmp_path, [10, 20])
     model, optimizer = _model(20)
-    flipped = np.asarray(model["params"]["w"]).copy()
-    flipped.view(np.uint32)[3, 5] ^= 1  # the lowest mantissa bit: a float sum could round it away
-    model["params"]["w"] = jnp.asarray(flipped)
+    changed = np.asarray(model["params"]["w"]).copy()
+    if change == "flip":
+        changed.view(np.uint32)[3, 5] ^= 1  # the lowest mantissa bit: a float sum could round it away
+    else:
+        changed[[3, 40], [5, 7]] = changed[[40, 3], [7, 5]]  # the same words: any plain sum of them is unchanged
+    model["params"]["w"] = jnp.asarray(changed)
     item = ckpt.checkpoint_dir(tmp_path) / "20" / "model"
     shutil.rmtree(item)
     with ocp.StandardCheckpointer() as checkpointer:
