@@ -23,10 +23,11 @@ def test_alltoall_slot_sizes_and_the_auto_choice():
     assert AllToAll(1.25).resolve(num_tokens=4096, top_k=8, num_devices=8, num_local=4) == AllToAll(1.25)
 
 
-@pytest.mark.parametrize("expert_parallel,dedup", [(4, True), (8, False)])
+@pytest.mark.parametrize("expert_parallel,dedup", [(4, True), (8, False), (2, False)])
 def test_alltoall_overflow_takes_the_worst_case_path_and_drops_nothing(expert_parallel, dedup):
     # The bias sends every token to experts 0, 1 and 2: the devices holding them receive far more than
-    # buffer_factor x the balanced load.
+    # buffer_factor x the balanced load; on 2 devices without dedup each token sends all 3 rows to device 0, the
+    # worst case the fallback exchange must hold.
     skewed = problem(seed=7, bias_E=SKEWED_BIAS)
     strategy = AllToAll(buffer_factor=1.0, dedup=dedup)
     assert int(assert_matches_single_device(strategy, expert_parallel, skewed).dispatch_overflowed) == 1
