@@ -1,10 +1,12 @@
 """moe.dispatch_chunks: each device's tokens through the strategy in chunks; same result, the accounting adds up."""
 
+import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, MoEConfig, ParallelConfig
 from dropless.ep import AllGather, AllToAll, Auto, Chunked, NoDispatch, make_strategy
-from tests.ep_cases import SKEWED_BIAS, STRATEGIES, assert_matches_single_device, problem
+from tests.ep_cases import (SKEWED_BIAS, STRATEGIES, assert_executor_matches_local, assert_matches_single_device,
+                            balanced_inputs, executor, problem)
 
 
 @pytest.mark.parametrize("name,expert_parallel", [("allgather", 2), ("alltoall", 4)])
@@ -36,3 +38,16 @@ def test_chunked_resolves_to_its_inner_strategy_for_one_chunk():
     assert Chunked(Auto(1.25), 2).resolve(num_tokens=4096, top_k=8, num_devices=8, num_local=4) == AllToAll(1.25)
     # 2 tokens per chunk, top-8 of 32 over 8 devices: a slot of 2.0 x the balanced load holds the whole chunk
     assert Chunked(Auto(2.0), 2).resolve(num_tokens=4, top_k=8, num_devices=8, num_local=4) == AllGather()
+
+
+def test_an_overflow_in_a_later_chunk_alone_is_reported():
+    """Each device's 8 tokens in 2 chunks of 4 whose experts are {0, 1}, {2, 3}, {4, 5}, {6, 7} (rotated): one row
+    per destination, the slots of buffer factor 1 exactly. Device 0's token 4 (second chunk) moves to experts 2 and 1:
+    only that chunk overflows, and the layer reports it."""
+    tokens = np.arange(64)
+    first_T = (2 * (tokens % 4) + tokens // 8) % 8  # each device's pairs of experts rotated by its index
+    ids_TK = np.stack([first_T, (first_T + 1) % 8], 1)
+    ids_TK[4] = [2, 1]
+    stats = assert_executor_matches_local(executor(Chunked(AllToAll(buffer_factor=1.0), 2), 8),
+                                          *balanced_inputs(ids_TK))
+    assert int(stats.dispatch_overflowed) == 1
