@@ -129,6 +129,30 @@ def test_a_trained_checkpoint_without_its_optimizer_state_is_damaged_but_an_impo
     assert (tmp_path / "import" / "checkpoints" / "20" / "model").is_dir()  # nothing moved
 
 
+def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
+    """A resumed run saves the set-aside step again; damaged again, the second copy goes beside the first."""
+    saved = _save_run(tmp_path, [10, 20])
+    for _ in range(2):
+        shutil.rmtree(tmp_path / "checkpoints" / "20" / "optimizer")
+        step, _, lines = _restore_latest(tmp_path)
+        assert step == 10 and len(lines) == 1, lines
+        with ckpt.manager(tmp_path, keep=10) as mngr:
+            ckpt.save(mngr, 20, saved[20][0]["params"], saved[20][0]["state"], saved[20][1]["opt_state"])
+    damaged = tmp_path / "checkpoints.damaged"
+    assert sorted(p.name for p in damaged.iterdir()) == ["20", "20.1"]
+    assert all((damaged / name / "model").is_dir() for name in ("20", "20.1"))
+
+
+def test_the_digest_of_an_array_is_the_same_on_the_host_and_on_a_device():
+    """A leaf may be saved as a NumPy array (folded on the host) and restored as a jax.Array (folded on a device):
+    both folds must agree, for every width."""
+    rng = np.random.default_rng(2)
+    for dtype in (np.float32, jnp.bfloat16, np.int8, np.bool_):
+        array = (rng.standard_normal((5, 33)) * 100).astype(dtype)
+        on_host = ckpt.digest({"x": {"a": array}})["x/a"]
+        assert on_host == ckpt.digest({"x": {"a": jnp.asarray(array)}})["x/a"], dtype
+
+
 @pytest.mark.parametrize("change", ["flip", "swap"])
 def test_a_changed_array_value_is_a_digest_mismatch(tmp_path, change):
     """Rewrite one leaf through orbax itself with one bit changed, or two of its elements exchanged: the files are
