@@ -8,6 +8,7 @@ exactly what was saved.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -141,6 +142,15 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
     damaged = tmp_path / "checkpoints.damaged"
     assert sorted(p.name for p in damaged.iterdir()) == ["20", "20.1"]
     assert all((damaged / name / "model").is_dir() for name in ("20", "20.1"))
+
+
+@pytest.mark.parametrize("written", ['{"version": 1}', '{"version": 1, "leaves": [1, 2]}', "[]"])
+def test_a_digest_without_its_leaves_is_damaged(tmp_path, written):
+    """A digest file that orbax reads (valid JSON) but that holds no per-leaf folds verifies nothing: damaged."""
+    _save_run(tmp_path, [10, 20])
+    (ckpt.checkpoint_dir(tmp_path) / "20" / "digest" / "metadata").write_text(written)
+    step, _, lines = _restore_latest(tmp_path)
+    assert step == 10 and len(lines) == 1 and "has an unreadable digest" in lines[0], lines
 
 
 def test_the_digest_of_an_array_is_the_same_on_the_host_and_on_a_device():
@@ -365,6 +375,21 @@ def test_the_worst_outcome_of_any_process_is_everyones(monkeypatch):
         ckpt._agree(own, where)
     gathered[:] = 0
     ckpt._agree(None, where)  # all restored: nothing raised
+
+
+def test_each_process_shares_how_bad_its_own_outcome_is(monkeypatch):
+    """What a process contributes to the agreement: an unusable checkpoint (a shape mismatch) must reach the others
+    as unusable, so that they stop too instead of falling back to an older checkpoint alone."""
+    where = "checkpoint 20 in /run/checkpoints"
+    shared = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(ckpt.multihost_utils, "process_allgather",
+                        lambda x: shared.append(int(x)) or np.array([int(x), 0], np.int32))
+    for error, outcome in [(None, 0), (ckpt.DamagedCheckpoint(f"{where} is damaged"), 1),
+                           (ckpt.CheckpointError(f"{where} does not match this model"), 2)]:
+        with pytest.raises(type(error)) if error else contextlib.nullcontext():
+            ckpt._agree(error, where)
+        assert shared.pop() == outcome
 
 
 def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, corpus):
