@@ -153,6 +153,29 @@ def test_a_digest_without_its_leaves_is_damaged(tmp_path, written):
     assert step == 10 and len(lines) == 1 and "has an unreadable digest" in lines[0], lines
 
 
+def test_a_model_of_another_shape_is_one_error_not_a_damaged_checkpoint(tmp_path):
+    """Restoring into parameters of another shape (a changed config) stops with that reason: the checkpoints are
+    fine, so none is reported damaged or set aside."""
+    _save_run(tmp_path, [10, 20])
+    model, optimizer = _model(0)
+    model["params"]["w"] = jnp.zeros((64, 40), jnp.float32)
+    lines = []
+    with pytest.raises(ckpt.CheckpointError, match="does not match this model's parameters") as raised:
+        ckpt.restore_latest(tmp_path, model, {**optimizer, "step": 0}, log=lines.append)
+    assert not isinstance(raised.value, ckpt.DamagedCheckpoint) and not lines
+    assert ckpt.all_steps(tmp_path) == [20, 10] and not (tmp_path / "checkpoints.damaged").exists()
+
+
+def test_a_run_whose_checkpoints_were_all_set_aside_has_reached_a_checkpoint(tmp_path):
+    """A run is trained once it finished a checkpoint, kept or set aside as damaged (a start without --overwrite
+    must not take it for a run that never reached one); empty directories are no checkpoint."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints.damaged").mkdir()
+    assert not ckpt.reached_a_checkpoint(tmp_path)
+    (tmp_path / "checkpoints.damaged" / "20" / "model").mkdir(parents=True)
+    assert ckpt.reached_a_checkpoint(tmp_path)
+
+
 def test_the_digest_of_an_array_is_the_same_on_the_host_and_on_a_device():
     """A leaf may be saved as a NumPy array (folded on the host) and restored as a jax.Array (folded on a device):
     both folds must agree, for every width."""
