@@ -2,14 +2,18 @@
 the executor and strategy `make_executor` builds from the config."""
 
 import jax
+import numpy as np
 import pytest
 
 from dropless.core.config import Config, ConfigError, MoEConfig, ParallelConfig
 from dropless.core.mesh import make_mesh
 from dropless.ep import AllGather, Auto, NoDispatch, Ragged, make_executor, make_strategy
 from dropless.gmm import make_gmm
+from dropless.gmm.capacity import CapacityGmm
 from dropless.moe import LocalExecutor
-from tests.ep_cases import BATCH, MESHES, MOE, SEQ, STRATEGIES, assert_matches_single_device, expected_rows, problem
+
+from tests.ep_cases import (BATCH, MESHES, MOE, SEQ, STRATEGIES, assert_matches_single_device, balanced_inputs,
+                            executor, expected_rows, problem)
 
 
 @pytest.mark.parametrize("expert_parallel", sorted(MESHES))
@@ -54,3 +58,22 @@ def test_the_executor_declares_its_mesh_gmm_and_name():
     executor = make_executor(tiny, mesh)
     assert executor.mesh is mesh and executor.gmm == make_gmm(tiny.moe) and executor.name == "auto"
     assert LocalExecutor.from_config(tiny.moe).name == "local" and LocalExecutor.from_config(tiny.moe).mesh is None
+
+
+def test_capacity_backend_under_expert_parallelism_counts_every_device_s_drops():
+    """gmm_backend=capacity (the baseline) on 2 expert devices: each device drops the pairs of a local expert past
+    ceil(capacity_factor x M / G) of its M = R*J received rows, and the layer reports the sum over the mesh, counted
+    again in Python from the tokens each device gathers (allgather: its expert group's)."""
+    gmm = CapacityGmm(capacity_factor=0.25)
+    ids_TK, x_TD, weights_TK, experts = balanced_inputs(
+        np.stack([np.random.default_rng(6).choice(8, 2, replace=False, p=[.4, .2, .1, .1, .05, .05, .05, .05])
+                  for _ in range(BATCH * SEQ)]))
+    _, stats = jax.jit(executor(AllGather(), 2, gmm=gmm))(x_TD, ids_TK, weights_TK, experts)
+    group_tokens, num_local = 2 * 8, 4  # 2 devices of 8 tokens per expert group; 4 experts per device
+    capacity = gmm.capacity(group_tokens * min(2, num_local), num_local)
+    want = 0
+    for group in range(BATCH * SEQ // group_tokens):
+        counts_E = np.bincount(np.asarray(ids_TK)[group * group_tokens:(group + 1) * group_tokens].ravel(),
+                               minlength=8)
+        want += int(np.sum(np.maximum(counts_E - capacity, 0)))
+    assert 0 < int(stats.tokens_dropped) == want
