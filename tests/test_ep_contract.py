@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dropless.ep import AllGather, Auto, Chunked
+from dropless.ep.contract import LocalExperts
 from dropless.moe import moe_layer
 from tests.ep_cases import (
     BATCH, EXPERTS, MOE, SEQ, SKEWED_BIAS, STRATEGIES, AlignedNanPaddingGmm, NanPaddingGmm,
@@ -24,6 +25,14 @@ def test_bounded_local_buffers_equal_single_device_whichever_branch_each_device_
     for case in (problem(seed=expert_parallel), problem(seed=9, bias_E=SKEWED_BIAS)):
         stats = assert_matches_single_device(STRATEGIES[name], expert_parallel, case, local_buffer_factor=1.0)
         assert int(stats.dispatch_overflowed) == 1  # reported: some device's pairs did not fit
+
+
+def test_bounded_local_buffer_holds_at_least_its_factor_of_the_balanced_load():
+    """buffer_factor x the balanced pairs, rounded UP to whole TMA row tiles (8), never past the worst case: a
+    buffer rounded down would overflow on balanced routing."""
+    buffer_rows = lambda factor, pairs, worst: LocalExperts({}, None, factor).buffer_rows(pairs, worst)
+    assert buffer_rows(1.0, 12, 64) == 16 and buffer_rows(1.0, 16, 64) == 16 and buffer_rows(1.25, 16, 64) == 24
+    assert buffer_rows(2.0, 40, 64) == 64 and buffer_rows(0.0, 12, 64) == 64
 
 
 def test_bounded_local_buffer_that_fits_is_taken_and_keeps_only_its_rows():
