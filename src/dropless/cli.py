@@ -30,10 +30,10 @@ from dropless.convert import compute_logits, load_hf
 from dropless.convert.api import read_hf_config
 from dropless.core import config as config_lib
 from dropless.core import distributed
-from dropless.core.arguments import ArgumentParser, path_text
+from dropless.core.arguments import ArgumentParser, check_output, path_text
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
-from dropless.core.files import atomic_file, file_in_the_way
+from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import MAX_WINDOW, check_prompt, context_window, generate
 from dropless.train import checkpoint as ckpt
@@ -194,14 +194,12 @@ def cmd_logits(args) -> int:
                         "of at least one token id.")
     out = Path(args.out)
     out = out if out.suffix == ".npy" else out.with_name(out.name + ".npy")  # where numpy.save writes
-    if Path(args.out).is_dir() or out.is_dir():
+    check_output("--out", args.out, kind=".npy")  # a directory at the path, or a file where its folder goes
+    if out.is_dir():
         raise ConfigError(f"--out {args.out} is a directory; give the path of the .npy file to write.")
     if Path(args.out).exists() and not Path(args.out).is_file():  # /dev/null, a pipe: numpy.save would add .npy
         raise ConfigError(f"--out {args.out} is not a regular file; give the path of the .npy file to write.")
     if not out.parent.is_dir():
-        if blocking := file_in_the_way(out.parent):
-            raise ConfigError(f"--out {args.out}: {blocking} is a file, not a directory; give a path inside a "
-                              "directory.")
         raise ConfigError(f"--out {args.out}: the directory {out.parent} does not exist; create it or choose "
                           "another path.")
     if out.resolve() == tokens_path.resolve():
