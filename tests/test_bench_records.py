@@ -20,7 +20,7 @@ def test_every_record_names_its_device_and_commit(tmp_path, monkeypatch):
     env = records.environment()
     assert env["commit"] == "abc1234" and env["platform"] == "cpu" and env["device"] and env["date"]
     path = records.results_path(str(tmp_path / "results" / "gmm-{device}.json"), "NVIDIA H200")
-    assert path == tmp_path / "results" / "gmm-h200.json" and path.parent.is_dir()
+    assert path == tmp_path / "results" / "gmm-h200.json" and not path.parent.exists()  # write_json makes it
     records.write_json(path, {"environment": env, "dtype": np.dtype("float32")})
     assert json.loads(path.read_text()) == {"environment": env, "dtype": "float32"}
 

@@ -51,11 +51,10 @@ def device_slug(device_kind: str) -> str:
 
 
 def results_path(template: str, device_kind: str, flag: str = "--out") -> Path:
-    """`template` with `{device}` filled in by the device's slug, checked as `flag` (`check_output`); its directory
-    is created."""
-    path = check_output(flag, template.format(device=device_slug(device_kind)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+    """`template` with `{device}` filled in by the device's slug, checked as `flag` (`check_output`). Nothing is
+    created: `write_json` makes the folder when the record is written, so an argument refused after this check
+    leaves no empty folder behind."""
+    return check_output(flag, template.format(device=device_slug(device_kind)))
 
 
 def write_json(path: Path, payload, *, indent: int = 1) -> Path:

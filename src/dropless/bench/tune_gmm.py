@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     if env["platform"] != "gpu":
         raise ConfigError("tune-gmm measures GPU kernels; run it on an NVIDIA Hopper GPU.")
     out = Path(args.out) if args.out else PACKAGED_TABLE
-    if not os.access(out if out.exists() else out.parent, os.W_OK):
+    # A folder not made yet is made when the table is saved: what must be writable is the nearest one that exists.
+    if not os.access(next(p for p in (out, *out.parents) if p.exists()), os.W_OK):
         raise ConfigError(f"cannot write {out}; pass --out my_gmm.json and set DROPLESS_GMM_CONFIGS=my_gmm.json.")
     table = gt.load_table(out) if out.exists() else gt.empty_table()
     all_trials = []

@@ -390,4 +390,5 @@ def save_table(table: dict[str, Any], path: str | Path) -> None:
     validate_table(table, str(path))
     # Whole or not at all: the packaged table is written in place by `dropless tune-gmm`, and a kill or a full
     # disk mid-write would leave every later kernel launch reading a torn file.
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # as the benchmarks' records: a new --out folder
     write_atomic(Path(path), json.dumps(table, indent=1, sort_keys=False) + "\n")
