@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dropless.core.config import ConfigError, load_preset
-from dropless.fp8 import Fp8Gmm, Recipe, experts_gmm, fp8_matmul, make_recipe
+from dropless.fp8 import Fp8Gmm, Recipe, experts_gmm, fp8_matmul, make_recipe, train_recipe
 from dropless.fp8.grouped import Fp8Products, aligned_sources
 from dropless.gmm import XlaGmm, fp8_mosaic
 from dropless.gmm.xla import XlaContract
@@ -264,6 +264,37 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
 
 
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("native", [False, True], ids=["dequantized", "kernels"])
+def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
+    """train.fp8_wgrad_dtype=bfloat16: each weight-gradient product (dense and grouped, on the dequantized path and
+    on our kernels in the GPU interpreter, there at FP8_WGRAD_2BYTE's 64x256 tile under blockwise) writes its float32
+    result rounded once to bf16, which comes back as the float32 master's gradient; the output and the input
+    gradient are the same bits."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    sizes = [50, 0, 70, 0]
+    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
+    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
+    dense_x, dense_w, dense_dy = _dense_case(t=128, k=256, n=256)
+    results = {}
+    for wgrad in ("float32", "bfloat16"):
+        recipe = Recipe(mode, native, wgrad=wgrad)
+        gmm = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()), row_align=128)
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            results[wgrad] = (fwd_bwd(Grouped(gmm), x, w, gs, dy),
+                              fwd_bwd(Dense(recipe), dense_x, dense_w, None, dense_dy))
+    for f32, bf16 in zip(results["float32"], results["bfloat16"]):
+        assert bf16[2].dtype == jnp.float32
+        for a, b in zip(f32[:2], bf16[:2]):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+        rounded = np.asarray(f32[2].astype(jnp.bfloat16).astype(jnp.float32))
+        np.testing.assert_array_equal(np.asarray(bf16[2]), rounded)
+        assert not np.array_equal(rounded, np.asarray(f32[2]))  # the rounding is there to see
+    assert Recipe(mode, wgrad="bfloat16").wgrad_dtype(jnp.bfloat16) == jnp.bfloat16  # never wider than the weight
+    assert Recipe(mode).wgrad_dtype(jnp.float32) == jnp.float32
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_dense_kernel_writes_the_output_dtype_in_the_gpu_interpreter(mode):
     """The dense product runs our kernel with one group: against the non-native path in float32 (rowwise: XLA's
     e4m3 dot and the scales after it; blockwise: the dequantized product), and with bf16 operands its bf16 output
@@ -480,6 +511,13 @@ def test_recipes_config_and_backend_choice():
     assert make_recipe("blockwise") == Recipe("blockwise", native=False)  # no GPU here
     with pytest.raises(ValueError, match="not one of"):
         Recipe("e5m2")
+    with pytest.raises(ValueError, match="weight-gradient dtype 'float16' is not one of"):
+        Recipe("blockwise", wgrad="float16")
+    assert train_recipe(load_preset("tiny").replace(**{"train.fp8": "blockwise",
+                                                       "train.fp8_wgrad_dtype": "bfloat16"}).train).wgrad == "bfloat16"
+    assert train_recipe(load_preset("tiny").train) is None
+    with pytest.raises(ConfigError, match="train.fp8_wgrad_dtype"):
+        load_preset("tiny").replace(**{"train.fp8_wgrad_dtype": "float16"})
     config = load_preset("tiny").replace(**{"train.fp8": "blockwise"})
     gmm = experts_gmm(config.moe, make_recipe("blockwise", native=True))
     assert isinstance(gmm, Fp8Gmm) and gmm.row_align == 128  # the routed experts' permutation aligns the rows

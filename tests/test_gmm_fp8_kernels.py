@@ -301,6 +301,39 @@ def test_lowering_fails_when_the_stages_do_not_fit_and_the_stage_count_is_the_la
         _lower(product, scaling, tile, 8192, 2048, 7168, 8, jnp.float32)
 
 
+def test_a_bf16_weight_gradient_takes_the_wide_tile_where_n_allows_and_lowers_in_three_stages():
+    """train.fp8_wgrad_dtype=bfloat16: 2-byte output blocks leave three stages for 64x256 consumers (a 128x256 CTA
+    tile), where float32 ones leave one; an N that 256 does not divide keeps the table's 64x128 tile, and fits()
+    is the same for either output dtype."""
+    wide, table = fp8_mosaic.FP8_WGRAD_2BYTE, FP8_TILES[("drhs", "blockwise")]
+    for k, n in ((7168, 4096), (2048, 7168)):
+        assert fp8_mosaic.default_tile("drhs", 8192, k, n, 32, "blockwise", jnp.bfloat16) == wide
+        assert fp8_mosaic.default_tile("drhs", 8192, k, n, 32, "blockwise") == table
+    assert fp8_mosaic.default_tile("drhs", 8192, 7168, 4096 + 128, 32, "blockwise", jnp.bfloat16) == table
+    assert fp8_mosaic.default_tile("drhs", 8192, 7168, 4096, 32, "rowwise", jnp.bfloat16) == \
+        FP8_TILES[("drhs", "rowwise")]
+    assert fp8_mosaic._stages(wide, jnp.bfloat16, "blockwise", (128, 256), "m") == wide.num_stages == 3
+    assert fp8_mosaic._stages(wide, jnp.float32, "blockwise", (128, 256), "m") == 1
+    assert _lower("drhs", "blockwise", wide, 8192, 7168, 4096, 32, jnp.bfloat16, "m", True).platforms == ("cuda",)
+
+
+def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once():
+    """The kernel rounds its float32 carry to the output dtype in the epilogue and nowhere else: the bf16 output
+    at the wide tile, streamed, is the float32 output at the table's tile rounded to bf16, bit for bit."""
+    n = fp8_mosaic.cta_shape(WIDEST_TILE, "m")[1]
+    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(MIXED, "blockwise", seed=11, n=n)
+    args = (jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G))
+    scales = dict(scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
+                  rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack="m")
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        f32 = gmm_tn_aligned(*args, TN_TILE, **scales)
+        bf16 = gmm_tn_aligned(*args, WIDEST_TILE, **scales, out_dtype=jnp.bfloat16, stream=True)
+    assert bf16.dtype == jnp.bfloat16 and f32.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(bf16).view(np.uint16), np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
+    assert not np.array_equal(np.asarray(bf16, np.float32), np.asarray(f32))  # the rounding is there to see
+    _assert_matches(np.asarray(f32, np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
+
+
 def test_a_stacked_tile_gets_the_most_stages_that_fit():
     """Stacked consumers: a CTA tile of 128 x 128 and bf16 output, six stages asked for; _stages picks five, and
     six do not fit (the check can fail)."""

@@ -8,10 +8,14 @@ shape (65,536 rows, K 7,168, N 4,096, Dirichlet groups), forward and both gradie
 float32 as the optimizer takes it:
 - bf16: w.astype(bf16), our bf16 grouped GEMM (rows end to end);
 - blockwise, cast first: w.astype(bf16), then Fp8Gmm on the expert-aligned rows (quantizing a bf16 copy);
-- blockwise, as stored: Fp8Gmm on the float32 weight (what the MoE layer runs: GroupedMatmul.weights_as_stored).
-Each path's results are checked finite; the two FP8 paths are compared (relative Frobenius error of the output, the
-input gradient and the first 8 experts' weight gradient: a double rounding through bf16 separates them). Median of
-5 batches (dropless.bench.harness).
+- blockwise, as stored: Fp8Gmm on the float32 weight (what the MoE layer runs: GroupedMatmul.weights_as_stored);
+- blockwise, as stored, bf16 weight gradient: the same with `train.fp8_wgrad_dtype=bfloat16` (the kernel writes the
+  weight gradient in bf16 at fp8_mosaic.FP8_WGRAD_2BYTE's tile; its cast to float32 is timed here, where a
+  training step fuses it into the optimizer's reads).
+Each path's results are checked finite; the FP8 paths are compared with the float32-as-stored one (relative
+Frobenius error of the output, the input gradient and the first 8 experts' weight gradient: a double rounding
+through bf16 separates the cast-first path, the weight gradient's one rounding to bf16 the last). Median of 5
+batches (dropless.bench.harness).
 """
 
 from __future__ import annotations
@@ -47,10 +51,14 @@ def run(groups: int, emit) -> None:
     (x_al, dy_al), gs_al, _ = to_aligned(sizes, x, dy)
     bf16 = DroplessMosaicGmm()
     fp8 = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True), bf16, TunedContract()), row_align=ALIGN)
+    fp8_bf16_wgrad = Fp8Gmm(Fp8Products(Recipe("blockwise", native=True, wgrad="bfloat16"), bf16, TunedContract()),
+                            row_align=ALIGN)
     paths = {
         "bf16, cast from float32": (lambda x, w, gs: bf16(x, w.astype(jnp.bfloat16), gs), x, dy, gs),
         "blockwise, cast to bf16 first": (lambda x, w, gs: fp8(x, w.astype(jnp.bfloat16), gs), x_al, dy_al, gs_al),
         "blockwise, float32 as stored": (lambda x, w, gs: fp8(x, w, gs), x_al, dy_al, gs_al),
+        "blockwise, float32 as stored, bf16 weight gradient": (lambda x, w, gs: fp8_bf16_wgrad(x, w, gs), x_al, dy_al,
+                                                               gs_al),
     }
     flops = 3 * 2.0 * M * K * N
     results, base = {}, None
@@ -70,9 +78,11 @@ def run(groups: int, emit) -> None:
             results[name] = (out[0], out[1], out[2][:8])
         del out
         emit(rec)
-    a, b = (results[n] for n in ("blockwise, float32 as stored", "blockwise, cast to bf16 first"))
-    emit({"groups": groups, "path": "as stored against cast first",
-          "rel_diff": {p: _rel(u, v) for p, u, v in zip(("y", "dx", "dw"), a, b)}})
+    stored = results["blockwise, float32 as stored"]
+    for other, label in (("blockwise, cast to bf16 first", "as stored against cast first"),
+                         ("blockwise, float32 as stored, bf16 weight gradient", "bf16 weight gradient against float32")):
+        emit({"groups": groups, "path": label,
+              "rel_diff": {p: _rel(u, v) for p, u, v in zip(("y", "dx", "dw"), results[other], stored)}})
 
 
 def main() -> None:

@@ -343,6 +343,10 @@ class TrainConfig:
     # (docs/fp8.md); false quantizes them in every microbatch's products, holding (with grad_accum_steps > 1) one
     # byte less per quantized parameter through the step.
     fp8_cache_weights: bool = True
+    # Under fp8 blockwise or rowwise: the dtype the weight-gradient products write (each product accumulates in
+    # float32 either way). float32 keeps the float32 promotion's result whole; bfloat16 rounds it once, as the bf16
+    # path's grouped GEMMs write their weight gradients, halving the bytes the kernels store (docs/fp8.md).
+    fp8_wgrad_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "moe", "full"] = "none"
     seed: int = 0
     log_every: int = 10

@@ -24,7 +24,7 @@ from dropless.ep.chunked import Chunked
 from dropless.ep.contract import EXPERT_AXIS, LocalExperts, Strategy
 from dropless.ep.ragged import Ragged
 from dropless.ep.wire import Wire
-from dropless.fp8 import experts_gmm, make_recipe
+from dropless.fp8 import experts_gmm, train_recipe
 from dropless.gmm import GroupedMatmul
 from dropless.moe.executor import ExpertExecutor, LocalExecutor
 
@@ -103,7 +103,7 @@ def _named_strategy(config: Config, platform: str | None = None) -> Strategy:
 
 def make_executor(config: Config, mesh: Mesh) -> ExpertExecutor:
     """The MoE executor for this config and mesh, with its grouped-GEMM backend: `LocalExecutor` on one device."""
-    gmm = experts_gmm(config.moe, make_recipe(config.train.fp8))
+    gmm = experts_gmm(config.moe, train_recipe(config.train))
     if mesh.size == 1:
         return LocalExecutor(gmm)
     if config.moe.num_experts % mesh.shape[EXPERT_AXIS]:

@@ -2,6 +2,6 @@
 
 from dropless.fp8.dense import fp8_matmul, linear
 from dropless.fp8.grouped import Fp8Gmm, experts_gmm
-from dropless.fp8.recipe import Recipe, make_recipe
+from dropless.fp8.recipe import Recipe, make_recipe, train_recipe
 
-__all__ = ["Fp8Gmm", "experts_gmm", "Recipe", "fp8_matmul", "linear", "make_recipe"]
+__all__ = ["Fp8Gmm", "experts_gmm", "Recipe", "fp8_matmul", "linear", "make_recipe", "train_recipe"]

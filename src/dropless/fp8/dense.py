@@ -120,7 +120,7 @@ def _bwd(recipe, dtypes, residuals, dy_TN):
     _, x_dtype, w_dtype = dtypes
     dy_q, dyT = _rows_and_transposed(dy_TN.astype(x_dtype), recipe)
     dx_TK = rows_product(dy_q, w_dlhs, recipe, "dlhs", out_dtype=x_dtype)
-    dw_KN = contract_product(xT, dyT, recipe).astype(w_dtype)
+    dw_KN = contract_product(xT, dyT, recipe, recipe.wgrad_dtype(w_dtype)).astype(w_dtype)
     return dx_TK, dw_KN, None
 
 
@@ -158,15 +158,16 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
 
 
-def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe) -> jax.Array:
-    """aT [K, T'] · bT [N, T']ᵀ, float32 [K, N]: the weight gradient from the transposed operands."""
+def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe, out_dtype=jnp.float32) -> jax.Array:
+    """aT [K, T'] · bT [N, T']ᵀ, [K, N] in out_dtype (float32 accumulation, one rounding): the weight gradient
+    from the transposed operands."""
     (k, t), n = aT.values.shape, bT.values.shape[0]
     if recipe.native and fp8_mosaic.fits("drhs", k, n, recipe.mode):  # rowwise: one scale per row of each copy
-        tile = fp8_mosaic.default_tile("drhs", t, k, n, 1, recipe.mode)
+        tile = fp8_mosaic.default_tile("drhs", t, k, n, 1, recipe.mode, out_dtype)
         return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
-                                         out_dtype=jnp.float32, stack=fp8_mosaic.default_stack("drhs", recipe.mode),
+                                         out_dtype=out_dtype, stack=fp8_mosaic.default_stack("drhs", recipe.mode),
                                          stream=fp8_mosaic.default_stream("drhs", recipe.mode))[0]
     if recipe.mode == "rowwise" and not recipe.native:
-        return _e4m3_nt(aT, bT)
-    return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2))
+        return _e4m3_nt(aT, bT).astype(out_dtype)
+    return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2)).astype(out_dtype)

@@ -134,7 +134,7 @@ class Fp8Products:
         (k, _), n, g = aT.values.shape, bT.values.shape[0], group_sizes_G.shape[0]
         r = self.recipe
         if self._kernel("drhs", k, n):
-            tile = fp8_mosaic.default_tile("drhs", aT.values.shape[1], k, n, g, r.mode)
+            tile = fp8_mosaic.default_tile("drhs", aT.values.shape[1], k, n, g, r.mode, out_dtype)
             if r.mode == "rowwise":  # one scale per expert: its first block's
                 first_G, _ = fp8_mosaic.aligned_layout(group_sizes_G, 128)
                 first_G = jnp.minimum(first_G, aT.scales.shape[1] - 1)
@@ -191,7 +191,7 @@ def _bwd(products, dtypes, zero_padding, aligned, zero_lhs_grad_padding, residua
     _, x_dtype, w_dtype = dtypes
     dy_q, dyT = _rows_and_copy(dy_MN.astype(x_dtype), group_sizes_G, r, aligned)
     dx_MK = products.rows(dy_q, w_dlhs, group_sizes_G, "dlhs", x_dtype)
-    dw_GKN = products.contract(xT, dyT, group_sizes_G, w_dtype)
+    dw_GKN = products.contract(xT, dyT, group_sizes_G, r.wgrad_dtype(w_dtype)).astype(w_dtype)
     if zero_lhs_grad_padding:
         dx_MK = zero_padding_rows(dx_MK, group_sizes_G)
     return (varying_like(dx_MK, xT.values, w_dlhs.values),

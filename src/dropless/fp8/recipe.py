@@ -46,6 +46,7 @@ MODES = ("rowwise", "blockwise", "mxfp8")
 # The recipes whose products make their operands' e4m3 copies themselves (and keep them for the backward); mxfp8's
 # dense products quantize inside jax.nn.scaled_dot_general, which keeps the compute-dtype operands.
 COPY_MODES = ("rowwise", "blockwise")
+WGRAD_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,21 @@ class Recipe:
     mode: str
     native: bool = False
     fuse_pairs: bool = True  # False: each layout quantized by its own pass (the benchmarks' comparison)
+    wgrad: str = "float32"  # the dtype the weight-gradient products write (train.fp8_wgrad_dtype)
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"FP8 recipe {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.wgrad not in WGRAD_DTYPES:
+            raise ValueError(f"FP8 weight-gradient dtype {self.wgrad!r} is not one of {', '.join(WGRAD_DTYPES)}")
+
+    def wgrad_dtype(self, weight_dtype) -> jnp.dtype:
+        """What a weight-gradient product writes for a weight of `weight_dtype`: that dtype, or bfloat16 where the
+        recipe rounds the float32 result once (never wider than the weight); the caller casts it to the weight's."""
+        weight_dtype = jnp.dtype(weight_dtype)
+        if self.wgrad == "bfloat16" and weight_dtype.itemsize > 2:
+            return jnp.dtype(jnp.bfloat16)
+        return weight_dtype
 
     @property
     def block(self) -> int | None:
@@ -182,8 +194,13 @@ def one_pass_pair(a: jax.Array, recipe: Recipe) -> tuple[Quantized, Quantized] |
     return None
 
 
-def make_recipe(mode: str, *, native: bool | None = None) -> Recipe | None:
+def make_recipe(mode: str, *, native: bool | None = None, wgrad: str = "float32") -> Recipe | None:
     """The recipe `train.fp8` names (None for "off"); native by default on a GPU."""
     if mode == "off":
         return None
-    return Recipe(mode, jax.default_backend() == "gpu" if native is None else native)
+    return Recipe(mode, jax.default_backend() == "gpu" if native is None else native, wgrad=wgrad)
+
+
+def train_recipe(train) -> Recipe | None:
+    """The recipe of a training config's `TrainConfig`: `train.fp8` with `train.fp8_wgrad_dtype`."""
+    return make_recipe(train.fp8, wgrad=train.fp8_wgrad_dtype)

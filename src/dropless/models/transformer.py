@@ -41,7 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from dropless.core import params as params_lib
 from dropless.core.config import ACTIVATION_NAMES, Config, ModelConfig, TrainConfig  # noqa: F401 (re-exported)
 from dropless.core.params import ParamSpec, Specs
-from dropless.fp8 import linear, make_recipe
+from dropless.fp8 import linear, train_recipe
 from dropless.models.attention import attention, attention_params, rotary_dim
 from dropless.models.embedding import embed_tokens
 from dropless.models.mlp import mlp_params, swiglu
@@ -293,7 +293,7 @@ class _Layers:
                  other_sequences: jax.Array | None = None):
         self.config, self.executor, self.cos_SP, self.sin_SP, self.dtype = config, executor, cos_SP, sin_SP, dtype
         self.training, self.other_sequences = training, other_sequences
-        self.recipe = make_recipe(config.train.fp8)
+        self.recipe = train_recipe(config.train)
         self.mesh = executor.mesh  # the attention kernel and FP8 matmuls run per batch shard over the same mesh
         def remat_moe(in_scan: bool):
             if config.train.remat != "moe":
@@ -310,7 +310,7 @@ class _Layers:
         """The layers of one forward pass over `seq_len` positions; executor None = the one-device LocalExecutor;
         `training` and `other_sequences`: as `forward`'s."""
         if executor is None:
-            executor = LocalExecutor.from_config(config.moe, make_recipe(config.train.fp8))
+            executor = LocalExecutor.from_config(config.moe, train_recipe(config.train))
         m = config.model
         cos_SP, sin_SP = rope_tables(seq_len, rotary_dim(m), m.rope_theta, m.rope_scaling)
         return cls(config, executor, cos_SP, sin_SP, compute_dtype(config), training, other_sequences)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from dropless.core.config import Config
-from dropless.fp8.recipe import caches_weights, make_recipe, weight_cache, with_weight_cache
+from dropless.fp8.recipe import caches_weights, train_recipe, weight_cache, with_weight_cache
 from dropless.models import transformer
 from dropless.moe import update_router_bias
 from dropless.moe.balance import (center_router_bias, common_alignment, input_common_share, max_load_ratio,
@@ -192,7 +192,7 @@ def accumulated_value_and_grad(params, model_state, batch_BS1, config: Config, e
     # Under FP8 each weight's e4m3 copies are made once for the step (XLA does not hoist the quantization out of
     # the microbatch loop by itself): N - 1 fewer passes over every quantized weight, and with one microbatch one
     # pass for the forward's and the input gradient's copies together.
-    cache = weight_cache(params, make_recipe(config.train.fp8)) if caches_weights(config.train) else None
+    cache = weight_cache(params, train_recipe(config.train)) if caches_weights(config.train) else None
     if count == 1:
         return grad_fn(params, model_state, batch_BS1, config, executor, weight_cache=cache)
 
