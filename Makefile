@@ -338,7 +338,8 @@ bench-fp8-sass: $(BENCH_DEPS)
 	cp $(BENCH_SCRATCH)/fp8-sass/summary.json $(RESULTS)/fp8-sass-$(GPU).json
 
 # 1 GPU: loss parity, the proxy trained 300 steps with bf16 and each FP8 recipe (same data, seed, schedule).
-# PARITY_MODES=rowwise PARITY_MERGE=--merge adds one recipe's run to the record already there (one device call each).
+# PARITY_MODES=rowwise PARITY_MERGE=--merge adds one recipe's run to the record already there (one device call each);
+# a mode may name the weight gradient's dtype after a colon (blockwise:bfloat16: train.fp8_wgrad_dtype=bfloat16).
 PARITY_MODES ?= off,blockwise,rowwise
 PARITY_MERGE ?=
 bench-fp8-parity: $(BENCH_DEPS)

@@ -94,6 +94,11 @@ def test_loss_parity_merge_keeps_other_modes_of_a_record_with_the_same_settings(
         env, {"commit": "bbbbbbb"}]
     with pytest.raises(SystemExit, match="another configuration \\(train.steps\\)"):
         loss_parity.kept_runs(str(path), {"train.steps": 100}, ["rowwise"])
+    assert [r["fp8"] for r in loss_parity.kept_runs(str(path), {}, ["blockwise:bfloat16"])] == [
+        "off", "blockwise", "rowwise"]  # a mode with its weight gradient's dtype is a mode of its own
+    assert loss_parity.mode_settings("blockwise:bfloat16") == {"train.fp8": "blockwise",
+                                                               "train.fp8_wgrad_dtype": "bfloat16"}
+    assert loss_parity.mode_settings("off") == {"train.fp8": "off"}
 
 
 def test_router_variants_are_changes_to_deepseek_v3s_router_settings():

@@ -4,6 +4,9 @@ in one chart and one record (make bench-fp8-parity).
     python benchmarks/fp8/loss_parity.py --out fp8-parity.json --chart fp8-parity.png \
         [--preset deepseek-v3-proxy] [--modes off,blockwise,rowwise] [--steps 300] [--merge] [key=value ...]
 
+A mode is a `train.fp8` recipe, optionally with the weight gradient's dtype after a colon
+(`blockwise:bfloat16` sets `train.fp8_wgrad_dtype=bfloat16`); the record keys each run by its mode.
+
 Each mode runs the very step `dropless train` runs (dropless.train.setup.build) on the run's batches
 (dropless.data), evaluating the held-out loss every --eval-every steps on the fixed held-out batches; no
 checkpoints are written (the proxy's optimizer state is ~47 GB). The record holds every curve, each mode's final
@@ -29,7 +32,7 @@ from dropless.core import config as config_lib
 from dropless.core import xla_flags
 
 
-def run(config, log) -> dict:
+def run(config, log, mode: str) -> dict:
     tc = config.train
     setup, state, dataset, to_device, evaluate = harness.training_run(config)
     curve, losses, dropped = [(0, evaluate(state))], [], 0
@@ -51,11 +54,17 @@ def run(config, log) -> dict:
                 pause = time.perf_counter()
                 curve.append((step + 1, evaluate(state)))
                 t0 += time.perf_counter() - pause  # evaluations are not training time
-                log(f"{tc.fp8:9s} step {step + 1:4d} held-out loss {curve[-1][1]:.4f}")
+                log(f"{mode:9s} step {step + 1:4d} held-out loss {curve[-1][1]:.4f}")
     jax.block_until_ready(state)
-    return {"fp8": tc.fp8, "eval": curve, "train_loss": losses, "tokens_dropped_logged_steps": dropped,
+    return {"fp8": mode, "eval": curve, "train_loss": losses, "tokens_dropped_logged_steps": dropped,
             "tokens_per_s": timed_tokens / (time.perf_counter() - t0), "final_eval_loss": curve[-1][1],
             "environment": environment()}
+
+
+def mode_settings(mode: str) -> dict:
+    """The config settings of a mode: `recipe` or `recipe:wgrad_dtype`."""
+    recipe, _, wgrad = mode.partition(":")
+    return {"train.fp8": recipe} | ({"train.fp8_wgrad_dtype": wgrad} if wgrad else {})
 
 
 def kept_runs(path: str, config: dict, modes: list[str]) -> list[dict]:
@@ -113,7 +122,7 @@ def main() -> None:
     notes = {"note": "tokens_per_s is over steps 3 to the last, without evaluations; each run names the "
                      "environment (commit, date) of the call it ran in, so tokens/s compare only within one call"}
     for mode in modes:
-        runs.append(run(base.replace(**{"train.fp8": mode}), lambda m: print(m, flush=True)))
+        runs.append(run(base.replace(**mode_settings(mode)), lambda m: print(m, flush=True), mode))
         write_json(a.out, {"benchmark": "fp8-loss-parity", "environment": environment(), "preset": a.preset,
                            "config": base.to_flat_dict(), "runs": runs, **notes})
     bf16 = next((r for r in runs if r["fp8"] == "off"), None)
