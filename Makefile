@@ -298,7 +298,8 @@ bench-fp8-layouts: $(BENCH_DEPS)
 # blockwise and blockwise with bf16 weight gradients, one call.
 bench-fp8-wgrad: $(BENCH_DEPS)
 	mkdir -p $(BENCH_SCRATCH)
-	$(BENCH_PYTHON) benchmarks/fp8/wgrad_tiles.py --out $(RESULTS)/fp8-wgrad-tiles-$(GPU).json
+	$(BENCH_PYTHON) benchmarks/fp8/wgrad_tiles.py --groups 32 --out $(RESULTS)/fp8-wgrad-tiles-$(GPU).json
+	$(BENCH_PYTHON) benchmarks/fp8/wgrad_tiles.py --groups 256 --out $(RESULTS)/fp8-wgrad-tiles-e256-$(GPU).json
 	for run in "off float32" "blockwise float32" "blockwise bfloat16"; do set -- $$run; \
 	  $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
 	  --record $(BENCH_SCRATCH)/fp8-wgrad-$$1-$$2.json train.fp8=$$1 train.fp8_wgrad_dtype=$$2 || exit 1; done
