@@ -67,6 +67,17 @@ def _time(fn, *args, batches: int = BATCHES) -> tuple[float, float]:
     return compile_s, float(np.median(times)) * 1e3 if times else float("nan")
 
 
+def timed_kernel(fn, args, flops: float) -> dict:
+    """A kernel variant's timing fields (`_time`): ms, TF/s for `flops` per call, compile seconds."""
+    compile_s, ms = _time(fn, *args)
+    return {"ms": round(ms, 4), "tflops": round(flops / (ms * 1e-3) / 1e12, 1), "compile_s": round(compile_s, 2)}
+
+
+def error_fields(error: BaseException) -> dict:
+    """A variant that failed to compile or run, as a result: its exception's type and first line."""
+    return {"error": f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"}
+
+
 def _rel_err(out, ref) -> float:
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))

@@ -42,7 +42,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from breakdown import fwd_bwd  # noqa: E402
 from e4m3_probe_kernels import gmm_nt_ws  # noqa: E402
-from kernel_check import _time, nt_case, tn_case  # noqa: E402
+from kernel_check import error_fields, nt_case, timed_kernel, tn_case  # noqa: E402
 
 from dropless.bench.gmm import group_sizes, to_aligned  # noqa: E402
 from dropless.bench.harness import same_bits, time_calls  # noqa: E402
@@ -137,15 +137,13 @@ def main() -> None:
                 fn = make_fn(tile, stack, bool(stream))
                 if stream == "stores waited":
                     fn = _with_waited_stores(fn)
-                compile_s, ms = _time(fn, *args)
+                rec |= timed_kernel(fn, args, 2 * int(sizes.sum()) * k * n)
                 out = fn(*args)
                 out = out[:live] if live is not None else out
-                rec |= {"ms": round(ms, 4), "tflops": round(2 * int(sizes.sum()) * k * n / (ms * 1e-3) / 1e12, 1),
-                        "equals_first": None if first is None else same_bits(out, first),
-                        "finite": bool(_finite(out)), "compile_s": round(compile_s, 2)}
+                rec |= {"equals_first": None if first is None else same_bits(out, first), "finite": bool(_finite(out))}
                 first = out if first is None else first
             except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
-                rec["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+                rec |= error_fields(e)
             emit(rec)
             out = None  # a weight gradient at 256 groups is 30 GB: one variant's output alive beside `first` at most
         if name == "gate-up fwd":
@@ -154,11 +152,9 @@ def main() -> None:
                 rec = {"shape": name, "stack": "n", "tile": str(tile), "unscaled": True}
                 try:
                     fn = jax.jit(lambda x, w, gs, tile=tile: gmm_nt_ws(x, w, gs, tile))
-                    compile_s, ms = _time(fn, x, w, gs)
-                    rec |= {"ms": round(ms, 4), "tflops": round(2 * int(sizes.sum()) * k * n / (ms * 1e-3) / 1e12, 1),
-                            "compile_s": round(compile_s, 2)}
+                    rec |= timed_kernel(fn, (x, w, gs), 2 * int(sizes.sum()) * k * n)
                 except Exception as e:  # noqa: BLE001 - as above
-                    rec["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+                    rec |= error_fields(e)
                 emit(rec)
         del args, first
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernel_check import _time, tn_case  # noqa: E402
+from kernel_check import error_fields, timed_kernel, tn_case  # noqa: E402
 
 from dropless.bench.gmm import group_sizes  # noqa: E402
 from dropless.bench.harness import same_bits  # noqa: E402
@@ -66,14 +66,13 @@ def run(rows: int, groups: int, emit) -> None:
                 fn = jax.jit(lambda a, b, gs, ls, rs, tile=tile, out_dtype=out_dtype, stream=stream:
                              fp8_mosaic.gmm_tn_aligned(a, b, gs, tile, scaling="blockwise", lhs_scale=ls,
                                                        rhs_scale=rs, out_dtype=out_dtype, stack="m", stream=stream))
-                compile_s, ms = _time(fn, *args)
+                rec |= timed_kernel(fn, args, 2 * int(sizes.sum()) * k * n)
                 out = fn(*args)
-                rec |= {"ms": round(ms, 4), "tflops": round(2 * int(sizes.sum()) * k * n / (ms * 1e-3) / 1e12, 1),
-                        "equals_first_rounded": None if first is None else _rounded_equal(out, first),
-                        "finite": bool(_finite(out)), "compile_s": round(compile_s, 2)}
+                rec |= {"equals_first_rounded": None if first is None else _rounded_equal(out, first),
+                        "finite": bool(_finite(out))}
                 first = out if first is None else first
             except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a result
-                rec["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+                rec |= error_fields(e)
             emit(rec)
             out = None  # a float32 weight gradient at 256 groups is 30 GB: one beside `first` at most
         del args, first
