@@ -295,6 +295,37 @@ def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
 
 
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_a_bf16_weight_gradient_reaches_the_kernel(mode, monkeypatch):
+    """The equal bits above cannot tell a kernel that writes bf16 from one that writes float32 rounded afterwards:
+    here the weight-gradient kernel itself (grouped and dense) is asked for bf16 and, under blockwise, for the
+    64x256 tile that 2-byte outputs leave room for (rowwise keeps its table's tile), and for float32 at the table's
+    tile without the option."""
+    calls = []
+    kernel = fp8_mosaic.gmm_tn_aligned
+
+    def spy(*args, **kwargs):
+        calls.append((args[3], jnp.dtype(kwargs["out_dtype"])))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_mosaic, "gmm_tn_aligned", spy)
+    sizes = [50, 0, 70, 0]
+    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
+    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
+    dense_x, dense_w, dense_dy = _dense_case(t=128, k=256, n=256)
+    table = fp8_mosaic.FP8_TILES[("drhs", mode)]
+    wide = fp8_mosaic.FP8_WGRAD_2BYTE if mode == "blockwise" else table
+    for wgrad, want in (("bfloat16", (wide, jnp.dtype(jnp.bfloat16))), ("float32", (table, jnp.dtype(jnp.float32)))):
+        recipe = Recipe(mode, native=True, wgrad=wgrad)
+        gmm = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()), row_align=128)
+        calls.clear()
+        for f, args in ((Grouped(gmm), (x, w, gs)), (Dense(recipe), (dense_x, dense_w, None))):
+            # Traced afresh (not through fwd_bwd's cache), so that every kernel call passes the spy.
+            jax.make_jaxpr(lambda a, b, c, f=f, g=args[2]: jax.vjp(lambda a, b: f(a, b, g), a, b)[1](c))(
+                jnp.asarray(args[0]), jnp.asarray(args[1]), jnp.asarray(dy if f.__class__ is Grouped else dense_dy))
+        assert calls == [want, want], (wgrad, calls)
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_dense_kernel_writes_the_output_dtype_in_the_gpu_interpreter(mode):
     """The dense product runs our kernel with one group: against the non-native path in float32 (rowwise: XLA's
     e4m3 dot and the scales after it; blockwise: the dequantized product), and with bf16 operands its bf16 output
@@ -518,6 +549,13 @@ def test_recipes_config_and_backend_choice():
     assert train_recipe(load_preset("tiny").train) is None
     with pytest.raises(ConfigError, match="train.fp8_wgrad_dtype"):
         load_preset("tiny").replace(**{"train.fp8_wgrad_dtype": "float16"})
+    # The option reaches only the recipes whose products write the weight gradient themselves: under mxfp8 the
+    # dense layers' gradients come from jax.nn.scaled_dot_general, and under off there is nothing to round.
+    for fp8 in ("off", "mxfp8"):
+        with pytest.raises(ConfigError, match=f"train.fp8={fp8} has none"):
+            load_preset("tiny").replace(**{"train.fp8": fp8, "train.fp8_wgrad_dtype": "bfloat16"})
+    with pytest.raises(ValueError, match="applies to the rowwise and blockwise recipes, not 'mxfp8'"):
+        Recipe("mxfp8", wgrad="bfloat16")
     config = load_preset("tiny").replace(**{"train.fp8": "blockwise"})
     gmm = experts_gmm(config.moe, make_recipe("blockwise", native=True))
     assert isinstance(gmm, Fp8Gmm) and gmm.row_align == 128  # the routed experts' permutation aligns the rows

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.core.config import load_preset
+from dropless.core.config import ParallelConfig, load_preset
 from dropless.core.mesh import make_mesh
 from dropless.ep import ExpertParallelExecutor
 from dropless.fp8 import experts_gmm, make_recipe
@@ -233,3 +233,34 @@ def test_grad_accumulation_quantizes_each_weight_once_per_step_with_the_same_bit
     assert float(got_loss) == float(want_loss)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
         assert rel(g, w) < 1e-5, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("parallel,model", [(None, GQA_MTP), ((2, 1, 4), {})], ids=["one-device", "expert-parallel"])
+def test_the_weight_gradient_dtype_reaches_every_fp8_product_of_the_step(parallel, model, monkeypatch):
+    """train.fp8_wgrad_dtype travels from the config to every weight-gradient product of a training step: the
+    routed experts (on one device and through the expert-parallel executor), the dense and shared MLPs, the
+    attention projections and MTP's projection; each asks its recipe for the dtype to write (`Recipe.wgrad_dtype`),
+    and a path that built its recipe from train.fp8 alone would ask a float32 one. Traced, not compiled."""
+    from dropless.ep import make_executor
+    from dropless.fp8 import Recipe
+    from dropless.train import step as step_lib
+
+    asked = []
+    original = Recipe.wgrad_dtype
+
+    def wgrad_dtype(self, weight_dtype):
+        asked.append(self.wgrad)
+        return original(self, weight_dtype)
+
+    monkeypatch.setattr(Recipe, "wgrad_dtype", wgrad_dtype)
+    config = load_preset("tiny").replace(**{**OVERRIDES, "model.num_layers": 2, "train.fp8": "blockwise",
+                                             "train.fp8_wgrad_dtype": "bfloat16", "train.grad_accum_steps": 2,
+                                             **model})
+    params = jax.jit(transformer.init_params, static_argnums=1)(jax.random.key(0), config)
+    tokens = jax.random.randint(jax.random.key(1), (16, 33), 0, config.model.vocab_size)
+    executor = None if parallel is None else make_executor(config, make_mesh(ParallelConfig(*parallel)))
+    traced = jax.jit(functools.partial(step_lib.accumulated_value_and_grad, config=config, executor=executor)).trace(
+        params, transformer.init_state(config), tokens)
+    assert asked and set(asked) == {"bfloat16"}, asked
+    grads = traced.out_info[1]
+    assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}  # the master weights' dtype

@@ -10,8 +10,8 @@ float32 as the optimizer takes it:
 - blockwise, cast first: w.astype(bf16), then Fp8Gmm on the expert-aligned rows (quantizing a bf16 copy);
 - blockwise, as stored: Fp8Gmm on the float32 weight (what the MoE layer runs: GroupedMatmul.weights_as_stored);
 - blockwise, as stored, bf16 weight gradient: the same with `train.fp8_wgrad_dtype=bfloat16` (the kernel writes the
-  weight gradient in bf16 at fp8_mosaic.FP8_WGRAD_2BYTE's tile; its cast to float32 is timed here, where a
-  training step fuses it into the optimizer's reads).
+  weight gradient in bf16 at fp8_mosaic.FP8_WGRAD_2BYTE's tile, and the product returns it cast to float32, as in
+  a training step).
 Each path's results are checked finite; the FP8 paths are compared with the float32-as-stored one (relative
 Frobenius error of the output, the input gradient and the first 8 experts' weight gradient: a double rounding
 through bf16 separates the cast-first path, the weight gradient's one rounding to bf16 the last). Median of 5

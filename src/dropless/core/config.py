@@ -345,7 +345,8 @@ class TrainConfig:
     fp8_cache_weights: bool = True
     # Under fp8 blockwise or rowwise: the dtype the weight-gradient products write (each product accumulates in
     # float32 either way). float32 keeps the float32 promotion's result whole; bfloat16 rounds it once, as the bf16
-    # path's grouped GEMMs write their weight gradients, halving the bytes the kernels store (docs/fp8.md).
+    # path's grouped GEMMs write their weight gradients, halving the bytes the kernels store (docs/fp8.md); the other
+    # train.fp8 settings take float32 only.
     fp8_wgrad_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "moe", "full"] = "none"
     seed: int = 0
@@ -403,6 +404,10 @@ class TrainConfig:
         unknown = [name for name in self.offload_names if name not in ACTIVATION_NAMES]
         _require(not unknown, f"train.offload names unknown activation(s) {', '.join(unknown)}; "
                               f"choose from {', '.join(ACTIVATION_NAMES)}.")
+        _require(self.fp8_wgrad_dtype == "float32" or self.fp8 in ("blockwise", "rowwise"),
+                 f"train.fp8_wgrad_dtype={self.fp8_wgrad_dtype} sets what the weight-gradient products of "
+                 f"train.fp8=blockwise or rowwise write, and train.fp8={self.fp8} has none; set train.fp8=blockwise "
+                 "or rowwise, or leave train.fp8_wgrad_dtype=float32.")
         _require(not self.offload_names or self.remat == "full",
                  f"train.offload={self.offload!r} needs train.remat=full (offloaded activations replace "
                  f"recomputation); set train.remat=full or train.offload=''.")

@@ -64,6 +64,11 @@ class Recipe:
             raise ValueError(f"FP8 recipe {self.mode!r} is not one of {', '.join(MODES)}")
         if self.wgrad not in WGRAD_DTYPES:
             raise ValueError(f"FP8 weight-gradient dtype {self.wgrad!r} is not one of {', '.join(WGRAD_DTYPES)}")
+        if self.wgrad != "float32" and self.mode not in COPY_MODES:
+            # mxfp8's dense products run jax.nn.scaled_dot_general, whose weight gradient this option cannot reach:
+            # its grouped products alone would round theirs.
+            raise ValueError(f"FP8 weight-gradient dtype {self.wgrad!r} applies to the {' and '.join(COPY_MODES)} "
+                             f"recipes, not {self.mode!r}")
 
     def wgrad_dtype(self, weight_dtype) -> jnp.dtype:
         """What a weight-gradient product writes for a weight of `weight_dtype`: that dtype, or bfloat16 where the

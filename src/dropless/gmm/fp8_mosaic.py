@@ -100,6 +100,7 @@ FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
 # The blockwise weight gradient writing 2-byte outputs (train.fp8_wgrad_dtype=bfloat16), where N is a multiple of
 # 256: its output blocks take half the shared memory of float32 ones, which leaves three stages for 64x256
 # consumers in two 128-column slices (a 128x256 CTA tile, as gmm_nt's products run), where float32 outputs leave one.
+# Chosen by that arithmetic, not in MEASURED: `make bench-fp8-wgrad` times it against the table's tile.
 FP8_WGRAD_2BYTE = TileConfig(64, 256, 128, 3, grid_minor_dim=0, grid_tile_width=8)
 
 
