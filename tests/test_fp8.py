@@ -615,3 +615,22 @@ def test_weight_cache_on_several_devices_is_partitioned_like_the_weights(monkeyp
     monkeypatch.setattr(jax, "device_count", lambda *_: 1)
     jax.eval_shape(lambda p: weight_cache(p, recipe), params)
     assert calls == ["blocks"]
+
+
+@pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
+def test_the_output_gradient_is_quantized_from_the_inputs_dtype(mode):
+    """With bf16 activations and a float32 output, the backward quantizes dy from its bf16 rounding, as the bf16
+    operands it stands beside (and as the bf16 path reads it): a float32 dy and the same dy rounded to bf16 first
+    give the same bits in dx and dW, dense and grouped."""
+    sizes = [50, 0, 70, 0]
+    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
+    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
+    dense_x, dense_w, dense_dy = _dense_case(t=128, k=256, n=256)
+    recipe = Recipe(mode)
+    gmm = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()), row_align=128)
+    for f, a, b, g, d in ((Grouped(gmm), x, w, gs, dy), (Dense(recipe, jnp.float32), dense_x, dense_w, None, dense_dy)):
+        a = jnp.asarray(a, jnp.bfloat16)
+        rounded = np.asarray(jnp.asarray(d).astype(jnp.bfloat16).astype(jnp.float32))
+        assert not np.array_equal(np.nan_to_num(rounded), np.nan_to_num(d))
+        for got, want in zip(fwd_bwd(f, a, b, g, d)[1:], fwd_bwd(f, a, b, g, rounded)[1:]):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -191,3 +191,26 @@ def test_row_gather_through_words_equals_plain_take(dtype, width):
 def test_permute_of_no_tokens_is_empty():
     x_sorted, sizes, info = permute(jnp.zeros((0, 6), jnp.bfloat16), jnp.zeros((0, 2), jnp.int32), 4)
     assert x_sorted.shape == (0, 6) and np.asarray(sizes).tolist() == [0, 0, 0, 0]
+
+
+def test_the_combines_backward_writes_weight_times_the_rounded_cotangent():
+    """unpermute's backward gives sorted row (t, k) the cotangent w[t, k] · g[t] in y_sorted's dtype, from g[t] in
+    that dtype (as the bf16 rows it stands for), multiplied in float32 and rounded once: bit for bit."""
+    rng = np.random.default_rng(3)
+    num_tokens, top_k, num_experts, d = 16, 2, 4, 8
+    x_TD = jnp.asarray(rng.normal(size=(num_tokens, d)), jnp.bfloat16)
+    ids_TK = jnp.asarray(np.stack([rng.permutation(num_experts)[:top_k] for _ in range(num_tokens)]), jnp.int32)
+    x_sorted_MD, _, info = permute(x_TD, ids_TK, num_experts)
+    weights_TK = jnp.asarray(rng.uniform(0.1, 1.0, size=(num_tokens, top_k)), jnp.float32)
+    g_TD = rng.normal(size=(num_tokens, d)).astype(np.float32)
+    _, pullback = jax.vjp(lambda y: unpermute(y, info, weights_TK), x_sorted_MD)
+    (got_MD,) = pullback(jnp.asarray(g_TD))
+    assert got_MD.dtype == jnp.bfloat16
+    g_rounded_TD = np.asarray(jnp.asarray(g_TD).astype(jnp.bfloat16).astype(jnp.float32))
+    want_MD = np.zeros(got_MD.shape, np.float32)
+    rows_TK = np.asarray(info.row_of_slot_TK)
+    for t in range(num_tokens):
+        for k in range(top_k):
+            want_MD[rows_TK[t, k]] = np.asarray(weights_TK)[t, k] * g_rounded_TD[t]
+    want_MD = np.asarray(jnp.asarray(want_MD).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got_MD), want_MD)

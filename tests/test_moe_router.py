@@ -106,6 +106,15 @@ def test_bad_router_configs_raise_one_clear_error(overrides, message):
         MoEConfig(**overrides)
 
 
+def test_max_load_ratio_counts_against_the_mean_load():
+    # 1 is balance, E/K every pair on the same K experts; a step with fewer pairs than experts (mean load below 1)
+    # is measured the same way.
+    assert float(max_load_ratio(jnp.array([3, 3, 3, 3]))) == 1.0
+    assert float(max_load_ratio(jnp.array([8, 8, 0, 0, 0, 0, 0, 0]))) == 4.0
+    assert float(max_load_ratio(jnp.array([1, 0, 0, 0]))) == 4.0
+    assert float(max_load_ratio(jnp.zeros(4, jnp.int32))) == 0.0  # no pairs: no load, no NaN
+
+
 def test_update_router_bias_sign_rule_on_any_leading_axes():
     load_LE = jnp.array([[4, 0, 2, 2], [1, 1, 1, 1]])
     bias_LE = update_router_bias(jnp.zeros((2, 4)), load_LE, 0.1)

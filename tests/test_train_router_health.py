@@ -71,6 +71,10 @@ def test_token_variance_share_says_whether_routing_depends_on_the_token():
     noise_TE, offset_E = rng.normal(size=(T, E)), rng.normal(size=E)
     assert _token_share(noise_TE - noise_TE.mean(0)) == pytest.approx(1.0)
     assert _token_share(np.tile(offset_E, (T, 1))) == pytest.approx(0.0, abs=1e-6)
+    # Identical tokens on large offsets: float32 rounding of E[v²] - E[v]² must not give a negative variance (a
+    # share below 0) or anything but about 0.
+    for scale in (1e3, 1e4, 1e5):
+        assert 0.0 <= _token_share(np.tile(scale * offset_E, (T, 1))) < 1e-5
     # A shift per token, however large, leaves every token's ranking the same: collapsed (all choose alike).
     shifted = rng.normal(0, 3.0, size=(T, 1)) + np.linspace(0, 1, E)
     assert _token_share(shifted) < 1e-3
@@ -112,6 +116,9 @@ def test_top_direction_share_says_whether_tokens_differ_in_one_way_or_many():
     # Tokens that differ only by a_t along u, on top of any common offset: one direction, whatever the amplitude.
     rank_one = offset_E + rng.normal(0, 3.0, size=(T, 1)) * u_E
     assert _top_direction(rank_one) == pytest.approx(1.0, abs=1e-4)
+    # The same on large offsets, where rounding leaves small negative eigenvalues: the share stays within [0, 1].
+    far = _top_direction(1e4 * offset_E + rng.normal(0, 1e-2, size=(T, 1)) * u_E)
+    assert 0.0 <= far <= 1.0
     assert _token_share(rank_one) > 0.8  # which the token share does not see: the token still moves the logits
     for values in (noise_TE, rank_one + 0.3 * noise_TE, offset_E * 5 + noise_TE * np.linspace(0.1, 2, E)):
         assert _top_direction(values) == pytest.approx(_top_direction_reference(values), rel=1e-4)
@@ -342,6 +349,9 @@ def test_center_router_bias_equalises_the_mean_selection_scores():
     np.testing.assert_allclose(offsets(center_router_bias(bias_LE, moments, tokens, 0.3)), 0.7 * offsets(bias_LE),
                                atol=1e-5)
     np.testing.assert_array_equal(center_router_bias(bias_LE, moments, tokens, 0.0), bias_LE)
+    # A layer that routed no token this step (all of its moments zero) keeps its bias: no 0/0 into it.
+    np.testing.assert_array_equal(center_router_bias(bias_LE, jnp.zeros_like(moments), jnp.zeros((3,), jnp.int32),
+                                                     1.0), bias_LE)
 
 
 def herd_dynamics(rate: float, center_rate: float, steps: int = 300):
