@@ -40,7 +40,8 @@ def test_every_choice_is_checked_with_one_sentence_from_its_annotation(group, na
 
 
 # Choices that are valid only with another setting (each refused without it in one sentence of its own).
-NEEDS = {("moe", "router_common_source", "other_sequences"): {"router_common_rate": 0.3}}
+NEEDS = {("moe", "router_common_source", "other_sequences"): {"router_common_rate": 0.3},
+         ("train", "fp8_wgrad_dtype", "bfloat16"): {"fp8": "blockwise"}}
 
 
 def test_activation_offloading_is_validated_when_the_config_is_built():
