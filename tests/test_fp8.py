@@ -263,6 +263,15 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
         assert rel(got, want) < F32_RTOL
 
 
+def _wide_n_cases():
+    """(grouped x, w, gs, dy on expert-aligned rows with empty groups; dense x, w, dy), both with N = 256, which the
+    blockwise weight gradient's 64x256 tile divides."""
+    sizes = [50, 0, 70, 0]
+    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
+    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
+    return (x, w, gs, dy), _dense_case(t=128, k=256, n=256)
+
+
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("native", [False, True], ids=["dequantized", "kernels"])
 def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
@@ -272,10 +281,7 @@ def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
     gradient are the same bits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    sizes = [50, 0, 70, 0]
-    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
-    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
-    dense_x, dense_w, dense_dy = _dense_case(t=128, k=256, n=256)
+    (x, w, gs, dy), (dense_x, dense_w, dense_dy) = _wide_n_cases()
     results = {}
     for wgrad in ("float32", "bfloat16"):
         recipe = Recipe(mode, native, wgrad=wgrad)
@@ -308,20 +314,17 @@ def test_a_bf16_weight_gradient_reaches_the_kernel(mode, monkeypatch):
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(fp8_mosaic, "gmm_tn_aligned", spy)
-    sizes = [50, 0, 70, 0]
-    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
-    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
-    dense_x, dense_w, dense_dy = _dense_case(t=128, k=256, n=256)
+    (x, w, gs, dy), (dense_x, dense_w, dense_dy) = _wide_n_cases()
     table = fp8_mosaic.FP8_TILES[("drhs", mode)]
     wide = fp8_mosaic.FP8_WGRAD_2BYTE if mode == "blockwise" else table
     for wgrad, want in (("bfloat16", (wide, jnp.dtype(jnp.bfloat16))), ("float32", (table, jnp.dtype(jnp.float32)))):
         recipe = Recipe(mode, native=True, wgrad=wgrad)
         gmm = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()), row_align=128)
         calls.clear()
-        for f, args in ((Grouped(gmm), (x, w, gs)), (Dense(recipe), (dense_x, dense_w, None))):
+        for f, (a, b, g, d) in ((Grouped(gmm), (x, w, gs, dy)), (Dense(recipe), (dense_x, dense_w, None, dense_dy))):
             # Traced afresh (not through fwd_bwd's cache), so that every kernel call passes the spy.
-            jax.make_jaxpr(lambda a, b, c, f=f, g=args[2]: jax.vjp(lambda a, b: f(a, b, g), a, b)[1](c))(
-                jnp.asarray(args[0]), jnp.asarray(args[1]), jnp.asarray(dy if f.__class__ is Grouped else dense_dy))
+            jax.make_jaxpr(lambda a, b, d, f=f, g=g: jax.vjp(lambda a, b: f(a, b, g), a, b)[1](d))(
+                *map(jnp.asarray, (a, b, d)))
         assert calls == [want, want], (wgrad, calls)
 
 
@@ -622,10 +625,7 @@ def test_the_output_gradient_is_quantized_from_the_inputs_dtype(mode):
     """With bf16 activations and a float32 output, the backward quantizes dy from its bf16 rounding, as the bf16
     operands it stands beside (and as the bf16 path reads it): a float32 dy and the same dy rounded to bf16 first
     give the same bits in dx and dW, dense and grouped."""
-    sizes = [50, 0, 70, 0]
-    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
-    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
-    dense_x, dense_w, dense_dy = _dense_case(t=128, k=256, n=256)
+    (x, w, gs, dy), (dense_x, dense_w, dense_dy) = _wide_n_cases()
     recipe = Recipe(mode)
     gmm = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()), row_align=128)
     for f, a, b, g, d in ((Grouped(gmm), x, w, gs, dy), (Dense(recipe, jnp.float32), dense_x, dense_w, None, dense_dy)):
