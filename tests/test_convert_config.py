@@ -82,6 +82,21 @@ def test_missing_keys_take_the_family_defaults():
     config = config_from_hf(minimal)
     assert (config.model.rope_theta, config.model.head_dim, config.moe.num_experts, config.model.rms_norm_eps) == \
         (1e6, 16, 8, 1e-5)
+    # DeepSeek-V3: the first three layers dense (first_k_dense_replace=3); Qwen3-MoE: every layer MoE, top-k
+    # weights not renormalised (norm_topk_prob=False).
+    deepseek = config_from_hf({"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 5})
+    assert (deepseek.model.layer_types, deepseek.moe.n_group, deepseek.moe.topk_group) == ("DDDMM", 8, 4)
+    qwen = config_from_hf({"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 3})
+    assert (qwen.model.layer_types, qwen.moe.norm_topk_prob) == ("MMM", False)
+
+
+def test_deepseek_sequence_balance_loss_weight_is_read_only_with_seq_aux():
+    """aux_loss_alpha becomes moe.seq_aux_loss_weight only where seq_aux is true (the official config); without
+    seq_aux DeepSeek's code weighs a batch-wise loss with it, which must not turn into the sequence-wise one."""
+    assert config_from_hf(DEEPSEEK_V3).moe.seq_aux_loss_weight == 0.001
+    assert config_from_hf({**DEEPSEEK_V3, "seq_aux": False}).moe.seq_aux_loss_weight == 0.0
+    without = {k: v for k, v in DEEPSEEK_V3.items() if k != "seq_aux"}
+    assert config_from_hf(without).moe.seq_aux_loss_weight == 0.0
 
 
 @pytest.mark.parametrize("hf, layers", [
@@ -199,6 +214,8 @@ def test_a_malformed_fp8_block_size_is_named():
     with pytest.raises(ConvertError, match=r"weight_block_size=\['128', 128\] must be two positive integers"):
         fp8_block_size({"quantization_config": quant})
     assert fp8_block_size({"quantization_config": {**quant, "weight_block_size": [128, 64]}}) == (128, 64)
+    # Without weight_block_size: transformers' default, 128 x 128 (DeepSeek-V3's).
+    assert fp8_block_size({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}) == (128, 128)
 
 
 def test_unsupported_architecture_lists_the_supported_ones():

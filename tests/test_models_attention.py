@@ -19,9 +19,9 @@ YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "
 
 
 def mla_config(q_lora_rank=16, rope_scaling=None) -> ModelConfig:
-    # v_head_dim differs from nope + rope so that a mixed-up split cannot go unnoticed.
+    # nope, rope, v_head_dim and nope + rope all differ so that a mixed-up split cannot go unnoticed.
     return ModelConfig(hidden_size=32, num_heads=4, attention="mla", q_lora_rank=q_lora_rank, kv_lora_rank=16,
-                       qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, rope_scaling=rope_scaling)
+                       qk_rope_head_dim=8, qk_nope_head_dim=10, v_head_dim=12, rope_scaling=rope_scaling)
 
 
 def gqa_config(num_kv_heads=2, qk_norm=False) -> ModelConfig:
@@ -212,10 +212,21 @@ def test_mla_parameter_shapes():
     m = mla_config(16)
     init = lambda config: jax.eval_shape(lambda key: attn_lib.init_mla(key, config), jax.random.key(0))
     shapes = {k: v.shape for k, v in init(m).items()}
-    assert shapes == {"q_a": (32, 16), "q_a_norm": (16,), "q_b": (16, 4 * 16), "kv_a": (32, 16 + 8),
-                      "kv_a_norm": (16,), "kv_b": (16, 4 * (8 + 12)), "o": (4 * 12, 32)}
+    assert shapes == {"q_a": (32, 16), "q_a_norm": (16,), "q_b": (16, 4 * (10 + 8)), "kv_a": (32, 16 + 8),
+                      "kv_a_norm": (16,), "kv_b": (16, 4 * (10 + 12)), "o": (4 * 12, 32)}
     shapes = {k: v.shape for k, v in init(mla_config(0)).items()}
-    assert shapes["q"] == (32, 4 * 16) and "q_a" not in shapes and "q_b" not in shapes
+    assert shapes["q"] == (32, 4 * (10 + 8)) and "q_a" not in shapes and "q_b" not in shapes
+
+
+def test_mla_latent_norms_use_their_own_epsilon_not_model_rms_norm_eps():
+    """Hugging Face builds q_a_layernorm and kv_a_layernorm without config.rms_norm_eps: they keep 1e-6 whatever
+    model.rms_norm_eps is (the naive reference hard-codes 1e-6)."""
+    m = dataclasses.replace(mla_config(16), rms_norm_eps=0.5)
+    params = _params(m)
+    x_BSD = jax.random.normal(jax.random.key(1), (1, S, m.hidden_size))
+    cos, sin = _tables(m)
+    got = jax.jit(lambda p, x: attn_lib.attention(p, x, cos, sin, m))(params, x_BSD)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(naive_mla(params, x_BSD[0], m)), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["mla_q_lora", "mqa_qk_norm"])

@@ -85,6 +85,18 @@ def test_mtp_loss_and_gradients_match_the_paper_equations(one_device):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-4 * scale, err_msg=jax.tree_util.keystr(path))
 
 
+def test_mtp_with_dense_blocks_matches_the_paper_equations():
+    """model.mtp_block=dense: each module's transformer block is a dense SwiGLU layer (no router row), run like the
+    MoE block; the losses against the same reference."""
+    config = CONFIG.replace(**{"model.mtp_block": "dense"})
+    params, state, batch = _setup(config)
+    assert "mlp" in params["mtp"]["block"] and state["router_bias"].shape[0] == transformer.layer_counts(config.model)[1]
+    total, (cross_entropy, aux) = jax.jit(lambda p: loss_fn(p, state, batch, config))(params)
+    _, (want_main, want_depths) = jax.jit(lambda p: reference_loss(p, state, batch, config))(params)
+    assert float(cross_entropy) == pytest.approx(float(want_main), rel=1e-5)
+    assert float(aux["mtp_loss"]) == pytest.approx(float(np.mean(want_depths)), rel=1e-5)
+
+
 def test_inference_ignores_the_mtp_modules(one_device):
     params, state, batch, _ = one_device
     plain = CONFIG.replace(**{"model.mtp_layers": 0})

@@ -200,6 +200,23 @@ def test_training_takes_each_sequence_s_common_direction_from_the_other_sequence
     assert _rel_err(y_off, y_eval) < 1e-5 and _rel_err(y_off, y) > 1e-3
 
 
+def test_a_single_training_sequence_routes_on_the_running_mean_as_evaluation_does():
+    """moe.router_common_source="other_sequences" with one sequence: there are no other sequences, so a training
+    pass removes the running mean's direction exactly as evaluation does (not no direction at all)."""
+    cfg, params, bias_E, _, _ = _problem(*CASES[2], seed=13)
+    cfg = dataclasses.replace(cfg, router_common_source="other_sequences", router_common_rate=0.3)
+    rng = np.random.default_rng(9)
+    running_D = rng.normal(size=HIDDEN).astype(np.float32)
+    x_BSD = (rng.normal(size=(1, 6, HIDDEN)) + 3.0 * running_D).astype(np.float32)
+    layer = jax.jit(lambda x, training: moe_layer(params, bias_E, x, cfg, compute_dtype=jnp.float32,
+                                                  router_common_D=jnp.asarray(running_D), training=training)[0],
+                    static_argnums=1)
+    y_eval = np.asarray(layer(x_BSD, False))
+    np.testing.assert_allclose(np.asarray(layer(x_BSD, True)), y_eval, rtol=1e-6, atol=1e-6)
+    without = np.asarray(jax.jit(lambda x: moe_layer(params, bias_E, x, cfg, compute_dtype=jnp.float32)[0])(x_BSD))
+    assert _rel_err(without, y_eval) > 1e-3  # the running mean's direction matters for these inputs
+
+
 def test_bfloat16_compute_stays_close_to_reference():
     cfg, params, bias_E, x_BSD, _ = _problem(*CASES[2], seed=7)
     y, stats = jax.jit(lambda p, x: moe_layer(p, bias_E, x, cfg, compute_dtype=jnp.bfloat16))(params, x_BSD)

@@ -24,7 +24,7 @@ def _brute_force_groups(choice_E, top_k, n_group, topk_group):
     return set(sorted(allowed, key=lambda e: -choice_E[e])[:top_k])
 
 
-@pytest.mark.parametrize("num_experts,top_k,n_group,topk_group", [(8, 3, 4, 2), (12, 4, 3, 2)])
+@pytest.mark.parametrize("num_experts,top_k,n_group,topk_group", [(8, 3, 4, 2), (12, 4, 3, 2), (8, 2, 2, 1)])
 def test_group_limited_selection_matches_brute_force(num_experts, top_k, n_group, topk_group):
     rng = np.random.default_rng(num_experts)
     # Biased sigmoid-like scores, some negative: the masked experts must not win with a fill of 0.

@@ -82,6 +82,17 @@ def test_yarn_keeps_fast_and_interpolates_slow_frequencies():
     assert np.all((inv_freq >= base / 8.0 * (1 - 1e-6)) & (inv_freq <= base * (1 + 1e-6)))
 
 
+def test_yarn_ramp_may_end_beyond_the_last_frequency_pair():
+    # R=16, theta=100, original context 4096: beta_fast=32 turns at pair 5.23 (floor -> 5), beta_slow=1 at pair
+    # 11.26 (ceil -> 12), beyond the last pair (7). Transformers clamps the ramp's end to R - 1 only, so pairs 6
+    # and 7 are still on the ramp (1/7 and 2/7 of the way), not interpolated fully.
+    inv_freq, _ = rope.inverse_frequencies(16, 100.0, {"type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 4096})
+    base = 100.0 ** (-np.arange(8) * 2 / 16)
+    keep = 1.0 - np.clip((np.arange(8) - 5) / (12 - 5), 0.0, 1.0)
+    np.testing.assert_allclose(inv_freq, base * keep + base / 4.0 * (1.0 - keep), rtol=1e-6)
+
+
 def test_yarn_attention_factor_and_mla_softmax_scale():
     mscale_40 = 0.1 * math.log(40.0) + 1.0
     # DeepSeek-V3: softmax scale 1/sqrt(192) times mscale(40, mscale_all_dim=1)^2.
@@ -90,6 +101,8 @@ def test_yarn_attention_factor_and_mla_softmax_scale():
     # cos/sin factor: mscale(f, mscale) / mscale(f, mscale_all_dim), or mscale(f) when either is unset.
     two = dict(DEEPSEEK_YARN, mscale=0.5, mscale_all_dim=1.0)
     assert rope.yarn_attention_factor(two) == pytest.approx((0.05 * math.log(40) + 1) / mscale_40)
+    # The softmax scale takes mscale_all_dim alone, not mscale.
+    assert rope.mla_softmax_scale(192, two) == pytest.approx(192**-0.5 * mscale_40**2, rel=1e-12)
     assert rope.yarn_attention_factor({"factor": 40.0, "original_max_position_embeddings": 4096}) == pytest.approx(mscale_40)
     cos, sin = rope.rope_tables(4, 8, 10000.0, {"factor": 40.0, "original_max_position_embeddings": 64})
     np.testing.assert_allclose(np.asarray(cos**2 + sin**2), mscale_40**2, rtol=1e-5)
