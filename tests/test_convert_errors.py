@@ -88,6 +88,19 @@ def test_export_skips_a_damaged_checkpoint_for_the_newest_good_one(trained, tmp_
     assert not (tmp_path / "hf4").exists() and _leftovers(tmp_path) == []
 
 
+def test_load_model_skips_a_damaged_checkpoint_and_leaves_it_in_place(trained, tmp_path):
+    """`generate` and `logits` (load_model) only read a run: the damaged newest checkpoint is skipped with a
+    warning, and stays where it is (a resume, not a read, sets it aside)."""
+    run = _copy(trained, tmp_path)
+    _damage(run, 4, "flip")
+    with pytest.warns(ckpt.CheckpointWarning, match=r"checkpoint 4 in .* is damaged .*; using checkpoint 2"):
+        _, params, _ = ckpt.load_model(run)
+    _, want, _ = ckpt.load_model(run, step=2)
+    for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert ckpt.all_steps(run) == [4, 2] and not (run / "checkpoints.damaged").exists()
+
+
 @pytest.mark.parametrize("index", ["manifest", "metadata"])
 def test_export_skips_a_checkpoint_whose_index_is_damaged(trained, tmp_path, capsys, index):
     """A torn OCDBT manifest (where each array's chunks are found) or orbax's _METADATA (the tree) of the newest

@@ -23,6 +23,15 @@ def test_alltoall_slot_sizes_and_the_auto_choice():
     assert AllToAll(1.25).resolve(num_tokens=4096, top_k=8, num_devices=8, num_local=4) == AllToAll(1.25)
 
 
+def test_alltoall_slots_round_a_fractional_balanced_load_up():
+    """Slots hold buffer_factor x the balanced load rounded UP: rounded down, uniform routing at buffer factor 1
+    would overflow into the worst-case exchange for the fraction of a row."""
+    # dedup: 8 tokens, top-2 of 8 experts, 2 per device: 8 * (1 - C(6,2)/C(8,2)) = 26/7 = 3.71 rows per destination
+    assert AllToAll(1.0, dedup=True).slot_sizes(num_tokens=8, top_k=2, num_devices=4, num_local=2) == (4, 8)
+    # without dedup: 8 tokens x top-3 over 5 devices = 4.8 rows per destination
+    assert AllToAll(1.0, dedup=False).slot_sizes(num_tokens=8, top_k=3, num_devices=5, num_local=1) == (5, 8)
+
+
 @pytest.mark.parametrize("expert_parallel,dedup", [(4, True), (8, False), (2, False)])
 def test_alltoall_overflow_takes_the_worst_case_path_and_drops_nothing(expert_parallel, dedup):
     # The bias sends every token to experts 0, 1 and 2: the devices holding them receive far more than

@@ -53,6 +53,16 @@ def test_bounded_local_buffer_that_fits_is_taken_and_keeps_only_its_rows():
     assert 16 in residual_rows and 32 not in residual_rows
 
 
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_unfilled_received_rows_name_no_expert_so_a_balanced_local_buffer_fits(name):
+    """alltoall's slots (2 x the balanced load) and ragged's worst-case receive buffers are mostly unfilled: those
+    rows carry no expert (id G), so they are no pairs. Balanced routing on 8 devices then fits a local buffer of
+    1.0 x the balanced load on every device: no overflow, the single-device result."""
+    bounded = executor(STRATEGIES[name], 8, local_buffer_factor=1.0)
+    stats = assert_executor_matches_local(bounded, *balanced_inputs())
+    assert int(stats.dispatch_overflowed) == 0
+
+
 @pytest.mark.parametrize("local_buffer_factor", [0.0, 1.25])
 @pytest.mark.parametrize("name", ["allgather", "alltoall"])
 def test_padding_rows_of_the_grouped_gemms_never_reach_the_result(name, local_buffer_factor):

@@ -144,6 +144,21 @@ def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
     assert all((damaged / name / "model").is_dir() for name in ("20", "20.1"))
 
 
+def test_every_set_aside_copy_of_a_step_is_kept(tmp_path):
+    """A step damaged three times is set aside as 20, 20.1 and 20.2: no copy is moved into or over another."""
+    saved = _save_run(tmp_path, [10, 20])
+    for _ in range(3):
+        shutil.rmtree(tmp_path / "checkpoints" / "20" / "optimizer")
+        step, _, lines = _restore_latest(tmp_path)
+        assert step == 10 and len(lines) == 1, lines
+        with ckpt.manager(tmp_path, keep=10) as mngr:
+            ckpt.save(mngr, 20, saved[20][0]["params"], saved[20][0]["state"], saved[20][1]["opt_state"])
+    damaged = tmp_path / "checkpoints.damaged"
+    assert sorted(p.name for p in damaged.iterdir()) == ["20", "20.1", "20.2"]
+    assert all(sorted(p.name for p in (damaged / name).iterdir() if p.is_dir()) == ["digest", "model"]
+               for name in ("20", "20.1", "20.2"))
+
+
 @pytest.mark.parametrize("written", ['{"version": 1}', '{"version": 1, "leaves": [1, 2]}', "[]"])
 def test_a_digest_without_its_leaves_is_damaged(tmp_path, written):
     """A digest file that orbax reads (valid JSON) but that holds no per-leaf folds verifies nothing: damaged."""
@@ -151,6 +166,17 @@ def test_a_digest_without_its_leaves_is_damaged(tmp_path, written):
     (ckpt.checkpoint_dir(tmp_path) / "20" / "digest" / "metadata").write_text(written)
     step, _, lines = _restore_latest(tmp_path)
     assert step == 10 and len(lines) == 1 and "has an unreadable digest" in lines[0], lines
+
+
+def test_a_leaf_missing_from_the_digest_is_a_digest_mismatch(tmp_path):
+    """A digest that lacks one restored leaf verifies that leaf against nothing: damaged, not accepted."""
+    _save_run(tmp_path, [10, 20])
+    path = ckpt.checkpoint_dir(tmp_path) / "20" / "digest" / "metadata"
+    written = json.loads(path.read_text())
+    del written["leaves"]["optimizer/opt_state/mu"]
+    path.write_text(json.dumps(written))
+    step, _, lines = _restore_latest(tmp_path)
+    assert step == 10 and len(lines) == 1 and "digest mismatch in optimizer/opt_state/mu" in lines[0], lines
 
 
 def test_a_model_of_another_shape_is_one_error_not_a_damaged_checkpoint(tmp_path):
@@ -186,6 +212,15 @@ def test_the_digest_of_an_array_is_the_same_on_the_host_and_on_a_device():
         assert on_host == ckpt.digest({"x": {"a": jnp.asarray(array)}})["x/a"], dtype
 
 
+def test_the_digest_of_a_64_bit_host_array_folds_both_words_of_each_element():
+    """A NumPy int64 or float64 leaf (the optimizer's step) is folded as two little-endian 32-bit words per element:
+    a value that differs in its high word only (a step past 2**32, a float64's sign) has another digest."""
+    for array in (np.asarray([5, 2**32 + 5, -7], np.int64), np.asarray([1.5, -1.5, 2.0**40], np.float64)):
+        words = array.view(np.uint32).astype(np.uint64)
+        want = [int(words.sum()) % 2**32, int((words * np.arange(1, words.size + 1, dtype=np.uint64)).sum()) % 2**32]
+        assert ckpt.digest({"optimizer": {"step": array}})["optimizer/step"] == want, array.dtype
+
+
 @pytest.mark.parametrize("change", ["flip", "swap"])
 def test_a_changed_array_value_is_a_digest_mismatch(tmp_path, change):
     """Rewrite one leaf through orbax itself with one bit changed, or two of its elements exchanged: the files are
@@ -205,6 +240,34 @@ def test_a_changed_array_value_is_a_digest_mismatch(tmp_path, change):
     step, _, lines = _restore_latest(tmp_path)
     assert step == 10
     assert "digest mismatch in model/params/w" in lines[0], lines
+
+
+def test_a_changed_optimizer_array_is_a_digest_mismatch(tmp_path):
+    """The optimizer item is verified as the model is: one bit of its state rewritten through orbax is a mismatch."""
+    _save_run(tmp_path, [10, 20])
+    _, optimizer = _model(20)
+    changed = np.asarray(optimizer["opt_state"]["mu"]).copy()
+    changed.view(np.uint32)[7, 9] ^= 1
+    item = ckpt.checkpoint_dir(tmp_path) / "20" / "optimizer"
+    shutil.rmtree(item)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(item, {"opt_state": {"mu": jnp.asarray(changed)}, "step": np.asarray(20, np.int64)})
+    step, _, lines = _restore_latest(tmp_path)
+    assert step == 10 and len(lines) == 1 and "digest mismatch in optimizer/opt_state/mu" in lines[0], lines
+
+
+def test_a_manager_keeps_only_the_newest_checkpoints_it_is_told_to(tmp_path):
+    """train.keep_checkpoints: saving past the limit deletes the oldest, and what is kept restores."""
+    saved = {}
+    with ckpt.manager(tmp_path, keep=2) as mngr:
+        for step in (10, 20, 30):
+            model, optimizer = saved[step] = _model(step)
+            ckpt.save(mngr, step, model["params"], model["state"], optimizer["opt_state"])
+    assert ckpt.all_steps(tmp_path) == [30, 20]
+    assert sorted(p.name for p in ckpt.checkpoint_dir(tmp_path).iterdir()) == ["20", "30"]
+    step, restored, lines = _restore_latest(tmp_path)
+    assert step == 30 and not lines
+    _assert_equal_trees(restored["model"], saved[30][0])
 
 
 def test_no_good_checkpoint_and_no_checkpoint_are_one_line_errors(tmp_path, corpus):
@@ -257,6 +320,25 @@ def test_a_refused_write_is_one_line_and_keeps_earlier_checkpoints(tmp_path, mon
     step, restored, lines = _restore_latest(tmp_path)
     assert step == 10 and not lines
     _assert_equal_trees(restored["model"], saved[10][0])
+
+
+def test_a_filesystem_refusal_behind_another_exception_is_found():
+    """orbax and tensorstore re-raise a refused write as their own exceptions, explicitly chained or raised while
+    handling it: either way the filesystem's reason is found; an unrelated error has none."""
+    def raised(chain):
+        try:
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as err:
+                if chain:
+                    raise RuntimeError("write failed") from err
+                raise RuntimeError("write failed")
+        except RuntimeError as err:
+            return err
+
+    for chain in (True, False):
+        assert ckpt._filesystem_reason(raised(chain)) == os.strerror(errno.ENOSPC), chain
+    assert ckpt._filesystem_reason(RuntimeError("something else")) is None
 
 
 @pytest.fixture
