@@ -208,6 +208,14 @@ def test_bin_odd_size_and_truncated_llmc(tmp_path):
         read_token_file(tmp_path / "short.bin")
 
 
+def test_llmc_file_longer_than_its_header_announces(tmp_path):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [corpus_lib.LLMC_MAGIC, 1, 4]
+    (tmp_path / "long.bin").write_bytes(header.tobytes() + np.arange(10, dtype="<u2").tobytes())
+    with pytest.raises(DataError, match="llm.c header announcing 4 tokens but holds 10"):
+        read_token_file(tmp_path / "long.bin")
+
+
 def test_errors_are_value_errors_and_one_sentence(tmp_path):
     with pytest.raises(ValueError) as info:
         resolve(str(tmp_path / "missing"), 10**9)

@@ -122,6 +122,22 @@ def test_split_point_cuts_inside_a_dominant_document():
     assert split_point(np.array([10, 990]), SEQ, 0.1) == 900  # the boundary at 10 would leave too little to train
 
 
+def test_split_point_keeps_a_boundary_that_falls_exactly_on_the_target():
+    assert split_point(np.array([30, 30, 30, 30, 30]), SEQ, 0.2) == 120  # 30 tokens asked: exactly the last document
+
+
+def test_split_point_takes_a_boundary_holding_out_exactly_twice_the_target():
+    assert split_point(np.array([50, 50]), SEQ, 0.25) == 50  # 25 asked, the boundary holds out 50 = 2 * 25
+
+
+def test_split_point_takes_a_boundary_leaving_exactly_one_training_sequence():
+    assert split_point(np.array([SEQ + 1, 23]), SEQ, 0.5) == SEQ + 1
+
+
+def test_split_point_holds_out_at_least_one_sequence_of_seq_len_plus_one():
+    assert split_point(np.array([1000]), SEQ, 0.01) == 1000 - (SEQ + 1)  # 10 tokens asked, 17 needed
+
+
 def test_single_text_document_splits_into_contiguous_head_and_tail(tmp_path):
     (tmp_path / "book.txt").write_text(" ".join(_documents(80)))
     dataset, tokenizer = load_token_dataset(_cfg(tmp_path / "book.txt", eval_fraction=0.25), VOCAB, SEQ)
@@ -162,6 +178,13 @@ def test_batches_are_stride_seq_len_windows_of_the_train_stream(text_run):
     assert dataset.num_train_sequences == (len(stream) - 1) // SEQ
 
 
+def test_a_stream_of_a_whole_number_of_seq_len_leaves_its_last_sequence_unused():
+    """Sequence i needs tokens [i*S, i*S + S + 1): k*S tokens hold k-1 sequences (the last lacks its final target)."""
+    dataset = loader_lib.TokenDataset(TokenStream([np.arange(3 * SEQ)]), TokenStream([np.arange(2 * SEQ)]), SEQ, 0)
+    assert dataset.num_train_sequences == 2 and dataset.num_eval_sequences == 1
+    rows = np.concatenate([dataset.train_batch(step, 2) for step in range(3)])
+    np.testing.assert_array_equal(np.unique(rows[:, 0]), [0, SEQ])
+
 # ------------------------------------------------------------------------------- order and resumption
 
 
@@ -183,6 +206,13 @@ def test_batches_are_a_pure_function_of_seed_and_step(text_run, tmp_path):
         np.testing.assert_array_equal(again.train_batch(step, 5), dataset.train_batch(step, 5))
     other_seed, _ = load_token_dataset(_cfg(cfg.source, eval_fraction=0.1, shuffle_seed=4), VOCAB, SEQ)
     assert not np.array_equal(other_seed.train_batch(0, 5), dataset.train_batch(0, 5))
+
+
+def test_neighbouring_seeds_do_not_share_epoch_orders():
+    """The order of epoch e is drawn from (seed, e): seed 4's first epoch is not seed 3's second."""
+    stream = TokenStream([np.arange(100 * SEQ + 1)])
+    three, four = (loader_lib.TokenDataset(stream, stream, SEQ, seed) for seed in (3, 4))
+    assert not np.array_equal(four.train_indices(0, 100), three.train_indices(1, 100))
 
 
 def test_resumed_prefetch_sees_the_batches_of_an_uninterrupted_run(text_run):
@@ -269,6 +299,13 @@ def test_a_changed_corpus_or_vocabulary_retrains_the_tokenizer(tmp_path):
     assert len(list((tmp_path / "run" / "corpus").glob("tokens-*.npz"))) == 1  # stale caches are removed
 
 
+def test_a_changed_max_bytes_retrains_the_tokenizer_of_the_stdlib_corpus(tmp_path):
+    load_token_dataset(DataConfig(max_bytes=20_000), VOCAB, SEQ, tmp_path / "run")
+    _, reloaded = load_token_dataset(DataConfig(max_bytes=40_000), VOCAB, SEQ, tmp_path / "run")
+    _, fresh = load_token_dataset(DataConfig(max_bytes=40_000), VOCAB, SEQ)
+    assert reloaded.to_str() == fresh.to_str()
+
+
 def test_a_given_tokenizer_is_used_and_copied_to_the_run_directory(text_run, tmp_path):
     docs, _, tokenizer, _, _ = text_run
     tokenizer.save(tmp_path / "given.json")
@@ -312,6 +349,14 @@ def test_token_id_beyond_the_vocabulary(tmp_path):
         load_token_dataset(_cfg(tmp_path / "t.npy"), 1000, SEQ)
 
 
+def test_token_id_equal_to_the_vocabulary_size(tmp_path):
+    np.save(tmp_path / "t.npy", np.arange(VOCAB + 1))
+    with pytest.raises(DataError, match=f"holds token id {VOCAB}, beyond the vocabulary of model.vocab_size={VOCAB}"):
+        load_token_dataset(_cfg(tmp_path / "t.npy"), VOCAB, SEQ)
+    np.save(tmp_path / "t.npy", np.arange(VOCAB))
+    load_token_dataset(_cfg(tmp_path / "t.npy"), VOCAB, SEQ)  # the largest id, VOCAB - 1, fits
+
+
 def test_empty_corpus(tmp_path):
     (tmp_path / "a.txt").write_text("")
     _write_jsonl(tmp_path / "b.jsonl", [""])
@@ -338,6 +383,19 @@ def test_a_damaged_token_cache_is_rebuilt(text_run, tmp_path):
     again, _ = load_token_dataset(cfg, VOCAB, SEQ, copy)
     np.testing.assert_array_equal(again.train_batch(9, 4), dataset.train_batch(9, 4))
     assert cache.stat().st_size > 100  # written again, whole
+
+
+def test_a_token_cache_whose_lengths_do_not_add_up_is_rebuilt(text_run, tmp_path):
+    _, dataset, _, run_dir, cfg = text_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (cache,) = (copy / "corpus").glob("tokens-*.npz")
+    with np.load(cache) as cached:
+        tokens, lengths = cached["tokens"], cached["lengths"]
+    np.savez(cache.with_suffix(""), tokens=tokens[:-5], lengths=lengths)  # a well-formed file, inconsistent
+    again, _ = load_token_dataset(cfg, VOCAB, SEQ, copy)
+    np.testing.assert_array_equal(_stream(again.train_stream), _stream(dataset.train_stream))
+    np.testing.assert_array_equal(_stream(again.eval_stream), _stream(dataset.eval_stream))
 
 
 def test_a_resumed_run_reads_its_own_tokenizer_whatever_the_cache_says(tmp_path):

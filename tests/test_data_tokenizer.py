@@ -108,6 +108,12 @@ def test_vocabulary_too_small_for_bytes():
         train_bpe(CORPUS, 200)
 
 
+def test_vocabulary_of_exactly_the_bytes_lacks_room_for_the_end_of_document_token():
+    with pytest.raises(DataError, match="model.vocab_size=256 is too small"):
+        train_bpe(CORPUS, 256)
+    assert train_bpe(CORPUS, 257).vocab_size == 257
+
+
 def test_a_directory_given_as_tokenizer(tmp_path):
     with pytest.raises(DataError, match="is a directory; give the path of a tokenizer.json file"):
         load_tokenizer(tmp_path)

@@ -45,6 +45,31 @@ def test_shape_class_names_features_groups_and_rows_per_group():
     assert gt.shape_class(1000, 64, 64, 3) == "k64-n64-g3-r256"  # 333 rows per group rounds to 2^8
 
 
+def test_shape_class_rounds_rows_per_group_to_the_nearest_row():
+    assert gt.shape_class(23, 64, 64, 2) == "k64-n64-g2-r16"  # 11.5 rows per group round to 12, then to 2^4
+
+
+def test_distance_weighs_features_twice_rows_per_group_once_and_groups_half():
+    base = ShapeKey(4096, 512, 1024, 8)
+    assert base.distance(ShapeKey(4096, 1024, 1024, 8)) == pytest.approx(2.0)  # K doubled (rows per group kept)
+    assert base.distance(ShapeKey(8192, 512, 1024, 8)) == pytest.approx(1.0)  # rows per group doubled
+    assert base.distance(ShapeKey(8192, 512, 1024, 16)) == pytest.approx(0.5)  # G doubled, rows per group kept
+    assert base.distance(ShapeKey(4096, 512, 1024, 32)) == pytest.approx(2 + 1.0)  # G x4: rows per group / 4
+
+
+def test_every_hopper_part_resolves_to_the_sm90_alias():
+    table = gt.load_table()
+    sm90 = table["aliases"]["sm90"]
+    for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H800", "NVIDIA H20", "NVIDIA GH200 480GB"):
+        assert gt.resolve_device(table, kind) == sm90, kind
+    assert gt.resolve_device(table, "NVIDIA A100-SXM4-80GB") is None
+
+
+def test_the_weight_gradient_tiles_k_by_block_m_not_block_k():
+    c = _config(bm=128, bn=64, bk=64)
+    assert c.fits("drhs", k=128, n=64) and not c.fits("drhs", k=64, n=64)
+
+
 def test_packaged_table_has_a_measured_entry_for_every_deepseek_shape():
     table = gt.load_table()
     for name, shape in DSV3.items():

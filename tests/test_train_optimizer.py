@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dropless.core import config as config_lib
-from dropless.train.optimizer import make_optimizer, router_mask
+from dropless.train.optimizer import learning_rate_schedule, make_optimizer, router_mask
 
 
 def _params():
@@ -29,6 +29,27 @@ def _updates(scale, steps=3):
         updates, state = update(grads, state, params)
         out.append(updates)
     return out, state
+
+
+def test_schedule_warms_up_linearly_then_decays_by_a_cosine_to_min_lr_ratio():
+    train = config_lib.TrainConfig(learning_rate=2e-3, min_lr_ratio=0.1, warmup_steps=4, steps=20)
+    schedule = learning_rate_schedule(train)
+    peak, end = 2e-3, 2e-4
+
+    def reference(n):
+        if n < 4:
+            return peak * n / 4
+        return end + (peak - end) * 0.5 * (1 + np.cos(np.pi * min(n - 4, 16) / 16))
+
+    for n in range(24):  # constant at the end value after the horizon
+        assert float(schedule(n)) == pytest.approx(reference(n), rel=1e-5, abs=1e-9), n
+    assert float(schedule(20)) == pytest.approx(end) and float(schedule(12)) == pytest.approx((peak + end) / 2)
+
+
+def test_a_warm_up_longer_than_the_run_reaches_the_peak_at_the_last_step():
+    schedule = learning_rate_schedule(config_lib.TrainConfig(learning_rate=1e-2, warmup_steps=10, steps=5))
+    assert float(schedule(4)) == pytest.approx(1e-2)
+    assert float(schedule(3)) == pytest.approx(0.75e-2)
 
 
 def test_router_updates_scaled_others_unchanged():

@@ -75,6 +75,23 @@ def test_accumulated_gradients_equal_the_whole_batch(count, batch_and_state):
     assert float(evaluated) == pytest.approx(float(want_cross_entropy), rel=1e-6)
 
 
+def test_the_total_loss_adds_the_balance_loss_to_the_cross_entropy(batch_and_state):
+    _, _, _, ((total, (cross_entropy, aux)), _) = batch_and_state
+    assert float(aux["balance_loss"]) > 0
+    assert float(total) == pytest.approx(float(cross_entropy) + float(aux["balance_loss"]), rel=1e-6)
+
+
+def test_merged_microbatch_stats_add_the_dropped_tokens(batch_and_state):
+    """Under gmm_backend=capacity each microbatch drops its own tokens: the step dropped their sum."""
+    from dropless.train.step import merge_microbatch_stats
+
+    _, _, _, ((_, (_, aux)), _) = batch_and_state
+    one = aux["moe"]._replace(tokens_dropped=jnp.arange(1, 1 + aux["moe"].tokens_dropped.size, dtype=jnp.int32)
+                              .reshape(aux["moe"].tokens_dropped.shape))
+    merged = merge_microbatch_stats(jax.tree.map(lambda x: jnp.stack([x, 2 * x]), one))
+    np.testing.assert_array_equal(merged.tokens_dropped, 3 * np.asarray(one.tokens_dropped))
+
+
 def test_accumulation_splits_that_cannot_work_are_config_errors():
     with pytest.raises(ConfigError, match="not divisible by train.grad_accum_steps=3"):
         CONFIG.replace(**{"train.grad_accum_steps": 3})
@@ -155,6 +172,55 @@ def test_the_training_step_moves_the_bias_by_moe_bias_update_rule(batch_and_stat
     assert int(metrics["nonfinite"]) == 1
     np.testing.assert_array_equal(skipped.model_state["router_bias"], poisoned.model_state["router_bias"])
     assert np.abs(expected["sign"] - expected["proportional"]).max() > 0.1  # the two rules told apart
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_whole(batch_and_state, monkeypatch):
+    """A finite loss with one infinite gradient: parameters, optimizer state and router biases keep their values."""
+    from dropless.train import step as step_lib
+    from dropless.train.optimizer import learning_rate_schedule, make_optimizer
+
+    params, state, batch, _ = batch_and_state
+    config = CONFIG.replace(**{"model.num_layers": 1, "moe.bias_update_rate": 0.1})
+    real = step_lib.accumulated_value_and_grad
+
+    def infinite_gradient(*args, **kwargs):
+        value, grads = real(*args, **kwargs)
+        return value, {**grads, "lm_head": grads["lm_head"].at[0, 0].set(jnp.inf)}
+
+    monkeypatch.setattr(step_lib, "accumulated_value_and_grad", infinite_gradient)
+    optimizer = make_optimizer(config.train)
+    start = step_lib.init_train_state(jax.random.key(0), config, optimizer)
+    ones = jax.tree.map(jnp.ones_like, start.params)
+    moved = jax.jit(optimizer.update)(ones, start.opt_state, start.params)[1]  # moments a reset would change
+    start = start._replace(opt_state=moved)
+    stepped, metrics = jax.jit(step_lib.make_train_step(config, optimizer))(start, batch)
+    assert int(metrics["nonfinite"]) == 1 and np.isfinite(float(metrics["total_loss"]))
+    assert int(stepped.step) == 1
+    for got, want in zip(jax.tree.leaves((stepped.params, stepped.opt_state, stepped.model_state)),
+                         jax.tree.leaves((start.params, start.opt_state, start.model_state)), strict=True):
+        np.testing.assert_array_equal(got, want)
+    # The schedule counts applied updates: the next step still runs at the skipped step's rate, and reports it.
+    _, again = jax.jit(step_lib.make_train_step(config, optimizer))(stepped, batch)
+    assert float(again["lr"]) == float(metrics["lr"])
+    assert float(metrics["lr"]) == pytest.approx(float(learning_rate_schedule(config.train)(1)), rel=1e-6)
+
+
+def test_the_step_reports_the_learning_rate_it_applies(batch_and_state):
+    """Step n runs at schedule(n): the first warm-up step at 0 (no weight moves), the second at lr / warmup."""
+    from dropless.train.optimizer import learning_rate_schedule, make_optimizer
+    from dropless.train.step import init_train_state, make_train_step
+
+    _, _, batch, _ = batch_and_state
+    config = CONFIG.replace(**{"model.num_layers": 1, "train.warmup_steps": 4, "train.learning_rate": 1e-2})
+    optimizer = make_optimizer(config.train)
+    start = init_train_state(jax.random.key(0), config, optimizer)
+    train_step = jax.jit(make_train_step(config, optimizer))
+    first, metrics = train_step(start, batch)
+    assert float(metrics["lr"]) == 0.0
+    for got, want in zip(jax.tree.leaves(first.params), jax.tree.leaves(start.params)):
+        np.testing.assert_array_equal(got, want)
+    _, metrics = train_step(first, batch)
+    assert float(metrics["lr"]) == pytest.approx(1e-2 / 4) == float(learning_rate_schedule(config.train)(1))
 
 
 def test_router_common_moves_towards_the_step_s_mean_router_input(batch_and_state):

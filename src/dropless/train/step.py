@@ -222,6 +222,16 @@ def other_sequences_step(config: Config, step: jax.Array) -> jax.Array | None:
     return None if steps == 0 else step < steps
 
 
+def applied_updates(opt_state, step: jax.Array) -> jax.Array:
+    """How many updates the optimizer has applied: the count its learning-rate schedule reads. A skipped step
+    (not finite) keeps the optimizer's state, count included, so after k of them the schedule runs k steps behind
+    `TrainState.step` (as Megatron-LM's scheduler does, stepping only on a successful update). `step` where the
+    state holds no schedule. On the device even where train.offload_optimizer keeps the state in host memory."""
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+    schedules = [leaf for leaf in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(leaf)]
+    return jax.device_put(schedules[0].count, jax.memory.Space.Device) if schedules else step
+
+
 def make_train_step(config: Config, optimizer: optax.GradientTransformation, executor=None) -> Callable:
     """The un-jitted step; callers jit it with their shardings (see `dropless.train.loop`)."""
     schedule_lr = learning_rate_schedule(config.train)
@@ -239,7 +249,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         params, opt_state, model_state = where_tree(
             finite, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
         metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": grad_norm,
-                   "lr": schedule_lr(state.step), "nonfinite": (~finite).astype(jnp.int32),
+                   "lr": schedule_lr(applied_updates(state.opt_state, state.step)), "nonfinite": (~finite).astype(jnp.int32),
                    **_moe_metrics(aux, config.moe.num_experts_per_tok)}
         if "expert_share" in metrics:
             metrics["router_bias"] = model_state["router_bias"]  # after this step's update
