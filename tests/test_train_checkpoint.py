@@ -130,33 +130,22 @@ def test_a_trained_checkpoint_without_its_optimizer_state_is_damaged_but_an_impo
     assert (tmp_path / "import" / "checkpoints" / "20" / "model").is_dir()  # nothing moved
 
 
-def test_a_step_damaged_twice_is_set_aside_twice(tmp_path):
-    """A resumed run saves the set-aside step again; damaged again, the second copy goes beside the first."""
+@pytest.mark.parametrize("times", [2, 3])
+def test_a_step_damaged_again_is_set_aside_beside_its_earlier_copies(tmp_path, times):
+    """A resumed run saves the set-aside step again; damaged again, each copy goes beside the earlier ones (20,
+    20.1, 20.2): none is moved into or over another."""
     saved = _save_run(tmp_path, [10, 20])
-    for _ in range(2):
+    for _ in range(times):
         shutil.rmtree(tmp_path / "checkpoints" / "20" / "optimizer")
         step, _, lines = _restore_latest(tmp_path)
         assert step == 10 and len(lines) == 1, lines
         with ckpt.manager(tmp_path, keep=10) as mngr:
             ckpt.save(mngr, 20, saved[20][0]["params"], saved[20][0]["state"], saved[20][1]["opt_state"])
+    names = ["20"] + [f"20.{i}" for i in range(1, times)]
     damaged = tmp_path / "checkpoints.damaged"
-    assert sorted(p.name for p in damaged.iterdir()) == ["20", "20.1"]
-    assert all((damaged / name / "model").is_dir() for name in ("20", "20.1"))
-
-
-def test_every_set_aside_copy_of_a_step_is_kept(tmp_path):
-    """A step damaged three times is set aside as 20, 20.1 and 20.2: no copy is moved into or over another."""
-    saved = _save_run(tmp_path, [10, 20])
-    for _ in range(3):
-        shutil.rmtree(tmp_path / "checkpoints" / "20" / "optimizer")
-        step, _, lines = _restore_latest(tmp_path)
-        assert step == 10 and len(lines) == 1, lines
-        with ckpt.manager(tmp_path, keep=10) as mngr:
-            ckpt.save(mngr, 20, saved[20][0]["params"], saved[20][0]["state"], saved[20][1]["opt_state"])
-    damaged = tmp_path / "checkpoints.damaged"
-    assert sorted(p.name for p in damaged.iterdir()) == ["20", "20.1", "20.2"]
+    assert sorted(p.name for p in damaged.iterdir()) == names
     assert all(sorted(p.name for p in (damaged / name).iterdir() if p.is_dir()) == ["digest", "model"]
-               for name in ("20", "20.1", "20.2"))
+               for name in names)
 
 
 @pytest.mark.parametrize("written", ['{"version": 1}', '{"version": 1, "leaves": [1, 2]}', "[]"])

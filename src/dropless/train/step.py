@@ -249,7 +249,8 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         params, opt_state, model_state = where_tree(
             finite, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
         metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": grad_norm,
-                   "lr": schedule_lr(applied_updates(state.opt_state, state.step)), "nonfinite": (~finite).astype(jnp.int32),
+                   "lr": schedule_lr(applied_updates(state.opt_state, state.step)),
+                   "nonfinite": (~finite).astype(jnp.int32),
                    **_moe_metrics(aux, config.moe.num_experts_per_tok)}
         if "expert_share" in metrics:
             metrics["router_bias"] = model_state["router_bias"]  # after this step's update
