@@ -53,6 +53,34 @@ def test_bounded_local_buffer_that_fits_is_taken_and_keeps_only_its_rows():
     assert 16 in residual_rows and 32 not in residual_rows
 
 
+COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather", "all_gather_invariant",
+               "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter"}
+
+
+@pytest.mark.parametrize("strategy", [*STRATEGIES.values(), Chunked(AllGather(), 2)], ids=[*STRATEGIES, "chunked"])
+def test_no_collective_runs_inside_the_per_device_overflow_branch(strategy):
+    """Each device picks the bounded or the worst-case branch alone, so a collective inside either (forward or
+    backward) would wait for devices that run the other branch's. The experts, the same on every device of data
+    and fsdp, meet the rows there: their gradient's all-reduce must run outside the cond."""
+    params, bias_E, x_BSD, cotangent_BSD = problem(seed=0)
+    bounded = executor(strategy, 2, local_buffer_factor=1.0)  # data 2 x fsdp 2 x expert 2
+
+    def loss(p, x):
+        y_BSD, stats = moe_layer(p, bias_E, x, MOE, compute_dtype=jnp.float32, executor=bounded)
+        return jnp.sum(y_BSD * cotangent_BSD) + stats.balance_loss
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(params, x_BSD)
+    conds = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "cond"]
+    assert conds, "the bounded buffer's overflow branch is a lax.cond"
+    inside = [(str(c.source_info.name_stack), c.primitive.name) for e in conds for branch in e.params["branches"]
+              for c in equations(branch.jaxpr) if c.primitive.name in COLLECTIVES]
+    assert not inside
+    # The experts' gradient is still summed over data and fsdp, once, outside.
+    reduced = {tuple(sorted(e.params["axes"])) for e in equations(jaxpr.jaxpr)
+               if e.primitive.name in ("psum", "psum_invariant")}
+    assert ("data", "fsdp") in reduced
+
+
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_unfilled_received_rows_name_no_expert_so_a_balanced_local_buffer_fits(name):
     """alltoall's slots (2 x the balanced load) and ragged's worst-case receive buffers are mostly unfilled: those

@@ -26,6 +26,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from dropless.core.varying import varying_like
 from dropless.gmm import GroupedMatmul
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.moe.executor import ExecutorStats, LocalExecutor
@@ -49,8 +50,8 @@ class LocalExperts:
     the balanced load of T*K (token, expert) pairs names an expert here (T tokens per device; at two devices
     and DeepSeek-V3's top-8 that is half the buffer). With `buffer_factor` > 0 the layer keeps
     ceil(buffer_factor x T*K) rows. A device whose pairs do not fit, counted on the device, takes the
-    worst-case R*J buffer instead (`lax.cond`; each device decides for itself, no collective inside). That
-    branch is rematerialised (`jax.checkpoint`): its residuals are the branch's inputs, so the bounded branch
+    worst-case R*J buffer instead (`lax.cond`; each device decides for itself, so no collective may run inside,
+    in the forward or the backward pass). That branch is rematerialised (`jax.checkpoint`): its residuals are the branch's inputs, so the bounded branch
     pays nothing for it. Never a drop; the overflow is reported.
     """
 
@@ -76,7 +77,12 @@ class LocalExperts:
         the compute dtype anyway).
 
         `balanced_pairs`: the (token, expert) pairs one device holds when the routing is balanced, T*K."""
-        operands = (received.x_RD, received.local_ids_RJ, received.weights_RJ, self.experts)
+        # The experts are the same on every device of the axes the rows vary over (data, fsdp); where they first
+        # meet the rows JAX casts them to varying, and that cast's transpose is their gradient's all-reduce. Cast
+        # here, it runs outside the cond: inside, devices that took different branches would wait in different
+        # all-reduces (XLA requires every participant to run the same one; jax 0.12.1's CPU runtime deadlocks).
+        experts = jax.tree.map(lambda w: varying_like(w, *received), self.experts)
+        operands = (received.x_RD, received.local_ids_RJ, received.weights_RJ, experts)
         worst = received.local_ids_RJ.size
         bound = self.buffer_rows(balanced_pairs, worst)
 
