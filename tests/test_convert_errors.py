@@ -17,7 +17,7 @@ from dropless import cli
 from dropless.convert import ConvertError, convert_from_hf, convert_to_hf, run_store
 from dropless.convert import api
 from dropless.convert.api import HF_SOURCE
-from dropless.convert.safetensors_io import CheckpointReader
+from dropless.convert.safetensors_io import CheckpointReader, write_sharded
 from dropless.core import config as config_lib
 from dropless.train import checkpoint as ckpt
 from tests.test_convert_run_store import _random_model, _tiny
@@ -72,6 +72,17 @@ def test_fold_of_slabs_adds_up_to_the_checkpoint_digest():
                  for index in reversed(list(np.ndindex(3, 2)))]
         got = [sum(f[0] for f in folds) & 0xFFFFFFFF, sum(f[1] for f in folds) & 0xFFFFFFFF]
         assert got == ckpt.digest({"x": {"a": jax.numpy.asarray(array)}})["x/a"], dtype
+
+
+def test_fold_of_slabs_of_8_byte_elements_adds_up_to_the_checkpoint_digest():
+    """8-byte elements count as two words each, in a slab's starting offset too (host arrays: int64, float64)."""
+    rng = np.random.default_rng(0)
+    for dtype in (np.int64, np.float64):
+        array = (rng.standard_normal((3, 2, 5)) * 1e6).astype(dtype)
+        folds = [run_store.fold(array[index], run_store._flat_offset(array.shape, index))
+                 for index in np.ndindex(3, 2)]
+        got = [sum(f[0] for f in folds) & 0xFFFFFFFF, sum(f[1] for f in folds) & 0xFFFFFFFF]
+        assert got == ckpt.digest({"x": {"a": array}})["x/a"], dtype
 
 
 def test_export_skips_a_damaged_checkpoint_for_the_newest_good_one(trained, tmp_path):
@@ -236,3 +247,30 @@ def test_a_safetensors_header_with_impossible_offsets_is_named(tmp_path, offsets
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
     with pytest.raises(ConvertError, match="model.safetensors has a corrupt safetensors header"):
         CheckpointReader(tmp_path).read("w")
+
+
+@pytest.mark.parametrize("start", [b"PK\x03\x04\x14\x00\x00\x00", b"\x80\x02}q\x00(X\x15"])  # a zip (torch), a pickle
+def test_a_file_that_is_not_safetensors_is_named_by_its_header_length(tmp_path, start):
+    (tmp_path / "model.safetensors").write_bytes(start + bytes(64))
+    with pytest.raises(ConvertError, match=r"model.safetensors is not a safetensors file \(header length \d+\); "
+                                           "re-download it"):
+        CheckpointReader(tmp_path)
+
+
+@pytest.mark.parametrize("end", [4, 12])
+def test_a_safetensors_tensor_whose_bytes_disagree_with_its_shape_is_named(tmp_path, end):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, end]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(ConvertError, match=rf"model.safetensors is corrupt: tensor w has {end} bytes for shape "
+                                           r"\[2\] F32; re-download it"):
+        CheckpointReader(tmp_path).read("w")
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
+    tensors = {name: np.full(10, i, np.float32) for i, name in enumerate("abc")}
+    paths = write_sharded(tmp_path, [(n, "F32", a.shape) for n, a in tensors.items()], tensors.items(),
+                          max_shard_bytes=40)
+    paths[1].unlink()
+    with pytest.raises(ConvertError, match=rf"lacks shard\(s\) {paths[1].name} named in model.safetensors.index.json; "
+                                           "download the complete checkpoint"):
+        CheckpointReader(tmp_path)

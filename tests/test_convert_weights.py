@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import struct
 import tracemalloc
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors
 import safetensors.numpy
 
 from dropless.convert import ConvertError, convert_from_hf, convert_to_hf, load_hf, run_store
@@ -185,6 +187,18 @@ def test_bfloat16_checkpoint_round_trips_byte_identical(tmp_path):
     convert_to_hf(tmp_path / "run", cast, dtype="float16")
     reader = CheckpointReader(cast)
     assert {reader.tensors[n].dtype for n in reader.tensors if "correction" not in n} == {"F16"}
+    assert {reader.tensors[n].dtype for n in reader.tensors if "correction" in n} == {"F32"}  # as transformers keeps it
+
+
+def test_tokenizer_and_generation_files_travel_through_import_and_export(tmp_path):
+    source = Path(shutil.copytree(FIXTURES / "qwen3_moe_tied", tmp_path / "hf"))
+    (source / "tokenizer.json").write_text('{"model": "x"}')
+    (source / "generation_config.json").write_text('{"do_sample": false}')
+    convert_from_hf(source, tmp_path / "run")
+    assert (tmp_path / "run" / "tokenizer.json").read_text() == '{"model": "x"}'  # where generate --run-dir looks
+    convert_to_hf(tmp_path / "run", tmp_path / "exported")
+    for name in ("tokenizer.json", "generation_config.json"):
+        assert (tmp_path / "exported" / name).read_bytes() == (source / name).read_bytes(), name
 
 
 def test_mtp_layers_and_rotary_buffers_are_skipped(tmp_path):
@@ -269,6 +283,55 @@ def test_our_safetensors_files_interoperate_with_the_safetensors_library(tmp_pat
     safetensors.numpy.save_file(tensors, tmp_path / "theirs" / "model.safetensors")
     reader = CheckpointReader(tmp_path / "theirs")
     assert all(np.array_equal(reader.read(n), tensors[n]) for n in tensors)
+
+
+# What the safetensors library calls each dtype dropless reads, spelled out here rather than taken from DTYPES.
+LIBRARY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": BF16, "F8_E4M3": E4M3,
+                  "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+                  "U8": np.uint8, "BOOL": np.bool_}
+
+
+def test_every_dtype_reads_and_writes_as_the_safetensors_library_does(tmp_path):
+    """Each dtype, and a zero-size tensor, has the same name, shape and bytes in our files as in the library's, both
+    ways (bfloat16 and float8 too, through the library's raw interface); our data starts 8-byte aligned, as theirs."""
+    tensors = {code: (np.arange(6) - 3).reshape(2, 3).astype(dtype) for code, dtype in LIBRARY_DTYPES.items()}
+    tensors["empty"] = np.zeros((0, 3), np.float32)
+    codes = {**{code: code for code in LIBRARY_DTYPES}, "empty": "F32"}
+    (ours,) = write_sharded(tmp_path / "ours", [(n, DTYPE_NAMES[a.dtype], a.shape) for n, a in tensors.items()],
+                            tensors.items())
+    data = ours.read_bytes()
+    assert (8 + struct.unpack("<Q", data[:8])[0]) % 8 == 0
+    assert {name: (t["dtype"], tuple(t["shape"]), bytes(t["data"])) for name, t in safetensors.deserialize(data)} == \
+        {name: (codes[name], a.shape, a.tobytes()) for name, a in tensors.items()}
+    specs = {name: safetensors.TensorSpec(dtype=a.dtype.name, shape=a.shape, data_ptr=a.ctypes.data, data_len=a.nbytes)
+             for name, a in tensors.items()}
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "model.safetensors").write_bytes(bytes(safetensors.serialize(specs)))
+    with CheckpointReader(tmp_path / "theirs") as reader:
+        for name, array in tensors.items():
+            got = reader.read(name)
+            assert (got.dtype, got.shape, got.tobytes()) == (array.dtype, array.shape, array.tobytes()), name
+
+
+def test_shards_fill_up_to_max_shard_bytes_and_are_numbered_from_one(tmp_path):
+    tensors = {name: np.full(10, i, np.float32) for i, name in enumerate("abc")}  # 40 bytes each
+    paths = write_sharded(tmp_path, [(n, "F32", a.shape) for n, a in tensors.items()], tensors.items(),
+                          max_shard_bytes=80)
+    assert [p.name for p in paths] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert index == {"metadata": {"total_size": 120},
+                     "weight_map": {"a": paths[0].name, "b": paths[0].name, "c": paths[1].name}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([INDEX_NAME, *(p.name for p in paths)])
+
+
+def test_a_tensor_stream_that_fails_leaves_no_partial_shard(tmp_path):
+    def failing():
+        yield "a", np.zeros(10, np.float32)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        write_sharded(tmp_path, [("a", "F32", (10,)), ("b", "F32", (10,))], failing())
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 # ----------------------------------------------------------------------------------------------- errors

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -65,3 +66,31 @@ def test_an_error_inside_the_block_leaves_the_previous_file(tmp_path):
             raise KeyboardInterrupt
     np.testing.assert_array_equal(np.load(path), np.arange(6, dtype=np.float32))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["logits.npy"]
+
+
+def test_a_kill_before_write_atomic_renames_leaves_the_old_file_and_a_temporary_the_next_start_removes(tmp_path,
+                                                                                                       monkeypatch):
+    path = tmp_path / "router.json"
+    path.write_text("old")
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*_):
+        raise Killed
+    monkeypatch.setattr(files.os, "replace", killed)
+    with pytest.raises(Killed):
+        files.write_atomic(path, "new")
+    monkeypatch.undo()
+    assert path.read_text() == "old"
+    (tmp_path / "notes.tmp").write_text("the user's")
+    files.remove_temporaries(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", "router.json"]
+
+
+def test_a_file_or_pipe_in_the_way_of_a_directory_is_found(tmp_path):
+    assert files.file_in_the_way(tmp_path / "new" / "deeper") is None
+    (tmp_path / "plain").write_text("x")
+    assert files.file_in_the_way(tmp_path / "plain" / "run") == tmp_path / "plain"
+    os.mkfifo(tmp_path / "pipe")
+    assert files.file_in_the_way(tmp_path / "pipe" / "run") == tmp_path / "pipe"

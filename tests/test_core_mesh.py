@@ -24,6 +24,8 @@ def test_make_mesh_shapes(data, fsdp, expert, shape):
     (ParallelConfig(fsdp=3), {}, "does not divide the 8 devices"),
     (ParallelConfig(expert=8), {"num_experts": 12}, "moe.num_experts=12 is not divisible by parallel.expert=8"),
     (ParallelConfig(expert=2), {"batch_size": 12}, "train.batch_size=12 is not divisible by the 8 devices"),
+    (ParallelConfig(), {"batch_size": 16, "microbatch_size": 4},
+     "= 4 sequences.*is not divisible by the 8 devices of the mesh; make it a multiple of 8"),
 ])
 def test_make_mesh_errors(parallel, kwargs, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
@@ -35,7 +37,10 @@ def test_rules_map_each_mesh_axis_once_and_skip_non_divisors():
     assert logical_to_spec(mesh, ("layers", "experts", "embed", "mlp")) == P(None, "expert", "fsdp", None)
     assert logical_to_spec(mesh, ("layers", "experts", "mlp", "embed")) == P(None, "expert", "fsdp", None)
     assert logical_to_spec(mesh, ("layers", "kv_lora", "heads_x_dim")) == P(None, "fsdp", None)
+    assert logical_to_spec(mesh, ("vocab", "embed")) == P("fsdp", None)  # the embedding: split by vocabulary rows
     assert logical_to_spec(mesh, ("batch", None)) == P(("data", "fsdp", "expert"), None)
+    # 4 sequences split over data x fsdp = 4 devices, not over all 8: the joint size must divide the dimension.
+    assert logical_to_spec(mesh, ("batch", None), (4, 3)) == P(("data", "fsdp"), None)
     # 81 rows do not split over fsdp=2: the next eligible dimension takes it.
     assert logical_to_spec(mesh, ("layers", "embed", "kv_lora"), (3, 81, 64)) == P(None, None, "fsdp")
     # size-1 mesh axes never appear in a spec.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import math
 import re
 
@@ -263,3 +264,78 @@ def test_the_grouped_gemm_rate_follows_rows_per_local_expert():
         rows = batch * 4096 // devices * 8 * expert / 32
         assert plan.time["grouped_gemm"]["rows_per_expert"] == pytest.approx(rows)
         assert plan.time["grouped_gemm"]["tflops"] == pytest.approx(gmm_rate(rates, rows))
+
+
+def test_the_collectives_bytes_follow_the_mesh_and_the_step():
+    """Each device sends per step: a ring all-reduce of the replicated float32 gradients (2 (n-1)/n of them), FSDP's
+    compute-dtype gathers twice (forward, backward) for one reduce-scatter, per microbatch, and the MoE exchange,
+    once more under remat, with float8 dispatch rows of one byte on the way out. Within a host when the group
+    fits in it."""
+    proxy = load_preset("deepseek-v3-proxy").replace(**{"train.batch_size": 16})
+
+    def sent(overrides, cluster=Cluster(1, 8, "H200")):
+        plan = make_plan(proxy.replace(**overrides), cluster)
+        return plan, {c["name"]: (c["bytes_per_device"], c["within_host"]) for c in plan.time["collectives"]}
+
+    plan, data = sent({"parallel.data": 8})
+    assert set(data) == {"gradient_all_reduce"}
+    assert data["gradient_all_reduce"][0] == pytest.approx(2 * 7 / 8 * plan.memory.gradients, rel=1e-9)
+    _, fsdp = sent({"parallel.fsdp": 8})
+    assert fsdp["fsdp_all_gather"][0] == pytest.approx(2 * fsdp["fsdp_reduce_scatter"][0], rel=1e-9)
+    assert fsdp["fsdp_all_gather"][1] and fsdp["fsdp_reduce_scatter"][1]
+    _, accumulated = sent({"parallel.fsdp": 8, "train.grad_accum_steps": 2})
+    assert accumulated["fsdp_all_gather"][0] == pytest.approx(2 * fsdp["fsdp_all_gather"][0], rel=1e-9)
+    _, across = sent({"parallel.fsdp": 8}, Cluster(2, 4, "H200"))
+    assert not across["fsdp_all_gather"][1] and across["fsdp_all_gather"][0] == fsdp["fsdp_all_gather"][0]
+    _, ep = sent({"parallel.expert": 8})
+    _, remat = sent({"parallel.expert": 8, "train.remat": "moe"})
+    _, fp8_wire = sent({"parallel.expert": 8, "moe.dispatch_dtype": "float8"})
+    assert remat["moe_allgather"][0] == pytest.approx(3 / 2 * ep["moe_allgather"][0], rel=1e-9)
+    assert fp8_wire["moe_allgather"][0] == pytest.approx((1 + 2) / (2 + 2) * ep["moe_allgather"][0], rel=1e-9)
+
+
+def test_the_time_terms_charge_hidden_syncs_host_copies_and_update_traffic():
+    """FSDP and gradient syncs cost only what the compute does not hide; an offloaded optimizer state crosses to
+    the host and back each step, offloaded activations each microbatch; the update reads and writes the moments;
+    microbatches move the whole batch's activations, as one batch would."""
+    rates = device_rates(load_rates(), "H200")
+    proxy = load_preset("deepseek-v3-proxy").replace(**{"train.batch_size": 16})
+    for overrides in ({"parallel.data": 8}, {"parallel.expert": 8}):
+        plan = make_plan(proxy.replace(**overrides), Cluster(1, 8, "H200"))
+        syncs = sum(c["seconds"] for c in plan.time["collectives"] if not c["name"].startswith("moe_"))
+        assert plan.time["terms_s"]["fsdp_and_gradient_sync_exposed"] == pytest.approx(
+            max(0.0, syncs - plan.time["terms_s"]["compute"]), rel=1e-9)
+    exposed = {axis: make_plan(proxy.replace(**{axis: 8}), Cluster(1, 8, "H200")).time["terms_s"][
+        "fsdp_and_gradient_sync_exposed"] for axis in ("parallel.expert", "parallel.data")}
+    assert exposed["parallel.expert"] == 0 < exposed["parallel.data"]
+    host = rates["host_gbps"] * 1e9
+    offloaded = make_plan(proxy.replace(**{"train.offload_optimizer": True}), Cluster(1, 8, "H200"))
+    assert offloaded.time["terms_s"]["host_copies"] == pytest.approx(2 * offloaded.memory.optimizer_state / host)
+    for micro in (1, 2):
+        named = make_plan(proxy.replace(**{"train.remat": "full", "train.offload": "attn_out,moe_in",
+                                           "train.grad_accum_steps": micro}), Cluster(1, 8, "H200"))
+        assert named.time["terms_s"]["host_copies"] == pytest.approx(
+            2 * named.memory.activations_in_host * micro / host)
+    hbm = rates["hbm_gbps"] * 1e9
+    one = make_plan(proxy, Cluster(1, 8, "H200"))
+    half = make_plan(proxy.replace(**{"train.optimizer_moments_dtype": "bfloat16"}), Cluster(1, 8, "H200"))
+    assert one.time["terms_s"]["memory_bound"] - half.time["terms_s"]["memory_bound"] == pytest.approx(
+        2 * (one.memory.optimizer_state - half.memory.optimizer_state) / hbm)
+    two = make_plan(proxy.replace(**{"train.grad_accum_steps": 2}), Cluster(1, 8, "H200"))
+    assert two.time["terms_s"]["memory_bound"] - one.time["terms_s"]["memory_bound"] == pytest.approx(
+        (two.memory.gradient_buffers - one.memory.gradient_buffers) / hbm)
+
+
+def test_a_rate_table_may_have_no_step_overhead(tmp_path):
+    """step_overhead_ms is the one rate that may be 0 (a device measured without fixed per-step cost); any other
+    rate of 0 is refused."""
+    table = load_rates()
+    entry = table["H200"]
+    entry["step_overhead_ms"] = {**entry["step_overhead_ms"], "value": 0}
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps(table))
+    assert device_rates(load_rates(path), "H200")["step_overhead_ms"] == 0
+    entry["hbm_gbps"] = {**entry["hbm_gbps"], "value": 0}
+    path.write_text(json.dumps(table))
+    with pytest.raises(Exception, match="hbm_gbps"):
+        load_rates(path)

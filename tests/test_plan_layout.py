@@ -8,7 +8,9 @@ import jax
 import pytest
 
 from dropless.plan import Cluster, make_plan
-from dropless.plan.layout import mesh_sizes
+from dropless.core.config import ConfigError
+from dropless.models import transformer
+from dropless.plan.layout import mesh_sizes, state_bytes
 from dropless.train import setup as setup_lib
 from tests.micro_config import micro_config
 
@@ -62,9 +64,62 @@ def test_state_bytes_equal_the_sharded_arrays(data, fsdp, expert, features):
 
 
 def test_mesh_sizes_refuse_what_make_mesh_refuses():
-    from dropless.core.config import ConfigError
-
     with pytest.raises(ConfigError, match="does not divide the 12 devices"):
         mesh_sizes(micro_config(**{"parallel.fsdp": 8}), 12)
     with pytest.raises(ConfigError, match="not divisible by the 4 devices"):
         mesh_sizes(micro_config(**{"train.batch_size": 2}), 4)
+
+
+def _leaves(tree, prefix=()):
+    """(path of keys, ShapeDtypeStruct) of every array of a nested dict."""
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*prefix, name))
+        elif value is not None:
+            yield (*prefix, name), value
+
+
+def test_the_state_s_element_counts_follow_the_real_parameters():
+    """On an unsharded mesh: the matrices are every weight but the norms and the float32 router, the routed
+    experts' elements those under `experts` (not the shared experts), and the largest layer that of the stack
+    whose one layer holds the most elements; gathered over `fsdp`, that layer is whole again."""
+    config = micro_config(**{"model.num_layers": 3, "model.first_dense_layers": 1})
+    params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config))
+    leaves = list(_leaves(params))
+    size = {path: math.prod(x.shape) for path, x in leaves}
+    unsharded = state_bytes(config, {"data": 8, "fsdp": 1, "expert": 1})
+    assert unsharded.parameter_elements == sum(size.values())
+    assert unsharded.matrix_elements == sum(n for path, n in size.items()
+                                            if not path[-1].endswith("norm") and "router" not in path)
+    assert unsharded.expert_elements == sum(n for path, n in size.items() if "experts" in path) > 0
+    stacks = {}
+    for path, x in leaves:
+        if path[0] in ("dense_layers", "moe_layers"):
+            stacks[path[0]] = stacks.get(path[0], 0) + size[path] // x.shape[0]
+    assert stacks["moe_layers"] != stacks["dense_layers"]
+    assert unsharded.largest_layer_elements == unsharded.largest_layer_gathered == max(stacks.values())
+    sharded = state_bytes(config, {"data": 1, "fsdp": 8, "expert": 1})
+    assert sharded.largest_layer_elements < sharded.largest_layer_gathered == max(stacks.values())
+
+
+def test_the_model_state_without_the_routers_running_mean(tmp_path):
+    """moe.router_common_rate=0 keeps no running input mean beside the router bias: the plan's model state is
+    the real one's, exactly."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    config = micro_config(**{"train.batch_size": 8, "parallel.data": 2, "parallel.fsdp": 2, "parallel.expert": 2,
+                             "model.hidden_size": 64, "moe.router_common_rate": 0.0})
+    actual = _actual(config)
+    plan = make_plan(config, Cluster(1, 8, "cpu"))
+    batch = config.train.batch_size * (config.train.seq_len + 1) * 4 // 8
+    assert plan.memory.model_state_and_batch == actual["model_state"] + batch
+    assert plan.memory.model_state_and_batch < make_plan(
+        config.replace(**{"moe.router_common_rate": 0.3}), Cluster(1, 8, "cpu")).memory.model_state_and_batch
+
+
+def test_mesh_sizes_split_each_microbatch_over_the_devices():
+    """With train.grad_accum_steps each microbatch, not the whole batch, is split over the data axes."""
+    config = micro_config(**{"train.batch_size": 16, "train.grad_accum_steps": 2})
+    assert mesh_sizes(config, 8) == {"data": 8, "fsdp": 1, "expert": 1}
+    with pytest.raises(ConfigError, match="not divisible by the 8 devices"):
+        mesh_sizes(config.replace(**{"train.batch_size": 8}), 8)

@@ -14,8 +14,9 @@ import pytest
 from dropless.core.config import from_dict, parse_overrides
 from dropless.models import transformer
 from dropless.plan import Cluster, make_plan
-from dropless.plan.layout import mesh_sizes
-from dropless.plan.memory import moe_buffers, plan_memory
+from dropless.ep.auto import Auto
+from dropless.plan.layout import mesh_sizes, state_bytes
+from dropless.plan.memory import layer_bytes, moe_buffers, plan_memory, saved_per_token
 from dropless.train.step import loss_fn
 from tests.micro_config import micro_config
 
@@ -245,3 +246,75 @@ def test_fp8_keeps_its_products_inputs_as_e4m3_copies_and_leaves_bf16_as_it_was(
         assert bf16.residual - dense.residual == 2 * D and bf16.mlp - dense.mlp == F
         assert saved("off", "moe").residual - sparse.residual == D - D * bool(moe.num_shared_experts)
     assert saved("mxfp8", "dense").residual == bf16.residual and saved("mxfp8", "dense").mlp == bf16.mlp
+
+
+def test_auto_dispatch_picks_the_strategy_the_expert_parallel_layer_picks():
+    """`moe.dispatch=auto` is resolved per shape at trace time (dropless.ep.auto): the plan sizes the buffers of
+    the same strategy, allgather where the alltoall slots would hold every token (their bound reached, as at few
+    devices with a large top-k) and alltoall where they are smaller."""
+    proxy = micro_config(**{"moe.num_experts": 32, "moe.num_experts_per_tok": 8, "moe.n_group": 1,
+                            "moe.topk_group": 1, "moe.dispatch": "auto"})
+    chosen = set()
+    for factor, top_k, devices, tokens in ((2.0, 8, 2, 4096), (2.0, 8, 8, 1024), (1.0, 2, 8, 1024),
+                                           (1.25, 2, 4, 512), (1.0, 8, 2, 4096)):
+        config = proxy.replace(**{"moe.alltoall_buffer_factor": factor, "moe.num_experts_per_tok": top_k})
+        buffers = moe_buffers(config, {"data": 1, "fsdp": 1, "expert": devices}, tokens)
+        runtime = Auto(factor, config.moe.dedup).resolve(tokens, top_k, devices, 32 // devices)
+        assert buffers.strategy == runtime.name, (factor, top_k, devices, tokens)
+        chosen.add(runtime.name)
+    assert chosen == {"allgather", "alltoall"}
+
+
+def test_a_local_buffer_factor_of_zero_sizes_the_worst_case_buffer():
+    """moe.local_buffer_factor=0 means no bound: the local experts' buffer is the worst case, never empty."""
+    config = micro_config(**{"moe.num_experts": 8, "moe.num_experts_per_tok": 2, "moe.n_group": 1,
+                             "moe.topk_group": 1, "moe.local_buffer_factor": 0})
+    for strategy, devices in (("alltoall", 8), ("allgather", 8), ("auto", 1)):
+        buffers = moe_buffers(config.replace(**{"moe.dispatch": strategy}),
+                              {"data": 1, "fsdp": 1, "expert": devices}, 1024)
+        assert buffers.local_rows == buffers.worst_rows >= 2048, strategy
+
+
+def test_an_offloaded_optimizer_state_is_whole_on_the_device_during_the_update():
+    """With train.offload_optimizer the update brings the whole optimizer state back to the device beside the
+    parameters and gradients: the peak is never below that phase, which is the peak of a step whose activations
+    are small (the micro model)."""
+    config = micro_config(**{"train.offload_optimizer": True})
+    plan = plan_memory(config, mesh_sizes(config, 1))
+    # The update also upcasts one layer's two moments at a time to float32.
+    largest = state_bytes(config, mesh_sizes(config, 1)).largest_layer_elements
+    assert plan.update_phase == (plan.parameters + plan.model_state_and_batch + plan.gradient_buffers
+                                 + plan.optimizer_state + 2 * 4 * largest)
+    assert plan.peak == plan.update_phase
+    assert plan.peak > plan.resident + plan.gradient_buffers + plan.activations + plan.largest_temporary[1]
+
+
+def test_remat_moe_rematerialises_only_the_moe_blocks():
+    """Under train.remat=moe a MoE block keeps its input, its attention and its residual stream, while a dense
+    layer keeps all it saves without remat."""
+    config = micro_config(**{"train.remat": "moe"})
+    sizes = mesh_sizes(config, 1)
+    buffers = moe_buffers(config, sizes, 16)
+    dense = layer_bytes(config, "dense", "tokamax", None, 16)
+    sparse = layer_bytes(config, "moe", "tokamax", buffers, 16)
+    none = config.replace(**{"train.remat": "none"})
+    assert saved_per_token(config, dense, "dense") == saved_per_token(none, dense, "dense") == (
+        dense.residual + dense.attention + dense.mlp, 0)
+    D = config.model.hidden_size
+    assert saved_per_token(config, sparse, "moe") == (sparse.residual + sparse.attention + D * 2, 0)
+
+
+def test_the_logits_gradient_copy_and_the_expert_weight_residuals_follow_the_compute_dtype_and_remat():
+    """The logits' gradient temporary is its compute-dtype copy (half the float32 one under bfloat16); under
+    expert parallelism without remat the routed experts' compute-dtype casts are saved for the backward pass, and
+    under remat they are not."""
+    config = micro_config(**{"train.batch_size": 8, "train.scan_layers": False})
+    sizes = mesh_sizes(config, 1)
+    bf16 = plan_memory(config, sizes).temporaries["logits"]
+    assert 2 * bf16 == plan_memory(config.replace(**{"train.dtype": "float32"}), sizes).temporaries["logits"]
+    ep = config.replace(**{"parallel.expert": 4})
+    sizes = {"data": 1, "fsdp": 1, "expert": 4}
+    experts = state_bytes(ep, sizes).expert_elements
+    assert plan_memory(ep, sizes).weight_copies == 2 * experts > 0
+    for remat in ("moe", "full"):
+        assert plan_memory(ep.replace(**{"train.remat": remat}), sizes).weight_copies == 0, remat

@@ -9,6 +9,7 @@ import pytest
 from dropless import cli
 from dropless.core.config import ConfigError, load_preset
 from dropless.plan import Cluster, check_fit, make_plan, search
+from dropless.plan.search import candidates
 from dropless.plan.report import FIT_MARGIN, GIB, layout_overrides
 from dropless.train import setup as setup_lib
 from tests.micro_config import micro_config
@@ -147,3 +148,35 @@ def test_resume_with_auto_fit_changes_only_the_mesh(tmp_path, capsys):
     assert status == 0, err
     chose = next(line for line in out.splitlines() if "train.auto_fit chose" in line)
     assert "parallel.fsdp=1 " not in chose and "train.optimizer_moments_dtype=float32" in chose
+
+
+def test_candidates_cover_every_layout_choice():
+    """The search tries each remat mode (with and without offloaded activations), the optimizer state on the device
+    and in host memory, both moment dtypes, every microbatch count up to 64, and both exchanges under expert
+    parallelism."""
+    config = load_preset("deepseek-v3-proxy").replace(**{"train.batch_size": 64 * 8})
+    seen = [(c.parallel.expert, c.train.remat, bool(c.train.offload), c.train.offload_optimizer,
+             c.train.optimizer_moments_dtype, c.train.grad_accum_steps, c.moe.dispatch)
+            for c in candidates(config, Cluster(1, 8, "H200"))]
+    assert {s[1:3] for s in seen} == {("none", False), ("moe", False), ("full", False), ("full", True)}
+    assert {s[3] for s in seen} == {False, True} and {s[4] for s in seen} == {"float32", "bfloat16"}
+    assert max(s[5] for s in seen) == 64 and {1, 2, 4, 8, 16, 32, 64} <= {s[5] for s in seen}
+    assert {s[6] for s in seen if s[0] > 1} == {"alltoall", "allgather"} and {s[6] for s in seen if s[0] == 1} == {
+        "auto"}
+
+
+def test_auto_fit_picks_the_fastest_layout_even_when_the_config_fits():
+    """train.auto_fit asks for the fastest fitting layout, not merely a fitting one: a config that fits is replaced
+    by the search's first plan, and the search lists no two plans that differ only in how `auto` resolved."""
+    config = load_preset("deepseek-v3-proxy").replace(**PROXY_ON_ONE)
+    cluster = Cluster(1, 8, "H200")
+    assert make_plan(config, cluster, device_memory_gib=1000).fits
+    found = search(config, cluster, device_memory_gib=1000)
+    chosen = check_fit(config, cluster, 1000, auto_fit=True)
+    assert chosen.config == found[0].config != config
+    assert chosen.time["seconds"] <= make_plan(config, cluster, device_memory_gib=1000).time["seconds"]
+    keys = [(p.time["seconds"], p.memory.peak, layout_overrides(p.config).rsplit(" moe.dispatch=", 1)[0])
+            for p in found]
+    assert len(keys) == len(set(keys))
+    for a, b in zip(found, found[1:]):
+        assert (a.time["seconds"], a.memory.peak) <= (b.time["seconds"], b.memory.peak)

@@ -48,3 +48,24 @@ def test_the_lock_file_names_its_holder_and_is_released_on_exit(tmp_path):
         assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
     with run_lock.hold(tmp_path / "run"):  # released on exit, retaken by the same process
         pass
+
+
+def test_the_lock_file_names_only_its_current_holder(tmp_path):
+    """A holder whose PID is shorter than the last one's leaves no digits of the old PID in the file."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text("1234567890123\n")
+    with run_lock.hold(run_dir):
+        assert (run_dir / ".lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_the_lock_is_exclusive_within_one_process_too(tmp_path):
+    """flock locks belong to the open file: a second hold() in the same process is refused while the first
+    holds, and the refusal leaves the holder's PID in the file."""
+    with run_lock.hold(tmp_path / "run"):
+        with pytest.raises(run_lock.RunDirLocked, match=rf"\(PID {os.getpid()}\)"):
+            with run_lock.hold(tmp_path / "run"):
+                pass
+        assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
+    with run_lock.hold(tmp_path / "run"):
+        pass

@@ -161,3 +161,26 @@ def test_activation_offload_keeps_gradients_and_moves_activations_to_the_host(ca
     assert host_residuals(offloading) == 3
     # ...and nothing is, without offloading.
     assert host_residuals(config.replace(**{"train.remat": "full"})) == 0
+
+
+def test_state_shardings_for_refuses_offloading_on_devices_without_host_memory():
+    """The trainer's shardings are checked: offloading on a backend without pinned host memory is refused with
+    the key to turn off, not left to fail in XLA."""
+    device = NamedSharding(_mesh(), PartitionSpec())
+    shardings = TrainState(device, {"w": device}, {"mu": device}, {})
+    with pytest.raises(ConfigError, match="train.offload_optimizer needs 'pinned_host' memory"):
+        offload.state_shardings_for(TrainConfig(offload_optimizer=True), shardings, [_DeviceWithoutHost()])
+    with pytest.raises(ConfigError, match="train.offload needs 'pinned_host'"):
+        offload.state_shardings_for(TrainConfig(remat="full", offload="moe_in"), shardings, [_DeviceWithoutHost()])
+    assert offload.state_shardings_for(TrainConfig(), shardings, [_DeviceWithoutHost()]) is shardings
+
+
+def test_the_offloaded_update_returns_its_state_to_the_host():
+    """Under jit without output shardings the wrapped update itself moves the new state back to pinned host
+    memory: the caller need not ask for it."""
+    sharding = NamedSharding(_mesh(), PartitionSpec())
+    optimizer = make_optimizer(TrainConfig(offload_optimizer=True))
+    params = jax.device_put(_params(), sharding)
+    state = jax.device_put(optimizer.init(params), sharding.with_memory_kind("pinned_host"))
+    _, new_state = jax.jit(optimizer.update)(_grads(0), state, params)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(new_state)} == {"pinned_host"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -200,6 +201,22 @@ def test_expert_shares_are_the_fraction_of_tokens_per_expert():
     np.testing.assert_allclose(metrics_lib.load_ratios(shares), [E / K, 1.0])
 
 
+def test_expert_loads_are_one_when_balanced_and_e_over_k_when_collapsed():
+    load, collapsed = metrics_lib.expert_loads([[1.0, 1.0] + [0.0] * (E - 2), [K / E] * E])
+    assert collapsed == E / K
+    np.testing.assert_allclose(load, [[E / K] * 2 + [0.0] * (E - 2), [1.0] * E])
+
+
+def test_throughput_is_per_device_and_mfu_uses_the_devices_peak():
+    got = metrics_lib.throughput(tokens=8000, seconds=2.0, flops_per_token=1e9, device_count=4, peak_tflops=989.5)
+    assert got == pytest.approx({"tokens_per_s": 4000.0, "tflops_per_device": 1.0, "mfu": 1.0 / 989.5})
+    assert metrics_lib.throughput(8000, 0.0, 1e9, 4, None) == {"tokens_per_s": 0.0, "tflops_per_device": 0.0,
+                                                                "mfu": None}
+    assert metrics_lib.device_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert metrics_lib.device_peak_tflops("NVIDIA B200 suffix") == 2250.0  # a kind extending a listed name: its peak
+    assert metrics_lib.device_peak_tflops("cpu") is None
+
+
 CONFIG = Config(model=ModelConfig(num_layers=4, first_dense_layers=1, layer_pattern="DMDM", mtp_layers=1),
                 moe=MoEConfig(num_experts=E, num_experts_per_tok=K, router_warn_share=0.6, router_warn_logs=3))
 
@@ -225,6 +242,13 @@ def test_router_watch_warns_once_per_episode_naming_the_layer():
                          "of the last 3 logged steps, since step 10; the router plots in training.png and "
                          "TensorBoard show every layer (docs/training.md, \"Router health\")."]
     assert watch.update({"step": 0, "loss": 1.0}) == []  # a model without MoE layers logs no shares
+
+
+def test_router_watch_warns_only_above_the_share():
+    watch = metrics_lib.RouterWatch(CONFIG)
+    at_the_share = np.full((3, E), (K - 0.6) / (E - 1))
+    at_the_share[:, 5] = 0.6  # moe.router_warn_share: not more than it
+    assert [watch.update({"step": step, "expert_share": at_the_share}) for step in range(10, 60, 10)] == [[]] * 5
 
 
 @pytest.mark.parametrize("moe, message", [({"router_warn_share": 0.0}, "moe.router_warn_share=0.0 must be in"),
@@ -258,6 +282,45 @@ def test_router_rows_reach_metrics_jsonl_tensorboard_and_training_png(tmp_path):
                 b"router/input_common_share/row_1"):
         assert tag in events
     assert metrics_lib.plot_run(tmp_path).stat().st_size > 10_000
+
+
+def test_router_bin_is_the_little_endian_layout_router_json_describes(tmp_path):
+    """Tools other than read_router read router.bin from its description: int64 step, then float16 rows."""
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    shares = np.asarray(_shares(10, {0}))
+    writer.write({"step": 10, "expert_share": shares, "router_bias": np.full_like(shares, -0.5)})
+    writer.close()
+    meta = json.loads((tmp_path / "router.json").read_text())
+    assert (meta["rows"], meta["experts"]) == (3, E) and meta["format"].startswith("little-endian records: step int64")
+    data, size = (tmp_path / "router.bin").read_bytes(), 3 * E * 2
+    assert len(data) == 8 + 2 * size and struct.unpack("<q", data[:8]) == (10,)
+    np.testing.assert_array_equal(np.frombuffer(data[8:8 + size], "<f2").reshape(3, E), shares.astype(np.float16))
+    np.testing.assert_array_equal(np.frombuffer(data[8 + size:], "<f2"), -0.5)
+
+
+def test_non_finite_metrics_are_null_in_metrics_jsonl(tmp_path):
+    """A diverged step's NaN loss is JSON null, not the NaN token strict JSON readers (jq, JavaScript) refuse."""
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    writer.write({"step": 1, "loss": float("nan"), "grad_norm": np.float32(np.inf), "lr": 1e-3})
+    writer.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, parse_constant=lambda token: pytest.fail(f"{token} in metrics.jsonl")) == \
+        {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3}
+
+
+def test_kept_metrics_are_on_disk_before_they_replace_the_old_file(tmp_path, monkeypatch):
+    """keep_records_through syncs the new metrics.jsonl before renaming it over the old one: a power cut leaves
+    one file or the other, never an empty one."""
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    for step in (1, 2, 3):
+        writer.write({"step": step, "loss": 1.0})
+    writer.close()
+    calls = []
+    real_fsync, real_replace = metrics_lib.os.fsync, metrics_lib.os.replace
+    monkeypatch.setattr(metrics_lib.os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(metrics_lib.os, "replace", lambda *a: (calls.append("replace"), real_replace(*a))[1])
+    assert [r["step"] for r in metrics_lib.keep_records_through(tmp_path, 2)] == [1, 2]
+    assert calls == ["fsync", "replace"]
 
 
 def _tensorboard_events(logdir):
@@ -419,3 +482,16 @@ def test_router_header_is_renamed_into_place_and_checked_when_a_run_reopens(tmp_
     writer = metrics_lib.MetricsWriter(tmp_path)
     with pytest.raises(metrics_lib.MetricsError, match="is not a router header; delete it and router.bin"):
         writer.write(_router_record(2))
+
+
+def test_a_router_record_torn_by_a_kill_is_dropped_when_the_writer_reopens(tmp_path):
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    writer.write(_router_record(10))
+    writer.close()
+    with (tmp_path / "router.bin").open("ab") as torn:
+        torn.write(b"\1" * 40)  # part of a 72-byte record
+    writer = metrics_lib.MetricsWriter(tmp_path)
+    writer.write(_router_record(20))
+    writer.close()
+    router = metrics_lib.read_router(tmp_path)
+    assert list(router["step"]) == [10, 20] and (tmp_path / "router.bin").stat().st_size == 2 * router.dtype.itemsize
