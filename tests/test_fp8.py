@@ -264,8 +264,8 @@ def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, ro
 
 
 def _wide_n_cases():
-    """(grouped x, w, gs, dy on expert-aligned rows with empty groups; dense x, w, dy), both with N = 256, which the
-    blockwise weight gradient's 64x256 tile divides."""
+    """(grouped x, w, gs, dy on expert-aligned rows with empty groups; dense x, w, dy), both with N = 256, two of the
+    blockwise weight gradient's 128-column CTA tiles."""
     sizes = [50, 0, 70, 0]
     x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
     (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
@@ -276,7 +276,7 @@ def _wide_n_cases():
 @pytest.mark.parametrize("native", [False, True], ids=["dequantized", "kernels"])
 def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
     """train.fp8_wgrad_dtype=bfloat16: each weight-gradient product (dense and grouped, on the dequantized path and
-    on our kernels in the GPU interpreter, there at FP8_WGRAD_2BYTE's 64x256 tile under blockwise) writes its float32
+    on our kernels in the GPU interpreter, there at FP8_WGRAD_2BYTE's tile under blockwise) writes its float32
     result rounded once to bf16, which comes back as the float32 master's gradient; the output and the input
     gradient are the same bits."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -303,9 +303,9 @@ def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_a_bf16_weight_gradient_reaches_the_kernel(mode, monkeypatch):
     """The equal bits above cannot tell a kernel that writes bf16 from one that writes float32 rounded afterwards:
-    here the weight-gradient kernel itself (grouped and dense) is asked for bf16 and, under blockwise, for the
-    64x256 tile that 2-byte outputs leave room for (rowwise keeps its table's tile), and for float32 at the table's
-    tile without the option."""
+    here the weight-gradient kernel itself (grouped and dense) is asked for bf16 and, under blockwise, for the five
+    stages that 2-byte outputs leave room for (rowwise keeps its table's tile), and for float32 at the table's tile
+    without the option."""
     calls = []
     kernel = fp8_mosaic.gmm_tn_aligned
 

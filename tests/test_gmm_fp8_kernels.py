@@ -301,20 +301,19 @@ def test_lowering_fails_when_the_stages_do_not_fit_and_the_stage_count_is_the_la
         _lower(product, scaling, tile, 8192, 2048, 7168, 8, jnp.float32)
 
 
-def test_a_bf16_weight_gradient_takes_the_wide_tile_where_n_allows_and_lowers_in_three_stages():
-    """train.fp8_wgrad_dtype=bfloat16: 2-byte output blocks leave three stages for 64x256 consumers (a 128x256 CTA
-    tile), where float32 ones leave one; an N that 256 does not divide keeps the table's 64x128 tile, and fits()
-    is the same for either output dtype."""
-    wide, table = fp8_mosaic.FP8_WGRAD_2BYTE, FP8_TILES[("drhs", "blockwise")]
-    for k, n in ((7168, 4096), (2048, 7168)):
-        assert fp8_mosaic.default_tile("drhs", 8192, k, n, 32, "blockwise", jnp.bfloat16) == wide
+def test_a_bf16_weight_gradient_takes_the_table_tile_in_five_stages():
+    """train.fp8_wgrad_dtype=bfloat16: 2-byte output blocks leave five stages at the table's 64x128 weight-gradient
+    tile, where float32 ones leave four; rowwise keeps its table's tile."""
+    two_byte, table = fp8_mosaic.FP8_WGRAD_2BYTE, FP8_TILES[("drhs", "blockwise")]
+    assert (two_byte.block_m, two_byte.block_n, two_byte.block_k) == (table.block_m, table.block_n, table.block_k)
+    for k, n in ((7168, 4096), (2048, 7168), (7168, 4096 + 128)):
+        assert fp8_mosaic.default_tile("drhs", 8192, k, n, 32, "blockwise", jnp.bfloat16) == two_byte
         assert fp8_mosaic.default_tile("drhs", 8192, k, n, 32, "blockwise") == table
-    assert fp8_mosaic.default_tile("drhs", 8192, 7168, 4096 + 128, 32, "blockwise", jnp.bfloat16) == table
     assert fp8_mosaic.default_tile("drhs", 8192, 7168, 4096, 32, "rowwise", jnp.bfloat16) == \
         FP8_TILES[("drhs", "rowwise")]
-    assert fp8_mosaic._stages(wide, jnp.bfloat16, "blockwise", (128, 256), "m") == wide.num_stages == 3
-    assert fp8_mosaic._stages(wide, jnp.float32, "blockwise", (128, 256), "m") == 1
-    assert _lower("drhs", "blockwise", wide, 8192, 7168, 4096, 32, jnp.bfloat16, "m", True).platforms == ("cuda",)
+    assert fp8_mosaic._stages(two_byte, jnp.bfloat16, "blockwise", (128, 128), "m") == two_byte.num_stages == 5
+    assert fp8_mosaic._stages(two_byte, jnp.float32, "blockwise", (128, 128), "m") == table.num_stages == 4
+    assert _lower("drhs", "blockwise", two_byte, 8192, 7168, 4096, 32, jnp.bfloat16, "m", True).platforms == ("cuda",)
 
 
 def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once():

@@ -97,11 +97,11 @@ FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for pro
 FP8_STREAM = frozenset({("drhs", "blockwise")})
 # gmm_nt's blockwise tile where the output's columns are not a multiple of the table's 256 (see default_tile).
 FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
-# The blockwise weight gradient writing 2-byte outputs (train.fp8_wgrad_dtype=bfloat16), where N is a multiple of
-# 256: its output blocks take half the shared memory of float32 ones, which leaves three stages for 64x256
-# consumers in two 128-column slices (a 128x256 CTA tile, as gmm_nt's products run), where float32 outputs leave one.
-# Chosen by that arithmetic, not in MEASURED: `make bench-fp8-wgrad` times it against the table's tile.
-FP8_WGRAD_2BYTE = TileConfig(64, 256, 128, 3, grid_minor_dim=0, grid_tile_width=8)
+# The blockwise weight gradient writing 2-byte outputs (train.fp8_wgrad_dtype=bfloat16): the table's 64x128 tile in
+# five stages, which its output blocks, half the shared memory of float32 ones, leave room for. The fastest of
+# benchmarks/fp8/wgrad_tiles.py's 2-byte variants at 32 and 256 groups (fp8-wgrad-tiles*-h200.json); 64x256
+# consumers, three stages of which fit, run 3.1x / 2.5x its time at 32 / 256 groups.
+FP8_WGRAD_2BYTE = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
 
 
 def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
@@ -112,15 +112,14 @@ def cta_shape(tile: TileConfig, stack: str) -> tuple[int, int]:
 def default_tile(product: str, m: int, k: int, n: int, g: int, scaling: str, out_dtype=jnp.float32) -> TileConfig:
     """The FP8_TILES entry of a product of the layer y = x·W (x [m, k], W [g, k, n]), or FP8_NARROW for a blockwise
     gmm_nt product whose output columns (fwd: n, dlhs: k) the entry's CTA tile does not divide, or FP8_WGRAD_2BYTE
-    for a blockwise weight gradient written in 2 bytes (`out_dtype`) whose N it divides. The rows and groups do
-    not choose the tile: every entry was measured at one shape class (65,536 rows in 32 groups)."""
+    for a blockwise weight gradient written in 2 bytes (`out_dtype`). The rows and groups do not choose the tile:
+    every entry was measured at one shape class (65,536 rows in 32 groups)."""
     del m, g
     if product not in PRODUCTS or scaling not in SCALINGS:
         raise ValueError(f"product={product!r} / scaling={scaling!r}: choose from {PRODUCTS} and {SCALINGS}.")
     tile = FP8_TILES[(product, scaling)]
     if (product, scaling) == ("drhs", "blockwise") and jnp.dtype(out_dtype).itemsize == 2:
-        if n % cta_shape(FP8_WGRAD_2BYTE, FP8_STACKS[(product, scaling)])[1] == 0:
-            return FP8_WGRAD_2BYTE
+        return FP8_WGRAD_2BYTE
     if scaling == "blockwise" and product != "drhs" and tile.block_n > FP8_NARROW.block_n:
         cta_n = cta_shape(tile, FP8_STACKS[(product, scaling)])[1]
         if (n if product == "fwd" else k) % cta_n:
