@@ -57,28 +57,54 @@ COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather
                "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter"}
 
 
+def _jaxprs(jaxpr):
+    """`jaxpr` and every jaxpr nested in it (shard_map, cond branches, custom_vjp and checkpoint bodies)."""
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _jaxprs(inner)
+
+
+def _conds(jaxpr):
+    """(cond, whether every device computes the same predicate) for every lax.cond: the same where the predicate's
+    type varies over no mesh axis, as alltoall's overflow decision, a pmax over the whole mesh, does not."""
+    for scope in _jaxprs(jaxpr):
+        for eqn in scope.eqns:
+            if eqn.primitive.name == "cond":
+                yield eqn, not eqn.invars[0].aval.mat.varying
+
+
+@pytest.mark.parametrize("expert_parallel", [2, 8])
 @pytest.mark.parametrize("strategy", [*STRATEGIES.values(), Chunked(AllGather(), 2)], ids=[*STRATEGIES, "chunked"])
-def test_no_collective_runs_inside_the_per_device_overflow_branch(strategy):
-    """Each device picks the bounded or the worst-case branch alone, so a collective inside either (forward or
-    backward) would wait for devices that run the other branch's. The experts, the same on every device of data
-    and fsdp, meet the rows there: their gradient's all-reduce must run outside the cond."""
+def test_no_collective_runs_inside_a_branch_each_device_picks_alone(strategy, expert_parallel):
+    """Each device picks the bounded or the worst-case local buffer alone, so a collective inside either branch
+    (forward or backward) would wait for devices that run the other branch's (XLA requires every participant to
+    run the same one). The experts, the same on every device of data and fsdp, meet the rows there: their
+    gradient's all-reduce must run outside that cond. alltoall's overflow cond holds its exchanges, legitimately:
+    its predicate is reduced over the whole mesh first."""
     params, bias_E, x_BSD, cotangent_BSD = problem(seed=0)
-    bounded = executor(strategy, 2, local_buffer_factor=1.0)  # data 2 x fsdp 2 x expert 2
+    bounded = executor(strategy, expert_parallel, local_buffer_factor=1.0)
 
     def loss(p, x):
         y_BSD, stats = moe_layer(p, bias_E, x, MOE, compute_dtype=jnp.float32, executor=bounded)
         return jnp.sum(y_BSD * cotangent_BSD) + stats.balance_loss
 
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(params, x_BSD)
-    conds = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "cond"]
-    assert conds, "the bounded buffer's overflow branch is a lax.cond"
-    inside = [(str(c.source_info.name_stack), c.primitive.name) for e in conds for branch in e.params["branches"]
-              for c in equations(branch.jaxpr) if c.primitive.name in COLLECTIVES]
-    assert not inside
-    # The experts' gradient is still summed over data and fsdp, once, outside.
-    reduced = {tuple(sorted(e.params["axes"])) for e in equations(jaxpr.jaxpr)
-               if e.primitive.name in ("psum", "psum_invariant")}
-    assert ("data", "fsdp") in reduced
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(params, x_BSD).jaxpr
+    conds = list(_conds(jaxpr))
+    inside = {uniform: [(str(c.source_info.name_stack), c.primitive.name) for eqn, same in conds if same == uniform
+                        for branch in eqn.params["branches"] for c in equations(branch.jaxpr)
+                        if c.primitive.name in COLLECTIVES] for uniform in (False, True)}
+    assert any(not same for _, same in conds), "the bounded buffer's overflow branch is a per-device lax.cond"
+    assert not inside[False]
+    if strategy is STRATEGIES["alltoall"] and expert_parallel == 8:  # slots below the worst case: a second exchange
+        assert {name for _, name in inside[True]} >= {"all_to_all"}
+    if expert_parallel == 2:  # data 2 x fsdp 2 x expert 2: the experts' gradient is summed over data and fsdp
+        reduced = {tuple(sorted(e.params["axes"])) for e in equations(jaxpr)
+                   if e.primitive.name in ("psum", "psum_invariant")}
+        assert ("data", "fsdp") in reduced
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
