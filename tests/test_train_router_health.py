@@ -214,6 +214,9 @@ def test_throughput_is_per_device_and_mfu_uses_the_devices_peak():
                                                                 "mfu": None}
     assert metrics_lib.device_peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert metrics_lib.device_peak_tflops("NVIDIA B200 suffix") == 2250.0  # a kind extending a listed name: its peak
+    # The longest listed name a kind extends wins, whatever the table's order: NVL parts run below the SXM ones.
+    assert metrics_lib.device_peak_tflops("NVIDIA H100 NVL") == metrics_lib.device_peak_tflops("NVIDIA H200 NVL") == 835.5
+    assert metrics_lib.device_peak_tflops("NVIDIA H100 PCIe-16GB") == 756.0
     assert metrics_lib.device_peak_tflops("cpu") is None
 
 

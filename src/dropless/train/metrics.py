@@ -50,10 +50,14 @@ from dropless.core.files import refused, write_atomic
 from dropless.moe.balance import top_direction_share
 
 # Dense (non-sparse) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by jax `device_kind`.
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (half the "with sparsity" figure), by device kind; a kind
+# that extends a listed name takes the longest such name's peak.
 PEAK_BF16_TFLOPS = {
     "NVIDIA H200": 989.5,
+    "NVIDIA H200 NVL": 835.5,
     "NVIDIA H100 80GB HBM3": 989.5,
     "NVIDIA H100": 989.5,
+    "NVIDIA H100 NVL": 835.5,
     "NVIDIA H100 PCIe": 756.0,
     "NVIDIA A100-SXM4-80GB": 312.0,
     "NVIDIA A100-SXM4-40GB": 312.0,
@@ -62,12 +66,8 @@ PEAK_BF16_TFLOPS = {
 
 
 def device_peak_tflops(device_kind: str) -> float | None:
-    if device_kind in PEAK_BF16_TFLOPS:
-        return PEAK_BF16_TFLOPS[device_kind]
-    for name, peak in PEAK_BF16_TFLOPS.items():
-        if device_kind.startswith(name):
-            return peak
-    return None
+    names = [name for name in PEAK_BF16_TFLOPS if device_kind.startswith(name)]
+    return PEAK_BF16_TFLOPS[max(names, key=len)] if names else None
 
 
 def throughput(tokens: int, seconds: float, flops_per_token: float, device_count: int,
