@@ -154,8 +154,13 @@ def test_breakdown_of_a_real_cpu_trace(tmp_path):
 
     def per_device(x_TD, w_DD, w_GDD):
         with jax.named_scope("attention"):
-            scores_TT = x_TD @ x_TD.T
-            h_TD = jax.nn.softmax(scores_TT) @ x_TD @ w_DD  # batched-free here, so the last matmul is a projection
+            # Two heads: the score and value matmuls are batched, as attention's are; the projection is not. The
+            # barrier keeps the projection out of the core's fusion (XLA:CPU fuses a matmul chain into one
+            # kernel, named by its last matmul).
+            x_HTE = x_TD.reshape(x_TD.shape[0], 2, -1).transpose(1, 0, 2)
+            scores_HTT = jnp.einsum("hte,hse->hts", x_HTE, x_HTE)
+            core_HTE = jnp.einsum("hts,hse->hte", jax.nn.softmax(scores_HTT), x_HTE)
+            h_TD = jax.lax.optimization_barrier(core_HTE.transpose(1, 0, 2).reshape(x_TD.shape)) @ w_DD
         with jax.named_scope("gmm_up"):
             y_TD = jax.lax.ragged_dot(h_TD, w_GDD, jnp.array([100, 156], jnp.int32))
         return jax.lax.psum(jnp.tanh(y_TD), "x")
