@@ -10,8 +10,8 @@ import typing
 import pytest
 
 from dropless.core.config import (ACTIVATION_NAMES, INT_LIMIT, Config, ConfigError, DataConfig, ModelConfig,
-                                  MoEConfig, ParallelConfig, TrainConfig, _group_classes, apply_overrides, from_dict,
-                                  load_preset)
+                                  MoEConfig, ParallelConfig, TrainConfig, _group_classes, apply_overrides, build_config,
+                                  from_dict, load_preset, parse_overrides)
 
 LITERAL_FIELDS = [(group, f.name, typing.get_args(typing.get_type_hints(cls)[f.name]))
                   for group, cls in _group_classes().items() for f in dataclasses.fields(cls)
@@ -133,3 +133,67 @@ def test_a_list_or_object_for_a_choice_is_refused_with_one_sentence(value):
         from_dict({"moe": {"gmm_backend": value}})
     assert str(refused.value) == (f"moe.gmm_backend={value!r} is not valid; choose one of auto, dropless_mosaic, "
                                   "tokamax_mosaic, xla, capacity.")
+
+
+def test_cli_strings_become_each_keys_type():
+    config = apply_overrides(Config(), {"train.plot": "false", "train.scan_layers": "No", "moe.dedup": "0",
+                                        "train.auto_fit": "YES", "train.offload_optimizer": "1",
+                                        "train.learning_rate": "1e-3", "train.steps": "1_000"})
+    assert (config.train.plot, config.train.scan_layers, config.moe.dedup) == (False, False, False)
+    assert (config.train.auto_fit, config.train.offload_optimizer) == (True, True)
+    assert config.train.learning_rate == 1e-3 and type(config.train.learning_rate) is float
+    assert config.train.steps == 1000 and type(config.train.steps) is int
+    for key, raw, message in [("train.steps", "1.5", "train.steps='1.5' must be an integer."),
+                              ("train.plot", "maybe", "train.plot='maybe' must be true or false."),
+                              ("train.learning_rate", "fast", "train.learning_rate='fast' must be a number.")]:
+        with pytest.raises(ConfigError) as refused:
+            apply_overrides(Config(), {key: raw})
+        assert str(refused.value) == message
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("moe.gmm_backnd", " Did you mean 'moe.gmm_backend'?"),
+    ("train.learnig_rate", " Did you mean 'train.learning_rate'?"),
+    ("dedup", " Did you mean 'moe.dedup'?"),  # the group left out: found by the key's own name
+    ("zzz.qqq", " Run 'dropless presets --keys' to list the keys.")])
+def test_an_unknown_key_is_answered_with_the_closest_one(key, suggestion):
+    with pytest.raises(ConfigError) as refused:
+        apply_overrides(Config(), {key: "1"})
+    assert str(refused.value) == f"Unknown config key '{key}'.{suggestion}"
+
+
+def test_each_bound_takes_its_edge_value_and_refuses_the_next():
+    assert MoEConfig(num_experts=4, num_experts_per_tok=4).num_experts_per_tok == 4  # dense routing: every expert
+    with pytest.raises(ConfigError, match=r"^moe.num_experts_per_tok=5 must be between 1 and moe.num_experts=4.$"):
+        MoEConfig(num_experts=4, num_experts_per_tok=5)
+    assert DataConfig(eval_fraction=0.49).eval_fraction == 0.49
+    for bad in (0.5, 0.0):
+        with pytest.raises(ConfigError, match=rf"^data.eval_fraction={bad} must be in \(0, 0.5\).$"):
+            DataConfig(eval_fraction=bad)
+    assert TrainConfig(min_lr_ratio=1.0).min_lr_ratio == 1.0  # no decay
+    with pytest.raises(ConfigError, match=r"^train.min_lr_ratio=1.01 must be in \[0, 1\].$"):
+        TrainConfig(min_lr_ratio=1.01)
+    assert ModelConfig(vocab_size=INT_LIMIT).vocab_size == INT_LIMIT
+    assert TrainConfig(seed=-INT_LIMIT).seed == -INT_LIMIT
+    for build in (lambda: ModelConfig(vocab_size=INT_LIMIT + 1), lambda: TrainConfig(seed=-INT_LIMIT - 1)):
+        with pytest.raises(ConfigError, match="is out of range; give an integer between"):
+            build()
+
+
+def test_stop_signals_must_be_ones_a_process_can_catch():
+    assert TrainConfig(stop_signals="term, usr1").stop_signal_names == ("SIGTERM", "SIGUSR1")
+    for bad in ("SIGKILL", "SIGSTOP", "SIGNOPE"):
+        with pytest.raises(ConfigError, match=f"train.stop_signals names '{bad}', which is not a signal"):
+            TrainConfig(stop_signals=f"SIGTERM,{bad}")
+
+
+def test_overrides_split_at_the_first_equals_sign_and_the_flags_win():
+    assert parse_overrides(["data.source=/corpus/a=b.txt", " train.steps = 5 "]) == {
+        "data.source": "/corpus/a=b.txt", "train.steps": "5"}
+    for bad in ("train.steps", "=5"):
+        with pytest.raises(ConfigError, match="is not a key=value override"):
+            parse_overrides([bad])
+    # --steps, --data and --tokenizer are the CLI's own flags: given beside the same key=value, they win.
+    config = build_config("tiny", {"train.steps": "7", "data.source": "a.txt", "data.tokenizer": "a.json"}, steps=3,
+                          data="b.txt", tokenizer="b.json")
+    assert (config.train.steps, config.data.source, config.data.tokenizer) == (3, "b.txt", "b.json")

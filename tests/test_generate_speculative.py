@@ -98,6 +98,17 @@ def test_speculative_sampling_stops_at_the_stop_token_and_the_budget(model):
     assert cut == out[:out.index(stop)]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_first_pass_has_no_draft_to_accept(model, seed):
+    """The first pass verifies nothing (the draft slot holds a placeholder): it emits one token and drafts the next,
+    whatever the placeholder's verification would have said."""
+    params, state = model
+    stats: dict = {}
+    out = gen.generate(MODEL, params, state, [4, 4], max_new_tokens=2, temperature=1.0, seed=seed, speculative=True,
+                       stats=stats)
+    assert len(out) == 2 and stats["forwards"] == 2 and stats["drafted"] == 1
+
+
 def test_speculative_needs_an_mtp_module(model):
     params, state = model
     plain = MODEL.replace(**{"model.mtp_layers": 0})
@@ -118,3 +129,69 @@ def test_generate_with_yarn_rope_scaling(model, speculative):
     assert len(first) == 3 and again == first
     cached = gen._speculative_step if speculative else gen._plain_step
     assert cached.cache_info().hits >= 1
+
+
+def test_top_p_keeps_the_smallest_prefix_that_reaches_its_mass():
+    """Four equal logits: each token has exactly a quarter of the mass, so top_p = 0.5 is reached by two tokens."""
+    for top_p, kept in ((0.5, 2), (0.3, 2), (0.25, 1), (0.76, 4)):
+        truncated = np.asarray(gen.truncated_logits(jnp.zeros(4), 1.0, top_p))
+        assert np.isfinite(truncated).sum() == kept, (top_p, truncated)
+
+
+def test_plain_generation_stops_before_the_stop_token_and_counts_its_pass(model):
+    params, state = model
+    stats: dict = {}
+    out = gen.generate(MODEL, params, state, [4, 4], max_new_tokens=7, temperature=1.0, seed=1, stats=stats)
+    assert len(out) == 7 and stats == {"forwards": 7, "drafted": 0, "accepted": 0}
+    stop = out[3]
+    cut = gen.generate(MODEL, params, state, [4, 4], max_new_tokens=7, temperature=1.0, seed=1, stop_id=stop,
+                       stats=stats)
+    assert cut == out[:out.index(stop)] and stats["forwards"] == len(cut) + 1  # the pass that drew the stop token
+
+
+def _summing(params, state, tokens_BS, config, **options):
+    """A stand-in for the main model: its prediction after each position is the sum of the tokens up to there (modulo
+    the vocabulary), so that it changes with every token of the context."""
+    vocab = config.model.vocab_size
+    return (jax.nn.one_hot(jnp.cumsum(tokens_BS, axis=1) % vocab, vocab),
+            {"hidden": jnp.zeros((*tokens_BS.shape, config.model.hidden_size))})
+
+
+def test_a_prompt_longer_than_the_context_window_is_continued_from_its_last_window(model, monkeypatch, request):
+    """Each step must see exactly the last `context_window` tokens, no fewer."""
+    params, state = model
+    vocab, window = MODEL.model.vocab_size, gen.context_window(MODEL)
+    monkeypatch.setattr(transformer, "forward", _summing)
+    gen._plain_step.cache_clear()  # compiled programs are cached per config: trace one with the stand-in
+    request.addfinalizer(gen._plain_step.cache_clear)
+    prompt = [1 + i % (vocab - 1) for i in range(window + 9)]
+    ids = list(prompt)
+    for _ in range(4):
+        ids.append(sum(ids[-window:]) % vocab)
+    assert gen.generate(MODEL, params, state, prompt, max_new_tokens=4, temperature=0.0) == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("beyond", [9, -4], ids=["longer-prompt", "crossing"])
+def test_speculative_greedy_equals_plain_greedy_past_the_context_window(model, monkeypatch, request, beyond):
+    """A pass holds the context and two more positions: past window - 2 tokens of context, speculative decoding
+    continues as plain decoding does (a prompt longer than the window, and one whose generation crosses it)."""
+    params, state = model
+    vocab, window = MODEL.model.vocab_size, gen.context_window(MODEL)
+    monkeypatch.setattr(transformer, "forward", _summing)
+    monkeypatch.setattr(transformer, "mtp_logits", lambda params, state, tokens_BS, hidden_BSD, config: (
+        jnp.zeros((*tokens_BS.shape, vocab)),))
+    for cached in (gen._plain_step, gen._speculative_step):
+        cached.cache_clear()
+        request.addfinalizer(cached.cache_clear)
+    prompt = [1 + i % (vocab - 1) for i in range(window + beyond)]
+    plain = gen.generate(MODEL, params, state, prompt, max_new_tokens=8, temperature=0.0)
+    assert gen.generate(MODEL, params, state, prompt, max_new_tokens=8, temperature=0.0, speculative=True) == plain
+
+
+@pytest.mark.parametrize("temperature, top_p", [(-0.1, 0.9), (0.8, 0.0), (0.8, 1.01), (float("nan"), 0.9),
+                                                (0.8, float("nan"))])
+def test_sampling_settings_out_of_range_are_refused(model, temperature, top_p):
+    params, state = model
+    with pytest.raises(ConfigError, match=rf"^--temperature must be >= 0 and --top-p in \(0, 1\]; got "
+                                          rf"{temperature} and {top_p}.$"):
+        gen.generate(MODEL, params, state, [1], temperature=temperature, top_p=top_p)

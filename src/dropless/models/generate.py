@@ -9,8 +9,10 @@ at position L (the main model's distribution p there against the draft's q: gree
 draft; sampling accepts with probability min(1, p(d) / q(d)) and otherwise samples max(0, p - q), renormalised,
 which leaves every token distributed exactly as p — Leviathan et al., 2023), then, the draft accepted, takes the
 main model's token at L + 1 from the same pass. The MTP module then drafts the next token from the pass's final
-hidden state (`transformer.mtp_logits`: one transformer block, the main model is not run again). Greedy output
-equals plain greedy decoding token for token.
+hidden state (`transformer.mtp_logits`: one transformer block, the main model is not run again). A pass holds the
+context, the draft and the token after it in one window, so it drafts while the context fits in the window's
+first W - 2 positions; from there on each pass emits one token as plain decoding does, because the two tokens of a
+pass would see windows that start at different tokens. Greedy output equals plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
     """Continue `prompt_ids`; returns only the new ids (stopping early at `stop_id`). `speculative`: draft with
     the MTP module (module docstring); `stats`, if given, receives the forward passes run and the drafts made
     and accepted."""
-    if temperature < 0 or not 0 < top_p <= 1:
+    if not (temperature >= 0 and 0 < top_p <= 1):  # NaN fails both
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
     check_prompt(prompt_ids)
     if speculative and not config.model.mtp_layers:
@@ -103,22 +105,28 @@ def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_to
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
                                      stop_id, window, {} if stats is None else stats)
 
-    next_token = _plain_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
+    new, forwards = _generate_plain(config, params, state, prompt_ids, max_new_tokens, temperature, top_p,
+                                    jax.random.key(seed), stop_id, window)
+    if stats is not None:
+        stats.update(forwards=forwards, drafted=0, accepted=0)
+    return new
 
-    ids = list(prompt_ids)
-    key = jax.random.key(seed)
-    new: list[int] = []
-    for _ in range(max_new_tokens):
+
+def _generate_plain(config: Config, params, state, ids: list[int], count: int, temperature: float, top_p: float,
+                    key: jax.Array, stop_id, window: int) -> tuple[list[int], int]:
+    """Up to `count` ids after `ids`, one forward pass each over the last `window`, stopping before `stop_id` ->
+    (the new ids, the passes run)."""
+    next_token = _plain_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
+    ids, new = list(ids), []
+    for _ in range(count):
         tokens_1S, length = _window(ids, window)
         key, sub = jax.random.split(key)
         token = int(next_token(params, state, tokens_1S, length, sub))
         if stop_id is not None and token == stop_id:
-            break
+            return new, len(new) + 1
         ids.append(token)
         new.append(token)
-    if stats is not None:
-        stats.update(forwards=len(new) + (len(new) < max_new_tokens), drafted=0, accepted=0)
-    return new
+    return new, len(new)
 
 
 def _window(ids: list[int], window: int, free: int = 0, draft: int | None = None) -> tuple[jax.Array, int]:
@@ -136,7 +144,8 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
                           top_p: float, seed: int, stop_id, window: int, stats: dict) -> list[int]:
     """`generate` with MTP drafts: one jitted pass per iteration verifies the pending draft, emits one or two
     tokens and drafts the next (module docstring). The context keeps two free positions of the window: the
-    draft's and the token after it."""
+    draft's and the token after it; a longer context continues by plain decoding, whose windows a pass cannot
+    reproduce."""
     step = _speculative_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
 
     ids = list(prompt_ids)
@@ -146,6 +155,12 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     q_logits_V = jnp.zeros((config.model.vocab_size,), jnp.float32)
     forwards = drafted = accepted_total = 0
     while len(new) < max_new_tokens:
+        if len(ids) > window - 2:
+            rest, passes = _generate_plain(config, params, state, ids, max_new_tokens - len(new), temperature, top_p,
+                                           key, stop_id, window)
+            new += rest
+            forwards += passes
+            break
         tokens_1S, length = _window(ids, window, free=2, draft=draft if has_draft else None)
         key, sub = jax.random.split(key)
         accepted, first, second, next_draft, next_q = step(params, state, tokens_1S, length, has_draft, draft,
