@@ -18,6 +18,16 @@ def test_yields_produce_of_each_step_in_order(depth):
         assert list(items) == [_square(s) for s in range(5, 25)]
 
 
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_finished_prefetcher_keeps_raising_stop_iteration(depth):
+    # A second next() after the end must not wait for a producer that has already returned.
+    with Prefetcher(_square, start=0, stop=3, depth=depth) as items:
+        assert list(items) == [0, 1, 4]
+        with pytest.raises(StopIteration):
+            next(items)
+        assert list(items) == []
+
+
 def test_unbounded_without_stop():
     with Prefetcher(_square, start=0, depth=2) as items:
         assert [next(items) for _ in range(50)] == [_square(s) for s in range(50)]

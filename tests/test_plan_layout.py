@@ -123,3 +123,12 @@ def test_mesh_sizes_split_each_microbatch_over_the_devices():
     assert mesh_sizes(config, 8) == {"data": 8, "fsdp": 1, "expert": 1}
     with pytest.raises(ConfigError, match="not divisible by the 8 devices"):
         mesh_sizes(config.replace(**{"train.batch_size": 8}), 8)
+
+
+def test_build_refuses_a_microbatch_that_does_not_split_over_the_devices():
+    """The step setup checks each microbatch, not only the whole batch, against the mesh before compiling."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    config = micro_config(**{"train.batch_size": 8, "train.grad_accum_steps": 2})
+    with pytest.raises(ConfigError, match=r"a microbatch \(train.batch_size / train.grad_accum_steps = 4 sequences\)"):
+        setup_lib.build(config, jax.devices()[:8])

@@ -70,6 +70,19 @@ def test_fit_check_on_cpu_against_the_hosts_memory_or_the_limit_and_auto_fit_pic
     assert printed and printed[0].startswith("dropless: train.auto_fit chose parallel.data=-1")
 
 
+def test_fit_check_on_cpu_shares_the_hosts_memory_among_the_process_s_devices(monkeypatch):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (virtual) devices")
+    config = micro_config(**{"train.batch_size": 8})
+    devices = jax.devices()[:8]
+    need = make_plan(config, Cluster(1, 8, "cpu")).memory.peak / GIB  # per device
+    monkeypatch.setattr(setup_lib, "host_memory_bytes", lambda: int(8 * need * GIB * 0.9))
+    with pytest.raises(ConfigError, match="the plan does not fit"):
+        setup_lib.fit_check(config, devices)
+    monkeypatch.setattr(setup_lib, "host_memory_bytes", lambda: int(8 * need * GIB * 1.5))
+    assert setup_lib.fit_check(config, devices) is config
+
+
 def test_train_refuses_a_run_that_does_not_fit(tmp_path, capsys):
     status = cli.main(["train", "--preset", "tiny", "--run-dir", str(tmp_path / "run"), "--no-progress",
                        "train.device_memory_gib=0.0001"])

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dropless.core import config as config_lib
 from dropless.train import checkpoint as ckpt
-from dropless.train.loop import train
-from dropless.train.metrics import MetricsError, keep_records_through, read_metrics
+from dropless.train.loop import _check_nothing_dropped, _DropCounter, train
+from dropless.train.metrics import MetricsError, MetricsWriter, keep_records_through, read_metrics
 
 CORPUS = "\n\n".join(
     f"def function_{i}(x, y):\n    '''Add {i} to the product.'''\n    return x * y + {i}\n" for i in range(400))
@@ -84,10 +86,11 @@ def test_training_reduces_held_out_loss_and_drops_nothing(trained):
 def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
     # Split inside the warm-up (4 steps), where a changed schedule horizon would change the learning rate. No
     # training.png (train.plot=false) until the resumed part, which may turn it on: a resume may change it. The
-    # routers' running input means (moe.router_common_rate) are state that must resume exactly too.
+    # routers' running input means (moe.router_common_rate) are state that must resume exactly too, and so is the step
+    # counter: the first 4 steps take the other sequences' direction, the resumed part's first step the last of them.
     config = small_config(corpus, **{"train.steps": 6, "train.eval_every": 100, "train.checkpoint_every": 3,
                                      "train.warmup_steps": 4, "train.plot": False, "moe.router_common_rate": 0.3,
-                                     "moe.router_common_source": "other_sequences"})
+                                     "moe.router_common_source": "other_sequences", "moe.router_common_other_steps": 4})
     train(config, tmp_path / "full", progress=False, log=lambda s: None)
     # Stopped early at step 3 of a 6-step schedule (the horizon is explicit, so the first part's is 6 too), then
     # extended past it: the saved horizon holds, so steps 1-6 are the uninterrupted run's.
@@ -119,6 +122,86 @@ def test_resume_is_bit_exact_and_keeps_the_schedule(tmp_path, corpus):
     assert np.abs(np.asarray(state_full["router_common"])).min() > 0  # every router's mean moved
     for a, b in zip(leaves_full, leaves_split, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_cadences_and_a_stop_signal_of_a_resumed_run(tmp_path, trained, monkeypatch):
+    """The 40-step run resumed to step 47 with other cadences: records, evaluations and checkpoints at their
+    multiples and at the last step. SIGTERM, then SIGINT while stopping, during step 45 (evaluated, not
+    checkpointed) stop it there with a checkpoint of 45 and SIGTERM's status; the same signals during the last
+    step stop nothing, the run has ended."""
+    config, run_dir, _ = trained
+    shutil.copytree(run_dir, tmp_path / "run")
+    write = MetricsWriter.write
+
+    def write_then_signal(self, record):
+        write(self, record)
+        if "eval_loss" in record and record["step"] in (45, 47):
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(MetricsWriter, "write", write_then_signal)
+    resumed = config.replace(**{"train.steps": 47, "train.log_every": 2, "train.eval_every": 3,
+                                "train.checkpoint_every": 4, "train.keep_checkpoints": 10, "train.plot": False})
+    stopped = train(resumed, tmp_path / "run", resume=True, progress=False, log=lambda s: None)
+    assert (stopped.first_step, stopped.last_step, stopped.stopped_by, stopped.exit_status) == (40, 45, "SIGTERM", 143)
+    assert ckpt.latest_step(tmp_path / "run") == 45
+    finished = train(resumed, tmp_path / "run", resume=True, progress=False, log=lambda s: None)
+    assert (finished.first_step, finished.last_step, finished.stopped_by, finished.exit_status) == (45, 47, None, 0)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 40]
+    assert [r["step"] for r in records if "loss" in r] == [42, 44, 46, 47]
+    assert [r["step"] for r in records if "eval_loss" in r] == [42, 45, 47]
+    assert [step for step, _ in finished.eval_losses] == [0, 40, 42, 45, 47]
+    with ckpt.manager(tmp_path / "run", read_only=True) as mngr:
+        assert sorted(mngr.all_steps()) == [40, 44, 45, 47]
+
+
+def test_a_dropped_token_is_an_internal_error_on_a_dropless_path_only(corpus):
+    config = small_config(corpus)
+    _check_nothing_dropped(config, {"step": 7, "tokens_dropped": 0})
+    with pytest.raises(RuntimeError, match="internal error: 3 tokens dropped at step 7 on a dropless path"):
+        _check_nothing_dropped(config, {"step": 7, "tokens_dropped": 3})
+    _check_nothing_dropped(config.replace(**{"moe.gmm_backend": "capacity"}), {"step": 7, "tokens_dropped": 3})
+
+
+def test_every_step_is_held_to_the_dropless_invariant_logged_or_not(corpus):
+    """The loop reads the steps' drop counts where the host waits anyway (a logged, evaluated or saved step) and
+    checks each step since the last read: a drop at an unlogged step is named with its own step."""
+    counter = _DropCounter(small_config(corpus))
+    for count in (0, 0, 0):
+        counter.add(jnp.asarray(count, jnp.int32))
+    counter.check(3)
+    for count in (0, 2, 0):
+        counter.add(jnp.asarray(count, jnp.int32))
+    with pytest.raises(RuntimeError, match="internal error: 2 tokens dropped at step 5 on a dropless path"):
+        counter.check(6)
+    capacity = _DropCounter(small_config(corpus, **{"moe.gmm_backend": "capacity"}))
+    for count in (1, 2, 4):
+        capacity.add(jnp.asarray(count, jnp.int32))
+    capacity.check(3)
+    assert capacity.total == 7 and not capacity.pending
+
+
+def test_the_summary_counts_every_token_the_capacity_baseline_drops(tmp_path, corpus):
+    """Every step's drops, whether or not its metrics are logged (the two runs are the same bits)."""
+    config = small_config(corpus, **{"train.steps": 3, "train.eval_every": 100, "train.checkpoint_every": 100,
+                                     "train.plot": False, "moe.gmm_backend": "capacity", "moe.capacity_factor": 0.5})
+    summary = train(config, tmp_path / "run", progress=False, log=lambda s: None)
+    dropped = [r["tokens_dropped"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert len(dropped) == 3 and min(dropped) > 0
+    assert summary.tokens_dropped == sum(dropped)
+    sparse = train(config.replace(**{"train.log_every": 2}), tmp_path / "sparse", progress=False, log=lambda s: None)
+    assert [r["step"] for r in read_metrics(tmp_path / "sparse") if "loss" in r] == [2, 3]
+    assert sparse.tokens_dropped == sum(dropped)
+
+
+def test_resuming_a_finished_run_trains_nothing_and_says_so(tmp_path, trained):
+    config, run_dir, _ = trained
+    shutil.copytree(run_dir, tmp_path / "run")
+    lines = []
+    summary = train(config, tmp_path / "run", resume=True, progress=False, log=lines.append)
+    assert (summary.first_step, summary.last_step, summary.stopped_by, summary.exit_status) == (40, 40, None, 0)
+    assert "dropless: the run is already at step 40 of 40; raise --steps to train further." in lines
+    assert [step for step, _ in summary.eval_losses] == [0, 40] and ckpt.latest_step(tmp_path / "run") == 40
 
 
 def test_metrics_keep_each_step_once_and_tolerate_a_torn_last_line(tmp_path):

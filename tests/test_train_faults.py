@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from dropless.train import checkpoint as ckpt
+from dropless.train import loop
 from dropless.train.loop import TrainingDiverged
 from dropless.train.metrics import read_metrics
 from tests.filesystems import mounted_tmpfs
@@ -359,8 +360,6 @@ def test_processes_agree_on_one_stop_signal_at_steps_where_the_host_waits(monkey
     reads from the device anyway, one all-gather makes every process stop with the lowest-numbered process's
     signal; at other steps nobody stops (no extra host sync). The all-gather is faked here; tests/test_train_parallel
     runs real processes."""
-    from dropless.train import loop
-
     gathered = np.array([0, int(signal.SIGUSR1), 0, int(signal.SIGTERM)], np.int32)
     monkeypatch.setattr(jax, "process_count", lambda: 4)
     monkeypatch.setattr(loop.multihost_utils, "process_allgather", lambda x: gathered)
@@ -370,3 +369,17 @@ def test_processes_agree_on_one_stop_signal_at_steps_where_the_host_waits(monkey
     assert loop._agreed_stop(None, host_waits=True) is None
     monkeypatch.setattr(jax, "process_count", lambda: 1)
     assert loop._agreed_stop("SIGINT", host_waits=False) == "SIGINT"  # one process stops at once
+
+
+def test_the_nonfinite_guard_counts_steps_in_a_row_across_its_checks(tmp_path):
+    """A finite step ends a streak; a streak goes on from one check to the next; the limit itself stops the run."""
+    guard = loop._NonfiniteGuard(3)
+    for flag in (True, True, False, True):
+        guard.add(np.bool_(flag))
+    guard.check(4, None, tmp_path)
+    guard.add(np.bool_(True))
+    guard.check(5, 4, tmp_path)
+    guard.add(np.bool_(True))
+    with pytest.raises(TrainingDiverged, match=r"not finite at steps 4-6 \(3 in a row.*the last good checkpoint is "
+                                               r"step 4 in "):
+        guard.check(6, 4, tmp_path)

@@ -9,6 +9,7 @@ import pytest
 
 from dropless.core.config import ConfigError, load_preset
 from dropless.core.mesh import make_mesh
+from dropless.train import setup as setup_lib
 from dropless.train.step import accumulated_value_and_grad, make_eval_step, microbatches
 
 from tests.test_train import SMALL
@@ -31,6 +32,23 @@ def batch_and_state():
     batch = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.model.vocab_size)
     whole = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, CONFIG))(params)  # shared by every split
     return params, state, batch, whole
+
+
+def test_a_fresh_state_follows_train_seed_and_given_weights_are_kept(batch_and_state):
+    params, state, _, _ = batch_and_state
+
+    def fresh(seed, init_weights=None):
+        config = CONFIG.replace(**{"train.seed": seed})
+        return setup_lib.init_state(setup_lib.build(config, jax.devices()[:1]), init_weights)
+
+    leaves = [jax.tree.leaves(fresh(seed).params) for seed in (0, 0, 1)]
+    for a, b in zip(leaves[0], leaves[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not all(np.array_equal(a, b) for a, b in zip(leaves[0], leaves[2], strict=True))
+    given = fresh(1, (params, state))
+    for a, b in zip(jax.tree.leaves(given.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(given.model_state["router_bias"], state["router_bias"])
 
 
 def test_microbatches_are_strided_rows_that_cover_the_batch_once():

@@ -189,7 +189,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
     kept = metrics_lib.keep_records_through(run_dir, start if start else -1) if primary and resume else []
     eval_losses = [(r["step"], r["eval_loss"]) for r in kept if r.get("eval_loss") is not None]
     writer = metrics_lib.MetricsWriter(run_dir) if primary else None
-    tokens_dropped_total = 0
+    dropped = _DropCounter(config)
     bar = _NoBar()
     stopped_by, last_step, last_saved = None, start, (start or None)
     guard = _NonfiniteGuard(tc.max_nonfinite_steps)
@@ -211,6 +211,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
                 for step in range(start, tc.steps):
                     state, step_metrics = setup.step(state, next(batches))
                     guard.add(step_metrics["nonfinite"])
+                    dropped.add(step_metrics["tokens_dropped"])
                     throughput.add(tc.batch_size * tc.seq_len)
                     done = last_step = step + 1
                     logged = done % tc.log_every == 0 or done == tc.steps
@@ -218,8 +219,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
                     saved = done % tc.checkpoint_every == 0 or done == tc.steps
                     host_waits = logged or evaluated or saved  # the steps where the host reads from the device anyway
                     if logged:
-                        record = _step_record(config, done, jax.device_get(step_metrics), throughput.take())
-                        tokens_dropped_total += record["tokens_dropped"]
+                        record = _step_record(done, jax.device_get(step_metrics), throughput.take())
                         _write(writer, record)
                         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
                                         load=f"{record['max_expert_load']:.2f}")
@@ -228,6 +228,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
                     bar.update(1)
                     if host_waits:
                         guard.check(done, last_saved, run_dir)
+                        dropped.check(done)
                     if evaluated:
                         eval_losses.append((done, evaluate(state)))
                         _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
@@ -238,6 +239,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
                     if stopped_by and done < tc.steps:
                         if not saved:
                             guard.check(done, last_saved, run_dir)
+                            dropped.check(done)
                             last_saved = _save(mngr, done, state, last_saved, run_dir)
                         bar.close()
                         log(f"dropless: stopped by {stopped_by} at step {done}; checkpoint {done} written; "
@@ -251,7 +253,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
         if primary and tc.plot:
             metrics_lib.plot_run(run_dir)
     return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
-                      tokens_dropped_total, stopped_by)
+                      dropped.total, stopped_by)
 
 
 class _StopSignals:
@@ -289,6 +291,25 @@ def _agreed_stop(received: str | None, host_waits: bool) -> str | None:
         return None
     numbers = np.ravel(multihost_utils.process_allgather(np.int32(signal.Signals[received] if received else 0)))
     return next((signal.Signals(int(n)).name for n in numbers if n), None)
+
+
+class _DropCounter:
+    """The (token, expert) assignments each step did not compute: summed over every step of the run and held to
+    the dropless invariant on each, logged or not. The per-step device counts wait in a list and are read where the
+    host waits for the device anyway, as _NonfiniteGuard's flags are."""
+
+    def __init__(self, config: Config):
+        self.config, self.pending, self.total = config, [], 0
+
+    def add(self, tokens_dropped: jax.Array) -> None:
+        self.pending.append(tokens_dropped)
+
+    def check(self, done: int) -> None:
+        """Add the steps up to `done` (the last step added); raise on a drop where the path is dropless."""
+        counts, self.pending = jax.device_get(self.pending), []
+        for step, count in enumerate(counts, done - len(counts) + 1):
+            self.total += int(count)
+            _check_nothing_dropped(self.config, {"step": step, "tokens_dropped": int(count)})
 
 
 class _NonfiniteGuard:
@@ -446,14 +467,13 @@ class _Throughput:
         return fields
 
 
-def _step_record(config: Config, step: int, step_metrics: dict, throughput: dict) -> dict:
-    """One metrics.jsonl line for a logged step; checks the dropless invariant on it."""
+def _step_record(step: int, step_metrics: dict, throughput: dict) -> dict:
+    """One metrics.jsonl line for a logged step."""
     step_metrics = metrics_lib.host_metrics(step_metrics)
     record = {"step": step, **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()  # router rows: [L, E]
                                for k, v in step_metrics.items()}, **throughput}
     for key in ("tokens_dropped", "dispatch_overflows", "rows_sent", "rows_sent_without_dedup", "nonfinite"):
         record[key] = int(step_metrics[key])
-    _check_nothing_dropped(config, record)
     return record
 
 
