@@ -162,6 +162,34 @@ def test_input_common_share_says_how_alike_the_routers_inputs_are():
     assert float(input_common_share(jnp.zeros(D + 1), 0)) == 0.0  # an empty layer: no NaN
 
 
+def test_token_variance_share_of_an_empty_layer_is_zero_not_nan():
+    # A layer that routed no token this step (all its pairs on other devices' experts): zero moments over zero
+    # tokens are no routing at all, reported as 0, as the other shares of an empty layer are.
+    assert float(token_variance_share(jnp.zeros((2, E)), 0)) == 0.0
+
+
+def test_routing_covariance_is_symmetric_whatever_the_grams_rounding():
+    # Grams summed over microbatches and devices may differ in their mirrored entries by a rounding (a backend's
+    # matmul need not compute v_e·v_f and v_f·v_e alike); the covariance the eigensolver reads stays symmetric.
+    rng = np.random.default_rng(4)
+    values = jnp.asarray(rng.normal(size=(256, E)), jnp.float32)
+    gram = np.asarray(routing_gram(values))
+    skewed = gram + 1e-3 * np.triu(rng.normal(size=(E, E)), 1)  # upper triangle off by more than a rounding
+    covariance = np.asarray(routing_covariance(jnp.asarray(skewed), routing_moments(values), 256))
+    np.testing.assert_array_equal(covariance, covariance.T)
+    np.testing.assert_allclose(covariance, np.asarray(routing_covariance(jnp.asarray(gram), routing_moments(values),
+                                                                         256)), atol=1e-3)
+
+
+def test_top_direction_share_is_nan_for_a_covariance_with_any_non_finite_entry():
+    # One expert's values overflowing makes part of a row's covariance non-finite, maybe only above the diagonal,
+    # which the eigensolver does not read: the whole row is NaN, not a share of the finite part.
+    covariance = np.stack([np.eye(E), np.eye(E)])
+    covariance[1, 0, E - 1] = np.inf
+    shares = top_direction_share(covariance)
+    assert shares[0] == pytest.approx(1.0 / E) and np.isnan(shares[1])
+
+
 def test_the_moe_layer_reports_the_selection_scores_and_logits_moments():
     """score_moments are of what selection ranks (the scores plus the bias), logit_moments of the logits."""
     from dropless.moe import init_moe, moe_layer
