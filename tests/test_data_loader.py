@@ -185,6 +185,7 @@ def test_a_stream_of_a_whole_number_of_seq_len_leaves_its_last_sequence_unused()
     rows = np.concatenate([dataset.train_batch(step, 2) for step in range(3)])
     np.testing.assert_array_equal(np.unique(rows[:, 0]), [0, SEQ])
 
+
 # ------------------------------------------------------------------------------- order and resumption
 
 

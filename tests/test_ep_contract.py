@@ -57,24 +57,12 @@ COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "ppermute", "all_gather
                "all_to_all", "ragged_all_to_all", "reduce_scatter", "psum_scatter"}
 
 
-def _jaxprs(jaxpr):
-    """`jaxpr` and every jaxpr nested in it (shard_map, cond branches, custom_vjp and checkpoint bodies)."""
-    yield jaxpr
-    for eqn in jaxpr.eqns:
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _jaxprs(inner)
-
-
 def _conds(jaxpr):
     """(cond, whether every device computes the same predicate) for every lax.cond: the same where the predicate's
     type varies over no mesh axis, as alltoall's overflow decision, a pmax over the whole mesh, does not."""
-    for scope in _jaxprs(jaxpr):
-        for eqn in scope.eqns:
-            if eqn.primitive.name == "cond":
-                yield eqn, not eqn.invars[0].aval.mat.varying
+    for eqn in equations(jaxpr):
+        if eqn.primitive.name == "cond":
+            yield eqn, not eqn.invars[0].aval.mat.varying
 
 
 @pytest.mark.parametrize("expert_parallel", [2, 8])

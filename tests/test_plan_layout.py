@@ -70,22 +70,13 @@ def test_mesh_sizes_refuse_what_make_mesh_refuses():
         mesh_sizes(micro_config(**{"train.batch_size": 2}), 4)
 
 
-def _leaves(tree, prefix=()):
-    """(path of keys, ShapeDtypeStruct) of every array of a nested dict."""
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves(value, (*prefix, name))
-        elif value is not None:
-            yield (*prefix, name), value
-
-
 def test_the_state_s_element_counts_follow_the_real_parameters():
     """On an unsharded mesh: the matrices are every weight but the norms and the float32 router, the routed
     experts' elements those under `experts` (not the shared experts), and the largest layer that of the stack
     whose one layer holds the most elements; gathered over `fsdp`, that layer is whole again."""
     config = micro_config(**{"model.num_layers": 3, "model.first_dense_layers": 1})
     params = jax.eval_shape(lambda: transformer.init_params(jax.random.key(0), config))
-    leaves = list(_leaves(params))
+    leaves = [(tuple(key.key for key in path), x) for path, x in jax.tree_util.tree_leaves_with_path(params)]
     size = {path: math.prod(x.shape) for path, x in leaves}
     unsharded = state_bytes(config, {"data": 8, "fsdp": 1, "expert": 1})
     assert unsharded.parameter_elements == sum(size.values())

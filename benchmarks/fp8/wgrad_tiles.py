@@ -11,9 +11,9 @@ makes them (e4m3 values, power-of-two scales):
 Variants: the table's float32 kernel (64x128 per consumer, four stages, streamed) first, then bfloat16 outputs
 (`train.fp8_wgrad_dtype=bfloat16`) at the same tile, at 64x128 in five stages (`fp8_mosaic.FP8_WGRAD_2BYTE`, what
 the option runs), at 64x256 (two 128-column accumulator slices, three stages) streamed and per tile, and float32 at
-64x256 with the one stage that fits. Each gets one record: the stages it runs, ms (kernel_check's timing: median of 5 batches of 10 calls),
-TF/s over the rows in groups, and whether its output equals the first's rounded to its dtype bit for bit (one
-float32 carry per output, the same K blocks in the same order, one rounding: it must).
+64x256 with the one stage that fits. Each gets one record: the stages it runs, ms (kernel_check's timing: median
+of 5 batches of 10 calls), TF/s over the rows in groups, and whether its output equals the first's rounded to its
+dtype bit for bit (one float32 carry per output, the same K blocks in the same order, one rounding: it must).
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class LocalExperts:
     and DeepSeek-V3's top-8 that is half the buffer). With `buffer_factor` > 0 the layer keeps
     ceil(buffer_factor x T*K) rows. A device whose pairs do not fit, counted on the device, takes the
     worst-case R*J buffer instead (`lax.cond`; each device decides for itself, so no collective may run inside,
-    in the forward or the backward pass). That branch is rematerialised (`jax.checkpoint`): its residuals are the branch's inputs, so the bounded branch
-    pays nothing for it. Never a drop; the overflow is reported.
+    in the forward or the backward pass). That branch is rematerialised (`jax.checkpoint`): its residuals are the
+    branch's inputs, so the bounded branch pays nothing for it. Never a drop; the overflow is reported.
     """
 
     experts: dict  # {"gate_up": [G, D, 2F], "down": [G, F, D]}, this device's shard

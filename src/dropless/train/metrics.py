@@ -49,7 +49,6 @@ from dropless.core.config import Config
 from dropless.core.files import refused, write_atomic
 from dropless.moe.balance import top_direction_share
 
-# Dense (non-sparse) bf16 tensor-core peaks from the vendors' datasheets, TFLOP/s, by jax `device_kind`.
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (half the "with sparsity" figure), by device kind; a kind
 # that extends a listed name takes the longest such name's peak.
 PEAK_BF16_TFLOPS = {
