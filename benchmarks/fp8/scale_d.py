@@ -9,7 +9,8 @@ promotion's multiply-adds. Inside `scale_d_off()` such a barrier yields undefine
 instruction of a wgmma whose accumulator is exactly those registers has scale-d off: the same bits, no moves. The
 patch swaps one lowering rule of `jax.experimental.mosaic.gpu.dialect_lowering` and one function of its `wgmma`
 module while a kernel is lowered; the benchmark compiles a kernel inside it once and times the executable outside.
-Every accumulator so allocated must be written by a wgmma before it is read, as `_promote`'s are.
+Only an accumulator whose every use is a wgmma's accumulator operand is changed, as `_promote`'s are; one carried
+by a loop (the rowwise kernels', the bf16 kernels') keeps its zeros.
 """
 
 from __future__ import annotations
@@ -63,6 +64,13 @@ def _is_zero(value) -> bool:
     return isinstance(attr, ir.DenseFPElementsAttr) and attr.is_splat and attr.get_splat_value().value == 0.0
 
 
+def _only_accumulates(value) -> bool:
+    """Every use of value is as a wgmma's accumulator, so no instruction reads it except one that may ignore it
+    (an accumulator carried by a loop, as the rowwise kernels' is, is read by the loop)."""
+    uses = list(value.uses)
+    return bool(uses) and all(u.owner.name == "mosaic_gpu.wgmma" and u.operand_number == 0 for u in uses)
+
+
 def _fresh(reg) -> bool:
     """A register of an accumulator allocated under the patch, or one lane slice of such a register (the
     accumulator's 32-bit layout splits each register)."""
@@ -82,7 +90,7 @@ def scale_d_off():
     def barrier(ctx, op):
         operands = list(op.operands)
         if len(operands) == 1 and isinstance(operands[0].type, ir.VectorType) and \
-                isinstance(operands[0].type.element_type, ir.F32Type):
+                isinstance(operands[0].type.element_type, ir.F32Type) and _only_accumulates(op.results[0]):
             [layout] = _dl.inference_utils.in_layouts(op)
             arr = _dl._fragmented_array_from_ir(operands[0], layout)
             if all(_is_zero(r) for r in arr.registers.flat):
