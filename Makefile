@@ -68,7 +68,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-gmm-cluster-probe bench-stage-profile bench-permute tune-gmm-fine tune-gmm-stacked bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-step-profile bench-fp8-wgrad bench-fp8-scale-d bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-step-profile bench-fp8-wgrad bench-fp8-fresh-acc bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -295,8 +295,8 @@ bench-fp8-layouts: $(BENCH_DEPS)
 
 # 1 GPU: the blockwise kernels with each K block's first wgmma issued with scale-d off (no zero-filled accumulator)
 # against the kernels as packaged, every product at DeepSeek-V3's widths, and Fp8Gmm forward+backward beside bf16.
-bench-fp8-scale-d: $(BENCH_DEPS)
-	$(BENCH_PYTHON) benchmarks/fp8/scale_d_probe.py --out $(RESULTS)/fp8-scale-d-$(GPU).json
+bench-fp8-fresh-acc: $(BENCH_DEPS)
+	$(BENCH_PYTHON) benchmarks/fp8/fresh_acc_probe.py --out $(RESULTS)/fp8-fresh-acc-$(GPU).json
 
 # 1 GPU: the blockwise weight gradient written in bf16 (train.fp8_wgrad_dtype=bfloat16) against float32: its
 # kernels' tiles and output dtypes at DeepSeek-V3's widths with 32 and 256 groups, then the proxy's step in bf16,

@@ -1,19 +1,19 @@
 """The blockwise kernels with each K block's fresh accumulator left unwritten and its first wgmma issued with
-scale-d off (benchmarks/fp8/scale_d.py), against the kernels as packaged, on one GPU (`make bench-fp8-scale-d`).
+scale-d off (dropless.gmm.fresh_acc) against the same kernels with the zero fill, on one GPU
+(`make bench-fp8-fresh-acc`).
 
-    python benchmarks/fp8/scale_d_probe.py --out fp8-scale-d.json
+    python benchmarks/fp8/fresh_acc_probe.py --out fp8-fresh-acc.json
 
 Every product of DeepSeek-V3's two expert projections at the tables' tiles (kernel_check's operands: 65,536 rows
-in 32 Dirichlet groups; then gate-up's forward and weight gradient in 256 groups), each kernel compiled as
-packaged and under the patch, timed alternately twice (kernel_check's timing: median of 5 batches of 10 calls),
-the patched output compared bit for bit with the packaged one. Then `Fp8Gmm` forward+backward at gate-up on
-aligned rows (every blockwise kernel of the product patched) beside the bf16 grouped GEMM, in the same call.
+in 32 Dirichlet groups; then gate-up's forward and weight gradient in 256 groups), each kernel compiled
+with `fresh_acc.ENABLED` off and on, timed alternately twice (kernel_check's timing: median of 5 batches of 10
+calls), the outputs compared bit for bit. Then `Fp8Gmm` forward+backward at gate-up on aligned rows both ways
+beside the bf16 grouped GEMM, in the same call.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -25,14 +25,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from breakdown import fwd_bwd  # noqa: E402
 from kernel_check import nt_case, timed_kernel, tn_case  # noqa: E402
-from scale_d import scale_d_off  # noqa: E402
 
 from dropless.bench.gmm import group_sizes, to_aligned  # noqa: E402
 from dropless.bench.harness import same_bits, time_calls  # noqa: E402
 from dropless.bench.records import environment, write_json  # noqa: E402
 from dropless.fp8 import Fp8Gmm, Recipe  # noqa: E402
 from dropless.fp8.grouped import ALIGN, Fp8Products  # noqa: E402
-from dropless.gmm import fp8_mosaic  # noqa: E402
+from dropless.gmm import fp8_mosaic, fresh_acc  # noqa: E402
 from dropless.gmm.dropless_mosaic import DroplessMosaicGmm, TunedContract  # noqa: E402
 
 # (name, case, K and N of the case, product in fp8_mosaic's tables, groups)
@@ -42,20 +41,23 @@ SHAPES = [("gate-up fwd", nt_case, 7168, 4096, "fwd", 32), ("gate-up dlhs", nt_c
           ("gate-up fwd", nt_case, 7168, 4096, "fwd", 256), ("gate-up drhs", tn_case, 7168, 4096, "drhs", 256)]
 
 
-def lowered(make, args, patched: bool):
-    """A fresh jit of make()'s function lowered for args, under the patch or not; the kernels' own jit caches are
-    cleared first, so neither lowering reuses the other's kernels."""
+def lowered(make, args, fresh: bool):
+    """A fresh jit of make()'s function lowered for args with fresh_acc on or off; the kernels' own jit caches
+    are cleared first, so neither lowering reuses the other's kernels."""
     fp8_mosaic.gmm_nt.clear_cache()
     fp8_mosaic.gmm_tn_aligned.clear_cache()
-    with scale_d_off() if patched else contextlib.nullcontext():
+    fresh_acc.ENABLED = fresh
+    try:
         return jax.jit(make()).lower(*args)
+    finally:
+        fresh_acc.ENABLED = True
 
 
 def compiled(make, args) -> tuple[dict, bool]:
-    """The packaged and patched executables, and whether their programs differ (they must: the kernels' code
-    differs)."""
-    low = {patched: lowered(make, args, patched) for patched in (False, True)}
-    return {patched: low[patched].compile() for patched in low}, low[True].as_text() != low[False].as_text()
+    """The executables with the zero fill (False) and without (True), and whether their programs differ (they
+    must: the kernels' code differs)."""
+    low = {fresh: lowered(make, args, fresh) for fresh in (False, True)}
+    return {fresh: low[fresh].compile() for fresh in low}, low[True].as_text() != low[False].as_text()
 
 
 def main() -> None:
@@ -69,7 +71,7 @@ def main() -> None:
     def emit(rec):
         print(json.dumps(rec), flush=True)
         records.append(rec)
-        write_json(a.out, {"benchmark": "fp8-scale-d", "environment": env, "rows": m, "records": records})
+        write_json(a.out, {"benchmark": "fp8-fresh-acc", "environment": env, "rows": m, "records": records})
 
     for name, case, k, n, product, g in SHAPES:
         sizes = group_sizes("dirichlet", m, g, 0)
@@ -79,19 +81,19 @@ def main() -> None:
         stack, stream = fp8_mosaic.default_stack(product, "blockwise"), fp8_mosaic.default_stream(product, "blockwise")
         flops = 2 * int(sizes.sum()) * k * n
         exe, differ = compiled(lambda: make_fn(tile, stack, stream).__wrapped__, args)
-        outs = {patched: exe[patched](*args) for patched in exe}
+        outs = {fresh: exe[fresh](*args) for fresh in exe}
         live_rows = (lambda o: o[:live]) if live is not None else (lambda o: o)
         equal = same_bits(live_rows(outs[True]), live_rows(outs[False]))
         del outs
         timings = {False: [], True: []}
         for _ in range(2):
-            for patched in (False, True):
-                timings[patched].append(timed_kernel(exe[patched], args, flops))
+            for fresh in (False, True):
+                timings[fresh].append(timed_kernel(exe[fresh], args, flops))
         rec = {"shape": name, "groups": g, "tile": str(tile), "stack": stack, "stream": stream,
-               "programs_differ": differ, "patched_equals_packaged": equal}
-        for patched, label in ((False, "packaged"), (True, "scale_d_off")):
-            rec[label] = {"ms": [t["ms"] for t in timings[patched]], "tflops": [t["tflops"] for t in timings[patched]]}
-        rec["packaged_over_patched"] = round(min(rec["packaged"]["ms"]) / min(rec["scale_d_off"]["ms"]), 4)
+               "programs_differ": differ, "fresh_equals_zero_filled": equal}
+        for fresh, label in ((False, "zero_filled"), (True, "fresh")):
+            rec[label] = {"ms": [t["ms"] for t in timings[fresh]], "tflops": [t["tflops"] for t in timings[fresh]]}
+        rec["zero_filled_over_fresh"] = round(min(rec["zero_filled"]["ms"]) / min(rec["fresh"]["ms"]), 4)
         emit(rec)
         del exe, args
 
@@ -114,16 +116,16 @@ def main() -> None:
     times = {"bf16": [], False: [], True: []}
     for _ in range(2):
         times["bf16"].append(time_calls(bf16_fn, [(gs, x, w, dy)]))
-        for patched in (False, True):
-            times[patched].append(time_calls(exe[patched], [fp8_args]))
+        for fresh in (False, True):
+            times[fresh].append(time_calls(exe[fresh], [fp8_args]))
     rec = {"shape": "gate-up", "piece": "Fp8Gmm fwd+bwd (aligned rows) beside the bf16 grouped GEMM fwd+bwd",
-           "programs_differ": differ, "patched_equals_packaged": equal}
-    for key, label in (("bf16", "bf16"), (False, "blockwise packaged"), (True, "blockwise scale_d_off")):
+           "programs_differ": differ, "fresh_equals_zero_filled": equal}
+    for key, label in (("bf16", "bf16"), (False, "blockwise zero-filled"), (True, "blockwise fresh")):
         rec[label] = {"ms": [round(t * 1e3, 4) for t in times[key]],
                       "tflops": [round(flops / t / 1e12, 1) for t in times[key]]}
-    rec["packaged_over_patched"] = round(min(times[False]) / min(times[True]), 4)
-    rec["bf16_over_patched"] = round(min(times["bf16"]) / min(times[True]), 4)
-    rec["bf16_over_packaged"] = round(min(times["bf16"]) / min(times[False]), 4)
+    rec["zero_filled_over_fresh"] = round(min(times[False]) / min(times[True]), 4)
+    rec["bf16_over_fresh"] = round(min(times["bf16"]) / min(times[True]), 4)
+    rec["bf16_over_zero_filled"] = round(min(times["bf16"]) / min(times[False]), 4)
     emit(rec)
 
 
