@@ -119,15 +119,20 @@ def _first_instruction(result_reg):
         asm = prev_asm
 
 
+def _text(asm) -> str:
+    attr = asm.attributes["asm_string"]
+    return attr.value if hasattr(attr, "value") else ir.StringAttr(attr).value
+
+
 def _scale_d_off(asm, outputs: int) -> None:
     """Set the instruction's scale-d immediate to 0; raise where the instruction is not laid out as expected (an
     undefined accumulator must never be added to)."""
-    found = _SCALE_D.search(ir.StringAttr(asm.attributes["asm_string"]).value)
+    found = _SCALE_D.search(_text(asm))
     if found is None:
         raise RuntimeError("fresh_acc: a wgmma instruction without the expected scale-d predicate")
     index = int(found.group(1)) - outputs  # the asm's $n count its outputs first, then its operands
     current = _owner(asm.operands[index])
-    if current is None or current.name != "llvm.mlir.constant" or ir.IntegerAttr(current.attributes["value"]).value != 1:
+    if current is None or current.name != "llvm.mlir.constant" or current.attributes["value"].value != 1:
         raise RuntimeError("fresh_acc: a wgmma instruction's scale-d operand is not the constant 1")
     with ir.InsertionPoint(asm):
         zero = llvm.ConstantOp(ir.IntegerType.get_signless(32), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 0))
