@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dropless.gmm import fresh_acc
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
 from dropless.gmm.mosaic import max_row_tiles, num_sms, plgpu, row_tiles, store_rows, swizzled
 from dropless.gmm.mosaic_ws import BARRIER_BYTES, CONSUMERS, MEMORY_REGISTERS, Ring, run_stream, tile_steps
@@ -341,6 +342,7 @@ def _pipeline(s: _Launch, steps: int, specs, body, context):
 
 def _call(kernel, s: _Launch, out_shape, name: str):
     """The persistent launch: one CTA per SM, two consumer warpgroups and the producer."""
+    fresh_acc.install()  # blockwise promotion's per-block accumulators lowered without their zero fill
     return plgpu.kernel(
         functools.partial(kernel, s), out_type=jax.ShapeDtypeStruct(out_shape, s.out_dtype), grid=(num_sms(),),
         grid_names=("sm",), num_threads=CONSUMERS + 1, thread_name="wg",
