@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from dropless.core.config import ConfigError, load_preset
-from dropless.fp8 import Fp8Gmm, Recipe, experts_gmm, fp8_matmul, make_recipe, train_recipe
+from dropless.fp8 import Fp8Gmm, Recipe, experts_gmm, fp8_matmul, linear, make_recipe, train_recipe
 from dropless.fp8.grouped import Fp8Products, aligned_sources
 from dropless.gmm import XlaGmm, fp8_mosaic
 from dropless.gmm.xla import XlaContract
 from dropless.ops import fp8_pairs
-from dropless.ops.fp8 import E4M3_MAX, FP8, dequantize, power_of_two_scale, quantize
+from dropless.ops.fp8 import E4M3_MAX, FP8, dequantize, fake_quantize, power_of_two_scale, quantize
 from tests import fp8_reference as ref
 
 MODES = ("rowwise", "blockwise", "mxfp8")
@@ -82,6 +82,44 @@ def test_quantizer_at_the_range_limits_and_with_non_finite_values():
     np.testing.assert_array_equal(np.asarray(q.scales), want_scales)
     assert np.all(want_scales == 2.0 ** -126)
     np.testing.assert_array_equal(np.asarray(q.values.astype(jnp.float32)), want_values)
+
+
+def test_dequantized_values_come_in_the_dtype_asked_for():
+    """dequantize writes `dtype` (exact in bf16: e4m3 values times powers of two), and fake_quantize x's dtype by
+    default: the values an FP8 product computes with, in the reference's float64 arithmetic."""
+    x = jnp.asarray(wide_range(np.random.default_rng(3), (4, 256)), jnp.bfloat16)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    q = jit_quantize(x, (1, 128))
+    deq = dequantize(q, (1, 128), jnp.bfloat16)
+    assert deq.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(deq.astype(jnp.float32)), ref.fake(x64, (1, 128)))
+    fake = fake_quantize(x, (1, 128))
+    assert fake.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(fake.astype(jnp.float32)), ref.fake(x64, (1, 128)))
+    assert fake_quantize(x, (1, 128), jnp.float32).dtype == jnp.float32
+
+
+def test_quantizer_takes_empty_axes_under_a_whole_axis_block():
+    """An array with an empty axis (a batch of no tokens) quantizes to no values, a whole-axis block (None) on the
+    empty axis included, and dequantizes back to its shape."""
+    for shape, block, counts in (((3, 0), (1, None), (3, 1)), ((0, 5), (None, 1), (1, 5)), ((0, 4), (1, None), (0, 1)),
+                                 ((0, 256), (1, 128), (0, 2))):
+        q = quantize(jnp.zeros(shape, jnp.float32), block)
+        assert q.values.shape == shape and q.values.dtype == FP8
+        assert q.scales.shape == counts  # a whole-axis block is one block, empty or not
+        assert dequantize(q, block).shape == shape
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_matmul_of_no_rows_is_empty_and_gives_w_a_zero_gradient(mode):
+    """x with no rows (an empty batch): the output has none, x's gradient none, and w's gradient is zeros in w's
+    dtype, in every recipe (rowwise's transposed copy of x is [K, 0], one whole-row block per row)."""
+    x, w = jnp.zeros((0, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.float32)
+    y, pullback = jax.vjp(lambda x, w: fp8_matmul(x, w, Recipe(mode)), x, w)
+    dx, dw = pullback(jnp.zeros((0, 128), jnp.bfloat16))
+    assert y.shape == (0, 128) and y.dtype == jnp.bfloat16 and dx.shape == (0, 256) and dx.dtype == jnp.bfloat16
+    assert dw.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(dw), np.zeros((256, 128)))
 
 
 def _dense_case(seed=0, t=200, k=256, n=384):
@@ -145,6 +183,18 @@ def test_mxfp8_goes_through_scaled_dot_general_within_mx_rounding():
         assert 0 < rel(got, exact) < 0.08
 
 
+def test_linear_without_a_recipe_is_the_plain_matmul_in_the_dtype_asked_for():
+    """linear(x, w) with no recipe: x @ w in x's dtype, or, asked for float32 out of bf16 operands, the float32
+    accumulation itself (not its bf16 rounding)."""
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
+    want = np.einsum("btk,kn->btn", np.asarray(x.astype(jnp.float32), np.float64),
+                     np.asarray(w.astype(jnp.bfloat16).astype(jnp.float32), np.float64))
+    y32 = jax.jit(lambda x, w: linear(x, w, out_dtype=jnp.float32))(x, w)
+    assert y32.dtype == jnp.float32 and y32.shape == (2, 8, 48)
+    assert rel(y32, want) < F32_RTOL
+    assert linear(x, w).dtype == jnp.bfloat16
 
 
 def _grouped_case(sizes, rows, seed=0, k=256, n=128):
@@ -179,6 +229,17 @@ def test_grouped_fp8_and_its_gradients_match_the_float64_reference(mode, case):
     _, dx_unzeroed, dw_unzeroed = fwd_bwd(Grouped(gmm, zero_lhs_grad_padding=False), x, w, gs, dy)
     np.testing.assert_array_equal(np.asarray(dx_unzeroed)[:sum(sizes)], np.asarray(dx)[:sum(sizes)])
     np.testing.assert_array_equal(np.asarray(dw_unzeroed), np.asarray(dw))
+
+
+def test_native_mxfp8_grouped_products_are_the_dequantized_ones():
+    """Our e4m3 kernels take rowwise and blockwise scales: under a native mxfp8 recipe the grouped products run on
+    the dequantized operands, the same bits as the recipe not native."""
+    sizes, rows = GROUPS["uneven"]
+    x, w, gs, dy = _grouped_case(sizes, rows)
+    got, want = (fwd_bwd(Grouped(Fp8Gmm(Fp8Products(Recipe("mxfp8", native), XlaGmm(), XlaContract()))), x, w, gs, dy)
+                 for native in (True, False))
+    for g, v in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
 
 
 def _aligned(a_MX, sizes, poison=np.nan):
@@ -297,6 +358,7 @@ def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
         np.testing.assert_array_equal(np.asarray(bf16[2]), rounded)
         assert not np.array_equal(rounded, np.asarray(f32[2]))  # the rounding is there to see
     assert Recipe(mode, wgrad="bfloat16").wgrad_dtype(jnp.bfloat16) == jnp.bfloat16  # never wider than the weight
+    assert Recipe(mode, wgrad="bfloat16").wgrad_dtype(jnp.float16) == jnp.float16  # 2 bytes already: its own dtype
     assert Recipe(mode).wgrad_dtype(jnp.float32) == jnp.float32
 
 

@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.core.config import ConfigError, MoEConfig
+from dropless.core.config import ConfigError, MoEConfig, ParallelConfig
+from dropless.core.mesh import make_mesh
 from dropless.moe import route, update_router_bias
 from dropless.moe.balance import (common_alignment, input_moments, max_load_ratio, tokens_per_expert,
                                   update_router_common)
 from dropless.moe.reference import reference_route
-from dropless.moe.router import fold_common, select_experts
+from dropless.moe.router import fold_common, other_sequences_mean, select_experts
 
 
 def _brute_force_groups(choice_E, top_k, n_group, topk_group):
@@ -72,6 +73,22 @@ def test_bias_changes_selection_but_not_weights():
                                2.0 * np.take_along_axis(np.asarray(scores_TE), routing.expert_ids_TK, 1), rtol=1e-5)
     bias_grad = jax.grad(lambda b: jnp.sum(route(kernel_DE, b, x_TD, cfg).weights_TK))(bias_E)
     assert np.all(np.asarray(bias_grad) == 0)
+
+
+def test_a_token_whose_sigmoid_scores_all_underflow_gets_zero_weights_and_probabilities():
+    """Sigmoid scores of very negative logits are exactly 0 in float32: such a token's renormalised combine weights
+    and its balancing probabilities are 0 (the +1e-20 of HF's DeepSeek-V3), never 0 / 0; any other token's weights
+    still sum to routed_scaling_factor and its probabilities to 1."""
+    cfg = MoEConfig(num_experts=8, num_experts_per_tok=2, score_func="sigmoid", n_group=4, topk_group=2,
+                    norm_topk_prob=True, routed_scaling_factor=2.5)
+    x_TD = np.stack([np.full(8, -200.0), np.linspace(-1.0, 2.0, 8)]).astype(np.float32)
+    routing = jax.jit(route, static_argnums=3)(jnp.eye(8), None, jnp.asarray(x_TD), cfg)
+    np.testing.assert_array_equal(routing.weights_TK[0], 0.0)
+    np.testing.assert_array_equal(routing.probs_TE[0], 0.0)
+    np.testing.assert_array_equal(routing.expert_ids_TK[1], [7, 6])
+    scores_E = 1 / (1 + np.exp(-x_TD[1].astype(np.float64)))
+    np.testing.assert_allclose(routing.weights_TK[1], 2.5 * scores_E[[7, 6]] / scores_E[[7, 6]].sum(), rtol=1e-6)
+    np.testing.assert_allclose(routing.probs_TE[1], scores_E / scores_E.sum(), rtol=1e-6)
 
 
 def test_softmax_router_follows_mixtral_and_qwen3():
@@ -256,3 +273,24 @@ def test_routing_on_a_mesh_selects_per_device_without_collectives():
     assert not any(op in compiled.as_text() for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute"))
     want = route(kernel_DE, None, x_TD, cfg).expert_ids_TK
     np.testing.assert_array_equal(compiled(kernel_DE, jax.device_put(x_TD, tokens)), want)
+
+
+def test_routing_on_a_mesh_whose_devices_do_not_split_the_tokens_selects_on_all_of_them():
+    """Tokens that the mesh's devices cannot split evenly (the executor reports that, not the router): the
+    selection runs unsplit, the same choices as without a mesh."""
+    cfg = MoEConfig(num_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, score_func="sigmoid")
+    k_kernel, k_x = jax.random.split(jax.random.key(6))
+    kernel_DE = jax.random.normal(k_kernel, (32, 16), jnp.float32)
+    x_TD = jax.random.normal(k_x, (12, 32), jnp.float32)
+    mesh = make_mesh(ParallelConfig(data=2, expert=4), jax.devices()[:8], num_experts=16)
+    got = jax.jit(lambda k, x: route(k, None, x, cfg, mesh=mesh).expert_ids_TK)(kernel_DE, x_TD)
+    np.testing.assert_array_equal(got, route(kernel_DE, None, x_TD, cfg).expert_ids_TK)
+
+
+def test_other_sequences_mean_is_the_mean_over_the_other_sequences_tokens():
+    x_BSD = np.random.default_rng(9).normal(size=(3, 4, 5)).astype(np.float32)
+    x64 = x_BSD.astype(np.float64)
+    want_BD = np.stack([np.delete(x64, b, axis=0).reshape(-1, 5).mean(axis=0) for b in range(3)])
+    got_BD = jax.jit(other_sequences_mean)(jnp.asarray(x_BSD))
+    assert got_BD.dtype == jnp.float32
+    np.testing.assert_allclose(got_BD, want_BD, rtol=0, atol=1e-6)

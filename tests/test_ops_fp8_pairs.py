@@ -139,9 +139,11 @@ def test_kernel_lowers_for_cuda_on_the_cpu():
 
 def test_shapes_it_takes_and_one_clear_error_for_others():
     assert fits((256, 128)) and fits((3, 128, 384)) and not fits((200, 128)) and not fits((128,))
+    assert not fits((128, 200)) and not fits((3, 128, 130))
     assert not fits((0, 128, 128))
-    with pytest.raises(ValueError, match="multiples of 128"):
-        quantize_pair(jnp.zeros((200, 128)), "tiles")
+    for shape in ((200, 128), (128, 200)):
+        with pytest.raises(ValueError, match="multiples of 128"):
+            quantize_pair(jnp.zeros(shape), "tiles")
     # Pallas Triton addresses an e4m3 output of 2**31 .. 2**32 bytes with wrapping 32-bit offsets: the operands of
     # those sizes (DeepSeek-V3's down projection with 256 experts) go to the two-pass quantizer, and the ones below
     # and above stay on the kernel.

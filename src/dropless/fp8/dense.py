@@ -60,6 +60,8 @@ def fp8_matmul(x: jax.Array, w: jax.Array, recipe: Recipe, out_dtype=None, mesh:
     lead, k = x.shape[:-1], x.shape[-1]
     x_TK = x.reshape(-1, k)
     w_KN, copies = unpack(w)
+    if not x_TK.shape[0]:  # no rows (an empty batch): nothing to quantize or multiply, and w's gradient is 0
+        return jnp.zeros((*lead, w.shape[1]), out_dtype)
     if recipe.mode == "mxfp8":
         return _mxfp8_matmul(x_TK, w_KN, out_dtype).reshape(*lead, w.shape[1])
     dtypes = (out_dtype, x.dtype, w.dtype)

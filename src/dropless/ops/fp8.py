@@ -78,11 +78,11 @@ def power_of_two_scale(amax: jax.Array) -> jax.Array:
 
 
 def _blocks(shape: Sequence[int], block: BlockShape) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(block extents, block counts) per axis, None meaning the whole axis."""
+    """(block extents, block counts) per axis, None meaning the whole axis: one block, empty if the axis is."""
     if len(block) != len(shape):
         raise ValueError(f"block {tuple(block)} names {len(block)} axes of a {len(shape)}-d array {tuple(shape)}")
     extents = tuple(n if b is None else int(b) for n, b in zip(shape, block))
-    return extents, tuple(-(-n // b) if n else 0 for n, b in zip(shape, extents))
+    return extents, tuple(1 if b is None else -(-n // e) for n, b, e in zip(shape, block, extents))
 
 
 def _padded_blocks(x: jax.Array, extents, counts) -> jax.Array:
