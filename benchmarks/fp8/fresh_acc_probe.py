@@ -46,11 +46,11 @@ def lowered(make, args, fresh: bool):
     are cleared first, so neither lowering reuses the other's kernels."""
     fp8_mosaic.gmm_nt.clear_cache()
     fp8_mosaic.gmm_tn_aligned.clear_cache()
-    fresh_acc.ENABLED = fresh
+    enabled, fresh_acc.ENABLED = fresh_acc.ENABLED, fresh
     try:
         return jax.jit(make()).lower(*args)
     finally:
-        fresh_acc.ENABLED = True
+        fresh_acc.ENABLED = enabled
 
 
 def compiled(make, args) -> tuple[dict, bool]:
