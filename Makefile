@@ -294,9 +294,15 @@ bench-fp8-layouts: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --groups 256 --out $(RESULTS)/fp8-layouts-e256-$(GPU).json
 
 # 1 GPU: the blockwise kernels with each K block's first wgmma issued with scale-d off (no zero-filled accumulator)
-# against the kernels as packaged, every product at DeepSeek-V3's widths, and Fp8Gmm forward+backward beside bf16.
+# against the same kernels with it, every product at DeepSeek-V3's widths, and Fp8Gmm forward+backward beside bf16;
+# then the proxy's step in bf16, blockwise, and blockwise with fresh_acc on, one call.
 bench-fp8-fresh-acc: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
 	$(BENCH_PYTHON) benchmarks/fp8/fresh_acc_probe.py --out $(RESULTS)/fp8-fresh-acc-$(GPU).json
+	for run in "off False" "blockwise False" "blockwise True"; do set -- $$run; \
+	  $(BENCH_PYTHON) -c "import sys; from dropless.gmm import fresh_acc; fresh_acc.ENABLED = $$2; \
+	  from dropless.cli import main; sys.exit(main(sys.argv[1:]))" bench step --preset deepseek-v3-proxy --steps 5 \
+	  --seconds 6 --record $(BENCH_SCRATCH)/fp8-fresh-acc-step-$$1-$$2.json train.fp8=$$1 || exit 1; done
 
 # 1 GPU: the blockwise weight gradient written in bf16 (train.fp8_wgrad_dtype=bfloat16) against float32: its
 # kernels' tiles and output dtypes at DeepSeek-V3's widths with 32 and 256 groups, then the proxy's step in bf16,
