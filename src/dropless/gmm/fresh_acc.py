@@ -33,10 +33,10 @@ _lowering = importlib.import_module("jax.experimental.mosaic.gpu.dialect_lowerin
 _BARRIER = "mosaic_gpu.optimization_barrier"
 _WGMMA = "mosaic_gpu.wgmma"
 MODULE_PREFIX = "dropless_fp8_gmm_"
-# The predicate wgmma_m64 builds from its first immediate operand: `setp.ne.b32 p, $<operand>, 0`.
 # Read when a kernel is lowered. Off by default until `make bench-fp8-fresh-acc` has timed it on a GPU: speed is
 # measured, not assumed; the benchmark lowers every kernel both ways.
 ENABLED = False
+# The predicate wgmma_m64 builds from its first immediate operand: `setp.ne.b32 p, $<operand>, 0`.
 _SCALE_D = re.compile(r"setp\.ne\.b32 p, \$(\d+), 0;\s*wgmma\.mma_async")
 
 
@@ -136,8 +136,9 @@ def _scale_d_off(asm, outputs: int) -> None:
     current = _owner(asm.operands[index])
     if current is None or current.name != "llvm.mlir.constant" or current.attributes["value"].value != 1:
         raise RuntimeError("fresh_acc: a wgmma instruction's scale-d operand is not the constant 1")
+    i32 = ir.IntegerType.get_signless(32)
     with ir.InsertionPoint(asm):
-        zero = llvm.ConstantOp(ir.IntegerType.get_signless(32), ir.IntegerAttr.get(ir.IntegerType.get_signless(32), 0))
+        zero = llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, 0))
     asm.operands[index] = zero.result
 
 
