@@ -5,6 +5,7 @@ import json
 import pytest
 
 from dropless.bench import report, scale
+from dropless.bench.runner import Program
 from dropless.core.config import ConfigError
 from tests.micro_config import MICRO
 
@@ -64,3 +65,12 @@ def test_scale_rejects_bad_devices():
         scale.main(["--devices", "one"])
     with pytest.raises(ConfigError, match="not known; choose from"):
         scale.main(["--devices", "1", "--strategies", "teleport"])
+
+
+def test_scale_writes_no_record_when_no_layout_ran(tmp_path, monkeypatch):
+    out = tmp_path / "scale.json"
+    monkeypatch.setattr(scale, "compile_variants",
+                        lambda config, variants, log: {v.key: Program(v, error="out of memory: x") for v in variants})
+    with pytest.raises(ConfigError, match=r"no layout ran \(1:fsdp=1,expert=1:none: error: out of memory: x\)"):
+        scale.main(["--preset", "tiny", "--devices", "1", "--out", str(out)])
+    assert not out.exists()

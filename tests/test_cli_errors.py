@@ -193,6 +193,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["tune-gmm", "--shape", "1024,64,64,0"], ["--shape '1024,64,64,0' must be four positive integers"]),
     (["bench", "plan-accuracy", "--part", "3/2"], ["--part '3/2' is not K/N"]),
     (["bench", "scale", "--devices", "one"], ["--devices 'one' must be comma-separated integers"]),
+    (["bench", "scale", "--out", "{f}/scale.json"], ["the plan does not fit", "usable of cpu's"]),  # the proxy
     (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
     (["profile", "--preset", "tiny", "--top", "-5", "--out", "{f}/profile1"], ["--top=-5 must be >= 1"]),
     (["profile", "--preset", "tiny", "--top", "0", "--out", "{f}/profile2"], ["--top=0 must be >= 1"]),

@@ -21,6 +21,7 @@ import jax
 
 from dropless.bench import harness, pgle, profile
 from dropless.bench.harness import GIB, peak_bytes, time_steps
+from dropless.core.debug import debugging
 from dropless.models import flops as flops_lib
 from dropless.models.transformer import layer_counts
 from dropless.train import metrics as metrics_lib
@@ -193,7 +194,8 @@ class Runner:
         except Exception as error:  # noqa: BLE001
             self._state_key = None
             record["status"] = f"error: {short_error(error)}"
-            self.log(traceback.format_exc(limit=3))
+            if debugging():  # the record and the caller's table carry the one-line status
+                self.log(traceback.format_exc(limit=3))
         return record
 
     def _time(self, program: Program, state, batches, record: dict, trace_dir: Path | None):

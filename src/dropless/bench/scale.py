@@ -30,6 +30,7 @@ from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
+from dropless.train.setup import fit_check
 
 STRATEGIES = ("allgather", "alltoall", "ragged")
 
@@ -123,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda message: print(message, flush=True)
     if skipped:
         say(f"dropless: skipping {skipped} devices: only {jax.device_count()} present")
-    programs = compile_variants(config, scale_variants(config, devices, strategies, args.fsdp), log=say)
+    variants = scale_variants(config, devices, strategies, args.fsdp)
+    for overrides, n in {(tuple(v.overrides.items()), v.devices): None for v in variants}:
+        # As `dropless train` would refuse each layout, before anything compiles: the layout as given, never
+        # another that train.auto_fit might choose.
+        fit_check(config.replace(**dict(overrides), **{"train.auto_fit": False}), jax.devices()[:n], log=say)
+    programs = compile_variants(config, variants, log=say)
     runner = Runner(None, metrics_lib.device_peak_tflops(env["device"]), math.inf, say, steps=args.steps,
                     seconds=args.seconds)
     records = {}
@@ -131,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         records[key] = runner.run(program)
         say(f"{key:32s} {records[key]['status']}" + (f" {records[key]['step_ms']:.1f} ms" if records[key].get("step_ms") else ""))
     rows = scaling_records(records)
+    if not any(r["status"] == "ok" for r in rows):
+        raise ConfigError(f"no layout ran ({rows[0]['key']}: {rows[0]['status']}); nothing was written to {out}.")
     write_json(out, {"preset": args.preset, "per_device_batch": config.train.batch_size,
                      "seq_len": config.train.seq_len, "overrides": args.overrides,
                      "devices_skipped": skipped, "environment": env, "records": rows, "raw": records})
