@@ -167,6 +167,10 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["tune-gmm", "--workers", "many"], ["invalid int value: 'many'", "'dropless tune-gmm --help'"]),
     (["tune-gmm", "--shape", "1,2,3"], ["--shape '1,2,3' must be four positive integers M,K,N,G."]),
     (["bench", "gmm", "--shapes", "nope"], ["nope not known; choose from"]),
+    (["bench", "gmm", "--stages", "dsv3-e32", "--out", "{f}/gmm.json"],  # the default shape on a CPU is tiny
+     ["--stages dsv3-e32: a model's size", "--shapes tiny (the default there)"]),
+    (["bench", "gmm", "--shapes", "qwen3-down,tiny", "--out", "{f}/gmm.json"], ["--shapes qwen3-down: a model's size"]),
+    (["bench", "rates", "--size", "full"], ["--size full measures a GPU's shapes", "use --size small"]),
     (["bench", "gmm", "--shapes", "tiny", "--batches", "0"], ["--batches 0 must be at least 1"]),
     (["bench", "step", "--preset", "tiny", "--steps", "0"], ["--steps 0 must be at least 1"]),
     (["bench", "step"], ["the plan does not fit", "usable of cpu's"]),  # the proxy, before anything is compiled
@@ -257,6 +261,19 @@ def test_an_unusable_output_is_refused_before_measuring(capsys, files, monkeypat
     status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))
     assert_one_line(status, stderr, *fragments)
     assert set(files.rglob("*")) == before  # nothing made for the refused command, not even an empty folder
+
+
+def test_on_a_cpu_the_benchmarks_default_to_their_cpu_sizes(tmp_path, monkeypatch):
+    """`bench gmm` and `bench rates` without a size measure the tiny shape and the small sizes on a CPU, where
+    their GPU defaults would take hours and more memory than the host has."""
+    from dropless.bench import gmm, rates
+    seen = []
+    monkeypatch.setattr(gmm, "bench_shape", lambda spec, *args, **kwargs: seen.append(spec.name) or [])
+    monkeypatch.setattr(rates, "measure", lambda size: seen.append(size) or measured())
+    assert gmm.main(["--out", str(tmp_path / "gmm.json")]) == 0
+    with pytest.raises(AssertionError, match="measured"):
+        rates.main([])
+    assert seen == ["tiny", "small"]
 
 
 @pytest.mark.parametrize("argv, measuring", [

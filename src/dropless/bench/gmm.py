@@ -380,8 +380,9 @@ def markdown_table(records: list[dict], skews=SKEWS) -> str:
 
 def parse_args(argv):
     p = ArgumentParser(prog="dropless bench gmm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
-                   help=f"comma-separated shape classes from: {', '.join(SHAPES)} (default: all but tiny)")
+    p.add_argument("--shapes", default=None,
+                   help=f"comma-separated shape classes from: {', '.join(SHAPES)} (default: all but tiny on a GPU, "
+                        "tiny on a CPU)")
     p.add_argument("--skews", default=",".join(SKEWS), help=f"comma-separated, from {', '.join(SKEWS)}")
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {', '.join(BACKENDS)}")
     p.add_argument("--stages", default="", help="comma-separated expert stages to measure as well, from: "
@@ -397,9 +398,21 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _refuse_gpu_sizes_on_cpu(shapes: list[str], stages: list[str]) -> None:
+    """On a CPU only the tiny shape and stage run: the models' products are trillions of FLOPs over gigabytes of
+    operands each (DeepSeek-V3's gate+up 3.8 TFLOP), hours of a CPU's time and more than its memory."""
+    if jax.default_backend() != "cpu":
+        return
+    big = [f"--shapes {name}" for name in shapes if name != "tiny"] + [
+        f"--stages {name}" for name in stages if name != "tiny"]
+    if big:
+        raise ConfigError(f"{', '.join(big)}: a model's size, trillions of FLOPs over gigabytes a product, beyond a "
+                          "CPU's time and memory; on a CPU use --shapes tiny (the default there) or --stages tiny.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    shapes = [s for s in args.shapes.split(",") if s]
+    shapes = [s for s in (args.shapes or "").split(",") if s]
     stages = [s for s in args.stages.split(",") if s]
     stage_paths = [s for s in args.stage_paths.split(",") if s]
     for name, allowed in ((shapes, SHAPES), (args.skews.split(","), SKEWS), (args.backends.split(","), BACKENDS),
@@ -410,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches < 1:
         raise ConfigError(f"--batches {args.batches} must be at least 1: the timed batches whose median is kept.")
     xla_flags.apply()  # before JAX starts a backend
+    if args.shapes is None:
+        shapes = list(DEFAULT_SHAPES) if jax.default_backend() == "gpu" else ["tiny"]
+    _refuse_gpu_sizes_on_cpu(shapes, stages)
     out = results_path(args.out, jax.devices()[0].device_kind)  # checked, as the chart's path, before measuring
     chart = check_output("--chart", args.chart or out.with_suffix(".png"), kind="PNG")
     records: list[dict] = []

@@ -24,7 +24,7 @@ from dropless.bench import harness
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser, check_output
-from dropless.core.config import MoEConfig
+from dropless.core.config import ConfigError, MoEConfig
 from dropless.gmm.registry import make_gmm
 from dropless.plan.cost import load_rates, rate_key
 
@@ -106,11 +106,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="dropless bench rates", description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="write the table (the packaged one with this device's entry) to this file")
     parser.add_argument("--name", help="the entry's key (default: the device kind without spaces, e.g. NVIDIA_H200)")
-    parser.add_argument("--size", choices=tuple(SIZES), default="full", help="shapes: full (GPU) or small (CPU)")
+    parser.add_argument("--size", choices=tuple(SIZES), default=None,
+                        help="shapes: full (a GPU's, the default there) or small (a CPU's, the default there)")
     args = parser.parse_args(argv)
     if args.out:  # checked before the minutes of measuring, not at the write after them
         check_output("--out", args.out)
     xla_flags.apply()
+    cpu = jax.default_backend() == "cpu"
+    if args.size == "full" and cpu:
+        raise ConfigError("--size full measures a GPU's shapes (an 8,192-square matmul, grouped GEMMs of 65,536 "
+                          "rows), beyond a CPU's time and memory; use --size small (the default on a CPU).")
+    args.size = args.size or ("small" if cpu else "full")
     start = time.perf_counter()
     entry = measure(args.size)
     name = args.name or jax.devices()[0].device_kind.replace(" ", "_")
