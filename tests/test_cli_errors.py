@@ -20,6 +20,7 @@ from dropless import cli
 from dropless.core import config as config_lib
 from dropless.core.config import ConfigError
 from dropless.data import train_bpe
+from dropless.train import checkpoint as ckpt
 from dropless.train import loop, overwrite
 from tests.test_train import CORPUS, SMALL
 
@@ -372,21 +373,62 @@ def test_our_own_bugs_keep_their_traceback_and_errors_may_carry_a_status(capsys,
     assert capsys.readouterr().err == "dropless: error: The run stopped at step 3; resume it with --resume.\n"
 
 
-def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, files, tmp_path):
-    """A run that failed on its data leaves config.json behind; the same command then fails on the data again (not
-    on 'already holds a run'), another command is told to pass --overwrite, and once the data is fixed the same
-    command starts the run from step 0. A run that reached a checkpoint is still refused."""
+def test_a_new_run_that_fails_on_its_data_leaves_its_directory_as_it_found_it(capsys, tmp_path, monkeypatch):
+    """A wrong --data: a run directory the command made is gone, an empty one given stays empty (but for the lock),
+    so the corrected command, with any config, needs no --overwrite; a default runs/<preset>-* goes too."""
     data, run_dir = tmp_path / "tokens.npy", tmp_path / "run"
     data.write_bytes(b"")
     command = ["train", "--data", str(data), "--run-dir", str(run_dir), "--steps", "1", *SMALL_OVERRIDES]
-    for _ in range(2):
-        assert_one_line(*run_main(capsys, *command), "tokens.npy is empty")
-    assert (run_dir / "config.json").is_file()
-    assert_one_line(*run_main(capsys, *command[:-len(SMALL_OVERRIDES)], *SMALL_OVERRIDES, "train.seed=7"),
-                    "never reached its first checkpoint", "train.seed", "pass --overwrite")
+    assert_one_line(*run_main(capsys, *command), "tokens.npy is empty")
+    assert not run_dir.exists()
+    run_dir.mkdir()
+    assert_one_line(*run_main(capsys, *command, "train.seed=7"), "tokens.npy is empty")
+    assert [p.name for p in run_dir.iterdir()] == [".lock"]
+    monkeypatch.chdir(tmp_path)
+    assert_one_line(*run_main(capsys, "train", "--data", str(data), "--steps", "1", *SMALL_OVERRIDES),
+                    "tokens.npy is empty")
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_an_imported_run_is_refused_for_training_in_place_before_its_data_is_read(capsys, tmp_path, monkeypatch):
+    """`convert --from-hf` makes a run of weights only: --resume and a plain start there are refused in one line
+    naming --init-from-hf, before the corpus is read; --overwrite replaces it."""
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3"
+    run_dir = tmp_path / "imported"
+    assert cli.main(["convert", "--from-hf", str(fixture), "--to", str(run_dir)]) == 0
+    monkeypatch.setattr(loop, "load_token_dataset", measured)
+    for extra in (["--resume"], []):
+        assert_one_line(*run_main(capsys, "train", "--run-dir", str(run_dir), "--steps", "1", *extra),
+                        "holds weights imported from Hugging Face", "--init-from-hf HF_DIR", "--overwrite")
+    assert ckpt.imported(run_dir)
+    with pytest.raises(AssertionError, match="measured"):  # replaced: the new run goes on to read its data
+        cli.main(["train", "--run-dir", str(run_dir), "--steps", "1", "--overwrite", *SMALL_OVERRIDES])
+    assert ckpt.imported(run_dir)  # the new run never had its data: the imported one is put back
+
+
+def test_resume_without_a_run_dir_continues_the_newest_run_with_a_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="--resume found no earlier 'tiny' run under runs/; pass --run-dir DIR"):
+        cli._default_run_dir("tiny", resume=True)
+    for name in ("tiny-20261201-100000", "tiny-20261202-100000", "tiny-20261203-100000", "other-20261204-100000"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+    assert cli._default_run_dir("tiny", resume=True) == pathlib.Path("runs/tiny-20261203-100000")  # none has one
+    (tmp_path / "runs" / "tiny-20261202-100000" / "checkpoints" / "5").mkdir(parents=True)
+    assert cli._default_run_dir("tiny", resume=True) == pathlib.Path("runs/tiny-20261202-100000")
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, tmp_path):
+    """A run that stopped in its first steps (its config.json written, no checkpoint): another command is told to
+    pass --overwrite, and the same command starts the run from step 0. A run that reached a checkpoint is still
+    refused."""
+    data, run_dir = tmp_path / "tokens.npy", tmp_path / "run"
     np.save(data, np.arange(4000, dtype=np.int32) % 320)
-    (run_dir / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 5.0}\n')  # as a run killed early leaves
     config = config_lib.build_config("tiny", config_lib.parse_overrides(SMALL_OVERRIDES), steps=1, data=str(data))
+    loop.prepare_run_dir(run_dir, config, resume=False, overwrite=False)  # as a run killed in its first steps
+    command = ["train", "--data", str(data), "--run-dir", str(run_dir), "--steps", "1", *SMALL_OVERRIDES]
+    assert_one_line(*run_main(capsys, *command, "train.seed=7"),
+                    "never reached its first checkpoint", "train.seed", "pass --overwrite")
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "eval_loss": 5.0}\n')  # as a run killed early leaves
     lines = []
     prepared = loop.prepare_run_dir(run_dir, config, resume=False, overwrite=False, log=lines.append)
     assert prepared == config.replace(**{"train.schedule_steps": 1}) and not (run_dir / "metrics.jsonl").exists()

@@ -361,11 +361,10 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
                                   f"the saved steps are {sorted(mngr.all_steps()) or 'none'}.")
         names = _item_names(mngr, step)
         if like_optimizer is not None and "optimizer" not in names:
-            if (Path(run_dir) / "hf_source.json").is_file():  # made by `dropless convert --from-hf`: weights only
+            if imported(run_dir):
                 raise CheckpointError(
                     f"The checkpoint at step {step} in {run_dir} holds weights only (imported from Hugging Face), "
-                    f"so there is nothing to resume; start a new run from the original with --init-from-hf HF_DIR "
-                    f"(or export this one with `dropless convert --from {run_dir} --to-hf DIR` first).")
+                    f"so there is nothing to resume; {imported_fix(run_dir)}.")
             _agree(DamagedCheckpoint(f"{where} has no optimizer state"), where)  # a trained run's: damaged
         if "digest" in names:
             items["digest"] = ocp.args.JsonRestore()
@@ -454,6 +453,18 @@ def all_steps(run_dir: Path) -> list[int]:
         return []
     with manager(run_dir, read_only=True) as mngr:
         return sorted(mngr.all_steps(), reverse=True)
+
+
+def imported(run_dir: Path) -> bool:
+    """Whether `run_dir` was made by `dropless convert --from-hf` (its mark: the original's config, kept for export
+    as hf_source.json): weights only, no optimizer state, nothing `train` can continue."""
+    return (Path(run_dir) / "hf_source.json").is_file()
+
+
+def imported_fix(run_dir: Path) -> str:
+    """What to do instead of training an imported run in place."""
+    return ("start a new run from the original with --init-from-hf HF_DIR (or export this one with "
+            f"`dropless convert --from {run_dir} --to-hf DIR` first)")
 
 
 def reached_a_checkpoint(run_dir: Path) -> bool:

@@ -20,6 +20,7 @@ What stops a run early:
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 import threading
@@ -108,6 +109,9 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     for directory in (run_dir, run_dir / CACHE_DIR):  # a kill's leftovers: this process holds the run's lock
         files.remove_temporaries(directory)
     saved_path = run_dir / "config.json"
+    if ckpt.imported(run_dir) and not overwrite:  # refused before its corpus is read, let alone tokenized
+        raise ConfigError(f"{run_dir} holds weights imported from Hugging Face, without the optimizer state a run "
+                          f"continues from; {ckpt.imported_fix(run_dir)}, or pass --overwrite to replace it.")
     if resume:
         if not saved_path.is_file():
             raise ckpt.CheckpointError(f"--resume was given but {run_dir} holds no run (no config.json); "
@@ -366,13 +370,17 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
     def trained() -> bool:  # weights that belong to the run's tokenizer (after prepare_run_dir: it may put some back)
         return resume and ckpt.reached_a_checkpoint(run_dir)
 
+    # A new run that never gets its data (a wrong --data, say) leaves its directory as it found it: a config.json
+    # kept from it would make the corrected command need --overwrite, and it holds nothing worth keeping.
+    new = primary and not resume and _holds_nothing(run_dir)
+    undo = (lambda: _clear_new_run(run_dir)) if new else (lambda: overwrite_lib.put_back(run_dir))
     if primary:
         config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite, log=log)
         try:
             dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir,
                                             log=log, resume=trained())
         except BaseException:
-            overwrite_lib.put_back(run_dir)
+            undo()
             raise
     _sync_processes("dropless: run directory ready")
     failure = None
@@ -386,13 +394,30 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
     failed, process = ckpt.agreed_outcome(int(failure is not None))
     if failed:
         if primary:
-            overwrite_lib.put_back(run_dir)
+            undo()
         raise failure or ConfigError(
             f"process {process} of {jax.process_count()} could not load the run's data (its own error line says "
             f"why){'; the run that --overwrite set aside is put back' if primary and overwrite else ''}.")
     if primary:
         overwrite_lib.discard(run_dir)
     return config, dataset
+
+
+def _holds_nothing(run_dir: Path) -> bool:
+    """Whether `run_dir` is new: missing, or holding only the lock this process has just taken."""
+    return not run_dir.is_dir() or all(p.name == run_lock.LOCK_NAME for p in run_dir.iterdir())
+
+
+def _clear_new_run(run_dir: Path) -> None:
+    """Remove what a new run wrote in `run_dir` (its config, tokenizer, token cache) before it trained a step; the
+    lock stays until its holder ends."""
+    for path in run_dir.iterdir():
+        if path.name == run_lock.LOCK_NAME:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _read_prepared_config(run_dir: Path) -> Config:
