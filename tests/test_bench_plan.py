@@ -48,6 +48,12 @@ def test_plan_search_on_the_cpu(tmp_path, capsys):
     assert steps == sorted(steps) and all(row["peak_bytes"] <= 0.0095 * 1024**3 for row in record["search"])
 
 
+def test_plan_compiled_on_the_cpu_for_the_cpu(capsys):
+    assert cli.main(["plan", "--preset", "tiny", "--device", "cpu", "--compiled", *MICRO]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("compiled (cpu): peak ") and "; the plan says " in line, line
+
+
 RATE_FILES = {"list.json": "[1, 2]", "missing.json": '{"X": {"platform": "gpu", "dense_tflops": 700}}',
               "nan.json": None, "broken.json": "{", "latin1.json": b"\xff\xfe{"}
 
@@ -70,7 +76,10 @@ def rate_files(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "12", "--gpus-per-host", "8"], "not a whole number of hosts"),
     (["--device", "TPU9"], "has no device 'TPU9'"),
-    (["--devices", "16", "--compiled", "train.batch_size=16"], "--compiled needs the plan's 16 devices"),
+    (["--devices", "16", "--device", "cpu", "--compiled", "train.batch_size=16"],
+     "--compiled needs the plan's 16 devices"),
+    (["--compiled"], "--compiled compiles the step on this machine, a cpu, but the plan is for H200 (gpu); run it "
+                     "where the plan's device is, or plan for --device cpu."),
     (["--devices", "0"], "--devices=0 must be >= 1"),
     (["--hosts", "2", "--gpus-per-host", "0"], "--gpus-per-host=0 must be >= 1"),
     (["--hosts", "-1"], "--hosts=-1 must be >= 1"),

@@ -21,7 +21,7 @@ from dropless.core import xla_flags
 from dropless.core.arguments import ArgumentParser, check_output
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.plan import Cluster, format_plan, make_plan, search
-from dropless.plan.cost import load_rates
+from dropless.plan.cost import load_rates, rate_key
 from dropless.plan.report import GIB, layout_overrides
 
 SEARCH_SHOWN = 10
@@ -110,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     record = {"preset": args.preset, "plan": plan.to_dict()}
     if args.compiled:
         xla_flags.apply()
+        here = harness.jax.devices()[0]
+        planned_for = rates[cluster.device].get("platform")
+        if planned_for and planned_for != here.platform:  # XLA's analysis of another platform's program
+            raise ConfigError(f"--compiled compiles the step on this machine, a {here.platform}, but the plan is for "
+                              f"{cluster.device} ({planned_for}); run it where the plan's device is, or plan for "
+                              f"--device {rate_key(rates, here.device_kind, here.platform)}.")
         compiled = compiled_memory(config, cluster.devices)
         diff = plan.memory.peak - compiled["peak"]
         print(f"compiled ({compiled['platform']}): peak {compiled['peak'] / GIB:.2f} GiB (arguments "
