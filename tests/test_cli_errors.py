@@ -406,6 +406,23 @@ def test_an_imported_run_is_refused_for_training_in_place_before_its_data_is_rea
     assert ckpt.imported(run_dir)  # the new run never had its data: the imported one is put back
 
 
+def test_logits_refuses_tokens_the_model_cannot_take(capsys, tmp_path):
+    """Ids beyond the vocabulary and rows longer than model.max_seq_len (the fixture's 256, as `generate` keeps
+    its context), each in one line; a row of exactly that length runs."""
+    fixture = str(pathlib.Path(__file__).parent / "fixtures" / "hf" / "deepseek_v3")
+    cases = {"big": (np.full((1, 4), 256, np.int32), ["--tokens holds ids outside [0, 256)"]),
+             "long": (np.ones((1, 257), np.int32), ["sequences of 257 tokens", "(256, model.max_seq_len)"])}
+    for name, (tokens, fragments) in cases.items():
+        np.save(tmp_path / f"{name}.npy", tokens)
+        assert_one_line(*run_main(capsys, "logits", "--hf-dir", fixture, "--tokens", str(tmp_path / f"{name}.npy"),
+                                  "--out", str(tmp_path / "out.npy")), *fragments)
+    assert not (tmp_path / "out.npy").exists()
+    np.save(tmp_path / "full.npy", np.ones((1, 256), np.int32))
+    assert cli.main(["logits", "--hf-dir", fixture, "--tokens", str(tmp_path / "full.npy"),
+                     "--out", str(tmp_path / "out.npy")]) == 0
+    assert np.load(tmp_path / "out.npy").shape == (1, 256, 256)
+
+
 def test_resume_without_a_run_dir_continues_the_newest_run_with_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="--resume found no earlier 'tiny' run under runs/; pass --run-dir DIR"):

@@ -30,7 +30,7 @@ from dropless.convert import compute_logits, load_hf
 from dropless.convert.api import read_hf_config
 from dropless.core import config as config_lib
 from dropless.core import distributed
-from dropless.core.arguments import ArgumentParser, check_output, path_text
+from dropless.core.arguments import DEBUG_FLAG, ArgumentParser, check_output, path_text
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
@@ -41,7 +41,6 @@ from dropless.train import run_lock
 from dropless.train.loop import resume_changes, train
 
 DEFAULT_PRESET = "tiny"
-DEBUG_FLAG = "--debug"
 # OS errors the user's files or machine cause, with the fix each sentence ends with (after the system's own
 # description of the error, "Is a directory", "No space left on device", which the fix does not repeat).
 OS_ERROR_FIXES = {
@@ -57,11 +56,15 @@ OS_ERROR_FIXES = {
     errno.EEXIST: "remove it or choose another path",
     errno.ENOTEMPTY: "remove it or choose another path",
 }
-BENCHMARKS = {"gmm": "dropless.bench.gmm", "ep": "dropless.bench.ep", "step": "dropless.bench.step",
-              "scale": "dropless.bench.scale", "rates": "dropless.bench.rates",
-              "plan-accuracy": "dropless.bench.plan_accuracy"}
-
-
+# name: (module, what it measures), for 'dropless bench --help'
+BENCHMARKS = {
+    "gmm": ("dropless.bench.gmm", "grouped GEMMs beside the dense matmul and the other backends; whole expert stages"),
+    "ep": ("dropless.bench.ep", "expert-parallel dispatch and combine, per strategy, over this machine's devices"),
+    "step": ("dropless.bench.step", "the real training step, timed; and the optimisation ladder"),
+    "scale": ("dropless.bench.scale", "weak scaling of the training step with expert parallelism, per strategy"),
+    "rates": ("dropless.bench.rates", "the planner's rate table, measured on this device"),
+    "plan-accuracy": ("dropless.bench.plan_accuracy", "the plan's predicted memory and step time against measured"),
+}
 
 
 def _default_run_dir(preset: str, resume: bool) -> Path:
@@ -225,6 +228,9 @@ def cmd_logits(args) -> int:
     if tokens.min() < 0 or tokens.max() >= config.model.vocab_size:
         raise ConfigError(f"--tokens holds ids outside [0, {config.model.vocab_size}); the model's vocabulary "
                           f"has {config.model.vocab_size} entries.")
+    if tokens.shape[1] > config.model.max_seq_len:
+        raise ConfigError(f"--tokens holds sequences of {tokens.shape[1]} tokens, longer than the model accepts "
+                          f"({config.model.max_seq_len}, model.max_seq_len); give at most that many per row.")
     logits = compute_logits(config, params, state, tokens.astype(np.int32))
     with atomic_file(out) as file:  # a full disk leaves the previous file whole
         np.save(file, np.asarray(logits, np.float32))
@@ -340,11 +346,12 @@ def make_parser() -> argparse.ArgumentParser:
         source.add_argument("--hf-dir", type=path_text, help="a Hugging Face checkpoint directory")
         p.set_defaults(func=func)
         if name == "generate":
-            p.add_argument("--prompt", required=True)
-            p.add_argument("--max-new-tokens", type=int, default=64)
-            p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-            p.add_argument("--top-p", type=float, default=0.95)
-            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--prompt", required=True, help="the text to continue")
+            p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+            p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+            p.add_argument("--top-p", type=float, default=0.95,
+                           help="sample from the smallest set of tokens holding this probability (default 0.95)")
+            p.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
             p.add_argument("--speculative", action="store_true",
                            help="draft each next token with the model's MTP module and verify it in the same pass "
                                 "(same output distribution; greedy output unchanged)")
@@ -365,11 +372,12 @@ def make_parser() -> argparse.ArgumentParser:
     presets.set_defaults(func=cmd_presets)
 
     # These hand their arguments, untouched, to their own parsers (see PASS_THROUGH in main).
-    for command in sub.choices.values():
-        command.add_argument(DEBUG_FLAG, action="store_true",
-                             help="show the full traceback of an error (also: DROPLESS_DEBUG=1)")
-
-    sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (see 'dropless bench NAME --help')")
+    bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (see 'dropless bench NAME --help')",
+                           usage="dropless bench NAME [options]", formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="benchmarks (each prints and saves its figures; 'dropless bench NAME --help' "
+                                       "for its options):\n" + "\n".join(f"  {name:14s} {what}"
+                                                                       for name, (_, what) in BENCHMARKS.items()))
+    bench.add_argument("name", choices=tuple(BENCHMARKS), help="the benchmark")
     sub.add_parser("plan", help="will a training step fit, how fast will it run (see 'dropless plan --help')")
     sub.add_parser("tune-gmm", help="autotune the grouped GEMM on this GPU (see 'dropless tune-gmm --help')")
     sub.add_parser("profile", help="trace training steps and break down device time (see 'dropless profile --help')")
@@ -390,10 +398,12 @@ def _pass_through(argv: list[str]):
         if len(argv) >= 2 and argv[1] == "memory":
             raise ConfigError("there is no 'dropless bench memory': 'dropless plan' reports the memory (the same "
                               "arguments, no compiling; --compiled adds XLA's figures); see 'dropless plan --help'.")
+        if len(argv) >= 2 and argv[1] in ("-h", "--help"):
+            return None  # the bench parser's help: the benchmarks with what each measures
         if len(argv) < 2 or argv[1] not in BENCHMARKS:
             raise ConfigError(f"dropless bench needs one of {', '.join(sorted(BENCHMARKS))}, "
                               "e.g. 'dropless bench gmm --help'.")
-        return BENCHMARKS[argv[1]], argv[2:]
+        return BENCHMARKS[argv[1]][0], argv[2:]
     return None
 
 

@@ -265,7 +265,7 @@ def markdown_table(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="dropless bench plan-accuracy", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="dropless bench plan-accuracy", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--set", default="h200", choices=tuple(CONFIG_SETS), help="the configurations to run")
     parser.add_argument("--out", help="where to write the record")
     parser.add_argument("--table", help="print the Markdown table of this record and stop")

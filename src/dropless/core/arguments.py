@@ -10,9 +10,18 @@ from dropless.core.config import ConfigError
 from dropless.core.files import file_in_the_way
 
 
+DEBUG_FLAG = "--debug"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, whose mistakes (an unknown flag, a value of the wrong type) print one line naming the
-    problem and where the help is, not argparse's usage block."""
+    problem and where the help is, not argparse's usage block. Each command's parser lists `--debug`, which
+    `dropless` reads wherever it stands (and takes out) before any parser sees the arguments."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument(DEBUG_FLAG, action="store_true",
+                          help="show the full traceback of an error (also: DROPLESS_DEBUG=1)")
 
     def error(self, message: str):
         self.exit(2, f"dropless: error: {message} (see '{self.prog} --help').\n")
