@@ -363,8 +363,10 @@ def test_tune_gmm_cli_refuses_cpu_and_bad_arguments():
     # ConfigError: `dropless tune-gmm` prints it as its one `dropless: error:` line, exit status 2
     with pytest.raises(ConfigError, match="M,K,N,G"):
         tune_gmm.main(["--shape", "1,2,3"])
-    with pytest.raises(ConfigError, match="give --preset NAME"):
+    with pytest.raises(ConfigError, match="give the shapes to tune: --preset NAME"):
         tune_gmm.main([])
+    with pytest.raises(ConfigError, match="--skew zipf is not known; choose from balanced, dirichlet, hot"):
+        tune_gmm.main(["--shape", "4096,512,1024,8", "--skew", "zipf"])
     with pytest.raises(ConfigError, match="--kernels"):
         tune_gmm.main(["--shape", "4096,512,1024,8", "--kernels", "dropless,cutlass"])
     with pytest.raises(ConfigError, match="--products must be a comma-separated subset of fwd, dlhs, drhs"):

@@ -145,8 +145,10 @@ def test_cadences_and_a_stop_signal_of_a_resumed_run(tmp_path, trained, monkeypa
     stopped = train(resumed, tmp_path / "run", resume=True, progress=False, log=lambda s: None)
     assert (stopped.first_step, stopped.last_step, stopped.stopped_by, stopped.exit_status) == (40, 45, "SIGTERM", 143)
     assert ckpt.latest_step(tmp_path / "run") == 45
-    finished = train(resumed, tmp_path / "run", resume=True, progress=False, log=lambda s: None)
+    lines = []
+    finished = train(resumed, tmp_path / "run", resume=True, progress=False, log=lines.append)
     assert (finished.first_step, finished.last_step, finished.stopped_by, finished.exit_status) == (45, 47, None, 0)
+    assert "dropless: resuming from checkpoint 45, to step 47" in lines, lines
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 40]
     assert [r["step"] for r in records if "loss" in r] == [42, 44, 46, 47]
     assert [r["step"] for r in records if "eval_loss" in r] == [42, 45, 47]
@@ -181,9 +183,13 @@ def test_the_summary_counts_every_token_the_capacity_baseline_drops(tmp_path, co
     dropped = [r["tokens_dropped"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(dropped) == 3 and min(dropped) > 0
     assert summary.tokens_dropped == sum(dropped)
-    sparse = train(config.replace(**{"train.log_every": 2}), tmp_path / "sparse", progress=False, log=lambda s: None)
+    lines = []
+    sparse = train(config.replace(**{"train.log_every": 2}), tmp_path / "sparse", progress=False, log=lines.append)
     assert [r["step"] for r in read_metrics(tmp_path / "sparse") if "loss" in r] == [2, 3]
     assert sparse.tokens_dropped == sum(dropped)
+    # Without the progress bar each logged step's figures are a line of their own, through `log`.
+    steps = [line.split()[2] for line in lines if line.startswith("dropless: step ") and " loss=" in line]
+    assert steps == ["2", "3"], lines
 
 
 def test_resuming_a_finished_run_trains_nothing_and_says_so(tmp_path, trained):

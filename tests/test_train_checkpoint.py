@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -549,3 +550,13 @@ def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_
     assert not reads.filter(record(f"Task exception was never retrieved: {directory.resolve()}/10"))
     assert reads.filter(record("Task exception was never retrieved: elsewhere"))
     logging.getLogger("asyncio").removeFilter(reads)
+
+
+def test_opening_a_run_read_only_logs_nothing(tmp_path, caplog):
+    """orbax notes every read-only manager; ours are read-only on purpose, so a library user sees none of those
+    notes (other orbax messages pass)."""
+    _save_run(tmp_path / "run", [10])
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        assert ckpt.latest_step(tmp_path / "run") == 10
+        logging.getLogger("absl").warning("another orbax note")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == ["another orbax note"]

@@ -333,7 +333,7 @@ def make_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace whatever run --run-dir holds")
     train.add_argument("--init-from-hf", type=path_text,
                        help="start from a Hugging Face checkpoint directory (fine-tuning)")
-    train.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar: a line per logged step instead")
     train.add_argument("overrides", nargs="*", metavar="key=value",
                        help="config overrides, anywhere among the options, e.g. moe.gmm_backend=xla")
     train.set_defaults(func=cmd_train)

@@ -296,9 +296,10 @@ def _keep_untuned(table: dict, device: str, shape: ShapeKey, products, best: dic
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     shapes = _shapes(args)
-    if not shapes or args.skew not in SKEWS:
-        raise ConfigError("give --preset NAME, --shape M,K,N,G or --bench-shapes, and a --skew from "
-                          f"{', '.join(SKEWS)}.")
+    if not shapes:
+        raise ConfigError("give the shapes to tune: --preset NAME, --shape M,K,N,G or --bench-shapes.")
+    if args.skew not in SKEWS:
+        raise ConfigError(f"--skew {args.skew} is not known; choose from {', '.join(SKEWS)}.")
     products, kernels = _subset(args.products, gt.PRODUCTS), _subset(args.kernels, gt.KERNELS)
     for flag, chosen, allowed in (("--products", products, gt.PRODUCTS), ("--kernels", kernels, gt.KERNELS)):
         if not chosen:

@@ -86,10 +86,23 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir).resolve() / "checkpoints"
 
 
+# What orbax logs for every manager opened read-only, as ours are on purpose (a restore or a look never writes).
+_READ_ONLY_NOTES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only=")
+
+
+def _not_a_read_only_note(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_READ_ONLY_NOTES)
+
+
 def manager(run_dir: Path, keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
-                                           enable_async_checkpointing=False)
-    return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=ITEMS)
+    absl = logging.getLogger("absl")
+    absl.addFilter(_not_a_read_only_note)
+    try:
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
+                                               enable_async_checkpointing=False)
+        return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=ITEMS)
+    finally:
+        absl.removeFilter(_not_a_read_only_note)
 
 
 def _has_checkpoint_dir(run_dir: Path) -> bool:

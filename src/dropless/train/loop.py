@@ -206,7 +206,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
                 _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
                 log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
 
-            bar = _progress_bar(start, tc.steps, progress and primary)
+            bar = _progress_bar(start, tc.steps, progress and primary, log)
             throughput = _Throughput(config)
             wall_start = time.perf_counter()
             to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
@@ -332,12 +332,14 @@ class _NonfiniteGuard:
         for step, flag in enumerate(flags, done - len(flags) + 1):
             self.streak, self.first_bad = (self.streak + 1, self.first_bad or step) if flag else (0, None)
             if self.streak >= self.limit:
-                good = (f"the last good checkpoint is step {last_saved} in {ckpt.checkpoint_dir(run_dir)}"
-                        if last_saved else "no checkpoint was written yet")
+                fix = (f"the last good checkpoint is step {last_saved} in {ckpt.checkpoint_dir(run_dir)}, which "
+                       "--resume continues with the same settings; check the data, or start a new run with a lower "
+                       "train.learning_rate" if last_saved else
+                       "no checkpoint was written yet; lower train.learning_rate or check the data and start the run "
+                       "again")
                 raise TrainingDiverged(
                     f"Training diverged: the loss or gradient norm was not finite at steps {self.first_bad}-{step} "
-                    f"({self.streak} in a row, none applied, train.max_nonfinite_steps={self.limit}); {good}; "
-                    "lower train.learning_rate or check the data and start again from it.")
+                    f"({self.streak} in a row, none applied, train.max_nonfinite_steps={self.limit}); {fix}.")
 
 
 @jax.jit
@@ -457,6 +459,8 @@ def _describe(config: Config, setup, run_dir: Path, start: int, log) -> None:
            if executor.mesh is not None and config.moe.dispatch_dtype == "float8" else ""))
     if start >= config.train.steps:
         log(f"dropless: the run is already at step {start} of {config.train.steps}; raise --steps to train further.")
+    elif start:
+        log(f"dropless: resuming from checkpoint {start}, to step {config.train.steps}")
 
 
 def _evaluator(config: Config, setup, dataset) -> Callable[[TrainState], float]:
@@ -520,13 +524,30 @@ def _check_nothing_dropped(config: Config, record: dict) -> None:
 
 
 class _NoBar:
-    def update(self, n): pass
-    def set_postfix(self, **kw): pass
-    def write(self, s): print(s, file=sys.stderr)
-    def close(self): pass
+    """The progress bar's stand-in where there is none (--no-progress, or a process other than 0): each logged
+    step's figures, which the bar would show, as a line of their own, and every line through `log`."""
+
+    def __init__(self, start: int = 0, log: Callable[[str], None] = lambda message: None):
+        self.step, self.log, self.figures = start, log, None
+
+    def update(self, n):
+        self.step += n
+        if self.figures is not None:
+            self.log(f"dropless: step {self.step} " + " ".join(f"{k}={v}" for k, v in self.figures.items()))
+        self.figures = None
+
+    def set_postfix(self, **figures):
+        self.figures = figures
+
+    def write(self, s):
+        self.log(s)
+
+    def close(self):
+        pass
 
 
-def _progress_bar(start: int, total: int, enabled: bool):
+def _progress_bar(start: int, total: int, enabled: bool, log: Callable[[str], None]):
+    """tqdm's bar on stderr, or where it is not `enabled` the logged steps' lines through `log`."""
     if not enabled:
-        return _NoBar()
+        return _NoBar(start, log)
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
