@@ -37,7 +37,7 @@ test: setup
 	  $(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) runs build src/*.egg-info .jax_cache
+	rm -rf $(VENV) runs build src/*.egg-info .jax_cache .pytest_cache .import_linter_cache
 
 # Device benchmarks (BENCHMARKS.md): each target measures on NVIDIA GPUs and writes its record, the commit and date
 # inside, to benchmarks/results/<benchmark>[-<variant>]-<device>.json. Parsing them needs no GPU; running them
