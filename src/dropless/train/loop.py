@@ -187,7 +187,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
     tc = config.train
     setup = setup_lib.build(config)
     state, start = _restore(setup, run_dir, init_weights, resume, log)
-    _describe(config, setup, run_dir, start, log)
+    _describe(config, setup, start, log)
     evaluate = _evaluator(config, setup, dataset)
     # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
     kept = metrics_lib.keep_records_through(run_dir, start if start else -1) if primary and resume else []
@@ -378,6 +378,7 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
     undo = (lambda: _clear_new_run(run_dir)) if new else (lambda: overwrite_lib.put_back(run_dir))
     if primary:
         config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite, log=log)
+        log(f"dropless: run directory {run_dir.resolve()}")  # before the data, whose tokenizer may take a while
         try:
             dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, run_dir,
                                             log=log, resume=trained())
@@ -446,11 +447,10 @@ def _restore(setup, run_dir: Path, init_weights: tuple | None, resume: bool, log
                       restored["model"]["state"]), start
 
 
-def _describe(config: Config, setup, run_dir: Path, start: int, log) -> None:
-    """The run's opening lines: where, how large, on what, with which kernels and dispatch."""
+def _describe(config: Config, setup, start: int, log) -> None:
+    """The run's opening lines after its data: how large, on what, with which kernels and dispatch."""
     executor = setup.executor
     total, active = transformer.param_counts(config)
-    log(f"dropless: run directory {run_dir.resolve()}")
     log(f"dropless: {total / 1e6:,.2f}M parameters, {active / 1e6:,.2f}M active per token; "
         f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {dict(setup.mesh.shape)}; "
         f"gmm={resolve_backend_name(config.moe.gmm_backend)}, "
