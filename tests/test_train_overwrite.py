@@ -19,13 +19,15 @@ from tests.test_train import SMALL, corpus, small_config  # noqa: F401 (corpus i
 from tests.test_train_parallel import run_processes
 
 
-def fake_run(run_dir: Path, config, tokenizer: bool = True) -> dict[str, bytes]:
+def fake_run(run_dir: Path, config, tokenizer: bool = True, imported: bool = False) -> dict[str, bytes]:
     """A run directory's files as a trained run leaves them (their contents stand in): {relative path: bytes}.
-    `tokenizer`: the run has one (trained on text; none on tokens)."""
+    `tokenizer`: the run has one (trained on text; none on tokens). `imported`: also the mark `dropless convert
+    --from-hf` leaves (such a run is never resumed, only replaced)."""
     files = {"config.json": None, "metrics.jsonl": b'{"step": 1}\n', "router.json": b"{}", "router.bin": b"\0" * 8,
              "checkpoints/10/model/data": b"weights", "tensorboard/events": b"events",
-             "checkpoints.damaged/5/model/data": b"damaged", "hf_source.json": b"{}",
-             "corpus/tokens-0123.npz": b"the old run's tokens"}
+             "checkpoints.damaged/5/model/data": b"damaged", "corpus/tokens-0123.npz": b"the old run's tokens"}
+    if imported:
+        files["hf_source.json"] = b"{}"
     if tokenizer:
         files |= {"tokenizer.json": b"the old run's tokenizer", "corpus/tokenizer-origin.json": b'{"source": "old"}'}
     for name, data in files.items():
@@ -48,7 +50,7 @@ def test_an_overwrite_whose_data_is_wrong_keeps_the_run_it_would_have_replaced(t
     error leaves them as they were; an overwrite that gets its data deletes them (the tokenizer stays for the
     loader to check against the new data)."""
     run_dir = tmp_path / "run"
-    before = fake_run(run_dir, small_config(corpus))
+    before = fake_run(run_dir, small_config(corpus), imported=True)
     wrong = small_config(corpus, **{"data.source": str(tmp_path / "no-such-data")})
     with pytest.raises(Exception, match="does not exist"):
         train(wrong, run_dir, overwrite=True, progress=False, log=lambda s: None)
@@ -63,7 +65,7 @@ def test_an_overwrite_whose_data_fails_after_its_tokenizer_keeps_the_old_run_s_t
     saved over the run's, and its tokens cached in place of the run's: the run put back reads with its own
     tokenizer and tokens, not the failed run's."""
     run_dir = tmp_path / "run"
-    before = fake_run(run_dir, small_config(corpus))
+    before = fake_run(run_dir, small_config(corpus), imported=True)
     small = tmp_path / "small"
     small.mkdir()
     (small / "doc.txt").write_text("a few words")
@@ -82,7 +84,7 @@ def test_an_overwrite_that_another_process_cannot_follow_keeps_the_run_it_would_
     and the agreement that follows puts the old run back before anything is deleted; each process ends with one
     line and status 2."""
     run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
-    before = fake_run(run_dir, small_config(corpus))
+    before = fake_run(run_dir, small_config(corpus), imported=True)
     command = [sys.executable, "-m", "dropless.cli", "train", "--data", str(corpus), "--overwrite", "--no-progress",
                *(f"{k}={v}" for k, v in SMALL.items()), "--run-dir"]
     results = run_processes([[*command, str(run_dir)], [*command, str(elsewhere)]])
@@ -106,7 +108,7 @@ def test_a_disk_full_while_setting_the_old_run_aside_leaves_it_in_place(tmp_path
     from dropless.cli import main
 
     run_dir = tmp_path / "run"
-    before = fake_run(run_dir, small_config(corpus))
+    before = fake_run(run_dir, small_config(corpus), imported=True)
 
     def disk_full(source, target, **kwargs):
         Path(target).write_bytes(Path(source).read_bytes()[:4])
