@@ -60,17 +60,19 @@ def test_the_executor_declares_its_mesh_gmm_and_name():
     assert LocalExecutor.from_config(tiny.moe).name == "local" and LocalExecutor.from_config(tiny.moe).mesh is None
 
 
-def test_capacity_backend_under_expert_parallelism_counts_every_device_s_drops():
-    """gmm_backend=capacity (the baseline) on 2 expert devices: each device drops the pairs of a local expert past
-    ceil(capacity_factor x M / G) of its M = R*J received rows, and the layer reports the sum over the mesh, counted
-    again in Python from the tokens each device gathers (allgather: its expert group's)."""
+@pytest.mark.parametrize("expert_parallel", [2, 4, 8])
+def test_capacity_backend_under_expert_parallelism_counts_every_device_s_drops(expert_parallel):
+    """gmm_backend=capacity (the baseline) on 2, 4 and 8 expert devices: each expert keeps ceil(capacity_factor x
+    T*K / E) of the pairs of its expert group's T tokens, as one device holding those tokens would (not a share of
+    the rows a device receives: an all-gather's are every token of the group), and the layer reports the sum over
+    the mesh, counted again in Python from the tokens each expert group gathers."""
     gmm = CapacityGmm(capacity_factor=0.25)
+    rng = np.random.default_rng(6)
     ids_TK, x_TD, weights_TK, experts = balanced_inputs(
-        np.stack([np.random.default_rng(6).choice(8, 2, replace=False, p=[.4, .2, .1, .1, .05, .05, .05, .05])
-                  for _ in range(BATCH * SEQ)]))
-    _, stats = jax.jit(executor(AllGather(), 2, gmm=gmm))(x_TD, ids_TK, weights_TK, experts)
-    group_tokens, num_local = 2 * 8, 4  # 2 devices of 8 tokens per expert group; 4 experts per device
-    capacity = gmm.capacity(group_tokens * min(2, num_local), num_local)
+        np.stack([rng.choice(8, 2, replace=False, p=[.4, .2, .1, .1, .05, .05, .05, .05]) for _ in range(BATCH * SEQ)]))
+    _, stats = jax.jit(executor(AllGather(), expert_parallel, gmm=gmm))(x_TD, ids_TK, weights_TK, experts)
+    group_tokens = expert_parallel * 8  # the expert group's devices, 8 tokens each
+    capacity = gmm.capacity(group_tokens * 2, 8)  # top-2 over 8 experts, as on one device
     want = 0
     for group in range(BATCH * SEQ // group_tokens):
         counts_E = np.bincount(np.asarray(ids_TK)[group * group_tokens:(group + 1) * group_tokens].ravel(),

@@ -19,6 +19,7 @@ experts, J = experts one received row carries, R received rows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from dropless.core.varying import varying_like
 from dropless.gmm import GroupedMatmul
 from dropless.gmm.api import TMA_ROW_ALIGNMENT
+from dropless.gmm.capacity import CapacityGmm
 from dropless.moe.executor import ExecutorStats, LocalExecutor
 
 EXPERT_AXIS = "expert"
@@ -86,9 +88,13 @@ class LocalExperts:
         worst = received.local_ids_RJ.size
         bound = self.buffer_rows(balanced_pairs, worst)
 
+        gmm = self.gmm
+        if isinstance(gmm, CapacityGmm):  # the baseline's capacity: this device's share of its tokens' pairs
+            gmm = dataclasses.replace(gmm, pairs=balanced_pairs)
+
         def run(rows, in_cond=True):
             def local(x_RD, ids_RJ, weights_RJ, experts):
-                executor = LocalExecutor(self.gmm, rows, remat_activation=in_cond)
+                executor = LocalExecutor(gmm, rows, remat_activation=in_cond)
                 y_RD, stats = executor(x_RD, ids_RJ, weights_RJ, experts)
                 return y_RD.astype(x_RD.dtype), stats.tokens_dropped
             return local

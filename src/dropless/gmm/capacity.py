@@ -16,17 +16,22 @@ from dropless.gmm.api import GroupedMatmul
 class CapacityGmm(GroupedMatmul):
     """The GShard/Switch capacity-factor baseline: it DROPS rows.
 
-    Each group keeps only its first C = ceil(capacity_factor * M / G) rows, packed into a dense
+    Each group keeps only its first C = ceil(capacity_factor * P / G) rows, packed into a dense
     [G, C, K] buffer and multiplied by one batched einsum; rows past the capacity get output zero and are
     counted by `dropped_rows`. The row order inside a group decides who is dropped: after a stable sort
-    by expert that is token order, as in GShard.
+    by expert that is token order, as in GShard. P is `pairs`, the (token, expert) pairs the G experts share
+    when the routing is balanced: by default the GEMM's M rows (one device, whose rows are its T*K pairs); under
+    expert parallelism the executor sets it, since the rows a device receives (an all-gather's, a worst-case
+    buffer's) are no measure of its experts' share.
     """
 
     capacity_factor: float = 1.25
+    pairs: int | None = None
     name: ClassVar[str] = "capacity"
 
     def capacity(self, num_rows: int, num_groups: int) -> int:
-        return max(1, math.ceil(self.capacity_factor * num_rows / num_groups))
+        basis = num_rows if self.pairs is None else self.pairs
+        return max(1, math.ceil(self.capacity_factor * basis / num_groups))
 
     def __call__(self, lhs_MK, rhs_GKN, group_sizes_G, *, preferred_element_type=None, zero_padding=True,
                  zero_lhs_grad_padding=True):
