@@ -373,9 +373,10 @@ def test_our_own_bugs_keep_their_traceback_and_errors_may_carry_a_status(capsys,
     assert capsys.readouterr().err == "dropless: error: The run stopped at step 3; resume it with --resume.\n"
 
 
-def test_a_new_run_that_fails_on_its_data_leaves_its_directory_as_it_found_it(capsys, tmp_path, monkeypatch):
-    """A wrong --data: a run directory the command made is gone, an empty one given stays empty (but for the lock),
-    so the corrected command, with any config, needs no --overwrite; a default runs/<preset>-* goes too."""
+def test_a_new_run_that_fails_before_its_first_step_leaves_its_directory_as_it_found_it(capsys, tmp_path, monkeypatch):
+    """A wrong --data, or a setting the step cannot take: a run directory the command made is gone, an empty one
+    given stays empty (but for the lock), so the corrected command, with any config, needs no --overwrite; a default
+    runs/<preset>-* goes too."""
     data, run_dir = tmp_path / "tokens.npy", tmp_path / "run"
     data.write_bytes(b"")
     command = ["train", "--data", str(data), "--run-dir", str(run_dir), "--steps", "1", *SMALL_OVERRIDES]
@@ -388,6 +389,10 @@ def test_a_new_run_that_fails_on_its_data_leaves_its_directory_as_it_found_it(ca
     assert_one_line(*run_main(capsys, "train", "--data", str(data), "--steps", "1", *SMALL_OVERRIDES),
                     "tokens.npy is empty")
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    # A setting the step cannot take, found once the data has loaded: the same.
+    np.save(data, np.arange(4000, dtype=np.int32) % 320)
+    assert_one_line(*run_main(capsys, *command, "moe.gmm_backend=dropless_mosaic"), "needs an NVIDIA GPU")
+    assert [p.name for p in run_dir.iterdir()] == [".lock"]
 
 
 def test_an_imported_run_is_refused_for_training_in_place_before_its_data_is_read(capsys, tmp_path, monkeypatch):

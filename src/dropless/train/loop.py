@@ -183,81 +183,92 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
     # With several processes, process 0 alone writes the run directory (config, tokenizer, corpus cache,
     # metrics); the others wait for it, then read. Checkpoints are written by all (orbax coordinates them).
     primary = jax.process_index() == 0
-    config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log)
-    tc = config.train
-    setup = setup_lib.build(config)
-    state, start = _restore(setup, run_dir, init_weights, resume, log)
-    _describe(config, setup, start, log)
-    evaluate = _evaluator(config, setup, dataset)
-    # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
-    kept = metrics_lib.keep_records_through(run_dir, start if start else -1) if primary and resume else []
-    eval_losses = [(r["step"], r["eval_loss"]) for r in kept if r.get("eval_loss") is not None]
-    writer = metrics_lib.MetricsWriter(run_dir) if primary else None
-    dropped = _DropCounter(config)
-    bar = _NoBar()
-    stopped_by, last_step, last_saved = None, start, (start or None)
-    guard = _NonfiniteGuard(tc.max_nonfinite_steps)
-    router_watch = metrics_lib.RouterWatch(config)
-    # Caught from the opening evaluation until train() returns, so that a signal while stopping cannot cut it short.
-    with _StopSignals(tc.stop_signal_names) as signals:
-        try:
-            if start == 0:
-                eval_losses.append((start, evaluate(state)))
-                _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
-                log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
+    # A new run that fails before its first step (its data, its settings: a kernel this platform lacks, a layout
+    # the step cannot take) leaves its directory as it found it: a config.json kept from it would make the
+    # corrected command need --overwrite, and nothing in it is worth keeping.
+    new = primary and not resume and _holds_nothing(run_dir)
+    config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log, new=new)
+    last_step = None
+    try:
+        tc = config.train
+        setup = setup_lib.build(config)
+        state, start = _restore(setup, run_dir, init_weights, resume, log)
+        _describe(config, setup, start, log)
+        evaluate = _evaluator(config, setup, dataset)
+        # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
+        kept = metrics_lib.keep_records_through(run_dir, start if start else -1) if primary and resume else []
+        eval_losses = [(r["step"], r["eval_loss"]) for r in kept if r.get("eval_loss") is not None]
+        writer = metrics_lib.MetricsWriter(run_dir) if primary else None
+        dropped = _DropCounter(config)
+        bar = _NoBar()
+        stopped_by, last_step, last_saved = None, start, (start or None)
+        guard = _NonfiniteGuard(tc.max_nonfinite_steps)
+        router_watch = metrics_lib.RouterWatch(config)
+        # Caught from the opening evaluation until train() returns, so that a signal while stopping cannot cut it short.
+        with _StopSignals(tc.stop_signal_names) as signals:
+            try:
+                if start == 0:
+                    eval_losses.append((start, evaluate(state)))
+                    _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
+                    log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
 
-            bar = _progress_bar(start, tc.steps, progress and primary, log)
-            throughput = _Throughput(config)
-            wall_start = time.perf_counter()
-            to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
-            with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
-                    start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
-                for step in range(start, tc.steps):
-                    state, step_metrics = setup.step(state, next(batches))
-                    guard.add(step_metrics["nonfinite"])
-                    dropped.add(step_metrics["tokens_dropped"])
-                    throughput.add(tc.batch_size * tc.seq_len)
-                    done = last_step = step + 1
-                    logged = done % tc.log_every == 0 or done == tc.steps
-                    evaluated = done % tc.eval_every == 0 or done == tc.steps
-                    saved = done % tc.checkpoint_every == 0 or done == tc.steps
-                    host_waits = logged or evaluated or saved  # the steps where the host reads from the device anyway
-                    if logged:
-                        record = _step_record(done, jax.device_get(step_metrics), throughput.take())
-                        _write(writer, record)
-                        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                        load=f"{record['max_expert_load']:.2f}")
-                        for line in router_watch.update(record) if primary else ():
-                            bar.write(line)
-                    bar.update(1)
-                    if host_waits:
-                        guard.check(done, last_saved, run_dir)
-                        dropped.check(done)
-                    if evaluated:
-                        eval_losses.append((done, evaluate(state)))
-                        _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
-                        bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
-                    if saved:
-                        last_saved = _save(mngr, done, state, last_saved, run_dir)
-                    stopped_by = _agreed_stop(signals.received, host_waits)
-                    if stopped_by and done < tc.steps:
-                        if not saved:
+                bar = _progress_bar(start, tc.steps, progress and primary, log)
+                throughput = _Throughput(config)
+                wall_start = time.perf_counter()
+                to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
+                with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
+                        start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
+                    for step in range(start, tc.steps):
+                        state, step_metrics = setup.step(state, next(batches))
+                        guard.add(step_metrics["nonfinite"])
+                        dropped.add(step_metrics["tokens_dropped"])
+                        throughput.add(tc.batch_size * tc.seq_len)
+                        done = last_step = step + 1
+                        logged = done % tc.log_every == 0 or done == tc.steps
+                        evaluated = done % tc.eval_every == 0 or done == tc.steps
+                        saved = done % tc.checkpoint_every == 0 or done == tc.steps
+                        # the steps where the host reads from the device anyway
+                        host_waits = logged or evaluated or saved
+                        if logged:
+                            record = _step_record(done, jax.device_get(step_metrics), throughput.take())
+                            _write(writer, record)
+                            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                                            load=f"{record['max_expert_load']:.2f}")
+                            for line in router_watch.update(record) if primary else ():
+                                bar.write(line)
+                        bar.update(1)
+                        if host_waits:
                             guard.check(done, last_saved, run_dir)
                             dropped.check(done)
+                        if evaluated:
+                            eval_losses.append((done, evaluate(state)))
+                            _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
+                            bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
+                        if saved:
                             last_saved = _save(mngr, done, state, last_saved, run_dir)
-                        bar.close()
-                        log(f"dropless: stopped by {stopped_by} at step {done}; checkpoint {done} written; "
-                            "resume with --resume")
-                        break
-                    stopped_by = None
-        finally:
-            bar.close()
-            if writer is not None:
-                writer.close()
-        if primary and tc.plot:
-            metrics_lib.plot_run(run_dir)
-    return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
-                      dropped.total, stopped_by)
+                        stopped_by = _agreed_stop(signals.received, host_waits)
+                        if stopped_by and done < tc.steps:
+                            if not saved:
+                                guard.check(done, last_saved, run_dir)
+                                dropped.check(done)
+                                last_saved = _save(mngr, done, state, last_saved, run_dir)
+                            bar.close()
+                            log(f"dropless: stopped by {stopped_by} at step {done}; checkpoint {done} written; "
+                                "resume with --resume")
+                            break
+                        stopped_by = None
+            finally:
+                bar.close()
+                if writer is not None:
+                    writer.close()
+            if primary and tc.plot:
+                metrics_lib.plot_run(run_dir)
+        return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
+                          dropped.total, stopped_by)
+    except BaseException:
+        if new and not last_step:
+            _clear_new_run(run_dir)
+        raise
 
 
 class _StopSignals:
@@ -363,7 +374,7 @@ def _process() -> dict:
     return {"process_index": jax.process_index(), "process_count": jax.process_count()}
 
 
-def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, overwrite: bool, log):
+def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, overwrite: bool, log, new: bool):
     """(the run's config, its token dataset): process 0 prepares the directory, the others read it after.
 
     A run that --overwrite set aside is deleted only once every process has loaded the new run's data: a process
@@ -372,9 +383,6 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
     def trained() -> bool:  # weights that belong to the run's tokenizer (after prepare_run_dir: it may put some back)
         return resume and ckpt.reached_a_checkpoint(run_dir)
 
-    # A new run that never gets its data (a wrong --data, say) leaves its directory as it found it: a config.json
-    # kept from it would make the corrected command need --overwrite, and it holds nothing worth keeping.
-    new = primary and not resume and _holds_nothing(run_dir)
     undo = (lambda: _clear_new_run(run_dir)) if new else (lambda: overwrite_lib.put_back(run_dir))
     if primary:
         config = prepare_run_dir(run_dir, config, resume=resume, overwrite=overwrite, log=log)
