@@ -266,7 +266,8 @@ class MoEConfig:
     local_buffer_factor: float = 1.25
     dedup: bool = True
     # Split each device's tokens into this many chunks, dispatched and computed one after another, so that one
-    # chunk's exchange can overlap the previous chunk's grouped GEMMs. 1 = one exchange (measured default).
+    # chunk's exchange can overlap the previous chunk's grouped GEMMs; it must divide the tokens each device holds
+    # in the MoE layer. 1 = one exchange (measured default).
     dispatch_chunks: int = 1
     # The dtype of the rows sent to other devices' experts (the tokens, and in the backward the output's gradient):
     # "compute" (the training dtype) or "float8" (e4m3 with a scale per 128 values, half of bf16's bytes; the
