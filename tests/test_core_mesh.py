@@ -7,7 +7,7 @@ from jax.sharding import PartitionSpec as P
 from dropless.core import xla_flags
 from dropless.core.config import ConfigError, ParallelConfig
 from dropless.core import distributed
-from dropless.core.mesh import batch_sharding, logical_to_spec, make_mesh, param_shardings, place
+from dropless.core.mesh import batch_sharding, logical_to_spec, make_mesh, mesh_shape, param_shardings, place
 
 
 @pytest.mark.parametrize("data,fsdp,expert,shape", [(-1, 1, 1, (8, 1, 1)), (-1, 2, 2, (2, 2, 2)),
@@ -30,6 +30,13 @@ def test_make_mesh_shapes(data, fsdp, expert, shape):
 def test_make_mesh_errors(parallel, kwargs, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):
         make_mesh(parallel, **kwargs)
+
+
+def test_one_device_is_named_in_the_singular():
+    with pytest.raises(ConfigError, match="= 2 does not divide the 1 device; choose"):
+        mesh_shape(ParallelConfig(expert=2), 1)
+    with pytest.raises(ConfigError, match="= 2 but there is 1 device; make the product 1"):
+        mesh_shape(ParallelConfig(data=2), 1)
 
 
 def test_rules_map_each_mesh_axis_once_and_skip_non_divisors():

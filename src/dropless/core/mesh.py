@@ -69,13 +69,14 @@ def mesh_shape(parallel: ParallelConfig, count: int, *, batch_size: int | None =
     if parallel.data == -1:
         if count % inner:
             raise ConfigError(f"parallel.fsdp={parallel.fsdp} x parallel.expert={parallel.expert} = {inner} does not "
-                              f"divide the {count} devices; choose sizes whose product divides {count}.")
+                              f"divide the {_devices(count)}; choose sizes whose product divides {count}.")
         data = count // inner
     else:
         data = parallel.data
     if data * inner != count:
         raise ConfigError(f"parallel.data={data} x parallel.fsdp={parallel.fsdp} x parallel.expert={parallel.expert} "
-                          f"= {data * inner} but there are {count} devices; make the product {count} "
+                          f"= {data * inner} but there {'is' if count == 1 else 'are'} {_devices(count)}; make the "
+                          f"product {count} "
                           f"or set parallel.data=-1.")
     if num_experts is not None and num_experts % parallel.expert:
         raise ConfigError(f"moe.num_experts={num_experts} is not divisible by parallel.expert={parallel.expert}; "
@@ -87,6 +88,10 @@ def mesh_shape(parallel: ParallelConfig, count: int, *, batch_size: int | None =
         raise ConfigError(f"a microbatch (train.batch_size / train.grad_accum_steps = {microbatch_size} sequences) "
                           f"is not divisible by the {count} devices of the mesh; make it a multiple of {count}.")
     return data, parallel.fsdp, parallel.expert
+
+
+def _devices(count: int) -> str:
+    return "1 device" if count == 1 else f"{count} devices"
 
 
 def _mesh_axes_of(logical: str | None) -> tuple[str, ...]:

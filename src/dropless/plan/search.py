@@ -93,12 +93,17 @@ def check_fit(config: Config, cluster: Cluster, device_memory_gib: float | None 
     if auto_fit and best:
         return best[0]
     usable = (1 - FIT_MARGIN) * plan.device_memory_bytes
-    over = (plan.memory.peak - usable) / GIB
-    fix = (f"set {layout_overrides(best[0].config)} (predicted peak {best[0].memory.peak / GIB:.1f} GiB) or "
+    fix = (f"set {layout_overrides(best[0].config)} (predicted peak {_gib(best[0].memory.peak)} GiB) or "
            "train.auto_fit=true" if best else "no layout of this batch fits" + (
                " that keeps the run's " + ", ".join(sorted(keep)) if keep else "")
            + "; use more devices or a smaller train.batch_size")
-    raise ConfigError(f"the plan does not fit: its peak is {plan.memory.peak / GIB:.1f} GiB per device, "
-                      f"{over:.1f} GiB over the {usable / GIB:.1f} GiB usable of {cluster.device}'s "
-                      f"{plan.device_memory_bytes / GIB:.1f} GiB ({FIT_MARGIN:.0%} kept free); {fix} "
+    raise ConfigError(f"the plan does not fit: its peak is {_gib(plan.memory.peak)} GiB per device, "
+                      f"{_gib(plan.memory.peak - usable)} GiB over the {_gib(usable)} GiB usable of "
+                      f"{cluster.device}'s {_gib(plan.device_memory_bytes)} GiB ({FIT_MARGIN:.0%} kept free); {fix} "
                       "('dropless plan' shows the breakdown).")
+
+
+def _gib(num_bytes: float) -> str:
+    """GiB to one decimal, or to three significant digits below 10 GiB (a small device's 0.15 GiB is not 0.1)."""
+    gib = num_bytes / GIB
+    return f"{gib:.1f}" if gib >= 10 else f"{gib:.3g}"
