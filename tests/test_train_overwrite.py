@@ -136,7 +136,7 @@ def test_a_resume_after_an_interrupted_overwrite_reads_the_run_s_own_tokenizer(t
     overwrite_lib.set_aside(run_dir)
     new_run_starts(run_dir, small_config(corpus, **{"train.steps": 7}))
     logged = []
-    loop._open_run(config, run_dir, True, resume=True, overwrite=False, log=logged.append)
+    loop._open_run(config, run_dir, True, resume=True, overwrite=False, log=logged.append, new=False)
     assert (run_dir / "tokenizer.json").read_bytes() == before
     assert not any("training a byte-level BPE" in line for line in logged), logged
 
