@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 
 from dropless import cli
+from dropless.bench import gmm, rates
 from dropless.core import config as config_lib
+from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError
+from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.data import train_bpe
 from dropless.train import checkpoint as ckpt
 from dropless.train import loop, overwrite
@@ -267,7 +270,6 @@ def test_an_unusable_output_is_refused_before_measuring(capsys, files, monkeypat
 def test_on_a_cpu_the_benchmarks_default_to_their_cpu_sizes(tmp_path, monkeypatch):
     """`bench gmm` and `bench rates` without a size measure the tiny shape and the small sizes on a CPU, where
     their GPU defaults would take hours and more memory than the host has."""
-    from dropless.bench import gmm, rates
     seen = []
     monkeypatch.setattr(gmm, "bench_shape", lambda spec, *args, **kwargs: seen.append(spec.name) or [])
     monkeypatch.setattr(rates, "measure", lambda size: seen.append(size) or measured())
@@ -388,7 +390,7 @@ def test_a_new_run_that_fails_before_its_first_step_leaves_its_directory_as_it_f
     monkeypatch.chdir(tmp_path)
     assert_one_line(*run_main(capsys, "train", "--data", str(data), "--steps", "1", *SMALL_OVERRIDES),
                     "tokens.npy is empty")
-    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    assert list((tmp_path / "runs").iterdir()) == []  # the default directory made for the run is gone
     # A setting the step cannot take, found once the data has loaded: the same.
     np.save(data, np.arange(4000, dtype=np.int32) % 320)
     assert_one_line(*run_main(capsys, *command, "moe.gmm_backend=dropless_mosaic"), "needs an NVIDIA GPU")
@@ -456,7 +458,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, 
     assert prepared == config.replace(**{"train.schedule_steps": 1}) and not (run_dir / "metrics.jsonl").exists()
     assert lines == [f"dropless: {run_dir} holds this run, which never reached its first checkpoint; starting it "
                      "again from step 0"], lines
-    overwrite.discard(run_dir)  # as train does once the data has loaded
+    overwrite.discard(run_dir)  # as train does at the new run's first checkpoint
     (run_dir / "checkpoints" / "1").mkdir(parents=True)  # a finished checkpoint, as orbax names it
     with pytest.raises(ConfigError, match="already holds a run; pass --resume"):
         loop.prepare_run_dir(run_dir, config, resume=False, overwrite=False)
@@ -580,3 +582,13 @@ def test_a_reader_that_closes_the_pipe_ends_the_output_quietly():
     finally:
         os.close(write_end)
     assert (done.returncode, done.stderr) == (141, ""), done.stderr
+
+
+def test_debug_reaches_a_benchmark_run_as_a_module(monkeypatch):
+    """`python -m dropless.bench.scale --debug` (no `dropless` took the flag out): its parser sets DROPLESS_DEBUG,
+    as `dropless --debug` does, so the details it promises are shown; without it nothing is set."""
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    ArgumentParser(prog="dropless bench scale").parse_args([])
+    assert not debugging()
+    assert ArgumentParser(prog="dropless bench scale").parse_args(["--debug"]).debug
+    assert debugging()

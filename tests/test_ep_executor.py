@@ -60,17 +60,20 @@ def test_the_executor_declares_its_mesh_gmm_and_name():
     assert LocalExecutor.from_config(tiny.moe).name == "local" and LocalExecutor.from_config(tiny.moe).mesh is None
 
 
-@pytest.mark.parametrize("expert_parallel", [2, 4, 8])
-def test_capacity_backend_under_expert_parallelism_counts_every_device_s_drops(expert_parallel):
-    """gmm_backend=capacity (the baseline) on 2, 4 and 8 expert devices: each expert keeps ceil(capacity_factor x
-    T*K / E) of the pairs of its expert group's T tokens, as one device holding those tokens would (not a share of
-    the rows a device receives: an all-gather's are every token of the group), and the layer reports the sum over
-    the mesh, counted again in Python from the tokens each expert group gathers."""
+@pytest.mark.parametrize("name,expert_parallel,buffer_factor", [("allgather", 2, 0.0), ("allgather", 8, 0.0),
+                                                                 ("alltoall", 4, 0.0), ("alltoall", 4, 1.0),
+                                                                 ("ragged", 8, 1.0)])
+def test_capacity_backend_under_expert_parallelism_counts_every_device_s_drops(name, expert_parallel, buffer_factor):
+    """gmm_backend=capacity (the baseline) on 2, 4 and 8 expert devices, each strategy, worst-case and bounded local
+    buffers: each expert keeps ceil(capacity_factor x T*K / E) of the pairs of its expert group's T tokens, as one
+    device holding those tokens would (not a share of the rows a device receives: an all-gather's are every token
+    of the group), and the layer reports the sum over the mesh, counted again in Python from each group's tokens."""
     gmm = CapacityGmm(capacity_factor=0.25)
     rng = np.random.default_rng(6)
     ids_TK, x_TD, weights_TK, experts = balanced_inputs(
         np.stack([rng.choice(8, 2, replace=False, p=[.4, .2, .1, .1, .05, .05, .05, .05]) for _ in range(BATCH * SEQ)]))
-    _, stats = jax.jit(executor(AllGather(), expert_parallel, gmm=gmm))(x_TD, ids_TK, weights_TK, experts)
+    run = executor(STRATEGIES[name], expert_parallel, local_buffer_factor=buffer_factor, gmm=gmm)
+    _, stats = jax.jit(run)(x_TD, ids_TK, weights_TK, experts)
     group_tokens = expert_parallel * 8  # the expert group's devices, 8 tokens each
     capacity = gmm.capacity(group_tokens * 2, 8)  # top-2 over 8 experts, as on one device
     want = 0

@@ -88,7 +88,7 @@ def test_train_refuses_a_run_that_does_not_fit(tmp_path, capsys):
                        "train.device_memory_gib=0.0001"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1
-    assert "the plan does not fit" in err[0] and "GiB usable of cpu's 0.0001 GiB" in err[0]
+    assert "the plan does not fit" in err[0] and "GiB over the 0.000094 GiB usable of cpu's 0.0001 GiB (6% kept free)" in err[0]
     assert not (tmp_path / "run").exists()  # refused before the run directory (and its lock) exists
 
 

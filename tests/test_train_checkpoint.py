@@ -533,7 +533,6 @@ def test_a_start_deletes_the_temporary_files_a_kill_mid_write_left_and_nothing_e
 def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_path, monkeypatch):
     """Tasks and coroutines of a restore that failed report at exit, each with tensorstore's error naming the
     array's path under the checkpoints' directory: those reports are dropped, any other passes."""
-    import logging
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
     directory = tmp_path / "run" / "checkpoints"

@@ -69,3 +69,19 @@ def test_the_lock_is_exclusive_within_one_process_too(tmp_path):
         assert (tmp_path / "run" / ".lock").read_text().strip() == str(os.getpid())
     with run_lock.hold(tmp_path / "run"):
         pass
+
+
+def test_a_refused_trainer_leaves_the_holder_s_new_directory_and_lock_alone(tmp_path, corpus):
+    """A second trainer started on a directory the first one has just made (so it holds only the lock): refused,
+    and the directory and the held lock file stay. The holder's own failed start removes the directory it made."""
+    run_dir = tmp_path / "run"
+    config = small_config(corpus, **{"train.steps": 1})
+    with run_lock.hold(run_dir):
+        with pytest.raises(run_lock.RunDirLocked):
+            train(config, run_dir, progress=False, log=lambda s: None)
+        assert [p.name for p in run_dir.iterdir()] == [".lock"]
+        assert (run_dir / ".lock").read_text().strip() == str(os.getpid())
+    broken = small_config(corpus, **{"train.steps": 1, "data.source": str(tmp_path / "no-such-data")})
+    with pytest.raises(Exception, match="does not exist"):
+        train(broken, tmp_path / "new", progress=False, log=lambda s: None)
+    assert not (tmp_path / "new").exists()

@@ -1,5 +1,5 @@
-"""`--overwrite` keeps the run it replaces until the new run's data has loaded (dropless.train.overwrite): a data
-error puts it back whole, tokenizer included, and a process killed at any point of setting it aside, putting it
+"""`--overwrite` keeps the run it replaces until the new run has its first checkpoint (dropless.train.overwrite): a
+data error or a setting the step cannot take puts it back whole, tokenizer included, and a process killed at any point of setting it aside, putting it
 back or discarding it leaves a state that the next start in the directory finishes undoing."""
 
 from __future__ import annotations
@@ -46,14 +46,19 @@ def files_of(run_dir: Path) -> dict[str, bytes]:
 
 
 def test_an_overwrite_whose_data_is_wrong_keeps_the_run_it_would_have_replaced(tmp_path, corpus):
-    """`--overwrite --data TYPO`: the old run's files wait aside until the new run's data has loaded, so the data
-    error leaves them as they were; an overwrite that gets its data deletes them (the tokenizer stays for the
-    loader to check against the new data)."""
+    """`--overwrite --data TYPO`: the old run's files wait aside until the new run has a checkpoint, so the data
+    error leaves them as they were, and so does a setting the step cannot take here (found after the data loads);
+    an overwrite whose run reaches a checkpoint deletes them (the tokenizer stays for the loader to check against
+    the new data)."""
     run_dir = tmp_path / "run"
     before = fake_run(run_dir, small_config(corpus), imported=True)
     wrong = small_config(corpus, **{"data.source": str(tmp_path / "no-such-data")})
     with pytest.raises(Exception, match="does not exist"):
         train(wrong, run_dir, overwrite=True, progress=False, log=lambda s: None)
+    assert files_of(run_dir) == before
+    on_gpu_only = small_config(corpus, **{"moe.gmm_backend": "dropless_mosaic"})
+    with pytest.raises(Exception, match="needs an NVIDIA GPU"):
+        train(on_gpu_only, run_dir, overwrite=True, progress=False, log=lambda s: None)
     assert files_of(run_dir) == before
     loop.prepare_run_dir(run_dir, small_config(corpus), resume=False, overwrite=True)
     overwrite_lib.discard(run_dir)
@@ -188,7 +193,7 @@ def kill_at(monkeypatch, n: int | None) -> list[str]:
 
 
 def new_run_starts(run_dir: Path, config) -> None:
-    """What an overwriting run writes before its data has loaded: its config, a tokenizer trained over the old, and
+    """What an overwriting run writes before its first checkpoint: its config, a tokenizer trained over the old, and
     its tokens in place of the old run's."""
     config_lib.save(config, run_dir / "config.json")
     (run_dir / "tokenizer.json").write_bytes(b"the new run's tokenizer")
@@ -223,7 +228,7 @@ def _interrupted(tmp_path: Path, monkeypatch, stage: str, n: int | None, old, ne
 def test_a_kill_at_any_point_of_an_overwrite_is_undone_by_the_next_start(tmp_path, monkeypatch, corpus, stage,
                                                                          tokenizer):
     """Killed in each of the filesystem changes of setting the old run aside, of putting it back after a data
-    error, or of discarding it once the new run has its data, for an old run with a tokenizer and one without
+    error, or of discarding it once the new run has a checkpoint, for an old run with a tokenizer and one without
     (whose new run trained one): the next start in the directory finds the old run
     whole where the new one never trained, and the new run's files, nothing of the old, where `.replaced` was gone."""
     old, new = small_config(corpus), small_config(corpus, **{"train.steps": 7})

@@ -37,7 +37,6 @@ from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import MAX_WINDOW, check_prompt, context_window, generate
 from dropless.train import checkpoint as ckpt
-from dropless.train import run_lock
 from dropless.train.loop import resume_changes, train
 
 DEFAULT_PRESET = "tiny"
@@ -107,28 +106,14 @@ def cmd_train(args) -> int:
         init_weights = (params, state)
     else:
         config = build_config(preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer)
-    created = not run_dir.exists()
-    try:
-        summary = train(config, run_dir, resume=args.resume, overwrite=args.overwrite, init_weights=init_weights,
-                        progress=not args.no_progress)
-    except BaseException:
-        _remove_if_only_locked(run_dir, created)
-        raise
+    summary = train(config, run_dir, resume=args.resume, overwrite=args.overwrite, init_weights=init_weights,
+                    progress=not args.no_progress)
     if summary.eval_losses and not getattr(summary, "stopped_by", None):
         first, last = summary.eval_losses[0][1], summary.eval_losses[-1][1]
         print(f"dropless: done in {summary.wall_seconds:.0f} s; held-out loss {first:.3f} -> {last:.3f} "
               f"({last / first:.0%} of the first); tokens dropped: {summary.tokens_dropped}; "
               f"run directory {summary.run_dir}")
     return int(getattr(summary, "exit_status", 0))  # 128 + the signal's number for a run a signal stopped
-
-
-def _remove_if_only_locked(run_dir: Path, created: bool) -> None:
-    """A run directory this command made and left holding only its lock (a new run that never had its data: the
-    trainer removes what it wrote) goes too, so that a failed start leaves no directory for --resume to find."""
-    lock = run_dir / run_lock.LOCK_NAME
-    if created and run_dir.is_dir() and [p.name for p in run_dir.iterdir()] == [lock.name]:
-        lock.unlink()
-        run_dir.rmdir()
 
 
 def _check_preset_matches(preset: str, config: config_lib.Config, overrides: dict, args, run_dir: Path) -> None:

@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--batches {args.batches} must be at least 1: the timed batches whose median is kept.")
     xla_flags.apply()  # before JAX starts a backend
     if args.shapes is None:
-        shapes = list(DEFAULT_SHAPES) if jax.default_backend() == "gpu" else ["tiny"]
+        shapes = ["tiny"] if jax.default_backend() == "cpu" else list(DEFAULT_SHAPES)
     _refuse_gpu_sizes_on_cpu(shapes, stages)
     out = results_path(args.out, jax.devices()[0].device_kind)  # checked, as the chart's path, before measuring
     chart = check_output("--chart", args.chart or out.with_suffix(".png"), kind="PNG")

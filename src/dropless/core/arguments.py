@@ -4,9 +4,11 @@ an output path that a command writes only after minutes of work."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from dropless.core.config import ConfigError
+from dropless.core.debug import DEBUG_ENV
 from dropless.core.files import file_in_the_way
 
 
@@ -22,6 +24,14 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.add_argument(DEBUG_FLAG, action="store_true",
                           help="show the full traceback of an error (also: DROPLESS_DEBUG=1)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, and where --debug reached this parser (a module run as `python -m`, which no `dropless`
+        took it out for) DROPLESS_DEBUG=1 for the rest of the process, as `dropless --debug` sets it."""
+        parsed, rest = super().parse_known_args(args, namespace)
+        if getattr(parsed, "debug", False):
+            os.environ[DEBUG_ENV] = "1"
+        return parsed, rest
 
     def error(self, message: str):
         self.exit(2, f"dropless: error: {message} (see '{self.prog} --help').\n")

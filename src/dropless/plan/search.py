@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
+
 from dropless.core.config import ACTIVATION_NAMES, Config, ConfigError, ParallelConfig
 from dropless.plan.cost import load_rates
 from dropless.plan.layout import Cluster
@@ -106,4 +108,4 @@ def check_fit(config: Config, cluster: Cluster, device_memory_gib: float | None 
 def _gib(num_bytes: float) -> str:
     """GiB to one decimal, or to three significant digits below 10 GiB (a small device's 0.15 GiB is not 0.1)."""
     gib = num_bytes / GIB
-    return f"{gib:.1f}" if gib >= 10 else f"{gib:.3g}"
+    return f"{gib:.1f}" if gib >= 10 else np.format_float_positional(gib, precision=3, fractional=False, trim="-")

@@ -188,7 +188,7 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
     # corrected command need --overwrite, and nothing in it is worth keeping.
     new = primary and not resume and _holds_nothing(run_dir)
     config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log, new=new)
-    last_step = None
+    start, last_step, last_saved = 0, None, None
     try:
         tc = config.train
         setup = setup_lib.build(config)
@@ -266,8 +266,12 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
         return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
                           dropped.total, stopped_by)
     except BaseException:
-        if new and not last_step:
+        if primary and new and not last_step:
             _clear_new_run(run_dir)
+        elif primary and last_saved in (None, start):
+            # A run --overwrite set aside is deleted only once the new run has a checkpoint (`_save`): until then
+            # it goes back in place of the new one (nothing to do where none was set aside).
+            overwrite_lib.put_back(run_dir)
         raise
 
 
@@ -347,7 +351,7 @@ class _NonfiniteGuard:
                        "--resume continues with the same settings; check the data, or start a new run with a lower "
                        "train.learning_rate" if last_saved else
                        "no checkpoint was written yet; lower train.learning_rate or check the data and start the run "
-                       "again")
+                       "again with --overwrite (or in another --run-dir)")
                 raise TrainingDiverged(
                     f"Training diverged: the loss or gradient norm was not finite at steps {self.first_bad}-{step} "
                     f"({self.streak} in a row, none applied, train.max_nonfinite_steps={self.limit}); {fix}.")
@@ -367,6 +371,8 @@ def _save(mngr, step: int, state: TrainState, last_saved: int | None, run_dir: P
         raise TrainingDiverged(f"The weights at step {step} are not finite, so no checkpoint of it is written; the "
                                f"last good checkpoint is {good}; lower train.learning_rate or check the data.")
     ckpt.save(mngr, step, state.params, state.model_state, state.opt_state)
+    if jax.process_index() == 0:
+        overwrite_lib.discard(run_dir)  # a run --overwrite set aside: the new one has a checkpoint now
     return step
 
 
@@ -377,9 +383,10 @@ def _process() -> dict:
 def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, overwrite: bool, log, new: bool):
     """(the run's config, its token dataset): process 0 prepares the directory, the others read it after.
 
-    A run that --overwrite set aside is deleted only once every process has loaded the new run's data: a process
-    that cannot (a run directory not on a filesystem all hosts share, a corpus missing on its host) makes
-    process 0 put the old run back, and every process ends with one line."""
+    A run that --overwrite set aside stays until the new run has written its first checkpoint (`_save`; `_train`
+    puts it back after any failure before that): a process that cannot load the new run's data (a run directory not
+    on a filesystem all hosts share, a corpus missing on its host) makes process 0 put the old run back, and every
+    process ends with one line. A `new` run's directory (process 0's, empty before) is emptied instead."""
     def trained() -> bool:  # weights that belong to the run's tokenizer (after prepare_run_dir: it may put some back)
         return resume and ckpt.reached_a_checkpoint(run_dir)
 
@@ -409,8 +416,6 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
         raise failure or ConfigError(
             f"process {process} of {jax.process_count()} could not load the run's data (its own error line says "
             f"why){'; the run that --overwrite set aside is put back' if primary and overwrite else ''}.")
-    if primary:
-        overwrite_lib.discard(run_dir)
     return config, dataset
 
 

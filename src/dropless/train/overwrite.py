@@ -1,12 +1,12 @@
-"""`--overwrite` that keeps the run it replaces until the new run's data has loaded.
+"""`--overwrite` that keeps the run it replaces until the new run has its first checkpoint.
 
-The old run's files wait in RUN_DIR/.replaced until the new run's data has loaded (`discard`), so that a mistake
-found while loading it (a mistyped --data, a corpus too small) or a kill before it has loaded puts them back
-(`put_back`) instead of having cost the old run. The tokenizer and its origin record are copied aside and the
+The old run's files wait in RUN_DIR/.replaced until the new run has written its first checkpoint (`discard`), so
+that a mistake found while loading its data (a mistyped --data, a corpus too small) or in its first steps (a
+setting the step cannot take here, a divergence), or a kill before that checkpoint, puts them back (`put_back`)
+instead of having cost the old run. The tokenizer and its origin record are copied aside and the
 token cache linked there, rather than moved: the new run's loader checks them against its data and reuses them,
 or trains and tokenizes over them, and the old run gets back the tokenizer its weights were trained with and its
-tokens either way. Once the data has loaded, the old run is gone: a failure after that (a compile error, a kill in
-the first steps) leaves the new run, which a restart of the same command begins again.
+tokens either way. Once the new run has a checkpoint, the old run is gone.
 
 Every step is a rename, or works on a directory whose name says how far it got, so a process killed anywhere
 leaves a state that the next `dropless train` in the directory finishes undoing (`recover`) before it does
@@ -16,7 +16,7 @@ anything else:
 - `.replaced`: set aside whole; the run directory's REPLACED_FILES, COPIED_FILES and token cache are the new
   run's, or copies of the old run's, or absent.
 - `.restoring`: being put back; whatever it still holds goes back to its place, where nothing is.
-- `.discarded`: the new run has its data; deleting it finishes.
+- `.discarded`: the new run has a checkpoint; deleting it finishes.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def put_back(run_dir: Path) -> None:
 
 
 def discard(run_dir: Path) -> None:
-    """Delete the run set aside: the new one has its data."""
+    """Delete the run set aside: the new one has a checkpoint."""
     run_dir = Path(run_dir)
     if (run_dir / REPLACED).is_dir():
         (run_dir / REPLACED).rename(run_dir / DISCARDED)  # one step: a kill in the deletion leaves no `.replaced`
@@ -82,7 +82,7 @@ def discard(run_dir: Path) -> None:
 
 def recover(run_dir: Path, log: Callable[[str], None]) -> None:
     """Finish what a killed `--overwrite` left half done in `run_dir`: the old run back in place where the new one
-    never had its data, the set-aside copy deleted where it had."""
+    never had a checkpoint, the set-aside copy deleted where it had."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return
@@ -92,12 +92,12 @@ def recover(run_dir: Path, log: Callable[[str], None]) -> None:
     if (run_dir / REPLACING).is_dir():  # the copies are partial at worst, and their originals untouched
         _move_back(run_dir, run_dir / REPLACING, [run_dir / REPLACING / name for name in REPLACED_FILES])
     elif (run_dir / REPLACED).is_dir() and ckpt.reached_a_checkpoint(run_dir):
-        # Never left by `discard`, which renames before deleting; a trained run beside it is the one to keep.
+        # A kill between the new run's first checkpoint and its `discard`: the new run is the one to keep.
         discard(run_dir)
         return
     put_back(run_dir)
     log(f"dropless: {run_dir} held the run that an interrupted --overwrite had set aside before the new run's "
-        "data loaded; that run is back in place")
+        "first checkpoint; that run is back in place")
 
 
 def _restorable(root: Path) -> list[Path]:

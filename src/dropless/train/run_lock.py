@@ -48,10 +48,29 @@ def hold(run_dir: Path) -> Iterator[None]:
 
 def holds_run_dir(train):
     """Decorate `train(config, run_dir, ...)` so that process 0 holds the run directory's lock throughout,
-    from before --overwrite deletes anything until the last checkpoint is written."""
+    from before --overwrite deletes anything until the last checkpoint is written. A directory the lock made (it
+    did not exist) that a failed run leaves holding nothing but the lock (`train` removes what a run that failed
+    before its first step wrote) is removed, lock file included, while the lock is still held: only its maker can
+    be about to lock it, so no other trainer loses a lock by it."""
     @functools.wraps(train)
     def locked(config, run_dir, *args, **kwargs):
-        lock = hold(run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
-        with lock:
+        if jax.process_index() != 0:
             return train(config, run_dir, *args, **kwargs)
+        run_dir = Path(run_dir)
+        made = not run_dir.exists()
+        with hold(run_dir):  # a refusal (another trainer holds it) leaves before anything below runs
+            try:
+                return train(config, run_dir, *args, **kwargs)
+            except BaseException:
+                if made:
+                    _remove_if_only_locked(run_dir)
+                raise
     return locked
+
+
+def _remove_if_only_locked(run_dir: Path) -> None:
+    """Remove `run_dir` if it holds only the lock file; a file another process adds meanwhile keeps it."""
+    if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+        with contextlib.suppress(OSError):
+            (run_dir / LOCK_NAME).unlink()
+            run_dir.rmdir()
