@@ -587,7 +587,7 @@ def test_a_reader_that_closes_the_pipe_ends_the_output_quietly():
 def test_debug_reaches_a_benchmark_run_as_a_module(monkeypatch):
     """`python -m dropless.bench.scale --debug` (no `dropless` took the flag out): its parser sets DROPLESS_DEBUG,
     as `dropless --debug` does, so the details it promises are shown; without it nothing is set."""
-    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    monkeypatch.setenv(DEBUG_ENV, "0")  # recorded, so that the test's end restores the variable as it was
     ArgumentParser(prog="dropless bench scale").parse_args([])
     assert not debugging()
     assert ArgumentParser(prog="dropless bench scale").parse_args(["--debug"]).debug
