@@ -52,6 +52,17 @@ def test_activation_offloading_is_validated_when_the_config_is_built():
         TrainConfig(remat="full", offload="moe_in,nope")
     with pytest.raises(ConfigError, match="train.offload='moe_in' needs train.remat=full"):
         TrainConfig(offload="moe_in")
+    with pytest.raises(ConfigError, match="train.offload names attn_out more than once; name each activation once"):
+        TrainConfig(remat="full", offload="attn_out,moe_in,attn_out")
+
+
+@pytest.mark.parametrize("fp8", ["off", "mxfp8"])
+def test_the_fp8_weight_cache_can_be_turned_off_only_where_there_is_one(fp8):
+    for mode in ("blockwise", "rowwise"):
+        assert not TrainConfig(fp8=mode, fp8_cache_weights=False).fp8_cache_weights
+    with pytest.raises(ConfigError, match=f"train.fp8_cache_weights=false .* and train.fp8={fp8} makes none; set "
+                                          "train.fp8=blockwise or rowwise, or leave train.fp8_cache_weights=true."):
+        TrainConfig(fp8=fp8, fp8_cache_weights=False)
 
 
 def test_cross_group_and_rope_settings_are_validated_when_the_config_is_built():

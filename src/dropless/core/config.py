@@ -342,7 +342,7 @@ class TrainConfig:
     fp8: Literal["off", "rowwise", "blockwise", "mxfp8"] = "off"
     # Under fp8 blockwise or rowwise: make each weight's e4m3 copies once per step, before its microbatches
     # (docs/fp8.md); false quantizes them in every microbatch's products, holding (with grad_accum_steps > 1) one
-    # byte less per quantized parameter through the step.
+    # byte less per quantized parameter through the step. The other train.fp8 settings make no copies: true only.
     fp8_cache_weights: bool = True
     # Under fp8 blockwise or rowwise: the dtype the weight-gradient products write (each product accumulates in
     # float32 either way). float32 keeps the float32 promotion's result whole; bfloat16 rounds it once, as the bf16
@@ -405,6 +405,12 @@ class TrainConfig:
         unknown = [name for name in self.offload_names if name not in ACTIVATION_NAMES]
         _require(not unknown, f"train.offload names unknown activation(s) {', '.join(unknown)}; "
                               f"choose from {', '.join(ACTIVATION_NAMES)}.")
+        repeated = sorted({name for name in self.offload_names if self.offload_names.count(name) > 1})
+        _require(not repeated, f"train.offload names {', '.join(repeated)} more than once; name each activation once.")
+        _require(self.fp8_cache_weights or self.fp8 in ("blockwise", "rowwise"),
+                 f"train.fp8_cache_weights=false keeps train.fp8=blockwise or rowwise from caching the weights' e4m3 "
+                 f"copies, and train.fp8={self.fp8} makes none; set train.fp8=blockwise or rowwise, or leave "
+                 "train.fp8_cache_weights=true.")
         _require(self.fp8_wgrad_dtype == "float32" or self.fp8 in ("blockwise", "rowwise"),
                  f"train.fp8_wgrad_dtype={self.fp8_wgrad_dtype} sets what the weight-gradient products of "
                  f"train.fp8=blockwise or rowwise write, and train.fp8={self.fp8} has none; set train.fp8=blockwise "
