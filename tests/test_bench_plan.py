@@ -94,6 +94,8 @@ def rate_files(tmp_path):
     (["--rates", "{dir}/latin1.json"], "is not valid JSON"),
     (["--rates", "{dir}"], "is a directory"),
     (["--rates", "{dir}/absent.json"], "does not exist"),
+    (["--devices", "8", "--device", "cpu", "moe.dispatch=ragged", "parallel.expert=8"],
+     "moe.dispatch=ragged needs GPUs (XLA:CPU has no ragged_all_to_all), and the plan is for cpu"),
 ])
 def test_plan_command_errors_are_one_line(argv, message, capsys, rate_files):
     argv = [a.replace("{dir}", str(rate_files)) for a in argv]
