@@ -95,7 +95,7 @@ def rate_files(tmp_path):
     (["--rates", "{dir}"], "is a directory"),
     (["--rates", "{dir}/absent.json"], "does not exist"),
     (["--devices", "8", "--device", "cpu", "moe.dispatch=ragged", "parallel.expert=8"],
-     "moe.dispatch=ragged needs GPUs (XLA:CPU has no ragged_all_to_all), and the plan is for cpu"),
+     "moe.dispatch=ragged needs GPUs (XLA:CPU has no ragged_all_to_all); use moe.dispatch=alltoall or allgather."),
 ])
 def test_plan_command_errors_are_one_line(argv, message, capsys, rate_files):
     argv = [a.replace("{dir}", str(rate_files)) for a in argv]

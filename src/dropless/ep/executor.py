@@ -75,6 +75,14 @@ class ExpertParallelExecutor:
         return run(x_TD, expert_ids_TK, weights_TK, experts)
 
 
+def check_dispatch_platform(dispatch: str, platform: str) -> None:
+    """Refuse a `moe.dispatch` the platform's XLA cannot run (ragged off GPUs), in one line; `dropless plan`
+    refuses it as training does."""
+    if dispatch == "ragged" and platform != "gpu":
+        raise ConfigError(f"moe.dispatch=ragged needs GPUs (XLA:{platform.upper()} has no ragged_all_to_all); "
+                          f"use moe.dispatch=alltoall or allgather.")
+
+
 def make_strategy(config: Config, platform: str | None = None) -> Strategy:
     """The strategy `moe.dispatch` names, split into `moe.dispatch_chunks` chunks when that is > 1."""
     if config.parallel.expert == 1:
@@ -91,9 +99,7 @@ def _named_strategy(config: Config, platform: str | None = None) -> Strategy:
     wire = Wire.from_config(moe.dispatch_dtype)
     if name == "auto":
         return Auto(moe.alltoall_buffer_factor, moe.dedup, wire)
-    if name == "ragged" and platform != "gpu":
-        raise ConfigError(f"moe.dispatch=ragged needs GPUs (XLA:{platform.upper()} has no ragged_all_to_all); "
-                          f"use moe.dispatch=alltoall or allgather.")
+    check_dispatch_platform(name, platform)
     if name == "allgather":
         return AllGather(wire)
     if name == "alltoall":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dropless.core.config import Config, ConfigError
+from dropless.core.config import Config
+from dropless.ep.executor import check_dispatch_platform
 from dropless.fp8.recipe import holds_weight_cache
 from dropless.plan.cost import device_rates, load_rates, step_time
 from dropless.plan.layout import Cluster, mesh_sizes, model_facts, state_bytes
@@ -90,10 +91,8 @@ def make_plan(config: Config, cluster: Cluster, *, device_memory_gib: float | No
     """The plan of `config`'s training step on `cluster` (pure arithmetic; no device is touched)."""
     table = device_rates(rates or load_rates(), cluster.device)
     sizes = mesh_sizes(config, cluster.devices)
-    platform = table.get("platform", "gpu")
-    if config.moe.dispatch == "ragged" and platform != "gpu" and cluster.devices > 1:  # as training refuses it
-        raise ConfigError(f"moe.dispatch=ragged needs GPUs (XLA:{platform.upper()} has no ragged_all_to_all), and "
-                          f"the plan is for {cluster.device}; use moe.dispatch=alltoall or allgather.")
+    if sizes["expert"] > 1:  # training builds a dispatch strategy only for expert parallelism
+        check_dispatch_platform(config.moe.dispatch, table.get("platform", "gpu"))
     backend = config.model.attention_backend
     if backend == "auto":
         half = config.train.dtype == "bfloat16"

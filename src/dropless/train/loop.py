@@ -421,7 +421,7 @@ def _open_run(config: Config, run_dir: Path, primary: bool, *, resume: bool, ove
 
 def _holds_nothing(run_dir: Path) -> bool:
     """Whether `run_dir` is new: missing, or holding only the lock this process has just taken."""
-    return not run_dir.is_dir() or all(p.name == run_lock.LOCK_NAME for p in run_dir.iterdir())
+    return not run_dir.is_dir() or run_lock.holds_only_the_lock(run_dir)
 
 
 def _clear_new_run(run_dir: Path) -> None:

@@ -68,9 +68,14 @@ def holds_run_dir(train):
     return locked
 
 
+def holds_only_the_lock(run_dir: Path) -> bool:
+    """Whether the directory `run_dir` holds nothing but (at most) the lock file."""
+    return all(p.name == LOCK_NAME for p in Path(run_dir).iterdir())
+
+
 def _remove_if_only_locked(run_dir: Path) -> None:
     """Remove `run_dir` if it holds only the lock file; a file another process adds meanwhile keeps it."""
-    if [p.name for p in run_dir.iterdir()] == [LOCK_NAME]:
+    if holds_only_the_lock(run_dir):
         with contextlib.suppress(OSError):
             (run_dir / LOCK_NAME).unlink()
             run_dir.rmdir()
