@@ -188,91 +188,115 @@ def _train(config: Config, run_dir: Path, *, resume: bool, overwrite: bool, init
     # corrected command need --overwrite, and nothing in it is worth keeping.
     new = primary and not resume and _holds_nothing(run_dir)
     config, dataset = _open_run(config, run_dir, primary, resume=resume, overwrite=overwrite, log=log, new=new)
-    start, last_step, last_saved = 0, None, None
+    run = _Run(config, run_dir, primary, log)
     try:
-        tc = config.train
-        setup = setup_lib.build(config)
-        state, start = _restore(setup, run_dir, init_weights, resume, log)
-        _describe(config, setup, start, log)
-        evaluate = _evaluator(config, setup, dataset)
-        # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
-        kept = metrics_lib.keep_records_through(run_dir, start if start else -1) if primary and resume else []
-        eval_losses = [(r["step"], r["eval_loss"]) for r in kept if r.get("eval_loss") is not None]
-        writer = metrics_lib.MetricsWriter(run_dir) if primary else None
-        dropped = _DropCounter(config)
-        bar = _NoBar()
-        stopped_by, last_step, last_saved = None, start, (start or None)
-        guard = _NonfiniteGuard(tc.max_nonfinite_steps)
-        router_watch = metrics_lib.RouterWatch(config)
-        # Caught from the opening evaluation until train() returns, so that a signal while stopping cannot cut it short.
-        with _StopSignals(tc.stop_signal_names) as signals:
-            try:
-                if start == 0:
-                    eval_losses.append((start, evaluate(state)))
-                    _write(writer, {"step": start, "eval_loss": eval_losses[-1][1]})
-                    log(f"dropless: step {start} held-out loss {eval_losses[-1][1]:.4f}")
-
-                bar = _progress_bar(start, tc.steps, progress and primary, log)
-                throughput = _Throughput(config)
-                wall_start = time.perf_counter()
-                to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
-                with ckpt.manager(run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
-                        start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
-                    for step in range(start, tc.steps):
-                        state, step_metrics = setup.step(state, next(batches))
-                        guard.add(step_metrics["nonfinite"])
-                        dropped.add(step_metrics["tokens_dropped"])
-                        throughput.add(tc.batch_size * tc.seq_len)
-                        done = last_step = step + 1
-                        logged = done % tc.log_every == 0 or done == tc.steps
-                        evaluated = done % tc.eval_every == 0 or done == tc.steps
-                        saved = done % tc.checkpoint_every == 0 or done == tc.steps
-                        # the steps where the host reads from the device anyway
-                        host_waits = logged or evaluated or saved
-                        if logged:
-                            record = _step_record(done, jax.device_get(step_metrics), throughput.take())
-                            _write(writer, record)
-                            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
-                                            load=f"{record['max_expert_load']:.2f}")
-                            for line in router_watch.update(record) if primary else ():
-                                bar.write(line)
-                        bar.update(1)
-                        if host_waits:
-                            guard.check(done, last_saved, run_dir)
-                            dropped.check(done)
-                        if evaluated:
-                            eval_losses.append((done, evaluate(state)))
-                            _write(writer, {"step": done, "eval_loss": eval_losses[-1][1]})
-                            bar.write(f"dropless: step {done} held-out loss {eval_losses[-1][1]:.4f}")
-                        if saved:
-                            last_saved = _save(mngr, done, state, last_saved, run_dir)
-                        stopped_by = _agreed_stop(signals.received, host_waits)
-                        if stopped_by and done < tc.steps:
-                            if not saved:
-                                guard.check(done, last_saved, run_dir)
-                                dropped.check(done)
-                                last_saved = _save(mngr, done, state, last_saved, run_dir)
-                            bar.close()
-                            log(f"dropless: stopped by {stopped_by} at step {done}; checkpoint {done} written; "
-                                "resume with --resume")
-                            break
-                        stopped_by = None
-            finally:
-                bar.close()
-                if writer is not None:
-                    writer.close()
-            if primary and tc.plot:
-                metrics_lib.plot_run(run_dir)
-        return RunSummary(run_dir, start, max(start, last_step), eval_losses, time.perf_counter() - wall_start,
-                          dropped.total, stopped_by)
+        return run.train(dataset, init_weights, resume=resume, progress=progress)
     except BaseException:
-        if primary and new and not last_step:
+        if primary and new and not run.last_step:
             _clear_new_run(run_dir)
-        elif primary and last_saved in (None, start):
+        elif primary and run.last_saved in (None, run.start):
             # A run --overwrite set aside is deleted only once the new run has a checkpoint (`_save`): until then
             # it goes back in place of the new one (nothing to do where none was set aside).
             overwrite_lib.put_back(run_dir)
         raise
+
+
+class _Run:
+    """A run whose directory is open: its state, steps, evaluations and checkpoints. How far it has come (`start`,
+    `last_step`, `last_saved`) is what `_train`'s clean-up after a failure reads."""
+
+    def __init__(self, config: Config, run_dir: Path, primary: bool, log: Callable[[str], None]):
+        self.config, self.run_dir, self.primary, self.log = config, run_dir, primary, log
+        self.start, self.last_step, self.last_saved, self.stopped_by = 0, None, None, None
+        self.eval_losses: list[tuple[int, float]] = []
+        self.writer = None
+        self.bar = _NoBar(log=log)
+        self.dropped = _DropCounter(config)
+        self.guard = _NonfiniteGuard(config.train.max_nonfinite_steps)
+        self.router_watch = metrics_lib.RouterWatch(config)
+
+    def train(self, dataset, init_weights: tuple | None, *, resume: bool, progress: bool) -> RunSummary:
+        tc = self.config.train
+        setup = setup_lib.build(self.config)
+        state, self.start = _restore(setup, self.run_dir, init_weights, resume, self.log)
+        _describe(self.config, setup, self.start, self.log)
+        self.evaluate = _evaluator(self.config, setup, dataset)
+        # A resumed run recomputes every step after its checkpoint: their old records go, so each step appears once.
+        kept = (metrics_lib.keep_records_through(self.run_dir, self.start if self.start else -1)
+                if self.primary and resume else [])
+        self.eval_losses = [(r["step"], r["eval_loss"]) for r in kept if r.get("eval_loss") is not None]
+        self.last_step, self.last_saved = self.start, (self.start or None)
+        self.writer = metrics_lib.MetricsWriter(self.run_dir) if self.primary else None
+        # Caught from the opening evaluation until train() returns, so that a signal while stopping cannot cut it short.
+        with _StopSignals(tc.stop_signal_names) as signals:
+            try:
+                if self.start == 0:
+                    self._evaluate(state, 0)
+                self.bar = _progress_bar(self.start, tc.steps, progress and self.primary, self.log)
+                wall_start = time.perf_counter()
+                to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
+                with ckpt.manager(self.run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
+                        self.start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
+                    self._steps(setup.step, state, batches, mngr, signals)
+            finally:
+                self.bar.close()
+                if self.writer is not None:
+                    self.writer.close()
+            if self.primary and tc.plot:
+                metrics_lib.plot_run(self.run_dir)
+        return RunSummary(self.run_dir, self.start, max(self.start, self.last_step), self.eval_losses,
+                          time.perf_counter() - wall_start, self.dropped.total, self.stopped_by)
+
+    def _steps(self, step_fn, state: TrainState, batches, mngr, signals: "_StopSignals") -> None:
+        """Train from `start` to `train.steps`, or to the step where a stop signal is agreed."""
+        tc = self.config.train
+        throughput = _Throughput(self.config)
+        for step in range(self.start, tc.steps):
+            state, step_metrics = step_fn(state, next(batches))
+            self.guard.add(step_metrics["nonfinite"])
+            self.dropped.add(step_metrics["tokens_dropped"])
+            throughput.add(tc.batch_size * tc.seq_len)
+            done = self.last_step = step + 1
+            logged = done % tc.log_every == 0 or done == tc.steps
+            evaluated = done % tc.eval_every == 0 or done == tc.steps
+            saved = done % tc.checkpoint_every == 0 or done == tc.steps
+            host_waits = logged or evaluated or saved  # the steps where the host reads from the device anyway
+            if logged:
+                self._log(_step_record(done, jax.device_get(step_metrics), throughput.take()))
+            self.bar.update(1)
+            if host_waits:
+                self._check(done)
+            if evaluated:
+                self._evaluate(state, done)
+            if saved:
+                self.last_saved = _save(mngr, done, state, self.last_saved, self.run_dir)
+            self.stopped_by = _agreed_stop(signals.received, host_waits)
+            if self.stopped_by and done < tc.steps:
+                if not saved:
+                    self._check(done)
+                    self.last_saved = _save(mngr, done, state, self.last_saved, self.run_dir)
+                self.bar.close()
+                self.log(f"dropless: stopped by {self.stopped_by} at step {done}; checkpoint {done} written; "
+                         "resume with --resume")
+                return
+            self.stopped_by = None
+
+    def _log(self, record: dict) -> None:
+        _write(self.writer, record)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                             load=f"{record['max_expert_load']:.2f}")
+        for line in self.router_watch.update(record) if self.primary else ():
+            self.bar.write(line)
+
+    def _check(self, done: int) -> None:
+        """The steps' flags and drop counts up to `done`, read where the host waits for the device anyway."""
+        self.guard.check(done, self.last_saved, self.run_dir)
+        self.dropped.check(done)
+
+    def _evaluate(self, state: TrainState, done: int) -> None:
+        self.eval_losses.append((done, self.evaluate(state)))
+        _write(self.writer, {"step": done, "eval_loss": self.eval_losses[-1][1]})
+        self.bar.write(f"dropless: step {done} held-out loss {self.eval_losses[-1][1]:.4f}")
 
 
 class _StopSignals:
