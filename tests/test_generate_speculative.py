@@ -195,3 +195,20 @@ def test_sampling_settings_out_of_range_are_refused(model, temperature, top_p):
     with pytest.raises(ConfigError, match=rf"^--temperature must be >= 0 and --top-p in \(0, 1\]; got "
                                           rf"{temperature} and {top_p}.$"):
         gen.generate(MODEL, params, state, [1], temperature=temperature, top_p=top_p)
+
+
+def test_a_prompt_given_as_the_tokenizers_int32_array_generates_as_its_list(model):
+    """`TextTokenizer.encode` returns an int32 array: `generate` takes it as it takes the list of the same ids."""
+    params, state = model
+    as_list = gen.generate(MODEL, params, state, [5, 9, 2], max_new_tokens=3, temperature=0.0)
+    assert gen.generate(MODEL, params, state, np.asarray([5, 9, 2], np.int32), max_new_tokens=3,
+                        temperature=0.0) == as_list
+
+
+@pytest.mark.parametrize("prompt, match", [([MODEL.model.vocab_size], "token id 64, outside"), ([3, -1], "token id -1"),
+                                           (np.asarray([1.5]), "integer token ids"), ([], "no tokens")])
+def test_a_prompt_that_is_not_token_ids_of_the_model_is_refused(model, prompt, match):
+    """An id outside the vocabulary would be read as a clamped or NaN embedding and generate nonsense silently."""
+    params, state = model
+    with pytest.raises(ConfigError, match=match):
+        gen.generate(MODEL, params, state, prompt, max_new_tokens=2, temperature=0.0)

@@ -76,10 +76,26 @@ def verify_draft(p_logits_V: jax.Array, q_logits_V: jax.Array, draft: jax.Array,
 MAX_WINDOW = 1024
 
 
-def check_prompt(prompt_ids: list[int]) -> None:
+def check_prompt(prompt_ids) -> None:
     """Refuse a prompt of no tokens (there is nothing to continue)."""
-    if not prompt_ids:
+    if len(prompt_ids) == 0:
         raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
+
+
+def prompt_list(prompt_ids, config: Config) -> list[int]:
+    """`prompt_ids` (a list of ints, or a 1-D integer array such as `TextTokenizer.encode` returns) as a list of
+    Python ints, each checked to be a token id of the model's vocabulary."""
+    check_prompt(prompt_ids)
+    ids = np.asarray(prompt_ids)
+    vocab = config.model.vocab_size
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ConfigError(f"The prompt must be a sequence of integer token ids; got an array of shape {ids.shape} "
+                          f"and dtype {ids.dtype}.")
+    if ids.min() < 0 or ids.max() >= vocab:
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise ConfigError(f"The prompt holds the token id {bad}, outside the model's vocabulary of {vocab} "
+                          f"(model.vocab_size); encode it with the tokenizer the model was trained with.")
+    return [int(i) for i in ids]
 
 
 def context_window(config: Config) -> int:
@@ -87,15 +103,16 @@ def context_window(config: Config) -> int:
     return min(config.model.max_seq_len, MAX_WINDOW)
 
 
-def generate(config: Config, params, state, prompt_ids: list[int], *, max_new_tokens: int = 64,
+def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int = 64,
              temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
              stop_id: int | None = None, speculative: bool = False, stats: dict | None = None) -> list[int]:
-    """Continue `prompt_ids`; returns only the new ids (stopping early at `stop_id`). `speculative`: draft with
+    """Continue `prompt_ids` (token ids: a list, or a 1-D integer array such as `TextTokenizer.encode` gives, each
+    below model.vocab_size); returns only the new ids (stopping early at `stop_id`). `speculative`: draft with
     the MTP module (module docstring); `stats`, if given, receives the forward passes run and the drafts made
     and accepted."""
     if not (temperature >= 0 and 0 < top_p <= 1):  # NaN fails both
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
-    check_prompt(prompt_ids)
+    prompt_ids = prompt_list(prompt_ids, config)
     if speculative and not config.model.mtp_layers:
         raise ConfigError("--speculative drafts tokens with the model's MTP module, and this model has none "
                           "(model.mtp_layers=0); drop --speculative.")
