@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dropless import cli
-from dropless.convert import config_from_hf, convert_from_hf, convert_to_hf
+from dropless.convert import ConvertError, compute_logits, config_from_hf, convert_from_hf, convert_to_hf, load_hf
 from dropless.convert.safetensors_io import CheckpointReader
 from dropless.train import checkpoint as ckpt
 
@@ -62,3 +62,25 @@ def test_logits_match_transformers_and_round_trip_is_exact(name, tmp_path):
     assert config_from_hf(hf_config) == config
     assert hf_config["architectures"] == original["architectures"]
     assert all(hf_config.get(k) == original.get(k) for k in ("bos_token_id", "eos_token_id"))
+
+
+@pytest.mark.parametrize("tokens, fragment", [
+    (np.full((1, 3), 256), r"tokens_BS holds ids outside \[0, 256\)"), (np.asarray([[2, -1]]), "outside"),
+    (np.ones((1, 257), np.int32), r"sequences of 257 tokens, longer than the model accepts \(256"),
+    (np.asarray([1, 2, 3]), r"integer array \[batch, seq\].*shape \(3,\)"),
+    (np.asarray([[1.5, 2.0]]), "float64"), (np.zeros((1, 0), np.int32), "non-empty")])
+def test_compute_logits_refuses_tokens_the_model_cannot_take(tokens, fragment):
+    """The Python API checks what `dropless logits` checks: an id outside the vocabulary would read a clamped
+    embedding row and return wrong logits silently, a 1-D array would fail deep inside the model."""
+    config, params, state = load_hf(FIXTURES / "deepseek_v3")
+    with pytest.raises(ConvertError, match=fragment):
+        compute_logits(config, params, state, tokens)
+
+
+def test_export_of_a_step_the_run_does_not_have_names_the_saved_steps(tmp_path):
+    run = tmp_path / "run"
+    convert_from_hf(FIXTURES / "mixtral", run)
+    with pytest.raises(ckpt.CheckpointError, match=r"has no checkpoint for step 5; the saved steps are \[0\]\.$"):
+        convert_to_hf(run, tmp_path / "exported", step=5)
+    assert not (tmp_path / "exported").exists()
+    assert convert_to_hf(run, tmp_path / "exported", step=0) == 0

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from dropless import convert
-from dropless.convert import compute_logits, load_hf
+from dropless.convert import check_tokens, compute_logits, load_hf
 from dropless.convert.api import read_hf_config
 from dropless.core import config as config_lib
 from dropless.core import distributed
@@ -210,13 +210,7 @@ def cmd_logits(args) -> int:
         raise ConfigError(f"--out {args.out} is the --tokens file; writing the logits there would replace the input, "
                           "so choose another path.")
     config, params, state = _load_for_inference(args)
-    if tokens.min() < 0 or tokens.max() >= config.model.vocab_size:
-        raise ConfigError(f"--tokens holds ids outside [0, {config.model.vocab_size}); the model's vocabulary "
-                          f"has {config.model.vocab_size} entries.")
-    if tokens.shape[1] > config.model.max_seq_len:
-        raise ConfigError(f"--tokens holds sequences of {tokens.shape[1]} tokens, longer than the model accepts "
-                          f"({config.model.max_seq_len}, model.max_seq_len); give at most that many per row.")
-    logits = compute_logits(config, params, state, tokens.astype(np.int32))
+    logits = compute_logits(config, params, state, check_tokens(tokens, config, "--tokens"))
     with atomic_file(out) as file:  # a full disk leaves the previous file whole
         np.save(file, np.asarray(logits, np.float32))
     print(f"dropless: wrote float32 logits of shape {tuple(logits.shape)} to {out}")

@@ -252,6 +252,7 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
             shutil.rmtree(tmp, ignore_errors=True)
 
     if step is not None:
+        ckpt.require_step(run_dir, step, ckpt.all_steps(run_dir))
         export(step)
         return step
     steps = ckpt.all_steps(run_dir)
@@ -288,12 +289,31 @@ def _jitted_forward(config_json: str):
     return jax.jit(lambda params, state, tokens_BS: transformer.forward(params, state, tokens_BS, config)[0])
 
 
+def check_tokens(tokens_BS, config: Config, name: str = "tokens_BS") -> np.ndarray:
+    """`tokens_BS` as int32 [B, S] after checking that the model can take it (`name` is how the messages call
+    it): a non-empty integer array of two dimensions, every id in [0, model.vocab_size), rows of at most
+    model.max_seq_len tokens. An id outside the vocabulary would otherwise read a clamped embedding row."""
+    tokens = np.asarray(tokens_BS)
+    if tokens.ndim != 2 or not (np.issubdtype(tokens.dtype, np.integer) or tokens.dtype == bool) or not tokens.size:
+        raise ConvertError(f"{name} must be a non-empty integer array [batch, seq] of token ids; it has "
+                           f"{tokens.dtype} of shape {tokens.shape}.")
+    vocab = config.model.vocab_size
+    if tokens.min() < 0 or tokens.max() >= vocab:
+        raise ConvertError(f"{name} holds ids outside [0, {vocab}); the model's vocabulary has {vocab} entries.")
+    if tokens.shape[1] > config.model.max_seq_len:
+        raise ConvertError(f"{name} holds sequences of {tokens.shape[1]} tokens, longer than the model accepts "
+                           f"({config.model.max_seq_len}, model.max_seq_len); give at most that many per row.")
+    return tokens.astype(np.int32)
+
+
 def compute_logits(config: Config, params: dict, state: dict, tokens_BS: np.ndarray) -> np.ndarray:
-    """Float32 logits [B, S, V] for int token ids [B, S], computed in float32 with exact matmuls.
+    """Float32 logits [B, S, V] for int token ids [B, S], computed in float32 with exact matmuls; tokens the model
+    cannot take raise ConvertError (`check_tokens`).
 
     Attention and the MoE layer run their XLA reference paths whatever `model.attention_backend` and
     `moe.gmm_backend` say, so no token is dropped and the numbers are comparable with another implementation.
     """
+    tokens_BS = check_tokens(tokens_BS, config)
     config = config.replace(**{"train.dtype": "float32", "moe.gmm_backend": "xla", "model.attention_backend": "xla"})
     forward = _jitted_forward(json.dumps(config.to_dict(), sort_keys=True))
     with jax.default_matmul_precision("highest"):

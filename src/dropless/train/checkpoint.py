@@ -369,9 +369,7 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
         items["optimizer"] = ocp.args.StandardRestore(_abstract(like_optimizer))
     where = f"checkpoint {step} in {checkpoint_dir(run_dir)}"
     with manager(run_dir, read_only=True) as mngr:
-        if step not in mngr.all_steps():
-            raise CheckpointError(f"{checkpoint_dir(run_dir)} has no checkpoint for step {step}; "
-                                  f"the saved steps are {sorted(mngr.all_steps()) or 'none'}.")
+        require_step(run_dir, step, mngr.all_steps())
         names = _item_names(mngr, step)
         if like_optimizer is not None and "optimizer" not in names:
             if imported(run_dir):
@@ -458,6 +456,13 @@ def _shape_mismatch(err: BaseException) -> bool:
 def _item_names(mngr: ocp.CheckpointManager, step: int) -> set[str]:
     step_dir = checkpoint_dir(Path(mngr.directory).parent) / str(step)
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
+
+
+def require_step(run_dir: Path, step: int, steps) -> None:
+    """Refuse a `step` that is not among the run's saved `steps`, naming them."""
+    if step not in steps:
+        raise CheckpointError(f"{checkpoint_dir(run_dir)} has no checkpoint for step {step}; "
+                              f"the saved steps are {sorted(steps) or 'none'}.")
 
 
 def all_steps(run_dir: Path) -> list[int]:
