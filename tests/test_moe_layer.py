@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax import enable_x64
 
-from dropless.core.config import MoEConfig
+from dropless.core.config import Config, MoEConfig
 from dropless.moe import MoEError, init_moe, moe_layer
 from dropless.moe.reference import reference_moe, reference_route
 
@@ -257,6 +257,8 @@ def test_shape_mismatches_raise_one_clear_error():
         call(p={k: v for k, v in params.items() if k != "shared"})
     with pytest.raises(MoEError, match=r"expects \(8, 8\)"):
         call(c=dataclasses.replace(cfg, num_experts=8))
+    with pytest.raises(MoEError, match=r"^moe_cfg is the whole Config; .* pass config.moe.$"):
+        call(c=Config(moe=cfg))
 
 
 @pytest.mark.parametrize("rows", [None, 32, 200])

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dropless.core import params as params_lib
+from dropless.core.config import Config
 from dropless.core.errors import MoEError
 from dropless.core.params import ParamSpec, Specs
 from dropless.moe import balance
@@ -76,6 +77,8 @@ def _expect(name: str, shape: tuple, expected: tuple, fix: str) -> None:
 
 def check_inputs(params: dict, router_bias_E, x_BSD, moe_cfg, router_common_D=None) -> None:
     """Validate shapes at the layer boundary against `moe_params` (trace time, so free under jit)."""
+    if isinstance(moe_cfg, Config):
+        raise MoEError("moe_cfg is the whole Config; the MoE layer takes its moe group: pass config.moe.")
     if getattr(x_BSD, "ndim", None) != 3:
         raise MoEError(f"x_BSD must be [batch, seq, hidden] but has shape {getattr(x_BSD, 'shape', None)}; "
                        f"reshape the activations to 3 dimensions.")
