@@ -208,3 +208,15 @@ def test_overrides_split_at_the_first_equals_sign_and_the_flags_win():
     config = build_config("tiny", {"train.steps": "7", "data.source": "a.txt", "data.tokenizer": "a.json"}, steps=3,
                           data="b.txt", tokenizer="b.json")
     assert (config.train.steps, config.data.source, config.data.tokenizer) == (3, "b.txt", "b.json")
+
+
+def test_a_config_with_yarn_rope_scaling_hashes_so_it_can_be_a_static_jit_argument():
+    """Equal configs hash alike, the rope_scaling dict included (every DeepSeek-V3 preset and import has one):
+    `jax.jit(transformer.forward, static_argnums=3)` needs a hashable config."""
+    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32}
+    config = load_preset("deepseek-v3-671b")
+    assert config.model.rope_scaling is not None and hash(config) == hash(load_preset("deepseek-v3-671b"))
+    a = config.replace(**{"model.rope_scaling": yarn})
+    b = config.replace(**{"model.rope_scaling": dict(reversed(yarn.items()))})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != config.replace(**{"model.rope_scaling": {**yarn, "factor": 4.0}})

@@ -207,6 +207,12 @@ class ModelConfig:
         _require(math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0,
                  f"model.rms_norm_eps={self.rms_norm_eps} must be 0 or a small positive number (e.g. 1e-6).")
 
+    def __hash__(self) -> int:
+        """Equal configs hash alike, `rope_scaling` (a dict) by its sorted JSON: a Config can be a static argument of
+        `jax.jit` (e.g. `jax.jit(transformer.forward, static_argnums=3)`) with YaRN too."""
+        return hash(tuple(json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+                          for value in (getattr(self, f.name) for f in dataclasses.fields(self))))
+
     @property
     def layer_types(self) -> str:
         """The layer pattern, one letter per layer: D (dense MLP) or M (MoE)."""
