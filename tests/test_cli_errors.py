@@ -592,3 +592,13 @@ def test_debug_reaches_a_benchmark_run_as_a_module(monkeypatch):
     assert not debugging()
     assert ArgumentParser(prog="dropless bench scale").parse_args(["--debug"]).debug
     assert debugging()
+
+
+def test_init_from_hf_with_a_model_override_that_reshapes_the_weights_is_one_line(capsys, tmp_path):
+    """model.* overrides apply on top of the checkpoint's config; one that changes a weight's shape is refused
+    before the run directory is made, instead of training weights its config.json does not describe."""
+    fixture = pathlib.Path(__file__).parent / "fixtures" / "hf" / "mixtral"
+    assert_one_line(*run_main(capsys, "train", "--init-from-hf", str(fixture), "--run-dir", str(tmp_path / "run"),
+                              "model.vocab_size=512"),
+                    "The initial weights' params['embed'] has shape (128, 32), but this config's model has (512, 32)")
+    assert not (tmp_path / "run").exists()

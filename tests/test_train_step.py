@@ -327,3 +327,25 @@ def test_the_training_step_threads_the_router_common_options(batch_and_state):
     plain = init_train_state(jax.random.key(0), CONFIG, optimizer, params, state)  # the option off: no metric
     shapes = jax.eval_shape(make_train_step(CONFIG, optimizer), plain, batch)
     assert "router_common_alignment" not in shapes[1] and set(shapes[0].model_state) == {"router_bias"}
+
+
+def test_initial_weights_that_are_not_the_config_s_model_are_refused_before_the_run_starts(batch_and_state, tmp_path):
+    """Fine-tuning's `init_weights` must be the config's model: weights of another vocabulary were trained (the
+    embedding rows past the config's vocabulary, the head's logits over the weights' own) and saved under a
+    config.json that does not describe them; a missing leaf failed inside jit with a pytree mismatch."""
+    from dropless.models import transformer
+    from dropless.train.loop import train
+
+    params, state, _, _ = batch_and_state
+    transformer.check_weights(CONFIG, params, state)  # the config's own weights
+    transformer.check_weights(CONFIG.replace(**{"moe.router_common_rate": 0.3}), params, state)  # means start at 0
+    other_vocab = CONFIG.replace(**{"model.vocab_size": CONFIG.model.vocab_size * 2})
+    cases = [(other_vocab, (params, state), r"params\['embed'\] has shape \(320, 32\), but this config's model has "
+                                            r"\(640, 32\); start from the config the weights come with"),
+             (CONFIG, ({k: v for k, v in params.items() if k != "lm_head"}, state), r"lack params\['lm_head'\]"),
+             (CONFIG, (params, {}), r"lack state\['router_bias'\]"),
+             (CONFIG, (params, {**state, "extra": jnp.zeros(3)}), r"hold state\['extra'\] \(3,\), which this config")]
+    for config, weights, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            train(config, tmp_path / "run", init_weights=weights, progress=False, log=lambda line: None)
+        assert not (tmp_path / "run").exists()

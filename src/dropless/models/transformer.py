@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from dropless.core import params as params_lib
-from dropless.core.config import ACTIVATION_NAMES, Config, ModelConfig, TrainConfig  # noqa: F401 (re-exported)
+from dropless.core.config import (ACTIVATION_NAMES, Config, ConfigError, ModelConfig,  # noqa: F401 (re-exported)
+                                  TrainConfig)
 from dropless.core.params import ParamSpec, Specs
 from dropless.fp8 import linear, train_recipe
 from dropless.models.attention import attention, attention_params, rotary_dim
@@ -158,6 +159,37 @@ def init_state(config: Config) -> dict:
     if config.moe.router_common_rate > 0:
         state["router_common"] = jnp.zeros((rows, config.model.hidden_size), jnp.float32)
     return state
+
+
+def _leaf_shapes(tree, name: str) -> dict[str, tuple]:
+    """{"name['a']['b']": shape} of every leaf of a nested dict of arrays (or of shape-carrying leaves)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {name + "".join(f"[{getattr(key, 'key', key)!r}]" for key in path): tuple(getattr(leaf, "shape", ()))
+            for path, leaf in leaves}
+
+
+def check_weights(config: Config, params, state) -> None:
+    """Refuse given weights (fine-tuning's `init_weights`) that are not this config's model: every parameter of
+    `init_params` present with its shape and no other, and the state's leaves those of `init_state` (a state without
+    "router_common" is taken: its running means start at zero). One ConfigError naming the first difference."""
+    want = _leaf_shapes(jax.eval_shape(lambda: init_params(jax.random.key(0), config)), "params")
+    want_state = _leaf_shapes(jax.eval_shape(lambda: init_state(config)), "state")
+    got = _leaf_shapes(params, "params")
+    got_state = {key: shape for key, shape in _leaf_shapes(state, "state").items()}
+    fix = ("start from the config the weights come with (the one load_model or load_hf returns, as --init-from-hf "
+           "does) and keep the keys that shape the weights (model.*, moe.num_experts and the like)")
+    for expected, given in ((want, got), (want_state, got_state)):
+        optional = {"state['router_common']"} if expected is want_state else set()
+        for key, shape in expected.items():
+            if key not in given and key not in optional:
+                raise ConfigError(f"The initial weights lack {key} {shape}, which this config's model has; {fix}.")
+            if key in given and given[key] != shape:
+                raise ConfigError(f"The initial weights' {key} has shape {given[key]}, but this config's model "
+                                  f"has {shape}; {fix}.")
+        extra = sorted(set(given) - set(expected))
+        if extra:
+            raise ConfigError(f"The initial weights hold {extra[0]} {given[extra[0]]}, which this config's model "
+                              f"does not have; {fix}.")
 
 
 def _router_rows(state: dict, start: int, stop: int) -> dict:

@@ -170,6 +170,8 @@ def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: boo
     The plan's fit check comes first, before the run directory exists: a refused run leaves nothing behind."""
     log = log if jax.process_index() == 0 else (lambda message: None)
     # A resumed run keeps its saved layout but its mesh: train.auto_fit may then only choose parallel.*.
+    if init_weights is not None:
+        transformer.check_weights(config, *init_weights)
     config = setup_lib.fit_check(config, log=log,
                                  keep=frozenset(LAYOUT_KEYS) - RESUMABLE_CHANGES if resume else frozenset())
     return _train(config, run_dir, resume=resume, overwrite=overwrite, init_weights=init_weights, log=log,
