@@ -175,7 +175,7 @@ def check_weights(config: Config, params, state) -> None:
     want = _leaf_shapes(jax.eval_shape(lambda: init_params(jax.random.key(0), config)), "params")
     want_state = _leaf_shapes(jax.eval_shape(lambda: init_state(config)), "state")
     got = _leaf_shapes(params, "params")
-    got_state = {key: shape for key, shape in _leaf_shapes(state, "state").items()}
+    got_state = _leaf_shapes(state, "state")
     fix = ("start from the config the weights come with (the one load_model or load_hf returns, as --init-from-hf "
            "does) and keep the keys that shape the weights (model.*, moe.num_experts and the like)")
     for expected, given in ((want, got), (want_state, got_state)):

@@ -165,13 +165,14 @@ def _global_batch(local_BS1: np.ndarray, sharding, global_batch: int) -> jax.Arr
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
           init_weights: tuple | None = None, log: Callable[[str], None] = print,
           progress: bool = True) -> RunSummary:
-    """Train `config` in `run_dir`. `init_weights=(params, state)` starts from given weights (fine-tuning).
+    """Train `config` in `run_dir`. `init_weights=(params, state)` starts from given weights (fine-tuning): the
+    config's model, checked by `transformer.check_weights`.
 
     The plan's fit check comes first, before the run directory exists: a refused run leaves nothing behind."""
     log = log if jax.process_index() == 0 else (lambda message: None)
-    # A resumed run keeps its saved layout but its mesh: train.auto_fit may then only choose parallel.*.
     if init_weights is not None:
         transformer.check_weights(config, *init_weights)
+    # A resumed run keeps its saved layout but its mesh: train.auto_fit may then only choose parallel.*.
     config = setup_lib.fit_check(config, log=log,
                                  keep=frozenset(LAYOUT_KEYS) - RESUMABLE_CHANGES if resume else frozenset())
     return _train(config, run_dir, resume=resume, overwrite=overwrite, init_weights=init_weights, log=log,
