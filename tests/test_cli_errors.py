@@ -441,6 +441,35 @@ def test_resume_without_a_run_dir_continues_the_newest_run_with_a_checkpoint(tmp
     assert cli._default_run_dir("tiny", resume=True) == pathlib.Path("runs/tiny-20261202-100000")
 
 
+def test_resume_without_a_run_dir_counts_a_run_an_interrupted_overwrite_set_aside(tmp_path, monkeypatch):
+    """The newest run, whose --overwrite was killed before the new run's first checkpoint, holds its checkpoints in
+    `.replaced` until the next start puts them back: it is still the run `--resume` continues, not an older one."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("tiny-20261201-100000", "tiny-20261202-100000"):
+        (tmp_path / "runs" / name / "checkpoints" / "5").mkdir(parents=True)
+    newest = tmp_path / "runs" / "tiny-20261202-100000"
+    overwrite.set_aside(newest)
+    config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), newest / "config.json")  # the new run's
+    assert cli._default_run_dir("tiny", resume=True) == pathlib.Path("runs/tiny-20261202-100000")
+
+
+def test_resume_after_an_interrupted_overwrite_continues_the_run_set_aside(capsys, tmp_path, monkeypatch):
+    """Killed before its first checkpoint, an overwrite leaves its own config.json in place of the old run's, which
+    waits in `.replaced`: `train --resume` (no overrides) continues the old run with the old run's config, instead of
+    refusing the new run's settings as overrides the user never gave."""
+    old = config_lib.load_preset("tiny").replace(**SMALL)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "5").mkdir(parents=True)
+    config_lib.save(old, run_dir / "config.json")
+    overwrite.set_aside(run_dir)
+    config_lib.save(old.replace(**{"train.seed": 7}), run_dir / "config.json")  # the killed new run's
+    monkeypatch.setattr(loop, "load_token_dataset", measured)
+    with pytest.raises(AssertionError, match="measured"):  # past every check: the old run goes on to read its data
+        cli.main(["train", "--run-dir", str(run_dir), "--resume", "--no-progress"])
+    assert config_lib.load(run_dir / "config.json").train.seed == old.train.seed
+    assert not (run_dir / ".replaced").exists() and (run_dir / "checkpoints" / "5").is_dir()
+
+
 def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, tmp_path):
     """A run that stopped in its first steps (its config.json written, no checkpoint): another command is told to
     pass --overwrite, and the same command starts the run from step 0. A run that reached a checkpoint is still

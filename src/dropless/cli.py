@@ -37,6 +37,7 @@ from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.models.generate import MAX_WINDOW, check_prompt, context_window, generate
 from dropless.train import checkpoint as ckpt
+from dropless.train import overwrite as overwrite_lib
 from dropless.train.loop import resume_changes, train
 
 DEFAULT_PRESET = "tiny"
@@ -73,7 +74,8 @@ def _default_run_dir(preset: str, resume: bool) -> Path:
         if not existing:
             raise ConfigError(f"--resume found no earlier '{preset}' run under runs/; pass --run-dir DIR.")
         # The newest that holds a checkpoint: a later run that stopped before its first is nothing to resume.
-        return next((run for run in reversed(existing) if ckpt.reached_a_checkpoint(run)), existing[-1])
+        # A run an interrupted --overwrite set aside counts: the next start there puts it back.
+        return next((run for run in reversed(existing) if overwrite_lib.reaches_a_checkpoint(run)), existing[-1])
     return runs / f"{preset}-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -86,12 +88,13 @@ def cmd_train(args) -> int:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file; give a directory (new or holding a run).")
     init_weights = None
-    if args.resume and (run_dir / "config.json").is_file():
+    # The run's config as the start will find it: an interrupted --overwrite's, if any, is undone first.
+    if args.resume and (saved := overwrite_lib.run_config_path(run_dir)).is_file():
         if args.init_from_hf:
             raise ConfigError(f"--init-from-hf starts a new run, but --resume continues {run_dir} from its own "
                               "checkpoint; drop one of them.")
         # A resumed run keeps its saved config; flags and overrides apply on top (checked in prepare_run_dir).
-        base = ckpt.load_run_config(run_dir)
+        base = ckpt.load_run_config(saved.parent)
         config = config_lib.apply_overrides(base, {**overrides, **_flag_overrides(args)})
         if args.preset is not None and args.run_dir:
             _check_preset_matches(args.preset, config, overrides, args, run_dir)

@@ -100,6 +100,28 @@ def recover(run_dir: Path, log: Callable[[str], None]) -> None:
         "first checkpoint; that run is back in place")
 
 
+def run_config_path(run_dir: Path) -> Path:
+    """Where the config.json of the run that `recover` will leave in `run_dir` lies now, read before that recovery
+    (which only the lock's holder makes): `train --resume` builds the config it resumes with from it, so that an
+    interrupted --overwrite's new config is not taken for the run that is put back."""
+    run_dir = Path(run_dir)
+    for aside in (REPLACING, RESTORING):  # on its way aside or back: each file is there or still in its place
+        if (run_dir / aside / "config.json").is_file():
+            return run_dir / aside / "config.json"
+    if (run_dir / REPLACED).is_dir() and not ckpt.reached_a_checkpoint(run_dir):
+        return run_dir / REPLACED / "config.json"  # absent where the old run had none: none comes back
+    return run_dir / "config.json"
+
+
+def reaches_a_checkpoint(run_dir: Path) -> bool:
+    """Whether the run that `recover` will leave in `run_dir` has reached a checkpoint: the run in place, or one an
+    interrupted --overwrite set aside, which the next `dropless train` there puts back."""
+    run_dir = Path(run_dir)
+    return ckpt.reached_a_checkpoint(run_dir) or any(
+        (run_dir / aside).is_dir() and ckpt.reached_a_checkpoint(run_dir / aside)
+        for aside in (REPLACING, REPLACED, RESTORING))
+
+
 def _restorable(root: Path) -> list[Path]:
     """The paths under `root` that a set-aside run may hold, as they stand there."""
     names = [root / name for name in REPLACED_FILES + COPIED_FILES]
