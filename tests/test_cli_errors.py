@@ -470,6 +470,20 @@ def test_resume_after_an_interrupted_overwrite_continues_the_run_set_aside(capsy
     assert not (run_dir / ".replaced").exists() and (run_dir / "checkpoints" / "5").is_dir()
 
 
+def test_reading_a_run_an_interrupted_overwrite_set_aside_says_where_it_is(capsys, tmp_path):
+    """`generate` on a run whose --overwrite was killed before the new run's first checkpoint: not "no finished
+    checkpoint yet" (the run's checkpoints wait aside), but how to put it back; nothing is moved."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "5").mkdir(parents=True)
+    config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), run_dir / "config.json")
+    train_bpe(["def f(x):\n    return x\n" * 50], SMALL["model.vocab_size"]).save(run_dir / "tokenizer.json")
+    overwrite.set_aside(run_dir)
+    config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), run_dir / "config.json")  # the new run's
+    assert_one_line(*run_main(capsys, "generate", "--run-dir", str(run_dir), "--prompt", "x"),
+                    "set aside by an --overwrite", f"dropless train --run-dir {run_dir} --resume")
+    assert (run_dir / ".replaced" / "checkpoints" / "5").is_dir()
+
+
 def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, tmp_path):
     """A run that stopped in its first steps (its config.json written, no checkpoint): another command is told to
     pass --overwrite, and the same command starts the run from step 0. A run that reached a checkpoint is still
