@@ -441,6 +441,15 @@ def test_resume_without_a_run_dir_continues_the_newest_run_with_a_checkpoint(tmp
     assert cli._default_run_dir("tiny", resume=True) == pathlib.Path("runs/tiny-20261202-100000")
 
 
+def test_resume_without_a_run_dir_takes_no_copy_of_a_run_for_the_newest(tmp_path, monkeypatch):
+    """A copy kept beside a run under another name (`cp -r runs/tiny-X runs/tiny-X.bak`) sorts after it by name,
+    but `train` never made it: --resume continues the newest run `train` named, not the copy."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("tiny-20261201-100000", "tiny-20261201-100000.bak", "tiny-backup"):
+        (tmp_path / "runs" / name / "checkpoints" / "5").mkdir(parents=True)
+    assert cli._default_run_dir("tiny", resume=True) == pathlib.Path("runs/tiny-20261201-100000")
+
+
 def test_resume_without_a_run_dir_counts_a_run_an_interrupted_overwrite_set_aside(tmp_path, monkeypatch):
     """The newest run, whose --overwrite was killed before the new run's first checkpoint, holds its checkpoints in
     `.replaced` until the next start puts them back: it is still the run `--resume` continues, not an older one."""

@@ -16,6 +16,7 @@ import importlib
 import logging
 import math
 import os
+import re
 import signal
 import sys
 import traceback
@@ -70,7 +71,10 @@ BENCHMARKS = {
 def _default_run_dir(preset: str, resume: bool) -> Path:
     runs = Path("runs")
     if resume:
-        existing = sorted(runs.glob(f"{preset}-*")) if runs.is_dir() else []
+        # Only the names `train` gives (runs/<preset>-<date>-<time>), so sorting them sorts them by time: a copy
+        # beside a run (runs/tiny-20260101-120000.bak, runs/tiny-backup) would sort after it and be the one resumed.
+        existing = sorted(run for run in runs.glob(f"{preset}-*")
+                          if re.fullmatch(r"\d{8}-\d{6}", run.name[len(preset) + 1:])) if runs.is_dir() else []
         if not existing:
             raise ConfigError(f"--resume found no earlier '{preset}' run under runs/; pass --run-dir DIR.")
         # The newest that holds a checkpoint: a later run that stopped before its first is nothing to resume.
