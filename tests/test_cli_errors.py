@@ -441,6 +441,20 @@ def test_resume_without_a_run_dir_continues_the_newest_run_with_a_checkpoint(tmp
     assert cli._default_run_dir("tiny", resume=True) == pathlib.Path("runs/tiny-20261202-100000")
 
 
+def test_a_refused_start_in_a_directory_of_the_user_s_own_deletes_none_of_their_files(capsys, tmp_path):
+    """A directory the user made, with their own files in it: refused in one line, and their files all stay, one
+    named like a temporary file (NAME.<number>.tmp) included; only the temporaries of a run's own files go."""
+    run_dir = tmp_path / "mine"
+    (run_dir / "corpus").mkdir(parents=True)
+    for name in ("notes.txt", "draft.2024.tmp", "corpus/words.1.tmp"):
+        (run_dir / name).write_text("the user's")
+    for name in ("config.json.123.tmp", "corpus/tokens-0123.npz.123.tmp"):  # a killed run's
+        (run_dir / name).write_text("half")
+    assert_one_line(*run_main(capsys, "train", "--run-dir", str(run_dir), *SMALL_OVERRIDES), "already holds")
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()) == [
+        ".lock", "corpus/words.1.tmp", "draft.2024.tmp", "notes.txt"]
+
+
 def test_resume_without_a_run_dir_takes_no_copy_of_a_run_for_the_newest(tmp_path, monkeypatch):
     """A copy kept beside a run under another name (`cp -r runs/tiny-X runs/tiny-X.bak`) sorts after it by name,
     but `train` never made it: --resume continues the newest run `train` named, not the copy."""

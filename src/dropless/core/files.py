@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import re
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-_TEMPORARY = re.compile(r".+\.\d+\.tmp")  # write_atomic's: NAME.<pid>.tmp
+_TEMPORARY = re.compile(r"(.+)\.\d+\.tmp")  # write_atomic's: NAME.<pid>.tmp
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -77,9 +78,12 @@ def file_in_the_way(directory: Path) -> Path | None:
     return existing if existing is not None and not existing.is_dir() else None
 
 
-def remove_temporaries(directory: Path) -> None:
+def remove_temporaries(directory: Path, names: tuple[str, ...] = ("*",)) -> None:
     """Delete the temporary files `write_atomic` left in `directory` when killed mid-write (a token cache's can be
-    large). Only for a directory no live process writes into: the caller holds its lock."""
+    large), of the files whose names match one of the glob patterns `names` (the caller's own: a directory may also
+    hold someone else's `NAME.<number>.tmp`). Only for a directory no live process writes into: the caller holds its
+    lock."""
     for path in Path(directory).glob("*.tmp"):
-        if _TEMPORARY.fullmatch(path.name) and path.is_file():
+        match = _TEMPORARY.fullmatch(path.name)
+        if match and path.is_file() and any(fnmatch.fnmatchcase(match.group(1), name) for name in names):
             path.unlink(missing_ok=True)

@@ -39,7 +39,7 @@ from dropless.core import config as config_lib
 from dropless.core import files
 from dropless.core.config import Config, ConfigError
 from dropless.data import load_token_dataset
-from dropless.data.loader import CACHE_DIR
+from dropless.data.loader import CACHE_DIR, TOKENIZER_FILE
 from dropless.gmm.registry import resolve_backend_name
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
@@ -94,6 +94,12 @@ def resume_changes(saved: Config, config: Config) -> list[str]:
     return sorted(k for k, v in given.items() if saved_flat[k] != v and k not in RESUMABLE_CHANGES)
 
 
+# The files a run writes with files.write_atomic (RUN_DIR/..., RUN_DIR/corpus/...), whose temporaries a kill leaves:
+# only theirs are deleted, for a directory the user made may hold a NAME.<number>.tmp of their own.
+_ATOMIC_WRITES = {".": ("config.json", TOKENIZER_FILE, "router.json"),
+                  CACHE_DIR: ("tokenizer-origin.json", "tokens-*.npz")}
+
+
 def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool,
                     log: Callable[[str], None] = lambda message: None) -> Config:
     """Create or validate the run directory; returns the config the run will use, with its schedule horizon
@@ -106,8 +112,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     (`overwrite.put_back`); a start that finds one puts it back first (`overwrite.recover`)."""
     run_dir = Path(run_dir)
     overwrite_lib.recover(run_dir, log)
-    for directory in (run_dir, run_dir / CACHE_DIR):  # a kill's leftovers: this process holds the run's lock
-        files.remove_temporaries(directory)
+    for directory, names in _ATOMIC_WRITES.items():  # a kill's leftovers: this process holds the run's lock
+        files.remove_temporaries(run_dir / directory, names)
     saved_path = run_dir / "config.json"
     if ckpt.imported(run_dir) and not overwrite:  # refused before its corpus is read, let alone tokenized
         raise ConfigError(f"{run_dir} holds weights imported from Hugging Face, without the optimizer state a run "
