@@ -307,7 +307,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model (default: the tiny preset on the Python stdlib corpus)")
     train.add_argument("--preset", help=f"a preset name (see 'dropless presets'; default {DEFAULT_PRESET}); "
-                       "with --resume, it picks the latest runs/<preset>-* and must match the run")
+                       "with --resume, it picks the latest runs/<preset>-<date>-<time> and must match the run")
     train.add_argument("--steps", type=int, help="total optimizer steps of the run (with --resume: train until N)")
     train.add_argument("--run-dir", type=path_text,
                        help="where config, checkpoints and metrics go (default: runs/<preset>-<time>)")
