@@ -494,7 +494,7 @@ def test_resume_after_an_interrupted_overwrite_continues_the_run_set_aside(capsy
 
 
 def test_reading_a_run_an_interrupted_overwrite_set_aside_says_where_it_is(capsys, tmp_path):
-    """`generate` on a run whose --overwrite was killed before the new run's first checkpoint: not "no finished
+    """`generate` and `convert --from` on a run whose --overwrite was killed before the new run's first checkpoint: not "no finished
     checkpoint yet" (the run's checkpoints wait aside), but how to put it back; nothing is moved."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "5").mkdir(parents=True)
@@ -504,7 +504,9 @@ def test_reading_a_run_an_interrupted_overwrite_set_aside_says_where_it_is(capsy
     config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), run_dir / "config.json")  # the new run's
     assert_one_line(*run_main(capsys, "generate", "--run-dir", str(run_dir), "--prompt", "x"),
                     "set aside by an --overwrite", f"dropless train --run-dir {run_dir} --resume")
-    assert (run_dir / ".replaced" / "checkpoints" / "5").is_dir()
+    assert_one_line(*run_main(capsys, "convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "hf")),
+                    "set aside by an --overwrite", f"dropless train --run-dir {run_dir} --resume")
+    assert (run_dir / ".replaced" / "checkpoints" / "5").is_dir() and not (tmp_path / "hf").exists()
 
 
 def test_a_run_that_failed_before_its_first_checkpoint_can_be_run_again(capsys, tmp_path):

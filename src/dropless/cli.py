@@ -149,6 +149,7 @@ def _load_for_inference(args):
     """(config, params, state) from --run-dir or --hf-dir."""
     if args.hf_dir:
         return load_hf(Path(args.hf_dir))
+    overwrite_lib.check_readable(Path(args.run_dir))
     return ckpt.load_model(Path(args.run_dir))
 
 
@@ -232,6 +233,7 @@ def cmd_convert(args) -> int:
         convert.convert_from_hf(Path(args.from_hf), Path(args.to))
         print(f"dropless: imported {args.from_hf} into run directory {args.to}")
     elif args.from_run and args.to_hf:
+        overwrite_lib.check_readable(Path(args.from_run))
         step = convert.convert_to_hf(Path(args.from_run), Path(args.to_hf))
         print(f"dropless: exported checkpoint {step} of {args.from_run} to Hugging Face format in {args.to_hf}")
     else:

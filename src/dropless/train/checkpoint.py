@@ -591,12 +591,6 @@ def load_model(run_dir: Path, step: int | None = None):
     if step is not None:
         model = restore(run_dir, step, like)["model"]
     elif not all_steps(run_dir):
-        from dropless.train import overwrite  # which imports this module
-        if overwrite.reaches_a_checkpoint(run_dir):  # not "no checkpoint": a user told so may delete the run
-            raise CheckpointError(f"{run_dir}'s run was set aside by an --overwrite stopped before its new run's "
-                                  "first checkpoint, and has no finished checkpoint in place; the next `dropless "
-                                  f"train` there puts it back (`dropless train --run-dir {run_dir} --resume` continues "
-                                  "it).")
         raise CheckpointError(f"{run_dir} has no finished checkpoint yet; train longer or pick another run.")
     else:
         def warn(message):

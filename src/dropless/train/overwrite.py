@@ -122,6 +122,17 @@ def reaches_a_checkpoint(run_dir: Path) -> bool:
         for aside in (REPLACING, REPLACED, RESTORING))
 
 
+def check_readable(run_dir: Path) -> None:
+    """Refuse to read a run whose checkpoints an interrupted --overwrite set aside (none in place): told "no
+    checkpoint", a user may delete the run; the next `dropless train` there puts it back."""
+    run_dir = Path(run_dir)
+    if not ckpt.all_steps(run_dir) and reaches_a_checkpoint(run_dir):
+        raise ckpt.CheckpointError(
+            f"{run_dir}'s run was set aside by an --overwrite stopped before its new run's first checkpoint, and has "
+            f"no finished checkpoint in place; the next `dropless train` there puts it back (`dropless train "
+            f"--run-dir {run_dir} --resume` continues it).")
+
+
 def _restorable(root: Path) -> list[Path]:
     """The paths under `root` that a set-aside run may hold, as they stand there."""
     names = [root / name for name in REPLACED_FILES + COPIED_FILES]
