@@ -450,9 +450,16 @@ def test_a_refused_start_in_a_directory_of_the_user_s_own_deletes_none_of_their_
         (run_dir / name).write_text("the user's")
     for name in ("config.json.123.tmp", "corpus/tokens-0123.npz.123.tmp"):  # a killed run's
         (run_dir / name).write_text("half")
-    assert_one_line(*run_main(capsys, "train", "--run-dir", str(run_dir), *SMALL_OVERRIDES), "already holds")
-    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()) == [
-        ".lock", "corpus/words.1.tmp", "draft.2024.tmp", "notes.txt"]
+    assert_one_line(*run_main(capsys, "train", "--run-dir", str(run_dir), *SMALL_OVERRIDES),
+                    "holds no run (no config.json)", "--overwrite to start a run there beside its files")
+    theirs = [".lock", "corpus/words.1.tmp", "draft.2024.tmp", "notes.txt"]
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()) == theirs
+    # --overwrite starts a run beside them: they stay when the new run's first checkpoint discards what it set aside.
+    config = config_lib.load_preset("tiny").replace(**SMALL)
+    loop.prepare_run_dir(run_dir, config, resume=False, overwrite=True)
+    overwrite.discard(run_dir)
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()) == sorted(
+        theirs + ["config.json"])
 
 
 def test_resume_without_a_run_dir_takes_no_copy_of_a_run_for_the_newest(tmp_path, monkeypatch):

@@ -108,8 +108,9 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     A directory whose run never reached its first checkpoint (it failed on its data, or was killed early) holds
     nothing worth keeping: the same config starts it again from step 0 without --overwrite; another config is
     refused with the one flag that replaces it. A run replaced so waits in RUN_DIR/.replaced, which the caller
-    deletes once the new run's data has loaded (`overwrite.discard`) or puts back where it fails
-    (`overwrite.put_back`); a start that finds one puts it back first (`overwrite.recover`)."""
+    deletes once the new run has written its first checkpoint (`overwrite.discard`) or puts back where it fails
+    before that (`overwrite.put_back`); a start that finds one puts it back first (`overwrite.recover`). A directory
+    of other files, without a run's config.json, is not taken for a run."""
     run_dir = Path(run_dir)
     overwrite_lib.recover(run_dir, log)
     for directory, names in _ATOMIC_WRITES.items():  # a kill's leftovers: this process holds the run's lock
@@ -149,6 +150,9 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
                                   "given); pass --overwrite to replace it, or choose another --run-dir.")
             log(f"dropless: {run_dir} holds this run, which never reached its first checkpoint; starting it again "
                 "from step 0")
+        elif not overwrite and not saved_path.is_file() and not ckpt.checkpoint_dir(run_dir).exists():
+            raise ConfigError(f"{run_dir} is not empty but holds no run (no config.json); choose a new or empty "
+                              "--run-dir, or pass --overwrite to start a run there beside its files.")
         elif not overwrite:
             what = "a different config" if saved is not None and saved != config else "a run"
             raise ConfigError(f"{run_dir} already holds {what}; pass --resume to continue it, --overwrite to "
