@@ -278,6 +278,18 @@ def test_no_good_checkpoint_and_no_checkpoint_are_one_line_errors(tmp_path, corp
         train(config, tmp_path / "early", resume=True, progress=False, log=lambda s: None)
 
 
+def test_a_model_without_moe_layers_saves_resumes_and_loads(tmp_path, corpus):
+    """Every layer dense: the router state has 0 rows, an array orbax refuses to save; it is left out of the
+    checkpoint and made again on restore."""
+    config = small_config(corpus, **{"model.first_dense_layers": 2, "model.num_layers": 2, "train.steps": 2,
+                                     "train.eval_every": 100, "train.checkpoint_every": 1})
+    train(config, tmp_path / "run", progress=False, log=lambda s: None)
+    train(config.replace(**{"train.steps": 3}), tmp_path / "run", resume=True, progress=False, log=lambda s: None)
+    loaded, params, state = ckpt.load_model(tmp_path / "run")
+    assert ckpt.latest_step(tmp_path / "run") == 3 and loaded.model.layer_types == "DD"
+    assert state["router_bias"].shape == (0, config.moe.num_experts)
+
+
 def test_checkpoints_without_a_digest_still_load(tmp_path):
     saved = _save_run(tmp_path, [10])
     shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "10" / "digest")  # as written before digests existed

@@ -128,9 +128,9 @@ def save(mngr: ocp.CheckpointManager, step: int, params, state, opt_state=None, 
 
     A write that the filesystem refuses (full disk, no permission) raises a CheckpointError naming the step and
     the reason; the failed step's temporary directory is removed and the earlier checkpoints are untouched."""
-    trees = {"model": {"params": params, "state": state}}
+    trees = {"model": _without_empty({"params": params, "state": state})}
     if opt_state is not None:
-        trees["optimizer"] = {"opt_state": opt_state, "step": np.asarray(step, np.int64)}
+        trees["optimizer"] = _without_empty({"opt_state": opt_state, "step": np.asarray(step, np.int64)})
     items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
     if with_digest:
         items["digest"] = ocp.args.JsonSave({"version": 1, "leaves": digest(trees)})
@@ -357,6 +357,24 @@ def _abstract(tree):
     return jax.tree.map(leaf, tree)
 
 
+def _without_empty(tree):
+    """`tree` with its arrays of no elements as None, which orbax stores as nothing: it refuses to save an array of
+    zero size, and a model without MoE layers has a router state of 0 rows (`_with_empty` puts them back)."""
+    return jax.tree.map(lambda x: None if getattr(x, "size", 1) == 0 else x, tree)
+
+
+def _with_empty(restored, like):
+    """`restored` with the arrays of no elements that `_without_empty` left out, made from the template `like`."""
+    if isinstance(like, dict):
+        restored = restored if isinstance(restored, dict) else {}
+        return {key: _with_empty(restored.get(key), value) for key, value in like.items()}
+    if restored is None and getattr(like, "size", 1) == 0:
+        sharding = getattr(like, "sharding", None)
+        empty = np.zeros(like.shape, like.dtype)
+        return jax.device_put(empty, sharding) if sharding is not None else jnp.asarray(empty)
+    return restored
+
+
 def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[str, Any]:
     """Restore `step` into trees shaped (and sharded) like the given templates, verified against its digest.
 
@@ -364,9 +382,9 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
     Templates may be concrete arrays or ShapeDtypeStructs (e.g. from jax.eval_shape). Raises DamagedCheckpoint
     when the checkpoint cannot be read or reads back different from what was saved.
     """
-    items = {"model": ocp.args.StandardRestore(_abstract(like_model))}
+    items = {"model": ocp.args.StandardRestore(_abstract(_without_empty(like_model)))}
     if like_optimizer is not None:
-        items["optimizer"] = ocp.args.StandardRestore(_abstract(like_optimizer))
+        items["optimizer"] = ocp.args.StandardRestore(_abstract(_without_empty(like_optimizer)))
     where = f"checkpoint {step} in {checkpoint_dir(run_dir)}"
     with manager(run_dir, read_only=True) as mngr:
         require_step(run_dir, step, mngr.all_steps())
@@ -407,6 +425,9 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
             wrong = next((key for key in sorted(got) if want.get(key) != got[key]), None)
             error = DamagedCheckpoint(f"{where} is damaged (digest mismatch in {wrong})") if wrong else None
         _agree(error, where)
+    restored["model"] = _with_empty(restored["model"], like_model)
+    if "optimizer" in restored:
+        restored["optimizer"] = _with_empty(restored["optimizer"], like_optimizer)
     return restored
 
 
