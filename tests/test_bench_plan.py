@@ -96,6 +96,9 @@ def rate_files(tmp_path):
     (["--rates", "{dir}/absent.json"], "does not exist"),
     (["--devices", "8", "--device", "cpu", "moe.dispatch=ragged", "parallel.expert=8"],
      "moe.dispatch=ragged needs GPUs (XLA:CPU has no ragged_all_to_all); use moe.dispatch=alltoall or allgather."),
+    # training refuses it before its first step; the plan (and so --search and train.auto_fit) refuses it too
+    (["--devices", "8", "moe.dispatch_chunks=3", "parallel.expert=4"],
+     "moe.dispatch_chunks=3 does not divide the 256 tokens each device holds in the MoE layer; choose a divisor of 256."),
 ])
 def test_plan_command_errors_are_one_line(argv, message, capsys, rate_files):
     argv = [a.replace("{dir}", str(rate_files)) for a in argv]
