@@ -46,6 +46,12 @@ def test_plan_search_on_the_cpu(tmp_path, capsys):
     record = json.loads(out.read_text())
     steps = [row["step_s"] for row in record["search"]]
     assert steps == sorted(steps) and all(row["peak_bytes"] <= 0.0095 * 1024**3 for row in record["search"])
+    # train.device_memory_gib, the limit training plans against, is the plan's too where no flag names another.
+    for flag, fits in (([], False), (["--device-memory-gib", "1"], True)):
+        status = cli.main(["plan", "--preset", "tiny", "--device", "cpu", *flag, "--json", str(out), *MICRO,
+                           "train.device_memory_gib=0.0001"])
+        plan = json.loads(out.read_text())["plan"]
+        assert status == 0 and plan["fits"] is fits, (flag, plan["device_memory_bytes"])
 
 
 def test_plan_compiled_on_the_cpu_for_the_cpu(capsys):

@@ -37,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     size.add_argument("--hosts", type=int, help="hosts (with --gpus-per-host)")
     parser.add_argument("--gpus-per-host", type=int, help="GPUs per host (default 8, or --devices when <= 8)")
     parser.add_argument("--device", default="H200", help="the device kind: a key of the rate table (default H200)")
-    parser.add_argument("--device-memory-gib", type=float, help="memory per device to plan against (default: the "
-                        "rate table's figure for the device)")
+    parser.add_argument("--device-memory-gib", type=float, help="memory per device to plan against (default: "
+                        "train.device_memory_gib where set, as training plans, else the rate table's figure)")
     parser.add_argument("--rates", help="a rate table written by 'dropless bench rates --out' (default: the packaged "
                         "one)")
     parser.add_argument("--json", help="also write the plan (and the search) as JSON to this file")
@@ -104,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     config = build_config(args.preset, parse_overrides(args.overrides))
     cluster = cluster_from_args(args)
     check_memory_flag(args.device_memory_gib)
+    # The limit training's own fit check takes, unless the flag names another.
+    memory_gib = args.device_memory_gib or config.train.device_memory_gib or None
     rates = load_rates(args.rates)
-    plan = make_plan(config, cluster, device_memory_gib=args.device_memory_gib, rates=rates)
+    plan = make_plan(config, cluster, device_memory_gib=memory_gib, rates=rates)
     print(format_plan(plan))
     record = {"preset": args.preset, "plan": plan.to_dict()}
     if args.compiled:
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{plan.memory.peak / GIB:.2f} GiB, {diff / GIB:+.2f} GiB ({diff / max(compiled['peak'], 1):+.1%})")
         record["compiled"] = compiled
     if args.search:
-        found = search(config, cluster, device_memory_gib=args.device_memory_gib, rates=rates)
+        found = search(config, cluster, device_memory_gib=memory_gib, rates=rates)
         if not found:
             print(f"search: no layout of train.batch_size={config.train.batch_size} fits on {cluster.devices} x "
                   f"{cluster.device}; use more devices or a smaller batch.")
