@@ -76,8 +76,7 @@ def mesh_shape(parallel: ParallelConfig, count: int, *, batch_size: int | None =
     if data * inner != count:
         raise ConfigError(f"parallel.data={data} x parallel.fsdp={parallel.fsdp} x parallel.expert={parallel.expert} "
                           f"= {data * inner} but there {'is' if count == 1 else 'are'} {_devices(count)}; make the "
-                          f"product {count} "
-                          f"or set parallel.data=-1.")
+                          f"product {count} or set parallel.data=-1.")
     if num_experts is not None and num_experts % parallel.expert:
         raise ConfigError(f"moe.num_experts={num_experts} is not divisible by parallel.expert={parallel.expert}; "
                           f"choose an expert-parallel size that divides the number of experts.")
