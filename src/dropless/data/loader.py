@@ -39,6 +39,8 @@ from dropless.data.tokenizer import TextTokenizer, load_tokenizer, train_bpe
 
 TOKENIZER_FILE = "tokenizer.json"  # RUN_DIR/tokenizer.json: the tokenizer the run was trained with
 CACHE_DIR = "corpus"  # RUN_DIR/corpus/: the tokenized corpus and where the tokenizer came from
+ORIGIN_FILE = "tokenizer-origin.json"  # under CACHE_DIR: where the run's tokenizer came from
+TOKEN_CACHE = "tokens-*.npz"  # under CACHE_DIR: the tokenized corpus, tokens-<key>.npz
 _ENCODE_CHUNK_CHARS = 4_000_000  # encode in chunks to bound the memory of HF Encoding objects
 
 
@@ -249,7 +251,7 @@ def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, c
                texts: Callable[[], list[str]], log, resume: bool = False) -> TextTokenizer | None:
     """The run's tokenizer: given, reused from the run directory, or trained (and saved there)."""
     run_file = Path(run_dir) / TOKENIZER_FILE if run_dir is not None else None
-    origin_file = cache_dir / "tokenizer-origin.json" if cache_dir is not None else None
+    origin_file = cache_dir / ORIGIN_FILE if cache_dir is not None else None
     if data_cfg.tokenizer:
         origin = {"tokenizer": str(Path(data_cfg.tokenizer).expanduser().resolve())}
         tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size)
@@ -297,7 +299,7 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
         tokens = np.concatenate([np.append(ids, tokenizer.eos_id) for ids in encoded]).astype(dtype)
         lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
         if cache_file is not None:
-            for stale in cache_dir.glob("tokens-*.npz"):
+            for stale in cache_dir.glob(TOKEN_CACHE):
                 stale.unlink()
             write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
     return tokens, lengths

@@ -17,6 +17,14 @@ from dropless.core.config import ConfigError
 from dropless.ep.contract import LocalExperts, Strategy
 
 
+def check_chunks(chunks: int, num_tokens: int) -> None:
+    """Refuse `moe.dispatch_chunks` that do not divide the `num_tokens` a device holds in the MoE layer, in one
+    line; `dropless plan` refuses them as training does."""
+    if num_tokens % chunks:
+        raise ConfigError(f"moe.dispatch_chunks={chunks} does not divide the {num_tokens} tokens each device holds in "
+                          f"the MoE layer; choose a divisor of {num_tokens}.")
+
+
 @dataclass(frozen=True)
 class Chunked:
     """`inner` on each of `chunks` equal slices of the device's tokens; the stats add up."""
@@ -30,9 +38,7 @@ class Chunked:
 
     def __call__(self, x_TD, expert_ids_TK, weights_TK, local: LocalExperts):
         num_tokens = x_TD.shape[0]
-        if num_tokens % self.chunks:
-            raise ConfigError(f"moe.dispatch_chunks={self.chunks} does not divide the {num_tokens} tokens each device "
-                              f"holds in the MoE layer; choose a divisor of {num_tokens}.")
+        check_chunks(self.chunks, num_tokens)
         size = num_tokens // self.chunks
         outputs, stats = [], []
         for c in range(self.chunks):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dropless.core.config import Config, ConfigError
+from dropless.core.config import Config
+from dropless.ep.chunked import check_chunks
 from dropless.ep.executor import check_dispatch_platform
 from dropless.fp8.recipe import holds_weight_cache
 from dropless.plan.cost import device_rates, load_rates, step_time
@@ -86,16 +87,6 @@ def layout_overrides(config: Config) -> str:
     return " ".join(f"{k}={str(flat[k]).lower() if isinstance(flat[k], bool) else flat[k]}" for k in LAYOUT_KEYS)
 
 
-def check_dispatch_chunks(config: Config, devices: int) -> None:
-    """Refuse a `moe.dispatch_chunks` that does not divide the tokens each device holds in the MoE layer, in the
-    words training refuses it with (dropless.ep.chunked.Chunked) before its first step."""
-    chunks = config.moe.dispatch_chunks
-    tokens = config.train.batch_size // config.train.grad_accum_steps * config.train.seq_len // devices
-    if chunks > 1 and tokens % chunks:
-        raise ConfigError(f"moe.dispatch_chunks={chunks} does not divide the {tokens} tokens each device holds in the "
-                          f"MoE layer; choose a divisor of {tokens}.")
-
-
 def make_plan(config: Config, cluster: Cluster, *, device_memory_gib: float | None = None,
               rates: dict | None = None) -> Plan:
     """The plan of `config`'s training step on `cluster` (pure arithmetic; no device is touched)."""
@@ -103,7 +94,9 @@ def make_plan(config: Config, cluster: Cluster, *, device_memory_gib: float | No
     sizes = mesh_sizes(config, cluster.devices)
     if sizes["expert"] > 1:  # training builds a dispatch strategy only for expert parallelism
         check_dispatch_platform(config.moe.dispatch, table.get("platform", "gpu"))
-        check_dispatch_chunks(config, cluster.devices)
+        # the tokens each device holds in the MoE layer: one microbatch's, spread over every device
+        check_chunks(config.moe.dispatch_chunks,
+                     config.train.batch_size // config.train.grad_accum_steps * config.train.seq_len // cluster.devices)
     backend = config.model.attention_backend
     if backend == "auto":
         half = config.train.dtype == "bfloat16"

@@ -39,7 +39,7 @@ from dropless.core import config as config_lib
 from dropless.core import files
 from dropless.core.config import Config, ConfigError
 from dropless.data import load_token_dataset
-from dropless.data.loader import CACHE_DIR, TOKENIZER_FILE
+from dropless.data.loader import CACHE_DIR, ORIGIN_FILE, TOKEN_CACHE, TOKENIZER_FILE
 from dropless.gmm.registry import resolve_backend_name
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
@@ -97,7 +97,7 @@ def resume_changes(saved: Config, config: Config) -> list[str]:
 # The files a run writes with files.write_atomic (RUN_DIR/..., RUN_DIR/corpus/...), whose temporaries a kill leaves:
 # only theirs are deleted, for a directory the user made may hold a NAME.<number>.tmp of their own.
 _ATOMIC_WRITES = {".": ("config.json", TOKENIZER_FILE, "router.json"),
-                  CACHE_DIR: ("tokenizer-origin.json", "tokens-*.npz")}
+                  CACHE_DIR: (ORIGIN_FILE, TOKEN_CACHE)}
 
 
 def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool,

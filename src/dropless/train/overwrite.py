@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Callable
 
 from dropless.core import files
-from dropless.data.loader import CACHE_DIR, TOKENIZER_FILE
+from dropless.data.loader import CACHE_DIR, ORIGIN_FILE, TOKEN_CACHE, TOKENIZER_FILE
 from dropless.train import checkpoint as ckpt
 
 # What the new run replaces (hf_source.json: a run made by `dropless convert --from-hf`, whose export reads it).
 REPLACED_FILES = ("checkpoints", "checkpoints.damaged", "metrics.jsonl", "router.bin", "router.json", "tensorboard",
                   "training.png", "hf_source.json", "config.json")
-COPIED_FILES = (TOKENIZER_FILE, f"{CACHE_DIR}/tokenizer-origin.json")  # the loader may write over them in place
-TOKEN_CACHE = "tokens-*.npz"  # under CACHE_DIR; the loader replaces and deletes these, never writes into one
+COPIED_FILES = (TOKENIZER_FILE, f"{CACHE_DIR}/{ORIGIN_FILE}")  # the loader may write over them in place
 REPLACING, REPLACED, RESTORING, DISCARDED = ".replacing", ".replaced", ".restoring", ".discarded"
 
 
@@ -49,6 +48,7 @@ def set_aside(run_dir: Path) -> None:
             if (run_dir / name).is_file():
                 (building / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(run_dir / name, building / name)
+        # Linked: the loader replaces and deletes a token cache, never writes into one.
         for cache in sorted((run_dir / CACHE_DIR).glob(TOKEN_CACHE)):
             (building / CACHE_DIR).mkdir(exist_ok=True)
             _link_or_copy(cache, building / CACHE_DIR / cache.name)
