@@ -2,6 +2,8 @@
 batch (float32, the tiny preset's architecture at test_train.SMALL's widths), and the configuration refuses splits
 that cannot work."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,21 @@ from tests.test_train import SMALL
 CONFIG = load_preset("tiny").replace(**{k: v for k, v in SMALL.items() if k.startswith(("model.", "moe."))},
                                      **{"train.dtype": "float32", "train.batch_size": 8, "train.seq_len": 16,
                                         "moe.router_common_rate": 0.0})
+
+
+@contextlib.contextmanager
+def compilations():
+    """The XLA compilations (durations in seconds) of the block."""
+    compiled = []
+    listener = lambda event, seconds, **_: compiled.append(seconds) if event == BACKEND_COMPILE else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 @pytest.fixture(scope="module")
@@ -282,10 +299,12 @@ def test_the_other_sequences_direction_serves_the_first_router_common_other_step
     optimizer = make_optimizer(always.train)
     with_common = {**state, "router_common": transformer.init_state(always)["router_common"]}
     start = init_train_state(jax.random.key(0), always, optimizer, params, with_common)
-    step_always, step_first = (jax.jit(make_train_step(c, optimizer)) for c in (always, first))  # compiled once each
+    step_always, step_first = (jax.jit(make_train_step(c, optimizer)) for c in (always, first))
     (a1, m_a1), (b1, m_b1) = step_always(start, batch), step_first(start, batch)
     assert float(m_a1["loss"]) == float(m_b1["loss"])
-    (_, m_a2), (_, m_b2) = step_always(a1, batch), step_first(b1, batch)
+    with compilations() as compiled:  # each step takes its own output without compiling again
+        (_, m_a2), (_, m_b2) = step_always(a1, batch), step_first(b1, batch)
+    assert compiled == []
     losses = jax.jit(lambda p, s: [loss_fn(p, s, batch, first, mtp=False, other_sequences=jnp.asarray(flag))[1][0]
                                    for flag in (False, True)])(b1.params, b1.model_state)
     np.testing.assert_allclose(float(m_b2["loss"]), float(losses[0]), rtol=1e-6)

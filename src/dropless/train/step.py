@@ -222,14 +222,18 @@ def other_sequences_step(config: Config, step: jax.Array) -> jax.Array | None:
     return None if steps == 0 else step < steps
 
 
-def applied_updates(opt_state, step: jax.Array) -> jax.Array:
+def applied_updates(opt_state, step: jax.Array, on_host: bool = False) -> jax.Array:
     """How many updates the optimizer has applied: the count its learning-rate schedule reads. A skipped step
     (not finite) keeps the optimizer's state, count included, so after k of them the schedule runs k steps behind
     `TrainState.step` (as Megatron-LM's scheduler does, stepping only on a successful update). `step` where the
-    state holds no schedule. On the device even where train.offload_optimizer keeps the state in host memory."""
+    state holds no schedule. `on_host`: the state is in host memory (train.offload_optimizer); the count is
+    copied to the device. Only then: a copy to a memory space places the step's outputs on the device, and a
+    step jitted without shardings would compile again for its own outputs."""
     is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
     schedules = [leaf for leaf in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(leaf)]
-    return jax.device_put(schedules[0].count, jax.memory.Space.Device) if schedules else step
+    if not schedules:
+        return step
+    return jax.device_put(schedules[0].count, jax.memory.Space.Device) if on_host else schedules[0].count
 
 
 def make_train_step(config: Config, optimizer: optax.GradientTransformation, executor=None) -> Callable:
@@ -249,7 +253,7 @@ def make_train_step(config: Config, optimizer: optax.GradientTransformation, exe
         params, opt_state, model_state = where_tree(
             finite, (params, opt_state, model_state), (state.params, state.opt_state, state.model_state))
         metrics = {"loss": cross_entropy, "total_loss": total, "grad_norm": grad_norm,
-                   "lr": schedule_lr(applied_updates(state.opt_state, state.step)),
+                   "lr": schedule_lr(applied_updates(state.opt_state, state.step, config.train.offload_optimizer)),
                    "nonfinite": (~finite).astype(jnp.int32),
                    **_moe_metrics(aux, config.moe.num_experts_per_tok)}
         if "expert_share" in metrics:
