@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dropless.core.config import ConfigError, TrainConfig
 from dropless.train import offload
 from dropless.train.optimizer import make_optimizer
-from dropless.train.step import TrainState
+from dropless.train.step import TrainState, applied_updates
 from tests.micro_config import micro_config
 
 
@@ -90,6 +90,35 @@ def test_host_offloaded_optimizer_matches_the_device_one_and_stays_on_the_host()
     assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state)} == {"pinned_host"}
     for name in params:
         np.testing.assert_array_equal(np.asarray(host_params[name]), np.asarray(device_params[name]))
+
+
+def test_the_training_step_with_its_optimizer_state_on_the_host_equals_it_on_the_device():
+    """train.offload_optimizer through the trainer's own step (`setup.build`): the learning rate reads the update
+    count from the state in host memory, and losses, learning rates and parameters are the device run's, bit for
+    bit; the state stays on the host."""
+    from dropless.train import setup as setup_lib
+
+    config = micro_config(**{"train.warmup_steps": 2, "train.steps": 4})
+    batch = jax.random.randint(jax.random.key(1), (config.train.batch_size, config.train.seq_len + 1), 0,
+                               config.model.vocab_size)
+    runs = {}
+    for on_host in (False, True):
+        setup = setup_lib.build(config.replace(**{"train.offload_optimizer": on_host}), jax.devices()[:1])
+        state, metrics = setup_lib.init_state(setup), []
+        for _ in range(3):
+            state, step_metrics = setup.step(state, batch)
+            metrics.append((float(step_metrics["loss"]), float(step_metrics["lr"])))
+        runs[on_host] = state, metrics
+    (device_state, device_metrics), (host_state, host_metrics) = runs[False], runs[True]
+    assert host_metrics == device_metrics and len({lr for _, lr in host_metrics}) == 3  # the warm-up moves it
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(host_state.opt_state)} == {"pinned_host"}
+    for a, b in zip(jax.tree.leaves(host_state.params), jax.tree.leaves(device_state.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # XLA:CPU reads host memory in place; a GPU program needs the count copied to the device, and only then (a
+    # copy places the outputs of a step jitted without shardings, which then compiles again for its own output).
+    copies = lambda on_host: str(jax.make_jaxpr(lambda opt_state: applied_updates(opt_state, state.step, on_host))(
+        host_state.opt_state)).count("device_put")
+    assert (copies(True), copies(False)) == (1, 0)
 
 
 def test_optimizer_state_shardings_can_be_derived_through_the_wrappers():
