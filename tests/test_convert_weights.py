@@ -216,6 +216,24 @@ def test_mtp_layers_and_rotary_buffers_are_skipped(tmp_path):
     assert_trees_equal(load_hf(extended)[1:], load_hf(FIXTURES / "mixtral")[1:])
 
 
+@pytest.mark.parametrize("fixture, dense_layers", [("qwen3_moe_interleaved", 1), ("deepseek_v3_noqlora", 2)])
+def test_a_checkpoint_without_moe_layers_imports_and_round_trips_byte_identical(fixture, dense_layers, tmp_path):
+    """Layers all dense (Qwen3-MoE's mlp_only_layers or decoder_sparse_step, DeepSeek's first_k_dense_replace
+    covering every layer) leave the router state with no rows; the checkpoint still imports and exports."""
+    def first_layers(name, array):
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        return {} if layer is not None and int(layer) >= dense_layers else {name: array}
+
+    source = rewrite(FIXTURES / fixture, tmp_path / "dense", first_layers, {"num_hidden_layers": dense_layers})
+    config, params, state = load_hf(source)
+    assert config.model.layer_types == "D" * dense_layers
+    assert state["router_bias"].shape == (0, config.moe.num_experts)
+    convert_from_hf(source, tmp_path / "run")
+    assert_trees_equal(ckpt.load_model(tmp_path / "run")[1:], (params, state))
+    convert_to_hf(tmp_path / "run", tmp_path / "exported")
+    assert_same_tensors(tmp_path / "exported", source)
+
+
 # ----------------------------------------------------------------------------------------------- streaming
 
 def _synthetic_checkpoint(path: Path, layers=3, experts=16, hidden=128, width=64, vocab=1024, shard_bytes=1_500_000):

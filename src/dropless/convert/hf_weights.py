@@ -147,6 +147,10 @@ def plan(config: Config, rope_interleave: bool = True) -> list[Slab]:
         slabs.append(Slab(head, (), (f"{name}shared_head.head.weight",), "copy" if m.tie_embeddings else "transpose",
                           duplicate_of="model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight"))
         decoder_layer(i, ("mtp", "block"), k, m.mtp_block == "dense", num_moe + k)
+    if not transformer.num_router_rows(m):  # a model without MoE layers still has the (empty) router state
+        slabs.append(Slab(("state", "router_bias"), (), (), "zeros"))
+        if moe.router_common_rate > 0:
+            slabs.append(Slab(("state", "router_common"), (), (), "zeros"))
     return slabs
 
 
