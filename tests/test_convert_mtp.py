@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dropless import cli
-from dropless.convert import ConvertError, convert_from_hf, convert_to_hf, load_hf
+from dropless.convert import ConvertError, config_from_hf, convert_from_hf, convert_to_hf, load_hf
 from dropless.convert.safetensors_io import CheckpointReader
 from tests.test_convert_weights import BF16, FIXTURES, _quantize, assert_same_tensors, assert_trees_equal, rewrite
 
@@ -116,3 +116,19 @@ def test_mtp_copies_that_differ_from_the_shared_tensors_are_refused(official_lay
 def test_a_config_announcing_mtp_without_its_weights_imports_the_main_model(tmp_path):
     config, params, _ = load_hf(rewrite(SOURCE, tmp_path / "hf", config_update={"num_nextn_predict_layers": 1}))
     assert config.model.mtp_layers == 0 and "mtp" not in params
+
+
+def test_a_config_announcing_a_dense_mtp_layer_without_its_weights_exports_the_same_config(tmp_path):
+    """DeepSeek's rule makes layer num_hidden_layers dense here (D D M, then D): the model imported without its
+    MTP layer reads back from its export with an equal config."""
+    source = FIXTURES / "deepseek_v3_interleaved"  # D D M D, moe_layer_freq 2
+
+    def first_three_layers(name, array):
+        return {} if name.startswith("model.layers.3.") else {name: array}
+
+    hf = rewrite(source, tmp_path / "hf", first_three_layers, {"num_hidden_layers": 3, "num_nextn_predict_layers": 1})
+    config = convert_from_hf(hf, tmp_path / "run")
+    assert config.model.mtp_layers == 0
+    convert_to_hf(tmp_path / "run", tmp_path / "exported")
+    assert config_from_hf(json.loads((tmp_path / "exported" / "config.json").read_text())) == config
+

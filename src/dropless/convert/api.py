@@ -82,7 +82,8 @@ def hf_model_config(hf_dir: Path, base: Config | None = None) -> Config:
     if m.mtp_layers:
         with CheckpointReader(hf_dir) as reader:
             if f"model.layers.{m.num_layers}.eh_proj.weight" not in reader:
-                config = config.replace(**{"model.mtp_layers": 0})
+                # mtp_block as config_from_hf gives it without MTP layers, so that the export reads back equal
+                config = config.replace(**{"model.mtp_layers": 0, "model.mtp_block": "moe"})
     return config
 
 
