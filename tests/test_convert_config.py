@@ -178,6 +178,10 @@ def test_unsupported_settings_are_named(hf, field):
     ({**MIXTRAL_8X7B, "tie_word_embeddings": "false"}, "tie_word_embeddings='false' is not true or false"),
     ({**DEEPSEEK_V3, "rope_scaling": {**DEEPSEEK_V3["rope_scaling"], "truncate": 0}},
      "rope_scaling.truncate=0 is not true or false"),
+    # numbers written as strings, and flags where numbers belong, which Python's int() and float() would read
+    ({**QWEN3_30B_A3B, "rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is not a number"),
+    ({**DEEPSEEK_V3, "hidden_size": "7168"}, "hidden_size='7168' is not an integer"),
+    ({**MIXTRAL_8X7B, "num_experts_per_tok": True}, "num_experts_per_tok=True is not an integer"),
 ])
 def test_fields_of_the_wrong_json_kind_are_named(hf, field):
     """A value no number can be read from is the file's mistake: one ConvertError naming the field and the fix,

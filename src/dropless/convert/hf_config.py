@@ -93,6 +93,8 @@ def _as(kind: type, key: str, value: Any) -> Any:
         if not isinstance(value, bool):
             raise malformed(key, value, "is not true or false")
         return value
+    if isinstance(value, (str, bool)):  # float("1e-6") and int(True) would read them; transformers refuses them
+        raise malformed(key, value, "is not an integer" if kind is int else "is not a number")
     if kind is int and isinstance(value, float) and not value.is_integer():
         raise malformed(key, value, "is not an integer")
     try:
