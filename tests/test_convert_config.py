@@ -149,6 +149,9 @@ def test_deepseek_mtp_layers_map_to_num_nextn_predict_layers():
     ({**MIXTRAL_8X7B, "sliding_window": 4096}, "sliding_window=4096"),
     ({**QWEN3_30B_A3B, "use_sliding_window": True}, "use_sliding_window=True"),
     ({**QWEN3_30B_A3B, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    # DeepSeek's rule divides by it (i % moe_layer_freq), as Qwen3's by decoder_sparse_step
+    ({**DEEPSEEK_V3, "moe_layer_freq": 0}, "moe_layer_freq=0"),
+    ({**QWEN3_30B_A3B, "decoder_sparse_step": 0}, "decoder_sparse_step=0"),
 ])
 def test_unsupported_settings_are_named(hf, field):
     from dropless.convert.hf_weights import fp8_block_size

@@ -175,7 +175,8 @@ def layer_letters(hf: dict, family: str, count: int) -> str:
         return "M" * count
     if family == "deepseek_v3":
         first_k = _field(hf, family, int, "first_k_dense_replace", null=0)
-        freq = _as(int, "moe_layer_freq", hf.get("moe_layer_freq") or 1)
+        freq = hf.get("moe_layer_freq")  # null: every layer from first_k_dense_replace on; 0 is refused below
+        freq = _as(int, "moe_layer_freq", 1 if freq is None else freq)
         if freq < 1:
             raise _unsupported("moe_layer_freq", freq, "a positive layer interval")
         return "".join("M" if _deepseek_is_moe(i, first_k, freq) else "D" for i in range(count))
