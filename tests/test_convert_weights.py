@@ -381,6 +381,19 @@ def test_unexpected_tensors_are_refused(tmp_path):
         load_hf(broken)
 
 
+def test_unexpected_tensors_without_elements_hold_no_weights_and_are_skipped(tmp_path):
+    """transformers saves a DeepSeek-V3 model of n_shared_experts=0 with shared-expert tensors of width 0: they
+    hold nothing the model could use or miss, so the checkpoint imports with the same weights."""
+    empty = "model.layers.1.mlp.shared_experts.up_proj.weight"
+    source = _fixture_copy(tmp_path, lambda n, a: {n: a, **({empty: a[:0]} if n.endswith("layers.1.mlp.gate.weight")
+                                                            else {})})
+    assert empty in CheckpointReader(source).tensors
+    _, params, _ = load_hf(source)
+    _, plain, _ = load_hf(FIXTURES / "qwen3_moe")
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_truncated_and_absent_files_are_clear_errors(tmp_path):
     source = _fixture_copy(tmp_path)
     data = (source / "model.safetensors").read_bytes()

@@ -285,6 +285,8 @@ def check_checkpoint(reader: CheckpointReader, slabs: list[Slab], leaf_shapes: d
             continue  # multi-token-prediction layers of a model imported without them
         if name == "lm_head.weight" and config.model.tie_embeddings:
             continue  # some tied checkpoints store the copy
+        if 0 in reader.tensors[name].shape:
+            continue  # holds no weights: transformers saves DeepSeek's shared expert of n_shared_experts=0 so
         extra.append(name)
     if extra:
         raise ConvertError(f"The checkpoint has {len(extra)} tensor(s) this {config.model.family} model does not use, "
