@@ -206,9 +206,13 @@ def test_a_prompt_given_as_the_tokenizers_int32_array_generates_as_its_list(mode
 
 
 @pytest.mark.parametrize("prompt, match", [([MODEL.model.vocab_size], "token id 64, outside"), ([3, -1], "token id -1"),
-                                           (np.asarray([1.5]), "integer token ids"), ([], "no tokens")])
+                                           (np.asarray([1.5]), "integer token ids"), ([], "no tokens"),
+                                           ([[1, 2], [3]], "one prompt per call"), (None, "integer token ids"),
+                                           (7, "integer token ids")])
 def test_a_prompt_that_is_not_token_ids_of_the_model_is_refused(model, prompt, match):
-    """An id outside the vocabulary would be read as a clamped or NaN embedding and generate nonsense silently."""
+    """An id outside the vocabulary would be read as a clamped or NaN embedding and generate nonsense silently;
+    several prompts at once (a ragged list of lists), None or a bare int are a ConfigError too, as models.md says,
+    not NumPy's ValueError or a TypeError from len()."""
     params, state = model
     with pytest.raises(ConfigError, match=match):
         gen.generate(MODEL, params, state, prompt, max_new_tokens=2, temperature=0.0)

@@ -85,12 +85,17 @@ def check_prompt(prompt_ids) -> None:
 def prompt_list(prompt_ids, config: Config) -> list[int]:
     """`prompt_ids` (a list of ints, or a 1-D integer array such as `TextTokenizer.encode` returns) as a list of
     Python ints, each checked to be a token id of the model's vocabulary."""
-    check_prompt(prompt_ids)
-    ids = np.asarray(prompt_ids)
+    try:
+        ids = np.asarray(prompt_ids)
+    except ValueError:  # a ragged nest of lists, such as several prompts at once
+        ids = np.asarray(prompt_ids, object)
+    # The shape comes before the length: None, an int or an iterator has no len(), and neither is a prompt.
+    if ids.ndim == 1:
+        check_prompt(ids)
     vocab = config.model.vocab_size
     if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ConfigError(f"The prompt must be a sequence of integer token ids; got an array of shape {ids.shape} "
-                          f"and dtype {ids.dtype}.")
+        raise ConfigError(f"The prompt must be one sequence of integer token ids (one prompt per call); got an "
+                          f"array of shape {ids.shape} and dtype {ids.dtype}.")
     if ids.min() < 0 or ids.max() >= vocab:
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         raise ConfigError(f"The prompt holds the token id {bad}, outside the model's vocabulary of {vocab} "
