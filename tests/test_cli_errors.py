@@ -118,6 +118,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["generate", "--run-dir", "{f}/hfmodel", "--prompt", "x"], ["hfmodel holds a Hugging Face model", "--hf-dir"]),
     (["convert", "--from", "{f}/hfmodel", "--to-hf", "{f}/out2"], ["hfmodel holds a Hugging Face model"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "inf"], ["--temperature must be finite"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", ""], ["The prompt encodes to no tokens"]),  # before the load
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],
      ["--seed=18446744073709551616 is out of range"]),

@@ -155,6 +155,9 @@ def _load_for_inference(args):
 
 def cmd_generate(args) -> int:
     # The cheap checks come first (the flags, the config, the tokenizer), the slow model load last.
+    if args.temperature == math.inf:  # >= 0, so the range sentence below would not say what is wrong
+        raise ConfigError("--temperature must be finite; give a number >= 0 (0 = greedy, a large one samples "
+                          "nearly uniformly).")
     if not (math.isfinite(args.temperature) and args.temperature >= 0 and 0 < args.top_p <= 1):
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {args.temperature} and {args.top_p}.")
     if args.max_new_tokens < 0:
