@@ -120,6 +120,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["--temperature must be >= 0"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "inf"], ["--temperature must be finite"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", ""], ["The prompt encodes to no tokens"]),  # before the load
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--speculative"],  # before the load
+     ["--speculative drafts tokens with the model's MTP module", "model.mtp_layers=0"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],
      ["--seed=18446744073709551616 is out of range"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),

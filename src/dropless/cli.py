@@ -36,7 +36,7 @@ from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
-from dropless.models.generate import MAX_WINDOW, check_prompt, context_window, generate
+from dropless.models.generate import MAX_WINDOW, check_prompt, check_speculative, context_window, generate
 from dropless.train import checkpoint as ckpt
 from dropless.train import overwrite as overwrite_lib
 from dropless.train.loop import resume_changes, train
@@ -167,6 +167,7 @@ def cmd_generate(args) -> int:
                           f"{config_lib.INT_LIMIT}.")
     source = Path(args.hf_dir or args.run_dir)
     saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
+    check_speculative(saved, args.speculative)
     vocab = saved.model.vocab_size
     tokenizer_path = source / "tokenizer.json"
     if not tokenizer_path.exists():

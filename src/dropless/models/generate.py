@@ -82,6 +82,13 @@ def check_prompt(prompt_ids) -> None:
         raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
 
 
+def check_speculative(config: Config, speculative: bool) -> None:
+    """Refuse speculative decoding for a model without an MTP module (it has nothing to draft with)."""
+    if speculative and not config.model.mtp_layers:
+        raise ConfigError("--speculative drafts tokens with the model's MTP module, and this model has none "
+                          "(model.mtp_layers=0); drop --speculative.")
+
+
 def prompt_list(prompt_ids, config: Config) -> list[int]:
     """`prompt_ids` (a list of ints, or a 1-D integer array such as `TextTokenizer.encode` returns) as a list of
     Python ints, each checked to be a token id of the model's vocabulary."""
@@ -118,9 +125,7 @@ def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int =
     if not (temperature >= 0 and 0 < top_p <= 1):  # NaN fails both
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
     prompt_ids = prompt_list(prompt_ids, config)
-    if speculative and not config.model.mtp_layers:
-        raise ConfigError("--speculative drafts tokens with the model's MTP module, and this model has none "
-                          "(model.mtp_layers=0); drop --speculative.")
+    check_speculative(config, speculative)
     window = context_window(config)
     config = config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
     if speculative:
