@@ -93,6 +93,34 @@ def test_train_then_generate_and_resume_through_the_cli(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("def ")
 
 
+@pytest.mark.parametrize("eos", ["<|endoftext|>", "</s>", "<|im_end|>"])
+def test_generate_stops_at_the_end_of_document_token_training_used(tmp_path, monkeypatch, capsys, eos):
+    """A run trained with a given tokenizer separates its documents with that tokenizer's end-of-document token
+    (`TextTokenizer.eos_id`), which need not be <|endoftext|>: generation stops at the same one."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from dropless.core import config as config_lib
+    from dropless.data import TextTokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["def f(x):\n    return x\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = config_lib.load_preset("tiny").replace(**SMALL)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    tokenizer.save(str(run_dir / "tokenizer.json"))
+    seen = {}
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))
+    monkeypatch.setattr(cli, "generate", lambda *args, **kwargs: seen.update(kwargs) or [])
+    assert cli.main(["generate", "--run-dir", str(run_dir), "--prompt", "def "]) == 0
+    assert seen["stop_id"] == TextTokenizer(tokenizer).eos_id == tokenizer.token_to_id(eos) == 1
+
+
 def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path, capsys):
     import json
 

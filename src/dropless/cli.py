@@ -36,6 +36,7 @@ from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
+from dropless.data.tokenizer import EOS_CANDIDATES
 from dropless.models.generate import MAX_WINDOW, check_prompt, check_speculative, context_window, generate
 from dropless.train import checkpoint as ckpt
 from dropless.train import overwrite as overwrite_lib
@@ -184,7 +185,9 @@ def cmd_generate(args) -> int:
         print(f"dropless: the prompt is {len(prompt_ids)} tokens and the model sees the last {window} of them "
               f"(its context window, model.max_seq_len capped at {MAX_WINDOW}).", file=sys.stderr)
     config, params, state = _load_for_inference(args)
-    stop_id = tokenizer.token_to_id("<|endoftext|>")
+    # The end-of-document token training separated documents with (the first of the candidates the tokenizer has),
+    # so that a run trained with a given tokenizer ending documents in </s> or <|im_end|> stops there too.
+    stop_id = next((i for i in map(tokenizer.token_to_id, EOS_CANDIDATES) if i is not None), None)
     stats: dict = {}
     ids = generate(config, params, state, prompt_ids, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id,
