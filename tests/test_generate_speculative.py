@@ -197,6 +197,18 @@ def test_sampling_settings_out_of_range_are_refused(model, temperature, top_p):
         gen.generate(MODEL, params, state, [1], temperature=temperature, top_p=top_p)
 
 
+@pytest.mark.parametrize("settings, match", [({"max_new_tokens": -1}, "--max-new-tokens must be >= 0; got -1"),
+                                             ({"seed": 2**64}, "--seed=18446744073709551616 is out of range"),
+                                             ({"seed": -2**31}, "--seed=-2147483648 is out of range")])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_budget_or_seed_the_command_refuses_is_refused_from_python_too(model, settings, match, speculative):
+    """A negative budget would return no tokens as if asked for none, and a seed beyond 32 bits end in JAX's
+    OverflowError: the ConfigError `dropless generate` gives."""
+    params, state = model
+    with pytest.raises(ConfigError, match=match):
+        gen.generate(MODEL, params, state, [1], temperature=0.0, speculative=speculative, **settings)
+
+
 def test_a_prompt_given_as_the_tokenizers_int32_array_generates_as_its_list(model):
     """`TextTokenizer.encode` returns an int32 array: `generate` takes it as it takes the list of the same ids."""
     params, state = model

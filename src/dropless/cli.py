@@ -37,7 +37,8 @@ from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.data.tokenizer import EOS_CANDIDATES
-from dropless.models.generate import MAX_WINDOW, check_prompt, check_speculative, context_window, generate
+from dropless.models.generate import (MAX_WINDOW, check_budget_and_seed, check_prompt, check_speculative,
+                                      context_window, generate)
 from dropless.train import checkpoint as ckpt
 from dropless.train import overwrite as overwrite_lib
 from dropless.train.loop import resume_changes, train
@@ -161,11 +162,7 @@ def cmd_generate(args) -> int:
                           "nearly uniformly).")
     if not (math.isfinite(args.temperature) and args.temperature >= 0 and 0 < args.top_p <= 1):
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {args.temperature} and {args.top_p}.")
-    if args.max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens must be >= 0; got {args.max_new_tokens}.")
-    if abs(args.seed) > config_lib.INT_LIMIT:  # as train.seed: JAX's keys take 32 bits
-        raise ConfigError(f"--seed={args.seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
-                          f"{config_lib.INT_LIMIT}.")
+    check_budget_and_seed(args.max_new_tokens, args.seed)
     source = Path(args.hf_dir or args.run_dir)
     saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
     check_speculative(saved, args.speculative)

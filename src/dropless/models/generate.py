@@ -82,6 +82,16 @@ def check_prompt(prompt_ids) -> None:
         raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
 
 
+def check_budget_and_seed(max_new_tokens: int, seed: int) -> None:
+    """Refuse a negative token budget (not read as none) and a seed beyond the 32 bits JAX's keys take (as
+    train.seed)."""
+    if max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0; got {max_new_tokens}.")
+    if abs(seed) > config_lib.INT_LIMIT:
+        raise ConfigError(f"--seed={seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
+                          f"{config_lib.INT_LIMIT}.")
+
+
 def check_speculative(config: Config, speculative: bool) -> None:
     """Refuse speculative decoding for a model without an MTP module (it has nothing to draft with)."""
     if speculative and not config.model.mtp_layers:
@@ -124,6 +134,7 @@ def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int =
     and accepted."""
     if not (temperature >= 0 and 0 < top_p <= 1):  # NaN fails both
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
+    check_budget_and_seed(max_new_tokens, seed)
     prompt_ids = prompt_list(prompt_ids, config)
     check_speculative(config, speculative)
     window = context_window(config)
