@@ -121,6 +121,36 @@ def test_generate_stops_at_the_end_of_document_token_training_used(tmp_path, mon
     assert seen["stop_id"] == TextTokenizer(tokenizer).eos_id == tokenizer.token_to_id(eos) == 1
 
 
+def test_generate_prints_the_space_a_sentencepiece_tokenizer_opens_the_continuation_with(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Mixtral's and Llama's tokenizer.json strip the space of the first token they decode: "▁world" decoded alone
+    is "world", so the continuation is decoded after the prompt, as "Hello world"."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from dropless.core import config as config_lib
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.train_from_iterator(["Hello world and more world"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = config_lib.load_preset("tiny").replace(**SMALL)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    tokenizer.save(str(run_dir / "tokenizer.json"))
+    world = tokenizer.token_to_id("▁world")
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))
+    monkeypatch.setattr(cli, "generate", lambda *args, **kwargs: [world, world])
+    capsys.readouterr()
+    assert cli.main(["generate", "--run-dir", str(run_dir), "--prompt", "Hello"]) == 0
+    assert capsys.readouterr().out == "Hello world world\n"
+
+
 def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path, capsys):
     import json
 

@@ -189,7 +189,10 @@ def cmd_generate(args) -> int:
     ids = generate(config, params, state, prompt_ids, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id,
                    speculative=args.speculative, stats=stats)
-    print(args.prompt + tokenizer.decode(ids))
+    # The new ids decode after the prompt's: decoded alone, a SentencePiece-style tokenizer (Mixtral's) drops the
+    # space that opens the first of them ("▁world" after "Hello" would print "Helloworld").
+    prompt_text, text = tokenizer.decode(list(prompt_ids)), tokenizer.decode(list(prompt_ids) + ids)
+    print(args.prompt + (text[len(prompt_text):] if text.startswith(prompt_text) else tokenizer.decode(ids)))
     if args.speculative:
         rate = stats["accepted"] / stats["drafted"] if stats["drafted"] else 0.0
         print(f"dropless: {len(ids)} tokens in {stats['forwards']} forward passes; MTP drafts accepted: "
