@@ -36,8 +36,8 @@ from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
-from dropless.data.tokenizer import EOS_CANDIDATES
-from dropless.models.generate import (MAX_WINDOW, check_budget_and_seed, check_prompt, check_speculative,
+from dropless.data.tokenizer import eos_token
+from dropless.models.generate import (MAX_WINDOW, check_prompt, check_sampling, check_speculative,
                                       context_window, generate)
 from dropless.train import checkpoint as ckpt
 from dropless.train import overwrite as overwrite_lib
@@ -160,9 +160,7 @@ def cmd_generate(args) -> int:
     if args.temperature == math.inf:  # >= 0, so the range sentence below would not say what is wrong
         raise ConfigError("--temperature must be finite; give a number >= 0 (0 = greedy, a large one samples "
                           "nearly uniformly).")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0 and 0 < args.top_p <= 1):
-        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {args.temperature} and {args.top_p}.")
-    check_budget_and_seed(args.max_new_tokens, args.seed)
+    check_sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed)
     source = Path(args.hf_dir or args.run_dir)
     saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
     check_speculative(saved, args.speculative)
@@ -182,9 +180,10 @@ def cmd_generate(args) -> int:
         print(f"dropless: the prompt is {len(prompt_ids)} tokens and the model sees the last {window} of them "
               f"(its context window, model.max_seq_len capped at {MAX_WINDOW}).", file=sys.stderr)
     config, params, state = _load_for_inference(args)
-    # The end-of-document token training separated documents with (the first of the candidates the tokenizer has),
-    # so that a run trained with a given tokenizer ending documents in </s> or <|im_end|> stops there too.
-    stop_id = next((i for i in map(tokenizer.token_to_id, EOS_CANDIDATES) if i is not None), None)
+    # The end-of-document token training separated documents with, so that a run trained with a given tokenizer
+    # ending documents in </s> or <|im_end|> stops there too.
+    eos = eos_token(tokenizer)
+    stop_id = None if eos is None else tokenizer.token_to_id(eos)
     stats: dict = {}
     ids = generate(config, params, state, prompt_ids, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_id=stop_id,

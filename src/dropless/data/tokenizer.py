@@ -22,6 +22,11 @@ EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 BYTE_ALPHABET_SIZE = 256
 
 
+def eos_token(tokenizer: Tokenizer) -> str | None:
+    """The token that ends each document in training: the first of EOS_CANDIDATES the tokenizer has (None if none)."""
+    return next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+
+
 class TextTokenizer:
     """A HF `tokenizers.Tokenizer` with its end-of-document id; encodes to numpy token arrays."""
 
@@ -32,7 +37,7 @@ class TextTokenizer:
         self.hf.encode_special_tokens = True
         # Ids may have gaps, so the vocabulary the model needs is the largest id plus one.
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        eos = next((t for t in EOS_CANDIDATES if tokenizer.token_to_id(t) is not None), None)
+        eos = eos_token(tokenizer)
         if eos is None:
             raise DataError(f"{name} has no end-of-document token (one of {', '.join(EOS_CANDIDATES)}); "
                             "add one as a special token, or omit --tokenizer to train one.")

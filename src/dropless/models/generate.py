@@ -82,9 +82,11 @@ def check_prompt(prompt_ids) -> None:
         raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
 
 
-def check_budget_and_seed(max_new_tokens: int, seed: int) -> None:
-    """Refuse a negative token budget (not read as none) and a seed beyond the 32 bits JAX's keys take (as
-    train.seed)."""
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: int) -> None:
+    """Refuse a temperature below 0 or NaN, a top_p outside (0, 1], a negative token budget (not read as none) and
+    a seed beyond the 32 bits JAX's keys take (as train.seed)."""
+    if not (temperature >= 0 and 0 < top_p <= 1):  # NaN fails both
+        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
     if max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0; got {max_new_tokens}.")
     if abs(seed) > config_lib.INT_LIMIT:
@@ -132,9 +134,7 @@ def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int =
     below model.vocab_size); returns only the new ids (stopping early at `stop_id`). `speculative`: draft with
     the MTP module (module docstring); `stats`, if given, receives the forward passes run and the drafts made
     and accepted."""
-    if not (temperature >= 0 and 0 < top_p <= 1):  # NaN fails both
-        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
-    check_budget_and_seed(max_new_tokens, seed)
+    check_sampling(temperature, top_p, max_new_tokens, seed)
     prompt_ids = prompt_list(prompt_ids, config)
     check_speculative(config, speculative)
     window = context_window(config)
