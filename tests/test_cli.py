@@ -121,6 +121,42 @@ def test_generate_stops_at_the_end_of_document_token_training_used(tmp_path, mon
     assert seen["stop_id"] == TextTokenizer(tokenizer).eos_id == tokenizer.token_to_id(eos) == 1
 
 
+@pytest.mark.parametrize("imported", [False, True])
+def test_generate_encodes_the_prompt_as_the_model_saw_text(tmp_path, monkeypatch, imported):
+    """A run dropless trained saw documents encoded by `TextTokenizer` (no BOS, "<|endoftext|>" in the text as
+    text): the prompt is encoded the same way. A run imported from Hugging Face keeps the tokenizer's own rules,
+    its BOS included, as transformers encodes."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    from dropless.core import config as config_lib
+    from dropless.data import TextTokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["def f(x):\n    return x\n"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = config_lib.load_preset("tiny").replace(**SMALL)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
+    tokenizer.save(str(run_dir / "tokenizer.json"))
+    if imported:
+        (run_dir / "hf_source.json").write_text("{}")
+    seen = []
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))
+    monkeypatch.setattr(cli, "generate", lambda config, params, state, ids, **kwargs: seen.append(list(ids)) or [])
+    prompt = "def f<|endoftext|>"
+    assert cli.main(["generate", "--run-dir", str(run_dir), "--prompt", prompt]) == 0
+    as_trained = TextTokenizer(Tokenizer.from_str(tokenizer.to_str())).encode(prompt).tolist()
+    assert 0 not in as_trained and 1 not in as_trained  # text, not the special tokens
+    assert seen == [tokenizer.encode(prompt).ids if imported else as_trained]
+    assert (seen[0][0] == 1) == imported  # the BOS
+
+
 def test_generate_prints_the_space_a_sentencepiece_tokenizer_opens_the_continuation_with(tmp_path, monkeypatch,
                                                                                           capsys):
     """Mixtral's and Llama's tokenizer.json strip the space of the first token they decode: "▁world" decoded alone

@@ -155,6 +155,17 @@ def _load_for_inference(args):
     return ckpt.load_model(Path(args.run_dir))
 
 
+def encode_prompt(tokenizer, prompt: str, trained: bool) -> list[int]:
+    """The prompt's ids as the model saw text: for a run dropless trained, as training encoded its documents
+    (`TextTokenizer.encode`: text spelling a special token stays text, no BOS added); for a Hugging Face checkpoint
+    (an --hf-dir, or a run imported from one and not trained since), the tokenizer's own rules, BOS included,
+    as `transformers` encodes."""
+    if trained:
+        tokenizer.encode_special_tokens = True
+        return tokenizer.encode(prompt, add_special_tokens=False).ids
+    return tokenizer.encode(prompt).ids
+
+
 def cmd_generate(args) -> int:
     # The cheap checks come first (the flags, the config, the tokenizer), the slow model load last.
     if args.temperature == math.inf:  # >= 0, so the range sentence below would not say what is wrong
@@ -169,7 +180,7 @@ def cmd_generate(args) -> int:
     if not tokenizer_path.exists():
         raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
     tokenizer = read_tokenizer_file(tokenizer_path)
-    prompt_ids = tokenizer.encode(args.prompt).ids
+    prompt_ids = encode_prompt(tokenizer, args.prompt, trained=bool(args.run_dir) and not ckpt.imported(source))
     check_prompt(prompt_ids)  # before the model loads
     if max(prompt_ids) >= vocab:
         raise ConfigError(f"{tokenizer_path} gives the prompt token id {max(prompt_ids)}, but the model's vocabulary "
