@@ -4,6 +4,8 @@ tokens per forward pass."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,17 +191,21 @@ def test_speculative_greedy_equals_plain_greedy_past_the_context_window(model, m
 
 
 @pytest.mark.parametrize("temperature, top_p", [(-0.1, 0.9), (0.8, 0.0), (0.8, 1.01), (float("nan"), 0.9),
-                                                (0.8, float("nan"))])
+                                                (0.8, float("nan")), (float("inf"), 0.9), ("0.8", 0.9),
+                                                (0.8, True), (None, 0.9)])
 def test_sampling_settings_out_of_range_are_refused(model, temperature, top_p):
+    """inf would sample uniformly; a string, a bool or None is no number (Python's own TypeError otherwise)."""
     params, state = model
-    with pytest.raises(ConfigError, match=rf"^--temperature must be >= 0 and --top-p in \(0, 1\]; got "
-                                          rf"{temperature} and {top_p}.$"):
+    with pytest.raises(ConfigError, match=rf"^temperature must be a finite number >= 0 and top_p a number in "
+                                          rf"\(0, 1\]; got {re.escape(repr(temperature))} and {top_p!r}.$"):
         gen.generate(MODEL, params, state, [1], temperature=temperature, top_p=top_p)
 
 
-@pytest.mark.parametrize("settings, match", [({"max_new_tokens": -1}, "--max-new-tokens must be >= 0; got -1"),
-                                             ({"seed": 2**64}, "--seed=18446744073709551616 is out of range"),
-                                             ({"seed": -2**31}, "--seed=-2147483648 is out of range")])
+@pytest.mark.parametrize("settings, match", [({"max_new_tokens": -1}, "max_new_tokens must be >= 0; got -1"),
+                                             ({"max_new_tokens": 4.0}, "max_new_tokens must be an integer; got 4.0"),
+                                             ({"seed": True}, "seed must be an integer; got True"),
+                                             ({"seed": 2**64}, "seed=18446744073709551616 is out of range"),
+                                             ({"seed": -2**31}, "seed=-2147483648 is out of range")])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_a_budget_or_seed_the_command_refuses_is_refused_from_python_too(model, settings, match, speculative):
     """A negative budget would return no tokens as if asked for none, and a seed beyond 32 bits end in JAX's

@@ -14,7 +14,6 @@ import errno
 import gc
 import importlib
 import logging
-import math
 import os
 import re
 import signal
@@ -168,9 +167,6 @@ def encode_prompt(tokenizer, prompt: str, trained: bool) -> list[int]:
 
 def cmd_generate(args) -> int:
     # The cheap checks come first (the flags, the config, the tokenizer), the slow model load last.
-    if args.temperature == math.inf:  # >= 0, so the range sentence below would not say what is wrong
-        raise ConfigError("--temperature must be finite; give a number >= 0 (0 = greedy, a large one samples "
-                          "nearly uniformly).")
     check_sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed)
     source = Path(args.hf_dir or args.run_dir)
     saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import json
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -83,14 +85,21 @@ def check_prompt(prompt_ids) -> None:
 
 
 def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: int) -> None:
-    """Refuse a temperature below 0 or NaN, a top_p outside (0, 1], a negative token budget (not read as none) and
-    a seed beyond the 32 bits JAX's keys take (as train.seed)."""
-    if not (temperature >= 0 and 0 < top_p <= 1):  # NaN fails both
-        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1]; got {temperature} and {top_p}.")
+    """Refuse a temperature that is not a finite number >= 0 (inf would sample uniformly; NaN), a top_p outside
+    (0, 1], a token budget that is not an integer >= 0 (a negative one would read as none) and a seed that is not
+    an integer within the 32 bits JAX's keys take (as train.seed). The names are the command's flags and
+    generate()'s arguments alike."""
+    real = all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (temperature, top_p))
+    if not (real and 0 <= temperature < math.inf and 0 < top_p <= 1):  # NaN fails both
+        raise ConfigError(f"temperature must be a finite number >= 0 and top_p a number in (0, 1]; got "
+                          f"{temperature!r} and {top_p!r}.")
+    for name, value in (("max_new_tokens", max_new_tokens), ("seed", seed)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be an integer; got {value!r}.")
     if max_new_tokens < 0:
-        raise ConfigError(f"--max-new-tokens must be >= 0; got {max_new_tokens}.")
+        raise ConfigError(f"max_new_tokens must be >= 0; got {max_new_tokens}.")
     if abs(seed) > config_lib.INT_LIMIT:
-        raise ConfigError(f"--seed={seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
+        raise ConfigError(f"seed={seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
                           f"{config_lib.INT_LIMIT}.")
 
 
