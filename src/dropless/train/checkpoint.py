@@ -201,13 +201,14 @@ class _FailedReads(logging.Filter):
 
 
 def _silence_failed_reads(directory: Path) -> None:
-    """Once per directory: several of its checkpoints may fail in turn."""
+    """Before each read, installed once per directory (several of its checkpoints may fail in turn): a failed
+    read's first reports come while orbax closes its event loop, inside the read, and a logging handler set up
+    before the read (the user's, or a test runner's) holds the real stderr, not restore's sink."""
     installed = getattr(sys.unraisablehook, "__self__", None)
     if not debugging() and not (isinstance(installed, _FailedReads) and installed.directory == str(directory.resolve())):
         reads = _FailedReads(directory, sys.unraisablehook)
         logging.getLogger("asyncio").addFilter(reads)
         sys.unraisablehook = reads.unraisable
-    gc.collect()  # what is freed now reports while restore's output still goes to its sink
 
 
 class _HeldOutput:
@@ -401,19 +402,19 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
         # each prints a traceback to sys.stderr. The one line raised here replaces them, so they go to a sink,
         # with a moment after a failure for the stragglers.
         error = None
+        _silence_failed_reads(checkpoint_dir(run_dir))
         with contextlib.redirect_stderr(io.StringIO()):
             try:
                 restored = dict(mngr.restore(step, args=ocp.args.Composite(**items)))
             except (ValueError, KeyError, TypeError) as err:
-                time.sleep(_STRAGGLERS_S)
-                _silence_failed_reads(checkpoint_dir(run_dir))
                 error = (CheckpointError(f"The checkpoint at step {step} in {run_dir} does not match this model's "
                                          f"parameters ({first_line(err)}); check the run's config.json.")
                          if _shape_mismatch(err) else DamagedCheckpoint(f"{where} cannot be read ({first_line(err)})"))
             except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
-                time.sleep(_STRAGGLERS_S)
-                _silence_failed_reads(checkpoint_dir(run_dir))
                 error = DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {first_line(err)})")
+            if error is not None:
+                time.sleep(_STRAGGLERS_S)
+                gc.collect()  # what is freed now reports while restore's output still goes to its sink
         _agree(error, where)
     saved = restored.pop("digest", None)
     if saved is not None:
