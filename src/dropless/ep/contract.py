@@ -101,7 +101,9 @@ class LocalExperts:
 
         if bound >= worst:
             y_RD, dropped = run(None, in_cond=False)(*operands)
-            return y_RD, dropped, jnp.zeros((), jnp.int32)
+            # Typed like the count below: a strategy's cond (alltoall's slots) may take this path in one branch
+            # and the count in the other, and its branches must agree on the mesh axes their outputs vary over.
+            return y_RD, dropped, varying_like(jnp.zeros((), jnp.int32), received.local_ids_RJ)
         overflowed = jnp.sum(received.local_ids_RJ < self.num_local) > bound
         y_RD, dropped = jax.lax.cond(overflowed, jax.checkpoint(run(None)), run(bound), *operands)
         return y_RD, dropped, overflowed.astype(jnp.int32)
