@@ -203,7 +203,9 @@ class _FailedReads(logging.Filter):
 def _silence_failed_reads(directory: Path) -> None:
     """Before each read, installed once per directory (several of its checkpoints may fail in turn): a failed
     read's first reports come while orbax closes its event loop, inside the read, and a logging handler set up
-    before the read (the user's, or a test runner's) holds the real stderr, not restore's sink."""
+    before the read (the user's, or a test runner's) holds the real stderr, not restore's sink. Every report
+    names the directory, so those issued later, whenever the cyclic collector frees the tasks, are dropped too;
+    no collection is forced (a full one walks the whole heap of a process that has compiled for long)."""
     installed = getattr(sys.unraisablehook, "__self__", None)
     if not debugging() and not (isinstance(installed, _FailedReads) and installed.directory == str(directory.resolve())):
         reads = _FailedReads(directory, sys.unraisablehook)
@@ -414,7 +416,6 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
                 error = DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {first_line(err)})")
             if error is not None:
                 time.sleep(_STRAGGLERS_S)
-                gc.collect()  # what is freed now reports while restore's output still goes to its sink
         _agree(error, where)
     saved = restored.pop("digest", None)
     if saved is not None:
