@@ -9,8 +9,8 @@ PYTHON312 := $(shell for p in python3.12 python3.13 $$HOME/.pyenv/versions/3.12*
                  $$HOME/.pyenv/versions/3.13*/bin/python3.13 python3; do \
                  "$$p" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1 && { echo "$$p"; break; }; done)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
-EXTRAS := test$(if $(HAS_GPU),$(comma)gpu)
 comma := ,
+EXTRAS := test$(if $(HAS_GPU),$(comma)gpu)
 VENV := .venv
 STAMP := $(VENV)/.installed-$(EXTRAS)
 

@@ -4,6 +4,7 @@ what `dropless plan` and `dropless train`'s fit check print."""
 
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -96,3 +97,12 @@ def test_planning_page_train_refusal_is_the_fit_checks_message_on_one_h200():
     with pytest.raises(ConfigError) as refusal:
         check_fit(config, Cluster(1, 1, "H200"), within_margin=True)
     assert f"dropless: error: {refusal.value}" == shown
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize("has_gpu, extras", [("yes", ".[test,gpu]"), ("", ".[test]")])
+def test_make_setup_installs_the_extras_the_readme_names(tmp_path, has_gpu, extras):
+    # README: `make train` / `make test` install `pip install -e '.[test,gpu]'` where nvidia-smi finds a GPU.
+    dry_run = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), "setup", f"HAS_GPU={has_gpu}",
+                              f"VENV={tmp_path / 'venv'}"], capture_output=True, text=True, check=True).stdout
+    assert f"-e '{extras}'" in dry_run, dry_run
