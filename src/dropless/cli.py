@@ -325,7 +325,7 @@ def make_parser() -> argparse.ArgumentParser:
                        "with --resume, it picks the latest runs/<preset>-<date>-<time> and must match the run")
     train.add_argument("--steps", type=int, help="total optimizer steps of the run (with --resume: train until N)")
     train.add_argument("--run-dir", type=path_text,
-                       help="where config, checkpoints and metrics go (default: runs/<preset>-<time>)")
+                       help="where config, checkpoints and metrics go (default: runs/<preset>-<date>-<time>)")
     train.add_argument("--data", type=path_text,
                        help="file, directory or glob of .txt/.jsonl/.parquet/.npy/.bin (default: stdlib)")
     train.add_argument("--tokenizer", type=path_text,
