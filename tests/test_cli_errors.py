@@ -119,7 +119,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["convert", "--from", "{f}/hfmodel", "--to-hf", "{f}/out2"], ["hfmodel holds a Hugging Face model"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["temperature must be a finite number >= 0"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "inf"], ["temperature must be a finite number >= 0", "inf"]),
-    (["generate", "--run-dir", "{f}/run", "--prompt", ""], ["The prompt encodes to no tokens"]),  # before the load
+    (["generate", "--run-dir", "{f}/run", "--prompt", ""], ["The prompt holds no tokens"]),  # before the load
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--speculative"],  # before the load
      ["--speculative drafts tokens with the model's MTP module", "model.mtp_layers=0"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],

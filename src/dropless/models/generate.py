@@ -81,7 +81,7 @@ MAX_WINDOW = 1024
 def check_prompt(prompt_ids) -> None:
     """Refuse a prompt of no tokens (there is nothing to continue)."""
     if len(prompt_ids) == 0:
-        raise ConfigError("The prompt encodes to no tokens; give a non-empty --prompt.")
+        raise ConfigError("The prompt holds no tokens; give a non-empty prompt.")
 
 
 def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: int) -> None:
