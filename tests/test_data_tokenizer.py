@@ -103,6 +103,17 @@ def test_tokenizer_without_end_of_document_token(tmp_path):
         load_tokenizer(tmp_path / "t.json")
 
 
+def test_deepseek_v3s_end_of_sentence_token_ends_its_documents(tmp_path):
+    """DeepSeek-V3's tokenizer.json has none of the other tokenizers' end tokens: fine-tuning from its checkpoint
+    needs its own."""
+    hf = Tokenizer(models.BPE())
+    hf.add_tokens(list("abc"))
+    hf.add_special_tokens(["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"])
+    hf.save(str(tmp_path / "t.json"))
+    loaded = load_tokenizer(tmp_path / "t.json")
+    assert (loaded.eos_token, loaded.eos_id) == ("<｜end▁of▁sentence｜>", 4)
+
+
 def test_vocabulary_too_small_for_bytes():
     with pytest.raises(DataError, match="model.vocab_size=200 is too small for a byte-level BPE tokenizer"):
         train_bpe(CORPUS, 200)
