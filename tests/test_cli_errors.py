@@ -121,7 +121,7 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "inf"], ["temperature must be a finite number >= 0", "inf"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", ""], ["The prompt holds no tokens"]),  # before the load
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--speculative"],  # before the load
-     ["--speculative drafts tokens with the model's MTP module", "model.mtp_layers=0"]),
+     ["Speculative decoding (--speculative", "model.mtp_layers=0"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],
      ["seed=18446744073709551616 is out of range"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),

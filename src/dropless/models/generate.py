@@ -106,8 +106,8 @@ def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: 
 def check_speculative(config: Config, speculative: bool) -> None:
     """Refuse speculative decoding for a model without an MTP module (it has nothing to draft with)."""
     if speculative and not config.model.mtp_layers:
-        raise ConfigError("--speculative drafts tokens with the model's MTP module, and this model has none "
-                          "(model.mtp_layers=0); drop --speculative.")
+        raise ConfigError("Speculative decoding (--speculative, speculative=True) drafts tokens with the model's MTP "
+                          "module, and this model has none (model.mtp_layers=0); generate without it.")
 
 
 def prompt_list(prompt_ids, config: Config) -> list[int]:
