@@ -547,23 +547,29 @@ def test_a_start_deletes_the_temporary_files_a_kill_mid_write_left_and_nothing_e
 
 def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_path, monkeypatch):
     """Tasks and coroutines of a restore that failed report at exit, each with tensorstore's error naming the
-    array's path under the checkpoints' directory: those reports are dropped, any other passes."""
+    array's path under the checkpoints' directory: those reports are dropped, any other passes. Reading many
+    directories keeps one filter and one wrapper of the hook (a chain of them would grow with every read)."""
     seen = []
     monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    monkeypatch.setattr(ckpt, "_READ_DIRECTORIES", set())
+    asyncio_log = logging.getLogger("asyncio")
+    monkeypatch.setattr(asyncio_log, "filters", [f for f in asyncio_log.filters
+                                                 if not isinstance(f, ckpt._FailedReads)])
     directory = tmp_path / "run" / "checkpoints"
-    ckpt._silence_failed_reads(directory)
-    ckpt._silence_failed_reads(directory)  # a second damaged checkpoint: one filter
+    for other_run in range(3):
+        ckpt._silence_failed_reads(directory)
+        ckpt._silence_failed_reads(tmp_path / f"other{other_run}" / "checkpoints")
     reads = sys.unraisablehook.__self__
     assert reads.hook == seen.append
+    assert len([f for f in asyncio_log.filters if isinstance(f, ckpt._FailedReads)]) == 1
     theirs = type("Report", (), {"exc_value": Exception(f"reading {directory.resolve()}/10/model/d/x failed")})
     other = type("Report", (), {"exc_value": Exception("something else")})
     sys.unraisablehook(theirs)
     sys.unraisablehook(other)
     assert seen == [other]
     record = lambda text: logging.LogRecord("asyncio", logging.ERROR, "", 0, text, None, None)
-    assert not reads.filter(record(f"Task exception was never retrieved: {directory.resolve()}/10"))
-    assert reads.filter(record("Task exception was never retrieved: elsewhere"))
-    logging.getLogger("asyncio").removeFilter(reads)
+    assert not asyncio_log.filter(record(f"Task exception was never retrieved: {directory.resolve()}/10"))
+    assert asyncio_log.filter(record("Task exception was never retrieved: elsewhere"))
 
 
 def test_opening_a_run_read_only_logs_nothing(tmp_path, caplog):

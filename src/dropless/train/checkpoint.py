@@ -182,35 +182,43 @@ def _silence_failed_writes(temporary: Path, reason: str) -> None:
 class _FailedReads(logging.Filter):
     """Drops the reports of the reader tasks of a restore that failed (the one line raised says what failed):
     asyncio's "exception was never retrieved" for each task, and the interpreter's "Exception ignored" for each
-    coroutine, both issued when they are freed, which may be at exit. A report is theirs when its text names the
-    checkpoints' directory (tensorstore's error quotes the absolute path of the array it could not read)."""
+    coroutine, both issued when they are freed, which may be at exit. A report is theirs when its text names a
+    checkpoints' directory read in this process (tensorstore's error quotes the absolute path of the array it
+    could not read). One instance serves the process: it filters the asyncio logger and wraps the unraisable
+    hook it found."""
 
-    def __init__(self, directory: Path, hook):
+    def __init__(self, directories: set[str], hook):
         super().__init__()
-        self.directory, self.hook = str(Path(directory).resolve()), hook
+        self.directories, self.hook = directories, hook
 
-    def theirs(self, error: BaseException | None) -> bool:
-        return error is not None and self.directory in str(error)
+    def theirs(self, text: object) -> bool:
+        return text is not None and any(directory in str(text) for directory in self.directories)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (self.directory in record.getMessage() or self.theirs(record.exc_info and record.exc_info[1]))
+        return not (self.theirs(record.getMessage()) or self.theirs(record.exc_info and record.exc_info[1]))
 
     def unraisable(self, report) -> None:
         if not self.theirs(report.exc_value):
             self.hook(report)
 
 
+_READ_DIRECTORIES: set[str] = set()
+
+
 def _silence_failed_reads(directory: Path) -> None:
-    """Before each read, installed once per directory (several of its checkpoints may fail in turn): a failed
-    read's first reports come while orbax closes its event loop, inside the read, and a logging handler set up
-    before the read (the user's, or a test runner's) holds the real stderr, not restore's sink. Every report
-    names the directory, so those issued later, whenever the cyclic collector frees the tasks, are dropped too;
-    no collection is forced (a full one walks the whole heap of a process that has compiled for long)."""
-    installed = getattr(sys.unraisablehook, "__self__", None)
-    if not debugging() and not (isinstance(installed, _FailedReads) and installed.directory == str(directory.resolve())):
-        reads = _FailedReads(directory, sys.unraisablehook)
-        logging.getLogger("asyncio").addFilter(reads)
-        sys.unraisablehook = reads.unraisable
+    """Before each read: a failed read's first reports come while orbax closes its event loop, inside the read,
+    and a logging handler set up before the read (the user's, or a test runner's) holds the real stderr, not
+    restore's sink. Every report names the directory, so those issued later, whenever the cyclic collector frees
+    the tasks, are dropped too; no collection is forced (a full one walks the whole heap of a process that has
+    compiled for long). The hook is wrapped again only where another replaced it (a test runner's, per test)."""
+    if debugging():
+        return
+    _READ_DIRECTORIES.add(str(Path(directory).resolve()))
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _FailedReads) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_FailedReads(_READ_DIRECTORIES, None))
+    if not isinstance(getattr(sys.unraisablehook, "__self__", None), _FailedReads):
+        sys.unraisablehook = _FailedReads(_READ_DIRECTORIES, sys.unraisablehook).unraisable
 
 
 class _HeldOutput:
