@@ -235,6 +235,24 @@ def test_a_changed_array_value_is_a_digest_mismatch(tmp_path, change):
     assert "digest mismatch in model/params/w" in lines[0], lines
 
 
+@pytest.mark.parametrize("leaf", ["params/e", "params/w", "state/count"])
+def test_a_flipped_bit_in_any_model_leaf_is_a_digest_mismatch(tmp_path, leaf):
+    """Every leaf is verified, whatever its dtype or its place among the digest's keys: one bit of each rewritten
+    through orbax is a mismatch naming that leaf."""
+    _save_run(tmp_path, [10, 20])
+    model, _ = _model(20)
+    group, name = leaf.split("/")
+    changed = np.asarray(model[group][name]).copy()
+    changed.reshape(-1).view(np.dtype(f"u{changed.dtype.itemsize}"))[5] ^= 1
+    model[group][name] = jnp.asarray(changed)
+    item = ckpt.checkpoint_dir(tmp_path) / "20" / "model"
+    shutil.rmtree(item)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(item, model)
+    step, _, lines = _restore_latest(tmp_path)
+    assert step == 10 and len(lines) == 1 and f"digest mismatch in model/{leaf}" in lines[0], lines
+
+
 def test_a_changed_optimizer_array_is_a_digest_mismatch(tmp_path):
     """The optimizer item is verified as the model is: one bit of its state rewritten through orbax is a mismatch."""
     _save_run(tmp_path, [10, 20])
