@@ -265,6 +265,17 @@ def test_eval_batches_are_fixed_held_out_and_spread(text_run):
     assert len(set(rows)) == min(8, dataset.num_eval_sequences)  # distinct while there are enough
 
 
+def test_eval_batches_are_the_held_out_sequences_at_even_steps_over_the_whole_stream(text_run):
+    """Row i of the 8 evaluation rows is held-out sequence floor(i * N / 8): the first and the last eighth of the
+    held-out stream are both read, not only its head."""
+    _, dataset, _, _, _ = text_run
+    held_out = _stream(dataset.eval_stream)
+    count, n = 8, dataset.num_eval_sequences
+    want = [held_out[j * SEQ:j * SEQ + SEQ + 1] for j in (i * n // count for i in range(count))]
+    rows = [row for batch in dataset.eval_batches(2, 4) for row in batch]
+    np.testing.assert_array_equal(np.stack(rows), np.stack(want))
+
+
 def test_eval_batches_repeat_when_the_held_out_split_is_small(tmp_path):
     source = _write_jsonl(tmp_path / "d.jsonl", _documents(30))
     dataset, _ = load_token_dataset(_cfg(source, eval_fraction=0.01), VOCAB, SEQ)
