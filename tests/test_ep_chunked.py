@@ -40,14 +40,15 @@ def test_chunked_resolves_to_its_inner_strategy_for_one_chunk():
     assert Chunked(Auto(2.0), 2).resolve(num_tokens=4, top_k=8, num_devices=8, num_local=4) == AllGather()
 
 
-def test_an_overflow_in_a_later_chunk_alone_is_reported():
+@pytest.mark.parametrize("token", [0, 4])
+def test_an_overflow_in_one_chunk_alone_is_reported(token):
     """Each device's 8 tokens in 2 chunks of 4 whose experts are {0, 1}, {2, 3}, {4, 5}, {6, 7} (rotated): one row
-    per destination, the slots of buffer factor 1 exactly. Device 0's token 4 (second chunk) moves to experts 2 and 1:
-    only that chunk overflows, and the layer reports it."""
+    per destination, the slots of buffer factor 1 exactly. Device 0's token 0 (first chunk) or 4 (second chunk)
+    moves to experts 2 and 1: only that chunk overflows, and the layer reports it."""
     tokens = np.arange(64)
     first_T = (2 * (tokens % 4) + tokens // 8) % 8  # each device's pairs of experts rotated by its index
     ids_TK = np.stack([first_T, (first_T + 1) % 8], 1)
-    ids_TK[4] = [2, 1]
+    ids_TK[token] = [2, 1]
     stats = assert_executor_matches_local(executor(Chunked(AllToAll(buffer_factor=1.0), 2), 8),
                                           *balanced_inputs(ids_TK))
     assert int(stats.dispatch_overflowed) == 1
