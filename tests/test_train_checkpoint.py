@@ -267,6 +267,19 @@ def test_a_changed_optimizer_array_is_a_digest_mismatch(tmp_path):
     assert step == 10 and len(lines) == 1 and "digest mismatch in optimizer/opt_state/mu" in lines[0], lines
 
 
+def test_a_changed_optimizer_step_is_a_digest_mismatch(tmp_path):
+    """The optimizer's step, a 64-bit host leaf from which a resumed run takes its batches and schedules, is
+    verified too: a step that differs in its high word only is a mismatch."""
+    _save_run(tmp_path, [10, 20])
+    _, optimizer = _model(20)
+    item = ckpt.checkpoint_dir(tmp_path) / "20" / "optimizer"
+    shutil.rmtree(item)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(item, {**optimizer, "step": np.asarray(2**32 + 20, np.int64)})
+    step, _, lines = _restore_latest(tmp_path)
+    assert step == 10 and len(lines) == 1 and "digest mismatch in optimizer/step" in lines[0], lines
+
+
 def test_a_manager_keeps_only_the_newest_checkpoints_it_is_told_to(tmp_path):
     """train.keep_checkpoints: saving past the limit deletes the oldest, and what is kept restores."""
     saved = {}
