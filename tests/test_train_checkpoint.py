@@ -116,6 +116,7 @@ def test_damaged_checkpoints_are_reported_and_skipped(tmp_path, caplog):
         outcomes["fell back"] += 1
     assert outcomes["fell back"] >= 9, outcomes  # every aimed case, and some of the others
     assert not [r.getMessage()[:200] for r in caplog.records if r.name == "asyncio"]
+    assert ckpt._READ_FAILED  # from now on, the failed reads' closed-loop stragglers are dropped too
 
 
 def test_a_trained_checkpoint_without_its_optimizer_state_is_damaged_but_an_import_holds_weights_only(tmp_path):
@@ -595,9 +596,16 @@ def test_the_reports_of_a_failed_restores_readers_are_dropped_and_no_others(tmp_
     assert len([f for f in asyncio_log.filters if isinstance(f, ckpt._FailedReads)]) == 1
     theirs = type("Report", (), {"exc_value": Exception(f"reading {directory.resolve()}/10/model/d/x failed")})
     other = type("Report", (), {"exc_value": Exception("something else")})
+    closed = type("Report", (), {"exc_value": RuntimeError("Event loop is closed")})
+    monkeypatch.setattr(ckpt, "_READ_FAILED", False)
     sys.unraisablehook(theirs)
     sys.unraisablehook(other)
-    assert seen == [other]
+    sys.unraisablehook(closed)  # no read failed: not a straggler of one
+    assert seen == [other, closed]
+    monkeypatch.setattr(ckpt, "_READ_FAILED", True)  # a tensorstore thread after a failed read's loop closed
+    sys.unraisablehook(closed)
+    sys.unraisablehook(other)
+    assert seen == [other, closed, other]
     record = lambda text: logging.LogRecord("asyncio", logging.ERROR, "", 0, text, None, None)
     assert not asyncio_log.filter(record(f"Task exception was never retrieved: {directory.resolve()}/10"))
     assert asyncio_log.filter(record("Task exception was never retrieved: elsewhere"))

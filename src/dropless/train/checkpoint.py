@@ -198,11 +198,18 @@ class _FailedReads(logging.Filter):
         return not (self.theirs(record.getMessage()) or self.theirs(record.exc_info and record.exc_info[1]))
 
     def unraisable(self, report) -> None:
-        if not self.theirs(report.exc_value):
+        if not (self.theirs(report.exc_value) or _READ_FAILED and _closed_loop(report.exc_value)):
             self.hook(report)
 
 
+def _closed_loop(error: BaseException | None) -> bool:
+    """A tensorstore thread finishing a read after orbax closed the read's event loop (`call_soon_threadsafe`):
+    the straggler of a failed read, which may come after restore's sink is gone and names no path."""
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
 _READ_DIRECTORIES: set[str] = set()
+_READ_FAILED = False  # from the first failed read on, its stragglers' closed-loop reports are dropped too
 
 
 def _silence_failed_reads(directory: Path) -> None:
@@ -393,6 +400,7 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
     Templates may be concrete arrays or ShapeDtypeStructs (e.g. from jax.eval_shape). Raises DamagedCheckpoint
     when the checkpoint cannot be read or reads back different from what was saved.
     """
+    global _READ_FAILED
     items = {"model": ocp.args.StandardRestore(_abstract(_without_empty(like_model)))}
     if like_optimizer is not None:
         items["optimizer"] = ocp.args.StandardRestore(_abstract(_without_empty(like_optimizer)))
@@ -423,6 +431,7 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
             except Exception as err:  # tensorstore and orbax raise many kinds on truncated or garbled files
                 error = DamagedCheckpoint(f"{where} cannot be read ({type(err).__name__}: {first_line(err)})")
             if error is not None:
+                _READ_FAILED = True
                 time.sleep(_STRAGGLERS_S)
         _agree(error, where)
     saved = restored.pop("digest", None)
