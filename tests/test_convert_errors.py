@@ -112,13 +112,19 @@ def test_load_model_skips_a_damaged_checkpoint_and_leaves_it_in_place(trained, t
     assert ckpt.all_steps(run) == [4, 2] and not (run / "checkpoints.damaged").exists()
 
 
-@pytest.mark.parametrize("index", ["manifest", "metadata"])
+@pytest.mark.parametrize("index", ["manifest", "metadata", "no metadata", "no item"])
 def test_export_skips_a_checkpoint_whose_index_is_damaged(trained, tmp_path, capsys, index):
     """A torn OCDBT manifest (where each array's chunks are found) or orbax's _METADATA (the tree) of the newest
-    checkpoint: a damaged checkpoint, exported from the one before as `dropless train --resume` would resume."""
+    checkpoint, or that _METADATA or the whole model item gone: a damaged checkpoint, exported from the one before
+    as `dropless train --resume` would resume."""
     run = _copy(trained, tmp_path)
     item = run / "checkpoints" / "4" / "model"
-    for path in (item.glob("**/manifest.ocdbt") if index == "manifest" else [item / "_METADATA"]):
+    if index == "no metadata":
+        (item / "_METADATA").unlink()
+    elif index == "no item":
+        shutil.rmtree(item)
+    for path in (item.glob("**/manifest.ocdbt") if index == "manifest" else
+                 [item / "_METADATA"] if index == "metadata" else []):
         path.write_bytes(path.read_bytes()[:20])
     status = cli.main(["convert", "--from", str(run), "--to-hf", str(tmp_path / "hf")])
     captured = capsys.readouterr()

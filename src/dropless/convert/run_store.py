@@ -107,10 +107,12 @@ def _digest_path(run_dir: Path, step: int) -> Path:
 
 
 def _model_item_dir(run_dir: Path, step: int) -> Path:
+    """The model item of a finished checkpoint. One without its _METADATA (or without the item) is damaged, so
+    that a reader falls back to an older checkpoint, as orbax's restore does for `generate` and `--resume`."""
     item = ckpt.checkpoint_dir(run_dir) / str(step) / "model"
     if not (item / "_METADATA").is_file():
-        raise ckpt.CheckpointError(f"{item} is not an orbax checkpoint item (no _METADATA); pass a run directory "
-                                   "written by 'dropless train' or 'dropless convert'.")
+        what = "its model item has no _METADATA" if item.is_dir() else "it has no model item"
+        raise ckpt.DamagedCheckpoint(f"checkpoint {step} in {ckpt.checkpoint_dir(run_dir)} cannot be read ({what})")
     return item
 
 
