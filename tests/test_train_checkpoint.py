@@ -135,6 +135,24 @@ def test_a_trained_checkpoint_without_its_optimizer_state_is_damaged_but_an_impo
     assert (tmp_path / "import" / "checkpoints" / "20" / "model").is_dir()  # nothing moved
 
 
+def test_a_step_deleted_while_it_is_read_is_skipped_with_nothing_set_aside(tmp_path, monkeypatch):
+    """Another process deleting the newest step during the read makes it unreadable; the resume goes on from the
+    one before instead of failing on the move of a directory that is gone."""
+    saved = _save_run(tmp_path, [10, 20])
+    read = ocp.CheckpointManager.restore
+
+    def deleted_meanwhile(self, step, *args, **kwargs):
+        if step == 20:
+            shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / "20")
+        return read(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", deleted_meanwhile)
+    step, restored, lines = _restore_latest(tmp_path)
+    assert step == 10 and len(lines) == 1 and "checkpoint 20 in" in lines[0] and "moved" not in lines[0], lines
+    _assert_equal_trees(restored["model"], saved[10][0])
+    assert not (tmp_path / "checkpoints.damaged").exists()
+
+
 @pytest.mark.parametrize("times", [2, 3])
 def test_a_step_damaged_again_is_set_aside_beside_its_earlier_copies(tmp_path, times):
     """A resumed run saves the set-aside step again; damaged again, each copy goes beside the earlier ones (20,

@@ -573,15 +573,23 @@ def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
 
 
 def _set_aside(run_dir: Path, step: int) -> Path | None:
-    """Move a damaged step out of orbax's sight (process 0; the others wait)."""
+    """Move a damaged step out of orbax's sight (process 0; the others wait). None where the step is gone
+    already: another process deleted it while it was read, which is why it could not be read."""
+    source = checkpoint_dir(run_dir) / str(step)
     target = checkpoint_dir(run_dir).with_name("checkpoints.damaged") / str(step)
     if jax.process_index() == 0:
-        target.parent.mkdir(exist_ok=True)
-        suffix = 0
-        while target.exists():
-            suffix += 1
-            target = target.with_name(f"{step}.{suffix}")
-        shutil.move(checkpoint_dir(run_dir) / str(step), target)
+        if not os.path.lexists(source):
+            target = None
+        else:
+            target.parent.mkdir(exist_ok=True)
+            suffix = 0
+            while target.exists():
+                suffix += 1
+                target = target.with_name(f"{step}.{suffix}")
+            try:
+                shutil.move(source, target)
+            except FileNotFoundError:  # deleted between the look and the move
+                target = None
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"dropless: checkpoint {step} set aside")
     return target
