@@ -138,6 +138,24 @@ def test_export_skips_a_checkpoint_whose_index_is_damaged(trained, tmp_path, cap
         np.testing.assert_array_equal(reader.read("model.embed_tokens.weight"), np.asarray(params["embed"]))
 
 
+def test_export_skips_a_checkpoint_deleted_while_it_is_read(trained, tmp_path, capsys, monkeypatch):
+    """Another process deleting the newest step after the reader found it: damaged, exported from the one before,
+    not an error naming a vanished file."""
+    run = _copy(trained, tmp_path)
+    found = run_store.RunReader.__init__
+
+    def deleted_meanwhile(self, *args, **kwargs):
+        found(self, *args, **kwargs)
+        if self.step == 4:
+            shutil.rmtree(self.item_dir.parent)
+
+    monkeypatch.setattr(run_store.RunReader, "__init__", deleted_meanwhile)
+    status, lines = _cli(capsys, "convert", "--from", str(run), "--to-hf", str(tmp_path / "hf"))
+    assert status == 0 and len(lines) == 1, lines
+    assert lines[0].startswith("dropless: warning: checkpoint 4 in ") and "cannot be read" in lines[0], lines
+    assert lines[0].endswith("exported checkpoint 2 instead."), lines
+
+
 def test_export_of_a_checkpoint_of_another_config_is_one_line(trained, tmp_path, capsys):
     """A config.json that names parameters the checkpoints do not hold (an MTP module added) is no damage: no
     fallback, one line naming the mismatch."""

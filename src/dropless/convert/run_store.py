@@ -129,7 +129,7 @@ def _open_leaf(item_dir: Path, leaf: LeafPath, cache_bytes: int = 0) -> ts.Tenso
     try:
         metadata = json.loads((item_dir / "_METADATA").read_text())
         listed = str(tuple(leaf)) in metadata.get("tree_metadata", {})
-    except (ValueError, AttributeError) as err:  # torn or garbled JSON, or JSON of another shape
+    except (ValueError, AttributeError, OSError) as err:  # torn, garbled or of another shape; gone since opened
         raise ckpt.DamagedCheckpoint(f"{where} cannot be read (its _METADATA: {ckpt.first_line(err)})") from None
     driver = "zarr3" if metadata.get("use_zarr3") else "zarr"
     spec = {"driver": driver, "kvstore": {**_kvstore(item_dir), "path": key + "/"},
