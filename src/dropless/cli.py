@@ -482,26 +482,10 @@ def _quiet_abandoned_writes() -> None:
     warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
-class _CheckpointMetadataNotes(logging.Filter):
-    """orbax logs an error for each step whose optional metadata file it cannot parse. That file is not what a
-    checkpoint is verified by: the checkpoint then restores and matches its digest, or dropless reports it
-    damaged in one line and resumes from an older one, so the note only adds lines before that one."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Failed to json parse Metadata file")
-
-
-def _quiet_library_logs(debug: bool) -> None:
-    """orbax logs routine notes (e.g. on read-only checkpoint access) as absl warnings: keep errors only, and of
-    those not the metadata notes that dropless's own one line replaces (DROPLESS_DEBUG keeps them)."""
-    absl = logging.getLogger("absl")
-    absl.setLevel(logging.ERROR)
-    notes = [f for f in absl.filters if isinstance(f, _CheckpointMetadataNotes)]
-    if debug:
-        for note in notes:
-            absl.removeFilter(note)
-    elif not notes:
-        absl.addFilter(_CheckpointMetadataNotes())
+def _quiet_library_logs() -> None:
+    """orbax logs routine notes (e.g. on read-only checkpoint access) as absl warnings: keep errors only (the
+    checkpoint module leaves out the metadata notes its own one line replaces)."""
+    logging.getLogger("absl").setLevel(logging.ERROR)
 
 
 def fewer_collections() -> None:
@@ -515,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug, argv = _debug_requested(argv)
     _one_line_warnings()
-    _quiet_library_logs(debug)
+    _quiet_library_logs()
     fewer_collections()
     args = None
     try:

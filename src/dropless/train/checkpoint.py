@@ -94,8 +94,17 @@ def _not_a_read_only_note(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith(_READ_ONLY_NOTES)
 
 
+def _not_a_metadata_note(record: logging.LogRecord) -> bool:
+    """orbax logs an error for each step whose optional metadata file it cannot parse. That file is not what a
+    checkpoint is verified by: the checkpoint then restores and matches its digest, or dropless reports it damaged
+    in one line and reads an older one, so the note only adds lines before that one (DROPLESS_DEBUG keeps it)."""
+    return debugging() or not str(record.msg).startswith("Failed to json parse Metadata file")
+
+
 def manager(run_dir: Path, keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
     absl = logging.getLogger("absl")
+    if _not_a_metadata_note not in absl.filters:  # for the process: orbax logs it whenever it lists the steps
+        absl.addFilter(_not_a_metadata_note)
     absl.addFilter(_not_a_read_only_note)
     try:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
