@@ -1,8 +1,10 @@
-"""The optimizer: train.router_lr_scale scales exactly the routers' updates and nothing else."""
+"""The optimizer: its schedule, weight decay on matrices only, global-norm clipping, and train.router_lr_scale
+scaling exactly the routers' updates and nothing else."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from dropless.core import config as config_lib
@@ -50,6 +52,48 @@ def test_a_warm_up_longer_than_the_run_reaches_the_peak_at_the_last_step():
     schedule = learning_rate_schedule(config_lib.TrainConfig(learning_rate=1e-2, warmup_steps=10, steps=5))
     assert float(schedule(4)) == pytest.approx(1e-2)
     assert float(schedule(3)) == pytest.approx(0.75e-2)
+
+
+def test_weight_decay_shrinks_the_matrices_and_leaves_norms_and_biases():
+    """With zero gradients AdamW's update is its weight decay alone: -lr * weight_decay * p on every matrix
+    (stacked or not, the embedding and the router included), nothing on a norm or a bias."""
+    train = config_lib.TrainConfig(learning_rate=1e-2, warmup_steps=0, steps=10, weight_decay=0.1)
+    params = {**_params(), "final_norm": jnp.ones(16), "out_bias": jnp.ones(16)}
+    opt = make_optimizer(train)
+    updates, _ = opt.update(jax.tree.map(jnp.zeros_like, params), opt.init(params), params)
+    lr = float(learning_rate_schedule(train)(0))
+    assert lr > 0
+    for (path, u), p in zip(jax.tree_util.tree_leaves_with_path(updates), jax.tree.leaves(params)):
+        name = jax.tree_util.keystr(path)
+        if name.endswith("norm']") or name.endswith("bias']"):
+            np.testing.assert_array_equal(np.asarray(u), 0.0, err_msg=name)
+        else:
+            np.testing.assert_allclose(np.asarray(u), -lr * 0.1 * np.asarray(p), rtol=1e-6, err_msg=name)
+
+
+def test_clipping_gives_adamw_the_gradients_scaled_to_the_clip_norm():
+    """train.grad_clip: a step whose gradients' global norm exceeds it updates as the same gradients scaled down to
+    that norm would; a step below it is left alone. (AdamW divides by the gradients' own scale, so one step alone
+    could not tell: the first step's large gradients then weigh less against the second's small ones.)"""
+    params = _params()
+    base = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)
+    grads = [jax.tree.map(lambda g: 40.0 * g, base), jax.tree.map(lambda g: -0.01 * g, base)]
+    norms = [float(optax.global_norm(g)) for g in grads]
+    assert norms[0] > 1.0 > norms[1]
+    scaled = [jax.tree.map(lambda g, n=n: g * min(1.0, 1.0 / n), g) for g, n in zip(grads, norms)]
+
+    def last_update(clip, gradients):
+        opt = make_optimizer(config_lib.TrainConfig(learning_rate=1e-2, warmup_steps=0, steps=10, grad_clip=clip))
+        state = opt.init(params)
+        for g in gradients:
+            updates, state = opt.update(g, state, params)
+        return updates
+
+    got, want = last_update(1.0, grads), last_update(0.0, scaled)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
+    unclipped = last_update(0.0, grads)
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree.leaves(unclipped), jax.tree.leaves(want))) > 1e-4
 
 
 def test_router_updates_scaled_others_unchanged():
