@@ -140,6 +140,19 @@ def test_top_p_keeps_the_smallest_prefix_that_reaches_its_mass():
         assert np.isfinite(truncated).sum() == kept, (top_p, truncated)
 
 
+def test_top_p_truncates_the_tempered_distribution():
+    """The nucleus is taken after the temperature (as Hugging Face's warpers run): probabilities 0.5, 0.3, 0.2 at
+    temperature 0.5 become about 0.66, 0.24, 0.11, so top_p = 0.6 keeps the first token alone and 0.85 the first
+    two, whose sampled distribution is the tempered one renormalised (untempered, 0.6 and 0.85 keep two and three)."""
+    logits = jnp.log(jnp.asarray([0.5, 0.3, 0.2]))
+    tempered = np.asarray(jax.nn.softmax(logits / 0.5))
+    assert np.isfinite(np.asarray(gen.truncated_logits(logits, 0.5, 0.6))).tolist() == [True, False, False]
+    truncated = gen.truncated_logits(logits, 0.5, 0.85)
+    assert np.isfinite(np.asarray(truncated)).tolist() == [True, True, False]
+    np.testing.assert_allclose(np.asarray(jax.nn.softmax(truncated))[:2], tempered[:2] / tempered[:2].sum(),
+                               rtol=1e-6)
+
+
 def test_plain_generation_stops_before_the_stop_token_and_counts_its_pass(model):
     params, state = model
     stats: dict = {}
