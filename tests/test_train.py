@@ -13,6 +13,7 @@ import pytest
 
 from dropless.core import config as config_lib
 from dropless.train import checkpoint as ckpt
+from dropless.train import metrics as metrics_lib
 from dropless.train.loop import _DropCounter, train
 from dropless.train.metrics import MetricsError, MetricsWriter, keep_records_through, read_metrics
 
@@ -175,10 +176,14 @@ def test_every_step_is_held_to_the_dropless_invariant_logged_or_not(corpus):
     assert capacity.total == 7 and not capacity.pending
 
 
-def test_the_summary_counts_every_token_the_capacity_baseline_drops(tmp_path, corpus):
-    """Every step's drops, whether or not its metrics are logged (the two runs are the same bits)."""
+def test_the_summary_counts_every_token_the_capacity_baseline_drops(tmp_path, corpus, monkeypatch):
+    """Every step's drops, whether or not its metrics are logged (the two runs are the same bits); likewise the
+    tokens a logged record's tokens_per_s (and tflops_per_device, mfu) divides by the seconds since the last one."""
     config = small_config(corpus, **{"train.steps": 3, "train.eval_every": 100, "train.checkpoint_every": 100,
                                      "train.plot": False, "moe.gmm_backend": "capacity", "moe.capacity_factor": 0.5})
+    tokens, throughput = [], metrics_lib.throughput
+    monkeypatch.setattr(metrics_lib, "throughput",
+                        lambda count, *args: tokens.append(count) or throughput(count, *args))
     summary = train(config, tmp_path / "run", progress=False, log=lambda s: None)
     dropped = [r["tokens_dropped"] for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(dropped) == 3 and min(dropped) > 0
@@ -190,6 +195,8 @@ def test_the_summary_counts_every_token_the_capacity_baseline_drops(tmp_path, co
     # Without the progress bar each logged step's figures are a line of their own, through `log`.
     steps = [line.split()[2] for line in lines if line.startswith("dropless: step ") and " loss=" in line]
     assert steps == ["2", "3"], lines
+    step_tokens = config.train.batch_size * config.train.seq_len
+    assert tokens == [step_tokens] * 3 + [2 * step_tokens, step_tokens]
 
 
 def test_resuming_a_finished_run_trains_nothing_and_says_so(tmp_path, trained):
