@@ -4,7 +4,6 @@ scaling exactly the routers' updates and nothing else."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from dropless.core import config as config_lib
@@ -78,7 +77,8 @@ def test_clipping_gives_adamw_the_gradients_scaled_to_the_clip_norm():
     params = _params()
     base = jax.tree.map(lambda p: jnp.cos(p) + 0.5, params)
     grads = [jax.tree.map(lambda g: 40.0 * g, base), jax.tree.map(lambda g: -0.01 * g, base)]
-    norms = [float(optax.global_norm(g)) for g in grads]
+    norms = [float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64))) for x in jax.tree.leaves(g))))
+             for g in grads]  # the global norm, computed here rather than by the library under test
     assert norms[0] > 1.0 > norms[1]
     scaled = [jax.tree.map(lambda g, n=n: g * min(1.0, 1.0 / n), g) for g, n in zip(grads, norms)]
 
