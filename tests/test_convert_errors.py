@@ -112,7 +112,7 @@ def test_load_model_skips_a_damaged_checkpoint_and_leaves_it_in_place(trained, t
     assert ckpt.all_steps(run) == [4, 2] and not (run / "checkpoints.damaged").exists()
 
 
-@pytest.mark.parametrize("index", ["manifest", "metadata", "no metadata", "no item"])
+@pytest.mark.parametrize("index", ["manifest", "metadata", "no metadata", "no item", "a file"])
 def test_export_skips_a_checkpoint_whose_index_is_damaged(trained, tmp_path, capsys, index):
     """A torn OCDBT manifest (where each array's chunks are found) or orbax's _METADATA (the tree) of the newest
     checkpoint, or that _METADATA or the whole model item gone: a damaged checkpoint, exported from the one before
@@ -123,6 +123,9 @@ def test_export_skips_a_checkpoint_whose_index_is_damaged(trained, tmp_path, cap
         (item / "_METADATA").unlink()
     elif index == "no item":
         shutil.rmtree(item)
+    elif index == "a file":  # the step's directory replaced by a file: listed, not skipped in silence
+        shutil.rmtree(item.parent)
+        item.parent.write_text("not a checkpoint")
     for path in (item.glob("**/manifest.ocdbt") if index == "manifest" else
                  [item / "_METADATA"] if index == "metadata" else []):
         path.write_bytes(path.read_bytes()[:20])

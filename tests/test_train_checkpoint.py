@@ -17,6 +17,7 @@ import random
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import etils.epath
@@ -151,6 +152,32 @@ def test_a_step_deleted_while_it_is_read_is_skipped_with_nothing_set_aside(tmp_p
     assert step == 10 and len(lines) == 1 and "checkpoint 20 in" in lines[0] and "moved" not in lines[0], lines
     _assert_equal_trees(restored["model"], saved[10][0])
     assert not (tmp_path / "checkpoints.damaged").exists()
+
+
+def test_a_step_replaced_by_a_file_is_damaged_not_passed_over(tmp_path):
+    """orbax lists only directories: a file in a step's place is reported (not an older step read in silence),
+    --resume sets it aside (a later save of that step would remove it), and a run of such files says so."""
+    saved = _save_run(tmp_path / "run", [10, 20, 30])
+    checkpoints = tmp_path / "run" / "checkpoints"
+    shutil.rmtree(checkpoints / "30")
+    (checkpoints / "30").write_text("not a checkpoint")
+    assert ckpt.all_steps(tmp_path / "run") == [30, 20, 10]
+    with pytest.warns(ckpt.CheckpointWarning, match=r"checkpoint 30 in .* cannot be read \(it is a file, not a "
+                                                    r"checkpoint directory\); using checkpoint 20\.$"):
+        model = ckpt.restore_latest(tmp_path / "run", _model(0)[0], set_aside=False, fix=ckpt.READ_FIX,
+                                    log=lambda line: warnings.warn(line.replace("resuming from", "using"),
+                                                                   ckpt.CheckpointWarning))[1]["model"]
+    _assert_equal_trees(model, saved[20][0])
+    step, restored, lines = _restore_latest(tmp_path / "run")
+    assert step == 20 and len(lines) == 1 and "it is a file" in lines[0] and "moved it to" in lines[0], lines
+    _assert_equal_trees(restored["model"], saved[20][0])
+    assert (tmp_path / "run" / "checkpoints.damaged" / "30").read_text() == "not a checkpoint"
+    for step in (10, 20):
+        shutil.rmtree(checkpoints / str(step))
+        (checkpoints / str(step)).write_text("")
+    with pytest.raises(ckpt.CheckpointError, match=r"checkpoint 20 in .* \(it is a file, not a checkpoint "
+                                                   r"directory\), and so is every older checkpoint .* \(steps 20, 10\)"):
+        _restore_latest(tmp_path / "run")
 
 
 @pytest.mark.parametrize("times", [2, 3])

@@ -111,7 +111,8 @@ def _model_item_dir(run_dir: Path, step: int) -> Path:
     that a reader falls back to an older checkpoint, as orbax's restore does for `generate` and `--resume`."""
     item = ckpt.checkpoint_dir(run_dir) / str(step) / "model"
     if not (item / "_METADATA").is_file():
-        what = "its model item has no _METADATA" if item.is_dir() else "it has no model item"
+        what = (ckpt.step_is_a_file(run_dir, step) or
+                ("its model item has no _METADATA" if item.is_dir() else "it has no model item"))
         raise ckpt.DamagedCheckpoint(f"checkpoint {step} in {ckpt.checkpoint_dir(run_dir)} cannot be read ({what})")
     return item
 

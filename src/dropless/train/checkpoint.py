@@ -415,6 +415,8 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
         items["optimizer"] = ocp.args.StandardRestore(_abstract(_without_empty(like_optimizer)))
     where = f"checkpoint {step} in {checkpoint_dir(run_dir)}"
     with manager(run_dir, read_only=True) as mngr:
+        if reason := step_is_a_file(run_dir, step):
+            _agree(DamagedCheckpoint(f"{where} cannot be read ({reason})"), where)
         require_step(run_dir, step, mngr.all_steps())
         names = _item_names(mngr, step)
         if like_optimizer is not None and "optimizer" not in names:
@@ -515,11 +517,24 @@ def require_step(run_dir: Path, step: int, steps) -> None:
 
 
 def all_steps(run_dir: Path) -> list[int]:
-    """The run's finished checkpoint steps, newest first."""
+    """The run's finished checkpoint steps, newest first, with any step whose directory a file has replaced:
+    orbax does not list those, so without them a reader would take an older step without a word and a later save
+    of that step would remove the file. `restore` reports such a step damaged (--resume sets it aside)."""
     if not _has_checkpoint_dir(run_dir):
         return []
     with manager(run_dir, read_only=True) as mngr:
-        return sorted(mngr.all_steps(), reverse=True)
+        return sorted(set(mngr.all_steps()) | _steps_that_are_files(run_dir), reverse=True)
+
+
+def _steps_that_are_files(run_dir: Path) -> set[int]:
+    return {int(p.name) for p in checkpoint_dir(run_dir).iterdir()
+            if p.name.isdigit() and p.name == str(int(p.name)) and not p.is_dir()}
+
+
+def step_is_a_file(run_dir: Path, step: int) -> str | None:
+    """A DamagedCheckpoint's reason where `step`'s directory is a file, else None."""
+    path = checkpoint_dir(run_dir) / str(step)
+    return "it is a file, not a checkpoint directory" if os.path.lexists(path) and not path.is_dir() else None
 
 
 def imported(run_dir: Path) -> bool:
