@@ -492,7 +492,8 @@ class Config:
                  f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; lower one or raise the other.")
         _require(self.moe.num_experts % self.parallel.expert == 0,
                  f"moe.num_experts={self.moe.num_experts} is not divisible by parallel.expert={self.parallel.expert}; "
-                 f"choose an expert-parallel size that divides the number of experts.")
+                 f"choose an expert-parallel size that divides the number of experts (and, with the other "
+                 f"parallel sizes, the number of devices).")
         _require(self.train.fp8 == "off" or self.moe.gmm_backend in ("auto", "dropless_mosaic", "xla"),
                  f"train.fp8={self.train.fp8} runs the routed experts' GEMMs on e4m3, which moe.gmm_backend="
                  f"{self.moe.gmm_backend} does not; use moe.gmm_backend=auto, dropless_mosaic or xla, or train.fp8=off.")
