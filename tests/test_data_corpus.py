@@ -216,6 +216,17 @@ def test_llmc_file_longer_than_its_header_announces(tmp_path):
         read_token_file(tmp_path / "long.bin")
 
 
+def test_llmc_header_of_an_unknown_version(tmp_path):
+    # llm.c's magic with a version it never wrote is named as such, not read as raw uint16 ids (the magic's own
+    # halves would then be token 53960 "beyond the vocabulary").
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [corpus_lib.LLMC_MAGIC, 3, 4]
+    (tmp_path / "v3.bin").write_bytes(header.tobytes() + np.arange(4, dtype="<u2").tobytes())
+    with pytest.raises(DataError, match="llm.c header of version 3") as info:
+        read_token_file(tmp_path / "v3.bin")
+    assert "\n" not in str(info.value) and "beyond the vocabulary" not in str(info.value)
+
+
 def test_errors_are_value_errors_and_one_sentence(tmp_path):
     with pytest.raises(ValueError) as info:
         resolve(str(tmp_path / "missing"), 10**9)

@@ -256,7 +256,10 @@ def _read_bin(path: Path) -> np.ndarray:
     if size >= header_bytes:
         header = np.fromfile(path, dtype="<i4", count=LLMC_HEADER_INT32S)
         version, count = int(header[1]), int(header[2])
-        if header[0] == LLMC_MAGIC and version in LLMC_DTYPES:
+        if header[0] == LLMC_MAGIC and version not in LLMC_DTYPES:
+            raise DataError(f"{path} has an llm.c header of version {version}, which dropless does not read; write it "
+                            "as version 1 (uint16 ids) or 2 (uint32 ids), or save the ids as .npy.")
+        if header[0] == LLMC_MAGIC:
             dtype = LLMC_DTYPES[version]
             if size != header_bytes + count * dtype.itemsize:
                 raise DataError(f"{path} has an llm.c header announcing {count} tokens but holds "
