@@ -191,6 +191,16 @@ def test_each_bound_takes_its_edge_value_and_refuses_the_next():
             build()
 
 
+def test_adam_betas_must_be_in_zero_to_one():
+    # beta = 1 divides AdamW's bias correction by 1 - 1**t = 0: every step's update would be NaN.
+    for key in ("train.beta1", "train.beta2"):
+        assert Config().replace(**{key: "0"}).to_flat_dict()[key] == 0.0
+        assert Config().replace(**{key: "0.999"}).to_flat_dict()[key] == 0.999
+        for bad in ("1", "1.5", "-0.1"):
+            with pytest.raises(ConfigError, match=rf"^{key}={float(bad)} must be in \[0, 1\)"):
+                Config().replace(**{key: bad})
+
+
 def test_stop_signals_must_be_ones_a_process_can_catch():
     assert TrainConfig(stop_signals="term, usr1").stop_signal_names == ("SIGTERM", "SIGUSR1")
     for bad in ("SIGKILL", "SIGSTOP", "SIGNOPE"):

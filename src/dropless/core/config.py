@@ -406,6 +406,10 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.weight_decay", self.weight_decay, allow_zero=True)
+        for key in ("beta1", "beta2"):  # 1 would divide AdamW's bias correction by zero
+            value = getattr(self, key)
+            _require(0.0 <= value < 1.0, f"train.{key}={value} must be in [0, 1) (AdamW's moment decay, e.g. "
+                                         f"{0.9 if key == 'beta1' else 0.95}).")
         _positive("train.grad_clip", self.grad_clip, allow_zero=True)
         _positive("train.router_lr_scale", self.router_lr_scale)
         unknown = [name for name in self.offload_names if name not in ACTIVATION_NAMES]
