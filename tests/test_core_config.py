@@ -201,6 +201,14 @@ def test_adam_betas_must_be_in_zero_to_one():
                 Config().replace(**{key: bad})
 
 
+def test_the_routed_scaling_factor_must_be_positive():
+    # 0 would silence every routed expert, a negative factor subtract their outputs.
+    assert Config().replace(**{"moe.routed_scaling_factor": "2.5"}).moe.routed_scaling_factor == 2.5
+    for bad in ("0", "-1"):
+        with pytest.raises(ConfigError, match=rf"^moe.routed_scaling_factor={float(bad)} must be > 0.$"):
+            Config().replace(**{"moe.routed_scaling_factor": bad})
+
+
 def test_stop_signals_must_be_ones_a_process_can_catch():
     assert TrainConfig(stop_signals="term, usr1").stop_signal_names == ("SIGTERM", "SIGUSR1")
     for bad in ("SIGKILL", "SIGSTOP", "SIGNOPE"):

@@ -321,6 +321,7 @@ class MoEConfig:
         for key in ("bias_update_rate", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight"):
             _positive(f"moe.{key}", getattr(self, key), allow_zero=True)
         _positive("moe.capacity_factor", self.capacity_factor)
+        _positive("moe.routed_scaling_factor", self.routed_scaling_factor)
         _require(self.alltoall_buffer_factor >= 1.0,
                  f"moe.alltoall_buffer_factor={self.alltoall_buffer_factor} must be >= 1.0.")
         _require(self.local_buffer_factor == 0 or self.local_buffer_factor >= 1.0,
