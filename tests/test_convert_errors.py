@@ -301,3 +301,25 @@ def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
     with pytest.raises(ConvertError, match=rf"lacks shard\(s\) {paths[1].name} named in model.safetensors.index.json; "
                                            "download the complete checkpoint"):
         CheckpointReader(tmp_path)
+
+
+def test_a_weight_stored_as_integers_is_named(tmp_path, capsys):
+    # A float32 tensor's header relabelled I32 (same bytes): its bit patterns read as integers and cast to float
+    # would compute garbage logits without a word.
+    hf = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "mixtral", hf)
+    data = (hf / "model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    name = next(n for n, info in header.items() if n != "__metadata__" and info["dtype"] == "F32")
+    header[name]["dtype"] = "I32"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    (hf / "model.safetensors").write_bytes(data[:8] + text.ljust(size) + data[8 + size:])
+    status, lines = _cli(capsys, "logits", "--hf-dir", str(hf), "--tokens", str(FIXTURES / "mixtral" / "tokens.npy"),
+                         "--out", str(tmp_path / "logits.npy"))
+    assert status == 2 and len(lines) == 1, lines
+    assert f"Tensor {name} is stored as I32" in lines[0], lines
+    assert not (tmp_path / "logits.npy").exists()
+    with pytest.raises(ConvertError, match=f"Tensor {name} is stored as I32"):
+        convert_from_hf(hf, tmp_path / "run")
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

@@ -215,6 +215,7 @@ def to_hf(slab: Slab, array: np.ndarray) -> list[np.ndarray]:
 # --------------------------------------------------------------------------------------------- FP8 weights
 
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64") + FP8_DTYPES
 
 
 def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -273,6 +274,9 @@ def check_checkpoint(reader: CheckpointReader, slabs: list[Slab], leaf_shapes: d
                 raise ConvertError(f"Tensor {name} has shape {list(got)} but config.json implies {list(shape)}; "
                                    "the config and the weights disagree.")
             info = reader.tensors[name]
+            if info.dtype not in FLOAT_DTYPES:  # integers would be cast to float: garbage weights, no error
+                raise ConvertError(f"Tensor {name} is stored as {info.dtype}, not as floating-point weights "
+                                   f"({', '.join(FLOAT_DTYPES)}); the safetensors file is corrupt, re-download it.")
             if info.dtype in FP8_DTYPES and name + "_scale_inv" not in reader:
                 raise ConvertError(f"Tensor {name} is {info.dtype} without {name}_scale_inv; dropless reads FP8 "
                                    "weights only with their block scales (DeepSeek-V3's format).")
