@@ -209,6 +209,17 @@ def test_the_routed_scaling_factor_must_be_positive():
             Config().replace(**{"moe.routed_scaling_factor": bad})
 
 
+def test_mtp_depths_need_a_sequence_long_enough_to_have_their_targets():
+    # Depth k scores positions i < seq_len - k: at seq_len <= k it has none, and its mean cross-entropy is 0 / 0,
+    # which made every step non-finite (and skipped) while the run reported its losses.
+    tiny = load_preset("tiny")
+    assert tiny.replace(**{"model.mtp_layers": "2", "train.seq_len": "3"}).train.seq_len == 3
+    for mtp, seq_len in ((1, 1), (2, 2)):
+        with pytest.raises(ConfigError, match=rf"^model.mtp_layers={mtp} .* train.seq_len={seq_len} has; raise "
+                                              rf"train.seq_len to {mtp + 1} or more, or lower model.mtp_layers.$"):
+            tiny.replace(**{"model.mtp_layers": str(mtp), "train.seq_len": str(seq_len)})
+
+
 def test_stop_signals_must_be_ones_a_process_can_catch():
     assert TrainConfig(stop_signals="term, usr1").stop_signal_names == ("SIGTERM", "SIGUSR1")
     for bad in ("SIGKILL", "SIGSTOP", "SIGNOPE"):

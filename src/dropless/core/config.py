@@ -495,6 +495,10 @@ class Config:
     def __post_init__(self):
         _require(self.train.seq_len <= self.model.max_seq_len,
                  f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}; lower one or raise the other.")
+        _require(self.train.seq_len > self.model.mtp_layers,
+                 f"model.mtp_layers={self.model.mtp_layers} predicts up to {self.model.mtp_layers + 1} tokens ahead, "
+                 f"which no position of a sequence of train.seq_len={self.train.seq_len} has; raise train.seq_len to "
+                 f"{self.model.mtp_layers + 1} or more, or lower model.mtp_layers.")
         _require(self.moe.num_experts % self.parallel.expert == 0,
                  f"moe.num_experts={self.moe.num_experts} is not divisible by parallel.expert={self.parallel.expert}; "
                  f"choose an expert-parallel size that divides the number of experts (and, with the other "
