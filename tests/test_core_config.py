@@ -220,6 +220,17 @@ def test_mtp_depths_need_a_sequence_long_enough_to_have_their_targets():
             tiny.replace(**{"model.mtp_layers": str(mtp), "train.seq_len": str(seq_len)})
 
 
+def test_a_misspelt_yarn_key_is_named_with_the_closest_one():
+    # beta_fst would leave beta_fast at its default of 32 without a word.
+    yarn = '{"type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fst": 8}'
+    with pytest.raises(ConfigError, match=r"^model.rope_scaling has the unknown key 'beta_fst' \(did you mean "
+                                          r"'beta_fast'\?\); use only type, .*truncate.$"):
+        load_preset("tiny").replace(**{"model.rope_scaling": yarn})
+    every = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64, "beta_fast": 8,
+             "beta_slow": 1, "mscale": 1, "mscale_all_dim": 1, "attention_factor": 1, "truncate": False}
+    assert load_preset("tiny").replace(**{"model.rope_scaling": json.dumps(every)}).model.rope_scaling == every
+
+
 def test_stop_signals_must_be_ones_a_process_can_catch():
     assert TrainConfig(stop_signals="term, usr1").stop_signal_names == ("SIGTERM", "SIGUSR1")
     for bad in ("SIGKILL", "SIGSTOP", "SIGNOPE"):

@@ -90,11 +90,17 @@ def _check_fields(group: str, values: Any) -> None:
 # YaRN's real-valued settings (HF's config.json keys) and the least each may be.
 YARN_NUMBERS = {"factor": 1.0, "beta_fast": 0.0, "beta_slow": 0.0, "mscale": 0.0, "mscale_all_dim": 0.0,
                 "attention_factor": 0.0}
+# Every key a YaRN rope_scaling may hold (dropless.ops.rope reads them; HF import writes no others).
+YARN_KEYS = ("type", "rope_type", "original_max_position_embeddings", *YARN_NUMBERS, "truncate")
 
 
 def check_yarn_keys(rope_scaling: dict) -> None:
     """A YaRN setting names the two values it cannot do without (HF's config.json keys), each value a number in
     its range: the factor at least 1 (YaRN extends the context), the original context a positive integer."""
+    for key in rope_scaling:  # a misspelt key would leave its setting at the default without a word
+        close = difflib.get_close_matches(str(key), YARN_KEYS, n=1)
+        _require(key in YARN_KEYS, f"model.rope_scaling has the unknown key {key!r}"
+                 + (f" (did you mean {close[0]!r}?)" if close else "") + f"; use only {', '.join(YARN_KEYS)}.")
     has_both = all(rope_scaling.get(key) is not None for key in ("factor", "original_max_position_embeddings"))
     _require(has_both, "model.rope_scaling of type 'yarn' needs 'factor' and 'original_max_position_embeddings'; "
              "add both (DeepSeek-V3 uses 40.0 and 4096).")
