@@ -7,6 +7,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from dropless.data import EOS_TOKEN, DataError, load_tokenizer, train_bpe
+from dropless.data.tokenizer import LONGEST_WORD, training_pieces
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -128,3 +129,18 @@ def test_vocabulary_of_exactly_the_bytes_lacks_room_for_the_end_of_document_toke
 def test_a_directory_given_as_tokenizer(tmp_path):
     with pytest.raises(DataError, match="is a directory; give the path of a tokenizer.json file"):
         load_tokenizer(tmp_path)
+
+
+def test_a_run_of_non_space_characters_reaches_the_trainer_in_words_of_bounded_length():
+    """BPE training slows with the square of a word's length (a 3 MB line without spaces stalls it for hours):
+    longer runs reach it in pieces of at most LONGEST_WORD characters, and shorter text as it is."""
+    text = "ab " + "x" * 600 + " 12" + "9" * 300 + "\n" + "y" * LONGEST_WORD
+    pieces = list(training_pieces(text))
+    assert "".join(pieces) == text and len(pieces) == 4, [len(p) for p in pieces]
+    words = [word for piece in pieces for word in piece.replace("\n", " ").split(" ")]
+    assert max(map(len, words)) == LONGEST_WORD
+    assert list(training_pieces(CORPUS[1])) == [CORPUS[1]] and list(training_pieces("")) == [""]
+    tokenizer = train_bpe(CORPUS + ["q" * 5000], 600)  # one word of 5,000 would merge up to 2,048 q's
+    assert max(len(token) for token in tokenizer.hf.get_vocab()) == LONGEST_WORD
+    text = "head " + "q" * 3000 + " tail"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
