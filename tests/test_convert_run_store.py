@@ -121,6 +121,20 @@ def test_a_router_s_running_input_mean_is_folded_into_its_weight_on_export(tmp_p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_trained_run_without_moe_layers_exports_and_round_trips_exactly(tmp_path):
+    """All layers dense: the router state has 0 rows, which a training checkpoint does not store (nothing to
+    save); the export's verification skips it rather than failing to read it, and the round trip is exact."""
+    config = _tiny({"model.layer_pattern": "DDD", "model.first_dense_layers": 3})
+    params, state = _random_model(config)
+    assert state["router_bias"].shape == (0, config.moe.num_experts)
+    ckpt.save_model(tmp_path / "run", config, params, state)
+    convert_to_hf(tmp_path / "run", tmp_path / "hf")
+    loaded_config, loaded_params, loaded_state = load_hf(tmp_path / "hf")
+    assert loaded_config.model.layer_types == "DDD"
+    for a, b in zip(jax.tree.leaves((loaded_params, loaded_state)), jax.tree.leaves((params, state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_exporting_a_run_whose_config_a_family_cannot_hold_is_refused(tmp_path):
     config = _tiny({"model.family": "mixtral"})  # MLA attention is not Mixtral's
     ckpt.save_model(tmp_path / "run", config, *_random_model(config))

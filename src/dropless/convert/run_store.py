@@ -348,6 +348,8 @@ class RunReader:
         if self.digest is None:
             return
         for leaf, (shape, depth) in self.layout.items():
+            if not np.prod(shape, dtype=np.int64):
+                continue  # no elements (a model without MoE layers: router state of 0 rows): never saved
             folded = self._folded.get(leaf, {})
             if len(folded) == int(np.prod(shape[:depth], dtype=np.int64)):
                 continue  # compared when its last slab was read
