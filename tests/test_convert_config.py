@@ -127,6 +127,16 @@ def test_patterns_a_family_cannot_express_are_refused_on_export():
         config_to_hf(config_from_hf(QWEN3_30B_A3B).replace(**{"model.mtp_layers": 1}))
 
 
+def test_an_mtp_block_type_deepseek_cannot_number_after_the_layers_is_refused_naming_it():
+    """HF types DeepSeek's MTP layers by the main layers' rule: dense MTP blocks after MoE layers 0..3 cannot be
+    written. The refusal names model.mtp_block (the key to change), not a layer pattern nobody set."""
+    deepseek = config_from_hf({**DEEPSEEK_V3, "num_hidden_layers": 4, "first_k_dense_replace": 0})
+    dense_mtp = deepseek.replace(**{"model.mtp_block": "dense"})
+    with pytest.raises(ConvertError, match=r"model.mtp_block='dense' after model.layer_pattern='MMMM' cannot be "
+                                           r"expressed in a DeepseekV3.*change model.mtp_block"):
+        config_to_hf(dense_mtp)
+
+
 def test_deepseek_mtp_layers_map_to_num_nextn_predict_layers():
     config = config_from_hf(DEEPSEEK_V3)
     assert (config.model.mtp_layers, config.model.mtp_block) == (1, "moe")

@@ -197,17 +197,32 @@ def _pattern_keys(letters: str) -> dict:
     return {"first_dense_layers": leading, "layer_pattern": "" if prefix_only else letters}
 
 
-def _deepseek_layer_keys(letters: str) -> dict:
-    """first_k_dense_replace and moe_layer_freq reproducing `letters` by DeepSeek's rule (moe_layer_freq 1
-    where it can be), or ConvertError."""
+def _deepseek_rule(letters: str) -> dict | None:
+    """first_k_dense_replace and moe_layer_freq reproducing `letters` by DeepSeek's rule (moe_layer_freq 1 where it
+    can be), or None where no pair does."""
     count = len(letters)
     for freq in range(1, count + 1):
         for first_k in range(count + 1):
             if all((letter == "M") == _deepseek_is_moe(i, first_k, freq) for i, letter in enumerate(letters)):
                 return {"first_k_dense_replace": first_k, "moe_layer_freq": freq}
-    raise ConvertError(f"model.layer_pattern={letters!r} cannot be expressed in a DeepseekV3ForCausalLM config.json "
-                       "(its layers are dense before first_k_dense_replace and then MoE every moe_layer_freq-th "
-                       "layer); export to qwen3_moe, whose mlp_only_layers holds any pattern, or change the model.")
+    return None
+
+
+def _deepseek_layer_keys(m: ModelConfig) -> dict:
+    """DeepSeek's rule for the main layers followed by the MTP layers (HF numbers them after the main ones and types
+    them by the same rule), or ConvertError naming what to change."""
+    letters = m.layer_types + ("M" if m.mtp_block == "moe" else "D") * m.mtp_layers
+    keys = _deepseek_rule(letters)
+    if keys is not None:
+        return keys
+    rule = ("cannot be expressed in a DeepseekV3ForCausalLM config.json (its layers are dense before "
+            "first_k_dense_replace and then MoE every moe_layer_freq-th layer)")
+    if m.mtp_layers and _deepseek_rule(m.layer_types) is not None:  # the MTP layers' type is what breaks the rule
+        raise ConvertError(f"model.mtp_block={m.mtp_block!r} after model.layer_pattern={m.layer_types!r} {rule}: "
+                           f"HF types the MTP layers, numbered {m.num_layers} on, by the same rule "
+                           f"({letters!r}); change model.mtp_block or the layer pattern.")
+    raise ConvertError(f"model.layer_pattern={m.layer_types!r} {rule}; export to qwen3_moe, whose mlp_only_layers "
+                       "holds any pattern, or change the model.")
 
 
 def config_from_hf(hf: dict, base: Config | None = None) -> Config:
@@ -328,8 +343,7 @@ def config_to_hf(config: Config, source: dict | None = None, dtype: str = "float
                   n_group=moe.n_group, topk_group=moe.topk_group, norm_topk_prob=moe.norm_topk_prob,
                   rope_interleave=True, attention_bias=False, scoring_func="sigmoid", topk_method="noaux_tc",
                   num_nextn_predict_layers=m.mtp_layers)
-        mtp_letters = ("M" if m.mtp_block == "moe" else "D") * m.mtp_layers
-        hf.update(_deepseek_layer_keys(m.layer_types + mtp_letters))
+        hf.update(_deepseek_layer_keys(m))
         if moe.seq_aux_loss_weight > 0:
             hf.update(seq_aux=True, aux_loss_alpha=moe.seq_aux_loss_weight)
     else:
