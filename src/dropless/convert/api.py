@@ -23,7 +23,7 @@ import numpy as np
 from dropless.core import config as config_lib
 from dropless.core.config import Config
 from dropless.convert import run_store
-from dropless.convert.hf_config import ConvertError, config_from_hf, config_to_hf
+from dropless.convert.hf_config import ConvertError, ConvertWarning, config_from_hf, config_to_hf
 from dropless.convert.hf_weights import (FP8_DTYPES, Slab, check_checkpoint, check_coverage, fp8_block_size,
                                          hf_shapes, name_pattern, plan, read_hf_tensor, to_hf, to_ours)
 from dropless.convert.run_store import LeafPath, RunReader, RunWriter, model_leaf_shapes
@@ -243,6 +243,7 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
             reader = RunReader(run_dir, candidate, layout)
             write_sharded(tmp, entries, _export_tensors(reader, slabs, shapes, entries, run_dir), max_shard_bytes)
             reader.verify()
+            _warn_of_dropped_router_bias(reader, slabs, config)
             (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
             if (run_dir / HF_FILES).is_dir():
                 _copy_carried(run_dir / HF_FILES, tmp)
@@ -263,6 +264,20 @@ def convert_to_hf(run_dir: Path, hf_dir: Path, *, dtype: str | None = None, step
     for _, message in damaged:
         warnings.warn(f"{message}; exported checkpoint {exported} instead.", ckpt.CheckpointWarning)
     return exported
+
+
+def _warn_of_dropped_router_bias(reader: RunReader, slabs: list[Slab], config) -> None:
+    """Warn where the run's routers have balancing biases the family's HF format has no tensor for (Mixtral,
+    Qwen3-MoE: trained with moe.bias_update_rate > 0): they are left out, and the exported model selects experts
+    without them."""
+    rows = [reader.read(slab.leaf, slab.index) for slab in slabs  # (a whole-leaf slab: no MoE layer, no rows)
+            if slab.leaf == ("state", "router_bias") and not slab.hf_names and slab.index]
+    largest = max((float(np.max(np.abs(row), initial=0.0)) for row in rows), default=0.0)
+    if largest > 0:
+        warnings.warn(f"the routers' balancing biases (largest |bias| {largest:.3g}) have no tensor in the "
+                      f"{config.model.family} format and are left out, so the exported model selects experts "
+                      "without them and its outputs differ from the run's; for an exact export train this family "
+                      "with moe.bias_update_rate=0 (balancing by moe.aux_loss_weight)", ConvertWarning)
 
 
 def _export_tensors(reader: RunReader, slabs: list[Slab], shapes: dict, entries: list,

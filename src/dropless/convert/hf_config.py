@@ -64,6 +64,11 @@ class ConvertError(ConfigError):
     """A Hugging Face checkpoint or config we cannot convert; the message names the item and the fix."""
 
 
+class ConvertWarning(UserWarning):
+    """What an export or import leaves out or changes that the user should know of (`dropless convert` prints it
+    as one line)."""
+
+
 def family_of(hf: dict) -> str:
     """Our model family for an HF config dict, from `architectures` (or `model_type`)."""
     archs = hf.get("architectures") or []
