@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from dropless.core import config as config_lib
+from dropless.train import checkpoint as ckpt
 from dropless.train import loop
 from dropless.train import overwrite as overwrite_lib
 from dropless.train.loop import train
@@ -263,3 +264,33 @@ def test_the_next_start_resumes_the_run_an_interrupted_overwrite_set_aside(tmp_p
     assert {k: v for k, v in files_of(run_dir).items() if k != "config.json"} == \
            {k: v for k, v in before.items() if k != "config.json"}  # config.json: the resolved schedule horizon
     assert len(logged) == 1 and "back in place" in logged[0]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_before_the_next_start_an_interrupted_overwrite_s_run_is_read_as_the_one_it_will_leave(tmp_path, monkeypatch,
+                                                                                              corpus, stage):
+    """Killed anywhere in setting the old run aside, putting it back or discarding it: before the next start
+    recovers, `run_config_path` (what `train --resume` builds its config from) names the config.json that recovery
+    will leave in place (none where it leaves none), and `reaches_a_checkpoint` answers for the run it will leave,
+    wherever its files stand: in place, in `.replacing`, `.replaced` or `.restoring`."""
+    old, new = small_config(corpus), small_config(corpus, **{"train.steps": 7})
+    _, made = _interrupted(tmp_path, monkeypatch, stage, None, old, new, True)
+    for n in range(len(made)):
+        run_dir, _ = _interrupted(tmp_path, monkeypatch, stage, n, old, new, True)
+        config_path, reaches = overwrite_lib.run_config_path(run_dir), overwrite_lib.reaches_a_checkpoint(run_dir)
+        steps = config_lib.load(config_path).train.steps if config_path.is_file() else None
+        overwrite_lib.recover(run_dir, lambda line: None)
+        left = run_dir / "config.json"
+        assert steps == (config_lib.load(left).train.steps if left.is_file() else None), (stage, n, config_path)
+        assert reaches == ckpt.reached_a_checkpoint(run_dir), (stage, n)
+
+
+def test_a_trained_run_beside_a_set_aside_one_is_the_run_read(tmp_path, corpus):
+    """A `.replaced` beside a run that reached a checkpoint is deleted by the next start: `train --resume` builds its
+    config from the trained run's config.json, not from the one set aside."""
+    run_dir = tmp_path / "run"
+    fake_run(run_dir, small_config(corpus))
+    overwrite_lib.set_aside(run_dir)
+    fake_run(run_dir, small_config(corpus, **{"train.steps": 7}))
+    assert overwrite_lib.run_config_path(run_dir) == run_dir / "config.json"
+    assert config_lib.load(overwrite_lib.run_config_path(run_dir)).train.steps == 7
