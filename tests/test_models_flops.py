@@ -51,3 +51,12 @@ def test_deepseek_v3_flops_per_token_at_4k():
     assert flops.attention_flops_per_token(config, 4096) == 30_702_305_280
     # 37.55B active parameters less the 0.93B embedding gather, x 6.
     assert flops.model_flops_per_token(config, 4096) / 1e9 == pytest.approx(6 * (37.552 - 0.927) + 30.70, abs=0.05)
+
+
+def test_mla_attention_counts_the_value_width_apart_from_the_query_key_width():
+    """Every MLA preset has v_head_dim == qk_nope_head_dim; a model whose value heads are narrower counts its own
+    probs @ v width W, not the query's nope width."""
+    config = load_preset("deepseek-v3-671b").replace(**{"model.mtp_layers": 0, "model.v_head_dim": 64})
+    m = config.model
+    assert flops.attention_head_widths(config) == (m.qk_nope_head_dim + m.qk_rope_head_dim, 64)
+    assert flops.attention_flops_per_token(config, 4096) == 3 * m.num_layers * 4096 * m.num_heads * (192 + 64)
