@@ -261,7 +261,7 @@ def test_shape_mismatches_raise_one_clear_error():
         call(c=Config(moe=cfg))
 
 
-@pytest.mark.parametrize("rows", [None, 32, 200])
+@pytest.mark.parametrize("rows", [None, 24, 32, 200])
 def test_local_executor_reports_the_pairs_its_capacity_gemm_drops(rows):
     """LocalExecutor counts dropped pairs for the rows the grouped GEMM gets (at most T*K, whatever `rows` asks):
     the same count as the capacity GEMM's own on the permuted rows, none left out of the output silently."""
