@@ -58,3 +58,19 @@ def test_record_lines_prints_each_record_as_it_comes_and_writes_them_together(tm
     assert written["benchmark"] == "b" and written["shape"] == [1] and written["environment"]["platform"]
     assert [r["i"] for r in written["records"]] == [0, 1] and written["records"][0]["dtype"] == "float32"
     assert records.record_lines("b", None, lambda emit: emit({"i": 0})) == [{"i": 0}]
+
+
+def test_without_dropless_commit_a_record_names_the_checked_out_commit_of_its_source(monkeypatch):
+    """No DROPLESS_COMMIT: the commit is `git rev-parse HEAD` of the source the benchmark ran from."""
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    monkeypatch.delenv("DROPLESS_COMMIT", raising=False)
+    source = Path(records.__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=source)
+    if head.returncode != 0:
+        pytest.skip("the source is not a git checkout")
+    commit = records.environment()["commit"]
+    assert commit and len(commit) >= 7 and head.stdout.strip().startswith(commit)
