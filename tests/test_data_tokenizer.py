@@ -144,3 +144,21 @@ def test_a_run_of_non_space_characters_reaches_the_trainer_in_words_of_bounded_l
     assert max(len(token) for token in tokenizer.hf.get_vocab()) == LONGEST_WORD
     text = "head " + "q" * 3000 + " tail"
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_a_vocabulary_with_gaps_in_its_ids_needs_the_largest_id_plus_one(tmp_path):
+    """A tokenizer.json whose ids skip some numbers: the model's embedding must hold its largest id, not merely as
+    many rows as it has tokens; a model vocabulary of exactly that size is enough, one less is refused."""
+    hf = Tokenizer(models.BPE(vocab={"a": 0, "b": 5}, merges=[]))
+    hf.add_special_tokens(["</s>"])
+    hf.save(str(tmp_path / "t.json"))
+    loaded = load_tokenizer(tmp_path / "t.json", vocab_size=6)  # 3 tokens, ids 0, 2 and 5
+    assert (loaded.eos_id, loaded.vocab_size) == (2, 6)
+    with pytest.raises(DataError, match="has 6 tokens but model.vocab_size=5; set model.vocab_size=6"):
+        load_tokenizer(tmp_path / "t.json", vocab_size=5)
+
+
+def test_decoding_keeps_the_end_of_document_token(tokenizer):
+    """Generated text shows where a document ended: decode spells the end token out rather than dropping it."""
+    ids = np.concatenate([tokenizer.encode("ab"), [tokenizer.eos_id], tokenizer.encode("cd")])
+    assert tokenizer.decode(ids) == f"ab{EOS_TOKEN}cd"
