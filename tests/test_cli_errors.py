@@ -681,3 +681,45 @@ def test_init_from_hf_with_a_model_override_that_reshapes_the_weights_is_one_lin
                               "model.vocab_size=512"),
                     "The initial weights' params['embed'] has shape (128, 32), but this config's model has (512, 32)")
     assert not (tmp_path / "run").exists()
+
+
+def _started(monkeypatch) -> list:
+    """Stand in for the training loop: records the config `dropless train` would start it with."""
+    import types
+
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda config, run_dir, **kwargs: seen.append(config)
+                        or types.SimpleNamespace(eval_losses=[]))
+    return seen
+
+
+def test_resume_applies_steps_data_and_tokenizer_flags_on_the_saved_config(tmp_path, monkeypatch):
+    """`train --resume --steps N` extends a run: the flags apply on top of the run's saved config, like overrides."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), run_dir / "config.json")
+    seen = _started(monkeypatch)
+    assert cli.main(["train", "--run-dir", str(run_dir), "--resume", "--steps", "777", "--data", "more.txt",
+                     "--tokenizer", "tok.json", "train.seed=5"]) == 0
+    (config,) = seen
+    assert (config.train.steps, config.data.source, config.data.tokenizer, config.train.seed) == \
+           (777, "more.txt", "tok.json", 5)
+
+
+def test_init_from_hf_takes_the_model_from_the_checkpoint_and_training_settings_from_the_preset(tmp_path, monkeypatch):
+    """--init-from-hf: the model is the checkpoint's; train/data/parallel come from --preset; the checkpoint's own
+    tokenizer.json is used unless --tokenizer names another."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "tokenizer.json").write_text("{}")
+    hf_config = config_lib.load_preset("tiny").replace(**{"model.num_layers": 3, "train.seed": 11, "train.warmup_steps": 3})
+    monkeypatch.setattr(cli, "load_hf", lambda path: (hf_config, None, None))
+    seen = _started(monkeypatch)
+    preset = config_lib.load_preset("tiny")
+    assert cli.main(["train", "--preset", "tiny", "--init-from-hf", str(hf_dir), "--run-dir", str(tmp_path / "r")]) == 0
+    assert cli.main(["train", "--preset", "tiny", "--init-from-hf", str(hf_dir), "--run-dir", str(tmp_path / "r"),
+                     "--tokenizer", "mine.json"]) == 0
+    own, given = seen
+    assert own.model == hf_config.model
+    assert (own.train.seed, own.train.warmup_steps) == (preset.train.seed, preset.train.warmup_steps)
+    assert own.data.tokenizer == str(hf_dir / "tokenizer.json") and given.data.tokenizer == "mine.json"
