@@ -73,6 +73,13 @@ def test_loaded_tokenizer_finds_another_end_of_document_token(tmp_path):
     hf.save(str(tmp_path / "t.json"))
     loaded = load_tokenizer(tmp_path / "t.json")
     assert loaded.eos_token == "</s>" and loaded.eos_id == 3 and loaded.vocab_size == 4
+    # Several candidates: the first in the documented order (docs/data.md), whatever their ids.
+    candidates = ["<|im_end|>", "<eos>", "</s>", "<|end_of_text|>"]
+    for held in (candidates, candidates[:3], candidates[:2]):
+        hf = Tokenizer(models.BPE())
+        hf.add_special_tokens(held)
+        hf.save(str(tmp_path / "several.json"))
+        assert load_tokenizer(tmp_path / "several.json").eos_token == held[-1], held
 
 
 def test_missing_tokenizer_file(tmp_path):
