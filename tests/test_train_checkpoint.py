@@ -154,6 +154,44 @@ def test_a_step_deleted_while_it_is_read_is_skipped_with_nothing_set_aside(tmp_p
     assert not (tmp_path / "checkpoints.damaged").exists()
 
 
+def test_a_reader_racing_a_trainer_that_rotates_its_only_checkpoint_reads_the_new_one(tmp_path, monkeypatch):
+    """A trainer keeping one checkpoint saves the next step and deletes the one a reader is reading: the reader
+    (generate, logits, convert, load_model) says in one warning that it was deleted and reads the new one, instead
+    of calling it damaged with "every older checkpoint" and asking to restore the run from a copy. A step deleted
+    between orbax's listing of the steps and its look at that step's metadata is listed again, not a traceback."""
+    _save_run(tmp_path, [10])
+    read, new = ocp.CheckpointManager.restore, _model(20)
+
+    def trainer_saves_meanwhile(self, step, *args, **kwargs):
+        if step == 10:
+            with ckpt.manager(tmp_path, keep=1) as trainer:  # what the trainer's manager does: save, then rotate
+                ckpt.save(trainer, 20, new[0]["params"], new[0]["state"], new[1]["opt_state"])
+            assert not (ckpt.checkpoint_dir(tmp_path) / "10").exists()
+        return read(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", trainer_saves_meanwhile)
+    with pytest.warns(ckpt.CheckpointWarning, match=r"^checkpoint 10 in .* cannot be read: another process "
+                                                    r"deleted it while it was read .*; using checkpoint 20\.$"):
+        model = ckpt.restore_latest(tmp_path, _model(0)[0], set_aside=False, fix=ckpt.READ_FIX,
+                                    log=lambda line: warnings.warn(line.removeprefix("dropless: ").replace(
+                                        "resuming from", "using"), ckpt.CheckpointWarning))[1]["model"]
+    _assert_equal_trees(model, new[0])
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", read)
+
+    listed = ocp.step.standard_name_format().find_all
+    deletions = iter([20])
+
+    def deleted_after_listing(self, directory):  # the first listing finds step 20, which is gone before its look
+        found = list(listed(directory))
+        for step in deletions:
+            shutil.rmtree(ckpt.checkpoint_dir(tmp_path) / str(step))
+            _save_run(tmp_path, [30])
+        return found
+
+    monkeypatch.setattr(type(ocp.step.standard_name_format()), "find_all", deleted_after_listing)
+    assert ckpt.all_steps(tmp_path) == [30]
+
+
 def test_a_step_replaced_by_a_file_is_damaged_not_passed_over(tmp_path):
     """orbax lists only directories: a file in a step's place is reported (not an older step read in silence),
     --resume sets it aside (a later save of that step would remove it), and a run of such files says so."""

@@ -109,9 +109,17 @@ def manager(run_dir: Path, keep: int | None = None, read_only: bool = False) -> 
     try:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only, read_only=read_only,
                                                enable_async_checkpointing=False)
-        return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=ITEMS)
+        for attempt in range(_LISTING_ATTEMPTS):
+            try:
+                return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=ITEMS)
+            except FileNotFoundError:  # a step listed, then deleted (a trainer rotating its oldest) before its
+                if not read_only or attempt == _LISTING_ATTEMPTS - 1:  # metadata was read: list them again
+                    raise
     finally:
         absl.removeFilter(_not_a_read_only_note)
+
+
+_LISTING_ATTEMPTS = 5
 
 
 def _has_checkpoint_dir(run_dir: Path) -> bool:
@@ -584,14 +592,27 @@ def restore_latest(run_dir: Path, like_model, like_optimizer=None, *, log: Calla
 def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
                 fix: str) -> tuple[int, Any, list[tuple[int, str]]]:
     """(step, attempt(step), damaged) for the first of `steps` (newest first) whose `attempt` raises no
-    DamagedCheckpoint; `damaged` holds the (step, message) of those before it. Where none is good, a
+    DamagedCheckpoint; `damaged` holds the (step, message) of those before it. A step that another process deleted
+    while it was read (a trainer keeping its newest train.keep_checkpoints) counts as such, whatever its error;
+    after each failure the steps are listed again, so that the one saved meanwhile is read next. Where none is good, a
     CheckpointError names them all and ends with `fix` (what the user can do: RESUME_FIX, READ_FIX)."""
-    damaged = []
-    for step in steps:
+    damaged, tried, queue = [], set(), list(steps)
+    while queue:
+        step = queue.pop(0)
+        tried.add(step)
         try:
             return step, attempt(step), damaged
-        except DamagedCheckpoint as err:
-            damaged.append((step, str(err)))
+        except CheckpointError as err:
+            if os.path.lexists(checkpoint_dir(run_dir) / str(step)):
+                if not isinstance(err, DamagedCheckpoint):
+                    raise
+                damaged.append((step, str(err)))
+            else:  # another process (the run's trainer, rotating its oldest away) deleted it while it was read
+                damaged.append((step, f"checkpoint {step} in {checkpoint_dir(run_dir)} cannot be read: another "
+                                      "process deleted it while it was read (such as the run's trainer keeping "
+                                      "its newest train.keep_checkpoints)"))
+        # the steps saved meanwhile come first: a trainer that deleted this one has saved a newer one
+        queue = sorted(set(all_steps(run_dir)) - tried, reverse=True)
     raise CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in {checkpoint_dir(run_dir)} "
                           f"(steps {', '.join(str(s) for s, _ in damaged)}); {fix}.")
 
