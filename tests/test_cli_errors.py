@@ -24,7 +24,7 @@ from dropless.core.config import ConfigError
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.data import train_bpe
 from dropless.train import checkpoint as ckpt
-from dropless.train import loop, overwrite
+from dropless.train import loop, overwrite, run_lock
 from tests.test_train import CORPUS, SMALL
 
 SMALL_OVERRIDES = [f"{k}={v}" for k, v in SMALL.items()]
@@ -516,6 +516,25 @@ def test_reading_a_run_an_interrupted_overwrite_set_aside_says_where_it_is(capsy
                     "set aside by an --overwrite", f"dropless train --run-dir {run_dir} --resume")
     assert_one_line(*run_main(capsys, "convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "hf")),
                     "set aside by an --overwrite", f"dropless train --run-dir {run_dir} --resume")
+    assert (run_dir / ".replaced" / "checkpoints" / "5").is_dir() and not (tmp_path / "hf").exists()
+
+
+def test_reading_a_run_an_overwrite_in_progress_set_aside_names_that_process(capsys, tmp_path):
+    """`generate` and `convert --from` while `train --overwrite` runs in the run directory, before its first
+    checkpoint: not "an --overwrite stopped" with a `--resume` to run (that trainer holds the lock, and its first
+    checkpoint discards the old run), but the live process and to wait; nothing is moved."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "5").mkdir(parents=True)
+    config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), run_dir / "config.json")
+    train_bpe(["def f(x):\n    return x\n" * 50], SMALL["model.vocab_size"]).save(run_dir / "tokenizer.json")
+    with run_lock.hold(run_dir):  # the --overwrite trainer, between setting the old run aside and its checkpoint
+        overwrite.set_aside(run_dir)
+        config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), run_dir / "config.json")
+        for command in (["generate", "--run-dir", str(run_dir), "--prompt", "x"],
+                        ["convert", "--from", str(run_dir), "--to-hf", str(tmp_path / "hf")]):
+            status, err = run_main(capsys, *command)
+            assert "stopped before" not in err and "--resume" not in err, err
+            assert_one_line(status, err, f"being overwritten by dropless process {os.getpid()}", "first checkpoint")
     assert (run_dir / ".replaced" / "checkpoints" / "5").is_dir() and not (tmp_path / "hf").exists()
 
 

@@ -29,6 +29,7 @@ from typing import Callable
 from dropless.core import files
 from dropless.data.loader import CACHE_DIR, ORIGIN_FILE, TOKEN_CACHE, TOKENIZER_FILE
 from dropless.train import checkpoint as ckpt
+from dropless.train import run_lock
 
 # What the new run replaces (hf_source.json: a run made by `dropless convert --from-hf`, whose export reads it).
 REPLACED_FILES = ("checkpoints", "checkpoints.damaged", "metrics.jsonl", "router.bin", "router.json", "tensorboard",
@@ -127,6 +128,11 @@ def check_readable(run_dir: Path) -> None:
     checkpoint", a user may delete the run; the next `dropless train` there puts it back."""
     run_dir = Path(run_dir)
     if not ckpt.all_steps(run_dir) and reaches_a_checkpoint(run_dir):
+        if (pid := run_lock.holder(run_dir)) is not None:  # not stopped: that --overwrite is training now
+            raise ckpt.CheckpointError(
+                f"{run_dir} is being overwritten by dropless process {pid}, which set its old run aside and has not "
+                "written the new run's first checkpoint yet; read it once that checkpoint is written, or stop that "
+                "process (the next `dropless train` there then puts the old run back).")
         raise ckpt.CheckpointError(
             f"{run_dir}'s run was set aside by an --overwrite stopped before its new run's first checkpoint, and has "
             f"no finished checkpoint in place; the next `dropless train` there puts it back (`dropless train "

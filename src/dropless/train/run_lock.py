@@ -46,6 +46,22 @@ def hold(run_dir: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock; the file stays (removing it would race with a process about to lock it)
 
 
+def holder(run_dir: Path) -> str | None:
+    """The PID of the process that holds RUN_DIR/.lock (a trainer), or None where none does. The look is a
+    shared lock taken and dropped at once, without waiting; a trainer starting in that instant is refused."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:  # no lock file: never trained, or not readable (then nothing to tell)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+    return None
+
+
 def holds_run_dir(train):
     """Decorate `train(config, run_dir, ...)` so that process 0 holds the run directory's lock throughout,
     from before --overwrite deletes anything until the last checkpoint is written. A directory the lock made (it
