@@ -192,6 +192,26 @@ def test_a_reader_racing_a_trainer_that_rotates_its_only_checkpoint_reads_the_ne
     assert ckpt.all_steps(tmp_path) == [30]
 
 
+def test_a_step_moved_away_while_orbax_looks_at_it_is_listed_again(tmp_path, monkeypatch):
+    """`train --overwrite` moving the run's checkpoints aside while a reader lists them: a step orbax found, then
+    gone between its check that the step's path exists and that it is a directory, made orbax raise "Path is not
+    a directory" out of every reader (a traceback); the steps are listed again."""
+    _save_run(tmp_path, [10])
+    exists = etils.epath.gpath.PosixGPath.exists
+    moves = iter([10])
+
+    def moved_after_the_look(self):
+        found = exists(self)
+        looking = sys._getframe(1).f_code.co_name == "_sanitize_metadata_path"  # then orbax asks is_dir()
+        if found and looking and self.name == "10" and next(moves, None) is not None:  # --overwrite: aside, new
+            shutil.move(ckpt.checkpoint_dir(tmp_path), tmp_path / "aside")
+            _save_run(tmp_path, [20])
+        return found
+
+    monkeypatch.setattr(etils.epath.gpath.PosixGPath, "exists", moved_after_the_look)
+    assert ckpt.all_steps(tmp_path) == [20]
+
+
 def test_a_step_replaced_by_a_file_is_damaged_not_passed_over(tmp_path):
     """orbax lists only directories: a file in a step's place is reported (not an older step read in silence),
     --resume sets it aside (a later save of that step would remove it), and a run of such files says so."""

@@ -112,8 +112,10 @@ def manager(run_dir: Path, keep: int | None = None, read_only: bool = False) -> 
         for attempt in range(_LISTING_ATTEMPTS):
             try:
                 return ocp.CheckpointManager(checkpoint_dir(run_dir), options=options, item_names=ITEMS)
-            except FileNotFoundError:  # a step listed, then deleted (a trainer rotating its oldest) before its
-                if not read_only or attempt == _LISTING_ATTEMPTS - 1:  # metadata was read: list them again
+            except (FileNotFoundError, NotADirectoryError):  # a step listed, then deleted (a trainer rotating
+                # its oldest) or moved aside (--overwrite) before orbax looked at it (NotADirectoryError: gone
+                # between orbax's exists() and is_dir()): list them again
+                if not read_only or attempt == _LISTING_ATTEMPTS - 1:
                     raise
     finally:
         absl.removeFilter(_not_a_read_only_note)
