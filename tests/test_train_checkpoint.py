@@ -192,6 +192,27 @@ def test_a_reader_racing_a_trainer_that_rotates_its_only_checkpoint_reads_the_ne
     assert ckpt.all_steps(tmp_path) == [30]
 
 
+def test_a_run_moved_aside_while_it_is_read_is_not_called_damaged(tmp_path, monkeypatch):
+    """`train --overwrite` setting the run's checkpoints aside while a reader reads the only one: not "damaged,
+    and so is every older checkpoint; restore its checkpoints from a copy" (nothing is damaged, and the old run is
+    put back or replaced by the trainer), but one line saying another process moved them and to read it again."""
+    _save_run(tmp_path, [10])
+    read = ocp.CheckpointManager.restore
+
+    def set_aside_meanwhile(self, step, *args, **kwargs):
+        (ckpt.checkpoint_dir(tmp_path)).rename(tmp_path / "aside")
+        ckpt.checkpoint_dir(tmp_path).mkdir()  # the new run's, empty until its first checkpoint
+        return read(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", set_aside_meanwhile)
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.restore_latest(tmp_path, _model(0)[0], set_aside=False, fix=ckpt.READ_FIX)
+    message = str(err.value)
+    assert "damaged" not in message and "every older" not in message and ckpt.READ_FIX not in message, message
+    assert "(steps 10) was deleted or moved by another process" in message and "read it again" in message, message
+    assert len(message.splitlines()) == 1 and not isinstance(err.value, ckpt.DamagedCheckpoint)
+
+
 def test_a_step_moved_away_while_orbax_looks_at_it_is_listed_again(tmp_path, monkeypatch):
     """`train --overwrite` moving the run's checkpoints aside while a reader lists them: a step orbax found, then
     gone between its check that the step's path exists and that it is a directory, made orbax raise "Path is not

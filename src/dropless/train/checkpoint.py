@@ -598,7 +598,7 @@ def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
     while it was read (a trainer keeping its newest train.keep_checkpoints) counts as such, whatever its error;
     after each failure the steps are listed again, so that the one saved meanwhile is read next. Where none is good, a
     CheckpointError names them all and ends with `fix` (what the user can do: RESUME_FIX, READ_FIX)."""
-    damaged, tried, queue = [], set(), list(steps)
+    damaged, tried, queue, vanished = [], set(), list(steps), []
     while queue:
         step = queue.pop(0)
         tried.add(step)
@@ -610,11 +610,17 @@ def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
                     raise
                 damaged.append((step, str(err)))
             else:  # another process (the run's trainer, rotating its oldest away) deleted it while it was read
+                vanished.append(step)
                 damaged.append((step, f"checkpoint {step} in {checkpoint_dir(run_dir)} cannot be read: another "
                                       "process deleted it while it was read (such as the run's trainer keeping "
                                       "its newest train.keep_checkpoints)"))
         # the steps saved meanwhile come first: a trainer that deleted this one has saved a newer one
         queue = sorted(set(all_steps(run_dir)) - tried, reverse=True)
+    if len(vanished) == len(damaged):  # none damaged: the run was moved or deleted under the reader
+        raise CheckpointError(f"every checkpoint of {run_dir} that was read (steps {', '.join(map(str, vanished))}) "
+                              "was deleted or moved by another process meanwhile (a `dropless train --overwrite` "
+                              "there, or a trainer keeping its newest train.keep_checkpoints), and none is left; "
+                              "read it again once that process has written a checkpoint.")
     raise CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in {checkpoint_dir(run_dir)} "
                           f"(steps {', '.join(str(s) for s, _ in damaged)}); {fix}.")
 
