@@ -213,6 +213,21 @@ def test_a_run_moved_aside_while_it_is_read_is_not_called_damaged(tmp_path, monk
     assert len(message.splitlines()) == 1 and not isinstance(err.value, ckpt.DamagedCheckpoint)
 
 
+def test_a_step_listed_while_a_trainer_deletes_it_logs_nothing(tmp_path, caplog, monkeypatch):
+    """A trainer rotating its oldest step deletes that step's metadata file first: a reader listing the steps
+    meanwhile made orbax log "Metadata file does not exist" through the Python API (a warning per listing, beside
+    the reader's own output); it stays out, as the notes on an unparsable metadata file do."""
+    absl = logging.getLogger("absl")
+    monkeypatch.setattr(absl, "filters", list(absl.filters))  # the filter the manager installs goes with the test
+    monkeypatch.setattr(absl, "level", logging.NOTSET)
+    _save_run(tmp_path, [10, 20])
+    (ckpt.checkpoint_dir(tmp_path) / "10" / "_CHECKPOINT_METADATA").unlink()  # the deletion under way
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.all_steps(tmp_path) == [20, 10]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_a_step_moved_away_while_orbax_looks_at_it_is_listed_again(tmp_path, monkeypatch):
     """`train --overwrite` moving the run's checkpoints aside while a reader lists them: a step orbax found, then
     gone between its check that the step's path exists and that it is a directory, made orbax raise "Path is not

@@ -95,10 +95,13 @@ def _not_a_read_only_note(record: logging.LogRecord) -> bool:
 
 
 def _not_a_metadata_note(record: logging.LogRecord) -> bool:
-    """orbax logs an error for each step whose optional metadata file it cannot parse. That file is not what a
-    checkpoint is verified by: the checkpoint then restores and matches its digest, or dropless reports it damaged
-    in one line and reads an older one, so the note only adds lines before that one (DROPLESS_DEBUG keeps it)."""
-    return debugging() or not str(record.msg).startswith("Failed to json parse Metadata file")
+    """orbax logs an error for each step whose optional metadata file it cannot parse, and a warning for each
+    whose metadata file is missing (a step another process is deleting while it is listed: a trainer rotating its
+    oldest). That file is not what a checkpoint is verified by: the checkpoint then restores and matches its
+    digest, or dropless reports it damaged in one line and reads another, so the note only adds lines before that
+    one (DROPLESS_DEBUG keeps it)."""
+    return debugging() or not str(record.msg).startswith(("Failed to json parse Metadata file",
+                                                          "Metadata file does not exist"))
 
 
 def manager(run_dir: Path, keep: int | None = None, read_only: bool = False) -> ocp.CheckpointManager:
