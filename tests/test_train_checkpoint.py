@@ -192,6 +192,38 @@ def test_a_reader_racing_a_trainer_that_rotates_its_only_checkpoint_reads_the_ne
     assert ckpt.all_steps(tmp_path) == [30]
 
 
+def test_a_step_still_being_rotated_away_when_its_read_fails_is_not_called_damaged(tmp_path, monkeypatch):
+    """The trainer deletes a rotated step file by file: a reader's read of it can fail (a truncated or missing
+    file) while its directory is still there. With a newer step saved meanwhile it is given a moment to disappear,
+    and reported as deleted, not as unreadable data ("Truncated Zstd-compressed data" read as damage)."""
+    _save_run(tmp_path, [10])
+    read, new, lexists = ocp.CheckpointManager.restore, _model(20), os.path.lexists
+    step_10 = str(ckpt.checkpoint_dir(tmp_path) / "10")
+    deleting = []
+
+    def trainer_rotates_meanwhile(self, step, *args, **kwargs):
+        if step == 10:
+            with ckpt.manager(tmp_path, keep=10) as trainer:
+                ckpt.save(trainer, 20, new[0]["params"], new[0]["state"], new[1]["opt_state"])
+            shutil.rmtree(Path(step_10) / "model")  # the deletion under way: the read fails, the directory stays
+            deleting.append(step)
+        return read(self, step, *args, **kwargs)
+
+    def deletion_ends_after_the_first_look(path):
+        found = lexists(path)
+        if deleting and str(path) == step_10 and found:
+            shutil.rmtree(step_10)  # ... and ends just after the reader's first look
+        return found
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", trainer_rotates_meanwhile)
+    monkeypatch.setattr(ckpt.os.path, "lexists", deletion_ends_after_the_first_look)
+    lines = []
+    model = ckpt.restore_latest(tmp_path, _model(0)[0], set_aside=False, fix=ckpt.READ_FIX,
+                                log=lines.append)[1]["model"]
+    _assert_equal_trees(model, new[0])
+    assert len(lines) == 1 and "checkpoint 10 in" in lines[0] and "another process deleted it" in lines[0], lines
+
+
 def test_a_run_moved_aside_while_it_is_read_is_not_called_damaged(tmp_path, monkeypatch):
     """`train --overwrite` setting the run's checkpoints aside while a reader reads the only one: not "damaged,
     and so is every older checkpoint; restore its checkpoints from a copy" (nothing is damaged, and the old run is

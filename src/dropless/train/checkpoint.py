@@ -608,7 +608,8 @@ def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
         try:
             return step, attempt(step), damaged
         except CheckpointError as err:
-            if os.path.lexists(checkpoint_dir(run_dir) / str(step)):
+            newer_saved = any(later > step for later in all_steps(run_dir))
+            if not _gone(checkpoint_dir(run_dir) / str(step), _ROTATION_S if newer_saved else 0.0):
                 if not isinstance(err, DamagedCheckpoint):
                     raise
                 damaged.append((step, str(err)))
@@ -626,6 +627,21 @@ def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
                               "read it again once that process has written a checkpoint.")
     raise CheckpointError(f"{damaged[0][1]}, and so is every older checkpoint in {checkpoint_dir(run_dir)} "
                           f"(steps {', '.join(str(s) for s, _ in damaged)}); {fix}.")
+
+
+# How long a step that failed to read, while a newer one was saved, is given to disappear: a trainer rotating it
+# away deletes its files one by one, so a read can fail before the directory is gone.
+_ROTATION_S = 2.0
+
+
+def _gone(path: Path, wait_s: float) -> bool:
+    """Whether `path` is gone, or goes within `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while os.path.lexists(path):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _set_aside(run_dir: Path, step: int) -> Path | None:
