@@ -608,7 +608,9 @@ def newest_good(run_dir: Path, steps: list[int], attempt: Callable[[int], Any],
         try:
             return step, attempt(step), damaged
         except CheckpointError as err:
-            newer_saved = any(later > step for later in all_steps(run_dir))
+            # (a newer step not tried yet: saved meanwhile; older damaged steps of a run whose newer ones
+            # failed too are not waited for)
+            newer_saved = any(later > step and later not in tried for later in all_steps(run_dir))
             if not _gone(checkpoint_dir(run_dir) / str(step), _ROTATION_S if newer_saved else 0.0):
                 if not isinstance(err, DamagedCheckpoint):
                     raise
