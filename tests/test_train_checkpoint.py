@@ -306,6 +306,21 @@ def test_a_step_replaced_by_a_file_is_damaged_not_passed_over(tmp_path):
         _restore_latest(tmp_path / "run")
 
 
+def test_damaged_steps_behind_damaged_newer_ones_are_not_waited_for(tmp_path, monkeypatch):
+    """A step that fails while a newer one exists may be one a trainer is deleting (rotation), and is given time to
+    go; newer steps that were tried and failed themselves are no such sign, so each damaged step is reported at
+    once."""
+    _save_run(tmp_path, [10, 20, 30])
+    for step in (20, 30):
+        shutil.rmtree(tmp_path / "checkpoints" / str(step) / "optimizer")
+    waits = []
+    gone = ckpt._gone
+    monkeypatch.setattr(ckpt, "_gone", lambda path, wait_s: waits.append((path.name, wait_s)) or gone(path, wait_s))
+    step, _, lines = _restore_latest(tmp_path)
+    assert step == 10 and len(lines) == 2, lines
+    assert waits == [("30", 0.0), ("20", 0.0)]
+
+
 @pytest.mark.parametrize("times", [2, 3])
 def test_a_step_damaged_again_is_set_aside_beside_its_earlier_copies(tmp_path, times):
     """A resumed run saves the set-aside step again; damaged again, each copy goes beside the earlier ones (20,
