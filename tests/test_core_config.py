@@ -66,7 +66,7 @@ def test_the_fp8_weight_cache_can_be_turned_off_only_where_there_is_one(fp8):
 
 
 def test_cross_group_and_rope_settings_are_validated_when_the_config_is_built():
-    with pytest.raises(ConfigError, match="moe.num_experts=6 is not divisible by parallel.expert=4; .* the number of devices\)\."):
+    with pytest.raises(ConfigError, match=r"moe.num_experts=6 is not divisible by parallel.expert=4; .* the number of devices\)\."):
         Config(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(expert=4))
     Config(moe=MoEConfig(num_experts=8), parallel=ParallelConfig(expert=4))
     with pytest.raises(ConfigError, match="needs 'factor' and 'original_max_position_embeddings'"):
