@@ -36,14 +36,18 @@ def hold(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise RunDirLocked(f"{run_dir} is in use by another dropless process (PID {holder}); wait for it to "
+            raise RunDirLocked(f"{run_dir} is in use by another dropless process (PID {_pid(fd)}); wait for it to "
                                "finish or stop it, or choose another --run-dir.") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock; the file stays (removing it would race with a process about to lock it)
+
+
+def _pid(fd: int) -> str:
+    """The PID the lock's holder wrote into the open lock file `fd`."""
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
 
 
 def holder(run_dir: Path) -> str | None:
@@ -56,7 +60,7 @@ def holder(run_dir: Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        return _pid(fd)
     finally:
         os.close(fd)
     return None
