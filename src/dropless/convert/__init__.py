@@ -11,5 +11,5 @@ from dropless.convert.api import check_tokens, compute_logits, convert_from_hf, 
 from dropless.convert.hf_config import (ARCHITECTURES, ConvertError, ConvertWarning, config_from_hf,
                                         config_to_hf)
 
-__all__ = ["ARCHITECTURES", "ConvertError", "ConvertWarning", "check_tokens", "compute_logits", "config_from_hf", "config_to_hf",
-           "convert_from_hf", "convert_to_hf", "load_hf"]
+__all__ = ["ARCHITECTURES", "ConvertError", "ConvertWarning", "check_tokens", "compute_logits", "config_from_hf",
+           "config_to_hf", "convert_from_hf", "convert_to_hf", "load_hf"]
