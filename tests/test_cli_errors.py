@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from dropless.core.arguments import ArgumentParser
 from dropless.core.config import ConfigError
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.data import train_bpe
+from dropless.models.generate import context_start
 from dropless.train import checkpoint as ckpt
 from dropless.train import loop, overwrite, run_lock
 from tests.test_train import CORPUS, SMALL
@@ -308,7 +310,9 @@ def test_a_prompt_longer_than_the_context_window_is_named_before_the_model_loads
     status, stderr = run_main(capsys, "generate", "--run-dir", str(files / "run"), "--prompt", "return x\n" * 40)
     lines = stderr.splitlines()
     assert status == 2 and len(lines) == 2, stderr
-    assert lines[0].startswith("dropless: the prompt is ") and "sees the last 32 of them" in lines[0], lines[0]
+    seen = re.match(r"dropless: the prompt is (\d+) tokens and the model sees the last (\d+) of them \(its "
+                    r"context, model.max_seq_len=32, moves on in steps of half of it\)\.$", lines[0])
+    assert seen and int(seen[2]) == int(seen[1]) - context_start(int(seen[1]), 32) and 16 <= int(seen[2]) <= 32, lines[0]
     assert lines[1].startswith("dropless: error:"), lines[1]
 
 

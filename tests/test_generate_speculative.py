@@ -129,7 +129,7 @@ def test_generate_with_yarn_rope_scaling(model, speculative):
     again = gen.generate(yarn.replace(), params, state, [5, 9, 2], max_new_tokens=3, temperature=0.0,
                          speculative=speculative)
     assert len(first) == 3 and again == first
-    cached = gen._speculative_step if speculative else gen._plain_step
+    cached = gen._speculative_step if speculative else gen._cached_steps
     assert cached.cache_info().hits >= 1
 
 
@@ -172,18 +172,24 @@ def _summing(params, state, tokens_BS, config, **options):
             {"hidden": jnp.zeros((*tokens_BS.shape, config.model.hidden_size))})
 
 
-def test_a_prompt_longer_than_the_context_window_is_continued_from_its_last_window(model, monkeypatch, request):
-    """Each step must see exactly the last `context_window` tokens, no fewer."""
-    params, state = model
-    vocab, window = MODEL.model.vocab_size, gen.context_window(MODEL)
-    monkeypatch.setattr(transformer, "forward", _summing)
-    gen._plain_step.cache_clear()  # compiled programs are cached per config: trace one with the stand-in
-    request.addfinalizer(gen._plain_step.cache_clear)
-    prompt = [1 + i % (vocab - 1) for i in range(window + 9)]
-    ids = list(prompt)
-    for _ in range(4):
-        ids.append(sum(ids[-window:]) % vocab)
-    assert gen.generate(MODEL, params, state, prompt, max_new_tokens=4, temperature=0.0) == ids[len(prompt):]
+def summing_cached(monkeypatch, request):
+    """`_summing` for KV-cache decoding: the cache holds the tokens, and the prediction after a position is the sum
+    of the cache up to there, so it sees exactly the context the cache was filled with."""
+    def init_cache(config, batch, length):
+        return {"tokens": jnp.zeros((batch, length), jnp.int32)}
+
+    def forward_cached(params, state, tokens_BS, cache, position, config):
+        tokens_BT = jax.lax.dynamic_update_slice_in_dim(cache["tokens"], tokens_BS, position, axis=1)
+        S, T = tokens_BS.shape[1], tokens_BT.shape[1]
+        seen_ST = jnp.arange(T)[None, :] <= jnp.arange(S)[:, None] + position
+        sums_BS = jnp.sum(jnp.where(seen_ST, tokens_BT[:, None, :], 0), axis=-1)
+        vocab = config.model.vocab_size
+        return jax.nn.one_hot(sums_BS % vocab, vocab), {"tokens": tokens_BT}
+
+    monkeypatch.setattr(transformer, "init_cache", init_cache)
+    monkeypatch.setattr(transformer, "forward_cached", forward_cached)
+    gen._cached_steps.cache_clear()  # compiled programs are cached per config: trace them with the stand-in
+    request.addfinalizer(gen._cached_steps.cache_clear)
 
 
 @pytest.mark.parametrize("beyond", [9, -4], ids=["longer-prompt", "crossing"])
@@ -195,11 +201,15 @@ def test_speculative_greedy_equals_plain_greedy_past_the_context_window(model, m
     monkeypatch.setattr(transformer, "forward", _summing)
     monkeypatch.setattr(transformer, "mtp_logits", lambda params, state, tokens_BS, hidden_BSD, config: (
         jnp.zeros((*tokens_BS.shape, vocab)),))
-    for cached in (gen._plain_step, gen._speculative_step):
-        cached.cache_clear()
-        request.addfinalizer(cached.cache_clear)
+    summing_cached(monkeypatch, request)
+    gen._speculative_step.cache_clear()
+    request.addfinalizer(gen._speculative_step.cache_clear)
     prompt = [1 + i % (vocab - 1) for i in range(window + beyond)]
     plain = gen.generate(MODEL, params, state, prompt, max_new_tokens=8, temperature=0.0)
+    ids = list(prompt)
+    for _ in range(8):
+        ids.append(sum(ids[gen.context_start(len(ids), MODEL.model.max_seq_len):]) % vocab)
+    assert plain == ids[len(prompt):]
     assert gen.generate(MODEL, params, state, prompt, max_new_tokens=8, temperature=0.0, speculative=True) == plain
 
 

@@ -36,8 +36,7 @@ from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.data.tokenizer import eos_token
-from dropless.models.generate import (MAX_WINDOW, check_prompt, check_sampling, check_speculative,
-                                      context_window, generate)
+from dropless.models.generate import check_prompt, check_sampling, check_speculative, context_start, generate
 from dropless.train import checkpoint as ckpt
 from dropless.train import overwrite as overwrite_lib
 from dropless.train.loop import resume_changes, train
@@ -182,10 +181,11 @@ def cmd_generate(args) -> int:
         raise ConfigError(f"{tokenizer_path} gives the prompt token id {max(prompt_ids)}, but the model's vocabulary "
                           f"has {vocab} entries: it is not the tokenizer the model was trained with; put that one "
                           "there.")
-    window = context_window(saved)
-    if len(prompt_ids) > window:
-        print(f"dropless: the prompt is {len(prompt_ids)} tokens and the model sees the last {window} of them "
-              f"(its context window, model.max_seq_len capped at {MAX_WINDOW}).", file=sys.stderr)
+    context = saved.model.max_seq_len
+    if len(prompt_ids) > context:
+        seen = len(prompt_ids) - context_start(len(prompt_ids), context)
+        print(f"dropless: the prompt is {len(prompt_ids)} tokens and the model sees the last {seen} of them (its "
+              f"context, model.max_seq_len={context}, moves on in steps of half of it).", file=sys.stderr)
     config, params, state = _load_for_inference(args)
     # The end-of-document token training separated documents with, so that a run trained with a given tokenizer
     # ending documents in </s> or <|im_end|> stops there too.

@@ -82,17 +82,24 @@ def init_attention(key: jax.Array, m: ModelConfig) -> dict:
     return params_lib.init(key, attention_params(m), m.init_std)
 
 
-def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, scale: float) -> jax.Array:
+def causal_mask(S: int, T: int, first_position=None) -> jax.Array:
+    """[S, T] booleans: query s (at position first_position + s) sees key t (at position t) when t <= its position.
+    `first_position` None puts the queries on the last S of the T positions; it may be traced (a KV cache's fill)."""
+    first = T - S if first_position is None else first_position
+    return jnp.arange(T)[None, :] <= jnp.arange(S)[:, None] + first
+
+
+def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, scale: float,
+                     first_position=None) -> jax.Array:
     """softmax(scale * q k^T + causal mask) v, with G query heads sharing each key/value head.
 
     The plain XLA path (and the reference for the others): logits and softmax are float32; the probabilities
     are cast back to v's dtype for the second matmul, as Hugging Face's eager attention does. It materialises
-    the [S, T] logits of every head. Returns o_BSNGW in q's dtype.
+    the [S, T] logits of every head. `first_position`: as `causal_mask`'s. Returns o_BSNGW in q's dtype.
     """
     S, T = q_BSNGQ.shape[1], k_BTNQ.shape[1]
     logits_BNGST = jnp.einsum("bsngq,btnq->bngst", q_BSNGQ, k_BTNQ, preferred_element_type=jnp.float32) * scale
-    causal_ST = jnp.tril(jnp.ones((S, T), dtype=bool), k=T - S)
-    logits_BNGST = jnp.where(causal_ST, logits_BNGST, jnp.finfo(jnp.float32).min)
+    logits_BNGST = jnp.where(causal_mask(S, T, first_position), logits_BNGST, jnp.finfo(jnp.float32).min)
     probs_BNGST = jax.nn.softmax(logits_BNGST, axis=-1).astype(v_BTNW.dtype)
     out_BSNGW = jnp.einsum("bngst,btnw->bsngw", probs_BNGST, v_BTNW, preferred_element_type=jnp.float32)
     return out_BSNGW.astype(q_BSNGQ.dtype)
@@ -160,6 +167,28 @@ def cudnn_attention(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, sca
                           "model.attention_backend=auto or xla.") from error
 
 
+def _mla_queries(params: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh, recipe):
+    """MLA's per-head queries (q_nope_BSHn, q_rope_BSHP), the rotary part rotated."""
+    B, S, _ = x_BSD.shape
+    nope, P = m.qk_nope_head_dim, m.qk_rope_head_dim
+    if "q_a" in params:
+        q_latent_BSR = rms_norm(linear(x_BSD, params["q_a"], recipe, mesh=mesh), params["q_a_norm"], LATENT_NORM_EPS)
+        q_BSX = linear(q_latent_BSR, params["q_b"], recipe, mesh=mesh)
+    else:
+        q_BSX = linear(x_BSD, params["q"], recipe, mesh=mesh)
+    q_BSHQ = q_BSX.reshape(B, S, m.num_heads, nope + P)
+    return q_BSHQ[..., :nope], apply_rope(q_BSHQ[..., nope:], cos_SP, sin_SP, interleaved=True)
+
+
+def _mla_latent(params: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh, recipe):
+    """What MLA's keys and values are made from: (the normalised latent c_BSR, the rotated key shared by every
+    head k_rope_BSP)."""
+    kv_a_BSX = linear(x_BSD, params["kv_a"], recipe, mesh=mesh)
+    latent_BSR = rms_norm(kv_a_BSX[..., : m.kv_lora_rank], params["kv_a_norm"], LATENT_NORM_EPS)
+    k_rope_BSP = apply_rope(kv_a_BSX[..., m.kv_lora_rank :][:, :, None, :], cos_SP, sin_SP, interleaved=True)
+    return latent_BSR, k_rope_BSP[:, :, 0, :]
+
+
 def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
         mesh: Mesh | None = None, recipe: Recipe | None = None) -> jax.Array:
     """DeepSeek-V2/V3 multi-head latent attention, as Hugging Face's DeepseekV3Attention (rope_interleave=True).
@@ -170,28 +199,28 @@ def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     """
     B, S, _ = x_BSD.shape
     H, nope, P, W = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
-
-    if "q_a" in params:
-        q_latent_BSR = rms_norm(linear(x_BSD, params["q_a"], recipe, mesh=mesh), params["q_a_norm"], LATENT_NORM_EPS)
-        q_BSX = linear(q_latent_BSR, params["q_b"], recipe, mesh=mesh)
-    else:
-        q_BSX = linear(x_BSD, params["q"], recipe, mesh=mesh)
-    q_BSHQ = q_BSX.reshape(B, S, H, nope + P)
-    q_nope_BSHn, q_rope_BSHP = q_BSHQ[..., :nope], q_BSHQ[..., nope:]
-
-    kv_a_BSX = linear(x_BSD, params["kv_a"], recipe, mesh=mesh)
-    kv_latent_BSR, k_rope_BSP = kv_a_BSX[..., : m.kv_lora_rank], kv_a_BSX[..., m.kv_lora_rank :]
-    kv_latent_BSR = rms_norm(kv_latent_BSR, params["kv_a_norm"], LATENT_NORM_EPS)
-    kv_BSHX = linear(kv_latent_BSR, params["kv_b"], recipe, mesh=mesh).reshape(B, S, H, nope + W)
+    q_nope_BSHn, q_rope_BSHP = _mla_queries(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
+    latent_BSR, k_rope_BSP = _mla_latent(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
+    kv_BSHX = linear(latent_BSR, params["kv_b"], recipe, mesh=mesh).reshape(B, S, H, nope + W)
     k_nope_BSHn, v_BSHW = kv_BSHX[..., :nope], kv_BSHX[..., nope:]
 
-    q_rope_BSHP = apply_rope(q_rope_BSHP, cos_SP, sin_SP, interleaved=True)
-    k_rope_BS1P = apply_rope(k_rope_BSP[:, :, None, :], cos_SP, sin_SP, interleaved=True)
-
     q_BSHQ = jnp.concatenate([q_nope_BSHn, q_rope_BSHP], axis=-1)
-    k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BS1P, (B, S, H, P))], axis=-1)
+    k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BSP[:, :, None, :], (B, S, H, P))], axis=-1)
     out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m, mesh)
     return linear(out_BSHW.reshape(B, S, H * W), params["o"], recipe, mesh=mesh)
+
+
+def _gqa_qkv(params: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh, recipe):
+    """GQA's (q_BSHQ, k_BSNQ, v_BSNW): projected, q/k normalised where the model has the norms, rotated."""
+    B, S, _ = x_BSD.shape
+    H, N, hd = m.num_heads, m.num_kv_heads, m.head_dim
+    q_BSHQ = linear(x_BSD, params["q"], recipe, mesh=mesh).reshape(B, S, H, hd)
+    k_BSNQ = linear(x_BSD, params["k"], recipe, mesh=mesh).reshape(B, S, N, hd)
+    v_BSNW = linear(x_BSD, params["v"], recipe, mesh=mesh).reshape(B, S, N, hd)
+    if "q_norm" in params:
+        q_BSHQ = rms_norm(q_BSHQ, params["q_norm"], m.rms_norm_eps)
+        k_BSNQ = rms_norm(k_BSNQ, params["k_norm"], m.rms_norm_eps)
+    return apply_rope(q_BSHQ, cos_SP, sin_SP), apply_rope(k_BSNQ, cos_SP, sin_SP), v_BSNW
 
 
 def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
@@ -201,19 +230,9 @@ def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
     Query head h attends with key/value head h // G, as Hugging Face's `repeat_kv` arranges it.
     """
     B, S, _ = x_BSD.shape
-    H, N, hd = m.num_heads, m.num_kv_heads, m.head_dim
-
-    q_BSHQ = linear(x_BSD, params["q"], recipe, mesh=mesh).reshape(B, S, H, hd)
-    k_BSNQ = linear(x_BSD, params["k"], recipe, mesh=mesh).reshape(B, S, N, hd)
-    v_BSNW = linear(x_BSD, params["v"], recipe, mesh=mesh).reshape(B, S, N, hd)
-    if "q_norm" in params:
-        q_BSHQ = rms_norm(q_BSHQ, params["q_norm"], m.rms_norm_eps)
-        k_BSNQ = rms_norm(k_BSNQ, params["k_norm"], m.rms_norm_eps)
-    q_BSHQ = apply_rope(q_BSHQ, cos_SP, sin_SP)
-    k_BSNQ = apply_rope(k_BSNQ, cos_SP, sin_SP)
-
-    out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, hd**-0.5, m, mesh)
-    return linear(out_BSHW.reshape(B, S, H * hd), params["o"], recipe, mesh=mesh)
+    q_BSHQ, k_BSNQ, v_BSNW = _gqa_qkv(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
+    out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, m.head_dim**-0.5, m, mesh)
+    return linear(out_BSHW.reshape(B, S, m.num_heads * m.head_dim), params["o"], recipe, mesh=mesh)
 
 
 def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
@@ -221,6 +240,72 @@ def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Arr
     """The configured attention (`model.attention`: mla or gqa); `mesh`: the training mesh (None on one device);
     `recipe`: FP8 projections (dropless.fp8; the attention core stays in the compute dtype and float32)."""
     return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
+
+
+# ----------------------------------------------------------------------------------------------- KV cache
+
+def cache_shapes(m: ModelConfig, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+    """One layer's KV cache for `length` positions. MLA keeps what its keys and values are made from, the
+    normalised latent [B, T, Rkv] and the rotated shared key [B, T, P]: Rkv + P numbers a token (576 for
+    DeepSeek-V3) where its keys and values would be H·(Q + W) (40,960). GQA keeps keys and values [B, T, N, hd]."""
+    if m.attention == "mla":
+        return {"latent": (batch, length, m.kv_lora_rank), "k_rope": (batch, length, m.qk_rope_head_dim)}
+    return {"k": (batch, length, m.num_kv_heads, m.head_dim), "v": (batch, length, m.num_kv_heads, m.head_dim)}
+
+
+def _write(cache_BT: jax.Array, new_BS: jax.Array, position) -> jax.Array:
+    """The cache with positions position..position+S-1 replaced by `new` (in the cache's dtype)."""
+    return jax.lax.dynamic_update_slice_in_dim(cache_BT, new_BS.astype(cache_BT.dtype), position, axis=1)
+
+
+def mla_cached(params: dict, x_BSD: jax.Array, cache: dict, position, cos_SP, sin_SP, m: ModelConfig,
+               recipe: Recipe | None = None) -> tuple[jax.Array, dict]:
+    """`mla` for S new tokens at positions position.. over a cache of the positions before (`cache_shapes`), on one
+    device; returns (the projection, the cache with the new positions written). kv_b is absorbed, as DeepSeek's
+    inference does: a head's logit q_nope·(W_UK c) is (W_UK^T q_nope)·c and its output W_UV (p·c), so attention
+    runs against the cached latents and no per-head key or value is formed. The same numbers as `mla` up to
+    rounding (kv_b runs in the compute dtype, unquantized under an FP8 recipe)."""
+    B, S, _ = x_BSD.shape
+    H, nope, P, W, R = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    dtype = x_BSD.dtype
+    q_nope_BSHn, q_rope_BSHP = _mla_queries(params, x_BSD, cos_SP, sin_SP, m, None, recipe)
+    latent_BSR, k_rope_BSP = _mla_latent(params, x_BSD, cos_SP, sin_SP, m, None, recipe)
+    cache = {"latent": _write(cache["latent"], latent_BSR, position), "k_rope": _write(cache["k_rope"], k_rope_BSP,
+                                                                                        position)}
+    kv_b_RHX = params["kv_b"].astype(dtype).reshape(R, H, nope + W)
+    q_latent_BSHR = jnp.einsum("bshn,rhn->bshr", q_nope_BSHn, kv_b_RHX[..., :nope],
+                               preferred_element_type=jnp.float32).astype(dtype)
+    logits_BHST = (jnp.einsum("bshr,btr->bhst", q_latent_BSHR, cache["latent"], preferred_element_type=jnp.float32)
+                   + jnp.einsum("bshp,btp->bhst", q_rope_BSHP, cache["k_rope"], preferred_element_type=jnp.float32))
+    logits_BHST = logits_BHST * mla_softmax_scale(nope + P, m.rope_scaling)
+    T = cache["latent"].shape[1]
+    logits_BHST = jnp.where(causal_mask(S, T, position), logits_BHST, jnp.finfo(jnp.float32).min)
+    probs_BHST = jax.nn.softmax(logits_BHST, axis=-1).astype(dtype)
+    out_latent_BSHR = jnp.einsum("bhst,btr->bshr", probs_BHST, cache["latent"],
+                                 preferred_element_type=jnp.float32).astype(dtype)
+    out_BSHW = jnp.einsum("bshr,rhw->bshw", out_latent_BSHR, kv_b_RHX[..., nope:],
+                          preferred_element_type=jnp.float32).astype(dtype)
+    return linear(out_BSHW.reshape(B, S, H * W), params["o"], recipe), cache
+
+
+def gqa_cached(params: dict, x_BSD: jax.Array, cache: dict, position, cos_SP, sin_SP, m: ModelConfig,
+               recipe: Recipe | None = None) -> tuple[jax.Array, dict]:
+    """`gqa` for S new tokens at positions position.. over a cache of the keys and values before (`cache_shapes`),
+    on one device; returns (the projection, the cache with the new positions written)."""
+    B, S, _ = x_BSD.shape
+    H, N, hd = m.num_heads, m.num_kv_heads, m.head_dim
+    q_BSHQ, k_BSNQ, v_BSNW = _gqa_qkv(params, x_BSD, cos_SP, sin_SP, m, None, recipe)
+    cache = {"k": _write(cache["k"], k_BSNQ, position), "v": _write(cache["v"], v_BSNW, position)}
+    out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, hd), cache["k"], cache["v"], hd**-0.5, position)
+    return linear(out_BSNGW.reshape(B, S, H * hd), params["o"], recipe), cache
+
+
+def attention_cached(params: dict, x_BSD: jax.Array, cache: dict, position, cos_SP, sin_SP, m: ModelConfig,
+                     recipe: Recipe | None = None) -> tuple[jax.Array, dict]:
+    """The configured attention over a KV cache: (the projection, the updated cache). `cos_SP`, `sin_SP`: the
+    RoPE tables of the new positions."""
+    return (mla_cached if m.attention == "mla" else gqa_cached)(params, x_BSD, cache, position, cos_SP, sin_SP, m,
+                                                                recipe)
 
 
 def rotary_dim(m: ModelConfig) -> int:

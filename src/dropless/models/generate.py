@@ -1,7 +1,11 @@
 """Sampling from a trained model: greedy, or temperature with nucleus (top-p) truncation.
 
-The model has no KV cache here: each new token re-runs the forward over a fixed-length window, so one
-compiled program serves every step. That is plenty for inspecting what a small model learned.
+Decoding keeps a KV cache (`transformer.forward_cached`): one pass over the prompt fills it, then each new token
+is one pass over that token alone. The next token of a sequence of n tokens is predicted from its last n - s tokens,
+s = `context_start(n, C)`, C = model.max_seq_len: all of them while they fit in C, then, each time the sequence
+outgrows C, the last half of C, refilled in one pass (a context shift), so every token sees at least C/2 and at most
+C tokens and the cache never holds more than C positions. Prompts and caches are padded to powers of two (at least
+16, at most C), so a handful of compiled programs serve every length.
 
 With `speculative` (a model with MTP modules, `model.mtp_layers` > 0) each forward pass also checks a token
 drafted by the first MTP module and, when it holds, yields two tokens instead of one: the pass verifies the draft
@@ -9,10 +13,10 @@ at position L (the main model's distribution p there against the draft's q: gree
 draft; sampling accepts with probability min(1, p(d) / q(d)) and otherwise samples max(0, p - q), renormalised,
 which leaves every token distributed exactly as p — Leviathan et al., 2023), then, the draft accepted, takes the
 main model's token at L + 1 from the same pass. The MTP module then drafts the next token from the pass's final
-hidden state (`transformer.mtp_logits`: one transformer block, the main model is not run again). A pass holds the
-context, the draft and the token after it in one window, so it drafts while the context fits in the window's
-first W - 2 positions; from there on each pass emits one token as plain decoding does, because the two tokens of a
-pass would see windows that start at different tokens. Greedy output equals plain greedy decoding token for token.
+hidden state (`transformer.mtp_logits`: one transformer block, the main model is not run again). These passes run
+without a cache over a window of W = min(C, 1,024) positions holding the context, the draft and the token after it,
+so they draft while the context fits in the window's first W - 2 positions; from there on the cached decoding
+above continues, from the same contexts. Greedy output equals plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -73,9 +77,10 @@ def verify_draft(p_logits_V: jax.Array, q_logits_V: jax.Array, draft: jax.Array,
     return accepted, jnp.where(accepted, draft, resampled)
 
 
-# The window each step re-runs: the model's context, at most 1,024 tokens, so that one step of a long-context model
-# stays cheap on the CPU (there is no KV cache).
+# The window of a speculative pass (it runs without a cache): the model's context, at most 1,024 tokens.
 MAX_WINDOW = 1024
+# The shortest padded length of a prompt or a cache (`_padded`).
+MIN_PADDED = 16
 
 
 def check_prompt(prompt_ids) -> None:
@@ -132,8 +137,21 @@ def prompt_list(prompt_ids, config: Config) -> list[int]:
 
 
 def context_window(config: Config) -> int:
-    """How many of the latest tokens each forward pass of `generate` sees."""
+    """How many positions a speculative pass holds (the module docstring's W)."""
     return min(config.model.max_seq_len, MAX_WINDOW)
+
+
+def context_start(length: int, context: int) -> int:
+    """Where the tokens that predict the next one start in a sequence of `length`: 0 while it fits in `context`
+    (model.max_seq_len), then moving in steps of half a context, so that they number between context // 2 and
+    `context` (the module docstring's context shift)."""
+    half = max(context // 2, 1)
+    return 0 if length <= context else half * (1 + (length - context - 1) // half)
+
+
+def _padded(length: int, limit: int) -> int:
+    """The compiled length for `length` positions: the next power of two, at least MIN_PADDED, at most `limit`."""
+    return min(limit, max(MIN_PADDED, 1 << (length - 1).bit_length()))
 
 
 def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int = 64,
@@ -146,29 +164,40 @@ def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int =
     check_sampling(temperature, top_p, max_new_tokens, seed)
     prompt_ids = prompt_list(prompt_ids, config)
     check_speculative(config, speculative)
-    window = context_window(config)
     config = config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
     if speculative:
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
-                                     stop_id, window, {} if stats is None else stats)
+                                     stop_id, context_window(config), {} if stats is None else stats)
 
-    new, forwards = _generate_plain(config, params, state, prompt_ids, max_new_tokens, temperature, top_p,
-                                    jax.random.key(seed), stop_id, window)
+    new, forwards = _generate_cached(config, params, state, prompt_ids, max_new_tokens, temperature, top_p,
+                                     jax.random.key(seed), stop_id)
     if stats is not None:
         stats.update(forwards=forwards, drafted=0, accepted=0)
     return new
 
 
-def _generate_plain(config: Config, params, state, ids: list[int], count: int, temperature: float, top_p: float,
-                    key: jax.Array, stop_id, window: int) -> tuple[list[int], int]:
-    """Up to `count` ids after `ids`, one forward pass each over the last `window`, stopping before `stop_id` ->
-    (the new ids, the passes run)."""
-    next_token = _plain_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
+def _generate_cached(config: Config, params, state, ids: list[int], count: int, temperature: float, top_p: float,
+                     key: jax.Array, stop_id) -> tuple[list[int], int]:
+    """Up to `count` ids after `ids` by KV-cache decoding (module docstring), stopping before `stop_id` -> (the
+    new ids, the passes run)."""
+    context = config.model.max_seq_len
+    longest = len(ids) + count - 1  # the longest sequence a new token is predicted from
+    capacity = context if context_start(longest, context) else _padded(longest, context)
+    fill, decode = _cached_steps(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
     ids, new = list(ids), []
+    cache, start = None, -1
     for _ in range(count):
-        tokens_1S, length = _window(ids, window)
         key, sub = jax.random.split(key)
-        token = int(next_token(params, state, tokens_1S, length, sub))
+        if context_start(len(ids), context) != start:  # the first token, or a context shift
+            start = context_start(len(ids), context)
+            window = ids[start:]
+            tokens_1S = np.zeros((1, _padded(len(window), capacity)), np.int32)
+            tokens_1S[0, :len(window)] = window
+            token, cache = fill(params, state, jnp.asarray(tokens_1S), len(window), sub, capacity=capacity)
+        else:  # the last token at its position in the cache
+            token, cache = decode(params, state, cache, jnp.asarray([[ids[-1]]], jnp.int32), len(ids) - 1 - start,
+                                  sub)
+        token = int(token)
         if stop_id is not None and token == stop_id:
             return new, len(new) + 1
         ids.append(token)
@@ -191,8 +220,7 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
                           top_p: float, seed: int, stop_id, window: int, stats: dict) -> list[int]:
     """`generate` with MTP drafts: one jitted pass per iteration verifies the pending draft, emits one or two
     tokens and drafts the next (module docstring). The context keeps two free positions of the window: the
-    draft's and the token after it; a longer context continues by plain decoding, whose windows a pass cannot
-    reproduce."""
+    draft's and the token after it; a longer context continues by cached decoding (`_generate_cached`)."""
     step = _speculative_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
 
     ids = list(prompt_ids)
@@ -203,8 +231,8 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     forwards = drafted = accepted_total = 0
     while len(new) < max_new_tokens:
         if len(ids) > window - 2:
-            rest, passes = _generate_plain(config, params, state, ids, max_new_tokens - len(new), temperature, top_p,
-                                           key, stop_id, window)
+            rest, passes = _generate_cached(config, params, state, ids, max_new_tokens - len(new), temperature,
+                                            top_p, key, stop_id)
             new += rest
             forwards += passes
             break
@@ -232,22 +260,31 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
 
 
 @functools.lru_cache(maxsize=8)
-def _plain_step(config_json: str, temperature: float, top_p: float):
-    """The jitted next-token program, one per (config, sampling settings): later calls reuse its compilation.
-    (Config holds a dict, model.rope_scaling, so it is keyed by its JSON, as convert's forward is.)"""
+def _cached_steps(config_json: str, temperature: float, top_p: float):
+    """The jitted programs of KV-cache decoding, one pair per (config, sampling settings), so that later calls reuse
+    their compilations (Config holds a dict, model.rope_scaling, so it is keyed by its JSON, as convert's forward
+    is): `fill`, a new cache of `capacity` positions holding a context of `length` tokens (padded) and the token
+    after them; `decode`, one token more at `position`, the cache updated in place."""
     config = config_lib.from_dict(json.loads(config_json))
-    @jax.jit
-    def next_token(params, state, tokens_1S, length, key):
-        logits_1SV, _ = transformer.forward(params, state, tokens_1S, config)
-        return sample_next(logits_1SV[0, length - 1], key, temperature, top_p)
 
-    return next_token
+    @functools.partial(jax.jit, static_argnames="capacity")
+    def fill(params, state, tokens_1S, length, key, *, capacity):
+        cache = transformer.init_cache(config, 1, capacity)
+        logits_1SV, cache = transformer.forward_cached(params, state, tokens_1S, cache, 0, config)
+        return sample_next(logits_1SV[0, length - 1], key, temperature, top_p), cache
+
+    @functools.partial(jax.jit, donate_argnames="cache")
+    def decode(params, state, cache, token_11, position, key):
+        logits_11V, cache = transformer.forward_cached(params, state, token_11, cache, position, config)
+        return sample_next(logits_11V[0, 0], key, temperature, top_p), cache
+
+    return fill, decode
 
 
 @functools.lru_cache(maxsize=8)
 def _speculative_step(config_json: str, temperature: float, top_p: float):
     """The jitted speculative iteration: verify the pending draft, emit one or two tokens, draft the next (keyed
-    as `_plain_step`)."""
+    as `_cached_steps`)."""
     config = config_lib.from_dict(json.loads(config_json))
     @jax.jit
     def step(params, state, tokens_1S, length, has_draft, draft, q_logits_V, key):

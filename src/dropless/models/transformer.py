@@ -43,7 +43,7 @@ from dropless.core.config import (ACTIVATION_NAMES, Config, ConfigError, ModelCo
                                   TrainConfig)
 from dropless.core.params import ParamSpec, Specs
 from dropless.fp8 import linear, train_recipe
-from dropless.models.attention import attention, attention_params, rotary_dim
+from dropless.models.attention import attention, attention_cached, attention_params, cache_shapes, rotary_dim
 from dropless.models.embedding import embed_tokens
 from dropless.models.mlp import mlp_params, swiglu
 from dropless.moe.executor import ExpertExecutor, LocalExecutor
@@ -358,18 +358,24 @@ class _Layers:
         return _attention_block(layer, x_BSD, self.cos_SP, self.sin_SP, self.config.model, self.mesh, self.recipe)
 
     def dense(self, x_BSD, layer):
+        return self.dense_mlp(layer, self.attention(layer, x_BSD)), None
+
+    def dense_mlp(self, layer, x_BSD):
+        """The second half of a dense layer: x + mlp(norm(x))."""
         m = self.config.model
-        x_BSD = self.attention(layer, x_BSD)
         with jax.named_scope("mlp"):
             h_BSD = rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps)
             y_BSD = checkpoint_name(swiglu(layer["mlp"], h_BSD, self.recipe, self.mesh), "mlp_out")
-        return x_BSD + y_BSD, None
+        return x_BSD + y_BSD
 
     def moe(self, x_BSD, layer_and_router, *, unscanned: bool = False):
         """`layer_and_router`: (the layer's weights, its router's state row: `_router_rows`)."""
         layer, router = layer_and_router
+        return self.moe_mlp(layer, router, self.attention(layer, x_BSD), unscanned=unscanned)
+
+    def moe_mlp(self, layer, router: dict, x_BSD, *, unscanned: bool = False):
+        """The second half of a MoE layer: (x + moe(norm(x)), the layer's MoEStats)."""
         m = self.config.model
-        x_BSD = self.attention(layer, x_BSD)
         with jax.named_scope("moe"):
             h_BSD = checkpoint_name(rms_norm(x_BSD, layer["mlp_norm"], m.rms_norm_eps), "moe_in")
             block = self.moe_block_unscanned if unscanned else self.moe_block
@@ -472,3 +478,57 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
         aux["hidden"] = x_BSD
     moe_stats = _concat_stats(stats, config, x_BSD)
     return logits_BSV, {"moe": moe_stats, "balance_loss": jnp.sum(moe_stats.balance_loss), **aux}
+
+
+# ----------------------------------------------------------------------------------------------- KV cache decoding
+
+def init_cache(config: Config, batch: int, length: int) -> dict:
+    """An empty KV cache for `length` positions of `batch` sequences, in the compute dtype: per layer stack
+    ("dense_layers", "moe_layers", as the weights), each leaf of `attention.cache_shapes` stacked on the stack's
+    layer axis. The MTP modules have none (inference does not run them)."""
+    counts = dict(zip(("dense_layers", "moe_layers"), layer_counts(config.model)))
+    shapes = cache_shapes(config.model, batch, length)
+    return {stack: {name: jnp.zeros((layers, *shape), compute_dtype(config)) for name, shape in shapes.items()}
+            for stack, layers in counts.items() if layers}
+
+
+def forward_cached(params: dict, state: dict, tokens_BS: jax.Array, cache: dict, position, config: Config):
+    """The logits of `tokens_BS` at positions position..position+S-1 after the positions before them, whose keys
+    and values `cache` holds (`init_cache`); returns (logits_BSV float32, the cache with these positions written).
+    The numbers are `forward`'s at those positions of the whole sequence, up to rounding; positions past
+    position+S-1 in the cache are masked, whatever they hold. `position` may be traced. One device, no MTP
+    modules (the main model's next-token logits, as `dropless generate` needs them)."""
+    m = config.model
+    S, length = tokens_BS.shape[1], jax.tree.leaves(cache)[0].shape[2]
+    layers = _Layers.for_sequence(config, None, length)
+    cos_SP = jax.lax.dynamic_slice_in_dim(layers.cos_SP, position, S)
+    sin_SP = jax.lax.dynamic_slice_in_dim(layers.sin_SP, position, S)
+
+    def attend(layer, x_BSD, kv):
+        h_BSD = rms_norm(x_BSD, layer["attn_norm"], m.rms_norm_eps)
+        y_BSD, kv = attention_cached(layer["attn"], h_BSD, kv, position, cos_SP, sin_SP, m, layers.recipe)
+        return x_BSD + y_BSD, kv
+
+    def dense_body(x_BSD, layer_and_kv):
+        layer, kv = layer_and_kv
+        x_BSD, kv = attend(layer, x_BSD, kv)
+        return layers.dense_mlp(layer, x_BSD), kv
+
+    def moe_body(x_BSD, layer_router_kv):
+        layer, router, kv = layer_router_kv
+        x_BSD, kv = attend(layer, x_BSD, kv)
+        return layers.moe_mlp(layer, router, x_BSD)[0], kv
+
+    x_BSD = embed_tokens(params["embed"], tokens_BS, layers.dtype, None)
+    cache = dict(cache)
+    for kind, start, stop in layer_runs(m):
+        stack = "dense_layers" if kind == "D" else "moe_layers"
+        weights, kv = _rows(params[stack], start, stop), _rows(cache[stack], start, stop)
+        if kind == "D":
+            x_BSD, kv = _run_layers(dense_body, x_BSD, (weights, kv), config.train.scan_layers)
+        else:
+            inputs = (weights, _router_rows(state, start, stop), kv)
+            x_BSD, kv = _run_layers(moe_body, x_BSD, inputs, config.train.scan_layers)
+        cache[stack] = jax.tree.map(lambda whole, run: whole.at[start:stop].set(run), cache[stack], kv)
+    x_BSD = rms_norm(x_BSD, params["final_norm"], m.rms_norm_eps)
+    return _output_head(params, x_BSD, config, layers.dtype), cache

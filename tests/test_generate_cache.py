@@ -1,0 +1,111 @@
+"""KV-cache decoding (`transformer.forward_cached`, `dropless generate`): the cached logits are the whole forward's,
+for every family and layer pattern, whatever the cache holds past the new positions; generation equals greedy
+decoding by whole forward passes over the documented contexts, across context shifts."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.models import generate as gen
+from dropless.models import transformer
+from tests.test_generate_speculative import MODEL, summing_cached
+from tests.test_models_transformer import FAMILIES, INTERLEAVED, _setup
+
+CASES = {**FAMILIES, "interleaved": INTERLEAVED,
+         "deepseek_v3_no_q_lora": FAMILIES["deepseek_v3"].replace(**{"model.q_lora_rank": 0})}
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
+@pytest.mark.parametrize("name", CASES)
+def test_cached_logits_equal_the_whole_forward(name, scan):
+    """A prompt of 3 (padded to 5 with other tokens, which later positions overwrite), two tokens at once, then one
+    at a time: each position's logits are the whole sequence's, in a cache longer than the sequence."""
+    config = CASES[name].replace(**{"train.scan_layers": scan})
+    params, state, tokens_BS = _setup(config)
+    B, S = tokens_BS.shape
+    whole_BSV, _ = transformer.forward(params, state, tokens_BS, config)
+    step = jax.jit(transformer.forward_cached, static_argnums=5)
+    cache = transformer.init_cache(config, B, S + 4)
+    padded_BS = jnp.concatenate([tokens_BS[:, :3], jnp.full((B, 2), 7, tokens_BS.dtype)], axis=1)
+    logits, cache = step(params, state, padded_BS, cache, 0, config)
+    got = [logits[:, :3]]
+    logits, cache = step(params, state, tokens_BS[:, 3:5], cache, jnp.int32(3), config)
+    got.append(logits)
+    for position in range(5, S):
+        logits, cache = step(params, state, tokens_BS[:, position:position + 1], cache, jnp.int32(position), config)
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got, axis=1), whole_BSV, rtol=1e-5, atol=2e-6 * np.abs(whole_BSV).max())
+
+
+def test_the_cache_holds_mla_latents_and_gqa_keys_and_values():
+    """MLA caches Rkv + P numbers per token and layer (its latent and shared rotary key), not per-head keys."""
+    mla = FAMILIES["deepseek_v3"]  # one dense layer, then two MoE layers
+    cache = transformer.init_cache(mla, 2, 16)
+    m = mla.model
+    assert jax.tree.map(lambda a: a.shape, cache) == {
+        "dense_layers": {"latent": (1, 2, 16, m.kv_lora_rank), "k_rope": (1, 2, 16, m.qk_rope_head_dim)},
+        "moe_layers": {"latent": (2, 2, 16, m.kv_lora_rank), "k_rope": (2, 2, 16, m.qk_rope_head_dim)}}
+    gqa = FAMILIES["qwen3_moe"]
+    kv = (3, 2, 16, gqa.model.num_kv_heads, gqa.model.head_dim)
+    assert jax.tree.map(lambda a: a.shape, transformer.init_cache(gqa, 2, 16)) == {"moe_layers": {"k": kv, "v": kv}}
+
+
+@pytest.mark.parametrize("context", [1, 2, 5, 8, 9])
+def test_each_token_sees_between_half_a_context_and_a_whole_one(context):
+    starts = [gen.context_start(n, context) for n in range(1, 60)]
+    for n, start in enumerate(starts, 1):
+        assert start == 0 if n <= context else max(context // 2, 1) <= n - start <= context, (n, start)
+        assert start % max(context // 2, 1) == 0
+    assert starts == sorted(starts)  # the context only moves forward: a cache refill per move
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "mixtral"])
+def test_greedy_generation_equals_whole_forward_passes_across_context_shifts(name):
+    """A context of 12 positions and 24 new tokens: the cache is refilled at 13 and 19 tokens; every token is the
+    argmax of a whole forward pass over the tokens `context_start` names."""
+    config = FAMILIES[name].replace(**{"model.max_seq_len": 12})
+    params, state, _ = _setup(config)
+    prompt = [5, 9, 2, 7, 1]
+    stats: dict = {}
+    got = gen.generate(config, params, state, prompt, max_new_tokens=24, temperature=0.0, stats=stats)
+    forward = jax.jit(transformer.forward, static_argnums=3)
+    ids = list(prompt)
+    for _ in range(24):
+        context = ids[gen.context_start(len(ids), 12):]
+        logits_1SV, _ = forward(params, state, jnp.asarray([context], jnp.int32), config)
+        ids.append(int(jnp.argmax(logits_1SV[0, -1])))
+    assert got == ids[len(prompt):]
+    assert stats["forwards"] == 24
+
+
+def test_decoding_compiles_one_program_for_every_position(request):
+    """The position is traced: a whole generation, and a second one from a longer prompt of the same padded
+    length, reuse one prefill and one decode program."""
+    params = jax.jit(lambda key: transformer.init_params(key, MODEL))(jax.random.key(3))
+    state = transformer.init_state(MODEL)
+    gen._cached_steps.cache_clear()
+    request.addfinalizer(gen._cached_steps.cache_clear)
+    gen.generate(MODEL, params, state, [1, 2, 3], max_new_tokens=9, temperature=0.0)
+    gen.generate(MODEL, params, state, [1, 2, 3, 4, 5], max_new_tokens=7, temperature=0.0)
+    assert gen._cached_steps.cache_info().currsize == 1
+    config = MODEL.replace(**{"train.dtype": "float32"})  # as generate runs on the CPU
+    fill, decode = gen._cached_steps(json.dumps(config.to_dict(), sort_keys=True), 0.0, 0.95)
+    assert fill._cache_size() == 1 and decode._cache_size() == 1
+
+
+def test_a_prompt_longer_than_the_context_is_continued_from_its_last_part(monkeypatch, request):
+    """Each token sees exactly the tokens from `context_start` on, no fewer and no more (a stand-in model whose
+    prediction is the sum of its context)."""
+    params, state = None, None
+    summing_cached(monkeypatch, request)
+    vocab, context = MODEL.model.vocab_size, MODEL.model.max_seq_len
+    prompt = [1 + i % (vocab - 1) for i in range(context + 9)]
+    ids = list(prompt)
+    for _ in range(30):
+        ids.append(sum(ids[gen.context_start(len(ids), context):]) % vocab)
+    assert gen.generate(MODEL, params, state, prompt, max_new_tokens=30, temperature=0.0) == ids[len(prompt):]
