@@ -68,24 +68,89 @@ def test_speculative_greedy_equals_plain_greedy(model):
     assert stats["drafted"] == stats["forwards"] - 1 and stats["forwards"] == 12 - stats["accepted"]
 
 
-def test_accepted_drafts_give_two_tokens_per_pass(model, monkeypatch, request):
-    """With an oracle in place of the MTP module (the main model's own next-token logits), every draft holds: the
-    output is plain greedy's, in half the forward passes."""
-    params, state = model
+def _echoing(params: dict, config) -> dict:
+    """The weights with every attention output and MLP/expert down projection zero, so the residual stream is the
+    token's embedding: the main model predicts the next token from the current one alone, and the MTP module, its
+    projection taking the embedding half unchanged, predicts the token after the next one the same way: an MTP
+    module whose every draft holds."""
+    zero = lambda path, leaf: jnp.zeros_like(leaf) if getattr(path[-1], "key", None) in ("o", "down") else leaf
+    params = jax.tree_util.tree_map_with_path(zero, params)
+    D = config.model.hidden_size
+    eh_proj = jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))])[None]
+    return {**params, "mtp": {**params["mtp"], "eh_proj": eh_proj}}
 
-    def oracle(params, state, tokens_BS, hidden_BSD, config):
-        logits_BSV, _ = transformer.forward(params, state, tokens_BS, config)
-        return (jnp.roll(logits_BSV, -1, axis=1),)  # position i: the main model's prediction of token i + 2
 
-    plain = gen.generate(MODEL, params, state, [1, 2, 3], max_new_tokens=11, temperature=0.0)
-    monkeypatch.setattr(transformer, "mtp_logits", oracle)
-    gen._speculative_step.cache_clear()  # compiled programs are cached per config: trace one with the oracle
-    request.addfinalizer(gen._speculative_step.cache_clear)
+@pytest.mark.parametrize("mtp_block", ["moe", "dense"])
+@pytest.mark.parametrize("weights", ["random", "echoing"])
+def test_greedy_drafts_are_the_mtp_modules_over_the_whole_sequence(monkeypatch, request, mtp_block, weights):
+    """Every draft a pass verifies is the MTP module's argmax at its position of the whole sequence (`mtp_logits`,
+    as training computes it), for a module whose drafts never hold (random weights) and one whose drafts always
+    do (`_echoing`): drafts read at a wrong position, or from a cache that still holds a rejected draft, differ."""
+    config = MODEL.replace(**{"model.mtp_block": mtp_block})
+    params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(5))
+    params = _echoing(params, config) if weights == "echoing" else params
+    state = transformer.init_state(config)
+    verified, verify_draft = [], gen.verify_draft
+
+    def recording(p_logits_V, q_logits_V, draft, *args):
+        jax.debug.callback(lambda d: verified.append(int(d)), draft)
+        return verify_draft(p_logits_V, q_logits_V, draft, *args)
+
+    monkeypatch.setattr(gen, "verify_draft", recording)
+    gen._speculative_steps.cache_clear()  # trace the passes with the recording stand-in
+    request.addfinalizer(gen._speculative_steps.cache_clear)
+    prompt, count = [5, 9, 2, 7, 3], 16
     stats: dict = {}
-    fast = gen.generate(MODEL, params, state, [1, 2, 3], max_new_tokens=11, temperature=0.0, speculative=True,
+    out = gen.generate(config, params, state, prompt, max_new_tokens=count, temperature=0.0, speculative=True,
+                       stats=stats)
+    ids = jnp.asarray([prompt + out], jnp.int32)
+    _, aux = transformer.forward(params, state, ids, config, hidden=True)
+    drafts = np.argmax(transformer.mtp_logits(params, state, ids, aux["hidden"], config)[0][0], axis=-1)
+    # Token p is drafted at position p - 2; the first pass emits token n and drafts token n + 1.
+    position, emitted, want = len(prompt) + 1, 1, []
+    while emitted < count:
+        want.append(int(drafts[position - 2]))
+        step = 2 if want[-1] == int(ids[0, position]) else 1
+        emitted, position = emitted + step, position + step
+    assert verified == want
+    # The case each weighting is for: every draft kept, or rejections (a cache position written twice).
+    assert stats["accepted"] == len(want) if weights == "echoing" else stats["accepted"] < len(want)
+
+
+def test_accepted_drafts_give_two_tokens_per_pass(model, monkeypatch, request):
+    """With a stand-in main model and an oracle in place of the MTP module (it knows the stand-in's rule), every
+    draft holds: the output is plain greedy's, in half the forward passes."""
+    summing_cached(monkeypatch, request, oracle=True)
+    plain = gen.generate(MODEL, None, None, [1, 2, 3], max_new_tokens=11, temperature=0.0)
+    stats: dict = {}
+    fast = gen.generate(MODEL, None, None, [1, 2, 3], max_new_tokens=11, temperature=0.0, speculative=True,
                         stats=stats)
     assert fast == plain
     assert stats["accepted"] == stats["drafted"] == 5 and stats["forwards"] == 6
+
+
+def test_the_cached_mtp_module_gives_the_whole_sequence_logits(model):
+    """`mtp_forward_cached` over a prompt, then one position at a time, against `mtp_logits` on the whole sequence:
+    the module that drafts reads the same numbers as the one training trains (a MoE block and a dense one)."""
+    params, state = model
+    tokens_1S = jax.random.randint(jax.random.key(2), (1, 12), 0, MODEL.model.vocab_size)
+    for config in (MODEL, MODEL.replace(**{"model.mtp_block": "dense"})):
+        if config is not MODEL:
+            params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(4))
+            state = transformer.init_state(config)
+        _, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
+        (whole_1SV,) = transformer.mtp_logits(params, state, tokens_1S, aux["hidden"], config)
+        next_1S = jnp.roll(tokens_1S, -1, axis=1)
+        cache = transformer.init_mtp_cache(config, 1, 16)
+        logits, cache = transformer.mtp_forward_cached(params, state, next_1S[:, :7], aux["hidden"][:, :7], cache, 0,
+                                                       config)
+        got = [logits]
+        for i in range(7, 11):  # the last position has no next token
+            logits, cache = transformer.mtp_forward_cached(params, state, next_1S[:, i:i + 1],
+                                                           aux["hidden"][:, i:i + 1], cache, jnp.int32(i), config)
+            got.append(logits)
+        np.testing.assert_allclose(np.concatenate(got, axis=1), whole_1SV[:, :11], rtol=1e-5,
+                                   atol=2e-6 * float(jnp.abs(whole_1SV).max()))
 
 
 def test_speculative_sampling_stops_at_the_stop_token_and_the_budget(model):
@@ -129,7 +194,7 @@ def test_generate_with_yarn_rope_scaling(model, speculative):
     again = gen.generate(yarn.replace(), params, state, [5, 9, 2], max_new_tokens=3, temperature=0.0,
                          speculative=speculative)
     assert len(first) == 3 and again == first
-    cached = gen._speculative_step if speculative else gen._cached_steps
+    cached = gen._speculative_steps if speculative else gen._cached_steps
     assert cached.cache_info().hits >= 1
 
 
@@ -164,53 +229,50 @@ def test_plain_generation_stops_before_the_stop_token_and_counts_its_pass(model)
     assert cut == out[:out.index(stop)] and stats["forwards"] == len(cut) + 1  # the pass that drew the stop token
 
 
-def _summing(params, state, tokens_BS, config, **options):
-    """A stand-in for the main model: its prediction after each position is the sum of the tokens up to there (modulo
-    the vocabulary), so that it changes with every token of the context."""
-    vocab = config.model.vocab_size
-    return (jax.nn.one_hot(jnp.cumsum(tokens_BS, axis=1) % vocab, vocab),
-            {"hidden": jnp.zeros((*tokens_BS.shape, config.model.hidden_size))})
+def summing_cached(monkeypatch, request, oracle: bool = False):
+    """Stand-ins for the cached passes. The main model's prediction after a position is the sum of the tokens in its
+    cache up to there (modulo the vocabulary), so it changes with every token of the context it was given; its
+    hidden state there is that sum. The MTP module's logits are flat, or, with `oracle`, the main model's next
+    prediction (its hidden state plus the token after it), so that every draft holds."""
+    vocab = MODEL.model.vocab_size
 
-
-def summing_cached(monkeypatch, request):
-    """`_summing` for KV-cache decoding: the cache holds the tokens, and the prediction after a position is the sum
-    of the cache up to there, so it sees exactly the context the cache was filled with."""
     def init_cache(config, batch, length):
         return {"tokens": jnp.zeros((batch, length), jnp.int32)}
 
-    def forward_cached(params, state, tokens_BS, cache, position, config):
+    def forward_cached(params, state, tokens_BS, cache, position, config, hidden=False):
         tokens_BT = jax.lax.dynamic_update_slice_in_dim(cache["tokens"], tokens_BS, position, axis=1)
         S, T = tokens_BS.shape[1], tokens_BT.shape[1]
         seen_ST = jnp.arange(T)[None, :] <= jnp.arange(S)[:, None] + position
         sums_BS = jnp.sum(jnp.where(seen_ST, tokens_BT[:, None, :], 0), axis=-1)
-        vocab = config.model.vocab_size
-        return jax.nn.one_hot(sums_BS % vocab, vocab), {"tokens": tokens_BT}
+        out = (jax.nn.one_hot(sums_BS % vocab, vocab), {"tokens": tokens_BT})
+        return (*out, sums_BS[..., None]) if hidden else out
 
-    monkeypatch.setattr(transformer, "init_cache", init_cache)
-    monkeypatch.setattr(transformer, "forward_cached", forward_cached)
-    gen._cached_steps.cache_clear()  # compiled programs are cached per config: trace them with the stand-in
-    request.addfinalizer(gen._cached_steps.cache_clear)
+    def mtp_forward_cached(params, state, next_tokens_BS, hidden_BSD, cache, position, config):
+        if not oracle:
+            return jnp.zeros((*next_tokens_BS.shape, vocab)), cache
+        return jax.nn.one_hot((hidden_BSD[..., 0] + next_tokens_BS) % vocab, vocab), cache
+
+    for name, stand_in in (("init_cache", init_cache), ("init_mtp_cache", init_cache),
+                           ("forward_cached", forward_cached), ("mtp_forward_cached", mtp_forward_cached)):
+        monkeypatch.setattr(transformer, name, stand_in)
+    for cached in (gen._cached_steps, gen._speculative_steps):
+        cached.cache_clear()  # compiled programs are cached per config: trace them with the stand-ins
+        request.addfinalizer(cached.cache_clear)
 
 
 @pytest.mark.parametrize("beyond", [9, -4], ids=["longer-prompt", "crossing"])
-def test_speculative_greedy_equals_plain_greedy_past_the_context_window(model, monkeypatch, request, beyond):
-    """A pass holds the context and two more positions: past window - 2 tokens of context, speculative decoding
-    continues as plain decoding does (a prompt longer than the window, and one whose generation crosses it)."""
-    params, state = model
-    vocab, window = MODEL.model.vocab_size, gen.context_window(MODEL)
-    monkeypatch.setattr(transformer, "forward", _summing)
-    monkeypatch.setattr(transformer, "mtp_logits", lambda params, state, tokens_BS, hidden_BSD, config: (
-        jnp.zeros((*tokens_BS.shape, vocab)),))
+def test_speculative_greedy_equals_plain_greedy_past_the_context(monkeypatch, request, beyond):
+    """A pass writes two positions: one token short of the context, speculative decoding continues as plain
+    decoding does, context shifts included (a prompt longer than the context, and one whose generation crosses it)."""
+    vocab, context = MODEL.model.vocab_size, MODEL.model.max_seq_len
     summing_cached(monkeypatch, request)
-    gen._speculative_step.cache_clear()
-    request.addfinalizer(gen._speculative_step.cache_clear)
-    prompt = [1 + i % (vocab - 1) for i in range(window + beyond)]
-    plain = gen.generate(MODEL, params, state, prompt, max_new_tokens=8, temperature=0.0)
+    prompt = [1 + i % (vocab - 1) for i in range(context + beyond)]
+    plain = gen.generate(MODEL, None, None, prompt, max_new_tokens=30, temperature=0.0)
     ids = list(prompt)
-    for _ in range(8):
-        ids.append(sum(ids[gen.context_start(len(ids), MODEL.model.max_seq_len):]) % vocab)
+    for _ in range(30):
+        ids.append(sum(ids[gen.context_start(len(ids), context):]) % vocab)
     assert plain == ids[len(prompt):]
-    assert gen.generate(MODEL, params, state, prompt, max_new_tokens=8, temperature=0.0, speculative=True) == plain
+    assert gen.generate(MODEL, None, None, prompt, max_new_tokens=30, temperature=0.0, speculative=True) == plain
 
 
 @pytest.mark.parametrize("temperature, top_p", [(-0.1, 0.9), (0.8, 0.0), (0.8, 1.01), (float("nan"), 0.9),

@@ -13,10 +13,11 @@ at position L (the main model's distribution p there against the draft's q: gree
 draft; sampling accepts with probability min(1, p(d) / q(d)) and otherwise samples max(0, p - q), renormalised,
 which leaves every token distributed exactly as p — Leviathan et al., 2023), then, the draft accepted, takes the
 main model's token at L + 1 from the same pass. The MTP module then drafts the next token from the pass's final
-hidden state (`transformer.mtp_logits`: one transformer block, the main model is not run again). These passes run
-without a cache over a window of W = min(C, 1,024) positions holding the context, the draft and the token after it,
-so they draft while the context fits in the window's first W - 2 positions; from there on the cached decoding
-above continues, from the same contexts. Greedy output equals plain greedy decoding token for token.
+hidden states (`transformer.mtp_forward_cached`: one transformer block with its own KV cache; the main model is
+not run again). A pass runs over two positions, the last token and the draft, against the caches; a rejected
+draft's position is written again by the next pass. Drafting goes on while the sequence is shorter than C - 1
+tokens, and the cached decoding above continues from there, so every token has the context plain decoding gives
+it. Greedy output equals plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -77,8 +78,6 @@ def verify_draft(p_logits_V: jax.Array, q_logits_V: jax.Array, draft: jax.Array,
     return accepted, jnp.where(accepted, draft, resampled)
 
 
-# The window of a speculative pass (it runs without a cache): the model's context, at most 1,024 tokens.
-MAX_WINDOW = 1024
 # The shortest padded length of a prompt or a cache (`_padded`).
 MIN_PADDED = 16
 
@@ -136,11 +135,6 @@ def prompt_list(prompt_ids, config: Config) -> list[int]:
     return [int(i) for i in ids]
 
 
-def context_window(config: Config) -> int:
-    """How many positions a speculative pass holds (the module docstring's W)."""
-    return min(config.model.max_seq_len, MAX_WINDOW)
-
-
 def context_start(length: int, context: int) -> int:
     """Where the tokens that predict the next one start in a sequence of `length`: 0 while it fits in `context`
     (model.max_seq_len), then moving in steps of half a context, so that they number between context // 2 and
@@ -167,7 +161,7 @@ def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int =
     config = config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
     if speculative:
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
-                                     stop_id, context_window(config), {} if stats is None else stats)
+                                     stop_id, {} if stats is None else stats)
 
     new, forwards = _generate_cached(config, params, state, prompt_ids, max_new_tokens, temperature, top_p,
                                      jax.random.key(seed), stop_id)
@@ -185,76 +179,61 @@ def _generate_cached(config: Config, params, state, ids: list[int], count: int, 
     capacity = context if context_start(longest, context) else _padded(longest, context)
     fill, decode = _cached_steps(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
     ids, new = list(ids), []
-    cache, start = None, -1
+    cache, start, token = None, -1, None
     for _ in range(count):
-        key, sub = jax.random.split(key)
         if context_start(len(ids), context) != start:  # the first token, or a context shift
             start = context_start(len(ids), context)
             window = ids[start:]
             tokens_1S = np.zeros((1, _padded(len(window), capacity)), np.int32)
             tokens_1S[0, :len(window)] = window
-            token, cache = fill(params, state, jnp.asarray(tokens_1S), len(window), sub, capacity=capacity)
-        else:  # the last token at its position in the cache
-            token, cache = decode(params, state, cache, jnp.asarray([[ids[-1]]], jnp.int32), len(ids) - 1 - start,
-                                  sub)
-        token = int(token)
-        if stop_id is not None and token == stop_id:
+            token, cache, key = fill(params, state, tokens_1S, len(window), key, capacity=capacity)
+        else:  # the last token (still on the device) at its position in the cache
+            token, cache, key = decode(params, state, cache, token, len(ids) - 1 - start, key)
+        if stop_id is not None and int(token) == stop_id:
             return new, len(new) + 1
-        ids.append(token)
-        new.append(token)
+        ids.append(int(token))
+        new.append(ids[-1])
     return new, len(new)
 
 
-def _window(ids: list[int], window: int, free: int = 0, draft: int | None = None) -> tuple[jax.Array, int]:
-    """([1, window] int32 tokens, context length): the last window - free ids from position 0, zeros after them,
-    and `draft` (if any) at the first position after the context."""
-    context = ids[-(window - free):]
-    tokens_1S = np.zeros((1, window), np.int32)
-    tokens_1S[0, :len(context)] = context
-    if draft is not None:
-        tokens_1S[0, len(context)] = draft
-    return jnp.asarray(tokens_1S), len(context)
-
-
 def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tokens: int, temperature: float,
-                          top_p: float, seed: int, stop_id, window: int, stats: dict) -> list[int]:
-    """`generate` with MTP drafts: one jitted pass per iteration verifies the pending draft, emits one or two
-    tokens and drafts the next (module docstring). The context keeps two free positions of the window: the
-    draft's and the token after it; a longer context continues by cached decoding (`_generate_cached`)."""
-    step = _speculative_step(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
-
-    ids = list(prompt_ids)
-    key = jax.random.key(seed)
-    new: list[int] = []
-    has_draft, draft = False, 0
-    q_logits_V = jnp.zeros((config.model.vocab_size,), jnp.float32)
+                          top_p: float, seed: int, stop_id, stats: dict) -> list[int]:
+    """`generate` with MTP drafts (module docstring): a first pass fills the caches from the prompt, emits one token
+    and drafts the next; each further pass verifies the pending draft, emits one or two tokens and drafts again.
+    A pass writes two positions, so drafting stops when the sequence is one token short of the context; cached
+    decoding (`_generate_cached`) continues from there, with its context shifts."""
+    context = config.model.max_seq_len
+    capacity = _padded(len(prompt_ids) + max_new_tokens + 1, context)
+    fill, verify = _speculative_steps(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
+    ids, new = list(prompt_ids), []
+    key, last, draft, cache, mtp_cache, q_logits_V = jax.random.key(seed), None, None, None, None, None
     forwards = drafted = accepted_total = 0
     while len(new) < max_new_tokens:
-        if len(ids) > window - 2:
+        if len(ids) + 1 > capacity:
             rest, passes = _generate_cached(config, params, state, ids, max_new_tokens - len(new), temperature,
                                             top_p, key, stop_id)
             new += rest
             forwards += passes
             break
-        tokens_1S, length = _window(ids, window, free=2, draft=draft if has_draft else None)
-        key, sub = jax.random.split(key)
-        accepted, first, second, next_draft, next_q = step(params, state, tokens_1S, length, has_draft, draft,
-                                                           q_logits_V, sub)
+        if not forwards:
+            tokens_1S = np.zeros((1, _padded(len(ids), capacity)), np.int32)
+            tokens_1S[0, :len(ids)] = ids
+            last, draft, q_logits_V, cache, mtp_cache, key = fill(params, state, tokens_1S, len(ids), key,
+                                                                  capacity=capacity)
+            emitted = [int(last)]
+        else:  # the last token and the draft after it, at the last token's position (both still on the device)
+            accepted, first, last, draft, q_logits_V, cache, mtp_cache, key = verify(
+                params, state, cache, mtp_cache, last, draft, len(ids) - 1, q_logits_V, key)
+            drafted += 1
+            accepted_total += bool(accepted)
+            emitted = [int(first), int(last)] if accepted else [int(first)]
         forwards += 1
-        drafted += has_draft
-        accepted = bool(accepted)
-        accepted_total += accepted
-        emitted = [int(first), int(second)] if accepted else [int(first)]
-        stopped = False
         for token in emitted[:max_new_tokens - len(new)]:
             if stop_id is not None and token == stop_id:
-                stopped = True
-                break
+                stats.update(forwards=forwards, drafted=drafted, accepted=accepted_total)
+                return new
             ids.append(token)
             new.append(token)
-        if stopped:
-            break
-        has_draft, draft, q_logits_V = True, int(next_draft), next_q
     stats.update(forwards=forwards, drafted=drafted, accepted=accepted_total)
     return new
 
@@ -264,43 +243,68 @@ def _cached_steps(config_json: str, temperature: float, top_p: float):
     """The jitted programs of KV-cache decoding, one pair per (config, sampling settings), so that later calls reuse
     their compilations (Config holds a dict, model.rope_scaling, so it is keyed by its JSON, as convert's forward
     is): `fill`, a new cache of `capacity` positions holding a context of `length` tokens (padded) and the token
-    after them; `decode`, one token more at `position`, the cache updated in place."""
+    after them; `decode`, one token more at `position`, the cache updated in place. Each takes the sampling key and
+    returns the next one, so a token costs one dispatch."""
     config = config_lib.from_dict(json.loads(config_json))
 
     @functools.partial(jax.jit, static_argnames="capacity")
     def fill(params, state, tokens_1S, length, key, *, capacity):
+        key, sub = jax.random.split(key)
         cache = transformer.init_cache(config, 1, capacity)
         logits_1SV, cache = transformer.forward_cached(params, state, tokens_1S, cache, 0, config)
-        return sample_next(logits_1SV[0, length - 1], key, temperature, top_p), cache
+        return sample_next(logits_1SV[0, length - 1], sub, temperature, top_p), cache, key
 
     @functools.partial(jax.jit, donate_argnames="cache")
-    def decode(params, state, cache, token_11, position, key):
-        logits_11V, cache = transformer.forward_cached(params, state, token_11, cache, position, config)
-        return sample_next(logits_11V[0, 0], key, temperature, top_p), cache
+    def decode(params, state, cache, token, position, key):
+        key, sub = jax.random.split(key)
+        logits_11V, cache = transformer.forward_cached(params, state, token.reshape(1, 1), cache, position, config)
+        return sample_next(logits_11V[0, 0], sub, temperature, top_p), cache, key
 
     return fill, decode
 
 
 @functools.lru_cache(maxsize=8)
-def _speculative_step(config_json: str, temperature: float, top_p: float):
-    """The jitted speculative iteration: verify the pending draft, emit one or two tokens, draft the next (keyed
-    as `_cached_steps`)."""
+def _speculative_steps(config_json: str, temperature: float, top_p: float):
+    """The jitted programs of speculative decoding (keyed as `_cached_steps`, and as theirs, each takes the sampling
+    key and returns the next): `fill`, the caches of the main model and of the first MTP module's block from a
+    context of `length` tokens, the token after it and a draft of the one after that; `verify`, the pass over the
+    last token and its draft that keeps the draft or replaces it, emits the token after an accepted draft, and
+    drafts again."""
     config = config_lib.from_dict(json.loads(config_json))
-    @jax.jit
-    def step(params, state, tokens_1S, length, has_draft, draft, q_logits_V, key):
-        logits_1SV, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
-        k_verify, k_first, k_second, k_draft = jax.random.split(key, 4)
-        accepted, verified = verify_draft(logits_1SV[0, length - 1], q_logits_V, draft, k_verify, temperature, top_p)
-        plain = sample_next(logits_1SV[0, length - 1], k_first, temperature, top_p)
-        accepted = accepted & has_draft
-        first = jnp.where(has_draft, verified, plain)  # the token at position `length`
-        second = sample_next(logits_1SV[0, length], k_second, temperature, top_p)  # at length + 1, if accepted
-        # The tokens as emitted (the MTP module at position i reads token i + 1); its depth-1 logits at `last`, the
-        # position before the last emitted token, draft the token after that one.
-        tokens_1S = tokens_1S.at[0, length].set(first).at[0, length + 1].set(jnp.where(accepted, second, 0))
-        last = jnp.where(accepted, length, length - 1)
-        draft_logits_V = transformer.mtp_logits(params, state, tokens_1S, aux["hidden"], config)[0][0, last]
-        new_draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
-        return accepted, first, second, new_draft, draft_logits_V
 
-    return step
+    @functools.partial(jax.jit, static_argnames="capacity")
+    def fill(params, state, tokens_1S, length, key, *, capacity):
+        key, k_first, k_draft = jax.random.split(key, 3)
+        cache = transformer.init_cache(config, 1, capacity)
+        logits_1SV, cache, hidden_1SD = transformer.forward_cached(params, state, tokens_1S, cache, 0, config,
+                                                                   hidden=True)
+        first = sample_next(logits_1SV[0, length - 1], k_first, temperature, top_p)
+        # The MTP module at position i reads token i + 1: the context shifted left, then the token just sampled.
+        next_1S = jnp.roll(tokens_1S, -1, axis=1).at[0, length - 1].set(first)
+        mtp_cache = transformer.init_mtp_cache(config, 1, capacity)
+        draft_logits_1SV, mtp_cache = transformer.mtp_forward_cached(params, state, next_1S, hidden_1SD, mtp_cache,
+                                                                     0, config)
+        draft_logits_V = draft_logits_1SV[0, length - 1]
+        draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
+        return first, draft, draft_logits_V, cache, mtp_cache, key
+
+    @functools.partial(jax.jit, donate_argnames=("cache", "mtp_cache"))
+    def verify(params, state, cache, mtp_cache, last, draft, position, q_logits_V, key):
+        """-> (accepted, the token at the draft's position, the last token emitted, the next draft, its logits, the
+        caches, the next key)."""
+        key, k_verify, k_second, k_draft = jax.random.split(key, 4)
+        tokens_12 = jnp.stack([last, draft])[None]
+        logits_12V, cache, hidden_12D = transformer.forward_cached(params, state, tokens_12, cache, position, config,
+                                                                   hidden=True)
+        accepted, first = verify_draft(logits_12V[0, 0], q_logits_V, draft, k_verify, temperature, top_p)
+        second = sample_next(logits_12V[0, 1], k_second, temperature, top_p)  # after the draft, if it holds
+        # Rejected, the draft's position holds the wrong token in both caches; the next pass writes it again.
+        next_12 = jnp.stack([first, jnp.where(accepted, second, 0)])[None]
+        draft_logits_12V, mtp_cache = transformer.mtp_forward_cached(params, state, next_12, hidden_12D, mtp_cache,
+                                                                     position, config)
+        draft_logits_V = draft_logits_12V[0, accepted.astype(jnp.int32)]  # at the last emitted token's predecessor
+        new_draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
+        return (accepted, first, jnp.where(accepted, second, first), new_draft, draft_logits_V, cache, mtp_cache,
+                key)
+
+    return fill, verify

@@ -423,7 +423,8 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
 def mtp_logits(params: dict, state: dict, tokens_BS: jax.Array, hidden_BSD: jax.Array, config: Config):
     """The MTP modules alone, after a main forward pass that returned its `hidden` (`forward(..., hidden=True)`):
     D float32 [B, S, V] arrays, depth k's position i scoring token i+k+1 from the main model's state at i and the
-    tokens up to i+k. For drafting tokens (speculative decoding): the main model is not run again."""
+    tokens up to i+k, without running the main model again (the reference `mtp_forward_cached`'s drafts are
+    tested against)."""
     layers = _Layers.for_sequence(config, None, tokens_BS.shape[1])
     return _mtp_modules(params, state, tokens_BS, hidden_BSD, layers, None)[0]
 
@@ -492,31 +493,42 @@ def init_cache(config: Config, batch: int, length: int) -> dict:
             for stack, layers in counts.items() if layers}
 
 
-def forward_cached(params: dict, state: dict, tokens_BS: jax.Array, cache: dict, position, config: Config):
+def _attention_cached(layer: dict, x_BSD: jax.Array, kv: dict, position, cos_SP, sin_SP, layers: _Layers):
+    """The first half of a layer over a KV cache: (x + attn(norm(x)), the layer's cache updated)."""
+    m = layers.config.model
+    h_BSD = rms_norm(x_BSD, layer["attn_norm"], m.rms_norm_eps)
+    y_BSD, kv = attention_cached(layer["attn"], h_BSD, kv, position, cos_SP, sin_SP, m, layers.recipe)
+    return x_BSD + y_BSD, kv
+
+
+def _cached_layers(config: Config, length: int, position, S: int):
+    """(the layers of a cached pass over a cache of `length` positions, the RoPE tables of positions
+    position..position+S-1)."""
+    layers = _Layers.for_sequence(config, None, length)
+    return layers, (jax.lax.dynamic_slice_in_dim(layers.cos_SP, position, S),
+                    jax.lax.dynamic_slice_in_dim(layers.sin_SP, position, S))
+
+
+def forward_cached(params: dict, state: dict, tokens_BS: jax.Array, cache: dict, position, config: Config, *,
+                   hidden: bool = False):
     """The logits of `tokens_BS` at positions position..position+S-1 after the positions before them, whose keys
-    and values `cache` holds (`init_cache`); returns (logits_BSV float32, the cache with these positions written).
-    The numbers are `forward`'s at those positions of the whole sequence, up to rounding; positions past
+    and values `cache` holds (`init_cache`); returns (logits_BSV float32, the cache with these positions written),
+    and with `hidden` also the final-normed [B, S, D] state the MTP modules read (`mtp_forward_cached`). The
+    numbers are `forward`'s at those positions of the whole sequence, up to rounding; positions past
     position+S-1 in the cache are masked, whatever they hold. `position` may be traced. One device, no MTP
     modules (the main model's next-token logits, as `dropless generate` needs them)."""
     m = config.model
-    S, length = tokens_BS.shape[1], jax.tree.leaves(cache)[0].shape[2]
-    layers = _Layers.for_sequence(config, None, length)
-    cos_SP = jax.lax.dynamic_slice_in_dim(layers.cos_SP, position, S)
-    sin_SP = jax.lax.dynamic_slice_in_dim(layers.sin_SP, position, S)
-
-    def attend(layer, x_BSD, kv):
-        h_BSD = rms_norm(x_BSD, layer["attn_norm"], m.rms_norm_eps)
-        y_BSD, kv = attention_cached(layer["attn"], h_BSD, kv, position, cos_SP, sin_SP, m, layers.recipe)
-        return x_BSD + y_BSD, kv
+    length = jax.tree.leaves(cache)[0].shape[2]  # [layers, B, T, ...]
+    layers, (cos_SP, sin_SP) = _cached_layers(config, length, position, tokens_BS.shape[1])
 
     def dense_body(x_BSD, layer_and_kv):
         layer, kv = layer_and_kv
-        x_BSD, kv = attend(layer, x_BSD, kv)
+        x_BSD, kv = _attention_cached(layer, x_BSD, kv, position, cos_SP, sin_SP, layers)
         return layers.dense_mlp(layer, x_BSD), kv
 
     def moe_body(x_BSD, layer_router_kv):
         layer, router, kv = layer_router_kv
-        x_BSD, kv = attend(layer, x_BSD, kv)
+        x_BSD, kv = _attention_cached(layer, x_BSD, kv, position, cos_SP, sin_SP, layers)
         return layers.moe_mlp(layer, router, x_BSD)[0], kv
 
     x_BSD = embed_tokens(params["embed"], tokens_BS, layers.dtype, None)
@@ -531,4 +543,37 @@ def forward_cached(params: dict, state: dict, tokens_BS: jax.Array, cache: dict,
             x_BSD, kv = _run_layers(moe_body, x_BSD, inputs, config.train.scan_layers)
         cache[stack] = jax.tree.map(lambda whole, run: whole.at[start:stop].set(run), cache[stack], kv)
     x_BSD = rms_norm(x_BSD, params["final_norm"], m.rms_norm_eps)
-    return _output_head(params, x_BSD, config, layers.dtype), cache
+    logits_BSV = _output_head(params, x_BSD, config, layers.dtype)
+    return (logits_BSV, cache, x_BSD) if hidden else (logits_BSV, cache)
+
+
+def init_mtp_cache(config: Config, batch: int, length: int) -> dict:
+    """An empty KV cache of the first MTP module's block (`mtp_forward_cached`), as one layer of `init_cache`."""
+    shapes = cache_shapes(config.model, batch, length)
+    return {name: jnp.zeros(shape, compute_dtype(config)) for name, shape in shapes.items()}
+
+
+def mtp_forward_cached(params: dict, state: dict, next_tokens_BS: jax.Array, hidden_BSD: jax.Array, cache: dict,
+                       position, config: Config):
+    """The first MTP module at positions position..position+S-1 over a cache of its block's earlier positions
+    (`init_mtp_cache`): position i reads the main model's final-normed state there (`forward_cached(...,
+    hidden=True)`) and the token at i + 1 (`next_tokens_BS`), and scores the token at i + 2. Returns (logits_BSV
+    float32, the cache updated); `mtp_logits`'s numbers at those positions, up to rounding. Speculative decoding
+    drafts with it."""
+    m = config.model
+    length = jax.tree.leaves(cache)[0].shape[1]  # [B, T, ...]
+    layers, (cos_SP, sin_SP) = _cached_layers(config, length, position, next_tokens_BS.shape[1])
+    module = jax.tree.map(lambda a: a[0], params["mtp"])
+    e_BSD = embed_tokens(params["embed"], next_tokens_BS, layers.dtype, None)
+    joined_BS2D = jnp.concatenate([rms_norm(e_BSD, module["enorm"], m.rms_norm_eps),
+                                   rms_norm(hidden_BSD, module["hnorm"], m.rms_norm_eps)], axis=-1)
+    x_BSD = linear(joined_BS2D, module["eh_proj"], layers.recipe).astype(layers.dtype)
+    x_BSD, cache = _attention_cached(module["block"], x_BSD, cache, position, cos_SP, sin_SP, layers)
+    if m.mtp_block == "moe":
+        row = layer_counts(m)[1]
+        router = jax.tree.map(lambda a: a[0], _router_rows(state, row, row + 1))
+        x_BSD = layers.moe_mlp(module["block"], router, x_BSD)[0]
+    else:
+        x_BSD = layers.dense_mlp(module["block"], x_BSD)
+    head_BSD = rms_norm(x_BSD, module["head_norm"], m.rms_norm_eps)
+    return _output_head(params, head_BSD, config, layers.dtype), cache
