@@ -19,6 +19,10 @@ order only permutes eh_proj's rows). Sequences keep their length S: depth k read
 and its last k positions, which have no target, are left out of the loss (`dropless.train.step`); causal
 attention keeps them from reaching the other positions. Embedding and output head are the main model's.
 
+KV-cache decoding (`init_cache`, `forward_cached`; `mtp_forward_cached` for the first MTP module) runs the same
+layers over new positions only, each layer's attention reading and extending its cache (`attention.cache_shapes`),
+for `dropless generate` on one device.
+
 Precision: float32 master weights are cast to the compute dtype (`train.dtype`) where they are used; the
 residual stream is in the compute dtype; norms, attention softmax, router and logits are float32.
 
@@ -389,6 +393,15 @@ def _output_head(params: dict, x_BSD: jax.Array, config: Config, dtype) -> jax.A
     return matmul_f32_out(x_BSD.astype(dtype), head_DV.astype(dtype))
 
 
+def _mtp_input(params: dict, module: dict, next_tokens_BS, h_BSD, layers: _Layers, mesh) -> jax.Array:
+    """An MTP module's block input at each position i: eh_proj [enorm(Emb(token i + k)); hnorm(h^{k-1}_i)]."""
+    m = layers.config.model
+    e_BSD = embed_tokens(params["embed"], next_tokens_BS, layers.dtype, mesh)
+    joined_BS2D = jnp.concatenate([rms_norm(e_BSD, module["enorm"], m.rms_norm_eps),
+                                   rms_norm(h_BSD, module["hnorm"], m.rms_norm_eps)], axis=-1)
+    return linear(joined_BS2D, module["eh_proj"], layers.recipe, mesh=layers.mesh).astype(layers.dtype)
+
+
 def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, mesh):
     """The MTP depths 1..D after the main model's normalised output `h_BSD`. Returns (logits per depth, the
     MoEStats of each MoE block, [1, ...] each; none for dense blocks)."""
@@ -404,10 +417,7 @@ def _mtp_modules(params: dict, state: dict, tokens_BS, h_BSD, layers: _Layers, m
         with jax.named_scope(f"mtp_{k}"):
             # Token i+k at position i; the last k positions wrap around to the sequence's start and are never
             # scored (causal attention keeps them out of the earlier positions).
-            e_BSD = embed_tokens(params["embed"], jnp.roll(tokens_BS, -k, axis=1), dtype, mesh)
-            joined_BS2D = jnp.concatenate([rms_norm(e_BSD, module["enorm"], m.rms_norm_eps),
-                                           rms_norm(h_BSD, module["hnorm"], m.rms_norm_eps)], axis=-1)
-            x_BSD = linear(joined_BS2D, module["eh_proj"], layers.recipe, mesh=layers.mesh).astype(dtype)
+            x_BSD = _mtp_input(params, module, jnp.roll(tokens_BS, -k, axis=1), h_BSD, layers, mesh)
             if moe_block:
                 row = first_router_row + k - 1
                 router = jax.tree.map(lambda a: a[0], _router_rows(state, row, row + 1))
@@ -564,10 +574,7 @@ def mtp_forward_cached(params: dict, state: dict, next_tokens_BS: jax.Array, hid
     length = jax.tree.leaves(cache)[0].shape[1]  # [B, T, ...]
     layers, (cos_SP, sin_SP) = _cached_layers(config, length, position, next_tokens_BS.shape[1])
     module = jax.tree.map(lambda a: a[0], params["mtp"])
-    e_BSD = embed_tokens(params["embed"], next_tokens_BS, layers.dtype, None)
-    joined_BS2D = jnp.concatenate([rms_norm(e_BSD, module["enorm"], m.rms_norm_eps),
-                                   rms_norm(hidden_BSD, module["hnorm"], m.rms_norm_eps)], axis=-1)
-    x_BSD = linear(joined_BS2D, module["eh_proj"], layers.recipe).astype(layers.dtype)
+    x_BSD = _mtp_input(params, module, next_tokens_BS, hidden_BSD, layers, None)
     x_BSD, cache = _attention_cached(module["block"], x_BSD, cache, position, cos_SP, sin_SP, layers)
     if m.mtp_block == "moe":
         row = layer_counts(m)[1]
