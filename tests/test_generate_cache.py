@@ -109,3 +109,25 @@ def test_a_prompt_longer_than_the_context_is_continued_from_its_last_part(monkey
     for _ in range(30):
         ids.append(sum(ids[gen.context_start(len(ids), context):]) % vocab)
     assert gen.generate(MODEL, params, state, prompt, max_new_tokens=30, temperature=0.0) == ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_inference_weights_leave_the_bf16_numbers_as_they_are(name):
+    """Matrices stored in the compute dtype give the bf16 forward's logits bit for bit (each is cast where it is
+    used), the MTP modules' too; routers and norm weights stay float32."""
+    config = CASES[name].replace(**{"train.dtype": "bfloat16", "model.mtp_layers": 1})
+    params, state, tokens_BS = _setup(config)
+    cast = transformer.inference_weights(params, config)
+    assert cast["embed"].dtype == jnp.bfloat16 and cast["final_norm"].dtype == jnp.float32
+    assert cast["moe_layers"]["moe"]["router"]["kernel"].dtype == jnp.float32
+    assert cast["moe_layers"]["moe"]["experts"]["down"].dtype == jnp.bfloat16
+    forward = jax.jit(transformer.forward, static_argnums=3, static_argnames="mtp")
+    (want, want_aux), (got, got_aux) = (forward(p, state, tokens_BS, config, mtp=True) for p in (params, cast))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_aux["mtp_logits"][0], want_aux["mtp_logits"][0])
+
+
+def test_inference_weights_keep_the_masters_an_fp8_recipe_quantizes():
+    config = FAMILIES["mixtral"].replace(**{"train.dtype": "bfloat16", "train.fp8": "blockwise"})
+    params, _, _ = _setup(config)
+    assert transformer.inference_weights(params, config) is params

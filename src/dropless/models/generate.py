@@ -159,6 +159,7 @@ def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int =
     prompt_ids = prompt_list(prompt_ids, config)
     check_speculative(config, speculative)
     config = config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
+    params = transformer.inference_weights(params, config)
     if speculative:
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,
                                      stop_id, {} if stats is None else stats)
