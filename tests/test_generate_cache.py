@@ -42,6 +42,24 @@ def test_cached_logits_equal_the_whole_forward(name, scan):
     np.testing.assert_allclose(np.concatenate(got, axis=1), whole_BSV, rtol=1e-5, atol=2e-6 * np.abs(whole_BSV).max())
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])
+def test_cached_bf16_logits_are_as_close_to_float32_as_the_whole_forwards(name):
+    """In bfloat16, two sequences: the cached pass is no further from the float32 logits than `forward` in
+    bfloat16 is (MLA's absorbed kv_b rounds differently, not worse)."""
+    config = FAMILIES[name].replace(**{"train.dtype": "bfloat16"})
+    params, state, tokens_BS = _setup(config)
+    exact_BSV, _ = transformer.forward(params, state, tokens_BS, config.replace(**{"train.dtype": "float32"}))
+    whole_BSV, _ = transformer.forward(params, state, tokens_BS, config)
+    step = jax.jit(transformer.forward_cached, static_argnums=5)
+    logits, cache = step(params, state, tokens_BS[:, :4], transformer.init_cache(config, 2, 16), 0, config)
+    got = [logits]
+    for position in range(4, tokens_BS.shape[1]):
+        logits, cache = step(params, state, tokens_BS[:, position:position + 1], cache, jnp.int32(position), config)
+        got.append(logits)
+    cached_error = np.abs(np.concatenate(got, axis=1) - exact_BSV).max()
+    assert cached_error <= 1.5 * np.abs(whole_BSV - exact_BSV).max(), cached_error
+
+
 def test_the_cache_holds_mla_latents_and_gqa_keys_and_values():
     """MLA caches Rkv + P numbers per token and layer (its latent and shared rotary key), not per-head keys."""
     mla = FAMILIES["deepseek_v3"]  # one dense layer, then two MoE layers

@@ -281,8 +281,9 @@ def mla_cached(params: dict, x_BSD: jax.Array, cache: dict, position, cos_SP, si
     T = cache["latent"].shape[1]
     logits_BHST = jnp.where(causal_mask(S, T, position), logits_BHST, jnp.finfo(jnp.float32).min)
     probs_BHST = jax.nn.softmax(logits_BHST, axis=-1).astype(dtype)
-    out_latent_BSHR = jnp.einsum("bhst,btr->bshr", probs_BHST, cache["latent"],
-                                 preferred_element_type=jnp.float32).astype(dtype)
+    # [b, h, s, r] then swapped: XLA's CPU backend has no bf16 x bf16 = f32 dot that writes "bshr" directly.
+    out_latent_BSHR = jnp.swapaxes(jnp.einsum("bhst,btr->bhsr", probs_BHST, cache["latent"],
+                                              preferred_element_type=jnp.float32), 1, 2).astype(dtype)
     out_BSHW = jnp.einsum("bshr,rhw->bshw", out_latent_BSHR, kv_b_RHX[..., nope:],
                           preferred_element_type=jnp.float32).astype(dtype)
     return linear(out_BSHW.reshape(B, S, H * W), params["o"], recipe), cache

@@ -537,7 +537,8 @@ def forward_cached(params: dict, state: dict, tokens_BS: jax.Array, cache: dict,
     """The logits of `tokens_BS` at positions position..position+S-1 after the positions before them, whose keys
     and values `cache` holds (`init_cache`); returns (logits_BSV float32, the cache with these positions written),
     and with `hidden` also the final-normed [B, S, D] state the MTP modules read (`mtp_forward_cached`). The
-    numbers are `forward`'s at those positions of the whole sequence, up to rounding; positions past
+    numbers are `forward`'s at those positions of the whole sequence, up to rounding (under an FP8 recipe, MLA's
+    kv_b runs unquantized here: `attention.mla_cached`); positions past
     position+S-1 in the cache are masked, whatever they hold. `position` may be traced. One device, no MTP
     modules (the main model's next-token logits, as `dropless generate` needs them)."""
     m = config.model
