@@ -260,19 +260,24 @@ def summing_cached(monkeypatch, request, oracle: bool = False):
         request.addfinalizer(cached.cache_clear)
 
 
+@pytest.mark.parametrize("oracle", [False, True], ids=["rejected", "accepted"])
 @pytest.mark.parametrize("beyond", [9, -4], ids=["longer-prompt", "crossing"])
-def test_speculative_greedy_equals_plain_greedy_past_the_context(monkeypatch, request, beyond):
-    """A pass writes two positions: one token short of the context, speculative decoding continues as plain
-    decoding does, context shifts included (a prompt longer than the context, and one whose generation crosses it)."""
+def test_speculative_greedy_equals_plain_greedy_past_the_context(monkeypatch, request, beyond, oracle):
+    """Past the context, each token sees the context plain decoding gives it, and drafting goes on (a prompt longer
+    than the context, and one whose generation crosses it; drafts that fail and drafts that hold)."""
     vocab, context = MODEL.model.vocab_size, MODEL.model.max_seq_len
-    summing_cached(monkeypatch, request)
+    summing_cached(monkeypatch, request, oracle=oracle)
     prompt = [1 + i % (vocab - 1) for i in range(context + beyond)]
     plain = gen.generate(MODEL, None, None, prompt, max_new_tokens=30, temperature=0.0)
     ids = list(prompt)
     for _ in range(30):
         ids.append(sum(ids[gen.context_start(len(ids), context):]) % vocab)
     assert plain == ids[len(prompt):]
-    assert gen.generate(MODEL, None, None, prompt, max_new_tokens=30, temperature=0.0, speculative=True) == plain
+    stats: dict = {}
+    assert gen.generate(MODEL, None, None, prompt, max_new_tokens=30, temperature=0.0, speculative=True,
+                        stats=stats) == plain
+    past = 30 - max(0, context - len(prompt))  # tokens generated past the context
+    assert stats["accepted"] >= past // 3 if oracle else stats["drafted"] >= past // 2
 
 
 @pytest.mark.parametrize("temperature, top_p", [(-0.1, 0.9), (0.8, 0.0), (0.8, 1.01), (float("nan"), 0.9),

@@ -15,9 +15,9 @@ which leaves every token distributed exactly as p — Leviathan et al., 2023), t
 main model's token at L + 1 from the same pass. The MTP module then drafts the next token from the pass's final
 hidden states (`transformer.mtp_forward_cached`: one transformer block with its own KV cache; the main model is
 not run again). A pass runs over two positions, the last token and the draft, against the caches; a rejected
-draft's position is written again by the next pass. Drafting goes on while the sequence is shorter than C - 1
-tokens, and the cached decoding above continues from there, so every token has the context plain decoding gives
-it. Greedy output equals plain greedy decoding token for token.
+draft's position is written again by the next pass. Where the second token of a pass would see a shifted context,
+a pass fills the caches again from the context the next token sees, as plain decoding does, so every token has
+the context plain decoding gives it. Greedy output equals plain greedy decoding token for token.
 """
 
 from __future__ import annotations
@@ -148,6 +148,12 @@ def _padded(length: int, limit: int) -> int:
     return min(limit, max(MIN_PADDED, 1 << (length - 1).bit_length()))
 
 
+def _capacity(longest: int, context: int) -> int:
+    """The cache length for sequences of up to `longest` tokens: padded (`_padded`) while they fit in `context`,
+    else the whole context (`context_start`'s shifts keep every window within it)."""
+    return context if context_start(longest, context) else _padded(longest, context)
+
+
 def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int = 64,
              temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
              stop_id: int | None = None, speculative: bool = False, stats: dict | None = None) -> list[int]:
@@ -176,8 +182,7 @@ def _generate_cached(config: Config, params, state, ids: list[int], count: int, 
     """Up to `count` ids after `ids` by KV-cache decoding (module docstring), stopping before `stop_id` -> (the
     new ids, the passes run)."""
     context = config.model.max_seq_len
-    longest = len(ids) + count - 1  # the longest sequence a new token is predicted from
-    capacity = context if context_start(longest, context) else _padded(longest, context)
+    capacity = _capacity(len(ids) + count - 1, context)  # the longest sequence a new token is predicted from
     fill, decode = _cached_steps(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
     ids, new = list(ids), []
     cache, start, token = None, -1, None
@@ -199,32 +204,28 @@ def _generate_cached(config: Config, params, state, ids: list[int], count: int, 
 
 def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tokens: int, temperature: float,
                           top_p: float, seed: int, stop_id, stats: dict) -> list[int]:
-    """`generate` with MTP drafts (module docstring): a first pass fills the caches from the prompt, emits one token
+    """`generate` with MTP drafts (module docstring): a pass that fills the caches from the context emits one token
     and drafts the next; each further pass verifies the pending draft, emits one or two tokens and drafts again.
-    A pass writes two positions, so drafting stops when the sequence is one token short of the context; cached
-    decoding (`_generate_cached`) continues from there, with its context shifts."""
+    A verifying pass predicts two tokens from one context, so where the second would see a shifted context
+    (`context_start`), the caches are filled again from the context the next token sees."""
     context = config.model.max_seq_len
-    capacity = _padded(len(prompt_ids) + max_new_tokens + 1, context)
+    capacity = _capacity(len(prompt_ids) + max_new_tokens, context)  # a pass writes the position after the last
     fill, verify = _speculative_steps(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
     ids, new = list(prompt_ids), []
     key, last, draft, cache, mtp_cache, q_logits_V = jax.random.key(seed), None, None, None, None, None
-    forwards = drafted = accepted_total = 0
+    start, forwards, drafted, accepted_total = -1, 0, 0, 0
     while len(new) < max_new_tokens:
-        if len(ids) + 1 > capacity:
-            rest, passes = _generate_cached(config, params, state, ids, max_new_tokens - len(new), temperature,
-                                            top_p, key, stop_id)
-            new += rest
-            forwards += passes
-            break
-        if not forwards:
-            tokens_1S = np.zeros((1, _padded(len(ids), capacity)), np.int32)
-            tokens_1S[0, :len(ids)] = ids
-            last, draft, q_logits_V, cache, mtp_cache, key = fill(params, state, tokens_1S, len(ids), key,
+        if context_start(len(ids), context) != start or len(ids) + 1 - start > capacity:
+            start = context_start(len(ids), context)
+            window = ids[start:]
+            tokens_1S = np.zeros((1, _padded(len(window), capacity)), np.int32)
+            tokens_1S[0, :len(window)] = window
+            last, draft, q_logits_V, cache, mtp_cache, key = fill(params, state, tokens_1S, len(window), key,
                                                                   capacity=capacity)
             emitted = [int(last)]
         else:  # the last token and the draft after it, at the last token's position (both still on the device)
             accepted, first, last, draft, q_logits_V, cache, mtp_cache, key = verify(
-                params, state, cache, mtp_cache, last, draft, len(ids) - 1, q_logits_V, key)
+                params, state, cache, mtp_cache, last, draft, len(ids) - 1 - start, q_logits_V, key)
             drafted += 1
             accepted_total += bool(accepted)
             emitted = [int(first), int(last)] if accepted else [int(first)]
