@@ -149,3 +149,15 @@ def test_inference_weights_keep_the_masters_an_fp8_recipe_quantizes():
     config = FAMILIES["mixtral"].replace(**{"train.dtype": "bfloat16", "train.fp8": "blockwise"})
     params, _, _ = _setup(config)
     assert transformer.inference_weights(params, config) is params
+
+
+def test_donated_inference_weights_free_each_float32_matrix():
+    config = FAMILIES["deepseek_v3"].replace(**{"train.dtype": "bfloat16"})
+    params, state, tokens_BS = _setup(config)
+    want, _ = transformer.forward(params, state, tokens_BS, config)
+    copy = jax.tree.map(jnp.copy, params)
+    cast = transformer.inference_weights(copy, config, donate=True)
+    assert copy["embed"].is_deleted() and copy["moe_layers"]["moe"]["experts"]["gate_up"].is_deleted()
+    assert not copy["final_norm"].is_deleted() and cast["final_norm"] is copy["final_norm"]
+    np.testing.assert_array_equal(transformer.forward(cast, state, tokens_BS, config)[0], want)
+    assert transformer.inference_weights(cast, config, donate=True)["embed"] is cast["embed"]  # already cast

@@ -36,7 +36,9 @@ from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
 from dropless.data import DataError, load_token_array, read_tokenizer_file
 from dropless.data.tokenizer import eos_token
-from dropless.models.generate import check_prompt, check_sampling, check_speculative, context_start, generate
+from dropless.models import transformer
+from dropless.models.generate import (check_prompt, check_sampling, check_speculative, context_start, generate,
+                                      generation_config)
 from dropless.train import checkpoint as ckpt
 from dropless.train import overwrite as overwrite_lib
 from dropless.train.loop import resume_changes, train
@@ -187,6 +189,9 @@ def cmd_generate(args) -> int:
         print(f"dropless: the prompt is {len(prompt_ids)} tokens and the model sees the last {seen} of them (its "
               f"context, model.max_seq_len={context}, moves on in steps of half of it).", file=sys.stderr)
     config, params, state = _load_for_inference(args)
+    # In the compute dtype before generate() sees them, each float32 matrix freed once copied: a model whose float32
+    # weights fill the device does not need room for both copies.
+    params = transformer.inference_weights(params, generation_config(config), donate=True)
     # The end-of-document token training separated documents with, so that a run trained with a given tokenizer
     # ending documents in </s> or <|im_end|> stops there too.
     eos = eos_token(tokenizer)

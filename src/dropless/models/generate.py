@@ -148,6 +148,12 @@ def _padded(length: int, limit: int) -> int:
     return min(limit, max(MIN_PADDED, 1 << (length - 1).bit_length()))
 
 
+def generation_config(config: Config) -> Config:
+    """The config generation runs: float32 on a CPU (whose bf16 matmuls are slower and gain nothing), the given one
+    elsewhere."""
+    return config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
+
+
 def _capacity(longest: int, context: int) -> int:
     """The cache length for sequences of up to `longest` tokens: padded (`_padded`) while they fit in `context`,
     else the whole context (`context_start`'s shifts keep every window within it)."""
@@ -164,7 +170,7 @@ def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int =
     check_sampling(temperature, top_p, max_new_tokens, seed)
     prompt_ids = prompt_list(prompt_ids, config)
     check_speculative(config, speculative)
-    config = config.replace(**{"train.dtype": "float32"}) if jax.default_backend() == "cpu" else config
+    config = generation_config(config)
     params = transformer.inference_weights(params, config)
     if speculative:
         return _generate_speculative(config, params, state, prompt_ids, max_new_tokens, temperature, top_p, seed,

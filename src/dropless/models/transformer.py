@@ -493,16 +493,25 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
 
 # ----------------------------------------------------------------------------------------------- KV cache decoding
 
-def inference_weights(params: dict, config: Config) -> dict:
+def inference_weights(params: dict, config: Config, *, donate: bool = False) -> dict:
     """`params` as a pass without FP8 uses them: every matrix but the routers' in the compute dtype, the rest (norm
     weights, routers) float32. The numbers are unchanged, since each such matrix is cast where it is used; a
     decoding step then reads each weight once in the compute dtype instead of converting its float32 master at
     every token (the experts' whole stack included). Under an FP8 recipe, which quantizes the masters themselves,
-    and in float32, the params as they are."""
+    and in float32, the params as they are. `donate` frees each float32 matrix once its copy exists, so the peak
+    is the float32 weights and one matrix more, not both copies (the caller must not use `params` again)."""
     dtype = compute_dtype(config)
     if train_recipe(config.train) is not None or dtype == jnp.float32:
         return params
-    cast = lambda path, leaf: leaf if leaf.ndim < 2 or is_router_weight(path) else leaf.astype(dtype)
+
+    def cast(path, leaf):
+        if leaf.ndim < 2 or is_router_weight(path) or leaf.dtype == dtype:
+            return leaf
+        copy = leaf.astype(dtype)
+        if donate:
+            leaf.delete()
+        return copy
+
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
