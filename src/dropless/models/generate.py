@@ -160,6 +160,14 @@ def _capacity(longest: int, context: int) -> int:
     return context if context_start(longest, context) else _padded(longest, context)
 
 
+def _context(ids: list[int], start: int, capacity: int) -> tuple[np.ndarray, int]:
+    """(ids[start:] as [1, padded length] int32 with zeros after them, their count): what a cache fill reads."""
+    window = ids[start:]
+    tokens_1S = np.zeros((1, _padded(len(window), capacity)), np.int32)
+    tokens_1S[0, :len(window)] = window
+    return tokens_1S, len(window)
+
+
 def generate(config: Config, params, state, prompt_ids, *, max_new_tokens: int = 64,
              temperature: float = 0.8, top_p: float = 0.95, seed: int = 0,
              stop_id: int | None = None, speculative: bool = False, stats: dict | None = None) -> list[int]:
@@ -195,10 +203,8 @@ def _generate_cached(config: Config, params, state, ids: list[int], count: int, 
     for _ in range(count):
         if context_start(len(ids), context) != start:  # the first token, or a context shift
             start = context_start(len(ids), context)
-            window = ids[start:]
-            tokens_1S = np.zeros((1, _padded(len(window), capacity)), np.int32)
-            tokens_1S[0, :len(window)] = window
-            token, cache, key = fill(params, state, tokens_1S, len(window), key, capacity=capacity)
+            tokens_1S, length = _context(ids, start, capacity)
+            token, cache, key = fill(params, state, tokens_1S, length, key, capacity=capacity)
         else:  # the last token (still on the device) at its position in the cache
             token, cache, key = decode(params, state, cache, token, len(ids) - 1 - start, key)
         if stop_id is not None and int(token) == stop_id:
@@ -223,10 +229,8 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     while len(new) < max_new_tokens:
         if context_start(len(ids), context) != start or len(ids) + 1 - start > capacity:
             start = context_start(len(ids), context)
-            window = ids[start:]
-            tokens_1S = np.zeros((1, _padded(len(window), capacity)), np.int32)
-            tokens_1S[0, :len(window)] = window
-            last, draft, q_logits_V, cache, mtp_cache, key = fill(params, state, tokens_1S, len(window), key,
+            tokens_1S, length = _context(ids, start, capacity)
+            last, draft, q_logits_V, cache, mtp_cache, key = fill(params, state, tokens_1S, length, key,
                                                                   capacity=capacity)
             emitted = [int(last)]
         else:  # the last token and the draft after it, at the last token's position (both still on the device)
