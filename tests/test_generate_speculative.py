@@ -26,8 +26,8 @@ def test_verified_drafts_leave_tokens_distributed_as_the_main_model(temperature,
 
     def one(key):
         k_draft, k_verify = jax.random.split(key)
-        draft = gen.sample_next(q_logits, k_draft, temperature, top_p)
-        return gen.verify_draft(p_logits, q_logits, draft, k_verify, temperature, top_p)
+        draft, q_truncated = gen.draw(q_logits, k_draft, temperature, top_p)
+        return gen.verify_draft(p_logits, q_truncated, draft, k_verify, temperature, top_p)
 
     n = 200_000
     accepted, tokens = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), n))
@@ -92,9 +92,9 @@ def test_greedy_drafts_are_the_mtp_modules_over_the_whole_sequence(monkeypatch, 
     state = transformer.init_state(config)
     verified, verify_draft = [], gen.verify_draft
 
-    def recording(p_logits_V, q_logits_V, draft, *args):
+    def recording(p_logits_V, q_truncated_V, draft, *args):
         jax.debug.callback(lambda d: verified.append(int(d)), draft)
-        return verify_draft(p_logits_V, q_logits_V, draft, *args)
+        return verify_draft(p_logits_V, q_truncated_V, draft, *args)
 
     monkeypatch.setattr(gen, "verify_draft", recording)
     gen._speculative_steps.cache_clear()  # trace the passes with the recording stand-in

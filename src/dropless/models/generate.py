@@ -38,9 +38,16 @@ from dropless.models import transformer
 
 def sample_next(logits_V: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
     """One token id from the final-position logits. temperature = 0 means greedy."""
+    return draw(logits_V, key, temperature, top_p)[0]
+
+
+def draw(logits_V: jax.Array, key: jax.Array, temperature: float, top_p: float) -> tuple[jax.Array, jax.Array]:
+    """(`sample_next`'s token, the logits it was drawn from: `truncated_logits`, or the logits as given when greedy),
+    so that a draft's distribution is truncated once (`verify_draft` reads it)."""
     if temperature == 0.0:
-        return jnp.argmax(logits_V).astype(jnp.int32)
-    return jax.random.categorical(key, truncated_logits(logits_V, temperature, top_p)).astype(jnp.int32)
+        return jnp.argmax(logits_V).astype(jnp.int32), logits_V
+    truncated_V = truncated_logits(logits_V, temperature, top_p)
+    return jax.random.categorical(key, truncated_V).astype(jnp.int32), truncated_V
 
 
 def truncated_logits(logits_V: jax.Array, temperature: float, top_p: float) -> jax.Array:
@@ -61,15 +68,16 @@ def truncated_logits(logits_V: jax.Array, temperature: float, top_p: float) -> j
     return logits_V
 
 
-def verify_draft(p_logits_V: jax.Array, q_logits_V: jax.Array, draft: jax.Array, key: jax.Array,
+def verify_draft(p_logits_V: jax.Array, q_truncated_V: jax.Array, draft: jax.Array, key: jax.Array,
                  temperature: float, top_p: float) -> tuple[jax.Array, jax.Array]:
-    """(accepted, token): whether the main model keeps `draft` (drawn from the draft logits q), and the token it
-    emits at that position: the draft when accepted, else one from the corrected distribution (module docstring)."""
+    """(accepted, token): whether the main model keeps `draft` (drawn from the draft's truncated logits, as `draw`
+    returns them; unused when greedy), and the token it emits at that position: the draft when accepted, else one
+    from the corrected distribution (module docstring)."""
     if temperature == 0.0:
         token = jnp.argmax(p_logits_V).astype(jnp.int32)
         return token == draft, token
     p_V = jax.nn.softmax(truncated_logits(p_logits_V, temperature, top_p))
-    q_V = jax.nn.softmax(truncated_logits(q_logits_V, temperature, top_p))
+    q_V = jax.nn.softmax(q_truncated_V)
     accept_key, residual_key = jax.random.split(key)
     accepted = jax.random.uniform(accept_key) * q_V[draft] < p_V[draft]  # u < p(d) / q(d), q(d) > 0 as d ~ q
     residual_V = jnp.maximum(p_V - q_V, 0.0)
@@ -224,18 +232,18 @@ def _generate_speculative(config: Config, params, state, prompt_ids, max_new_tok
     capacity = _capacity(len(prompt_ids) + max_new_tokens, context)  # a pass writes the position after the last
     fill, verify = _speculative_steps(json.dumps(config.to_dict(), sort_keys=True), temperature, top_p)
     ids, new = list(prompt_ids), []
-    key, last, draft, cache, mtp_cache, q_logits_V = jax.random.key(seed), None, None, None, None, None
+    key, last, draft, cache, mtp_cache, q_truncated_V = jax.random.key(seed), None, None, None, None, None
     start, forwards, drafted, accepted_total = -1, 0, 0, 0
     while len(new) < max_new_tokens:
         if context_start(len(ids), context) != start or len(ids) + 1 - start > capacity:
             start = context_start(len(ids), context)
             tokens_1S, length = _context(ids, start, capacity)
-            last, draft, q_logits_V, cache, mtp_cache, key = fill(params, state, tokens_1S, length, key,
+            last, draft, q_truncated_V, cache, mtp_cache, key = fill(params, state, tokens_1S, length, key,
                                                                   capacity=capacity)
             emitted = [int(last)]
         else:  # the last token and the draft after it, at the last token's position (both still on the device)
-            accepted, first, last, draft, q_logits_V, cache, mtp_cache, key = verify(
-                params, state, cache, mtp_cache, last, draft, len(ids) - 1 - start, q_logits_V, key)
+            accepted, first, last, draft, q_truncated_V, cache, mtp_cache, key = verify(
+                params, state, cache, mtp_cache, last, draft, len(ids) - 1 - start, q_truncated_V, key)
             drafted += 1
             accepted_total += bool(accepted)
             emitted = [int(first), int(last)] if accepted else [int(first)]
@@ -296,27 +304,26 @@ def _speculative_steps(config_json: str, temperature: float, top_p: float):
         mtp_cache = transformer.init_mtp_cache(config, 1, capacity)
         draft_logits_1SV, mtp_cache = transformer.mtp_forward_cached(params, state, next_1S, hidden_1SD, mtp_cache,
                                                                      0, config)
-        draft_logits_V = draft_logits_1SV[0, length - 1]
-        draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
-        return first, draft, draft_logits_V, cache, mtp_cache, key
+        draft, q_truncated_V = draw(draft_logits_1SV[0, length - 1], k_draft, temperature, top_p)
+        return first, draft, q_truncated_V, cache, mtp_cache, key
 
     @functools.partial(jax.jit, donate_argnames=("cache", "mtp_cache"))
-    def verify(params, state, cache, mtp_cache, last, draft, position, q_logits_V, key):
-        """-> (accepted, the token at the draft's position, the last token emitted, the next draft, its logits, the
-        caches, the next key)."""
+    def verify(params, state, cache, mtp_cache, last, draft, position, q_truncated_V, key):
+        """-> (accepted, the token at the draft's position, the last token emitted, the next draft, the logits it
+        was drawn from (`draw`), the caches, the next key)."""
         key, k_verify, k_second, k_draft = jax.random.split(key, 4)
         tokens_12 = jnp.stack([last, draft])[None]
         logits_12V, cache, hidden_12D = transformer.forward_cached(params, state, tokens_12, cache, position, config,
                                                                    hidden=True)
-        accepted, first = verify_draft(logits_12V[0, 0], q_logits_V, draft, k_verify, temperature, top_p)
+        accepted, first = verify_draft(logits_12V[0, 0], q_truncated_V, draft, k_verify, temperature, top_p)
         second = sample_next(logits_12V[0, 1], k_second, temperature, top_p)  # after the draft, if it holds
         # Rejected, the draft's position holds the wrong token in both caches; the next pass writes it again.
         next_12 = jnp.stack([first, jnp.where(accepted, second, 0)])[None]
         draft_logits_12V, mtp_cache = transformer.mtp_forward_cached(params, state, next_12, hidden_12D, mtp_cache,
                                                                      position, config)
-        draft_logits_V = draft_logits_12V[0, accepted.astype(jnp.int32)]  # at the last emitted token's predecessor
-        new_draft = sample_next(draft_logits_V, k_draft, temperature, top_p)
-        return (accepted, first, jnp.where(accepted, second, first), new_draft, draft_logits_V, cache, mtp_cache,
+        # At the last emitted token's predecessor: its MTP logits score the token after the last.
+        new_draft, q_truncated_V = draw(draft_logits_12V[0, accepted.astype(jnp.int32)], k_draft, temperature, top_p)
+        return (accepted, first, jnp.where(accepted, second, first), new_draft, q_truncated_V, cache, mtp_cache,
                 key)
 
     return fill, verify
