@@ -79,12 +79,17 @@ def test_cross_group_and_rope_settings_are_validated_when_the_config_is_built():
                        ({"factor": -4.0}, "factor=-4.0 is not a number"), ({"factor": math.nan}, "factor=nan"),
                        ({"beta_fast": "a"}, "beta_fast='a'"), ({"mscale": True}, "mscale=True"),
                        ({"original_max_position_embeddings": 0}, "=0 is not a positive integer"),
-                       ({"original_max_position_embeddings": [1]}, r"=\[1\] is not a positive integer")]:
+                       ({"original_max_position_embeddings": [1]}, r"=\[1\] is not a positive integer"),
+                       ({"beta_fast": 1, "beta_slow": 32}, r"beta_fast=1 is below its beta_slow=32, .* beta_fast >= "),
+                       ({"beta_slow": 40}, "beta_fast=32 is below its beta_slow=40")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig(rope_scaling={**yarn, **bad})
+    ModelConfig(rope_scaling={**yarn, "beta_fast": 8, "beta_slow": 8})
     for bad, match in [({"rope_theta": 0.0}, "rope_theta=0.0 must be a positive"),
                        ({"rope_theta": -1e4}, "rope_theta=-10000.0"), ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0"),
-                       ({"rms_norm_eps": math.inf}, "rms_norm_eps=inf")]:
+                       ({"rms_norm_eps": math.inf}, "rms_norm_eps=inf"),
+                       ({"init_std": -0.02}, "init_std=-0.02 must be > 0"),
+                       ({"init_std": 0.0}, "init_std=0.0 must be > 0"), ({"init_std": math.nan}, "init_std=nan")]:
         with pytest.raises(ConfigError, match=match):
             ModelConfig(**bad)
 

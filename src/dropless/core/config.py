@@ -111,6 +111,11 @@ def check_yarn_keys(rope_scaling: dict) -> None:
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         _require(number and value >= least, f"model.rope_scaling's {key}={value!r} is not a number of at least "
                  f"{least:g}; give one (DeepSeek-V3: factor 40, beta_fast 32, beta_slow 1, mscale 1).")
+    # As dropless.ops.rope reads them: a missing, null or zero beta takes YaRN's default (32 and 1).
+    fast, slow = rope_scaling.get("beta_fast") or 32.0, rope_scaling.get("beta_slow") or 1.0
+    _require(fast >= slow, f"model.rope_scaling's beta_fast={fast:g} is below its beta_slow={slow:g}, which would "
+             "turn YaRN's ramp from kept to interpolated frequencies around; give beta_fast >= beta_slow "
+             "(DeepSeek-V3: 32 and 1).")
     original = rope_scaling["original_max_position_embeddings"]
     _require(isinstance(original, int) and not isinstance(original, bool) and original > 0,
              f"model.rope_scaling's original_max_position_embeddings={original!r} is not a positive integer; give "
@@ -190,6 +195,7 @@ class ModelConfig:
         if "D" in self.layer_types or (self.mtp_layers and self.mtp_block == "dense"):
             # Only dense layers read it: a model without them (Mixtral, Qwen3) may leave it at anything.
             _positive("model.dense_intermediate_size", self.dense_intermediate_size)
+        _positive("model.init_std", self.init_std)
         _positive("model.router_init_std", self.router_init_std, allow_zero=True)
         _positive("model.mtp_loss_weight", self.mtp_loss_weight, allow_zero=True)
         # Each attention kind checks the widths it reads; 0 keeps a meaning only for q_lora_rank (no low-rank q).
