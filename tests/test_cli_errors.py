@@ -119,13 +119,15 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["convert", "--from", "{f}/ckfile", "--to-hf", "{f}/out3"], ["ckfile/checkpoints is a file, not a checkpoints"]),
     (["generate", "--run-dir", "{f}/hfmodel", "--prompt", "x"], ["hfmodel holds a Hugging Face model", "--hf-dir"]),
     (["convert", "--from", "{f}/hfmodel", "--to-hf", "{f}/out2"], ["hfmodel holds a Hugging Face model"]),
-    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"], ["temperature must be a finite number >= 0"]),
-    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "inf"], ["temperature must be a finite number >= 0", "inf"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "nan"],
+     ["--temperature must be a finite number >= 0 and --top-p a number in (0, 1]"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--temperature", "inf"], ["--temperature must be a finite", "inf"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", ""], ["The prompt holds no tokens"]),  # before the load
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--speculative"],  # before the load
      ["Speculative decoding (--speculative", "model.mtp_layers=0"]),
     (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--seed", str(2**64)],
-     ["seed=18446744073709551616 is out of range"]),
+     ["--seed=18446744073709551616 is out of range"]),
+    (["generate", "--run-dir", "{f}/run", "--prompt", "x", "--max-new-tokens", "-1"], ["--max-new-tokens must be >= 0"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/empty.npy", "--out", "{f}/o.npy"], ["empty.npy is empty"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/garbage.npy", "--out", "{f}/o.npy"],
      ["garbage.npy is not an .npy file"]),

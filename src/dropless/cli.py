@@ -168,7 +168,7 @@ def encode_prompt(tokenizer, prompt: str, trained: bool) -> list[int]:
 
 def cmd_generate(args) -> int:
     # The cheap checks come first (the flags, the config, the tokenizer), the slow model load last.
-    check_sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed)
+    check_sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed, flags=True)
     source = Path(args.hf_dir or args.run_dir)
     saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
     check_speculative(saved, args.speculative)

@@ -96,23 +96,26 @@ def check_prompt(prompt_ids) -> None:
         raise ConfigError("The prompt holds no tokens; give a non-empty prompt.")
 
 
-def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: int) -> None:
+def check_sampling(temperature: float, top_p: float, max_new_tokens: int, seed: int, *, flags: bool = False) -> None:
     """Refuse a temperature that is not a finite number >= 0 (inf would sample uniformly; NaN), a top_p outside
     (0, 1], a token budget that is not an integer >= 0 (a negative one would read as none) and a seed that is not
-    an integer within the 32 bits JAX's keys take (as train.seed). The names are the command's flags and
-    generate()'s arguments alike."""
+    an integer within the 32 bits JAX's keys take (as train.seed). The messages name generate()'s arguments, or
+    with `flags` the command's flags (--top-p for top_p)."""
+    def name(argument: str) -> str:
+        return "--" + argument.replace("_", "-") if flags else argument
+
     real = all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (temperature, top_p))
     if not (real and 0 <= temperature < math.inf and 0 < top_p <= 1):  # NaN fails both
-        raise ConfigError(f"temperature must be a finite number >= 0 and top_p a number in (0, 1]; got "
-                          f"{temperature!r} and {top_p!r}.")
-    for name, value in (("max_new_tokens", max_new_tokens), ("seed", seed)):
+        raise ConfigError(f"{name('temperature')} must be a finite number >= 0 and {name('top_p')} a number in "
+                          f"(0, 1]; got {temperature!r} and {top_p!r}.")
+    for argument, value in (("max_new_tokens", max_new_tokens), ("seed", seed)):
         if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-            raise ConfigError(f"{name} must be an integer; got {value!r}.")
+            raise ConfigError(f"{name(argument)} must be an integer; got {value!r}.")
     if max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens must be >= 0; got {max_new_tokens}.")
+        raise ConfigError(f"{name('max_new_tokens')} must be >= 0; got {max_new_tokens}.")
     if abs(seed) > config_lib.INT_LIMIT:
-        raise ConfigError(f"seed={seed} is out of range; give an integer between -{config_lib.INT_LIMIT} and "
-                          f"{config_lib.INT_LIMIT}.")
+        raise ConfigError(f"{name('seed')}={seed} is out of range; give an integer between -{config_lib.INT_LIMIT} "
+                          f"and {config_lib.INT_LIMIT}.")
 
 
 def check_speculative(config: Config, speculative: bool) -> None:
