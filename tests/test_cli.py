@@ -115,7 +115,7 @@ def test_generate_stops_at_the_end_of_document_token_training_used(tmp_path, mon
     (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
     tokenizer.save(str(run_dir / "tokenizer.json"))
     seen = {}
-    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args, **kwargs: (config, None, None))
     monkeypatch.setattr(cli, "generate", lambda *args, **kwargs: seen.update(kwargs) or [])
     assert cli.main(["generate", "--run-dir", str(run_dir), "--prompt", "def "]) == 0
     assert seen["stop_id"] == TextTokenizer(tokenizer).eos_id == tokenizer.token_to_id(eos) == 1
@@ -147,7 +147,7 @@ def test_generate_encodes_the_prompt_as_the_model_saw_text(tmp_path, monkeypatch
     if imported:
         (run_dir / "hf_source.json").write_text("{}")
     seen = []
-    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args, **kwargs: (config, None, None))
     monkeypatch.setattr(cli, "generate", lambda config, params, state, ids, **kwargs: seen.append(list(ids)) or [])
     prompt = "def f<|endoftext|>"
     assert cli.main(["generate", "--run-dir", str(run_dir), "--prompt", prompt]) == 0
@@ -180,7 +180,7 @@ def test_generate_prints_the_space_a_sentencepiece_tokenizer_opens_the_continuat
     (run_dir / "config.json").write_text(json.dumps(config.to_dict()))
     tokenizer.save(str(run_dir / "tokenizer.json"))
     world = tokenizer.token_to_id("▁world")
-    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args, **kwargs: (config, None, None))
     monkeypatch.setattr(cli, "generate", lambda *args, **kwargs: [world, world])
     capsys.readouterr()
     assert cli.main(["generate", "--run-dir", str(run_dir), "--prompt", "Hello"]) == 0
@@ -205,3 +205,49 @@ def test_fine_tune_from_a_hugging_face_checkpoint(tmp_path, capsys):
     assert saved["model"]["family"] == "mixtral" and saved["model"]["hidden_size"] == 32
     assert saved["train"]["seq_len"] == 16  # the run's own settings apply on top of the imported model
     assert_one_line(*run_main(capsys, "generate", "--hf-dir", str(fixture), "--prompt", "x"), "tokenizer.json")
+
+
+def test_generate_from_a_hugging_face_directory_builds_the_bf16_weights_a_run_casts_after_restoring(tmp_path,
+                                                                                                 monkeypatch, capsys):
+    """Where generation runs in bf16 (a GPU), `generate --hf-dir` builds every matrix but the routers' in bf16 on the
+    host, without a float32 copy; they are bit for bit the weights `generate --run-dir` casts from the imported
+    run's float32 checkpoint, and decode the same tokens."""
+    import shutil
+
+    import jax
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dropless.convert import convert_from_hf
+    from dropless.models import transformer
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "hf" / "mixtral", hf_dir)
+    words = ["<unk>", "<s>", "</s>", *(f"w{i}" for i in range(100))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(hf_dir / "tokenizer.json"))
+    convert_from_hf(hf_dir, tmp_path / "run")
+    monkeypatch.setattr(cli, "generation_config", lambda config: config.replace(**{"train.dtype": "bfloat16"}))
+    loaded, real_load = [], cli.load_hf
+    monkeypatch.setattr(cli, "load_hf", lambda *args, **kwargs: loaded.append(real_load(*args, **kwargs)) or loaded[-1])
+    seen, real = [], cli.generate
+    monkeypatch.setattr(cli, "generate", lambda config, params, *args, **kwargs: seen.append(params)
+                        or real(config, params, *args, **kwargs))
+    printed = []
+    for source in (["--hf-dir", str(hf_dir)], ["--run-dir", str(tmp_path / "run")]):
+        capsys.readouterr()
+        assert cli.main(["generate", *source, "--prompt", "w3 w7 w9", "--temperature", "0",
+                         "--max-new-tokens", "5"]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and len(printed[0].split()) == 8
+    from_hf, from_run = (jax.tree_util.tree_leaves_with_path(params) for params in seen)
+    dtypes = set()
+    for (path, a), (_, b) in zip(from_hf, from_run, strict=True):
+        assert a.dtype == b.dtype, jax.tree_util.keystr(path)
+        bits = {2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+        np.testing.assert_array_equal(np.asarray(a).view(bits), np.asarray(b).view(bits))
+        dtypes.add((transformer.is_router_weight(path) or a.ndim < 2, str(a.dtype)))
+    assert dtypes == {(True, "float32"), (False, "bfloat16")}
+    ((_, params, _),) = loaded  # built in bf16, not cast after loading
+    assert {str(x.dtype) for x in jax.tree.leaves(params["moe_layers"]["moe"]["experts"])} == {"bfloat16"}

@@ -635,7 +635,7 @@ def _allocate_too_much(*args, **kwargs):
 
 def test_running_out_of_device_memory_gives_one_line(capsys, files, monkeypatch):
     config = config_lib.load(files / "run" / "config.json")
-    monkeypatch.setattr(cli, "_load_for_inference", lambda args: (config, None, None))  # no checkpoint needed
+    monkeypatch.setattr(cli, "_load_for_inference", lambda args, **kwargs: (config, None, None))  # no checkpoint needed
     monkeypatch.setattr(cli, "compute_logits", _allocate_too_much)
     assert_one_line(*run_main(capsys, "logits", "--run-dir", str(files / "run"), "--tokens", str(files / "ok.npy"),
                               "--out", str(files / "oom.npy")),

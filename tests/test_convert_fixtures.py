@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 from dropless import cli
+from dropless.models import transformer
 from dropless.convert import ConvertError, compute_logits, config_from_hf, convert_from_hf, convert_to_hf, load_hf
 from dropless.convert.safetensors_io import CheckpointReader
 from dropless.train import checkpoint as ckpt
@@ -84,3 +86,25 @@ def test_export_of_a_step_the_run_does_not_have_names_the_saved_steps(tmp_path):
         convert_to_hf(run, tmp_path / "exported", step=5)
     assert not (tmp_path / "exported").exists()
     assert convert_to_hf(run, tmp_path / "exported", step=0) == 0
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe_tied"])
+def test_weights_loaded_in_the_inference_dtypes_are_the_float32_weights_cast_bit_for_bit(name):
+    """`load_hf(dtypes=...)` builds each matrix in bf16 on the host (what `dropless generate` loads on a GPU): the
+    same bits as loading float32 and casting on the device, the routers and norm weights still float32."""
+    def bf16(config):
+        return transformer.inference_dtypes(config.replace(**{"train.dtype": "bfloat16"}))
+
+    config, params, state = load_hf(FIXTURES / name, dtypes=bf16)
+    _, full, full_state = load_hf(FIXTURES / name)
+    want = transformer.inference_weights(full, config.replace(**{"train.dtype": "bfloat16"}))
+    kinds = set()
+    for (path, got), (_, expected) in zip(jax.tree_util.tree_leaves_with_path(params),
+                                          jax.tree_util.tree_leaves_with_path(want), strict=True):
+        assert got.dtype == expected.dtype, jax.tree_util.keystr(path)
+        bits = {2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+        np.testing.assert_array_equal(np.asarray(got).view(bits), np.asarray(expected).view(bits),
+                                      err_msg=jax.tree_util.keystr(path))
+        kinds.add((transformer.is_router_weight(path), got.ndim >= 2, str(got.dtype)))
+    assert kinds == {(True, True, "float32"), (False, True, "bfloat16"), (False, False, "float32")}
+    assert jax.tree.map(lambda x: x.dtype, state) == jax.tree.map(lambda x: x.dtype, full_state)

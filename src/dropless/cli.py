@@ -147,10 +147,10 @@ def _flag_overrides(args) -> dict:
     return flags
 
 
-def _load_for_inference(args):
-    """(config, params, state) from --run-dir or --hf-dir."""
+def _load_for_inference(args, dtypes=None):
+    """(config, params, state) from --run-dir or --hf-dir; from --hf-dir, `dtypes` as `load_hf` takes it."""
     if args.hf_dir:
-        return load_hf(Path(args.hf_dir))
+        return load_hf(Path(args.hf_dir), dtypes=dtypes)
     overwrite_lib.check_readable(Path(args.run_dir))
     return ckpt.load_model(Path(args.run_dir))
 
@@ -188,9 +188,10 @@ def cmd_generate(args) -> int:
         seen = len(prompt_ids) - context_start(len(prompt_ids), context)
         print(f"dropless: the prompt is {len(prompt_ids)} tokens and the model sees the last {seen} of them (its "
               f"context, model.max_seq_len={context}, moves on in steps of half of it).", file=sys.stderr)
-    config, params, state = _load_for_inference(args)
-    # In the compute dtype before generate() sees them, each float32 matrix freed once copied: a model whose float32
-    # weights fill the device does not need room for both copies.
+    # In the compute dtype before generate() sees them: built so from --hf-dir (no float32 copy on the host or the
+    # device), cast from a checkpoint's float32 with each matrix freed once copied (room for one copy only).
+    config, params, state = _load_for_inference(
+        args, dtypes=lambda config: transformer.inference_dtypes(generation_config(config)))
     params = transformer.inference_weights(params, generation_config(config), donate=True)
     # The end-of-document token training separated documents with, so that a run trained with a given tokenizer
     # ending documents in </s> or <|im_end|> stops there too.

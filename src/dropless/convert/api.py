@@ -161,14 +161,22 @@ def _nest(flat: dict[LeafPath, jax.Array]) -> dict:
     return tree
 
 
-def load_hf(hf_dir: Path, base: Config | None = None) -> tuple[Config, dict, dict]:
-    """(config, params, state) straight from an HF directory, in memory (float32 params), without a run dir.
+def load_hf(hf_dir: Path, base: Config | None = None, *,
+            dtypes: Callable[[Config], dict] | None = None) -> tuple[Config, dict, dict]:
+    """(config, params, state) straight from an HF directory, in memory, without a run dir.
 
-    `base` supplies the train/data/parallel groups (defaults if None).
+    `base` supplies the train/data/parallel groups (defaults if None). The params are float32, or with `dtypes`
+    (given the model's config, a tree of dtypes shaped like the params, e.g. `transformer.inference_dtypes`) in
+    those: each leaf is built in its dtype on the host, so a bf16 checkpoint loaded for bf16 inference takes half
+    the host and device memory of its float32 copy, which never exists. A float32 value is rounded to nearest
+    even as XLA's cast does, so the weights equal the float32 ones cast after loading, bit for bit.
     """
     hf_dir = Path(hf_dir)
     config = hf_model_config(hf_dir, base)
-    arrays = {leaf: np.empty(shape, np.float32) for leaf, shape in model_leaf_shapes(config).items()}
+    leaf_dtypes = {("params", *(str(k.key) for k in path)): dtype for path, dtype
+                   in jax.tree_util.tree_leaves_with_path(dtypes(config))} if dtypes else {}
+    arrays = {leaf: np.empty(shape, leaf_dtypes.get(leaf, np.float32))
+              for leaf, shape in model_leaf_shapes(config).items()}
 
     def sink(slab: Slab, array: np.ndarray) -> None:
         arrays[slab.leaf][slab.index] = array

@@ -515,6 +515,13 @@ def inference_weights(params: dict, config: Config, *, donate: bool = False) -> 
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
+def inference_dtypes(config: Config) -> dict:
+    """The dtype of each leaf of `inference_weights(params, config)`, as a tree shaped like the params (nothing
+    allocated): what a loader can build the weights in, so that their float32 copy never exists."""
+    shapes = jax.eval_shape(lambda: inference_weights(init_params(jax.random.key(0), config), config))
+    return jax.tree.map(lambda leaf: leaf.dtype, shapes)
+
+
 def init_cache(config: Config, batch: int, length: int) -> dict:
     """An empty KV cache for `length` positions of `batch` sequences, in the compute dtype: per layer stack
     ("dense_layers", "moe_layers", as the weights), each leaf of `attention.cache_shapes` stacked on the stack's
