@@ -71,6 +71,9 @@ def files(tmp_path_factory) -> pathlib.Path:
         broken = json.loads(saved)
         broken[group][key] = value
         (root / name / "config.json").write_text(json.dumps(broken))
+    (root / "nogroup").mkdir()  # a config.json without its train group would resume on the default settings
+    without_train = {group: keys for group, keys in json.loads(saved).items() if group != "train"}
+    (root / "nogroup" / "config.json").write_text(json.dumps(without_train))
     (root / "badtok").mkdir()
     (root / "badtok" / "config.json").write_text(saved)
     (root / "badtok" / "tokenizer.json").write_text("garbage")
@@ -96,6 +99,9 @@ def files(tmp_path_factory) -> pathlib.Path:
 @pytest.mark.parametrize("argv, fragments", [
     (["generate", "--run-dir", "{f}/torn", "--prompt", "x"], ["torn/config.json is not valid JSON", "restore"]),
     (["train", "--resume", "--run-dir", "{f}/torn"], ["torn/config.json is not valid JSON"]),
+    (["train", "--resume", "--run-dir", "{f}/nogroup"], ["nogroup/config.json lacks the config group train,",
+                                                         "cut short or edited by hand; restore it"]),
+    (["generate", "--run-dir", "{f}/nogroup", "--prompt", "x"], ["nogroup/config.json lacks the config group train"]),
     (["generate", "--run-dir", "{f}/listed", "--prompt", "x"], ["listed/config.json", "JSON object"]),
     (["convert", "--from", "{f}/binary", "--to-hf", "{f}/out"], ["binary/config.json is not a text file"]),
     (["generate", "--run-dir", "{f}/badtok", "--prompt", "x"], ["badtok/tokenizer.json is not a valid tokenizer"]),

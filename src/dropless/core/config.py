@@ -666,6 +666,15 @@ def load(path: Path) -> Config:
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text file (it holds bytes that are not UTF-8); restore it or start a "
                           "new run.") from None
+    # A saved config names every group (`save`); one without a group would run on that group's defaults, e.g. a
+    # resumed run on another learning rate, without a word. A key missing inside a group takes its default, so a
+    # run saved before the key existed keeps its meaning. Checked first: the defaults may clash with the groups
+    # that are there. A file that is not an object of groups is left to `from_dict`'s message.
+    grouped = isinstance(d, dict) and set(d) <= {*_GROUPS, "description"}
+    missing = [group for group in _GROUPS if group not in d] if grouped else []
+    _require(not missing, f"{path} lacks the config group{'s' * (len(missing) > 1)} {', '.join(missing)}, which "
+             "every saved config holds, so it was cut short or edited by hand; restore it (e.g. from a copy of "
+             "the run) or start a new run.")
     try:
         return from_dict(d)
     except ConfigError as err:
