@@ -230,3 +230,26 @@ def test_run_dir_with_other_config_is_refused(tmp_path, trained):
         train(other, tmp_path / "run", resume=True, progress=False, log=lambda s: None)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["moe"]["num_experts_per_tok"] == 2  # a refused run leaves what was saved untouched
+
+
+def test_eval_scores_every_sequence_of_the_held_out_split_with_the_latest_checkpoint(trained, tmp_path, capsys):
+    """`dropless eval --run-dir` reads the run's own tokenizer and data, cuts the held-out split as training did,
+    and scores every sequence of it: the float64 cross-entropy of their exact float32 logits."""
+    from dropless import cli
+    from dropless.data import load_token_dataset
+    from tests.test_train_evaluate import reference_loss
+
+    config, run_dir, summary = trained
+    out = tmp_path / "eval.json"
+    assert cli.main(["eval", "--run-dir", str(run_dir), "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    _, params, state = ckpt.load_model(run_dir)
+    data = config.replace(**{"data.tokenizer": str(run_dir / "tokenizer.json")}).data
+    dataset, _ = load_token_dataset(data, config.model.vocab_size, config.train.seq_len)
+    held_out, count = dataset.eval_stream, dataset.num_eval_sequences
+    tokens = held_out.windows(np.zeros(1, np.int64), len(held_out))[0]
+    assert (record["sequences"], record["tokens"], record["tokens_dropped"]) == (count, count * 32, 0)
+    assert record["loss"] == pytest.approx(reference_loss(config, params, state, tokens, 32, count), rel=2e-6)
+    assert record["data"].startswith("the held-out split of ") and "held-out split" in capsys.readouterr().out
+    # The run's last evaluation scored train.eval_batches x batch_size of these sequences, spread over them.
+    assert record["loss"] == pytest.approx(summary.eval_losses[-1][1], rel=0.1)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import errno
 import gc
 import importlib
+import json
 import logging
 import os
 import re
@@ -34,13 +36,16 @@ from dropless.core.arguments import DEBUG_FLAG, ArgumentParser, check_output, pa
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
-from dropless.data import DataError, load_token_array, read_tokenizer_file
+from dropless.data import DataError, load_token_array, load_token_dataset, load_token_stream, read_tokenizer_file
+from dropless.data import resolve as resolve_corpus
 from dropless.data.tokenizer import eos_token
 from dropless.models import transformer
 from dropless.models.generate import (check_prompt, check_sampling, check_speculative, context_start, generate,
                                       generation_config)
 from dropless.train import checkpoint as ckpt
 from dropless.train import overwrite as overwrite_lib
+from dropless.train import setup as setup_lib
+from dropless.train.evaluate import evaluate
 from dropless.train.loop import resume_changes, train
 
 DEFAULT_PRESET = "tiny"
@@ -244,6 +249,64 @@ def cmd_logits(args) -> int:
     return 0
 
 
+# What `eval` may set: how the model runs and on what data, never what it is (its weights fix that).
+EVAL_GROUPS = ("train.", "data.", "parallel.")
+EVAL_KEYS = ("moe.gmm_backend", "moe.dispatch", "moe.dispatch_dtype", "model.attention_backend")
+
+
+def cmd_eval(args) -> int:
+    overrides = parse_overrides(args.overrides)
+    for key in overrides:
+        if not (key.startswith(EVAL_GROUPS) or key in EVAL_KEYS):
+            raise ConfigError(f"eval scores the model as it was saved, and {key} is part of the model; set only "
+                              f"train.*, data.*, parallel.* or {', '.join(EVAL_KEYS)}.")
+    if args.max_sequences is not None and args.max_sequences < 1:
+        raise ConfigError(f"--max-sequences must be at least 1; got {args.max_sequences}.")
+    if args.json:
+        check_output("--json", args.json)
+    source = Path(args.hf_dir or args.run_dir)
+    if args.run_dir:
+        overwrite_lib.check_readable(source)
+    saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
+    own_data = bool(args.run_dir) and not ckpt.imported(source)
+    if args.data is None and not own_data:
+        raise ConfigError(f"{source} holds a Hugging Face model, which has no data of its own to score; give the "
+                          "text or tokens to score with --data PATH.")
+    flags = {"data.source": args.data} if args.data is not None else {}
+    tokenizer = Path(args.tokenizer) if args.tokenizer else source / "tokenizer.json"
+    if args.tokenizer or tokenizer.is_file():  # a run trained on token files has none, and needs none
+        flags["data.tokenizer"] = str(tokenizer)
+    config = config_lib.apply_overrides(saved, {**overrides, **flags})
+    vocab = config.model.vocab_size
+    if args.data is not None:
+        stream, corpus = load_token_stream(config.data, vocab, log=_stderr)
+        what = corpus.name
+    else:  # the run's held-out split, as its config cuts it
+        if not config.data.tokenizer and resolve_corpus(config.data.source, config.data.max_bytes).kind == "text":
+            raise DataError(f"{tokenizer} is missing, and the run's weights were trained with it; put it back "
+                            "(from a copy of the run) or give it with --tokenizer.")
+        dataset, _ = load_token_dataset(config.data, vocab, config.train.seq_len, log=_stderr)
+        stream, what = dataset.eval_stream, f"the held-out split of {dataset.description}"
+    setup = setup_lib.build(config)
+    if args.run_dir:
+        shardings = {"params": setup.state_shardings.params, "state": setup.state_shardings.model_state}
+        _, params, state = ckpt.load_model(source, shardings=shardings)
+    else:  # built in the dtypes a pass reads (bf16 matrices in bf16): the same numbers, half the memory
+        _, params, state = load_hf(source, dtypes=lambda _: transformer.inference_dtypes(config))
+    result = evaluate(config, params, state, stream, max_sequences=args.max_sequences, setup=setup, log=_stderr)
+    print(f"dropless: loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, over {result.tokens:,} tokens "
+          f"({result.sequences:,} sequences of {result.seq_len:,}) of {what}; tokens dropped: {result.tokens_dropped}")
+    if args.json:
+        record = {**dataclasses.asdict(result), "perplexity": result.perplexity, "data": what, "model": str(source)}
+        with atomic_file(Path(args.json)) as file:
+            file.write(json.dumps(record, indent=1).encode() + b"\n")
+    return 0
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 def cmd_convert(args) -> int:
     if (args.from_hf or args.to) and (args.from_run or args.to_hf):
         raise ConfigError("convert does one direction at a time: give --from-hf HF_DIR --to RUN_DIR or "
@@ -366,6 +429,21 @@ def make_parser() -> argparse.ArgumentParser:
             p.add_argument("--tokens", required=True, type=path_text, help=".npy int array [batch, seq]")
             p.add_argument("--out", required=True, type=path_text,
                            help="where to write the .npy float32 [batch, seq, vocab]")
+
+    evaluation = sub.add_parser("eval", help="a model's loss and perplexity on data, every token scored once")
+    source = evaluation.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run-dir", type=path_text, help="a dropless run directory (latest good checkpoint)")
+    source.add_argument("--hf-dir", type=path_text, help="a Hugging Face checkpoint directory")
+    evaluation.add_argument("--data", type=path_text,
+                            help="file, directory or glob of .txt/.jsonl/.parquet/.npy/.bin to score, whole "
+                                 "(default: the run's held-out split)")
+    evaluation.add_argument("--tokenizer", type=path_text,
+                            help="the tokenizer.json to encode text with (default: the model's own)")
+    evaluation.add_argument("--max-sequences", type=int, help="score only the first N sequences")
+    evaluation.add_argument("--json", type=path_text, help="also write the figures to this JSON file")
+    evaluation.add_argument("overrides", nargs="*", metavar="key=value",
+                            help="e.g. train.batch_size=16 train.seq_len=2048 parallel.fsdp=8")
+    evaluation.set_defaults(func=cmd_eval)
 
     convert = sub.add_parser("convert", help="import from / export to Hugging Face format")
     convert.add_argument("--from-hf", type=path_text, help="Hugging Face directory to import")

@@ -216,26 +216,53 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
         cache_dir.mkdir(parents=True, exist_ok=True)
     texts = functools.cache(lambda: _read_texts(corpus, log))
     tokenizer = _tokenizer(data_cfg, corpus, vocab_size, run_dir, cache_dir, texts, log, resume)
+    segments, lengths = _documents(corpus, tokenizer, vocab_size, cache_dir, texts, log)
+    order = document_order(len(lengths), data_cfg.shuffle_seed)
     if corpus.kind == "text":
         # Text documents are small and many: one contiguous reordered copy makes batch gathers cheap.
-        tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log)
-        order = document_order(len(lengths), data_cfg.shuffle_seed)
-        stream = TokenStream([reorder(tokens, lengths, order)])
+        stream = TokenStream([reorder(segments[0], lengths, order)])
     else:
         # Token files may be huge memory maps: keep them as segments, read only where batches fall.
-        files = [_checked_tokens(path, corpus_lib.read_token_file(path), vocab_size) for path in corpus.files]
-        lengths = np.array([len(f) for f in files], dtype=np.int64)
-        if not lengths.sum():
-            raise DataError(f"{corpus.name} holds no tokens (all {len(files)} files are empty); give a corpus "
-                            "with tokens in it.")
-        order = document_order(len(files), data_cfg.shuffle_seed)
-        stream = TokenStream([files[i] for i in order])
+        stream = TokenStream([segments[i] for i in order])
     cut = split_point(lengths[order], seq_len, data_cfg.eval_fraction, corpus.name)
     train, held_out = stream.slice(0, cut), stream.slice(cut, len(stream))
     dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch,
                            f"{corpus.name}, {len(lengths):,} documents")
     log(f"dropless: data {dataset}")
     return dataset, tokenizer
+
+
+def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None
+                      ) -> tuple[TokenStream, Corpus]:
+    """Every document of `data.source` in file order, as training reads documents (step 1 above), unsplit and
+    unshuffled: what `dropless eval --data` scores. A text corpus is encoded by `data.tokenizer`, which must be
+    given (a model is scored with its own tokenizer, never a new one); nothing is cached."""
+    log = log or (lambda message: None)
+    corpus = corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes)
+    texts = functools.cache(lambda: _read_texts(corpus, log))
+    tokenizer = None
+    if corpus.kind == "text":
+        if not data_cfg.tokenizer:
+            raise DataError(f"{corpus.name} is text and no tokenizer is given; give the model's tokenizer.json "
+                            "(--tokenizer).")
+        tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size)
+    segments, _ = _documents(corpus, tokenizer, vocab_size, None, texts, log)
+    return TokenStream(segments), corpus
+
+
+def _documents(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, cache_dir: Path | None,
+               texts: Callable[[], list[str]], log) -> tuple[list[np.ndarray], np.ndarray]:
+    """(segments, lengths) of the corpus's documents in file order: a text corpus as one array of every document's
+    tokens (`_tokenized_corpus`), a token corpus as its files, each checked against the vocabulary."""
+    if corpus.kind == "text":
+        tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log)
+        return [tokens], lengths
+    files = [_checked_tokens(path, corpus_lib.read_token_file(path), vocab_size) for path in corpus.files]
+    lengths = np.array([len(f) for f in files], dtype=np.int64)
+    if not lengths.sum():
+        raise DataError(f"{corpus.name} holds no tokens (all {len(files)} files are empty); give a corpus "
+                        "with tokens in it.")
+    return files, lengths
 
 
 def _read_texts(corpus: Corpus, log: Callable[[str], None]) -> list[str]:

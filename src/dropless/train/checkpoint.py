@@ -703,13 +703,18 @@ def save_model(run_dir: Path, config: config_lib.Config, params, state, step: in
         save(mngr, step, params, state, with_digest=with_digest)
 
 
-def load_model(run_dir: Path, step: int | None = None):
-    """(config, params, state) from a run directory's latest good (or given) checkpoint, on the default device.
+def load_model(run_dir: Path, step: int | None = None, shardings: dict | None = None):
+    """(config, params, state) from a run directory's latest good (or given) checkpoint, on the default device, or
+    restored straight into `shardings` ({"params": ..., "state": ...}, trees of shardings shaped like them), so that
+    a model no one device holds is never gathered on one.
 
     Without `step`, a damaged latest checkpoint is skipped with a CheckpointWarning naming it."""
     config = load_run_config(run_dir)
     like = jax.eval_shape(lambda: {"params": transformer.init_params(jax.random.key(0), config),
                                    "state": transformer.init_state(config)})
+    if shardings is not None:
+        like = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                            like, shardings)
     if step is not None:
         model = restore(run_dir, step, like)["model"]
     elif not all_steps(run_dir):

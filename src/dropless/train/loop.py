@@ -167,11 +167,6 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     return config
 
 
-def _global_batch(local_BS1: np.ndarray, sharding, global_batch: int) -> jax.Array:
-    """This process's rows of the global batch, as one global array spread over the mesh."""
-    return jax.make_array_from_process_local_data(sharding, local_BS1, (global_batch, local_BS1.shape[1]))
-
-
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
           init_weights: tuple | None = None, log: Callable[[str], None] = print,
           progress: bool = True) -> RunSummary:
@@ -247,7 +242,7 @@ class _Run:
                     self._evaluate(state, 0)
                 self.bar = _progress_bar(self.start, tc.steps, progress and self.primary, self.log)
                 wall_start = time.perf_counter()
-                to_global = lambda b: _global_batch(b, setup.batch_sharding, tc.batch_size)
+                to_global = lambda b: setup_lib.global_batch(b, setup.batch_sharding, tc.batch_size)
                 with ckpt.manager(self.run_dir, keep=tc.keep_checkpoints) as mngr, dataset.prefetch(
                         self.start, tc.batch_size, tc.steps, transform=to_global, **_process()) as batches:
                     self._steps(setup.step, state, batches, mngr, signals)
@@ -519,7 +514,7 @@ def _evaluator(config: Config, setup, dataset) -> Callable[[TrainState], float]:
     eval_step = jax.jit(make_eval_step(config, setup.executor),
                         in_shardings=(setup.state_shardings.params, setup.state_shardings.model_state,
                                       setup.batch_sharding))
-    eval_data = [_global_batch(b, setup.batch_sharding, tc.batch_size)
+    eval_data = [setup_lib.global_batch(b, setup.batch_sharding, tc.batch_size)
                  for b in dataset.eval_batches(tc.eval_batches, tc.batch_size, **_process())]
 
     def evaluate(state: TrainState) -> float:

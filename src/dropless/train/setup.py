@@ -67,6 +67,17 @@ def build(config: Config, devices: Sequence[jax.Device] | None = None) -> StepSe
     return StepSetup(config, mesh, executor, optimizer, state_shapes, shardings, batch_sharding, step)
 
 
+def process_rows(batch_size: int) -> tuple[int, int]:
+    """This process's rows [lo, hi) of a global batch of `batch_size` rows (each process feeds an equal share)."""
+    rows = batch_size // jax.process_count()
+    return jax.process_index() * rows, (jax.process_index() + 1) * rows
+
+
+def global_batch(local_BS1, sharding: NamedSharding, batch_size: int) -> jax.Array:
+    """This process's rows of the global batch, as one global array spread over the mesh."""
+    return jax.make_array_from_process_local_data(sharding, local_BS1, (batch_size, local_BS1.shape[1]))
+
+
 def host_memory_bytes() -> int:
     """This host's physical memory (0 where the system does not say)."""
     try:
