@@ -74,8 +74,6 @@ def files(tmp_path_factory) -> pathlib.Path:
     (root / "nogroup").mkdir()  # a config.json without its train group would resume on the default settings
     without_train = {group: keys for group, keys in json.loads(saved).items() if group != "train"}
     (root / "nogroup" / "config.json").write_text(json.dumps(without_train))
-    (root / "notok").mkdir()  # a run trained on text, without the tokenizer.json it was trained with
-    (root / "notok" / "config.json").write_text(saved)
     (root / "badtok").mkdir()
     (root / "badtok" / "config.json").write_text(saved)
     (root / "badtok" / "tokenizer.json").write_text("garbage")
@@ -104,8 +102,6 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--resume", "--run-dir", "{f}/nogroup"], ["nogroup/config.json lacks the config group train,",
                                                          "cut short or edited by hand; restore it"]),
     (["generate", "--run-dir", "{f}/nogroup", "--prompt", "x"], ["nogroup/config.json lacks the config group train"]),
-    (["eval", "--run-dir", "{f}/notok"], ["notok/tokenizer.json is missing, and the run's weights were trained with "
-                                          "it; put it back (from a copy of the run) or give it with --tokenizer."]),
     (["eval", "--run-dir", "{f}/run", "--json", "{f}/adir"], ["--json", "adir is a directory"]),
     (["generate", "--run-dir", "{f}/listed", "--prompt", "x"], ["listed/config.json", "JSON object"]),
     (["convert", "--from", "{f}/binary", "--to-hf", "{f}/out"], ["binary/config.json is not a text file"]),

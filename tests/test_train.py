@@ -237,6 +237,7 @@ def test_eval_scores_every_sequence_of_the_held_out_split_with_the_latest_checkp
     and scores every sequence of it: the float64 cross-entropy of their exact float32 logits."""
     from dropless import cli
     from dropless.data import load_token_dataset
+    from tests.test_cli_errors import assert_one_line, run_main
     from tests.test_train_evaluate import reference_loss
 
     config, run_dir, summary = trained
@@ -248,8 +249,19 @@ def test_eval_scores_every_sequence_of_the_held_out_split_with_the_latest_checkp
     dataset, _ = load_token_dataset(data, config.model.vocab_size, config.train.seq_len)
     held_out, count = dataset.eval_stream, dataset.num_eval_sequences
     tokens = held_out.windows(np.zeros(1, np.int64), len(held_out))[0]
-    assert (record["sequences"], record["tokens"], record["tokens_dropped"]) == (count, count * 32, 0)
+    assert (record["sequences"], record["tokens"], record["tokens_dropped"], record["step"]) == (count, count * 32, 0, 40)
     assert record["loss"] == pytest.approx(reference_loss(config, params, state, tokens, 32, count), rel=2e-6)
     assert record["data"].startswith("the held-out split of ") and "held-out split" in capsys.readouterr().out
     # The run's last evaluation scored train.eval_batches x batch_size of these sequences, spread over them.
     assert record["loss"] == pytest.approx(summary.eval_losses[-1][1], rel=0.1)
+    assert cli.main(["eval", "--run-dir", str(run_dir), "--step", "40", "--max-sequences", "2"]) == 0
+    assert "over 64 tokens (2 sequences of 32)" in capsys.readouterr().out
+    for command in (["eval"], ["generate", "--prompt", "def"]):
+        assert_one_line(*run_main(capsys, *command, "--run-dir", str(run_dir), "--step", "7"),
+                        "has no checkpoint for step 7; the saved steps are [40].")
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    (copy / "tokenizer.json").unlink()
+    assert_one_line(*run_main(capsys, "eval", "--run-dir", str(copy)), "copy/tokenizer.json is missing, and the "
+                    "run's weights were trained with it; put it back (from a copy of the run) or give it with "
+                    "--tokenizer.")

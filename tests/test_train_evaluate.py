@@ -31,8 +31,7 @@ def reference_loss(config, params, state, tokens: np.ndarray, seq_len: int, coun
     return float(-np.take_along_axis(log_probs, windows[:, 1:, None], -1).mean())
 
 
-@pytest.mark.parametrize("overrides", [{}, {"train.grad_accum_steps": 2, "train.batch_size": 16},
-                                       {"parallel.fsdp": 2, "parallel.expert": 4},
+@pytest.mark.parametrize("overrides", [{}, {"parallel.fsdp": 2, "parallel.expert": 4},
                                        {"parallel.expert": 8, "train.grad_accum_steps": 2, "train.batch_size": 16}])
 def test_every_token_is_scored_once_on_every_mesh(overrides):
     """1.25 batches of sequences: the second batch is filled with copies weighted 0, so the loss is the mean over
@@ -78,6 +77,12 @@ def test_eval_refuses_what_it_cannot_score(tmp_path, capsys):
                     "eval scores the model as it was saved, and model.hidden_size is part of the model; set only")
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", "x.npy", "--max-sequences", "0"),
                     "--max-sequences must be at least 1; got 0.")
+    for command in (["eval", "--data", "x.npy"], ["generate", "--prompt", "x"], ["logits", "--tokens", "t.npy",
+                                                                                 "--out", "o.npy"]):
+        assert_one_line(*run_main(capsys, *command, "--hf-dir", hf, "--step", "3"),
+                        "--step picks a checkpoint of a --run-dir; a Hugging Face directory holds one set of weights")
+        assert_one_line(*run_main(capsys, *command, "--run-dir", str(tmp_path), "--step", "-1"),
+                        "--step must be a checkpoint's step (>= 0); got -1.")
     np.save(tmp_path / "short.npy", np.arange(20, dtype=np.int32))
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "short.npy"),
                               "train.seq_len=24", "train.batch_size=8"),

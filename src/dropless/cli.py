@@ -153,11 +153,20 @@ def _flag_overrides(args) -> dict:
 
 
 def _load_for_inference(args, dtypes=None):
-    """(config, params, state) from --run-dir or --hf-dir; from --hf-dir, `dtypes` as `load_hf` takes it."""
+    """(config, params, state) from --run-dir (at --step) or --hf-dir; from --hf-dir, `dtypes` as `load_hf` takes
+    it."""
     if args.hf_dir:
         return load_hf(Path(args.hf_dir), dtypes=dtypes)
     overwrite_lib.check_readable(Path(args.run_dir))
-    return ckpt.load_model(Path(args.run_dir))
+    return ckpt.load_model(Path(args.run_dir), step=args.step)
+
+
+def _check_step(args) -> None:
+    if args.step is not None and args.hf_dir:
+        raise ConfigError("--step picks a checkpoint of a --run-dir; a Hugging Face directory holds one set of "
+                          "weights, so drop --step.")
+    if args.step is not None and args.step < 0:
+        raise ConfigError(f"--step must be a checkpoint's step (>= 0); got {args.step}.")
 
 
 def encode_prompt(tokenizer, prompt: str, trained: bool) -> list[int]:
@@ -174,6 +183,7 @@ def encode_prompt(tokenizer, prompt: str, trained: bool) -> list[int]:
 def cmd_generate(args) -> int:
     # The cheap checks come first (the flags, the config, the tokenizer), the slow model load last.
     check_sampling(args.temperature, args.top_p, args.max_new_tokens, args.seed, flags=True)
+    _check_step(args)
     source = Path(args.hf_dir or args.run_dir)
     saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
     check_speculative(saved, args.speculative)
@@ -218,6 +228,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_logits(args) -> int:
+    _check_step(args)
     tokens_path = Path(args.tokens)
     if not tokens_path.exists():
         raise ConfigError(f"--tokens {tokens_path} does not exist; give an .npy file of int token ids [batch, seq].")
@@ -262,12 +273,15 @@ def cmd_eval(args) -> int:
                               f"train.*, data.*, parallel.* or {', '.join(EVAL_KEYS)}.")
     if args.max_sequences is not None and args.max_sequences < 1:
         raise ConfigError(f"--max-sequences must be at least 1; got {args.max_sequences}.")
+    _check_step(args)
     if args.json:
         check_output("--json", args.json)
     source = Path(args.hf_dir or args.run_dir)
     if args.run_dir:
         overwrite_lib.check_readable(source)
     saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
+    if args.run_dir:  # before the data is read
+        ckpt.check_step(source, args.step)
     own_data = bool(args.run_dir) and not ckpt.imported(source)
     if args.data is None and not own_data:
         raise ConfigError(f"{source} holds a Hugging Face model, which has no data of its own to score; give the "
@@ -290,14 +304,17 @@ def cmd_eval(args) -> int:
     setup = setup_lib.build(config)
     if args.run_dir:
         shardings = {"params": setup.state_shardings.params, "state": setup.state_shardings.model_state}
-        _, params, state = ckpt.load_model(source, shardings=shardings)
+        step, _, params, state = ckpt.load_checkpoint(source, args.step, shardings)
     else:  # built in the dtypes a pass reads (bf16 matrices in bf16): the same numbers, half the memory
-        _, params, state = load_hf(source, dtypes=lambda _: transformer.inference_dtypes(config))
+        step, (_, params, state) = None, load_hf(source, dtypes=lambda _: transformer.inference_dtypes(config))
     result = evaluate(config, params, state, stream, max_sequences=args.max_sequences, setup=setup, log=_stderr)
+    at = f" at step {step}" if step is not None else ""
     print(f"dropless: loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, over {result.tokens:,} tokens "
-          f"({result.sequences:,} sequences of {result.seq_len:,}) of {what}; tokens dropped: {result.tokens_dropped}")
+          f"({result.sequences:,} sequences of {result.seq_len:,}) of {what}, the model of {source}{at}; tokens "
+          f"dropped: {result.tokens_dropped}")
     if args.json:
-        record = {**dataclasses.asdict(result), "perplexity": result.perplexity, "data": what, "model": str(source)}
+        record = {**dataclasses.asdict(result), "perplexity": result.perplexity, "data": what, "model": str(source),
+                  "step": step}
         with atomic_file(Path(args.json)) as file:
             file.write(json.dumps(record, indent=1).encode() + b"\n")
     return 0
@@ -414,6 +431,7 @@ def make_parser() -> argparse.ArgumentParser:
         source = p.add_mutually_exclusive_group(required=True)
         source.add_argument("--run-dir", type=path_text, help="a dropless run directory (latest checkpoint)")
         source.add_argument("--hf-dir", type=path_text, help="a Hugging Face checkpoint directory")
+        p.add_argument("--step", type=int, help="the run's checkpoint of this step (default: its latest good one)")
         p.set_defaults(func=func)
         if name == "generate":
             p.add_argument("--prompt", required=True, help="the text to continue")
@@ -439,6 +457,7 @@ def make_parser() -> argparse.ArgumentParser:
                                  "(default: the run's held-out split)")
     evaluation.add_argument("--tokenizer", type=path_text,
                             help="the tokenizer.json to encode text with (default: the model's own)")
+    evaluation.add_argument("--step", type=int, help="the run's checkpoint of this step (default: its latest good one)")
     evaluation.add_argument("--max-sequences", type=int, help="score only the first N sequences")
     evaluation.add_argument("--json", type=path_text, help="also write the figures to this JSON file")
     evaluation.add_argument("overrides", nargs="*", metavar="key=value",

@@ -703,10 +703,25 @@ def save_model(run_dir: Path, config: config_lib.Config, params, state, step: in
         save(mngr, step, params, state, with_digest=with_digest)
 
 
+def check_step(run_dir: Path, step: int | None) -> None:
+    """Refuse, before anything slow, what `load_checkpoint` would: a `step` the run has not saved, or (None) a run
+    without any finished checkpoint."""
+    steps = all_steps(run_dir)
+    if step is not None:
+        require_step(run_dir, step, steps)
+    elif not steps:
+        raise CheckpointError(f"{run_dir} has no finished checkpoint yet; train longer or pick another run.")
+
+
 def load_model(run_dir: Path, step: int | None = None, shardings: dict | None = None):
-    """(config, params, state) from a run directory's latest good (or given) checkpoint, on the default device, or
-    restored straight into `shardings` ({"params": ..., "state": ...}, trees of shardings shaped like them), so that
-    a model no one device holds is never gathered on one.
+    """(config, params, state) from a run directory's latest good (or given) checkpoint (`load_checkpoint`)."""
+    return load_checkpoint(run_dir, step, shardings)[1:]
+
+
+def load_checkpoint(run_dir: Path, step: int | None = None, shardings: dict | None = None):
+    """(step, config, params, state) from a run directory's latest good (or given) checkpoint, on the default
+    device, or restored straight into `shardings` ({"params": ..., "state": ...}, trees of shardings shaped like
+    them), so that a model no one device holds is never gathered on one.
 
     Without `step`, a damaged latest checkpoint is skipped with a CheckpointWarning naming it."""
     config = load_run_config(run_dir)
@@ -715,12 +730,12 @@ def load_model(run_dir: Path, step: int | None = None, shardings: dict | None = 
     if shardings is not None:
         like = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
                             like, shardings)
+    check_step(run_dir, step)
     if step is not None:
         model = restore(run_dir, step, like)["model"]
-    elif not all_steps(run_dir):
-        raise CheckpointError(f"{run_dir} has no finished checkpoint yet; train longer or pick another run.")
     else:
         def warn(message):
             warnings.warn(message.removeprefix("dropless: ").replace("resuming from", "using"), CheckpointWarning)
-        model = restore_latest(run_dir, like, log=warn, set_aside=False, fix=READ_FIX)[1]["model"]
-    return config, model["params"], model["state"]
+        step, restored = restore_latest(run_dir, like, log=warn, set_aside=False, fix=READ_FIX)
+        model = restored["model"]
+    return step, config, model["params"], model["state"]
