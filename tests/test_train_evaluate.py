@@ -13,9 +13,9 @@ import pytest
 from dropless import cli
 from dropless.convert import compute_logits, load_hf
 from dropless.core import config as config_lib
-from dropless.data import TokenStream
+from dropless.data import DataError, TokenStream
 from dropless.models import transformer
-from dropless.train.evaluate import evaluate
+from dropless.train.evaluate import Evaluation, evaluate
 from tests.test_cli_errors import assert_one_line, run_main
 from tests.test_train import SMALL
 
@@ -48,6 +48,11 @@ def test_every_token_is_scored_once_on_every_mesh(overrides):
     assert result.loss == pytest.approx(want, rel=2e-6)
     assert result.perplexity == pytest.approx(np.exp(want), rel=1e-5)
     first = evaluate(config, params, state, TokenStream([tokens]), max_sequences=3)
+    if not overrides:  # the capacity baseline's drops depend on the batch: scored on whole batches only
+        capacity = config.replace(**{"moe.gmm_backend": "capacity"})
+        with pytest.raises(DataError, match=r"capacity drops tokens by batch, so a partial last batch \(2 of 8 "):
+            evaluate(capacity, params, state, TokenStream([tokens]))
+        assert evaluate(capacity, params, state, TokenStream([tokens]), max_sequences=8).sequences == 8
     assert first.tokens == 48 and first.loss == pytest.approx(reference_loss(config, params, state, tokens, 16, 3),
                                                               rel=2e-6)
 
@@ -57,7 +62,7 @@ def test_eval_of_a_hugging_face_checkpoint_on_a_token_file(tmp_path, capsys):
     go to stdout and, with --json, to a file."""
     tokens = np.random.default_rng(1).integers(0, 128, 5 * 24 + 1).astype(np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
-    out = tmp_path / "eval.json"
+    out = tmp_path / "figures" / "eval.json"  # its folder made before the scoring
     assert cli.main(["eval", "--hf-dir", str(FIXTURES / "mixtral"), "--data", str(tmp_path / "tokens.npy"),
                      "--json", str(out), "train.batch_size=8", "train.seq_len=24", "train.dtype=float32"]) == 0
     printed = capsys.readouterr().out
@@ -90,3 +95,17 @@ def test_eval_refuses_what_it_cannot_score(tmp_path, capsys):
     (tmp_path / "doc.txt").write_text("some text")
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "doc.txt")),
                     "is text and no tokenizer is given; give the model's tokenizer.json (--tokenizer).")
+    # The mesh is checked before the data is read (a missing file here): tokenizing a corpus can take minutes.
+    assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "missing.npy"),
+                              "train.batch_size=12"), "train.batch_size=12 is not divisible by the 8 devices")
+
+
+def test_a_diverged_model_s_figures_are_written_as_null(tmp_path, monkeypatch, capsys):
+    """JSON has no NaN or infinity: a loss that is not finite, and its perplexity, are written as null."""
+    np.save(tmp_path / "tokens.npy", np.zeros(100, np.int32))
+    monkeypatch.setattr(cli, "evaluate", lambda *args, **kwargs: Evaluation(float("nan"), 48, 2, 24, 0))
+    assert cli.main(["eval", "--hf-dir", str(FIXTURES / "mixtral"), "--data", str(tmp_path / "tokens.npy"),
+                     "--json", str(tmp_path / "eval.json"), "train.seq_len=24", "train.batch_size=8"]) == 0
+    record = json.loads((tmp_path / "eval.json").read_text())
+    assert record["loss"] is None and record["perplexity"] is None and record["tokens"] == 48
+    assert "loss nan, perplexity nan" in capsys.readouterr().out

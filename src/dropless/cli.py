@@ -16,6 +16,7 @@ import gc
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -276,6 +277,7 @@ def cmd_eval(args) -> int:
     _check_step(args)
     if args.json:
         check_output("--json", args.json)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # before the scoring, not after it
     source = Path(args.hf_dir or args.run_dir)
     if args.run_dir:
         overwrite_lib.check_readable(source)
@@ -292,6 +294,7 @@ def cmd_eval(args) -> int:
         flags["data.tokenizer"] = str(tokenizer)
     config = config_lib.apply_overrides(saved, {**overrides, **flags})
     vocab = config.model.vocab_size
+    setup = setup_lib.build(config)  # the mesh's checks before the data is read and tokenized
     if args.data is not None:
         stream, corpus = load_token_stream(config.data, vocab, log=_stderr)
         what = corpus.name
@@ -301,7 +304,6 @@ def cmd_eval(args) -> int:
                             "(from a copy of the run) or give it with --tokenizer.")
         dataset, _ = load_token_dataset(config.data, vocab, config.train.seq_len, log=_stderr)
         stream, what = dataset.eval_stream, f"the held-out split of {dataset.description}"
-    setup = setup_lib.build(config)
     if args.run_dir:
         shardings = {"params": setup.state_shardings.params, "state": setup.state_shardings.model_state}
         step, _, params, state = ckpt.load_checkpoint(source, args.step, shardings)
@@ -315,6 +317,9 @@ def cmd_eval(args) -> int:
     if args.json:
         record = {**dataclasses.asdict(result), "perplexity": result.perplexity, "data": what, "model": str(source),
                   "step": step}
+        # JSON has no NaN or infinity: a diverged model's loss and perplexity are written as null.
+        record = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                  for key, value in record.items()}
         with atomic_file(Path(args.json)) as file:
             file.write(json.dumps(record, indent=1).encode() + b"\n")
     return 0

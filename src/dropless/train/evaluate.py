@@ -5,8 +5,8 @@ first is a target exactly once; the trailing partial sequence is left out) and s
 `train.batch_size` on the training mesh (`train.setup.build`: any layout of the config, FSDP included), in
 `train.grad_accum_steps` microbatches where one batch would not fit. A last, partial batch is filled with copies
 of the first sequences, weighted 0: the loss is the sum of every scored token's cross-entropy over their count,
-summed in float64 on the host, not a mean of batch means. Routing is per token (no capacity), so the filling
-rows change no other row's result.
+summed in float64 on the host, not a mean of batch means. Routing is per token, so the filling rows change no
+other row's result (`moe.gmm_backend=capacity`, whose capacity a batch's tokens share, needs whole batches).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Evaluation:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss) if self.loss < 700 else math.inf
+        return math.inf if self.loss > 709 else math.exp(self.loss)  # exp overflows near 709.8; NaN stays NaN
 
 
 def _row_losses(config: Config, executor) -> Callable:
@@ -81,6 +81,11 @@ def evaluate(config: Config, params, model_state, stream: TokenStream, *, max_se
     if count == 0:
         raise DataError(f"the data holds {len(stream)} tokens, fewer than one sequence of train.seq_len+1={S + 1}; "
                         "give more data or a lower train.seq_len.")
+    if config.moe.gmm_backend == "capacity" and count % B:
+        # Capacity is shared by a batch's tokens: the filling copies would take some, and count as dropped.
+        raise DataError(f"moe.gmm_backend=capacity drops tokens by batch, so a partial last batch ({count % B} of "
+                        f"{B} sequences) would be scored differently for its filling; make the number of sequences "
+                        f"({count}) a multiple of train.batch_size={B}, with --max-sequences or train.batch_size.")
     setup = setup or setup_lib.build(config)
     shardings = setup.state_shardings
     params = jax.device_put(params, shardings.params)
@@ -93,13 +98,15 @@ def evaluate(config: Config, params, model_state, stream: TokenStream, *, max_se
     log(f"dropless: scoring {count:,} sequences of {S:,} tokens in {batches:,} batch(es) of {B}")
     lo, hi = setup_lib.process_rows(B)
     results = []
-    for first in range(0, count, B):  # dispatched without waiting: the host cuts the next batch meanwhile
+    for first in range(0, count, B):
         rows = np.arange(first, first + B)
         weights = rows < count
         rows = np.where(weights, rows, rows % count)
         local_BS1 = stream.windows(rows[lo:hi] * S, S + 1)
         batch_BS1 = setup_lib.global_batch(local_BS1, setup.batch_sharding, B)
         results.append((score(params, model_state, batch_BS1), weights))
+        if len(results) > 2:  # the host cuts the next batch while the device scores this one, and runs no further
+            jax.block_until_ready(results[-3][0])
     total, dropped = 0.0, 0
     for (sums_B, dropped_here), weights in results:
         total += float(np.sum(np.asarray(sums_B, np.float64)[weights]))
