@@ -1,6 +1,8 @@
 """The optimizer: its schedule, weight decay on matrices only, global-norm clipping, and train.router_lr_scale
 scaling exactly the routers' updates and nothing else."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,46 @@ def test_schedule_warms_up_linearly_then_decays_by_a_cosine_to_min_lr_ratio():
     for n in range(24):  # constant at the end value after the horizon
         assert float(schedule(n)) == pytest.approx(reference(n), rel=1e-5, abs=1e-9), n
     assert float(schedule(20)) == pytest.approx(end) and float(schedule(12)) == pytest.approx((peak + end) / 2)
+
+
+@pytest.mark.parametrize("shape", ["cosine", "linear", "1-sqrt"])
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_warmup_stable_decay_holds_the_peak_then_decays_over_the_last_steps(shape, warmup):
+    """train.decay_steps=6 of a 20-step horizon: the peak from the warm-up's end to step 14, then the shape's
+    decay to min_lr_ratio at step 20, constant after it (reference: the formulas, in float64)."""
+    train = config_lib.TrainConfig(learning_rate=2e-3, min_lr_ratio=0.1, warmup_steps=warmup, steps=20,
+                                   decay_steps=6, decay_shape=shape)
+    schedule = learning_rate_schedule(train)
+    peak, end = 2e-3, 2e-4
+    fraction = {"cosine": lambda x: 0.5 * (1 + np.cos(np.pi * x)), "linear": lambda x: 1 - x,
+                "1-sqrt": lambda x: 1 - np.sqrt(x)}[shape]
+
+    def reference(n):
+        if n < warmup:
+            return peak * n / warmup
+        return end + (peak - end) * fraction(min(max(n - 14, 0), 6) / 6)
+
+    for n in range(24):
+        assert float(schedule(n)) == pytest.approx(reference(n), rel=1e-5, abs=1e-9), n
+    assert float(schedule(14)) == pytest.approx(peak) and float(schedule(20)) == pytest.approx(end)
+    # A later horizon (a resumed run given train.schedule_steps=40) leaves the steps before the decay as they were.
+    later = learning_rate_schedule(dataclasses.replace(train, schedule_steps=40))
+    assert [float(later(n)) for n in range(14)] == [float(schedule(n)) for n in range(14)]
+    assert float(later(33)) == pytest.approx(peak) and float(later(40)) == pytest.approx(end)
+
+
+def test_a_whole_run_decay_of_another_shape_starts_at_the_warm_up_s_end():
+    train = config_lib.TrainConfig(learning_rate=1e-3, min_lr_ratio=0.0, warmup_steps=2, steps=10, decay_shape="linear")
+    assert [round(float(learning_rate_schedule(train)(n)) * 1e4, 6) for n in range(11)] == \
+        [0.0, 5.0, 10.0, 8.75, 7.5, 6.25, 5.0, 3.75, 2.5, 1.25, 0.0]
+
+
+def test_a_decay_longer_than_the_steps_after_the_warm_up_is_refused():
+    with pytest.raises(config_lib.ConfigError, match=r"^train.decay_steps=17 is longer than the 16 steps between the "
+                                                     r"warm-up's end and the schedule's horizon .* give at most 16"):
+        config_lib.TrainConfig(warmup_steps=4, steps=20, decay_steps=17)
+    config_lib.TrainConfig(warmup_steps=4, steps=20, decay_steps=16)
+    config_lib.TrainConfig(warmup_steps=4, steps=20, schedule_steps=40, decay_steps=30)
 
 
 def test_a_warm_up_longer_than_the_run_reaches_the_peak_at_the_last_step():

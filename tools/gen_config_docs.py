@@ -84,7 +84,7 @@ MEANINGS = {
     "train.steps": "total optimizer steps of the run (with --resume: train until this step)",
     "train.seq_len": "S, tokens per training sequence",
     "train.learning_rate": "peak learning rate, reached after the warm-up",
-    "train.min_lr_ratio": "the cosine decay ends at min_lr_ratio * learning_rate at the schedule's horizon "
+    "train.min_lr_ratio": "the decay ends at min_lr_ratio * learning_rate at the schedule's horizon "
                           "(train.schedule_steps)",
     "train.warmup_steps": "linear warm-up from 0",
     "train.weight_decay": "AdamW weight decay, applied to weight matrices (not to norms or biases)",
@@ -104,7 +104,7 @@ MEANINGS = {
     "train.offload_optimizer": "keep AdamW's moments in pinned host memory between steps",
     "train.offload": "with train.remat=full: comma-separated activations (attn_out, mlp_out, moe_in, moe_out) "
                      "saved to pinned host memory instead of recomputed",
-    "train.schedule_steps": "the learning-rate schedule's horizon: warm-up, then cosine decay ending at this step, "
+    "train.schedule_steps": "the learning-rate schedule's horizon: warm-up, then the decay ending at this step, "
                             "constant after it; 0 = train.steps, resolved when a run starts and saved with it, so "
                             "`--resume --steps N` keeps it unless train.schedule_steps is given again",
     "train.stop_signals": "comma-separated signals that stop training after the current step with a checkpoint of "

@@ -387,9 +387,15 @@ class TrainConfig:
     # Microbatches per optimizer step: the step runs batch_size / grad_accum_steps sequences at a time and sums
     # their gradients (float32) before one update; activation memory is that of one microbatch.
     grad_accum_steps: int = 1
-    # The learning-rate schedule's horizon: warm-up, then cosine decay to min_lr_ratio at this step. 0 = train.steps,
+    # The learning-rate schedule's horizon: warm-up, then the decay to min_lr_ratio at this step. 0 = train.steps,
     # resolved when the run starts and saved with it, so a resumed or extended run keeps the schedule it began with.
     schedule_steps: int = 0
+    # The decay's length: it ends at the horizon and starts decay_steps before it, the learning rate held at its
+    # peak from the warm-up's end until then (warmup-stable-decay, "WSD"). 0 = all of the steps after the warm-up.
+    decay_steps: int = 0
+    # The decay's shape from learning_rate to min_lr_ratio * learning_rate: a half cosine, a straight line, or
+    # 1 - sqrt of the fraction of the decay done (the shape Hägele et al. 2024 find best for WSD).
+    decay_shape: Literal["cosine", "linear", "1-sqrt"] = "cosine"
     # Signals that stop training after the current step with a checkpoint of it (comma-separated; "" = none).
     stop_signals: str = "SIGTERM,SIGINT,SIGUSR1"
     # Steps in a row whose loss or gradient norm is not finite (each one skipped) before the run stops.
@@ -418,6 +424,11 @@ class TrainConfig:
         _positive("train.learning_rate", self.learning_rate)
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("train.decay_steps", self.decay_steps, allow_zero=True)
+        room = self.schedule_horizon - min(self.warmup_steps, max(self.schedule_horizon - 1, 0))
+        _require(self.decay_steps <= room, f"train.decay_steps={self.decay_steps} is longer than the {room} steps "
+                 f"between the warm-up's end and the schedule's horizon (train.schedule_steps, or train.steps="
+                 f"{self.steps} where that is 0); give at most {room}, or 0 to decay over all of them.")
         _positive("train.weight_decay", self.weight_decay, allow_zero=True)
         for key in ("beta1", "beta2"):  # 1 would divide AdamW's bias correction by zero
             value = getattr(self, key)

@@ -1,9 +1,11 @@
-"""AdamW with linear warm-up and cosine decay, global-norm clipping, weight decay on matrices only, and the routers'
-learning rate scaled by `train.router_lr_scale`."""
+"""AdamW with a linear warm-up and a decay (cosine, linear or 1-sqrt, after the warm-up or over the run's last
+steps), global-norm clipping, weight decay on matrices only, and the routers' learning rate scaled by
+`train.router_lr_scale`."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from dropless.core.config import TrainConfig
@@ -12,17 +14,30 @@ from dropless.train.offload import apply_memory_features
 
 
 def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
-    """Linear warm-up from 0 to `learning_rate`, then cosine decay to `min_lr_ratio * learning_rate` at the
-    schedule's horizon (`train.schedule_steps`, or `train.steps` where that is 0), constant after it."""
+    """Linear warm-up from 0 to `learning_rate`, held there, then a decay over `train.decay_steps` (0 = every step
+    after the warm-up) to `min_lr_ratio * learning_rate` at the schedule's horizon (`train.schedule_steps`, or
+    `train.steps` where that is 0), constant after it. The decay is `train.decay_shape`: a half cosine, a line, or
+    1 - sqrt of the fraction done."""
     horizon = train.schedule_horizon
     warmup = min(train.warmup_steps, max(horizon - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=train.learning_rate,
-        warmup_steps=warmup,
-        decay_steps=max(horizon, warmup + 1),
-        end_value=train.learning_rate * train.min_lr_ratio,
-    )
+    peak, end = train.learning_rate, train.learning_rate * train.min_lr_ratio
+    decay = train.decay_steps or horizon - warmup
+    if decay == horizon - warmup and train.decay_shape == "cosine":
+        # The plain cosine schedule: optax's own, so that the learning rates are those it has always given.
+        return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
+                                                  decay_steps=max(horizon, warmup + 1), end_value=end)
+    decay = max(decay, 1)
+    if train.decay_shape == "cosine":
+        tail = optax.cosine_decay_schedule(peak, decay, alpha=train.min_lr_ratio)
+    elif train.decay_shape == "linear":
+        tail = optax.linear_schedule(peak, end, decay)
+    else:
+        def tail(count):
+            done = jnp.clip(count / decay, 0.0, 1.0)
+            return end + (peak - end) * (1.0 - jnp.sqrt(done))
+    stable_until = horizon - decay
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak), tail],
+                                boundaries=[warmup, stable_until])
 
 
 def _is_decayed(path: tuple, leaf: jax.Array) -> bool:
