@@ -31,8 +31,8 @@ def reference_loss(config, params, state, tokens: np.ndarray, seq_len: int, coun
     return float(-np.take_along_axis(log_probs, windows[:, 1:, None], -1).mean())
 
 
-@pytest.mark.parametrize("overrides", [{}, {"parallel.fsdp": 2, "parallel.expert": 4},
-                                       {"parallel.expert": 8, "train.grad_accum_steps": 2, "train.batch_size": 16}])
+@pytest.mark.parametrize("overrides", [{}, {"parallel.fsdp": 2, "parallel.expert": 4, "train.grad_accum_steps": 2,
+                                            "train.batch_size": 16}])
 def test_every_token_is_scored_once_on_every_mesh(overrides):
     """1.25 batches of sequences: the second batch is filled with copies weighted 0, so the loss is the mean over
     exactly the sequences' targets, as the float64 reference computes it; the trailing partial sequence is left

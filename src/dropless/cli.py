@@ -267,43 +267,9 @@ EVAL_KEYS = ("moe.gmm_backend", "moe.dispatch", "moe.dispatch_dtype", "model.att
 
 
 def cmd_eval(args) -> int:
-    overrides = parse_overrides(args.overrides)
-    for key in overrides:
-        if not (key.startswith(EVAL_GROUPS) or key in EVAL_KEYS):
-            raise ConfigError(f"eval scores the model as it was saved, and {key} is part of the model; set only "
-                              f"train.*, data.*, parallel.* or {', '.join(EVAL_KEYS)}.")
-    if args.max_sequences is not None and args.max_sequences < 1:
-        raise ConfigError(f"--max-sequences must be at least 1; got {args.max_sequences}.")
-    _check_step(args)
-    if args.json:
-        check_output("--json", args.json)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # before the scoring, not after it
-    source = Path(args.hf_dir or args.run_dir)
-    if args.run_dir:
-        overwrite_lib.check_readable(source)
-    saved = ckpt.load_run_config(source) if args.run_dir else convert.config_from_hf(read_hf_config(source))
-    if args.run_dir:  # before the data is read
-        ckpt.check_step(source, args.step)
-    own_data = bool(args.run_dir) and not ckpt.imported(source)
-    if args.data is None and not own_data:
-        raise ConfigError(f"{source} holds a Hugging Face model, which has no data of its own to score; give the "
-                          "text or tokens to score with --data PATH.")
-    flags = {"data.source": args.data} if args.data is not None else {}
-    tokenizer = Path(args.tokenizer) if args.tokenizer else source / "tokenizer.json"
-    if args.tokenizer or tokenizer.is_file():  # a run trained on token files has none, and needs none
-        flags["data.tokenizer"] = str(tokenizer)
-    config = config_lib.apply_overrides(saved, {**overrides, **flags})
-    vocab = config.model.vocab_size
+    source, config = _eval_config(args)
     setup = setup_lib.build(config)  # the mesh's checks before the data is read and tokenized
-    if args.data is not None:
-        stream, corpus = load_token_stream(config.data, vocab, log=_stderr)
-        what = corpus.name
-    else:  # the run's held-out split, as its config cuts it
-        if not config.data.tokenizer and resolve_corpus(config.data.source, config.data.max_bytes).kind == "text":
-            raise DataError(f"{tokenizer} is missing, and the run's weights were trained with it; put it back "
-                            "(from a copy of the run) or give it with --tokenizer.")
-        dataset, _ = load_token_dataset(config.data, vocab, config.train.seq_len, log=_stderr)
-        stream, what = dataset.eval_stream, f"the held-out split of {dataset.description}"
+    stream, what = _eval_stream(args, config)
     if args.run_dir:
         shardings = {"params": setup.state_shardings.params, "state": setup.state_shardings.model_state}
         step, _, params, state = ckpt.load_checkpoint(source, args.step, shardings)
@@ -323,6 +289,51 @@ def cmd_eval(args) -> int:
         with atomic_file(Path(args.json)) as file:
             file.write(json.dumps(record, indent=1).encode() + b"\n")
     return 0
+
+
+def _eval_config(args) -> tuple[Path, config_lib.Config]:
+    """(the model's directory, the config eval runs): the saved model's, with --data, the model's tokenizer and the
+    overrides on top; every check that needs no data or weights done."""
+    overrides = parse_overrides(args.overrides)
+    for key in overrides:
+        if not (key.startswith(EVAL_GROUPS) or key in EVAL_KEYS):
+            raise ConfigError(f"eval scores the model as it was saved, and {key} is part of the model; set only "
+                              f"train.*, data.*, parallel.* or {', '.join(EVAL_KEYS)}.")
+    if args.max_sequences is not None and args.max_sequences < 1:
+        raise ConfigError(f"--max-sequences must be at least 1; got {args.max_sequences}.")
+    _check_step(args)
+    if args.json:
+        check_output("--json", args.json)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # before the scoring, not after it
+    source = Path(args.hf_dir or args.run_dir)
+    if args.run_dir:
+        overwrite_lib.check_readable(source)
+        saved = ckpt.load_run_config(source)
+        ckpt.check_step(source, args.step)
+    else:
+        saved = convert.config_from_hf(read_hf_config(source))
+    if args.data is None and not (args.run_dir and not ckpt.imported(source)):
+        raise ConfigError(f"{source} holds a Hugging Face model, which has no data of its own to score; give the "
+                          "text or tokens to score with --data PATH.")
+    flags = {"data.source": args.data} if args.data is not None else {}
+    tokenizer = Path(args.tokenizer) if args.tokenizer else source / "tokenizer.json"
+    if args.tokenizer or tokenizer.is_file():  # a run trained on token files has none, and needs none
+        flags["data.tokenizer"] = str(tokenizer)
+    config = config_lib.apply_overrides(saved, {**overrides, **flags})
+    data = config.data
+    if args.data is None and not data.tokenizer and resolve_corpus(data.source, data.max_bytes).kind == "text":
+        raise DataError(f"{tokenizer} is missing, and the run's weights were trained with it; put it back "
+                        "(from a copy of the run) or give it with --tokenizer.")
+    return source, config
+
+
+def _eval_stream(args, config: config_lib.Config):
+    """(the tokens to score, what they are): --data whole, or the run's held-out split as its config cuts it."""
+    if args.data is not None:
+        stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr)
+        return stream, corpus.name
+    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, log=_stderr)
+    return dataset.eval_stream, f"the held-out split of {dataset.description}"
 
 
 def _stderr(message: str) -> None:
