@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dropless.core.config import DataConfig
+from dropless.core.config import ConfigError, DataConfig
 from dropless.data import DataError, TokenStream, document_order, load_token_dataset, reorder, split_point
 from dropless.data import loader as loader_lib
 from dropless.data import tokenizer as tokenizer_lib
@@ -426,3 +426,48 @@ def test_a_resumed_run_reads_its_own_tokenizer_whatever_the_cache_says(tmp_path)
     (copy := tmp_path / "copy-True" / "tokenizer.json").unlink()
     with pytest.raises(DataError, match=r"tokenizer.json is missing, and the run's weights were trained with it"):
         load_token_dataset(cfg, VOCAB, SEQ, copy.parent, resume=True)
+
+
+# ---------------------------------------------------------------------------------------- a held-out corpus
+
+
+def test_an_evaluation_corpus_of_its_own_is_read_whole_and_the_training_corpus_is_not_split(tmp_path):
+    """data.eval_source: the held-out stream is that corpus, its documents in file order each followed by the
+    end-of-document token, encoded by the run's tokenizer; every document of data.source is trained on."""
+    train_docs, eval_docs = _documents(80), _documents(12, seed=7)
+    cfg = _cfg(_write_jsonl(tmp_path / "train.jsonl", train_docs), eval_source=str(tmp_path / "valid"))
+    (tmp_path / "valid").mkdir()
+    for i, doc in enumerate(eval_docs):
+        (tmp_path / "valid" / f"{i:02d}.txt").write_text(doc)
+    dataset, tokenizer = load_token_dataset(cfg, VOCAB, SEQ)
+    assert tokenizer.decode(_stream(dataset.eval_stream)) == "".join(d + tokenizer.eos_token for d in eval_docs)
+    order = document_order(len(train_docs), 0)
+    assert tokenizer.decode(_stream(dataset.train_stream)) == "".join(train_docs[i] + tokenizer.eos_token
+                                                                      for i in order)
+    assert "evaluated on data.eval_source" in repr(dataset)
+    evaluation = dataset.eval_batches(2, 4)
+    assert all(batch.shape == (4, SEQ + 1) for batch in evaluation)
+
+
+def test_a_token_corpus_evaluated_on_token_files(tmp_path):
+    np.save(tmp_path / "train.npy", np.arange(2000, dtype=np.int32) % VOCAB)
+    np.save(tmp_path / "valid.npy", (np.arange(100, dtype=np.int32) * 7) % VOCAB)
+    dataset, _ = load_token_dataset(_cfg(tmp_path / "train.npy", eval_source=str(tmp_path / "valid.npy")), VOCAB, SEQ)
+    np.testing.assert_array_equal(_stream(dataset.eval_stream), (np.arange(100) * 7) % VOCAB)
+    np.testing.assert_array_equal(_stream(dataset.train_stream), np.arange(2000) % VOCAB)
+
+
+def test_an_evaluation_corpus_that_cannot_serve_is_refused(tmp_path):
+    np.save(tmp_path / "train.npy", np.arange(2000, dtype=np.int32) % VOCAB)
+    np.save(tmp_path / "tiny.npy", np.arange(SEQ, dtype=np.int32))
+    (tmp_path / "valid.txt").write_text("some text")
+    with pytest.raises(DataError, match=rf"^data.eval_source '.*tiny.npy' has {SEQ} tokens, fewer than one sequence "
+                                        rf"of train.seq_len\+1={SEQ + 1}; give more data or lower train.seq_len.$"):
+        load_token_dataset(_cfg(tmp_path / "train.npy", eval_source=str(tmp_path / "tiny.npy")), VOCAB, SEQ)
+    with pytest.raises(DataError, match=r"^data.eval_source '.*valid.txt' is text and no tokenizer is given"):
+        load_token_dataset(_cfg(tmp_path / "train.npy", eval_source=str(tmp_path / "valid.txt")), VOCAB, SEQ)
+    with pytest.raises(DataError, match=r"^data.eval_source '.*missing' does not exist"):
+        load_token_dataset(_cfg(tmp_path / "train.npy", eval_source=str(tmp_path / "missing")), VOCAB, SEQ)
+    with pytest.raises(ConfigError, match=r"^data.eval_source is data.source \('x.npy'\), so the model would be "
+                                          r"evaluated on the data it trains on"):
+        DataConfig(source="x.npy", eval_source="x.npy")

@@ -94,7 +94,7 @@ def test_eval_refuses_what_it_cannot_score(tmp_path, capsys):
                     "the data holds 20 tokens, fewer than one sequence of train.seq_len+1=25")
     (tmp_path / "doc.txt").write_text("some text")
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "doc.txt")),
-                    "is text and no tokenizer is given; give the model's tokenizer.json (--tokenizer).")
+                    "is text and no tokenizer is given; give the model's tokenizer.json (--tokenizer")
     # The mesh is checked before the data is read (a missing file here): tokenizing a corpus can take minutes.
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "missing.npy"),
                               "train.batch_size=12"), "train.batch_size=12 is not divisible by the 8 devices")

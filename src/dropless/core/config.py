@@ -476,6 +476,10 @@ class DataConfig:
     source: str = "stdlib"
     tokenizer: str = ""  # path to a tokenizer.json; empty = train a byte-level BPE on the corpus
     eval_fraction: float = 0.02
+    # A corpus of its own to evaluate on (any form data.source takes), read whole, its documents in file order; the
+    # training data is then all of data.source (data.eval_fraction unused). Empty: hold out data.eval_fraction of
+    # data.source's documents.
+    eval_source: str = ""
     shuffle_seed: int = 0
     max_bytes: int = 16_000_000  # cap on the text read from the default corpus
     prefetch: int = 4
@@ -486,6 +490,9 @@ class DataConfig:
         _require(str(self.source).strip() != "", "data.source is empty; give a file, directory or glob of .txt, "
                  ".jsonl, .parquet, .npy or .bin files, or leave it out for the default 'stdlib' corpus.")
         _require(0.0 < self.eval_fraction < 0.5, f"data.eval_fraction={self.eval_fraction} must be in (0, 0.5).")
+        _require(not self.eval_source or self.eval_source != self.source,
+                 f"data.eval_source is data.source ({self.source!r}), so the model would be evaluated on the data it "
+                 "trains on; give another corpus, or leave data.eval_source empty to hold out part of data.source.")
         _positive("data.max_bytes", self.max_bytes)
         _positive("data.prefetch", self.prefetch, allow_zero=True)
         # numpy's generators take no negative seed (train.seed may be negative: jax.random.key takes it).

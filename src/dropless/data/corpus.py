@@ -76,15 +76,16 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def resolve(source: str, max_bytes: int) -> Corpus:
-    """Turn `data.source` ("stdlib", a file, a directory or a glob) into a `Corpus`, or raise DataError."""
+def resolve(source: str, max_bytes: int, key: str = "data.source") -> Corpus:
+    """Turn `data.source` ("stdlib", a file, a directory or a glob) into a `Corpus`, or raise DataError; `key`
+    names the setting it came from in its name and messages."""
     if source == STDLIB:
         files = stdlib_files()
         if not files:
             raise DataError(f"No Python source files were found in the standard library at {stdlib_dir()}; "
                             "give a corpus with --data PATH.")
         return Corpus(f"the standard-library corpus ({stdlib_dir()})", "text", tuple(files), max_bytes)
-    name = f"data.source '{source}'"
+    name = f"{key} '{source}'"
     expanded = os.path.expanduser(source)
     if glob.has_magic(expanded):
         matches = sorted(glob.glob(expanded, recursive=True))

@@ -5,6 +5,8 @@ Semantics, in order:
    end-of-document token. Token corpora: one per `.npy`/`.bin` file, taken as they are (no separator added).
 2. Split by documents. The documents are put in a seeded random order (`data.shuffle_seed`); the last ones
    form the held-out split, enough to hold `data.eval_fraction` of the tokens (and at least one sequence).
+   With `data.eval_source`, that corpus (its documents in file order) is the held-out data instead, and every
+   document of `data.source` is trained on.
    So no document is in both splits. Only when that would take more than twice the asked-for tokens (one
    document dominates, e.g. a single big file) does the cut fall inside a document, which then contributes
    a contiguous head to training and its tail to evaluation.
@@ -224,10 +226,19 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     else:
         # Token files may be huge memory maps: keep them as segments, read only where batches fall.
         stream = TokenStream([segments[i] for i in order])
-    cut = split_point(lengths[order], seq_len, data_cfg.eval_fraction, corpus.name)
-    train, held_out = stream.slice(0, cut), stream.slice(cut, len(stream))
-    dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch,
-                           f"{corpus.name}, {len(lengths):,} documents")
+    description = f"{corpus.name}, {len(lengths):,} documents"
+    if data_cfg.eval_source:
+        held_out_corpus = corpus_lib.resolve(data_cfg.eval_source, data_cfg.max_bytes, key="data.eval_source")
+        train, held_out = stream, _whole_stream(held_out_corpus, tokenizer, vocab_size, log)
+        for part, what in ((train, corpus.name), (held_out, held_out_corpus.name)):
+            if len(part) < seq_len + 1:
+                raise DataError(f"{what} has {len(part)} tokens, fewer than one sequence of train.seq_len+1="
+                                f"{seq_len + 1}; give more data or lower train.seq_len.")
+        description += f", evaluated on {held_out_corpus.name}"
+    else:
+        cut = split_point(lengths[order], seq_len, data_cfg.eval_fraction, corpus.name)
+        train, held_out = stream.slice(0, cut), stream.slice(cut, len(stream))
+    dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch, description)
     log(f"dropless: data {dataset}")
     return dataset, tokenizer
 
@@ -239,15 +250,18 @@ def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str]
     given (a model is scored with its own tokenizer, never a new one); nothing is cached."""
     log = log or (lambda message: None)
     corpus = corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes)
-    texts = functools.cache(lambda: _read_texts(corpus, log))
-    tokenizer = None
-    if corpus.kind == "text":
-        if not data_cfg.tokenizer:
-            raise DataError(f"{corpus.name} is text and no tokenizer is given; give the model's tokenizer.json "
-                            "(--tokenizer).")
-        tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size)
-    segments, _ = _documents(corpus, tokenizer, vocab_size, None, texts, log)
-    return TokenStream(segments), corpus
+    tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size) if data_cfg.tokenizer else None
+    return _whole_stream(corpus, tokenizer, vocab_size, log), corpus
+
+
+def _whole_stream(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, log) -> TokenStream:
+    """Every document of `corpus` in file order, text encoded by `tokenizer` (DataError where there is none)."""
+    if corpus.kind == "text" and tokenizer is None:
+        raise DataError(f"{corpus.name} is text and no tokenizer is given; give the model's tokenizer.json "
+                        "(--tokenizer, or data.tokenizer).")
+    segments, _ = _documents(corpus, tokenizer, vocab_size, None, functools.cache(lambda: _read_texts(corpus, log)),
+                             log)
+    return TokenStream(segments)
 
 
 def _documents(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, cache_dir: Path | None,
