@@ -15,6 +15,7 @@ from dropless.convert import compute_logits, load_hf
 from dropless.core import config as config_lib
 from dropless.data import DataError, TokenStream
 from dropless.models import transformer
+from dropless.train import checkpoint as ckpt
 from dropless.train.evaluate import Evaluation, evaluate
 from tests.test_cli_errors import assert_one_line, run_main
 from tests.test_train import SMALL
@@ -109,3 +110,20 @@ def test_a_diverged_model_s_figures_are_written_as_null(tmp_path, monkeypatch, c
     record = json.loads((tmp_path / "eval.json").read_text())
     assert record["loss"] is None and record["perplexity"] is None and record["tokens"] == 48
     assert "loss nan, perplexity nan" in capsys.readouterr().out
+
+
+def test_eval_of_a_run_with_a_validation_corpus_scores_that_corpus(tmp_path, capsys):
+    """A run trained with data.eval_source holds out that corpus: `dropless eval --run-dir` scores all of it."""
+    np.save(tmp_path / "train.npy", np.arange(2000, dtype=np.int32) % 320)
+    valid = np.random.default_rng(2).integers(0, 320, 3 * 16 + 1).astype(np.int32)
+    np.save(tmp_path / "valid.npy", valid)
+    config = config_lib.load_preset("tiny").replace(**{**SMALL, "train.seq_len": 16, "data.source": str(
+        tmp_path / "train.npy"), "data.eval_source": str(tmp_path / "valid.npy")})
+    params, state = transformer.init_params(jax.random.key(0), config), transformer.init_state(config)
+    ckpt.save_model(tmp_path / "run", config, params, state, step=5)
+    assert cli.main(["eval", "--run-dir", str(tmp_path / "run"), "--json", str(tmp_path / "eval.json")]) == 0
+    record = json.loads((tmp_path / "eval.json").read_text())
+    assert record["data"] == f"the run's validation corpus, data.eval_source '{tmp_path / 'valid.npy'}'"
+    assert (record["sequences"], record["step"]) == (3, 5)
+    assert record["loss"] == pytest.approx(reference_loss(config, params, state, valid, 16, 3), rel=2e-6)
+    assert "validation corpus" in capsys.readouterr().out

@@ -333,6 +333,8 @@ def _eval_stream(args, config: config_lib.Config):
         stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr)
         return stream, corpus.name
     dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, log=_stderr)
+    if config.data.eval_source:
+        return dataset.eval_stream, f"the run's validation corpus, data.eval_source '{config.data.eval_source}'"
     return dataset.eval_stream, f"the held-out split of {dataset.description}"
 
 
