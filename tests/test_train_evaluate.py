@@ -81,6 +81,8 @@ def test_eval_refuses_what_it_cannot_score(tmp_path, capsys):
                     "own to score; give the text or tokens to score with --data PATH.")
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", "x.npy", "model.hidden_size=64"),
                     "eval scores the model as it was saved, and model.hidden_size is part of the model; set only")
+    assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", "x.npy", "trian.batch_size=8"),
+                    "Unknown config key 'trian.batch_size'", "train.batch_size")
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", "x.npy", "--max-sequences", "0"),
                     "--max-sequences must be at least 1; got 0.")
     for command in (["eval", "--data", "x.npy"], ["generate", "--prompt", "x"], ["logits", "--tokens", "t.npy",

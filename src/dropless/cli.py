@@ -295,8 +295,8 @@ def _eval_config(args) -> tuple[Path, config_lib.Config]:
     """(the model's directory, the config eval runs): the saved model's, with --data, the model's tokenizer and the
     overrides on top; every check that needs no data or weights done."""
     overrides = parse_overrides(args.overrides)
-    for key in overrides:
-        if not (key.startswith(EVAL_GROUPS) or key in EVAL_KEYS):
+    for key in overrides:  # an unknown key is left to apply_overrides, which names the closest one
+        if key in config_lib.all_keys() and not (key.startswith(EVAL_GROUPS) or key in EVAL_KEYS):
             raise ConfigError(f"eval scores the model as it was saved, and {key} is part of the model; set only "
                               f"train.*, data.*, parallel.* or {', '.join(EVAL_KEYS)}.")
     if args.max_sequences is not None and args.max_sequences < 1:

@@ -5,11 +5,10 @@ Semantics, in order:
    end-of-document token. Token corpora: one per `.npy`/`.bin` file, taken as they are (no separator added).
 2. Split by documents. The documents are put in a seeded random order (`data.shuffle_seed`); the last ones
    form the held-out split, enough to hold `data.eval_fraction` of the tokens (and at least one sequence).
-   With `data.eval_source`, that corpus (its documents in file order) is the held-out data instead, and every
-   document of `data.source` is trained on.
    So no document is in both splits. Only when that would take more than twice the asked-for tokens (one
    document dominates, e.g. a single big file) does the cut fall inside a document, which then contributes
-   a contiguous head to training and its tail to evaluation.
+   a contiguous head to training and its tail to evaluation. With `data.eval_source`, that corpus (its
+   documents in file order) is the held-out data instead, and every document of `data.source` is trained on.
 3. Packing. Each split is a token stream cut into sequences of `seq_len + 1` tokens with stride `seq_len`
    (sequence i = stream[i*S : i*S + S + 1]; consecutive sequences share one token, so every token is a
    target exactly once). Sequences cross document boundaries; the trailing partial sequence is unused.
