@@ -457,7 +457,7 @@ def test_a_token_corpus_evaluated_on_token_files(tmp_path):
     np.testing.assert_array_equal(_stream(dataset.train_stream), np.arange(2000) % VOCAB)
 
 
-def test_an_evaluation_corpus_that_cannot_serve_is_refused(tmp_path):
+def test_an_evaluation_corpus_that_cannot_serve_is_refused(tmp_path, monkeypatch):
     np.save(tmp_path / "train.npy", np.arange(2000, dtype=np.int32) % VOCAB)
     np.save(tmp_path / "tiny.npy", np.arange(SEQ, dtype=np.int32))
     (tmp_path / "valid.txt").write_text("some text")
@@ -471,3 +471,23 @@ def test_an_evaluation_corpus_that_cannot_serve_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^data.eval_source is data.source \('x.npy'\), so the model would be "
                                           r"evaluated on the data it trains on"):
         DataConfig(source="x.npy", eval_source="x.npy")
+    monkeypatch.chdir(tmp_path.parent)
+    for spelling in (f"./{tmp_path.name}/train.npy", f"{tmp_path}/*.npy"):  # the same file, another spelling
+        with pytest.raises(DataError, match=r"^data.eval_source '.*' shares 1 file\(s\) with data.source '.*train.npy' "
+                                            r"\(e.g. .*train.npy\), so the model would be evaluated on data it trains on"):
+            load_token_dataset(DataConfig(source=str(tmp_path / "train.npy"), eval_source=spelling), VOCAB, SEQ)
+
+
+def test_a_text_evaluation_corpus_is_tokenized_once_per_run(tmp_path):
+    """Its tokens are cached in RUN_DIR/corpus/ beside the training corpus's (neither replaces the other), so a
+    resumed run reads both from there."""
+    cfg = _cfg(_write_jsonl(tmp_path / "train.jsonl", _documents(60)),
+               eval_source=str(_write_jsonl(tmp_path / "valid.jsonl", _documents(8, seed=5))))
+    lines = []
+    first, _ = load_token_dataset(cfg, VOCAB, SEQ, tmp_path / "run", lines.append)
+    assert sum("tokenizing" in line for line in lines) == 2
+    lines.clear()
+    again, _ = load_token_dataset(cfg, VOCAB, SEQ, tmp_path / "run", lines.append, resume=True)
+    assert not [line for line in lines if "tokenizing" in line]
+    np.testing.assert_array_equal(_stream(again.eval_stream), _stream(first.eval_stream))
+    np.testing.assert_array_equal(_stream(again.train_stream), _stream(first.train_stream))

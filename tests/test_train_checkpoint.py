@@ -805,3 +805,24 @@ def test_opening_a_run_read_only_logs_nothing(tmp_path, caplog):
         assert ckpt.latest_step(tmp_path / "run") == 10
         logging.getLogger("absl").warning("another orbax note")
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == ["another orbax note"]
+
+
+def test_resuming_past_a_decay_s_start_with_a_later_horizon_says_the_learning_rate_goes_back_up(tmp_path):
+    """A warmup-stable-decay run resumed from a checkpoint inside its decay with a later train.schedule_steps
+    would restart from the peak, without a warm-up: the resume says so in one line. From the stable phase it is
+    the schedule the docs describe, and says nothing."""
+    from dropless.models import transformer
+    from dropless.train.loop import prepare_run_dir
+
+    config = small_config(tmp_path, **{"train.steps": 10, "train.decay_steps": 4, "train.warmup_steps": 2,
+                                       "train.schedule_steps": 10})
+    params, state = transformer.init_params(jax.random.key(0), config), transformer.init_state(config)
+    for step, warned in ((5, False), (8, True)):
+        run_dir = tmp_path / f"run{step}"
+        ckpt.save_model(run_dir, config, params, state, step=step)
+        lines = []
+        later = config.replace(**{"train.steps": 14, "train.schedule_steps": 14})
+        prepare_run_dir(run_dir, later, resume=True, overwrite=False, log=lines.append)
+        assert [line for line in lines if "warning" in line] == ([
+            "dropless: warning: checkpoint 8 is past the start of the run's decay (step 6); train.schedule_steps=14 "
+            "puts the learning rate back up to its peak, without a warm-up, and decays it again"] if warned else [])

@@ -123,6 +123,7 @@ def test_eval_of_a_run_with_a_validation_corpus_scores_that_corpus(tmp_path, cap
         tmp_path / "train.npy"), "data.eval_source": str(tmp_path / "valid.npy")})
     params, state = transformer.init_params(jax.random.key(0), config), transformer.init_state(config)
     ckpt.save_model(tmp_path / "run", config, params, state, step=5)
+    (tmp_path / "train.npy").unlink()  # scoring the validation corpus reads nothing of the training data
     assert cli.main(["eval", "--run-dir", str(tmp_path / "run"), "--json", str(tmp_path / "eval.json")]) == 0
     record = json.loads((tmp_path / "eval.json").read_text())
     assert record["data"] == f"the run's validation corpus, data.eval_source '{tmp_path / 'valid.npy'}'"

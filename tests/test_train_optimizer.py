@@ -82,8 +82,8 @@ def test_a_whole_run_decay_of_another_shape_starts_at_the_warm_up_s_end():
 
 
 def test_a_decay_longer_than_the_steps_after_the_warm_up_is_refused():
-    with pytest.raises(config_lib.ConfigError, match=r"^train.decay_steps=17 is longer than the 16 steps between the "
-                                                     r"warm-up's end and the schedule's horizon .* give at most 16"):
+    with pytest.raises(config_lib.ConfigError, match=r"^train.decay_steps=17 does not fit between the warm-up's end "
+                                                     r"\(train.warmup_steps=4, .* horizon \(step 20: .* at most 16, "):
         config_lib.TrainConfig(warmup_steps=4, steps=20, decay_steps=17)
     config_lib.TrainConfig(warmup_steps=4, steps=20, decay_steps=16)
     config_lib.TrainConfig(warmup_steps=4, steps=20, schedule_steps=40, decay_steps=30)

@@ -37,7 +37,8 @@ from dropless.core.arguments import DEBUG_FLAG, ArgumentParser, check_output, pa
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
-from dropless.data import DataError, load_token_array, load_token_dataset, load_token_stream, read_tokenizer_file
+from dropless.data import (DataError, load_eval_source_stream, load_token_array, load_token_dataset, load_token_stream,
+                           read_tokenizer_file)
 from dropless.data import resolve as resolve_corpus
 from dropless.data.tokenizer import eos_token
 from dropless.models import transformer
@@ -321,7 +322,8 @@ def _eval_config(args) -> tuple[Path, config_lib.Config]:
         flags["data.tokenizer"] = str(tokenizer)
     config = config_lib.apply_overrides(saved, {**overrides, **flags})
     data = config.data
-    if args.data is None and not data.tokenizer and resolve_corpus(data.source, data.max_bytes).kind == "text":
+    held_out = data.eval_source or data.source  # what the scoring reads, without --data
+    if args.data is None and not data.tokenizer and resolve_corpus(held_out, data.max_bytes).kind == "text":
         raise DataError(f"{tokenizer} is missing, and the run's weights were trained with it; put it back "
                         "(from a copy of the run) or give it with --tokenizer.")
     return source, config
@@ -332,9 +334,10 @@ def _eval_stream(args, config: config_lib.Config):
     if args.data is not None:
         stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr)
         return stream, corpus.name
+    if config.data.eval_source:  # scored whole: data.source is neither needed nor read
+        stream = load_eval_source_stream(config.data, config.model.vocab_size, log=_stderr)
+        return stream, f"the run's validation corpus, data.eval_source '{config.data.eval_source}'"
     dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, log=_stderr)
-    if config.data.eval_source:
-        return dataset.eval_stream, f"the run's validation corpus, data.eval_source '{config.data.eval_source}'"
     return dataset.eval_stream, f"the held-out split of {dataset.description}"
 
 

@@ -426,9 +426,10 @@ class TrainConfig:
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.decay_steps", self.decay_steps, allow_zero=True)
         room = self.schedule_horizon - min(self.warmup_steps, max(self.schedule_horizon - 1, 0))
-        _require(self.decay_steps <= room, f"train.decay_steps={self.decay_steps} is longer than the {room} steps "
-                 f"between the warm-up's end and the schedule's horizon (train.schedule_steps, or train.steps="
-                 f"{self.steps} where that is 0); give at most {room}, or 0 to decay over all of them.")
+        _require(self.decay_steps <= room, f"train.decay_steps={self.decay_steps} does not fit between the warm-up's "
+                 f"end (train.warmup_steps={self.warmup_steps}, at most the horizon - 1) and the schedule's horizon "
+                 f"(step {self.schedule_horizon}: train.schedule_steps, or train.steps where that is 0); give at most "
+                 f"{room}, or 0 to decay over every step after the warm-up.")
         _positive("train.weight_decay", self.weight_decay, allow_zero=True)
         for key in ("beta1", "beta2"):  # 1 would divide AdamW's bias correction by zero
             value = getattr(self, key)

@@ -42,6 +42,8 @@ TOKENIZER_FILE = "tokenizer.json"  # RUN_DIR/tokenizer.json: the tokenizer the r
 CACHE_DIR = "corpus"  # RUN_DIR/corpus/: the tokenized corpus and where the tokenizer came from
 ORIGIN_FILE = "tokenizer-origin.json"  # under CACHE_DIR: where the run's tokenizer came from
 TOKEN_CACHE = "tokens-*.npz"  # under CACHE_DIR: the tokenized corpus, tokens-<key>.npz
+EVAL_PREFIX = "eval-tokens"  # under CACHE_DIR: the tokenized data.eval_source, eval-tokens-<key>.npz
+EVAL_TOKEN_CACHE = f"{EVAL_PREFIX}-*.npz"
 _ENCODE_CHUNK_CHARS = 4_000_000  # encode in chunks to bound the memory of HF Encoding objects
 
 
@@ -228,7 +230,12 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     description = f"{corpus.name}, {len(lengths):,} documents"
     if data_cfg.eval_source:
         held_out_corpus = corpus_lib.resolve(data_cfg.eval_source, data_cfg.max_bytes, key="data.eval_source")
-        train, held_out = stream, _whole_stream(held_out_corpus, tokenizer, vocab_size, log)
+        shared = {p.resolve() for p in corpus.files} & {p.resolve() for p in held_out_corpus.files}
+        if shared:
+            raise DataError(f"{held_out_corpus.name} shares {len(shared)} file(s) with {corpus.name} (e.g. "
+                            f"{min(shared)}), so the model would be evaluated on data it trains on; give a disjoint "
+                            "corpus, or leave data.eval_source empty to hold out part of data.source.")
+        train, held_out = stream, _whole_stream(held_out_corpus, tokenizer, vocab_size, log, cache_dir)
         for part, what in ((train, corpus.name), (held_out, held_out_corpus.name)):
             if len(part) < seq_len + 1:
                 raise DataError(f"{what} has {len(part)} tokens, fewer than one sequence of train.seq_len+1="
@@ -242,6 +249,14 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     return dataset, tokenizer
 
 
+def load_eval_source_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None
+                            ) -> TokenStream:
+    """Every document of `data.eval_source` in file order, as training evaluates on it; data.source is not read."""
+    corpus = corpus_lib.resolve(data_cfg.eval_source, data_cfg.max_bytes, key="data.eval_source")
+    tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size) if data_cfg.tokenizer else None
+    return _whole_stream(corpus, tokenizer, vocab_size, log or (lambda message: None))
+
+
 def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None
                       ) -> tuple[TokenStream, Corpus]:
     """Every document of `data.source` in file order, as training reads documents (step 1 above), unsplit and
@@ -253,22 +268,23 @@ def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str]
     return _whole_stream(corpus, tokenizer, vocab_size, log), corpus
 
 
-def _whole_stream(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, log) -> TokenStream:
+def _whole_stream(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, log,
+                  cache_dir: Path | None = None) -> TokenStream:
     """Every document of `corpus` in file order, text encoded by `tokenizer` (DataError where there is none)."""
     if corpus.kind == "text" and tokenizer is None:
         raise DataError(f"{corpus.name} is text and no tokenizer is given; give the model's tokenizer.json "
                         "(--tokenizer, or data.tokenizer).")
-    segments, _ = _documents(corpus, tokenizer, vocab_size, None, functools.cache(lambda: _read_texts(corpus, log)),
-                             log)
+    segments, _ = _documents(corpus, tokenizer, vocab_size, cache_dir,
+                             functools.cache(lambda: _read_texts(corpus, log)), log, prefix=EVAL_PREFIX)
     return TokenStream(segments)
 
 
 def _documents(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, cache_dir: Path | None,
-               texts: Callable[[], list[str]], log) -> tuple[list[np.ndarray], np.ndarray]:
+               texts: Callable[[], list[str]], log, prefix: str = "tokens") -> tuple[list[np.ndarray], np.ndarray]:
     """(segments, lengths) of the corpus's documents in file order: a text corpus as one array of every document's
     tokens (`_tokenized_corpus`), a token corpus as its files, each checked against the vocabulary."""
     if corpus.kind == "text":
-        tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log)
+        tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log, prefix)
         return [tokens], lengths
     files = [_checked_tokens(path, corpus_lib.read_token_file(path), vocab_size) for path in corpus.files]
     lengths = np.array([len(f) for f in files], dtype=np.int64)
@@ -324,11 +340,11 @@ def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, c
 
 
 def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path | None,
-                      texts: Callable[[], list[str]], log) -> tuple[np.ndarray, np.ndarray]:
+                      texts: Callable[[], list[str]], log, prefix: str = "tokens") -> tuple[np.ndarray, np.ndarray]:
     """(tokens, lengths): every document's tokens followed by the end-of-document id, concatenated in file
     order, and each document's length; cached per (corpus, tokenizer)."""
     key = hashlib.sha256((corpus.fingerprint() + tokenizer.to_str()).encode()).hexdigest()[:16]
-    cache_file = cache_dir / f"tokens-{key}.npz" if cache_dir is not None else None
+    cache_file = cache_dir / f"{prefix}-{key}.npz" if cache_dir is not None else None
     cached = _read_cache(cache_file)
     if cached is not None:
         tokens, lengths = cached
@@ -339,7 +355,7 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
         tokens = np.concatenate([np.append(ids, tokenizer.eos_id) for ids in encoded]).astype(dtype)
         lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
         if cache_file is not None:
-            for stale in cache_dir.glob(TOKEN_CACHE):
+            for stale in cache_dir.glob(f"{prefix}-*.npz"):
                 stale.unlink()
             write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
     return tokens, lengths

@@ -39,7 +39,7 @@ from dropless.core import config as config_lib
 from dropless.core import files
 from dropless.core.config import Config, ConfigError
 from dropless.data import load_token_dataset
-from dropless.data.loader import CACHE_DIR, ORIGIN_FILE, TOKEN_CACHE, TOKENIZER_FILE
+from dropless.data.loader import CACHE_DIR, EVAL_TOKEN_CACHE, ORIGIN_FILE, TOKEN_CACHE, TOKENIZER_FILE
 from dropless.gmm.registry import resolve_backend_name
 from dropless.models import flops as flops_lib
 from dropless.models import transformer
@@ -97,7 +97,7 @@ def resume_changes(saved: Config, config: Config) -> list[str]:
 # The files a run writes with files.write_atomic (RUN_DIR/..., RUN_DIR/corpus/...), whose temporaries a kill leaves:
 # only theirs are deleted, for a directory the user made may hold a NAME.<number>.tmp of their own.
 _ATOMIC_WRITES = {".": ("config.json", TOKENIZER_FILE, "router.json"),
-                  CACHE_DIR: (ORIGIN_FILE, TOKEN_CACHE)}
+                  CACHE_DIR: (ORIGIN_FILE, TOKEN_CACHE, EVAL_TOKEN_CACHE)}
 
 
 def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool,
@@ -136,6 +136,12 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             raise ConfigError(f"--resume to step {config.train.steps}, but {run_dir} has a checkpoint of step "
                               f"{reached} already; give --steps {reached} or more (the run's is "
                               f"{saved.train.steps}).")
+        decay_start = saved.train.schedule_horizon - (saved.train.decay_steps or saved.train.schedule_horizon)
+        if (reached is not None and config.train.decay_steps and reached > decay_start
+                and config.train.schedule_horizon != saved.train.schedule_horizon):
+            log(f"dropless: warning: checkpoint {reached} is past the start of the run's decay (step {decay_start}); "
+                f"train.schedule_steps={config.train.schedule_horizon} puts the learning rate back up to its peak, "
+                "without a warm-up, and decays it again")
         if config != saved:  # a resumable setting changed (the steps, say); an unchanged file is left untouched
             config_lib.save(config, saved_path)
         return config
