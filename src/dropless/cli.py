@@ -37,8 +37,7 @@ from dropless.core.arguments import DEBUG_FLAG, ArgumentParser, check_output, pa
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file
-from dropless.data import (DataError, load_eval_source_stream, load_token_array, load_token_dataset, load_token_stream,
-                           read_tokenizer_file)
+from dropless.data import DataError, load_token_array, load_token_dataset, load_token_stream, read_tokenizer_file
 from dropless.data import resolve as resolve_corpus
 from dropless.data.tokenizer import eos_token
 from dropless.models import transformer
@@ -330,13 +329,13 @@ def _eval_config(args) -> tuple[Path, config_lib.Config]:
 
 
 def _eval_stream(args, config: config_lib.Config):
-    """(the tokens to score, what they are): --data whole, or the run's held-out split as its config cuts it."""
+    """(the tokens to score, what they are): --data whole, or the run's held-out data as its config gives it."""
     if args.data is not None:
         stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr)
         return stream, corpus.name
     if config.data.eval_source:  # scored whole: data.source is neither needed nor read
-        stream = load_eval_source_stream(config.data, config.model.vocab_size, log=_stderr)
-        return stream, f"the run's validation corpus, data.eval_source '{config.data.eval_source}'"
+        stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr, setting="eval_source")
+        return stream, f"the run's validation corpus, {corpus.name}"
     dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, log=_stderr)
     return dataset.eval_stream, f"the held-out split of {dataset.description}"
 

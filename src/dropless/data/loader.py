@@ -249,23 +249,15 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     return dataset, tokenizer
 
 
-def load_eval_source_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None
-                            ) -> TokenStream:
-    """Every document of `data.eval_source` in file order, as training evaluates on it; data.source is not read."""
-    corpus = corpus_lib.resolve(data_cfg.eval_source, data_cfg.max_bytes, key="data.eval_source")
+def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None, *,
+                      setting: str = "source") -> tuple[TokenStream, Corpus]:
+    """Every document of `data.source` (or of the corpus another `setting` names, e.g. "eval_source") in file
+    order, as training reads documents (step 1 above), unsplit and unshuffled: what `dropless eval` scores. A text
+    corpus is encoded by `data.tokenizer`, which must be given (a model is scored with its own tokenizer, never a
+    new one); nothing is cached."""
+    corpus = corpus_lib.resolve(getattr(data_cfg, setting), data_cfg.max_bytes, key=f"data.{setting}")
     tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size) if data_cfg.tokenizer else None
-    return _whole_stream(corpus, tokenizer, vocab_size, log or (lambda message: None))
-
-
-def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None
-                      ) -> tuple[TokenStream, Corpus]:
-    """Every document of `data.source` in file order, as training reads documents (step 1 above), unsplit and
-    unshuffled: what `dropless eval --data` scores. A text corpus is encoded by `data.tokenizer`, which must be
-    given (a model is scored with its own tokenizer, never a new one); nothing is cached."""
-    log = log or (lambda message: None)
-    corpus = corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes)
-    tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size) if data_cfg.tokenizer else None
-    return _whole_stream(corpus, tokenizer, vocab_size, log), corpus
+    return _whole_stream(corpus, tokenizer, vocab_size, log or (lambda message: None)), corpus
 
 
 def _whole_stream(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, log,
