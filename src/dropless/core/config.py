@@ -94,6 +94,12 @@ YARN_NUMBERS = {"factor": 1.0, "beta_fast": 0.0, "beta_slow": 0.0, "mscale": 0.0
 YARN_KEYS = ("type", "rope_type", "original_max_position_embeddings", *YARN_NUMBERS, "truncate")
 
 
+def yarn_betas(rope_scaling: dict) -> tuple[float, float]:
+    """(beta_fast, beta_slow) of a YaRN setting: a missing, null or zero one takes YaRN's default (32 and 1), as HF
+    treats an explicit null like a missing key."""
+    return float(rope_scaling.get("beta_fast") or 32.0), float(rope_scaling.get("beta_slow") or 1.0)
+
+
 def check_yarn_keys(rope_scaling: dict) -> None:
     """A YaRN setting names the two values it cannot do without (HF's config.json keys), each value a number in
     its range: the factor at least 1 (YaRN extends the context), the original context a positive integer."""
@@ -111,8 +117,7 @@ def check_yarn_keys(rope_scaling: dict) -> None:
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         _require(number and value >= least, f"model.rope_scaling's {key}={value!r} is not a number of at least "
                  f"{least:g}; give one (DeepSeek-V3: factor 40, beta_fast 32, beta_slow 1, mscale 1).")
-    # As dropless.ops.rope reads them: a missing, null or zero beta takes YaRN's default (32 and 1).
-    fast, slow = rope_scaling.get("beta_fast") or 32.0, rope_scaling.get("beta_slow") or 1.0
+    fast, slow = yarn_betas(rope_scaling)
     _require(fast >= slow, f"model.rope_scaling's beta_fast={fast:g} is below its beta_slow={slow:g}, which would "
              "turn YaRN's ramp from kept to interpolated frequencies around; give beta_fast >= beta_slow "
              "(DeepSeek-V3: 32 and 1).")

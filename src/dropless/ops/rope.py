@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dropless.core.config import check_yarn_keys
+from dropless.core.config import check_yarn_keys, yarn_betas
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -32,10 +32,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def _yarn_settings(rope_scaling: dict) -> tuple[float, float, float, float]:
     check_yarn_keys(rope_scaling)  # ModelConfig has checked its own; this guards direct callers
     factor, original = rope_scaling["factor"], rope_scaling["original_max_position_embeddings"]
-    # `or` rather than a default: HF treats an explicit null/0 like a missing key.
-    beta_fast = rope_scaling.get("beta_fast") or 32.0
-    beta_slow = rope_scaling.get("beta_slow") or 1.0
-    return float(factor), float(original), float(beta_fast), float(beta_slow)
+    return float(factor), float(original), *yarn_betas(rope_scaling)
 
 
 def yarn_attention_factor(rope_scaling: dict) -> float:
