@@ -430,7 +430,7 @@ class TrainConfig:
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
         _positive("train.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("train.decay_steps", self.decay_steps, allow_zero=True)
-        room = self.schedule_horizon - min(self.warmup_steps, max(self.schedule_horizon - 1, 0))
+        room = self.schedule_horizon - self.warmup_end
         _require(self.decay_steps <= room, f"train.decay_steps={self.decay_steps} does not fit between the warm-up's "
                  f"end (train.warmup_steps={self.warmup_steps}, at most the horizon - 1) and the schedule's horizon "
                  f"(step {self.schedule_horizon}: train.schedule_steps, or train.steps where that is 0); give at most "
@@ -474,6 +474,16 @@ class TrainConfig:
     def schedule_horizon(self) -> int:
         """The step at which the learning-rate schedule ends: train.schedule_steps, or train.steps where it is 0."""
         return self.schedule_steps or self.steps
+
+    @property
+    def warmup_end(self) -> int:
+        """The step the warm-up ends at: train.warmup_steps, at most the horizon - 1, so the peak is reached."""
+        return min(self.warmup_steps, max(self.schedule_horizon - 1, 0))
+
+    @property
+    def decay_start(self) -> int:
+        """The step the decay starts at: train.decay_steps before the horizon, or the warm-up's end where that is 0."""
+        return self.schedule_horizon - self.decay_steps if self.decay_steps else self.warmup_end
 
 
 @dataclass(frozen=True)

@@ -136,7 +136,7 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             raise ConfigError(f"--resume to step {config.train.steps}, but {run_dir} has a checkpoint of step "
                               f"{reached} already; give --steps {reached} or more (the run's is "
                               f"{saved.train.steps}).")
-        decay_start = saved.train.schedule_horizon - (saved.train.decay_steps or saved.train.schedule_horizon)
+        decay_start = saved.train.decay_start
         if (reached is not None and config.train.decay_steps and reached > decay_start
                 and config.train.schedule_horizon != saved.train.schedule_horizon):
             log(f"dropless: warning: checkpoint {reached} is past the start of the run's decay (step {decay_start}); "

@@ -18,15 +18,13 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
     after the warm-up) to `min_lr_ratio * learning_rate` at the schedule's horizon (`train.schedule_steps`, or
     `train.steps` where that is 0), constant after it. The decay is `train.decay_shape`: a half cosine, a line, or
     1 - sqrt of the fraction done."""
-    horizon = train.schedule_horizon
-    warmup = min(train.warmup_steps, max(horizon - 1, 0))
+    horizon, warmup = train.schedule_horizon, train.warmup_end
     peak, end = train.learning_rate, train.learning_rate * train.min_lr_ratio
-    decay = train.decay_steps or horizon - warmup
-    if decay == horizon - warmup and train.decay_shape == "cosine":
+    if train.decay_start == warmup and train.decay_shape == "cosine":
         # The plain cosine schedule: optax's own, so that the learning rates are those it has always given.
         return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
                                                   decay_steps=max(horizon, warmup + 1), end_value=end)
-    decay = max(decay, 1)
+    decay = horizon - train.decay_start  # >= 1: the warm-up ends before the horizon
     if train.decay_shape == "cosine":
         tail = optax.cosine_decay_schedule(peak, decay, alpha=train.min_lr_ratio)
     elif train.decay_shape == "linear":
@@ -35,9 +33,8 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
         def tail(count):
             done = jnp.clip(count / decay, 0.0, 1.0)
             return end + (peak - end) * (1.0 - jnp.sqrt(done))
-    stable_until = horizon - decay
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak), tail],
-                                boundaries=[warmup, stable_until])
+                                boundaries=[warmup, train.decay_start])
 
 
 def _is_decayed(path: tuple, leaf: jax.Array) -> bool:
