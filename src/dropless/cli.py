@@ -16,7 +16,6 @@ import gc
 import importlib
 import json
 import logging
-import math
 import os
 import re
 import signal
@@ -36,7 +35,7 @@ from dropless.core import distributed
 from dropless.core.arguments import DEBUG_FLAG, ArgumentParser, check_output, path_text
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
-from dropless.core.files import atomic_file
+from dropless.core.files import atomic_file, write_atomic
 from dropless.data import DataError, load_token_array, load_token_dataset, load_token_stream, read_tokenizer_file
 from dropless.data import resolve as resolve_corpus
 from dropless.data.tokenizer import eos_token
@@ -48,6 +47,7 @@ from dropless.train import overwrite as overwrite_lib
 from dropless.train import setup as setup_lib
 from dropless.train.evaluate import evaluate
 from dropless.train.loop import resume_changes, train
+from dropless.train.metrics import jsonable
 
 DEFAULT_PRESET = "tiny"
 # OS errors the user's files or machine cause, with the fix each sentence ends with (after the system's own
@@ -280,14 +280,11 @@ def cmd_eval(args) -> int:
     print(f"dropless: loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, over {result.tokens:,} tokens "
           f"({result.sequences:,} sequences of {result.seq_len:,}) of {what}, the model of {source}{at}; tokens "
           f"dropped: {result.tokens_dropped}")
-    if args.json:
+    if args.json:  # a diverged model's loss and perplexity as null
         record = {**dataclasses.asdict(result), "perplexity": result.perplexity, "data": what, "model": str(source),
                   "step": step}
-        # JSON has no NaN or infinity: a diverged model's loss and perplexity are written as null.
-        record = {key: None if isinstance(value, float) and not math.isfinite(value) else value
-                  for key, value in record.items()}
-        with atomic_file(Path(args.json)) as file:
-            file.write(json.dumps(record, indent=1).encode() + b"\n")
+        write_atomic(Path(args.json), json.dumps({key: jsonable(value) for key, value in record.items()},
+                                                 indent=1) + "\n")
     return 0
 
 

@@ -210,7 +210,7 @@ class MetricsWriter:
                                "--resume.") from None
 
     def _write(self, record: dict) -> None:
-        clean = {k: _jsonable(v) for k, v in record.items() if k not in ROUTER_KEYS}
+        clean = {k: jsonable(v) for k, v in record.items() if k not in ROUTER_KEYS}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
         step = int(clean["step"])
@@ -272,7 +272,9 @@ class MetricsWriter:
                     pass
 
 
-def _jsonable(value):
+def jsonable(value):
+    """`value` as a JSON file holds it: arrays as nested lists (6 digits), NumPy and JAX scalars as numbers, and a
+    float that is not finite as null (JSON has no NaN or infinity)."""
     if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:  # an array field: nested lists, 6 digits
         return np.round(np.asarray(value, np.float64), 6).tolist()
     if hasattr(value, "item"):
