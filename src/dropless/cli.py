@@ -471,7 +471,7 @@ def make_parser() -> argparse.ArgumentParser:
     source.add_argument("--hf-dir", type=path_text, help="a Hugging Face checkpoint directory")
     evaluation.add_argument("--data", type=path_text,
                             help="file, directory or glob of .txt/.jsonl/.parquet/.npy/.bin to score, whole "
-                                 "(default: the run's held-out split)")
+                                 "(default: the run's held-out data: its split of data.source, or data.eval_source)")
     evaluation.add_argument("--tokenizer", type=path_text,
                             help="the tokenizer.json to encode text with (default: the model's own)")
     evaluation.add_argument("--step", type=int, help="the run's checkpoint of this step (default: its latest good one)")
