@@ -354,7 +354,8 @@ def test_token_id_beyond_the_vocabulary(tmp_path):
     tokens = np.arange(500)
     np.save(tmp_path / "t.npy", tokens)
     with pytest.raises(DataError, match="holds token id 499, beyond the vocabulary of model.vocab_size=300; "
-                                        "set model.vocab_size=500"):
+                                        "re-tokenize it with the model's tokenizer, or for a new model set "
+                                        "model.vocab_size=500 "):
         load_token_dataset(_cfg(tmp_path / "t.npy"), VOCAB, SEQ)
     np.save(tmp_path / "t.npy", tokens - 1)
     with pytest.raises(DataError, match="holds the negative token id -1"):

@@ -95,6 +95,11 @@ def test_eval_refuses_what_it_cannot_score(tmp_path, capsys):
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "short.npy"),
                               "train.seq_len=24", "train.batch_size=8"),
                     "the data holds 20 tokens, fewer than one sequence of train.seq_len+1=25")
+    # The model's vocabulary is fixed: the advice is the model's tokenizer before a larger vocabulary.
+    np.save(tmp_path / "wide.npy", np.arange(200, dtype=np.int32))
+    assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "wide.npy")),
+                    "holds token id 199, beyond the vocabulary of model.vocab_size=128; re-tokenize it with the "
+                    "model's tokenizer, or for a new model set model.vocab_size=200 or more.")
     (tmp_path / "doc.txt").write_text("some text")
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", hf, "--data", str(tmp_path / "doc.txt")),
                     "is text and no tokenizer is given; give the model's tokenizer.json (--tokenizer")

@@ -388,8 +388,10 @@ def _checked_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> np.ndarr
     if smallest < 0:
         raise DataError(f"{path} holds the negative token id {smallest}; token ids must be >= 0.")
     if largest >= vocab_size:
+        # One sentence for both readers: `train` may size its vocabulary, `eval` scores a model whose size is fixed.
         raise DataError(f"{path} holds token id {largest}, beyond the vocabulary of model.vocab_size={vocab_size}; "
-                        f"set model.vocab_size={largest + 1} or more, or re-tokenize with a smaller vocabulary.")
+                        f"re-tokenize it with the model's tokenizer, or for a new model set model.vocab_size="
+                        f"{largest + 1} or more.")
     return tokens
 
 

@@ -125,5 +125,6 @@ def load_tokenizer(path: str | Path, vocab_size: int | None = None) -> TextToken
     loaded = TextTokenizer(read_tokenizer_file(path), str(path))
     if vocab_size is not None and loaded.vocab_size > vocab_size:
         raise DataError(f"The tokenizer {path} has {loaded.vocab_size} tokens but model.vocab_size={vocab_size}; "
-                        f"set model.vocab_size={loaded.vocab_size} or more, or use a smaller tokenizer.")
+                        f"use the model's own tokenizer (or a smaller one), or for a new model set model.vocab_size="
+                        f"{loaded.vocab_size} or more.")
     return loaded
