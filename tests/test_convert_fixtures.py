@@ -16,6 +16,7 @@ from dropless.models import transformer
 from dropless.convert import ConvertError, compute_logits, config_from_hf, convert_from_hf, convert_to_hf, load_hf
 from dropless.convert.safetensors_io import CheckpointReader
 from dropless.train import checkpoint as ckpt
+from dropless.train import setup as setup_lib
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 NAMES = sorted(p.name for p in FIXTURES.iterdir() if (p / "config.json").is_file())
@@ -108,3 +109,20 @@ def test_weights_loaded_in_the_inference_dtypes_are_the_float32_weights_cast_bit
         kinds.add((transformer.is_router_weight(path), got.ndim >= 2, str(got.dtype)))
     assert kinds == {(True, True, "float32"), (False, True, "bfloat16"), (False, False, "float32")}
     assert jax.tree.map(lambda x: x.dtype, state) == jax.tree.map(lambda x: x.dtype, full_state)
+
+
+def test_weights_loaded_into_shardings_are_placed_there_with_the_same_values():
+    """`load_hf(shardings=...)` (what `dropless eval --hf-dir` loads) puts each array straight into its place on the
+    mesh, expert weights split over the expert axis, with the values of the one-device load."""
+    config, params, state = load_hf(FIXTURES / "deepseek_v3")
+    setup = setup_lib.build(config.replace(**{"parallel.fsdp": 2, "parallel.expert": 4, "train.batch_size": 8}))
+    shardings = {"params": setup.state_shardings.params, "state": setup.state_shardings.model_state}
+    _, placed, placed_state = load_hf(FIXTURES / "deepseek_v3", shardings=shardings)
+    split = 0
+    for got, want, sharding in zip(jax.tree.leaves((placed, placed_state)), jax.tree.leaves((params, state)),
+                                   jax.tree.leaves(shardings), strict=True):
+        assert got.sharding == sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        split += got.addressable_shards[0].data.size < got.size
+    experts = jax.tree.leaves(placed["moe_layers"]["moe"]["experts"])
+    assert split and not any(weight.sharding.is_fully_replicated for weight in experts)

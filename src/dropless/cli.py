@@ -270,11 +270,13 @@ def cmd_eval(args) -> int:
     source, config = _eval_config(args)
     setup = setup_lib.build(config)  # the mesh's checks before the data is read and tokenized
     stream, what = _eval_stream(args, config)
+    # Each array straight into its place on the mesh: a model no one device holds is never put on one.
+    shardings = {"params": setup.state_shardings.params, "state": setup.state_shardings.model_state}
     if args.run_dir:
-        shardings = {"params": setup.state_shardings.params, "state": setup.state_shardings.model_state}
         step, _, params, state = ckpt.load_checkpoint(source, args.step, shardings)
     else:  # built in the dtypes a pass reads (bf16 matrices in bf16): the same numbers, half the memory
-        step, (_, params, state) = None, load_hf(source, dtypes=lambda _: transformer.inference_dtypes(config))
+        step, (_, params, state) = None, load_hf(source, dtypes=lambda _: transformer.inference_dtypes(config),
+                                                 shardings=shardings)
     result = evaluate(config, params, state, stream, max_sequences=args.max_sequences, setup=setup, log=_stderr)
     at = f" at step {step}" if step is not None else ""
     print(f"dropless: loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, over {result.tokens:,} tokens "

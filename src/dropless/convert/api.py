@@ -161,8 +161,8 @@ def _nest(flat: dict[LeafPath, jax.Array]) -> dict:
     return tree
 
 
-def load_hf(hf_dir: Path, base: Config | None = None, *,
-            dtypes: Callable[[Config], dict] | None = None) -> tuple[Config, dict, dict]:
+def load_hf(hf_dir: Path, base: Config | None = None, *, dtypes: Callable[[Config], dict] | None = None,
+            shardings: dict | None = None) -> tuple[Config, dict, dict]:
     """(config, params, state) straight from an HF directory, in memory, without a run dir.
 
     `base` supplies the train/data/parallel groups (defaults if None). The params are float32, or with `dtypes`
@@ -170,6 +170,10 @@ def load_hf(hf_dir: Path, base: Config | None = None, *,
     those: each leaf is built in its dtype on the host, so a bf16 checkpoint loaded for bf16 inference takes half
     the host and device memory of its float32 copy, which never exists. A float32 value is rounded to nearest
     even as XLA's cast does, so the weights equal the float32 ones cast after loading, bit for bit.
+
+    The arrays go to the default device, or with `shardings` ({"params": ..., "state": ...}, trees of shardings
+    shaped like them, as `checkpoint.load_checkpoint` takes) each straight into its sharding, so that a model no
+    one device holds is never put on one.
     """
     hf_dir = Path(hf_dir)
     config = hf_model_config(hf_dir, base)
@@ -184,7 +188,10 @@ def load_hf(hf_dir: Path, base: Config | None = None, *,
     _import(hf_dir, sink, base)
     # Committed to the default device, like arrays orbax restores, so both share compiled functions.
     device = jax.devices()[0]
-    tree = _nest({leaf: jax.device_put(arrays.pop(leaf), device) for leaf in list(arrays)})
+    placement = ({tuple(str(k.key) for k in path): sharding
+                  for path, sharding in jax.tree_util.tree_leaves_with_path(shardings)}
+                 if shardings is not None else dict.fromkeys(arrays, device))
+    tree = _nest({leaf: jax.device_put(arrays.pop(leaf), placement[leaf]) for leaf in list(arrays)})
     return config, tree["params"], tree["state"]
 
 
