@@ -134,6 +134,7 @@ def test_the_cached_mtp_module_gives_the_whole_sequence_logits(model):
     the module that drafts reads the same numbers as the one training trains (a MoE block and a dense one)."""
     params, state = model
     tokens_1S = jax.random.randint(jax.random.key(2), (1, 12), 0, MODEL.model.vocab_size)
+    step = jax.jit(transformer.mtp_forward_cached, static_argnums=6)  # one program for every later position
     for config in (MODEL, MODEL.replace(**{"model.mtp_block": "dense"})):
         if config is not MODEL:
             params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(4))
@@ -142,12 +143,11 @@ def test_the_cached_mtp_module_gives_the_whole_sequence_logits(model):
         (whole_1SV,) = transformer.mtp_logits(params, state, tokens_1S, aux["hidden"], config)
         next_1S = jnp.roll(tokens_1S, -1, axis=1)
         cache = transformer.init_mtp_cache(config, 1, 16)
-        logits, cache = transformer.mtp_forward_cached(params, state, next_1S[:, :7], aux["hidden"][:, :7], cache, 0,
-                                                       config)
+        logits, cache = step(params, state, next_1S[:, :7], aux["hidden"][:, :7], cache, 0, config)
         got = [logits]
         for i in range(7, 11):  # the last position has no next token
-            logits, cache = transformer.mtp_forward_cached(params, state, next_1S[:, i:i + 1],
-                                                           aux["hidden"][:, i:i + 1], cache, jnp.int32(i), config)
+            logits, cache = step(params, state, next_1S[:, i:i + 1], aux["hidden"][:, i:i + 1], cache, jnp.int32(i),
+                                 config)
             got.append(logits)
         np.testing.assert_allclose(np.concatenate(got, axis=1), whole_1SV[:, :11], rtol=1e-5,
                                    atol=2e-6 * float(jnp.abs(whole_1SV).max()))
