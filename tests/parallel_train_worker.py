@@ -23,6 +23,8 @@ def train_losses(overrides: dict, devices=None) -> dict:
     setup = setup_lib.build(config, devices)  # the very step `dropless train` runs
     state, step, mesh = setup_lib.init_state(setup), setup.step, setup.mesh
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (STEPS, tc.batch_size, tc.seq_len + 1))
+    if config.data.document_mask:  # documents of ~10 tokens
+        tokens[np.random.default_rng(1).random(tokens.shape) < 0.1] = config.data.eos_id
     rows = tc.batch_size // jax.process_count()
     losses, dropped = [], 0
     for batch in tokens.astype(np.int32):

@@ -65,6 +65,14 @@ def test_routers_common_direction_options_with_expert_parallelism_match_one_devi
                           train_losses(options, devices=jax.devices()[:1]))
 
 
+def test_attention_within_documents_with_expert_parallelism_matches_one_device():
+    """data.document_mask: each device's rows attend within their own documents, forward and backward (the
+    document ids enter each layer's per-batch-shard attention beside q, k and v)."""
+    options = {"data.document_mask": True, "data.eos_id": 5}
+    _assert_same_training(train_losses({**options, "parallel.expert": 4, "parallel.data": 2}),
+                          train_losses(options, devices=jax.devices()[:1]))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -38,6 +38,7 @@ from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file, write_atomic
 from dropless.data import DataError, load_token_array, load_token_dataset, load_token_stream, read_tokenizer_file
 from dropless.data import resolve as resolve_corpus
+from dropless.data import resolve_eos_id
 from dropless.data.tokenizer import eos_token
 from dropless.models import transformer
 from dropless.models.generate import (check_prompt, check_sampling, check_speculative, context_start, generate,
@@ -324,6 +325,13 @@ def _eval_config(args) -> tuple[Path, config_lib.Config]:
     if args.data is None and not data.tokenizer and resolve_corpus(held_out, data.max_bytes).kind == "text":
         raise DataError(f"{tokenizer} is missing, and the run's weights were trained with it; put it back "
                         "(from a copy of the run) or give it with --tokenizer.")
+    if data.document_mask:  # a run's saved config holds its id; a Hugging Face model's data needs one
+        eos_id = resolve_eos_id(data)
+        if eos_id < 0:
+            raise ConfigError("data.document_mask splits sequences at end-of-document ids, and the data to score "
+                              "holds token ids with its own separators; name the id that ends each document with "
+                              "data.eos_id=N.")
+        config = config.replace(**{"data.eos_id": eos_id})
     return source, config
 
 

@@ -499,6 +499,12 @@ class DataConfig:
     shuffle_seed: int = 0
     max_bytes: int = 16_000_000  # cap on the text read from the default corpus
     prefetch: int = 4
+    # Attention within each document of a packed sequence: a position sees only the positions of its own
+    # document (from the one after the last end-of-document id before it); False = every earlier position.
+    document_mask: bool = False
+    # The end-of-document id that separates documents (what document_mask reads); -1 = the tokenizer's, which a
+    # text corpus's run resolves and records. A token corpus carries its own separators, so it must name it.
+    eos_id: int = -1
 
     def __post_init__(self):
         _check_fields("data", self)
@@ -513,6 +519,8 @@ class DataConfig:
         _positive("data.prefetch", self.prefetch, allow_zero=True)
         # numpy's generators take no negative seed (train.seed may be negative: jax.random.key takes it).
         _positive("data.shuffle_seed", self.shuffle_seed, allow_zero=True)
+        _require(self.eos_id >= -1, f"data.eos_id={self.eos_id} must be a token id (>= 0), or -1 for the "
+                 "tokenizer's end-of-document id.")
 
 
 @dataclass(frozen=True)
@@ -552,6 +560,12 @@ class Config:
         _require(self.train.fp8 == "off" or self.moe.gmm_backend in ("auto", "dropless_mosaic", "xla"),
                  f"train.fp8={self.train.fp8} runs the routed experts' GEMMs on e4m3, which moe.gmm_backend="
                  f"{self.moe.gmm_backend} does not; use moe.gmm_backend=auto, dropless_mosaic or xla, or train.fp8=off.")
+        _require(self.data.eos_id < self.model.vocab_size,
+                 f"data.eos_id={self.data.eos_id} is not an id of the model's vocabulary (model.vocab_size="
+                 f"{self.model.vocab_size}); give the id that ends each document of the data.")
+        _require(not (self.data.document_mask and self.model.attention_backend == "cudnn"),
+                 "data.document_mask needs an attention kernel that takes a mask, and model.attention_backend=cudnn "
+                 "runs cuDNN's causal mask only; set model.attention_backend=auto, tokamax or xla.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

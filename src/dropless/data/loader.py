@@ -36,7 +36,7 @@ from dropless.core.files import write_atomic
 from dropless.data import corpus as corpus_lib
 from dropless.data.corpus import Corpus, DataError
 from dropless.data.prefetch import Prefetcher
-from dropless.data.tokenizer import TextTokenizer, load_tokenizer, train_bpe
+from dropless.data.tokenizer import TRAINED_EOS_ID, TextTokenizer, load_tokenizer, train_bpe
 
 TOKENIZER_FILE = "tokenizer.json"  # RUN_DIR/tokenizer.json: the tokenizer the run was trained with
 CACHE_DIR = "corpus"  # RUN_DIR/corpus/: the tokenized corpus and where the tokenizer came from
@@ -125,8 +125,9 @@ class TokenDataset:
     """
 
     def __init__(self, train: TokenStream, eval: TokenStream, seq_len: int, seed: int, prefetch_depth: int = 2,
-                 description: str = ""):
+                 description: str = "", eos_id: int | None = None):
         self.train_stream, self.eval_stream = train, eval
+        self.eos_id = eos_id  # with data.document_mask, the id that ends each document (`document_eos`)
         self.seq_len, self.seed, self.prefetch_depth = seq_len, seed, prefetch_depth
         self.num_train_sequences = max(len(train) - 1, 0) // seq_len
         self.num_eval_sequences = max(len(eval) - 1, 0) // seq_len
@@ -244,9 +245,37 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     else:
         cut = split_point(lengths[order], seq_len, data_cfg.eval_fraction, corpus.name)
         train, held_out = stream.slice(0, cut), stream.slice(cut, len(stream))
-    dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch, description)
+    eos_id = document_eos(data_cfg, corpus, tokenizer) if data_cfg.document_mask else None
+    dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch, description, eos_id)
     log(f"dropless: data {dataset}")
     return dataset, tokenizer
+
+
+def resolve_eos_id(data_cfg: DataConfig) -> int:
+    """data.eos_id as a run with data.document_mask records it (before its data is read): as given, or for a text
+    corpus its tokenizer's end-of-document id (data.tokenizer's, or that of the tokenizer the run trains:
+    TRAINED_EOS_ID). A token corpus's stays -1 until given, which `document_eos` refuses with the fix."""
+    if not data_cfg.document_mask or data_cfg.eos_id >= 0:
+        return data_cfg.eos_id
+    if corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes).kind != "text":
+        return -1
+    return load_tokenizer(data_cfg.tokenizer).eos_id if data_cfg.tokenizer else TRAINED_EOS_ID
+
+
+def document_eos(data_cfg: DataConfig, corpus: Corpus, tokenizer: TextTokenizer | None) -> int:
+    """The id that ends each document of `corpus`, which data.document_mask reads: a text corpus's tokenizer's
+    end-of-document id, which the loader puts after each document (data.eos_id, where set, must be that id); a
+    token corpus's own separator, which data.eos_id must name."""
+    if corpus.kind == "text":
+        if data_cfg.eos_id not in (-1, tokenizer.eos_id):
+            raise DataError(f"data.eos_id={data_cfg.eos_id}, but the documents of {corpus.name} end in the "
+                            f"tokenizer's end-of-document id {tokenizer.eos_id}; leave data.eos_id unset (-1) for "
+                            "text data.")
+        return tokenizer.eos_id
+    if data_cfg.eos_id < 0:
+        raise DataError(f"data.document_mask splits sequences at end-of-document ids, and {corpus.name} holds token "
+                        "ids with its own separators; name the id that ends each document with data.eos_id=N.")
+    return data_cfg.eos_id
 
 
 def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None, *,

@@ -18,6 +18,7 @@ from dropless.core.files import write_atomic
 from dropless.data.corpus import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+TRAINED_EOS_ID = 0  # EOS_TOKEN's id in a tokenizer `train_bpe` trains: its one special token comes first
 # End-of-document tokens of common tokenizers, tried in order when a tokenizer.json is loaded (GPT-2 and Qwen,
 # Llama 3, Mistral and Mixtral, Gemma, ChatML, DeepSeek-V3's, spelled with full-width bars and U+2581).
 EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>", "<｜end▁of▁sentence｜>")

@@ -89,17 +89,27 @@ def causal_mask(S: int, T: int, first_position=None) -> jax.Array:
     return jnp.arange(T)[None, :] <= jnp.arange(S)[:, None] + first
 
 
+def same_document(documents_BS: jax.Array) -> jax.Array:
+    """[B, S, S] booleans: positions s and t of a sequence lie in the same document (`documents_BS`: each position's
+    document index within its sequence, `transformer.document_ids`)."""
+    return documents_BS[:, :, None] == documents_BS[:, None, :]
+
+
 def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, scale: float,
-                     first_position=None) -> jax.Array:
+                     first_position=None, documents_BS: jax.Array | None = None) -> jax.Array:
     """softmax(scale * q k^T + causal mask) v, with G query heads sharing each key/value head.
 
     The plain XLA path (and the reference for the others): logits and softmax are float32; the probabilities
     are cast back to v's dtype for the second matmul, as Hugging Face's eager attention does. It materialises
-    the [S, T] logits of every head. `first_position`: as `causal_mask`'s. Returns o_BSNGW in q's dtype.
+    the [S, T] logits of every head. `first_position`: as `causal_mask`'s. `documents_BS` (S = T): a query sees
+    only the keys of its own document as well. Returns o_BSNGW in q's dtype.
     """
     S, T = q_BSNGQ.shape[1], k_BTNQ.shape[1]
     logits_BNGST = jnp.einsum("bsngq,btnq->bngst", q_BSNGQ, k_BTNQ, preferred_element_type=jnp.float32) * scale
-    logits_BNGST = jnp.where(causal_mask(S, T, first_position), logits_BNGST, jnp.finfo(jnp.float32).min)
+    mask = causal_mask(S, T, first_position)
+    if documents_BS is not None:
+        mask = mask & same_document(documents_BS)[:, None, None]
+    logits_BNGST = jnp.where(mask, logits_BNGST, jnp.finfo(jnp.float32).min)
     probs_BNGST = jax.nn.softmax(logits_BNGST, axis=-1).astype(v_BTNW.dtype)
     out_BSNGW = jnp.einsum("bngst,btnw->bsngw", probs_BNGST, v_BTNW, preferred_element_type=jnp.float32)
     return out_BSNGW.astype(q_BSNGQ.dtype)
@@ -115,18 +125,21 @@ def attention_backend(m: ModelConfig, dtype) -> str:
 
 
 def _attend(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: float, m: ModelConfig,
-            mesh: Mesh | None) -> jax.Array:
-    """Causal attention of H query heads over N key/value heads (query head h uses kv head h // (H/N)), on each
-    device's slice of the batch when a mesh is given (`per_batch_shard`)."""
+            mesh: Mesh | None, documents_BS: jax.Array | None = None) -> jax.Array:
+    """Causal attention of H query heads over N key/value heads (query head h uses kv head h // (H/N)), within
+    each position's document where `documents_BS` is given, on each device's slice of the batch when a mesh is
+    given (`per_batch_shard`)."""
     kernel = functools.partial(_attend_local, scale=scale, m=m)
-    return per_batch_shard(kernel, mesh)(q_BSHQ, k_BSNQ, v_BSNW)
+    arrays = (q_BSHQ, k_BSNQ, v_BSNW) + (() if documents_BS is None else (documents_BS,))
+    return per_batch_shard(kernel, mesh)(*arrays)
 
 
-def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, *, scale: float, m: ModelConfig) -> jax.Array:
+def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, documents_BS: jax.Array | None = None, *,
+                  scale: float, m: ModelConfig) -> jax.Array:
     B, S, H, Q = q_BSHQ.shape
     N = k_BSNQ.shape[2]
     backend = attention_backend(m, q_BSHQ.dtype)
-    if backend == "cudnn":
+    if backend == "cudnn":  # Config refuses data.document_mask with it
         return cudnn_attention(q_BSHQ, k_BSNQ, v_BSNW, scale)
     if backend == "tokamax":
         try:
@@ -137,8 +150,10 @@ def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, *, sc
         # Flash attention: no [S, S] logits in memory. At DeepSeek-V3's MLA shape (128 heads, 4096 tokens) the
         # einsum path's float32 logits are 8 GiB per sequence, kept for the backward pass and read and written
         # again by the softmax; the kernel keeps one tile of them on chip.
-        return tokamax.dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, is_causal=True)
-    out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, Q), k_BSNQ, v_BSNW, scale)
+        # Documents as a [B, 1, S, S] mask beside the causal one: the kernel reads it tile by tile.
+        mask = None if documents_BS is None else same_document(documents_BS)[:, None]
+        return tokamax.dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, mask=mask, scale=scale, is_causal=True)
+    out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, Q), k_BSNQ, v_BSNW, scale, documents_BS=documents_BS)
     return out_BSNGW.reshape(B, S, H, v_BSNW.shape[-1])
 
 
@@ -190,7 +205,7 @@ def _mla_latent(params: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, 
 
 
 def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
-        mesh: Mesh | None = None, recipe: Recipe | None = None) -> jax.Array:
+        mesh: Mesh | None = None, recipe: Recipe | None = None, documents_BS: jax.Array | None = None) -> jax.Array:
     """DeepSeek-V2/V3 multi-head latent attention, as Hugging Face's DeepseekV3Attention (rope_interleave=True).
 
     Queries: `x @ q` or `norm(x @ q_a) @ q_b`, per head [nope | rope]. Keys/values: `x @ kv_a` gives a latent
@@ -206,7 +221,7 @@ def mla(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m:
 
     q_BSHQ = jnp.concatenate([q_nope_BSHn, q_rope_BSHP], axis=-1)
     k_BSHQ = jnp.concatenate([k_nope_BSHn, jnp.broadcast_to(k_rope_BSP[:, :, None, :], (B, S, H, P))], axis=-1)
-    out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m, mesh)
+    out_BSHW = _attend(q_BSHQ, k_BSHQ, v_BSHW, mla_softmax_scale(nope + P, m.rope_scaling), m, mesh, documents_BS)
     return linear(out_BSHW.reshape(B, S, H * W), params["o"], recipe, mesh=mesh)
 
 
@@ -224,22 +239,24 @@ def _gqa_qkv(params: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mes
 
 
 def gqa(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
-        mesh: Mesh | None = None, recipe: Recipe | None = None) -> jax.Array:
+        mesh: Mesh | None = None, recipe: Recipe | None = None, documents_BS: jax.Array | None = None) -> jax.Array:
     """Grouped-query attention (Mixtral; Qwen3 with per-head q/k RMSNorm before RoPE), rotate-half RoPE.
 
     Query head h attends with key/value head h // G, as Hugging Face's `repeat_kv` arranges it.
     """
     B, S, _ = x_BSD.shape
     q_BSHQ, k_BSNQ, v_BSNW = _gqa_qkv(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
-    out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, m.head_dim**-0.5, m, mesh)
+    out_BSHW = _attend(q_BSHQ, k_BSNQ, v_BSNW, m.head_dim**-0.5, m, mesh, documents_BS)
     return linear(out_BSHW.reshape(B, S, m.num_heads * m.head_dim), params["o"], recipe, mesh=mesh)
 
 
 def attention(params: dict, x_BSD: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array, m: ModelConfig,
-              mesh: Mesh | None = None, recipe: Recipe | None = None) -> jax.Array:
+              mesh: Mesh | None = None, recipe: Recipe | None = None, documents_BS: jax.Array | None = None
+              ) -> jax.Array:
     """The configured attention (`model.attention`: mla or gqa); `mesh`: the training mesh (None on one device);
-    `recipe`: FP8 projections (dropless.fp8; the attention core stays in the compute dtype and float32)."""
-    return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe)
+    `recipe`: FP8 projections (dropless.fp8; the attention core stays in the compute dtype and float32);
+    `documents_BS`: each position's document (`transformer.document_ids`), None = one causal sequence."""
+    return (mla if m.attention == "mla" else gqa)(params, x_BSD, cos_SP, sin_SP, m, mesh, recipe, documents_BS)
 
 
 # ----------------------------------------------------------------------------------------------- KV cache

@@ -297,10 +297,12 @@ def _rows(stacked, start: int, stop: int):
     return jax.tree.map(lambda a: a[start:stop], stacked)
 
 
-def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh, recipe) -> jax.Array:
+def _attention_block(layer: dict, x_BSD: jax.Array, cos_SP, sin_SP, m: ModelConfig, mesh, recipe,
+                     documents_BS: jax.Array | None = None) -> jax.Array:
     with jax.named_scope("attention"):
         h_BSD = rms_norm(x_BSD, layer["attn_norm"], m.rms_norm_eps)
-        y_BSD = checkpoint_name(attention(layer["attn"], h_BSD, cos_SP, sin_SP, m, mesh, recipe), "attn_out")
+        y_BSD = checkpoint_name(attention(layer["attn"], h_BSD, cos_SP, sin_SP, m, mesh, recipe, documents_BS),
+                                "attn_out")
     return x_BSD + y_BSD
 
 
@@ -326,9 +328,9 @@ class _Layers:
     what every layer of one forward pass shares (RoPE tables, mesh, executor, recipe)."""
 
     def __init__(self, config: Config, executor: ExpertExecutor, cos_SP, sin_SP, dtype, training: bool = False,
-                 other_sequences: jax.Array | None = None):
+                 other_sequences: jax.Array | None = None, documents_BS: jax.Array | None = None):
         self.config, self.executor, self.cos_SP, self.sin_SP, self.dtype = config, executor, cos_SP, sin_SP, dtype
-        self.training, self.other_sequences = training, other_sequences
+        self.training, self.other_sequences, self.documents_BS = training, other_sequences, documents_BS
         self.recipe = train_recipe(config.train)
         self.mesh = executor.mesh  # the attention kernel and FP8 matmuls run per batch shard over the same mesh
         def remat_moe(in_scan: bool):
@@ -342,14 +344,16 @@ class _Layers:
 
     @classmethod
     def for_sequence(cls, config: Config, executor: ExpertExecutor | None, seq_len: int,
-                     training: bool = False, other_sequences: jax.Array | None = None) -> "_Layers":
+                     training: bool = False, other_sequences: jax.Array | None = None,
+                     documents_BS: jax.Array | None = None) -> "_Layers":
         """The layers of one forward pass over `seq_len` positions; executor None = the one-device LocalExecutor;
-        `training` and `other_sequences`: as `forward`'s."""
+        `training` and `other_sequences`: as `forward`'s; `documents_BS`: attention within documents
+        (`document_ids`), None = over the whole sequence."""
         if executor is None:
             executor = LocalExecutor.from_config(config.moe, train_recipe(config.train))
         m = config.model
         cos_SP, sin_SP = rope_tables(seq_len, rotary_dim(m), m.rope_theta, m.rope_scaling)
-        return cls(config, executor, cos_SP, sin_SP, compute_dtype(config), training, other_sequences)
+        return cls(config, executor, cos_SP, sin_SP, compute_dtype(config), training, other_sequences, documents_BS)
 
     def _moe_block(self, moe_params, router: dict, h_BSD):
         y_BSD, stats = moe_layer(moe_params, router["router_bias"], h_BSD, self.config.moe, compute_dtype=self.dtype,
@@ -359,7 +363,8 @@ class _Layers:
         return y_BSD.astype(self.dtype), stats
 
     def attention(self, layer, x_BSD):
-        return _attention_block(layer, x_BSD, self.cos_SP, self.sin_SP, self.config.model, self.mesh, self.recipe)
+        return _attention_block(layer, x_BSD, self.cos_SP, self.sin_SP, self.config.model, self.mesh, self.recipe,
+                                self.documents_BS)
 
     def dense(self, x_BSD, layer):
         return self.dense_mlp(layer, self.attention(layer, x_BSD)), None
@@ -386,6 +391,19 @@ class _Layers:
             y_BSD, stats = block(layer["moe"], router, h_BSD)
             y_BSD = checkpoint_name(y_BSD, "moe_out")
         return x_BSD + y_BSD, stats
+
+
+def document_ids(tokens_BS: jax.Array, config: Config) -> jax.Array | None:
+    """With data.document_mask, each position's document within its sequence [B, S] int32: the number of
+    end-of-document ids (data.eos_id) before it, so an end-of-document id belongs to the document it ends; None
+    without. RoPE scores a query and a key by their distance alone, so positions need no restart per document."""
+    if not config.data.document_mask:
+        return None
+    if config.data.eos_id < 0:
+        raise ConfigError("data.document_mask needs the end-of-document id that separates the documents; set "
+                          "data.eos_id (a run on text data takes its tokenizer's).")
+    ends_BS = (tokens_BS == config.data.eos_id).astype(jnp.int32)
+    return jnp.cumsum(ends_BS, axis=1) - ends_BS
 
 
 def _output_head(params: dict, x_BSD: jax.Array, config: Config, dtype) -> jax.Array:
@@ -435,7 +453,7 @@ def mtp_logits(params: dict, state: dict, tokens_BS: jax.Array, hidden_BSD: jax.
     D float32 [B, S, V] arrays, depth k's position i scoring token i+k+1 from the main model's state at i and the
     tokens up to i+k, without running the main model again (the reference `mtp_forward_cached`'s drafts are
     tested against)."""
-    layers = _Layers.for_sequence(config, None, tokens_BS.shape[1])
+    layers = _Layers.for_sequence(config, None, tokens_BS.shape[1], documents_BS=document_ids(tokens_BS, config))
     return _mtp_modules(params, state, tokens_BS, hidden_BSD, layers, None)[0]
 
 
@@ -456,7 +474,8 @@ def forward(params: dict, state: dict, tokens_BS: jax.Array, config: Config, *,
     (moe.router_common_other_steps); None = every training step does.
     """
     m = config.model
-    layers = _Layers.for_sequence(config, executor, tokens_BS.shape[1], training, other_sequences)
+    layers = _Layers.for_sequence(config, executor, tokens_BS.shape[1], training, other_sequences,
+                                  document_ids(tokens_BS, config))
     dtype, mesh = layers.dtype, layers.mesh
     with jax.named_scope("embed"):
         x_BSD = embed_tokens(params["embed"], tokens_BS, dtype, mesh)

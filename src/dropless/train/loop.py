@@ -38,7 +38,7 @@ from tqdm import tqdm
 from dropless.core import config as config_lib
 from dropless.core import files
 from dropless.core.config import Config, ConfigError
-from dropless.data import load_token_dataset
+from dropless.data import load_token_dataset, resolve_eos_id
 from dropless.data.loader import CACHE_DIR, EVAL_TOKEN_CACHE, ORIGIN_FILE, TOKEN_CACHE, TOKENIZER_FILE
 from dropless.gmm.registry import resolve_backend_name
 from dropless.models import flops as flops_lib
@@ -126,6 +126,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
         saved = ckpt.load_run_config(run_dir)
         if config.train.schedule_steps == 0:  # not given: the saved horizon (a run saved before it had one: its steps)
             config = config.replace(**{"train.schedule_steps": saved.train.schedule_horizon})
+        if config.data.eos_id == -1:  # not given: the id the run resolved when it started (`resolve_eos_id`)
+            config = config.replace(**{"data.eos_id": saved.data.eos_id})
         if changed := resume_changes(saved, config):
             key = changed[0]
             raise ConfigError(f"--resume keeps the saved config, but {key} differs from the run's "
@@ -145,7 +147,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
         if config != saved:  # a resumable setting changed (the steps, say); an unchanged file is left untouched
             config_lib.save(config, saved_path)
         return config
-    config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon})
+    config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon,
+                               "data.eos_id": resolve_eos_id(config.data)})
     if run_dir.exists() and any(p.name != run_lock.LOCK_NAME for p in run_dir.iterdir()):
         saved = None if overwrite or not saved_path.is_file() else ckpt.load_run_config(run_dir)
         if saved is not None and not ckpt.reached_a_checkpoint(run_dir):

@@ -1,0 +1,173 @@
+"""data.document_mask: attention within each document of a packed sequence. Each document's logits and gradients
+are those of the document run alone, for MLA and GQA, the MTP module's too; the flash-attention backend's mask
+equals the reference's; a run on text records its tokenizer's end-of-document id and resumes with it. Every mesh:
+`test_train_parallel.test_attention_within_documents_with_expert_parallelism_matches_one_device`."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dropless.core.config import ConfigError
+from dropless.data import DataError, load_token_dataset
+from dropless.models import transformer
+from dropless.train import checkpoint as ckpt
+from dropless.train.loop import train
+from tests.test_cli_errors import assert_one_line, run_main
+from tests.test_models_transformer import FAMILIES, _setup
+from tests.test_train import corpus, small_config  # noqa: F401 (corpus: the module's corpus fixture)
+from tests.test_train_evaluate import FIXTURES
+
+EOS = 3
+# Two rows of 24 positions: three documents, the last cut off by the row's end; two, the second ending at it.
+LENGTHS = ([7, 10, 7], [12, 12])
+
+
+def _packed(vocab: int) -> tuple[np.ndarray, list[list[tuple[int, int]]]]:
+    """(tokens [2, 24] with EOS ending each document but the first row's last, each row's (start, stop) spans)."""
+    rng = np.random.default_rng(0)
+    rows, spans = [], []
+    for r, lengths in enumerate(LENGTHS):
+        row, row_spans = [], []
+        for d, length in enumerate(lengths):
+            document = rng.integers(EOS + 1, vocab, length)
+            if not (r == 0 and d == len(lengths) - 1):
+                document[-1] = EOS
+            row_spans.append((len(row), len(row) + length))
+            row.extend(document)
+        rows.append(row)
+        spans.append(row_spans)
+    return np.asarray(rows, np.int32), spans
+
+
+def _masked(name: str, **overrides):
+    return FAMILIES[name].replace(**{"train.seq_len": 24, "data.document_mask": True, "data.eos_id": EOS,
+                                     **overrides})
+
+
+def _alone(tokens: np.ndarray, spans) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Each document alone, one per row, padded at its end to the longest (a causal model's positions do not see
+    what follows them): ([documents, 12] tokens, (row, start, stop) of each)."""
+    where = [(r, a, b) for r, row in enumerate(spans) for a, b in row]
+    alone = np.full((len(where), max(b - a for _, a, b in where)), EOS + 1, np.int32)
+    for i, (r, a, b) in enumerate(where):
+        alone[i, :b - a] = tokens[r, a:b]
+    return alone, where
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "mixtral"])
+def test_each_document_of_a_packed_sequence_is_computed_as_if_alone(name):
+    """Logits, and the gradient of a weighted sum of them, against each document run alone (RoPE's relative
+    positions make its offset in the row irrelevant, up to rounding); without the mask the later documents
+    differ."""
+    config = _masked(name)
+    unmasked_config = config.replace(**{"data.document_mask": False})
+    params, state, _ = _setup(config)
+    tokens, spans = _packed(config.model.vocab_size)
+    alone, where = _alone(tokens, spans)
+    weights = np.asarray(jax.random.normal(jax.random.key(3), (*tokens.shape, config.model.vocab_size)))
+    alone_weights = np.zeros((*alone.shape, config.model.vocab_size), np.float32)
+    for i, (r, a, b) in enumerate(where):
+        alone_weights[i, :b - a] = weights[r, a:b]
+
+    @jax.jit
+    def packed_objective(p):
+        return jnp.sum(transformer.forward(p, state, tokens, config)[0] * weights)
+
+    @jax.jit
+    def alone_objective(p):
+        return jnp.sum(transformer.forward(p, state, alone, unmasked_config)[0] * alone_weights)
+
+    forward = jax.jit(transformer.forward, static_argnums=3)
+    packed, _ = forward(params, state, tokens, config)
+    by_itself, _ = forward(params, state, alone, unmasked_config)
+    scale = float(jnp.abs(packed).max())
+    for i, (r, a, b) in enumerate(where):
+        np.testing.assert_allclose(packed[r, a:b], by_itself[i, :b - a], rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=f"row {r} document [{a}, {b})")
+    unmasked, _ = forward(params, state, tokens, unmasked_config)
+    assert float(jnp.abs(unmasked[0, 7:] - packed[0, 7:]).max()) > 1e-3 * scale  # the mask is what separates them
+    np.testing.assert_allclose(unmasked[:, :7], packed[:, :7], rtol=1e-5, atol=1e-6 * scale)  # first documents
+    got, want = jax.grad(packed_objective)(params), jax.grad(alone_objective)(params)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.abs(w).max()) + 1e-12,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_mtp_module_attends_within_documents_too():
+    """Depth 1 at position i reads token i + 1: inside a document (i + 1 before its end) its logits are the
+    document's own."""
+    config = _masked("deepseek_v3", **{"model.mtp_layers": 1})
+    params, state, _ = _setup(config)
+    tokens, spans = _packed(config.model.vocab_size)
+    alone, where = _alone(tokens, spans)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def mtp(tokens_BS, c):
+        return transformer.forward(params, state, tokens_BS, c, mtp=True)[1]["mtp_logits"][0]
+
+    packed = mtp(tokens, config)
+    by_itself = mtp(alone, config.replace(**{"data.document_mask": False}))
+    scale = float(jnp.abs(packed).max())
+    for i, (r, a, b) in enumerate(where):
+        np.testing.assert_allclose(packed[r, a:b - 1], by_itself[i, :b - a - 1], rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_flash_attention_takes_the_document_mask_as_the_reference_does():
+    """model.attention_backend=tokamax (its XLA implementation on a CPU) with the documents as its mask argument
+    gives the einsum reference's logits."""
+    config = _masked("mixtral")
+    params, state, _ = _setup(config)
+    tokens, _ = _packed(config.model.vocab_size)
+    want, _ = transformer.forward(params, state, tokens, config)
+    got, _ = transformer.forward(params, state, tokens, config.replace(**{"model.attention_backend": "tokamax"}))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+
+
+def test_document_ids_and_settings_that_cannot_be_kept_are_refused():
+    tokens = jnp.asarray([[5, EOS, 6, 7, EOS, EOS, 8]])
+    np.testing.assert_array_equal(transformer.document_ids(tokens, _masked("mixtral")), [[0, 0, 1, 1, 1, 2, 3]])
+    assert transformer.document_ids(tokens, FAMILIES["mixtral"]) is None
+    with pytest.raises(ConfigError, match="data.document_mask needs the end-of-document id .* set data.eos_id"):
+        transformer.document_ids(tokens, _masked("mixtral", **{"data.eos_id": -1}))
+    with pytest.raises(ConfigError, match=r"data.eos_id=-2 must be a token id \(>= 0\), or -1"):
+        _masked("mixtral", **{"data.eos_id": -2})
+    with pytest.raises(ConfigError, match="data.eos_id=64 is not an id of the model's vocabulary"):
+        _masked("mixtral", **{"data.eos_id": 64})
+    with pytest.raises(ConfigError, match="model.attention_backend=cudnn runs cuDNN's causal mask only"):
+        _masked("mixtral", **{"model.attention_backend": "cudnn"})
+
+
+def test_a_run_on_text_records_its_tokenizer_s_end_of_document_id(tmp_path, corpus):
+    """The id is resolved before the data is read (the trained tokenizer's <|endoftext|>, 0), saved, trained with
+    and kept on resume; token data must name its separator, text data may not name another."""
+    config = small_config(corpus, **{"data.document_mask": True, "train.steps": 2, "train.eval_every": 2,
+                                     "train.checkpoint_every": 2, "train.plot": False})
+    quiet = {"progress": False, "log": lambda s: None}
+    summary = train(config, tmp_path / "run", **quiet)
+    assert np.isfinite(summary.eval_losses[-1][1])
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["eos_id"] == 0
+    train(config.replace(**{"train.steps": 3}), tmp_path / "run", resume=True, **quiet)  # -1 given: the saved 0
+    assert ckpt.load_run_config(tmp_path / "run").data.eos_id == 0
+    with pytest.raises(DataError, match="documents of .* end in the tokenizer's end-of-document id 0; leave "
+                                        r"data.eos_id unset \(-1\)"):
+        load_token_dataset(config.replace(**{"data.eos_id": 5}).data, 320, 32, tmp_path / "other")
+    np.save(tmp_path / "tokens.npy", np.arange(2000) % 300)
+    tokens = config.replace(**{"data.source": str(tmp_path / "tokens.npy")})
+    with pytest.raises(DataError, match="holds token ids with its own separators; name the id that ends each "
+                                        "document with data.eos_id=N"):
+        train(tokens, tmp_path / "tokens-run", **quiet)
+    assert not (tmp_path / "tokens-run" / "config.json").exists()  # a refused new run leaves nothing behind
+
+
+def test_eval_of_token_data_with_the_document_mask_needs_its_separator(tmp_path, capsys):
+    np.save(tmp_path / "tokens.npy", np.arange(200, dtype=np.int32) % 100)
+    assert_one_line(*run_main(capsys, "eval", "--hf-dir", str(FIXTURES / "mixtral"), "--data",
+                              str(tmp_path / "tokens.npy"), "data.document_mask=true"),
+                    "data.document_mask splits sequences at end-of-document ids, and the data to score holds token "
+                    "ids with its own separators; name the id that ends each document with data.eos_id=N.")
