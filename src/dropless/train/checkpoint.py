@@ -727,9 +727,11 @@ def load_checkpoint(run_dir: Path, step: int | None = None, shardings: dict | No
     config = load_run_config(run_dir)
     like = jax.eval_shape(lambda: {"params": transformer.init_params(jax.random.key(0), config),
                                    "state": transformer.init_state(config)})
-    if shardings is not None:
-        like = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-                            like, shardings)
+    if shardings is None:  # a template without shardings would restore the saved mesh, which may need more devices
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, like)
+    like = jax.tree.map(lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+                        like, shardings)
     check_step(run_dir, step)
     if step is not None:
         model = restore(run_dir, step, like)["model"]
