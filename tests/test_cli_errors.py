@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import pathlib
@@ -367,6 +368,30 @@ def test_overrides_stand_anywhere_among_the_options():
                            "--no-progress", "c.d=2"])
     assert args.overrides == ["a.b=1", "train.checkpoint_every=5", "c.d=2"]
     assert (args.steps, args.run_dir, args.no_progress) == (20, "X", True)
+    args = cli.parse_args(["eval", "--run-dir", "R", "train.batch_size=8", "--max-sequences", "8", "train.remat=full"])
+    assert (args.overrides, args.max_sequences) == (["train.batch_size=8", "train.remat=full"], 8)
+
+
+
+class _Parsed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("module", ["plan", "step", "ep", "scale", "profile"])
+def test_overrides_stand_anywhere_among_the_options_of_plan_and_bench(module, monkeypatch):
+    """Each command's main reads its line with overrides between the options (stopped once it is parsed)."""
+    bench = importlib.import_module(f"dropless.bench.{module}")
+    parser = bench._parser()
+    parse = parser.parse_intermixed_args
+
+    def parse_and_stop(argv):
+        raise _Parsed(parse(argv))
+
+    parser.parse_intermixed_args = parse_and_stop
+    monkeypatch.setattr(bench, "_parser", lambda: parser)
+    with pytest.raises(_Parsed) as parsed:
+        bench.main(["a.b=1", "--preset", "tiny", "c.d=2"])
+    assert (parsed.value.args[0].overrides, parsed.value.args[0].preset) == (["a.b=1", "c.d=2"], "tiny")
 
 
 def test_the_same_preset_on_resume_is_accepted(files):

@@ -539,10 +539,10 @@ def _pass_through(argv: list[str]):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """Parse a command line; `key=value` overrides may stand anywhere among `train`'s options."""
+    """Parse a command line; `key=value` overrides may stand anywhere among `train`'s and `eval`'s options."""
     parser = make_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "eval"):
         args.overrides += [a for a in extra if not a.startswith("-")]
         extra = [a for a in extra if a.startswith("-")]
     if extra:

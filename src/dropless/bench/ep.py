@@ -297,7 +297,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if args.traces:
         check_output("--traces", args.traces, directory=True)
     xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag

@@ -98,7 +98,7 @@ def compiled_memory(config, devices: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     if args.json:  # written last, after the search and the compile (--compiled)
         check_output("--json", args.json)
     config = build_config(args.preset, parse_overrides(args.overrides))

@@ -432,7 +432,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     xla_flags.apply()  # before JAX starts a backend
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1.")

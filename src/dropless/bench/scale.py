@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     xla_flags.apply()  # before JAX starts a backend
     try:
         wanted = sorted({int(n) for n in args.devices.split(",") if n})
