@@ -236,13 +236,17 @@ def test_eval_scores_every_sequence_of_the_held_out_split_with_the_latest_checkp
     """`dropless eval --run-dir` reads the run's own tokenizer and data, cuts the held-out split as training did,
     and scores every sequence of it: the float64 cross-entropy of their exact float32 logits."""
     from dropless import cli
-    from dropless.data import load_token_dataset
+    from dropless.data import TextTokenizer, load_token_dataset
     from tests.test_cli_errors import assert_one_line, run_main
     from tests.test_train_evaluate import reference_loss
 
     config, run_dir, summary = trained
     out = tmp_path / "eval.json"
-    assert cli.main(["eval", "--run-dir", str(run_dir), "--json", str(out)]) == 0
+    before = {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")}
+    with pytest.MonkeyPatch.context() as patch:  # the run's token cache holds its data: nothing is tokenized
+        patch.setattr(TextTokenizer, "encode_batch", lambda *args: pytest.fail("eval tokenized the run's data"))
+        assert cli.main(["eval", "--run-dir", str(run_dir), "--json", str(out)]) == 0
+    assert {path: path.stat().st_mtime_ns for path in run_dir.rglob("*")} == before  # and nothing is written
     record = json.loads(out.read_text())
     _, params, state = ckpt.load_model(run_dir)
     data = config.replace(**{"data.tokenizer": str(run_dir / "tokenizer.json")}).data

@@ -340,10 +340,13 @@ def _eval_stream(args, config: config_lib.Config):
     if args.data is not None:
         stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr)
         return stream, corpus.name
+    # The run's own data: its token cache is read where it holds that data for its tokenizer, never written.
     if config.data.eval_source:  # scored whole: data.source is neither needed nor read
-        stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr, setting="eval_source")
+        stream, corpus = load_token_stream(config.data, config.model.vocab_size, log=_stderr, setting="eval_source",
+                                           read_cache=args.run_dir)
         return stream, f"the run's validation corpus, {corpus.name}"
-    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, log=_stderr)
+    dataset, _ = load_token_dataset(config.data, config.model.vocab_size, config.train.seq_len, log=_stderr,
+                                    read_cache=args.run_dir)
     return dataset.eval_stream, f"the held-out split of {dataset.description}"
 
 

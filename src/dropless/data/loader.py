@@ -203,15 +203,17 @@ def _process_rows(batch_size: int, process_index: int, process_count: int) -> tu
 
 
 def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_dir: str | Path | None = None,
-                       log: Callable[[str], None] | None = None, *,
-                       resume: bool = False) -> tuple[TokenDataset, TextTokenizer | None]:
+                       log: Callable[[str], None] | None = None, *, resume: bool = False,
+                       read_cache: str | Path | None = None) -> tuple[TokenDataset, TextTokenizer | None]:
     """Build the dataset of `data_cfg` for a model of `vocab_size` tokens; returns (dataset, tokenizer).
 
     The tokenizer is `data.tokenizer` if given, else a byte-level BPE trained on the corpus; it is None for a
     pre-tokenized corpus without `data.tokenizer`. With `run_dir`, the tokenizer is written to
     RUN_DIR/tokenizer.json and the tokenized corpus cached under RUN_DIR/corpus/, so a resumed run reuses both.
     `resume`: the run directory holds a run whose weights were trained with its tokenizer.json, which is then read
-    as it is (never trained again over, whatever the cache says; DataError where it is missing).
+    as it is (never trained again over, whatever the cache says; DataError where it is missing). `read_cache`
+    (without `run_dir`): a run directory whose token cache is read where it holds this corpus for this tokenizer,
+    and never written (what `dropless eval` scores a run's own data with).
     """
     log = log or (lambda message: None)
     corpus = corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes)
@@ -220,7 +222,11 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
         cache_dir.mkdir(parents=True, exist_ok=True)
     texts = functools.cache(lambda: _read_texts(corpus, log))
     tokenizer = _tokenizer(data_cfg, corpus, vocab_size, run_dir, cache_dir, texts, log, resume)
-    segments, lengths = _documents(corpus, tokenizer, vocab_size, cache_dir, texts, log)
+    if read_cache is not None and cache_dir is None:
+        cache_dir, write = Path(read_cache) / CACHE_DIR, False
+    else:
+        write = True
+    segments, lengths = _documents(corpus, tokenizer, vocab_size, cache_dir, texts, log, write=write)
     order = document_order(len(lengths), data_cfg.shuffle_seed)
     if corpus.kind == "text":
         # Text documents are small and many: one contiguous reordered copy makes batch gathers cheap.
@@ -236,7 +242,7 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
             raise DataError(f"{held_out_corpus.name} shares {len(shared)} file(s) with {corpus.name} (e.g. "
                             f"{min(shared)}), so the model would be evaluated on data it trains on; give a disjoint "
                             "corpus, or leave data.eval_source empty to hold out part of data.source.")
-        train, held_out = stream, _whole_stream(held_out_corpus, tokenizer, vocab_size, log, cache_dir)
+        train, held_out = stream, _whole_stream(held_out_corpus, tokenizer, vocab_size, log, cache_dir, write)
         for part, what in ((train, corpus.name), (held_out, held_out_corpus.name)):
             if len(part) < seq_len + 1:
                 raise DataError(f"{what} has {len(part)} tokens, fewer than one sequence of train.seq_len+1="
@@ -279,33 +285,36 @@ def document_eos(data_cfg: DataConfig, corpus: Corpus, tokenizer: TextTokenizer 
 
 
 def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None, *,
-                      setting: str = "source") -> tuple[TokenStream, Corpus]:
+                      setting: str = "source", read_cache: str | Path | None = None) -> tuple[TokenStream, Corpus]:
     """Every document of `data.source` (or of the corpus another `setting` names, e.g. "eval_source") in file
     order, as training reads documents (step 1 above), unsplit and unshuffled: what `dropless eval` scores. A text
     corpus is encoded by `data.tokenizer`, which must be given (a model is scored with its own tokenizer, never a
-    new one); nothing is cached."""
+    new one); nothing is cached, and `read_cache` (a run directory) is read where its cache holds these tokens."""
     corpus = corpus_lib.resolve(getattr(data_cfg, setting), data_cfg.max_bytes, key=f"data.{setting}")
     tokenizer = load_tokenizer(data_cfg.tokenizer, vocab_size) if data_cfg.tokenizer else None
-    return _whole_stream(corpus, tokenizer, vocab_size, log or (lambda message: None)), corpus
+    cache_dir = Path(read_cache) / CACHE_DIR if read_cache is not None else None
+    return _whole_stream(corpus, tokenizer, vocab_size, log or (lambda message: None), cache_dir, False), corpus
 
 
 def _whole_stream(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, log,
-                  cache_dir: Path | None = None) -> TokenStream:
-    """Every document of `corpus` in file order, text encoded by `tokenizer` (DataError where there is none)."""
+                  cache_dir: Path | None = None, write: bool = True) -> TokenStream:
+    """Every document of `corpus` in file order, text encoded by `tokenizer` (DataError where there is none);
+    cached in `cache_dir`, or with `write` False only read from it."""
     if corpus.kind == "text" and tokenizer is None:
         raise DataError(f"{corpus.name} is text and no tokenizer is given; give the model's tokenizer.json "
                         "(--tokenizer, or data.tokenizer).")
     segments, _ = _documents(corpus, tokenizer, vocab_size, cache_dir,
-                             functools.cache(lambda: _read_texts(corpus, log)), log, prefix=EVAL_PREFIX)
+                             functools.cache(lambda: _read_texts(corpus, log)), log, prefix=EVAL_PREFIX, write=write)
     return TokenStream(segments)
 
 
 def _documents(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, cache_dir: Path | None,
-               texts: Callable[[], list[str]], log, prefix: str = "tokens") -> tuple[list[np.ndarray], np.ndarray]:
+               texts: Callable[[], list[str]], log, prefix: str = "tokens",
+               write: bool = True) -> tuple[list[np.ndarray], np.ndarray]:
     """(segments, lengths) of the corpus's documents in file order: a text corpus as one array of every document's
     tokens (`_tokenized_corpus`), a token corpus as its files, each checked against the vocabulary."""
     if corpus.kind == "text":
-        tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log, prefix)
+        tokens, lengths = _tokenized_corpus(corpus, tokenizer, cache_dir, texts, log, prefix, write)
         return [tokens], lengths
     files = [_checked_tokens(path, corpus_lib.read_token_file(path), vocab_size) for path in corpus.files]
     lengths = np.array([len(f) for f in files], dtype=np.int64)
@@ -361,9 +370,11 @@ def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, c
 
 
 def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path | None,
-                      texts: Callable[[], list[str]], log, prefix: str = "tokens") -> tuple[np.ndarray, np.ndarray]:
+                      texts: Callable[[], list[str]], log, prefix: str = "tokens",
+                      write: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, lengths): every document's tokens followed by the end-of-document id, concatenated in file
-    order, and each document's length; cached per (corpus, tokenizer)."""
+    order, and each document's length; cached per (corpus, tokenizer) in `cache_dir` (with `write` False, read
+    from it only)."""
     key = hashlib.sha256((corpus.fingerprint() + tokenizer.to_str()).encode()).hexdigest()[:16]
     cache_file = cache_dir / f"{prefix}-{key}.npz" if cache_dir is not None else None
     cached = _read_cache(cache_file)
@@ -375,7 +386,7 @@ def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path 
         dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
         tokens = np.concatenate([np.append(ids, tokenizer.eos_id) for ids in encoded]).astype(dtype)
         lengths = np.array([len(ids) + 1 for ids in encoded], dtype=np.int64)
-        if cache_file is not None:
+        if cache_file is not None and write:
             for stale in cache_dir.glob(f"{prefix}-*.npz"):
                 stale.unlink()
             write_atomic(cache_file, _npz_bytes(tokens=tokens, lengths=lengths))
