@@ -125,9 +125,8 @@ class TokenDataset:
     """
 
     def __init__(self, train: TokenStream, eval: TokenStream, seq_len: int, seed: int, prefetch_depth: int = 2,
-                 description: str = "", eos_id: int | None = None):
+                 description: str = ""):
         self.train_stream, self.eval_stream = train, eval
-        self.eos_id = eos_id  # with data.document_mask, the id that ends each document (`document_eos`)
         self.seq_len, self.seed, self.prefetch_depth = seq_len, seed, prefetch_depth
         self.num_train_sequences = max(len(train) - 1, 0) // seq_len
         self.num_eval_sequences = max(len(eval) - 1, 0) // seq_len
@@ -251,8 +250,9 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     else:
         cut = split_point(lengths[order], seq_len, data_cfg.eval_fraction, corpus.name)
         train, held_out = stream.slice(0, cut), stream.slice(cut, len(stream))
-    eos_id = document_eos(data_cfg, corpus, tokenizer) if data_cfg.document_mask else None
-    dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch, description, eos_id)
+    if data_cfg.document_mask:
+        _check_document_eos(data_cfg, corpus, tokenizer)
+    dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch, description)
     log(f"dropless: data {dataset}")
     return dataset, tokenizer
 
@@ -260,7 +260,7 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
 def resolve_eos_id(data_cfg: DataConfig) -> int:
     """data.eos_id as a run with data.document_mask records it (before its data is read): as given, or for a text
     corpus its tokenizer's end-of-document id (data.tokenizer's, or that of the tokenizer the run trains:
-    TRAINED_EOS_ID). A token corpus's stays -1 until given, which `document_eos` refuses with the fix."""
+    TRAINED_EOS_ID). A token corpus's stays -1 until given, which `_check_document_eos` refuses with the fix."""
     if not data_cfg.document_mask or data_cfg.eos_id >= 0:
         return data_cfg.eos_id
     if corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes).kind != "text":
@@ -268,20 +268,16 @@ def resolve_eos_id(data_cfg: DataConfig) -> int:
     return load_tokenizer(data_cfg.tokenizer).eos_id if data_cfg.tokenizer else TRAINED_EOS_ID
 
 
-def document_eos(data_cfg: DataConfig, corpus: Corpus, tokenizer: TextTokenizer | None) -> int:
-    """The id that ends each document of `corpus`, which data.document_mask reads: a text corpus's tokenizer's
-    end-of-document id, which the loader puts after each document (data.eos_id, where set, must be that id); a
-    token corpus's own separator, which data.eos_id must name."""
-    if corpus.kind == "text":
-        if data_cfg.eos_id not in (-1, tokenizer.eos_id):
-            raise DataError(f"data.eos_id={data_cfg.eos_id}, but the documents of {corpus.name} end in the "
-                            f"tokenizer's end-of-document id {tokenizer.eos_id}; leave data.eos_id unset (-1) for "
-                            "text data.")
-        return tokenizer.eos_id
-    if data_cfg.eos_id < 0:
+def _check_document_eos(data_cfg: DataConfig, corpus: Corpus, tokenizer: TextTokenizer | None) -> None:
+    """Refuse a data.eos_id that does not end `corpus`'s documents, which data.document_mask reads: a text
+    corpus's end with its tokenizer's end-of-document id, which the loader puts after each (data.eos_id, where
+    set, must be that id); a token corpus's with its own separator, which data.eos_id must name."""
+    if corpus.kind == "text" and data_cfg.eos_id not in (-1, tokenizer.eos_id):
+        raise DataError(f"data.eos_id={data_cfg.eos_id}, but the documents of {corpus.name} end in the tokenizer's "
+                        f"end-of-document id {tokenizer.eos_id}; leave data.eos_id unset (-1) for text data.")
+    if corpus.kind != "text" and data_cfg.eos_id < 0:
         raise DataError(f"data.document_mask splits sequences at end-of-document ids, and {corpus.name} holds token "
                         "ids with its own separators; name the id that ends each document with data.eos_id=N.")
-    return data_cfg.eos_id
 
 
 def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None, *,
