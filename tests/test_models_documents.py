@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 from dropless.core.config import ConfigError
-from dropless.data import DataError, load_token_dataset
+from dropless.bench import harness
+from dropless.data import DataError, TextTokenizer, loader, train_bpe
 from dropless.models import transformer
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
@@ -143,9 +145,9 @@ def test_document_ids_and_settings_that_cannot_be_kept_are_refused():
         _masked("mixtral", **{"model.attention_backend": "cudnn"})
 
 
-def test_a_run_on_text_records_its_tokenizer_s_end_of_document_id(tmp_path, corpus):
+def test_a_run_on_text_records_its_tokenizer_s_end_of_document_id(tmp_path, corpus, capsys):
     """The id is resolved before the data is read (the trained tokenizer's <|endoftext|>, 0), saved, trained with
-    and kept on resume; token data must name its separator, text data may not name another."""
+    and kept on resume, and `dropless eval` scores with it; the benchmarks' step resolves it as a run does."""
     config = small_config(corpus, **{"data.document_mask": True, "train.steps": 2, "train.eval_every": 2,
                                      "train.checkpoint_every": 2, "train.plot": False})
     quiet = {"progress": False, "log": lambda s: None}
@@ -154,20 +156,37 @@ def test_a_run_on_text_records_its_tokenizer_s_end_of_document_id(tmp_path, corp
     assert json.loads((tmp_path / "run" / "config.json").read_text())["data"]["eos_id"] == 0
     train(config.replace(**{"train.steps": 3}), tmp_path / "run", resume=True, **quiet)  # -1 given: the saved 0
     assert ckpt.load_run_config(tmp_path / "run").data.eos_id == 0
-    with pytest.raises(DataError, match="documents of .* end in the tokenizer's end-of-document id 0; leave "
-                                        r"data.eos_id unset \(-1\)"):
-        load_token_dataset(config.replace(**{"data.eos_id": 5}).data, 320, 32, tmp_path / "other")
+    assert harness.build(config, jax.devices()[:1]).config.data.eos_id == 0
+    assert_one_line(*run_main(capsys, "eval", "--run-dir", str(tmp_path / "run"), "data.eos_id=5"),
+                    "data.eos_id=5, but the documents of data.source", "end in the tokenizer's end-of-document id 0; "
+                    "data.document_mask reads one id for all the data, so leave data.eos_id unset (-1) where the "
+                    "data is text.")
+
+
+def test_an_end_of_document_id_the_data_does_not_use_is_refused_before_the_data_is_read(tmp_path, corpus,
+                                                                                          monkeypatch):
+    """Text data may not name another id than its tokenizer's; token data must name its own, and a text validation
+    corpus beside it ends in the tokenizer's. Each refusal comes before tokenizing and leaves nothing behind."""
+    monkeypatch.setattr(TextTokenizer, "encode_batch", lambda *args: pytest.fail("tokenized before the refusal"))
+    monkeypatch.setattr(loader, "train_bpe", lambda *args: pytest.fail("trained a tokenizer before the refusal"))
+    config = small_config(corpus, **{"data.document_mask": True})
     np.save(tmp_path / "tokens.npy", np.arange(2000) % 300)
     tokens = config.replace(**{"data.source": str(tmp_path / "tokens.npy")})
-    with pytest.raises(DataError, match="holds token ids with its own separators; name the id that ends each "
-                                        "document with data.eos_id=N"):
-        train(tokens, tmp_path / "tokens-run", **quiet)
-    assert not (tmp_path / "tokens-run" / "config.json").exists()  # a refused new run leaves nothing behind
+    tokenizer = tmp_path / "tokenizer.json"
+    train_bpe(["def f(x):\n    return x\n"] * 20, 300).save(tokenizer)
+    for refused, fragment in (
+            (config.replace(**{"data.eos_id": 5}), "data.eos_id=5, but the documents of data.source"),
+            (tokens, "holds token ids with its own separators; name the id that ends each document with data.eos_id"),
+            (tokens.replace(**{"data.eos_id": 299, "data.eval_source": str(corpus), "data.tokenizer": str(tokenizer)}),
+             "data.eos_id=299, but the documents of data.eval_source")):
+        with pytest.raises(DataError, match=re.escape(fragment)):
+            train(refused, tmp_path / "refused", progress=False, log=lambda s: None)
+        assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
 
 
 def test_eval_of_token_data_with_the_document_mask_needs_its_separator(tmp_path, capsys):
     np.save(tmp_path / "tokens.npy", np.arange(200, dtype=np.int32) % 100)
     assert_one_line(*run_main(capsys, "eval", "--hf-dir", str(FIXTURES / "mixtral"), "--data",
                               str(tmp_path / "tokens.npy"), "data.document_mask=true"),
-                    "data.document_mask splits sequences at end-of-document ids, and the data to score holds token "
-                    "ids with its own separators; name the id that ends each document with data.eos_id=N.")
+                    "data.document_mask splits sequences at end-of-document ids, and data.source", "tokens.npy' holds "
+                    "token ids with its own separators; name the id that ends each document with data.eos_id=N.")

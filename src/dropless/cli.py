@@ -325,14 +325,8 @@ def _eval_config(args) -> tuple[Path, config_lib.Config]:
     if args.data is None and not data.tokenizer and resolve_corpus(held_out, data.max_bytes).kind == "text":
         raise DataError(f"{tokenizer} is missing, and the run's weights were trained with it; put it back "
                         "(from a copy of the run) or give it with --tokenizer.")
-    if data.document_mask:  # a run's saved config holds its id; a Hugging Face model's data needs one
-        eos_id = resolve_eos_id(data)
-        if eos_id < 0:
-            raise ConfigError("data.document_mask splits sequences at end-of-document ids, and the data to score "
-                              "holds token ids with its own separators; name the id that ends each document with "
-                              "data.eos_id=N.")
-        config = config.replace(**{"data.eos_id": eos_id})
-    return source, config
+    # The id that ends the documents scored, checked against the tokenizer that encodes them.
+    return source, config.replace(**{"data.eos_id": resolve_eos_id(data, config.model.vocab_size)})
 
 
 def _eval_stream(args, config: config_lib.Config):

@@ -29,8 +29,9 @@ import numpy as np
 
 from dropless.core import mesh as mesh_lib
 from dropless.core.config import Config
-from dropless.data.loader import load_token_dataset
-from dropless.train.setup import StepSetup, build, init_state  # noqa: F401  (the benchmarks' entry points)
+from dropless.data.loader import load_token_dataset, resolve_eos_id
+from dropless.train import setup as setup_lib
+from dropless.train.setup import StepSetup, init_state  # noqa: F401  (the benchmarks' entry points)
 from dropless.train.step import TrainState, make_eval_step
 
 GIB = 1024**3
@@ -51,6 +52,14 @@ def abstract_args(setup: StepSetup) -> tuple[TrainState, jax.ShapeDtypeStruct]:
                          setup.state_shapes, setup.state_shardings)
     batch = batch_shape(setup.config)
     return state, jax.ShapeDtypeStruct(batch.shape, batch.dtype, sharding=setup.batch_sharding)
+
+
+def build(config: Config, devices=None) -> StepSetup:
+    """`dropless.train.setup.build` for the config as a run would train it: data.document_mask's id resolved from
+    the data's tokenizer first, as a new run resolves it (the benchmarks' random batches hold few such ids, so the
+    mask costs what it costs in training, not what a real corpus's documents would save)."""
+    return setup_lib.build(config.replace(**{"data.eos_id": resolve_eos_id(config.data, config.model.vocab_size)}),
+                           devices)
 
 
 def lower(setup: StepSetup) -> jax.stages.Lowered:

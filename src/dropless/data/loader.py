@@ -250,34 +250,38 @@ def load_token_dataset(data_cfg: DataConfig, vocab_size: int, seq_len: int, run_
     else:
         cut = split_point(lengths[order], seq_len, data_cfg.eval_fraction, corpus.name)
         train, held_out = stream.slice(0, cut), stream.slice(cut, len(stream))
-    if data_cfg.document_mask:
-        _check_document_eos(data_cfg, corpus, tokenizer)
     dataset = TokenDataset(train, held_out, seq_len, data_cfg.shuffle_seed, data_cfg.prefetch, description)
     log(f"dropless: data {dataset}")
     return dataset, tokenizer
 
 
-def resolve_eos_id(data_cfg: DataConfig) -> int:
-    """data.eos_id as a run with data.document_mask records it (before its data is read): as given, or for a text
-    corpus its tokenizer's end-of-document id (data.tokenizer's, or that of the tokenizer the run trains:
-    TRAINED_EOS_ID). A token corpus's stays -1 until given, which `_check_document_eos` refuses with the fix."""
-    if not data_cfg.document_mask or data_cfg.eos_id >= 0:
+def resolve_eos_id(data_cfg: DataConfig, vocab_size: int) -> int:
+    """data.eos_id as a run with data.document_mask records it, checked before any data is read: the id that ends
+    every document of data.source and data.eval_source. A text corpus's documents end in its tokenizer's
+    end-of-document id, which the loader puts after each (data.tokenizer's, or TRAINED_EOS_ID for the tokenizer a
+    run trains), so data.eos_id may only be unset (-1) or that id; a token corpus carries its own separators, so
+    data.eos_id must name it. DataError, naming the corpus and the fix, otherwise. Without the mask, data.eos_id
+    as it is."""
+    if not data_cfg.document_mask:
         return data_cfg.eos_id
-    if corpus_lib.resolve(data_cfg.source, data_cfg.max_bytes).kind != "text":
-        return -1
-    return load_tokenizer(data_cfg.tokenizer).eos_id if data_cfg.tokenizer else TRAINED_EOS_ID
-
-
-def _check_document_eos(data_cfg: DataConfig, corpus: Corpus, tokenizer: TextTokenizer | None) -> None:
-    """Refuse a data.eos_id that does not end `corpus`'s documents, which data.document_mask reads: a text
-    corpus's end with its tokenizer's end-of-document id, which the loader puts after each (data.eos_id, where
-    set, must be that id); a token corpus's with its own separator, which data.eos_id must name."""
-    if corpus.kind == "text" and data_cfg.eos_id not in (-1, tokenizer.eos_id):
-        raise DataError(f"data.eos_id={data_cfg.eos_id}, but the documents of {corpus.name} end in the tokenizer's "
-                        f"end-of-document id {tokenizer.eos_id}; leave data.eos_id unset (-1) for text data.")
-    if corpus.kind != "text" and data_cfg.eos_id < 0:
-        raise DataError(f"data.document_mask splits sequences at end-of-document ids, and {corpus.name} holds token "
-                        "ids with its own separators; name the id that ends each document with data.eos_id=N.")
+    eos_id = data_cfg.eos_id
+    for setting in ("source", "eval_source"):
+        if not getattr(data_cfg, setting):
+            continue
+        corpus = corpus_lib.resolve(getattr(data_cfg, setting), data_cfg.max_bytes, key=f"data.{setting}")
+        if corpus.kind != "text":
+            if data_cfg.eos_id < 0:
+                raise DataError(f"data.document_mask splits sequences at end-of-document ids, and {corpus.name} "
+                                "holds token ids with its own separators; name the id that ends each document with "
+                                "data.eos_id=N.")
+            continue
+        ends = load_tokenizer(data_cfg.tokenizer, vocab_size).eos_id if data_cfg.tokenizer else TRAINED_EOS_ID
+        if data_cfg.eos_id not in (-1, ends):
+            raise DataError(f"data.eos_id={data_cfg.eos_id}, but the documents of {corpus.name} end in the "
+                            f"tokenizer's end-of-document id {ends}; data.document_mask reads one id for all the "
+                            "data, so leave data.eos_id unset (-1) where the data is text.")
+        eos_id = ends
+    return eos_id
 
 
 def load_token_stream(data_cfg: DataConfig, vocab_size: int, log: Callable[[str], None] | None = None, *,

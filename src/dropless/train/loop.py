@@ -148,7 +148,7 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             config_lib.save(config, saved_path)
         return config
     config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon,
-                               "data.eos_id": resolve_eos_id(config.data)})
+                               "data.eos_id": resolve_eos_id(config.data, config.model.vocab_size)})
     if run_dir.exists() and any(p.name != run_lock.LOCK_NAME for p in run_dir.iterdir()):
         saved = None if overwrite or not saved_path.is_file() else ckpt.load_run_config(run_dir)
         if saved is not None and not ckpt.reached_a_checkpoint(run_dir):
