@@ -22,7 +22,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
 from tests.test_cli_errors import assert_one_line, run_main
 from tests.test_models_transformer import FAMILIES, _setup
-from tests.test_train import corpus, small_config  # noqa: F401 (corpus: the module's corpus fixture)
+from tests.test_train import CORPUS, corpus, small_config  # noqa: F401 (corpus: the module's corpus fixture)
 from tests.test_train_evaluate import FIXTURES
 
 EOS = 3
@@ -182,6 +182,11 @@ def test_an_end_of_document_id_the_data_does_not_use_is_refused_before_the_data_
         with pytest.raises(DataError, match=re.escape(fragment)):
             train(refused, tmp_path / "refused", progress=False, log=lambda s: None)
         assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
+    # A tokenizer too large for the model is named as such, not its end-of-document id as outside the vocabulary.
+    train_bpe([CORPUS], 2048).save(tokenizer)
+    with pytest.raises(DataError, match="tokens but model.vocab_size=320; use the model's own tokenizer"):
+        train(config.replace(**{"data.tokenizer": str(tokenizer)}), tmp_path / "refused", progress=False,
+              log=lambda s: None)
 
 
 def test_eval_of_token_data_with_the_document_mask_needs_its_separator(tmp_path, capsys):
