@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dropless.core.config import ConfigError
 from dropless.bench import harness
+from dropless.core.config import ConfigError
 from dropless.data import DataError, TextTokenizer, loader, train_bpe
 from dropless.models import transformer
 from dropless.train import checkpoint as ckpt
