@@ -20,6 +20,7 @@ from dropless.data import DataError, TextTokenizer, loader, train_bpe
 from dropless.models import transformer
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
+from dropless.train.step import loss_fn
 from tests.test_cli_errors import assert_one_line, run_main
 from tests.test_models_transformer import FAMILIES, _setup
 from tests.test_train import CORPUS, corpus, small_config  # noqa: F401 (corpus: the module's corpus fixture)
@@ -118,6 +119,28 @@ def test_the_mtp_module_attends_within_documents_too():
     scale = float(jnp.abs(packed).max())
     for i, (r, a, b) in enumerate(where):
         np.testing.assert_allclose(packed[r, a:b - 1], by_itself[i, :b - a - 1], rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_the_mtp_loss_scores_the_positions_each_document_has_alone():
+    """Depth 1 scores position i on token i + 2 only where token i + 1, its input, lies in i's document: the
+    float64 cross-entropy of each document's own MTP logits (run alone) over those positions, divided by every
+    position of the batch that has a target (the denominator training uses without the mask)."""
+    config = _masked("deepseek_v3", **{"model.mtp_layers": 1})
+    params, state, _ = _setup(config)
+    tokens, spans = _packed(config.model.vocab_size)
+    batch = np.concatenate([tokens, np.full((2, 1), EOS + 1, np.int32)], axis=1)  # [2, 25]: a target for each
+    alone, where = _alone(tokens, spans)
+    _, aux = jax.jit(transformer.forward, static_argnums=3, static_argnames="mtp")(
+        params, state, alone, config.replace(**{"data.document_mask": False}), mtp=True)
+    logits = np.asarray(aux["mtp_logits"][0], np.float64)
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    total = sum(-log_probs[d, i - a, batch[r, i + 2]] for d, (r, a, b) in enumerate(where) for i in range(a, b - 1))
+    _, (_, got) = jax.jit(loss_fn, static_argnums=3)(params, state, batch, config)
+    assert float(got["mtp_loss"]) == pytest.approx(total / (2 * 23), rel=1e-5)
+    _, (_, unmasked) = jax.jit(loss_fn, static_argnums=3)(params, state, batch, config.replace(
+        **{"data.document_mask": False}))
+    assert abs(float(unmasked["mtp_loss"]) - float(got["mtp_loss"])) > 1e-3
 
 
 def test_flash_attention_takes_the_document_mask_as_the_reference_does():

@@ -60,15 +60,19 @@ def split_batch(batch_BS1: jax.Array) -> tuple[jax.Array, jax.Array]:
     return batch_BS1[:, :-1], batch_BS1[:, 1:]
 
 
-def mtp_cross_entropies(mtp_logits: tuple, targets_BS: jax.Array) -> jax.Array:
+def mtp_cross_entropies(mtp_logits: tuple, targets_BS: jax.Array, documents_BS: jax.Array | None = None) -> jax.Array:
     """[D] mean cross-entropy of each MTP depth k = 1..D: position i scored on token i+k+1 (`targets_BS[:, i+k]`),
-    over the positions i < S - k that have one."""
+    over the positions i < S - k that have one. With `documents_BS` (data.document_mask: `transformer.document_ids`
+    of the inputs), a position whose input token i+k lies in the next document scores nothing, as each document
+    alone has no such position; the mean keeps its denominator, so microbatches add up to the whole batch."""
     seq_len = targets_BS.shape[1]
     losses = []
     for k, logits_BSV in enumerate(mtp_logits, start=1):
         per_token_BS = optax.softmax_cross_entropy_with_integer_labels(logits_BSV, jnp.roll(targets_BS, -k, axis=1))
-        valid_S = jnp.arange(seq_len) < seq_len - k
-        losses.append(jnp.sum(jnp.where(valid_S, per_token_BS, 0.0)) / (targets_BS.shape[0] * (seq_len - k)))
+        valid_BS = (jnp.arange(seq_len) < seq_len - k)[None, :]
+        if documents_BS is not None:
+            valid_BS = valid_BS & (documents_BS == jnp.roll(documents_BS, -k, axis=1))
+        losses.append(jnp.sum(jnp.where(valid_BS, per_token_BS, 0.0)) / (targets_BS.shape[0] * (seq_len - k)))
     return jnp.stack(losses)
 
 
@@ -88,7 +92,8 @@ def loss_fn(params, model_state, batch_BS1, config: Config, executor=None, *, mt
     total = cross_entropy + aux["balance_loss"]
     mtp_loss = jnp.zeros((), jnp.float32)
     if with_mtp:  # lambda / D * sum_k CE_k = lambda * mean_k CE_k
-        mtp_loss = jnp.mean(mtp_cross_entropies(aux.pop("mtp_logits"), targets_BS))
+        documents_BS = transformer.document_ids(inputs_BS, config)
+        mtp_loss = jnp.mean(mtp_cross_entropies(aux.pop("mtp_logits"), targets_BS, documents_BS))
         total = total + config.model.mtp_loss_weight * mtp_loss
     return total, (cross_entropy, {**aux, "mtp_loss": mtp_loss})
 
