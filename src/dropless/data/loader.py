@@ -41,7 +41,8 @@ from dropless.data.tokenizer import TRAINED_EOS_ID, TextTokenizer, load_tokenize
 TOKENIZER_FILE = "tokenizer.json"  # RUN_DIR/tokenizer.json: the tokenizer the run was trained with
 CACHE_DIR = "corpus"  # RUN_DIR/corpus/: the tokenized corpus and where the tokenizer came from
 ORIGIN_FILE = "tokenizer-origin.json"  # under CACHE_DIR: where the run's tokenizer came from
-TOKEN_CACHE = "tokens-*.npz"  # under CACHE_DIR: the tokenized corpus, tokens-<key>.npz
+TOKEN_PREFIX = "tokens"  # under CACHE_DIR: the tokenized corpus, tokens-<key>.npz
+TOKEN_CACHE = f"{TOKEN_PREFIX}-*.npz"
 EVAL_PREFIX = "eval-tokens"  # under CACHE_DIR: the tokenized data.eval_source, eval-tokens-<key>.npz
 EVAL_TOKEN_CACHE = f"{EVAL_PREFIX}-*.npz"
 _ENCODE_CHUNK_CHARS = 4_000_000  # encode in chunks to bound the memory of HF Encoding objects
@@ -309,7 +310,7 @@ def _whole_stream(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: i
 
 
 def _documents(corpus: Corpus, tokenizer: TextTokenizer | None, vocab_size: int, cache_dir: Path | None,
-               texts: Callable[[], list[str]], log, prefix: str = "tokens",
+               texts: Callable[[], list[str]], log, prefix: str = TOKEN_PREFIX,
                write: bool = True) -> tuple[list[np.ndarray], np.ndarray]:
     """(segments, lengths) of the corpus's documents in file order: a text corpus as one array of every document's
     tokens (`_tokenized_corpus`), a token corpus as its files, each checked against the vocabulary."""
@@ -370,7 +371,7 @@ def _tokenizer(data_cfg: DataConfig, corpus: Corpus, vocab_size: int, run_dir, c
 
 
 def _tokenized_corpus(corpus: Corpus, tokenizer: TextTokenizer, cache_dir: Path | None,
-                      texts: Callable[[], list[str]], log, prefix: str = "tokens",
+                      texts: Callable[[], list[str]], log, prefix: str = TOKEN_PREFIX,
                       write: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, lengths): every document's tokens followed by the end-of-document id, concatenated in file
     order, and each document's length; cached per (corpus, tokenizer) in `cache_dir` (with `write` False, read
