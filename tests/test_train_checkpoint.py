@@ -15,7 +15,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -607,26 +606,10 @@ def test_resume_on_another_mesh_continues_the_same_losses(tmp_path, corpus):
     full, split = losses("full"), losses("split")
     np.testing.assert_allclose(split[2], full[2], rtol=1e-6, atol=0)
     assert ckpt.load_run_config(tmp_path / "split").parallel.expert == 1  # the run now records its new mesh
-    # generate, logits and load_model read the run onto one device, whatever mesh saved it: here in a process of
-    # one device, which cannot hold the saved mesh (orbax reads a template without shardings as that mesh).
-    done = subprocess.run([sys.executable, "-c", SUMS_OF_LOADED_WEIGHTS, str(tmp_path / "full")],
-                          env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # generate, logits and load_model read the run onto one device, whatever mesh saved it: a template without
+    # shardings would restore the saved mesh, which a process of fewer devices cannot hold.
     _, params, _ = ckpt.load_model(tmp_path / "full")
-    np.testing.assert_allclose(json.loads(done.stdout), [float(np.sum(leaf)) for leaf in jax.tree.leaves(params)],
-                               rtol=1e-6)
-
-
-SUMS_OF_LOADED_WEIGHTS = """
-import json, sys
-from pathlib import Path
-import jax, numpy as np
-from dropless.train import checkpoint as ckpt
-_, params, _ = ckpt.load_model(Path(sys.argv[1]))
-assert jax.device_count() == 1
-print(json.dumps([float(np.sum(leaf)) for leaf in jax.tree.leaves(params)]))
-"""
+    assert {d for leaf in jax.tree.leaves(params) for d in leaf.sharding.device_set} == {jax.devices()[0]}
 
 
 def test_restore_into_fewer_devices(tmp_path):
