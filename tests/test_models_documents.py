@@ -17,7 +17,7 @@ import pytest
 from dropless.bench import harness
 from dropless.core.config import ConfigError
 from dropless.data import DataError, TextTokenizer, loader, train_bpe
-from dropless.models import transformer
+from dropless.models import attention, transformer
 from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
 from dropless.train.step import loss_fn
@@ -143,15 +143,31 @@ def test_the_mtp_loss_scores_the_positions_each_document_has_alone():
     assert abs(float(unmasked["mtp_loss"]) - float(got["mtp_loss"])) > 1e-3
 
 
-def test_flash_attention_takes_the_document_mask_as_the_reference_does():
-    """model.attention_backend=tokamax (its XLA implementation on a CPU) with the documents as its mask argument
-    gives the einsum reference's logits."""
+def test_flash_attention_takes_the_documents_as_key_starts_and_gives_the_reference(monkeypatch):
+    """model.attention_backend=tokamax (its XLA implementation on a CPU) gives the einsum reference's logits, with
+    the documents given to it as each query's first key (its mask's `k_start`), never as an [S, S] boolean mask."""
+    from tokamax._src.ops.attention import api
+    masks = []
+    xla = api.IMPLEMENTATIONS["xla"]
+
+    def spy(*args, mask, **kwargs):
+        masks.append(mask)
+        return xla(*args, mask=mask, **kwargs)
+
+    monkeypatch.setattr(api, "IMPLEMENTATIONS", {**api.IMPLEMENTATIONS, "xla": spy})
     config = _masked("mixtral")
     params, state, _ = _setup(config)
     tokens, _ = _packed(config.model.vocab_size)
     want, _ = transformer.forward(params, state, tokens, config)
     got, _ = transformer.forward(params, state, tokens, config.replace(**{"model.attention_backend": "tokamax"}))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+    assert masks and all(m.bool_mask is None and m.is_causal and m.k_start.shape == (2, 1, 24) for m in masks)
+
+
+def test_document_starts_are_each_positions_first_position_of_its_document():
+    tokens = jnp.asarray([[5, EOS, 6, 7, EOS, EOS, 8], [EOS, 5, 6, 7, 8, 9, EOS]])
+    documents = transformer.document_ids(tokens, _masked("mixtral"))
+    np.testing.assert_array_equal(attention.document_starts(documents), [[0, 0, 2, 2, 2, 5, 6], [0, 1, 1, 1, 1, 1, 1]])
 
 
 def test_document_ids_and_settings_that_cannot_be_kept_are_refused():

@@ -95,6 +95,37 @@ def same_document(documents_BS: jax.Array) -> jax.Array:
     return documents_BS[:, :, None] == documents_BS[:, None, :]
 
 
+def document_starts(documents_BS: jax.Array) -> jax.Array:
+    """[B, S] int32: the first position of each position's document (`documents_BS` as `same_document`'s)."""
+    B, S = documents_BS.shape
+    first = jnp.concatenate([jnp.ones((B, 1), bool), documents_BS[:, 1:] != documents_BS[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(first, jnp.arange(S, dtype=jnp.int32), 0), axis=1)
+
+
+def _tokamax_within_documents(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, scale: float,
+                              starts_BS: jax.Array) -> jax.Array:
+    """tokamax's causal flash attention in which query s sees the keys from its document's first position on.
+
+    The documents reach the kernel as those first positions (its mask's `k_start`, one integer per query), not as
+    a [B, 1, S, S] boolean mask: nothing of S² size is built, kept for the backward pass or read tile by tile, and
+    the Mosaic GPU kernels, forward and backward, skip the key blocks that lie wholly before a query block's
+    documents. tokamax's public function takes the boolean mask only, so this builds its mask and tries its
+    implementations in its own order (tokamax._src, as dropless.gmm.tokamax reaches its ragged dot)."""
+    from tokamax._src.ops.attention import api, base
+    mask = base.Mask(k_start=starts_BS[:, None, :], is_causal=True)
+    errors = []
+    for name in api._DEFAULT_IMPLEMENTATIONS:
+        if name == "mosaic":
+            name = "mosaic_gpu" if _on_gpu() else "mosaic_tpu"
+        if name not in api.IMPLEMENTATIONS:
+            continue
+        try:
+            return api.IMPLEMENTATIONS[name](q_BSHQ, k_BSNQ, v_BSNW, mask=mask, logits_scale=scale)
+        except NotImplementedError as error:
+            errors.append(error)
+    raise ExceptionGroup("no tokamax attention implementation takes these inputs", errors)
+
+
 def causal_attention(q_BSNGQ: jax.Array, k_BTNQ: jax.Array, v_BTNW: jax.Array, scale: float,
                      first_position=None, documents_BS: jax.Array | None = None) -> jax.Array:
     """softmax(scale * q k^T + causal mask) v, with G query heads sharing each key/value head.
@@ -150,9 +181,9 @@ def _attend_local(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.Array, docum
         # Flash attention: no [S, S] logits in memory. At DeepSeek-V3's MLA shape (128 heads, 4096 tokens) the
         # einsum path's float32 logits are 8 GiB per sequence, kept for the backward pass and read and written
         # again by the softmax; the kernel keeps one tile of them on chip.
-        # Documents as a [B, 1, S, S] mask beside the causal one: the kernel reads it tile by tile.
-        mask = None if documents_BS is None else same_document(documents_BS)[:, None]
-        return tokamax.dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, mask=mask, scale=scale, is_causal=True)
+        if documents_BS is None:
+            return tokamax.dot_product_attention(q_BSHQ, k_BSNQ, v_BSNW, scale=scale, is_causal=True)
+        return _tokamax_within_documents(q_BSHQ, k_BSNQ, v_BSNW, scale, document_starts(documents_BS))
     out_BSNGW = causal_attention(q_BSHQ.reshape(B, S, N, H // N, Q), k_BSNQ, v_BSNW, scale, documents_BS=documents_BS)
     return out_BSNGW.reshape(B, S, H, v_BSNW.shape[-1])
 
