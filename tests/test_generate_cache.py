@@ -14,7 +14,7 @@ import pytest
 from dropless.models import generate as gen
 from dropless.models import transformer
 from tests.test_generate_speculative import MODEL, summing_cached
-from tests.test_models_transformer import FAMILIES, INTERLEAVED, _setup
+from tests.test_models_transformer import FAMILIES, FORWARD, INTERLEAVED, _setup
 
 CASES = {**FAMILIES, "interleaved": INTERLEAVED,
          "deepseek_v3_no_q_lora": FAMILIES["deepseek_v3"].replace(**{"model.q_lora_rank": 0})}
@@ -30,7 +30,7 @@ def test_cached_logits_equal_the_whole_forward(name, scan):
     config = CASES[name].replace(**{"train.scan_layers": scan})
     params, state, tokens_BS = _setup(config)
     B, S = tokens_BS.shape
-    whole_BSV, _ = transformer.forward(params, state, tokens_BS, config)
+    whole_BSV, _ = FORWARD(params, state, tokens_BS, config)
     step = jax.jit(transformer.forward_cached, static_argnums=5)
     cache = transformer.init_cache(config, B, S + 4)
     padded_BS = jnp.concatenate([tokens_BS[:, :3], jnp.full((B, 2), 7, tokens_BS.dtype)], axis=1)
@@ -50,8 +50,8 @@ def test_cached_bf16_logits_are_as_close_to_float32_as_the_whole_forwards(name):
     bfloat16 is (MLA's absorbed kv_b rounds differently, not worse)."""
     config = FAMILIES[name].replace(**{"train.dtype": "bfloat16"})
     params, state, tokens_BS = _setup(config)
-    exact_BSV, _ = transformer.forward(params, state, tokens_BS, config.replace(**{"train.dtype": "float32"}))
-    whole_BSV, _ = transformer.forward(params, state, tokens_BS, config)
+    exact_BSV, _ = FORWARD(params, state, tokens_BS, config.replace(**{"train.dtype": "float32"}))
+    whole_BSV, _ = FORWARD(params, state, tokens_BS, config)
     step = jax.jit(transformer.forward_cached, static_argnums=5)
     logits, cache = step(params, state, tokens_BS[:, :4], transformer.init_cache(config, 2, 16), 0, config)
     got = [logits]
@@ -158,10 +158,10 @@ def test_inference_weights_keep_the_masters_an_fp8_recipe_quantizes():
 def test_donated_inference_weights_free_each_float32_matrix():
     config = FAMILIES["deepseek_v3"].replace(**{"train.dtype": "bfloat16"})
     params, state, tokens_BS = _setup(config)
-    want, _ = transformer.forward(params, state, tokens_BS, config)
+    want, _ = FORWARD(params, state, tokens_BS, config)
     copy = jax.tree.map(jnp.copy, params)
     cast = transformer.inference_weights(copy, config, donate=True)
     assert copy["embed"].is_deleted() and copy["moe_layers"]["moe"]["experts"]["gate_up"].is_deleted()
     assert not copy["final_norm"].is_deleted() and cast["final_norm"] is copy["final_norm"]
-    np.testing.assert_array_equal(transformer.forward(cast, state, tokens_BS, config)[0], want)
+    np.testing.assert_array_equal(FORWARD(cast, state, tokens_BS, config)[0], want)
     assert transformer.inference_weights(cast, config, donate=True)["embed"] is cast["embed"]  # already cast

@@ -15,8 +15,10 @@ from dropless.core.config import ConfigError
 from dropless.models import generate as gen
 from dropless.models import transformer
 from tests.test_models_mtp import CONFIG
+from tests.test_models_transformer import FORWARD
 
 MODEL = CONFIG.replace(**{"model.mtp_layers": 1, "model.max_seq_len": 32})
+MTP_LOGITS = jax.jit(transformer.mtp_logits, static_argnums=4)
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
@@ -104,8 +106,8 @@ def test_greedy_drafts_are_the_mtp_modules_over_the_whole_sequence(monkeypatch, 
     out = gen.generate(config, params, state, prompt, max_new_tokens=count, temperature=0.0, speculative=True,
                        stats=stats)
     ids = jnp.asarray([prompt + out], jnp.int32)
-    _, aux = transformer.forward(params, state, ids, config, hidden=True)
-    drafts = np.argmax(transformer.mtp_logits(params, state, ids, aux["hidden"], config)[0][0], axis=-1)
+    _, aux = FORWARD(params, state, ids, config, hidden=True)
+    drafts = np.argmax(MTP_LOGITS(params, state, ids, aux["hidden"], config)[0][0], axis=-1)
     # Token p is drafted at position p - 2; the first pass emits token n and drafts token n + 1.
     position, emitted, want = len(prompt) + 1, 1, []
     while emitted < count:
@@ -139,8 +141,8 @@ def test_the_cached_mtp_module_gives_the_whole_sequence_logits(model):
         if config is not MODEL:
             params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(4))
             state = transformer.init_state(config)
-        _, aux = transformer.forward(params, state, tokens_1S, config, hidden=True)
-        (whole_1SV,) = transformer.mtp_logits(params, state, tokens_1S, aux["hidden"], config)
+        _, aux = FORWARD(params, state, tokens_1S, config, hidden=True)
+        (whole_1SV,) = MTP_LOGITS(params, state, tokens_1S, aux["hidden"], config)
         next_1S = jnp.roll(tokens_1S, -1, axis=1)
         cache = transformer.init_mtp_cache(config, 1, 16)
         logits, cache = step(params, state, next_1S[:, :7], aux["hidden"][:, :7], cache, 0, config)

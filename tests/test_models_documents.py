@@ -22,7 +22,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
 from dropless.train.step import loss_fn
 from tests.test_cli_errors import assert_one_line, run_main
-from tests.test_models_transformer import FAMILIES, _setup
+from tests.test_models_transformer import FAMILIES, FORWARD, _setup
 from tests.test_train import CORPUS, corpus, small_config  # noqa: F401 (corpus: the module's corpus fixture)
 from tests.test_train_evaluate import FIXTURES
 
@@ -158,8 +158,8 @@ def test_flash_attention_takes_the_documents_as_key_starts_and_gives_the_referen
     config = _masked("mixtral")
     params, state, _ = _setup(config)
     tokens, _ = _packed(config.model.vocab_size)
-    want, _ = transformer.forward(params, state, tokens, config)
-    got, _ = transformer.forward(params, state, tokens, config.replace(**{"model.attention_backend": "tokamax"}))
+    want, _ = FORWARD(params, state, tokens, config)
+    got, _ = FORWARD(params, state, tokens, config.replace(**{"model.attention_backend": "tokamax"}))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
     assert masks and all(m.bool_mask is None and m.is_causal and m.k_start.shape == (2, 1, 24) for m in masks)
 

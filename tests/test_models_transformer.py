@@ -55,6 +55,11 @@ FAMILIES = {
 INTERLEAVED = FAMILIES["deepseek_v3"].replace(**{"model.first_dense_layers": 0, "model.layer_pattern": "MDM"})
 
 
+# The whole forward pass as one program (op by op, each of its operations would compile on its own), compiled once
+# per config and process, and shared by the tests here and in other files.
+FORWARD = jax.jit(transformer.forward, static_argnums=3, static_argnames=("mtp", "hidden"))
+
+
 def _setup(config: Config, seed=0):
     params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(seed))
     # A non-zero router bias, different in each layer, checks that layer l gets its own bias row.
@@ -136,19 +141,12 @@ def reference_forward(params, state, tokens, config: Config, routes=None):
     return reference_head(params, h, config), balance, chosen
 
 
-def _jitted_forward(config: Config):
-    return jax.jit(lambda params, state, tokens: transformer.forward(params, state, tokens, config))
-
-
-# Compiled once per process and shared by the tests below.
-FORWARD = {family: _jitted_forward(config) for family, config in FAMILIES.items()}
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_forward_matches_layer_by_layer_reference(family):
     config = FAMILIES[family]
     params, state, tokens = _setup(config)
-    logits, aux = FORWARD[family](params, state, tokens)
+    logits, aux = FORWARD(params, state, tokens, FAMILIES[family])
     want_logits, want_balance, _ = reference_forward(params, state, tokens, config)
     assert logits.dtype == jnp.float32 and logits.shape == (B, S, config.model.vocab_size)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-4, atol=1e-5)
@@ -181,7 +179,7 @@ def test_gradients_match_layer_by_layer_reference():
 def test_aux_stacks_moe_stats_over_moe_layers_and_causality_holds():
     config = FAMILIES["deepseek_v3"]
     params, state, tokens = _setup(config)
-    forward = FORWARD["deepseek_v3"]
+    forward = lambda p, s, t: FORWARD(p, s, t, config)
     logits, aux = forward(params, state, tokens)
     num_moe = config.model.num_layers - config.model.first_dense_layers
     assert aux["moe"].tokens_per_expert.shape == (num_moe, config.moe.num_experts)
@@ -197,8 +195,8 @@ def test_aux_stacks_moe_stats_over_moe_layers_and_causality_holds():
 def test_bfloat16_compute_stays_close_to_float32():
     config = FAMILIES["deepseek_v3"]
     params, state, tokens = _setup(config)
-    full, _ = FORWARD["deepseek_v3"](params, state, tokens)
-    half, _ = _jitted_forward(config.replace(**{"train.dtype": "bfloat16"}))(params, state, tokens)
+    full, _ = FORWARD(params, state, tokens, config)
+    half, _ = FORWARD(params, state, tokens, config.replace(**{"train.dtype": "bfloat16"}))
     assert half.dtype == jnp.float32  # logits stay float32 whatever the compute dtype
     full, half = np.asarray(full), np.asarray(half)
     assert np.abs(half - full).max() < 0.05 * np.abs(full).max()
@@ -249,8 +247,8 @@ def test_unrolled_layers_give_the_scanned_numbers(remat, plain_loss_and_grads):
 def test_unrolled_layers_stack_the_moe_stats_like_scan():
     config = FAMILIES["deepseek_v3"]
     params, state, tokens = _setup(config)
-    _, scanned = FORWARD["deepseek_v3"](params, state, tokens)
-    _, unrolled = _jitted_forward(config.replace(**{"train.scan_layers": False}))(params, state, tokens)
+    _, scanned = FORWARD(params, state, tokens, config)
+    _, unrolled = FORWARD(params, state, tokens, config.replace(**{"train.scan_layers": False}))
     for got, want in zip(jax.tree.leaves(unrolled), jax.tree.leaves(scanned)):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
