@@ -68,7 +68,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-gmm-cluster-probe bench-stage-profile bench-permute tune-gmm-fine tune-gmm-stacked bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-step-profile bench-fp8-wgrad bench-fp8-fresh-acc bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-step-profile bench-fp8-wgrad bench-fp8-fresh-acc bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-documents bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -257,6 +257,15 @@ bench-attention-step: $(BENCH_DEPS)
 	  --steps 5 --seconds 6 --record $(BENCH_SCRATCH)/attention-step-$$backend-$$recipe.json train.fp8=$$recipe \
 	  model.attention_backend=$$backend || exit 1; done; done
 	$(call merge_records,attention-step,$(RESULTS)/attention-step-$(GPU).json,$(foreach r,off blockwise,$(foreach b,tokamax cudnn,$(BENCH_SCRATCH)/attention-step-$(b)-$(r).json)))
+
+# 1 GPU: the proxy's step without and with data.document_mask=true (tokamax's flash attention taking each query's
+# document start), in one run (documents-step-<gpu>.json). The benchmark's batches are uniform random ids, in which
+# the end-of-document id is rare: this is the option's cost where documents fill whole sequences.
+bench-documents: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	for mask in false true; do $(DROPLESS) bench step --preset deepseek-v3-proxy --steps 5 --seconds 6 \
+	  --record $(BENCH_SCRATCH)/documents-step-$$mask.json data.document_mask=$$mask || exit 1; done
+	$(call merge_records,documents-step,$(RESULTS)/documents-step-$(GPU).json,$(foreach m,false true,$(BENCH_SCRATCH)/documents-step-$(m).json))
 
 # 1 GPU: router balance, the proxy trained 300 steps on the embedded corpus at its own 8 x 4,096 tokens per step
 # (ROUTER_BATCH=2: the records without a -batch suffix) with one variant of the router's settings (VARIANT=, default
