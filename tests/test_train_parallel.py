@@ -57,18 +57,14 @@ def test_unrolled_layers_and_gradient_accumulation_with_expert_parallelism_match
     _assert_same_training(unrolled, one_device)
 
 
-def test_routers_common_direction_options_with_expert_parallelism_match_one_device():
-    """moe.router_common_source="other_sequences" (each sequence's direction from the batch's other sequences,
-    which expert x data parallelism splits over devices) and the running means it keeps: the same training."""
-    options = {"moe.router_common_rate": 0.3, "moe.router_common_source": "other_sequences"}
-    _assert_same_training(train_losses({**options, "parallel.expert": 4, "parallel.data": 2}),
-                          train_losses(options, devices=jax.devices()[:1]))
-
-
-def test_attention_within_documents_with_expert_parallelism_matches_one_device():
-    """data.document_mask: each device's rows attend within their own documents, forward and backward (the
-    document ids enter each layer's per-batch-shard attention beside q, k and v)."""
-    options = {"data.document_mask": True, "data.eos_id": 5}
+def test_routers_common_direction_and_attention_within_documents_with_expert_parallelism_match_one_device():
+    """Two options whose numbers depend on how the batch is split over devices, in one run:
+    moe.router_common_source="other_sequences" (each sequence's direction from the batch's other sequences, which
+    expert x data parallelism splits over devices) with the running means it keeps, and data.document_mask (each
+    device's rows attend within their own documents, forward and backward: the document ids enter each layer's
+    per-batch-shard attention beside q, k and v). The same training."""
+    options = {"moe.router_common_rate": 0.3, "moe.router_common_source": "other_sequences",
+               "data.document_mask": True, "data.eos_id": 5}
     _assert_same_training(train_losses({**options, "parallel.expert": 4, "parallel.data": 2}),
                           train_losses(options, devices=jax.devices()[:1]))
 
