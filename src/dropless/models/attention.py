@@ -107,10 +107,12 @@ def _tokamax_within_documents(q_BSHQ: jax.Array, k_BSNQ: jax.Array, v_BSNW: jax.
     """tokamax's causal flash attention in which query s sees the keys from its document's first position on.
 
     The documents reach the kernel as those first positions (its mask's `k_start`, one integer per query), not as
-    a [B, 1, S, S] boolean mask: nothing of S² size is built, kept for the backward pass or read tile by tile, and
-    the Mosaic GPU kernels, forward and backward, skip the key blocks that lie wholly before a query block's
-    documents. tokamax's public function takes the boolean mask only, so this builds its mask and tries its
-    implementations in its own order (tokamax._src, as dropless.gmm.tokamax reaches its ragged dot)."""
+    a [B, 1, S, S] boolean mask: nothing of S² size is built, kept for the backward pass or read tile by tile. The
+    Mosaic GPU forward kernel skips the key blocks that lie wholly before a query block's documents; its backward
+    kernels mask those keys element by element. The starts have one head (broadcast over every query head), the
+    case tokamax's kernels index alike forward and backward. tokamax's public function takes the boolean mask only,
+    so this builds its mask and tries its implementations in its own order (tokamax._src, as dropless.gmm.tokamax
+    reaches its ragged dot)."""
     from tokamax._src.ops.attention import api, base
     mask = base.Mask(k_start=starts_BS[:, None, :], is_causal=True)
     errors = []
