@@ -32,7 +32,7 @@ from dropless.convert import check_tokens, compute_logits, load_hf
 from dropless.convert.api import read_hf_config
 from dropless.core import config as config_lib
 from dropless.core import distributed
-from dropless.core.arguments import DEBUG_FLAG, ArgumentParser, check_output, path_text
+from dropless.core.arguments import DEBUG_FLAG, ArgumentParser, check_output, path_text, utf8_text
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.core.debug import DEBUG_ENV, debugging
 from dropless.core.files import atomic_file, write_atomic
@@ -458,7 +458,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--step", type=int, help="the run's checkpoint of this step (default: its latest good one)")
         p.set_defaults(func=func)
         if name == "generate":
-            p.add_argument("--prompt", required=True, help="the text to continue")
+            p.add_argument("--prompt", required=True, type=lambda text: utf8_text(text, "prompt"),
+                           help="the text to continue")
             p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
             p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
             p.add_argument("--top-p", type=float, default=0.95,

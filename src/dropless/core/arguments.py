@@ -4,6 +4,7 @@ an output path that a command writes only after minutes of work."""
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import os
 from pathlib import Path
 
@@ -39,20 +40,44 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def path_text(value: str) -> str:
     """An argparse `type` for options naming a file or directory: an empty value (an unset shell variable in
-    `--run-dir "$RUN"`) is refused instead of meaning the current directory or the option's default."""
+    `--run-dir "$RUN"`) is refused instead of meaning the current directory or the option's default, and so is a
+    name that is not UTF-8 text, which the checkpoint writer (tensorstore) cannot take."""
     if not value.strip():
         raise argparse.ArgumentTypeError("an empty path; give a file or directory name")
+    utf8_text(value, "path")
     return value
+
+
+def utf8_text(value: str, what: str) -> str:
+    """`value`, or an ArgumentTypeError where it is not UTF-8 text: Python keeps the bytes of an argument that are
+    not UTF-8 as lone surrogates, which no tokenizer or file writer takes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = value[error.start].encode("utf-8", "surrogateescape").hex()
+        raise argparse.ArgumentTypeError(f"a {what} that is not UTF-8 text (byte 0x{byte}); give it in UTF-8") from None
+    return value
+
+
+# The files of a model directory (a dropless run, or a Hugging Face model: a folder holding config.json) that an
+# output path must not name: a command's result written there would break the run or the model.
+MODEL_FILES = ("config.json", "metrics.jsonl", "router.bin", "router.json", "training.png", "hf_source.json",
+               "tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
+               "*.safetensors", "*.safetensors.index.json")
 
 
 def check_output(flag: str, path: str | Path, *, directory: bool = False, kind: str = "JSON") -> Path:
     """`path`, given as `flag`, as a Path, or a ConfigError naming what stands in its way: a directory where the
-    `kind` file goes, a file where the directory goes (with `directory`), or a file in place of any folder above
-    it. A folder not made yet passes: the benchmarks' writers create theirs. Called before anything is compiled or
+    `kind` file goes, a file where the directory goes (with `directory`), a file in place of any folder above
+    it, or one of a model directory's own files (MODEL_FILES). A folder not made yet passes: the benchmarks' writers create theirs. Called before anything is compiled or
     timed, so that a mistyped path costs a second, not the measurement the write comes after."""
     path = Path(path)
     if not directory and path.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; give the path of the {kind} file to write.")
+    if (not directory and (path.parent / "config.json").is_file()
+            and any(fnmatch.fnmatch(path.name, pattern) for pattern in MODEL_FILES)):
+        raise ConfigError(f"{flag} {path} names a file of the model directory {path.parent} (a run's or a Hugging "
+                          f"Face model's), which writing the {kind} there would break; give another path.")
     if blocking := file_in_the_way(path if directory else path.parent):
         raise ConfigError(f"{flag} {path}: {blocking} is a file, not a directory; give a path "
                           + ("to a directory, new or existing." if directory else "inside a directory."))
