@@ -18,6 +18,7 @@ shards, so each may see another outcome; they agree on the worst (`_agree`), so 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import io
@@ -677,14 +678,33 @@ def load_run_config(run_dir: Path) -> config_lib.Config:
     try:
         return config_lib.load(path)
     except config_lib.ConfigError:
-        if _hugging_face_config(path):
+        if hugging_face_config(path):
             raise CheckpointError(f"{run_dir} holds a Hugging Face model, not a dropless run; pass it with --hf-dir "
                                   f"(generate, logits), or import it first: dropless convert --from-hf {run_dir} "
                                   "--to RUN_DIR.") from None
         raise
 
 
-def _hugging_face_config(path: Path) -> bool:
+def foreign_config(run_dir: Path) -> str | None:
+    """Why `run_dir`'s config.json is no dropless run's, which nothing may replace (not even --overwrite, which
+    replaces runs): a Hugging Face model's, or a JSON object with none of a run config's groups (another program's
+    file); None for a run's config, a damaged one included, and where there is none."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return None
+    if hugging_face_config(path):
+        return f"{run_dir} holds a Hugging Face model, not a dropless run"
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        return None
+    groups = {field.name for field in dataclasses.fields(config_lib.Config)}
+    if isinstance(fields, dict) and fields and not groups & set(fields):
+        return f"{path} is not a dropless run's config (it has none of the groups {', '.join(sorted(groups))})"
+    return None
+
+
+def hugging_face_config(path: Path) -> bool:
     """Whether `path` reads as a Hugging Face config.json (a model_type or architectures field)."""
     try:
         fields = json.loads(path.read_text(encoding="utf-8"))

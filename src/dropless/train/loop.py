@@ -115,6 +115,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     overwrite_lib.recover(run_dir, log)
     for directory, names in _ATOMIC_WRITES.items():  # a kill's leftovers: this process holds the run's lock
         files.remove_temporaries(run_dir / directory, names)
+    if not overwrite:  # --overwrite sets aside whatever stands there, as the old run's
+        _check_fixed_outputs(run_dir, config)
     saved_path = run_dir / "config.json"
     if ckpt.imported(run_dir) and not overwrite:  # refused before its corpus is read, let alone tokenized
         raise ConfigError(f"{run_dir} holds weights imported from Hugging Face, without the optimizer state a run "
@@ -150,6 +152,11 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
     config = config.replace(**{"train.schedule_steps": config.train.schedule_horizon,
                                "data.eos_id": resolve_eos_id(config.data, config.model.vocab_size)})
     if run_dir.exists() and any(p.name != run_lock.LOCK_NAME for p in run_dir.iterdir()):
+        # Without --overwrite a Hugging Face model's directory gets load_run_config's advice (--hf-dir, convert).
+        if (foreign := ckpt.foreign_config(run_dir)) and (overwrite or not ckpt.hugging_face_config(saved_path)):
+            raise ConfigError(f"{foreign}, and a run would write its own config.json over that file "
+                              f"({'--overwrite replaces runs only' if overwrite else 'no run starts there'}); choose "
+                              "another --run-dir.")
         saved = None if overwrite or not saved_path.is_file() else ckpt.load_run_config(run_dir)
         if saved is not None and not ckpt.reached_a_checkpoint(run_dir):
             if saved != config:
@@ -174,6 +181,16 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
         overwrite_lib.put_back(run_dir)
         raise
     return config
+
+
+def _check_fixed_outputs(run_dir: Path, config: Config) -> None:
+    """Refuse, before the first step, what stands where the run writes its plot and its TensorBoard events, paths
+    no option moves: a directory at training.png would fail the run at its end, after its last checkpoint."""
+    plot, board = run_dir / "training.png", run_dir / "tensorboard"
+    if config.train.plot and plot.is_dir():
+        raise ConfigError(f"{plot} is a directory where the run's plot goes; move it away or set train.plot=false.")
+    if board.exists() and not board.is_dir():
+        raise ConfigError(f"{board} is a file where the run's TensorBoard directory goes; move it away.")
 
 
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
