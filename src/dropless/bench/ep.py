@@ -310,9 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     strategies = [s for s in args.strategies.split(",") if s] or [
         s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
     skews = [s for s in args.skews.split(",") if s]
-    for chosen, allowed in ((strategies, STRATEGIES), (skews, SKEWS)):
+    for flag, chosen, allowed in (("--strategies", strategies, STRATEGIES), ("--skews", skews, SKEWS)):
         if unknown := [x for x in chosen if x not in allowed]:
-            raise ConfigError(f"{', '.join(unknown)} not known; choose from {', '.join(allowed)}.")
+            raise ConfigError(f"{flag}: {', '.join(unknown)} not known; choose from {', '.join(allowed)}.")
     try:
         chunks = tuple(int(n) for n in args.chunks.split(",") if n)
     except ValueError:

@@ -415,11 +415,15 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in (args.shapes or "").split(",") if s]
     stages = [s for s in args.stages.split(",") if s]
     stage_paths = [s for s in args.stage_paths.split(",") if s]
-    for name, allowed in ((shapes, SHAPES), (args.skews.split(","), SKEWS), (args.backends.split(","), BACKENDS),
-                          (stages, expert_stage.STAGES), (stage_paths, expert_stage.STAGE_PATHS)):
-        bad = [x for x in name if x not in allowed]
+    for flag, name, allowed in (("--shapes", shapes, SHAPES), ("--skews", args.skews.split(","), SKEWS),
+                                ("--backends", args.backends.split(","), BACKENDS),
+                                ("--stages", stages, expert_stage.STAGES),
+                                ("--stage-paths", stage_paths, expert_stage.STAGE_PATHS)):
+        bad = [repr(x) if not x else x for x in name if x not in allowed]
         if bad:
-            raise ConfigError(f"{', '.join(bad)} not known; choose from {', '.join(allowed)}.")
+            raise ConfigError(f"{flag}: {', '.join(bad)} not known; choose from {', '.join(allowed)}.")
+    if args.shapes is not None and not shapes and not stages:
+        raise ConfigError(f"--shapes names no shape; choose from {', '.join(SHAPES)}.")
     if args.batches < 1:
         raise ConfigError(f"--batches {args.batches} must be at least 1: the timed batches whose median is kept.")
     xla_flags.apply()  # before JAX starts a backend

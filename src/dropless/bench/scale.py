@@ -109,13 +109,16 @@ def main(argv: list[str] | None = None) -> int:
         wanted = sorted({int(n) for n in args.devices.split(",") if n})
     except ValueError:
         raise ConfigError(f"--devices {args.devices!r} must be comma-separated integers, e.g. 1,2,4,8.") from None
-    devices = [n for n in wanted if 1 <= n <= jax.device_count()]
+    if not_counts := [n for n in wanted if n < 1]:
+        raise ConfigError(f"--devices: {', '.join(map(str, not_counts))} is not a number of devices; give counts of "
+                          "1 or more, e.g. 1,2,4,8.")
+    devices = [n for n in wanted if n <= jax.device_count()]
     skipped = [n for n in wanted if n not in devices]
     platform = jax.default_backend()
     strategies = [s for s in args.strategies.split(",") if s] or [
         s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
     if unknown := [s for s in strategies if s not in STRATEGIES]:
-        raise ConfigError(f"{', '.join(unknown)} not known; choose from {', '.join(STRATEGIES)}.")
+        raise ConfigError(f"--strategies: {', '.join(unknown)} not known; choose from {', '.join(STRATEGIES)}.")
     if not devices or devices[0] != 1:
         raise ConfigError("weak scaling is measured against one device; include 1 in --devices.")
     config = build_config(args.preset, parse_overrides(args.overrides))
