@@ -185,7 +185,10 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "gmm", "--bogus"], ["unrecognized arguments: --bogus", "'dropless bench gmm --help'"]),
     (["tune-gmm", "--workers", "many"], ["invalid int value: 'many'", "'dropless tune-gmm --help'"]),
     (["tune-gmm", "--shape", "1,2,3"], ["--shape '1,2,3' must be four positive integers M,K,N,G."]),
-    (["bench", "gmm", "--shapes", "nope"], ["nope not known; choose from"]),
+    (["bench", "gmm", "--shapes", "nope"], ["--shapes: nope not known; choose from"]),
+    (["bench", "gmm", "--shapes", "tiny", "--backends", "xla,"], ["--backends: '' not known; choose from"]),
+    (["bench", "gmm", "--shapes", ","], ["--shapes names no shape; choose from"]),
+    (["bench", "scale", "--devices", "0,1"], ["--devices: 0 is not a number of devices"]),
     (["bench", "gmm", "--stages", "dsv3-e32", "--out", "{f}/gmm.json"],  # the default shape on a CPU is tiny
      ["--stages dsv3-e32: a model's size", "--shapes tiny (the default there)"]),
     (["bench", "gmm", "--shapes", "qwen3-down,tiny", "--out", "{f}/gmm.json"], ["--shapes qwen3-down: a model's size"]),
@@ -221,6 +224,15 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["profile", "--preset", "tiny", "--top", "-5", "--out", "{f}/profile1"], ["--top=-5 must be >= 1"]),
     (["profile", "--preset", "tiny", "--top", "0", "--out", "{f}/profile2"], ["--top=0 must be >= 1"]),
     (["profile", "--preset", "tiny", "--out", "{f}/run"], ["--out", "holds a run"]),
+    # Bytes that are not UTF-8 (Python keeps them as lone surrogates): no tokenizer or checkpoint writer takes them.
+    (["generate", "--run-dir", "{f}/run", "--prompt", "a\udcffb"],
+     ["argument --prompt: a prompt that is not UTF-8 text (byte 0xff)"]),
+    (["train", "--run-dir", "{f}/r\udcff", *SMALL_OVERRIDES], ["argument --run-dir: a path that is not UTF-8 text"]),
+    # A command's result written over a model directory's own files would break the run or the model.
+    (["eval", "--run-dir", "{f}/run", "--json", "{f}/run/config.json"], ["--json", "names a file of the model directory"]),
+    (["plan", "--preset", "tiny", "--json", "{f}/run/metrics.jsonl"], ["--json", "names a file of the model directory"]),
+    (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "{f}/hfmodel/model.safetensors"],
+     ["--out", "names a file of the model directory"]),
 ])
 def test_broken_input_gives_one_line(capsys, files, argv, fragments):
     status, stderr = run_main(capsys, *(a.replace("{f}", str(files)) for a in argv))
@@ -502,6 +514,32 @@ def test_a_refused_start_in_a_directory_of_the_user_s_own_deletes_none_of_their_
     overwrite.discard(run_dir)
     assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file()) == sorted(
         theirs + ["config.json"])
+
+
+def test_a_run_never_starts_over_a_config_json_no_run_wrote(capsys, tmp_path):
+    """A Hugging Face model's directory, and one holding another program's config.json: `train` there is refused in
+    one line, with --overwrite too (it replaces runs only), and every file stays as it was. A directory where the
+    run's plot goes is named before any step, not after the last."""
+    hf, own, plotted = tmp_path / "hf", tmp_path / "own", tmp_path / "plotted"
+    for directory, text in ((hf, '{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}'),
+                            (own, '{"name": "my project"}')):
+        directory.mkdir()
+        (directory / "config.json").write_text(text)
+        (directory / "tokenizer.json").write_text("theirs")
+    (plotted / "training.png").mkdir(parents=True)
+    for directory, extra, fragments in (
+            (hf, ["--overwrite"], ["holds a Hugging Face model, not a dropless run", "--overwrite replaces runs only"]),
+            (own, [], ["config.json is not a dropless run's config", "choose another --run-dir"]),
+            (own, ["--overwrite"], ["config.json is not a dropless run's config", "--overwrite replaces runs only"]),
+            (plotted, [], ["training.png is a directory where the run's plot goes", "train.plot=false"])):
+        contents = lambda: {p: p.read_bytes() for p in directory.rglob("*") if p.is_file() and p.name != ".lock"}
+        before = contents()
+        assert_one_line(*run_main(capsys, "train", "--run-dir", str(directory), "--steps", "1", *extra,
+                                  *SMALL_OVERRIDES), *fragments)
+        assert contents() == before
+    # Without --overwrite the Hugging Face model's directory keeps the advice of how to use it.
+    assert_one_line(*run_main(capsys, "train", "--run-dir", str(hf), *SMALL_OVERRIDES),
+                    "holds a Hugging Face model", "--hf-dir")
 
 
 def test_resume_without_a_run_dir_takes_no_copy_of_a_run_for_the_newest(tmp_path, monkeypatch):
