@@ -406,6 +406,11 @@ def test_truncated_and_absent_files_are_clear_errors(tmp_path):
     (source / "config.json").unlink()
     with pytest.raises(ConvertError, match="has no config.json"):
         load_hf(source)
+    (source / "notes.txt").write_text("")
+    with pytest.raises(ConvertError, match="notes.txt is a file, not a directory; pass a Hugging Face"):
+        load_hf(source / "notes.txt")
+    with pytest.raises(ConvertError, match="missing does not exist; pass a Hugging Face model directory"):
+        load_hf(source / "missing")
 
 
 def test_existing_output_directories_are_not_overwritten(tmp_path):

@@ -46,8 +46,10 @@ WEIGHT_DTYPES = ("F32", "BF16", "F16", "F64")
 def read_hf_config(hf_dir: Path) -> dict:
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
-        raise ConvertError(f"{hf_dir} has no config.json; pass a Hugging Face model directory "
-                           "(the one holding config.json and *.safetensors).")
+        what = ("does not exist" if not Path(hf_dir).exists() else
+                "is a file, not a directory" if not Path(hf_dir).is_dir() else "has no config.json")
+        raise ConvertError(f"{hf_dir} {what}; pass a Hugging Face model directory (the one holding config.json and "
+                           "*.safetensors).")
     hf = _read_json(path, "re-download it")
     if not isinstance(hf, dict):
         raise ConvertError(f"{path} holds a JSON {type(hf).__name__}, not an object; re-download it.")
