@@ -790,7 +790,9 @@ def _started(monkeypatch) -> list:
 
 
 def test_resume_applies_steps_data_and_tokenizer_flags_on_the_saved_config(tmp_path, monkeypatch):
-    """`train --resume --steps N` extends a run: the flags apply on top of the run's saved config, like overrides."""
+    """`train --resume --steps N` extends a run: the flags apply on top of the run's saved config, like overrides
+    (what a resume may change is then the loop's to decide: a --data or --tokenizer other than the run's is refused
+    by name, below)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     config_lib.save(config_lib.load_preset("tiny").replace(**SMALL), run_dir / "config.json")
@@ -800,6 +802,10 @@ def test_resume_applies_steps_data_and_tokenizer_flags_on_the_saved_config(tmp_p
     (config,) = seen
     assert (config.train.steps, config.data.source, config.data.tokenizer, config.train.seed) == \
            (777, "more.txt", "tok.json", 5)
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"data.source differs .* drop that override \(--data or data.source=\)"):
+        loop.prepare_run_dir(run_dir, config_lib.load(run_dir / "config.json").replace(**{"data.source": "more.txt"}),
+                             resume=True, overwrite=False)
 
 
 def test_init_from_hf_takes_the_model_from_the_checkpoint_and_training_settings_from_the_preset(tmp_path, monkeypatch):

@@ -100,6 +100,10 @@ _ATOMIC_WRITES = {".": ("config.json", TOKENIZER_FILE, "router.json"),
                   CACHE_DIR: (ORIGIN_FILE, TOKEN_CACHE, EVAL_TOKEN_CACHE)}
 
 
+# The settings `dropless train` also takes as flags, named beside the key in its refusals.
+_FLAGS = {"data.source": "--data", "data.tokenizer": "--tokenizer"}
+
+
 def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool,
                     log: Callable[[str], None] = lambda message: None) -> Config:
     """Create or validate the run directory; returns the config the run will use, with its schedule horizon
@@ -132,9 +136,10 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             config = config.replace(**{"data.eos_id": saved.data.eos_id})
         if changed := resume_changes(saved, config):
             key = changed[0]
+            given = f"that override ({_FLAGS[key]} or {key}=)" if key in _FLAGS else "that override"
             raise ConfigError(f"--resume keeps the saved config, but {key} differs from the run's "
                               f"({saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} given); drop "
-                              "that override or start a new run with --overwrite or another --run-dir.")
+                              f"{given} or start a new run with --overwrite or another --run-dir.")
         reached = ckpt.latest_step(run_dir)
         if reached is not None and config.train.steps < reached:  # the saved config would shrink behind the run
             raise ConfigError(f"--resume to step {config.train.steps}, but {run_dir} has a checkpoint of step "
