@@ -443,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     out = check_output("--out", args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}",
                        directory=True)
     if (out / "config.json").exists():
-        raise ConfigError(f"--out {out} holds a run; give the profile a directory of its own.")
+        raise ConfigError(f"--out {out} holds a run or a model (its config.json); give the profile a directory of "
+                          "its own.")
     out.mkdir(parents=True, exist_ok=True)  # a path that cannot be written fails now, not after the steps
     setup = harness.build(config)
     options = PROFILE_COMPILER_OPTIONS if jax.default_backend() == "gpu" else {}
