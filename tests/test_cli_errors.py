@@ -229,8 +229,10 @@ def files(tmp_path_factory) -> pathlib.Path:
      ["argument --prompt: a prompt that is not UTF-8 text (byte 0xff)"]),
     (["train", "--run-dir", "{f}/r\udcff", *SMALL_OVERRIDES], ["argument --run-dir: a path that is not UTF-8 text"]),
     # A command's result written over a model directory's own files would break the run or the model.
-    (["eval", "--run-dir", "{f}/run", "--json", "{f}/run/config.json"], ["--json", "names a file of the model directory"]),
-    (["plan", "--preset", "tiny", "--json", "{f}/run/metrics.jsonl"], ["--json", "names a file of the model directory"]),
+    (["eval", "--run-dir", "{f}/run", "--json", "{f}/run/config.json"],
+     ["--json", "names a file of the model directory"]),
+    (["plan", "--preset", "tiny", "--json", "{f}/run/metrics.jsonl"],
+     ["--json", "names a file of the model directory"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", "{f}/hfmodel/model.safetensors"],
      ["--out", "names a file of the model directory"]),
 ])

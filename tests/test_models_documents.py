@@ -1,7 +1,7 @@
 """data.document_mask: attention within each document of a packed sequence. Each document's logits and gradients
 are those of the document run alone, for MLA and GQA, the MTP module's too; the flash-attention backend's mask
-equals the reference's; a run on text records its tokenizer's end-of-document id and resumes with it. Under expert parallelism:
-`test_train_parallel.test_routers_common_direction_and_attention_within_documents_with_expert_parallelism_match_one_device`."""
+equals the reference's; a run on text records its tokenizer's end-of-document id and resumes with it. Under
+expert parallelism: `test_train_parallel.test_routers_common_direction_and_attention_within_documents_with_expert_parallelism_match_one_device`."""
 
 from __future__ import annotations
 

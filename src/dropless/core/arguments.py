@@ -69,8 +69,9 @@ MODEL_FILES = ("config.json", "metrics.jsonl", "router.bin", "router.json", "tra
 def check_output(flag: str, path: str | Path, *, directory: bool = False, kind: str = "JSON") -> Path:
     """`path`, given as `flag`, as a Path, or a ConfigError naming what stands in its way: a directory where the
     `kind` file goes, a file where the directory goes (with `directory`), a file in place of any folder above
-    it, or one of a model directory's own files (MODEL_FILES). A folder not made yet passes: the benchmarks' writers create theirs. Called before anything is compiled or
-    timed, so that a mistyped path costs a second, not the measurement the write comes after."""
+    it, or one of a model directory's own files (MODEL_FILES). A folder not made yet passes: the benchmarks'
+    writers create theirs. Called before anything is compiled or timed, so that a mistyped path costs a second,
+    not the measurement the write comes after."""
     path = Path(path)
     if not directory and path.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; give the path of the {kind} file to write.")
