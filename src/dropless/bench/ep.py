@@ -36,7 +36,7 @@ from dropless.bench import pgle, profile, report
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_output
+from dropless.core.arguments import ArgumentParser, check_choices, check_output
 from dropless.core.config import ConfigError, ParallelConfig, build_config, parse_overrides
 from dropless.core.mesh import batch_sharding, make_mesh
 from dropless.core.xla_flags import SCHEDULING_CANDIDATES
@@ -310,9 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     strategies = [s for s in args.strategies.split(",") if s] or [
         s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
     skews = [s for s in args.skews.split(",") if s]
-    for flag, chosen, allowed in (("--strategies", strategies, STRATEGIES), ("--skews", skews, SKEWS)):
-        if unknown := [x for x in chosen if x not in allowed]:
-            raise ConfigError(f"{flag}: {', '.join(unknown)} not known; choose from {', '.join(allowed)}.")
+    check_choices("--strategies", strategies, STRATEGIES)
+    check_choices("--skews", skews, SKEWS)
     try:
         chunks = tuple(int(n) for n in args.chunks.split(",") if n)
     except ValueError:

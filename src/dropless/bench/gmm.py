@@ -30,7 +30,7 @@ from dropless.bench import expert_stage, report
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_output
+from dropless.core.arguments import ArgumentParser, check_choices, check_output
 from dropless.core.config import ConfigError
 from dropless.gmm import tuning as gmm_tuning
 from dropless.gmm.capacity import CapacityGmm
@@ -415,13 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [s for s in (args.shapes or "").split(",") if s]
     stages = [s for s in args.stages.split(",") if s]
     stage_paths = [s for s in args.stage_paths.split(",") if s]
-    for flag, name, allowed in (("--shapes", shapes, SHAPES), ("--skews", args.skews.split(","), SKEWS),
-                                ("--backends", args.backends.split(","), BACKENDS),
-                                ("--stages", stages, expert_stage.STAGES),
-                                ("--stage-paths", stage_paths, expert_stage.STAGE_PATHS)):
-        bad = [repr(x) if not x else x for x in name if x not in allowed]
-        if bad:
-            raise ConfigError(f"{flag}: {', '.join(bad)} not known; choose from {', '.join(allowed)}.")
+    for flag, chosen, allowed in (("--shapes", shapes, SHAPES), ("--skews", args.skews.split(","), SKEWS),
+                                  ("--backends", args.backends.split(","), BACKENDS),
+                                  ("--stages", stages, expert_stage.STAGES),
+                                  ("--stage-paths", stage_paths, expert_stage.STAGE_PATHS)):
+        check_choices(flag, chosen, allowed)
     if args.shapes is not None and not shapes and not stages:
         raise ConfigError(f"--shapes names no shape; choose from {', '.join(SHAPES)}.")
     if args.batches < 1:

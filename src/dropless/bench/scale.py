@@ -27,7 +27,7 @@ from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 from dropless.bench.records import environment, results_path, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser
+from dropless.core.arguments import ArgumentParser, check_choices
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
 from dropless.train.setup import fit_check
@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     platform = jax.default_backend()
     strategies = [s for s in args.strategies.split(",") if s] or [
         s for s in STRATEGIES if s != "ragged" or platform == "gpu"]
-    if unknown := [s for s in strategies if s not in STRATEGIES]:
-        raise ConfigError(f"--strategies: {', '.join(unknown)} not known; choose from {', '.join(STRATEGIES)}.")
+    check_choices("--strategies", strategies, STRATEGIES)
     if not devices or devices[0] != 1:
         raise ConfigError("weak scaling is measured against one device; include 1 in --devices.")
     config = build_config(args.preset, parse_overrides(args.overrides))

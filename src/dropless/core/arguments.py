@@ -59,6 +59,13 @@ def utf8_text(value: str, what: str) -> str:
     return value
 
 
+def check_choices(flag: str, chosen: list[str], allowed) -> None:
+    """A ConfigError naming `flag`, those of its comma-separated values `chosen` not in `allowed` (an empty one
+    shown as ''), and the choices."""
+    if bad := [x if x else repr(x) for x in chosen if x not in allowed]:
+        raise ConfigError(f"{flag}: {', '.join(bad)} not known; choose from {', '.join(allowed)}.")
+
+
 # The files of a model directory (a dropless run, or a Hugging Face model: a folder holding config.json) that an
 # output path must not name: a command's result written there would break the run or the model.
 MODEL_FILES = ("config.json", "metrics.jsonl", "router.bin", "router.json", "training.png", "hf_source.json",
