@@ -580,6 +580,7 @@ class Config:
 
 
 _GROUPS = {f.name: f.type for f in dataclasses.fields(Config)}
+GROUPS = tuple(_GROUPS)  # the groups of settings, each a key of a run's config.json
 
 
 def _group_classes() -> dict[str, type]:

@@ -18,7 +18,6 @@ shards, so each may see another outcome; they agree on the worst (`_agree`), so 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import gc
 import io
@@ -690,27 +689,31 @@ def foreign_config(run_dir: Path) -> str | None:
     replaces runs): a Hugging Face model's, or a JSON object with none of a run config's groups (another program's
     file); None for a run's config, a damaged one included, and where there is none."""
     path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        return None
-    if hugging_face_config(path):
+    fields = _json_object(path)
+    if _hugging_face_fields(fields):
         return f"{run_dir} holds a Hugging Face model, not a dropless run"
-    try:
-        fields = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, OSError):
-        return None
-    groups = {field.name for field in dataclasses.fields(config_lib.Config)}
-    if isinstance(fields, dict) and fields and not groups & set(fields):
-        return f"{path} is not a dropless run's config (it has none of the groups {', '.join(sorted(groups))})"
+    if fields and not set(config_lib.GROUPS) & set(fields):
+        groups = ", ".join(sorted(config_lib.GROUPS))
+        return f"{path} is not a dropless run's config (it has none of the groups {groups})"
     return None
 
 
 def hugging_face_config(path: Path) -> bool:
     """Whether `path` reads as a Hugging Face config.json (a model_type or architectures field)."""
+    return _hugging_face_fields(_json_object(path))
+
+
+def _hugging_face_fields(fields: dict | None) -> bool:
+    return fields is not None and ("model_type" in fields or "architectures" in fields)
+
+
+def _json_object(path: Path) -> dict | None:
+    """The JSON object in the file at `path`; None where there is none, it cannot be read, or it holds another kind."""
     try:
         fields = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, OSError):
-        return False
-    return isinstance(fields, dict) and ("model_type" in fields or "architectures" in fields)
+        return None
+    return fields if isinstance(fields, dict) else None
 
 
 def save_model(run_dir: Path, config: config_lib.Config, params, state, step: int = 0, *,

@@ -191,7 +191,7 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
 def _check_fixed_outputs(run_dir: Path, config: Config) -> None:
     """Refuse, before the first step, what stands where the run writes its plot and its TensorBoard events, paths
     no option moves: a directory at training.png would fail the run at its end, after its last checkpoint."""
-    plot, board = run_dir / "training.png", run_dir / "tensorboard"
+    plot, board = run_dir / metrics_lib.PLOT_FILE, run_dir / metrics_lib.TENSORBOARD_DIR
     if config.train.plot and plot.is_dir():
         raise ConfigError(f"{plot} is a directory where the run's plot goes; move it away or set train.plot=false.")
     if board.exists() and not board.is_dir():

@@ -116,6 +116,8 @@ def _heat_image(values_LE, low: float, high: float, cell: int = 6) -> np.ndarray
     return (255 * np.repeat(np.repeat(rgb, cell, axis=0), cell, axis=1)).astype(np.uint8)
 
 
+PLOT_FILE = "training.png"  # RUN_DIR/training.png: `plot_run`'s
+TENSORBOARD_DIR = "tensorboard"  # RUN_DIR/tensorboard/: the TensorBoard events
 ROUTER_KEYS = ("expert_share", "router_bias")
 # Per-router-row values logged as one TensorBoard scalar per row: the variance shares and the running mean's
 # alignment.
@@ -199,7 +201,7 @@ class MetricsWriter:
         self.path = self.run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._router_file = None
-        self._tensorboard = _TensorBoard(self.run_dir / "tensorboard")
+        self._tensorboard = _TensorBoard(self.run_dir / TENSORBOARD_DIR)
 
     def write(self, record: dict) -> None:
         try:
@@ -404,7 +406,7 @@ def plot_run(run_dir: Path) -> Path | None:
         names = router_row_names(config_lib.load(config_path)) if config_path.is_file() else []
         _plot_router(fig, axes, routed, names)
     fig.tight_layout()
-    out = Path(run_dir) / "training.png"
+    out = Path(run_dir) / PLOT_FILE
     fig.savefig(out, dpi=110)
     return out
 
