@@ -144,8 +144,9 @@ def test_the_mtp_loss_scores_the_positions_each_document_has_alone():
 
 
 def test_flash_attention_takes_the_documents_as_key_starts_and_gives_the_reference(monkeypatch):
-    """model.attention_backend=tokamax (its XLA implementation on a CPU) gives the einsum reference's logits, with
-    the documents given to it as each query's first key (its mask's `k_start`), never as an [S, S] boolean mask."""
+    """model.attention_backend=tokamax (its XLA implementation on a CPU) gives the einsum reference's logits and
+    gradients (of a weighted logit sum, every parameter), with the documents given to it as each query's first key
+    (its mask's `k_start`), never as an [S, S] boolean mask."""
     from tokamax._src.ops.attention import api
     masks = []
     xla = api.IMPLEMENTATIONS["xla"]
@@ -158,9 +159,20 @@ def test_flash_attention_takes_the_documents_as_key_starts_and_gives_the_referen
     config = _masked("mixtral")
     params, state, _ = _setup(config)
     tokens, _ = _packed(config.model.vocab_size)
-    want, _ = FORWARD(params, state, tokens, config)
-    got, _ = FORWARD(params, state, tokens, config.replace(**{"model.attention_backend": "tokamax"}))
+    weights = jax.random.normal(jax.random.key(3), (*tokens.shape, config.model.vocab_size))
+
+    def logits_and_grads(c):
+        objective = lambda p: (lambda logits: (jnp.sum(logits * weights), logits))(
+            transformer.forward(p, state, tokens, c)[0])
+        (_, logits), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
+        return logits, grads
+
+    want, want_grads = logits_and_grads(config)
+    got, got_grads = logits_and_grads(config.replace(**{"model.attention_backend": "tokamax"}))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.abs(w).max()),
+                                   err_msg=jax.tree_util.keystr(path))
     assert masks and all(m.bool_mask is None and m.is_causal and m.k_start.shape == (2, 1, 24) for m in masks)
 
 
