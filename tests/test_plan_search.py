@@ -142,8 +142,10 @@ def test_auto_fit_on_resume_changes_only_the_mesh():
 
 
 def test_resume_with_auto_fit_changes_only_the_mesh(tmp_path, capsys):
-    """`--resume` with `train.auto_fit=true` under a memory limit the saved layout does not meet trains on in a mesh
-    that fits, keeping every other layout setting of the run (which a resume may not change)."""
+    """`--resume` with `train.auto_fit=true` under a memory limit the saved layout does not meet chooses a mesh that
+    fits, keeping every other layout setting of the run (which a resume may not change), and restores the run into
+    it. The resume asks for no further step: training on after a change of mesh is
+    test_train_checkpoint.py's resume_on_another_mesh."""
     from tests.test_train import SMALL
 
     small = [f"{k}={v}" for k, v in SMALL.items()]
@@ -155,12 +157,14 @@ def test_resume_with_auto_fit_changes_only_the_mesh(tmp_path, capsys):
     need = make_plan(config, cluster).memory.peak / GIB
     assert search(config, cluster, device_memory_gib=need * 0.9, limit=1)[0].config.train != config.train
     capsys.readouterr()
-    status = cli.main(["train", "--resume", "--run-dir", str(run), "--no-progress", "--steps", "2",
+    status = cli.main(["train", "--resume", "--run-dir", str(run), "--no-progress", "--steps", "1",
                        f"train.device_memory_gib={need * 0.9}", "train.auto_fit=true"])
     out, err = capsys.readouterr()
-    assert status == 0, err
+    assert status == 0 and "the run is already at step 1 of 1" in out, err
     chose = next(line for line in out.splitlines() if "train.auto_fit chose" in line)
     assert "parallel.fsdp=1 " not in chose and "train.optimizer_moments_dtype=float32" in chose
+    chosen = dict(setting.split("=") for setting in chose.split("chose ")[1].split())
+    assert f"'fsdp': {chosen['parallel.fsdp']}, 'expert': {chosen['parallel.expert']}}}" in out  # restored into it
 
 
 def test_candidates_cover_every_layout_choice():
