@@ -16,15 +16,20 @@ from tests.micro_config import micro_config
 
 
 def test_one_step_saves_its_record(tmp_path, capsys, monkeypatch):
+    """A timed step saved with --record; with --pgle on the CPU, which has no GPU kernel costs, the step says PGLE
+    was not applied and times the program as it was."""
+    from dropless.bench import pgle
+
     out = tmp_path / "one" / "step.json"
-    assert step.main(["--preset", "tiny", "--warmup", "1", "--steps", "3", "--seconds", "0", "--record", str(out),
-                      "model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]) == 0
+    assert step.main(["--preset", "tiny", "--warmup", "1", "--steps", "3", "--seconds", "0", "--pgle", "--record",
+                      str(out), "model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]) == 0
     saved = json.loads(out.read_text())
     assert saved["record"]["status"] == "ok" and saved["record"]["steps_timed"] == 3
+    assert saved["record"]["pgle"] == pgle.NOT_APPLIED
     assert saved["overrides"] == ["model.num_layers=2", "train.batch_size=8", "train.seq_len=16"]
     assert saved["config"]["train"]["seq_len"] == 16 and saved["environment"]["platform"] == "cpu"
     printed = capsys.readouterr()
-    assert "step " in printed.out and "compiled" not in printed.out
+    assert "step " in printed.out and "compiled" not in printed.out and "PGLE not applied" in printed.out
     assert "dropless: lowered step in" in printed.err and "dropless: compiled step in" in printed.err
     (tmp_path / "file").write_text("")
     argv = ["--preset", "tiny", "--warmup", "0", "--steps", "1", "--seconds", "0", "model.num_layers=2",
@@ -41,17 +46,10 @@ def test_one_step_saves_its_record(tmp_path, capsys, monkeypatch):
     assert "cannot write --record" in capsys.readouterr().err
 
 
-def test_pgle_variant_is_profiled_recompiled_and_timed(tmp_path, capsys, monkeypatch):
-    """On the CPU there are no GPU kernel costs: the step says PGLE was not applied and times the program as it
-    was. With costs (faked here), the program is compiled again with them and the new program is timed."""
+def test_pgle_variant_is_profiled_recompiled_and_timed(monkeypatch):
+    """With kernel costs (faked here: the CPU has none; test_one_step_saves_its_record runs --pgle without them),
+    the program is compiled again with them and the new program is timed."""
     from dropless.bench import pgle
-
-    assert step.main(["--preset", "tiny", "--warmup", "1", "--steps", "2", "--seconds", "0", "--pgle",
-                      "--record", str(tmp_path / "a.json"), "model.num_layers=2", "train.batch_size=8",
-                      "train.seq_len=16"]) == 0
-    record = json.loads((tmp_path / "a.json").read_text())["record"]
-    assert record["status"] == "ok" and record["pgle"] == pgle.NOT_APPLIED
-    assert "PGLE not applied" in capsys.readouterr().out
 
     monkeypatch.setattr(pgle, "instruction_costs", lambda run, directory: (run(), b"fake costs")[1])
     config = micro_config(**{"moe.gmm_backend": "capacity"})
