@@ -78,27 +78,24 @@ def test_each_document_of_a_packed_sequence_is_computed_as_if_alone(name):
     for i, (r, a, b) in enumerate(where):
         alone_weights[i, :b - a] = weights[r, a:b]
 
-    @jax.jit
-    def packed_objective(p):
-        return jnp.sum(transformer.forward(p, state, tokens, config)[0] * weights)
+    def objective(p, tokens_BS, weights_BSV, config):
+        logits_BSV = transformer.forward(p, state, tokens_BS, config)[0]
+        return jnp.sum(logits_BSV * weights_BSV), logits_BSV
 
-    @jax.jit
-    def alone_objective(p):
-        return jnp.sum(transformer.forward(p, state, alone, unmasked_config)[0] * alone_weights)
-
-    forward = jax.jit(transformer.forward, static_argnums=3)
-    packed, _ = forward(params, state, tokens, config)
-    by_itself, _ = forward(params, state, alone, unmasked_config)
-    scale = float(jnp.abs(packed).max())
+    # One program each for the packed rows and the documents alone: the logits and the gradient together.
+    value_and_grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=3)
+    # Compared in numpy: each slice of a JAX array would compile a program of its own.
+    (_, packed), got = jax.device_get(value_and_grad(params, tokens, weights, config))
+    (_, by_itself), want = jax.device_get(value_and_grad(params, alone, alone_weights, unmasked_config))
+    scale = float(np.abs(packed).max())
     for i, (r, a, b) in enumerate(where):
         np.testing.assert_allclose(packed[r, a:b], by_itself[i, :b - a], rtol=1e-4, atol=1e-5 * scale,
                                    err_msg=f"row {r} document [{a}, {b})")
-    unmasked, _ = forward(params, state, tokens, unmasked_config)
-    assert float(jnp.abs(unmasked[0, 7:] - packed[0, 7:]).max()) > 1e-3 * scale  # the mask is what separates them
+    unmasked = np.asarray(FORWARD(params, state, tokens, unmasked_config)[0])
+    assert float(np.abs(unmasked[0, 7:] - packed[0, 7:]).max()) > 1e-3 * scale  # the mask is what separates them
     np.testing.assert_allclose(unmasked[:, :7], packed[:, :7], rtol=1e-5, atol=1e-6 * scale)  # first documents
-    got, want = jax.grad(packed_objective)(params), jax.grad(alone_objective)(params)
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.abs(w).max()) + 1e-12,
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.abs(w).max()) + 1e-12,
                                    err_msg=jax.tree_util.keystr(path))
 
 
