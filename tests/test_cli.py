@@ -74,8 +74,11 @@ def test_presets_lists_every_preset():
 def test_train_then_generate_and_resume_through_the_cli(tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus")
+    # test_train reads training.png; the schedule and learning rate are its 40-step run's, whose step the
+    # compilation cache holds
     overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["train.eval_every=4", "train.checkpoint_every=2",
-                                                          "train.plot=false"]  # test_train reads training.png
+                                                          "train.plot=false", "train.schedule_steps=40",
+                                                          "train.learning_rate=1e-2"]
     run_dir = tmp_path / "run"
     first = run_cli("train", "--data", str(corpus), "--steps", "2", "--run-dir", str(run_dir), "--no-progress",
                     *overrides)

@@ -148,11 +148,12 @@ def test_resume_with_auto_fit_changes_only_the_mesh(tmp_path, capsys):
     test_train_checkpoint.py's resume_on_another_mesh."""
     from tests.test_train import SMALL
 
-    small = [f"{k}={v}" for k, v in SMALL.items()]
+    # test_train.py's 40-step run's schedule and learning rate: its step, from the compilation cache.
+    small = [f"{k}={v}" for k, v in SMALL.items()] + ["train.schedule_steps=40", "train.learning_rate=1e-2"]
     run = tmp_path / "run"
     assert cli.main(["train", "--preset", "tiny", "--run-dir", str(run), "--no-progress", "--steps", "1",
                      *small]) == 0
-    config = load_preset("tiny").replace(**SMALL)
+    config = load_preset("tiny").replace(**SMALL, **{"train.schedule_steps": 40, "train.learning_rate": 1e-2})
     cluster = Cluster(1, len(jax.devices()), "cpu")
     need = make_plan(config, cluster).memory.peak / GIB
     assert search(config, cluster, device_memory_gib=need * 0.9, limit=1)[0].config.train != config.train
