@@ -13,7 +13,7 @@ import pytest
 
 from dropless import cli
 from tests.test_cli_errors import assert_one_line, run_main
-from tests.test_train import SMALL, write_corpus
+from tests.test_train import SMALL, TRAINED_SCHEDULE, write_corpus
 
 
 def run_cli(*args: str, cwd=None, one_device: bool = False) -> subprocess.CompletedProcess:
@@ -74,11 +74,8 @@ def test_presets_lists_every_preset():
 def test_train_then_generate_and_resume_through_the_cli(tmp_path, capsys):
     (tmp_path / "corpus").mkdir()
     corpus = write_corpus(tmp_path / "corpus")
-    # test_train reads training.png; the schedule and learning rate are its 40-step run's, whose step the
-    # compilation cache holds
-    overrides = [f"{k}={v}" for k, v in SMALL.items()] + ["train.eval_every=4", "train.checkpoint_every=2",
-                                                          "train.plot=false", "train.schedule_steps=40",
-                                                          "train.learning_rate=1e-2"]
+    overrides = [f"{k}={v}" for k, v in {**SMALL, **TRAINED_SCHEDULE}.items()] + [
+        "train.eval_every=4", "train.checkpoint_every=2", "train.plot=false"]  # test_train reads training.png
     run_dir = tmp_path / "run"
     first = run_cli("train", "--data", str(corpus), "--steps", "2", "--run-dir", str(run_dir), "--no-progress",
                     *overrides)

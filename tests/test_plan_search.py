@@ -146,14 +146,13 @@ def test_resume_with_auto_fit_changes_only_the_mesh(tmp_path, capsys):
     fits, keeping every other layout setting of the run (which a resume may not change), and restores the run into
     it. The resume asks for no further step: training on after a change of mesh is
     test_train_checkpoint.py's resume_on_another_mesh."""
-    from tests.test_train import SMALL
+    from tests.test_train import SMALL, TRAINED_SCHEDULE
 
-    # test_train.py's 40-step run's schedule and learning rate: its step, from the compilation cache.
-    small = [f"{k}={v}" for k, v in SMALL.items()] + ["train.schedule_steps=40", "train.learning_rate=1e-2"]
+    small = [f"{k}={v}" for k, v in {**SMALL, **TRAINED_SCHEDULE}.items()]
     run = tmp_path / "run"
     assert cli.main(["train", "--preset", "tiny", "--run-dir", str(run), "--no-progress", "--steps", "1",
                      *small]) == 0
-    config = load_preset("tiny").replace(**SMALL, **{"train.schedule_steps": 40, "train.learning_rate": 1e-2})
+    config = load_preset("tiny").replace(**SMALL, **TRAINED_SCHEDULE)
     cluster = Cluster(1, len(jax.devices()), "cpu")
     need = make_plan(config, cluster).memory.peak / GIB
     assert search(config, cluster, device_memory_gib=need * 0.9, limit=1)[0].config.train != config.train

@@ -49,11 +49,16 @@ def small_config(corpus: Path, **overrides) -> config_lib.Config:
     return config_lib.load_preset("tiny").replace(**{**SMALL, "data.source": str(corpus), **overrides})
 
 
+# The schedule and learning rate of the 40-step run below. Other tests that train a few steps of this model on
+# 8 devices take them too: their step and evaluation are then its programs, which the compilation cache holds.
+TRAINED_SCHEDULE = {"train.schedule_steps": 40, "train.learning_rate": 1e-2}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, corpus) -> tuple[config_lib.Config, Path, object]:
     """(config, run directory, summary) of one 40-step training, shared by the tests that only read it."""
     config = small_config(corpus, **{"train.steps": 40, "train.eval_every": 40, "train.checkpoint_every": 40,
-                                     "train.learning_rate": 1e-2})
+                                     **TRAINED_SCHEDULE})
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     return config, run_dir, train(config, run_dir, progress=False, log=lambda s: None)
 

@@ -32,7 +32,7 @@ from dropless.train import checkpoint as ckpt
 from dropless.train.loop import train
 from dropless.train.metrics import read_metrics
 from tests.filesystems import mounted_tmpfs
-from tests.test_train import corpus, small_config  # noqa: F401 (corpus is a fixture)
+from tests.test_train import TRAINED_SCHEDULE, corpus, small_config  # noqa: F401 (corpus is a fixture)
 from tests.test_train_overwrite import fake_run
 from tests.test_train_parallel import run_two_processes
 
@@ -591,10 +591,9 @@ def test_a_full_filesystem_is_one_line_and_keeps_earlier_checkpoints(small_tmpfs
 def test_resume_on_another_mesh_continues_the_same_losses(tmp_path, corpus):
     """Saved on 8 devices as expert 4 x data 2, resumed as data 8 (one expert group): the losses of the
     uninterrupted run, to float32 rounding."""
-    # The schedule and learning rate of test_train.py's 40-step run on data 8: the resumed part's step and
-    # evaluation are its programs, which the compilation cache holds.
-    base = {"train.eval_every": 100, "train.checkpoint_every": 1, "train.steps": 2, "train.schedule_steps": 40,
-            "train.learning_rate": 1e-2, "train.plot": False}
+    # The resumed part on data 8 is test_train.py's 40-step run's step and evaluation (TRAINED_SCHEDULE).
+    base = {"train.eval_every": 100, "train.checkpoint_every": 1, "train.steps": 2, "train.plot": False,
+            **TRAINED_SCHEDULE}
     quiet = {"progress": False, "log": lambda s: None}
     train(small_config(corpus, **base, **{"parallel.expert": 4, "parallel.data": 2}), tmp_path / "full", **quiet)
     shutil.copytree(tmp_path / "full", tmp_path / "split")  # as if the first run had stopped after step 1
