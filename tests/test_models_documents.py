@@ -63,6 +63,22 @@ def _alone(tokens: np.ndarray, spans) -> tuple[np.ndarray, list[tuple[int, int, 
     return alone, where
 
 
+@functools.partial(jax.jit, static_argnums=4)
+def _jitted_logits_and_grads(params, state, tokens_BS, weights_BSV, config):
+    def objective(p):
+        logits_BSV = transformer.forward(p, state, tokens_BS, config)[0]
+        return jnp.sum(logits_BSV * weights_BSV), logits_BSV
+
+    (_, logits_BSV), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    return logits_BSV, grads
+
+
+def _logits_and_grads(params, state, tokens_BS, weights_BSV, config):
+    """(logits, the gradient of their sum weighted by `weights_BSV`), from one program, as numpy arrays: each slice
+    or reduction of a JAX array would compile a program of its own."""
+    return jax.device_get(_jitted_logits_and_grads(params, state, tokens_BS, weights_BSV, config))
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "mixtral"])
 def test_each_document_of_a_packed_sequence_is_computed_as_if_alone(name):
     """Logits, and the gradient of a weighted sum of them, against each document run alone (RoPE's relative
@@ -78,15 +94,8 @@ def test_each_document_of_a_packed_sequence_is_computed_as_if_alone(name):
     for i, (r, a, b) in enumerate(where):
         alone_weights[i, :b - a] = weights[r, a:b]
 
-    def objective(p, tokens_BS, weights_BSV, config):
-        logits_BSV = transformer.forward(p, state, tokens_BS, config)[0]
-        return jnp.sum(logits_BSV * weights_BSV), logits_BSV
-
-    # One program each for the packed rows and the documents alone: the logits and the gradient together.
-    value_and_grad = jax.jit(jax.value_and_grad(objective, has_aux=True), static_argnums=3)
-    # Compared in numpy: each slice of a JAX array would compile a program of its own.
-    (_, packed), got = jax.device_get(value_and_grad(params, tokens, weights, config))
-    (_, by_itself), want = jax.device_get(value_and_grad(params, alone, alone_weights, unmasked_config))
+    (packed, got), (by_itself, want) = (_logits_and_grads(params, state, t, w, c) for t, w, c in (
+        (tokens, weights, config), (alone, alone_weights, unmasked_config)))
     scale = float(np.abs(packed).max())
     for i, (r, a, b) in enumerate(where):
         np.testing.assert_allclose(packed[r, a:b], by_itself[i, :b - a], rtol=1e-4, atol=1e-5 * scale,
@@ -156,19 +165,13 @@ def test_flash_attention_takes_the_documents_as_key_starts_and_gives_the_referen
     config = _masked("mixtral")
     params, state, _ = _setup(config)
     tokens, _ = _packed(config.model.vocab_size)
-    weights = jax.random.normal(jax.random.key(3), (*tokens.shape, config.model.vocab_size))
-
-    def logits_and_grads(c):
-        objective = lambda p: (lambda logits: (jnp.sum(logits * weights), logits))(
-            transformer.forward(p, state, tokens, c)[0])
-        (_, logits), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(params)
-        return logits, grads
-
-    want, want_grads = logits_and_grads(config)
-    got, got_grads = logits_and_grads(config.replace(**{"model.attention_backend": "tokamax"}))
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.abs(want).max()))
+    weights = np.asarray(jax.random.normal(jax.random.key(3), (*tokens.shape, config.model.vocab_size)))
+    want, want_grads = _logits_and_grads(params, state, tokens, weights, config)
+    got, got_grads = _logits_and_grads(params, state, tokens, weights,
+                                       config.replace(**{"model.attention_backend": "tokamax"}))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_grads), jax.tree.leaves(want_grads), strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.abs(w).max()),
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.abs(w).max()),
                                    err_msg=jax.tree_util.keystr(path))
     assert masks and all(m.bool_mask is None and m.is_causal and m.k_start.shape == (2, 1, 24) for m in masks)
 
