@@ -4,7 +4,9 @@ or a temporary directory behind."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
@@ -250,6 +252,29 @@ def test_the_current_directory_is_a_valid_output(trained, tmp_path, monkeypatch)
     assert _leftovers(tmp_path) == []
     with pytest.raises(ckpt.CheckpointError, match="cannot be an output directory"):
         run_store.temporary_sibling(Path("/"))
+
+
+def test_an_output_in_an_unwritable_directory_is_named_in_one_line(trained, tmp_path, capsys, monkeypatch):
+    """The one line names the output given, not the hidden directory each direction builds it in."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    if os.geteuid() == 0:  # root writes anywhere: make the directory refuse as the OS would
+        original = Path.mkdir
+
+        def refuse(self, *args, **kwargs):
+            if locked in self.parents:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "mkdir", refuse)
+    for argv, out in ((["--from", str(trained), "--to-hf"], locked / "hf"),
+                      (["--from-hf", str(FIXTURES / "qwen3_moe_tied"), "--to"], locked / "run")):
+        status, lines = _cli(capsys, "convert", *argv, str(out))
+        assert status == 2 and lines == [f"dropless: error: {out}: permission denied; check its permissions or "
+                                         "choose another location."]
+    locked.chmod(0o700)
+    assert list(locked.iterdir()) == []
 
 
 @pytest.mark.parametrize("source, fault", [

@@ -44,12 +44,19 @@ _FOLD_WORDS = 1 << 18  # a slab is folded this many words at a time, so folding 
 
 
 def temporary_sibling(path: Path) -> Path:
-    """A fresh hidden name next to `path` (resolved, so that `.` has a name) to build an output in, then rename."""
+    """A new directory of a fresh hidden name next to `path` (resolved, so that `.` has a name) to build an output
+    in, then rename. An OS error making it (an unwritable or missing parent) names `path`, the output the user
+    gave, not the hidden name."""
     path = Path(path).resolve()
     if not path.name:
         raise ckpt.CheckpointError(f"{path} cannot be an output directory (it has no parent to build it in); "
                                    "choose a directory below it.")
-    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        raise type(err)(err.errno, err.strerror, str(path)) from err
+    return tmp
 
 
 def move_into_place(tmp: Path, out: Path) -> None:
