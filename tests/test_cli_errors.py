@@ -163,6 +163,10 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--resume", "--overwrite", "--run-dir", "{f}/run"], ["--resume", "--overwrite", "only one"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--preset", "tiny"], ["differs from --preset tiny", "drop --preset"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--init-from-hf", "{f}/hf"], ["--init-from-hf", "--resume"]),
+    # a flag and an override of the same setting that disagree: neither silently wins
+    (["train", "--steps", "3", "--run-dir", "{f}/new11", "train.steps=4"], ["--steps 3 and train.steps=4 disagree"]),
+    (["train", "--resume", "--run-dir", "{f}/run", "--data", "{f}/ok.npy", "data.source=stdlib"],
+     ["ok.npy and data.source=stdlib disagree; give the setting once."]),
     # sizes, seeds and integers no model can use, refused before anything runs or is written
     (["train", "--run-dir", "{f}/new6", "model.dense_intermediate_size=0"],
      ["model.dense_intermediate_size=0 must be > 0"]),

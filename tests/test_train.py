@@ -229,8 +229,12 @@ def test_run_dir_with_other_config_is_refused(tmp_path, trained):
     config, run_dir, _ = trained
     shutil.copytree(run_dir, tmp_path / "run")  # a run with a checkpoint, of its own
     other = config.replace(**{"moe.num_experts_per_tok": 1})
-    with pytest.raises(config_lib.ConfigError, match="already holds a different config"):
+    with pytest.raises(config_lib.ConfigError, match=r"different config \(moe.num_experts_per_tok: 2 saved, 1 "
+                       r"given\); --resume continues it only without that override"):
         train(other, tmp_path / "run", progress=False, log=lambda s: None)
+    with pytest.raises(config_lib.ConfigError, match=r"\(train.steps: 40 saved, 41 given\); pass --resume to "
+                       "continue it with the given settings"):
+        train(config.replace(**{"train.steps": 41}), tmp_path / "run", progress=False, log=lambda s: None)
     with pytest.raises(config_lib.ConfigError, match="moe.num_experts_per_tok differs"):
         train(other, tmp_path / "run", resume=True, progress=False, log=lambda s: None)
     saved = json.loads((tmp_path / "run" / "config.json").read_text())

@@ -108,7 +108,7 @@ def cmd_train(args) -> int:
                               "checkpoint; drop one of them.")
         # A resumed run keeps its saved config; flags and overrides apply on top (checked in prepare_run_dir).
         base = ckpt.load_run_config(saved.parent)
-        config = config_lib.apply_overrides(base, {**overrides, **_flag_overrides(args)})
+        config = config_lib.apply_overrides(base, _with_flags(overrides, args))
         if args.preset is not None and args.run_dir:
             _check_preset_matches(args.preset, config, overrides, args, run_dir)
     elif args.init_from_hf:
@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
         hf_tokenizer = Path(args.init_from_hf) / "tokenizer.json"
         if args.tokenizer is None and hf_tokenizer.is_file():
             merged["data.tokenizer"] = str(hf_tokenizer)  # the checkpoint's own tokenizer, unless told otherwise
-        config = config_lib.apply_overrides(hf_config, {**merged, **overrides, **_flag_overrides(args)})
+        config = config_lib.apply_overrides(hf_config, {**merged, **_with_flags(overrides, args)})
         init_weights = (params, state)
     else:
         config = build_config(preset, overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer)
@@ -143,15 +143,8 @@ def _check_preset_matches(preset: str, config: config_lib.Config, overrides: dic
                           "or start a new one with another --run-dir.")
 
 
-def _flag_overrides(args) -> dict:
-    flags = {}
-    if args.steps is not None:
-        flags["train.steps"] = args.steps
-    if args.data is not None:
-        flags["data.source"] = args.data
-    if args.tokenizer is not None:
-        flags["data.tokenizer"] = args.tokenizer
-    return flags
+def _with_flags(overrides: dict, args) -> dict:
+    return config_lib.with_flags(overrides, steps=args.steps, data=args.data, tokenizer=args.tokenizer)
 
 
 def _load_for_inference(args, dtypes=None):

@@ -741,14 +741,24 @@ def parse_overrides(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+# The settings `dropless train` also takes as flags.
+FLAGS = {"train.steps": "--steps", "data.source": "--data", "data.tokenizer": "--tokenizer"}
+
+
+def with_flags(overrides: dict[str, str], *, steps: int | None = None, data: str | None = None,
+               tokenizer: str | None = None) -> dict[str, str]:
+    """`overrides` with the flags given among (--steps, --data, --tokenizer) added as their settings; a flag and an
+    override of the same setting with different values are refused rather than one silently taking precedence."""
+    merged = dict(overrides)
+    for key, value in zip(FLAGS, (steps, data, tokenizer), strict=True):
+        if value is None:
+            continue
+        if key in overrides and overrides[key] != str(value):
+            raise ConfigError(f"{FLAGS[key]} {value} and {key}={overrides[key]} disagree; give the setting once.")
+        merged[key] = str(value)
+    return merged
+
+
 def build_config(preset: str, overrides: dict[str, str], *, steps: int | None = None, data: str | None = None,
                  tokenizer: str | None = None) -> Config:
-    config = load_preset(preset)
-    flags = {}
-    if steps is not None:
-        flags["train.steps"] = steps
-    if data is not None:
-        flags["data.source"] = data
-    if tokenizer is not None:
-        flags["data.tokenizer"] = tokenizer
-    return apply_overrides(config, {**overrides, **flags})
+    return apply_overrides(load_preset(preset), with_flags(overrides, steps=steps, data=data, tokenizer=tokenizer))

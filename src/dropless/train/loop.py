@@ -100,10 +100,6 @@ _ATOMIC_WRITES = {".": ("config.json", TOKENIZER_FILE, "router.json"),
                   CACHE_DIR: (ORIGIN_FILE, TOKEN_CACHE, EVAL_TOKEN_CACHE)}
 
 
-# The settings `dropless train` also takes as flags, named beside the key in its refusals.
-_FLAGS = {"data.source": "--data", "data.tokenizer": "--tokenizer"}
-
-
 def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: bool,
                     log: Callable[[str], None] = lambda message: None) -> Config:
     """Create or validate the run directory; returns the config the run will use, with its schedule horizon
@@ -136,7 +132,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             config = config.replace(**{"data.eos_id": saved.data.eos_id})
         if changed := resume_changes(saved, config):
             key = changed[0]
-            given = f"that override ({_FLAGS[key]} or {key}=)" if key in _FLAGS else "that override"
+            flags = config_lib.FLAGS  # the settings `dropless train` also takes as flags, named beside the key
+            given = f"that override ({flags[key]} or {key}=)" if key in flags else "that override"
             raise ConfigError(f"--resume keeps the saved config, but {key} differs from the run's "
                               f"({saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} given); drop "
                               f"{given} or start a new run with --overwrite or another --run-dir.")
@@ -175,9 +172,7 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             raise ConfigError(f"{run_dir} is not empty but holds no run (no config.json); choose a new or empty "
                               "--run-dir, or pass --overwrite to start a run there beside its files.")
         elif not overwrite:
-            what = "a different config" if saved is not None and saved != config else "a run"
-            raise ConfigError(f"{run_dir} already holds {what}; pass --resume to continue it, --overwrite to "
-                              "replace it, or choose another --run-dir.")
+            raise ConfigError(_already_holds(run_dir, saved, config))
         overwrite_lib.set_aside(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -186,6 +181,22 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
         overwrite_lib.put_back(run_dir)
         raise
     return config
+
+
+def _already_holds(run_dir: Path, saved: Config | None, config: Config) -> str:
+    """The refusal of a new run in a directory holding a run with a checkpoint: what --resume would do with the
+    given settings, naming the first setting that differs from the saved one."""
+    if saved is None or saved == config:
+        return (f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, or choose "
+                "another --run-dir.")
+    saved_flat, given = saved.to_flat_dict(), config.to_flat_dict()
+    fixed = resume_changes(saved, config)
+    key = fixed[0] if fixed else next(k for k, v in given.items() if saved_flat[k] != v)
+    differs = f"{key}: {saved_flat[key]!r} saved, {given[key]!r} given"
+    resume = ("--resume continues it only without that override" if fixed
+              else "pass --resume to continue it with the given settings")
+    return (f"{run_dir} already holds a run with a different config ({differs}); {resume}, --overwrite replaces "
+            "it, or choose another --run-dir.")
 
 
 def _check_fixed_outputs(run_dir: Path, config: Config) -> None:
