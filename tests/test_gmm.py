@@ -3,6 +3,7 @@ registry and its names; the one custom VJP against jax.lax.ragged_dot's gradient
 
 import dataclasses
 import math
+import sys
 import typing
 
 import jax
@@ -146,6 +147,23 @@ def test_tokamax_wrapper_widened_output_has_a_working_backward():
     for g_t, g_x in zip(grads_t, grads_x):
         assert g_t.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(g_t, np.float32), np.asarray(g_x, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_tokamax_s_kernel_module_is_where_dropless_imports_it_and_its_absence_is_one_line(monkeypatch):
+    """The pinned tokamax holds the Mosaic GPU kernel and tile under the names dropless uses (a module outside
+    tokamax's public API); without tokamax, a product that needs it names the extra to install."""
+    from dropless.gmm.tuning import TOKAMAX_MOSAIC_MODULE, TileConfig, import_tokamax
+
+    module = import_tokamax(TOKAMAX_MOSAIC_MODULE)
+    assert callable(module.PallasMosaicGpuRaggedDot) and callable(module.Config)
+    assert TileConfig(block_m=64, block_n=128, block_k=64, num_stages=4).to_tokamax().block_m == 64
+    for name in ("tokamax", TOKAMAX_MOSAIC_MODULE):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    lhs, rhs, group_sizes, _ = _operands()
+    with pytest.raises(MoEError, match=r"tokamax cannot be imported .*pip install 'dropless\[gpu\]'"):
+        TokamaxRows("xla")(lhs, rhs, group_sizes, transpose_rhs=False, out_dtype=jnp.float32)
+    with pytest.raises(MoEError, match=f"{TOKAMAX_MOSAIC_MODULE} cannot be imported"):
+        TileConfig(block_m=64, block_n=128, block_k=64, num_stages=4).to_tokamax()
 
 
 def test_tokamax_mosaic_backend_uses_tokamax_heuristics_with_our_weight_gradient():

@@ -23,16 +23,15 @@ import jax.numpy as jnp
 
 from dropless.core.errors import MoEError
 from dropless.gmm.api import RAGGED_CONTRACTING, TOKAMAX_ROW_MULTIPLE, GroupedMatmul, row_mask
-from dropless.gmm.tuning import TileConfig
+from dropless.gmm.tuning import TOKAMAX_MOSAIC_MODULE, TileConfig, import_tokamax
 from dropless.gmm.vjp import ContractProduct, GmmProducts, gmm_from_products
 from dropless.gmm.xla import XlaContract
 
 
 def _tiled_op(tile: TileConfig):
-    # = tokamax.ops.gpu.PallasMosaicRaggedDot; that module also imports tokamax's Triton kernels (jax_triton).
-    from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
-
-    return PallasMosaicGpuRaggedDot(config=tile.to_tokamax(), bypass_device_check=True)
+    # = tokamax.ops.gpu.PallasMosaicRaggedDot, without the Triton kernels that module also imports.
+    kernel = import_tokamax(TOKAMAX_MOSAIC_MODULE).PallasMosaicGpuRaggedDot
+    return kernel(config=tile.to_tokamax(), bypass_device_check=True)
 
 
 def tiled_rows(lhs_MK, rhs, group_sizes_G, tile: TileConfig, *, transpose_rhs: bool, out_dtype):
@@ -55,8 +54,7 @@ class TokamaxRows:
     implementation: str
 
     def __call__(self, lhs_MK, rhs, group_sizes_G, *, transpose_rhs, out_dtype):
-        import tokamax
-
+        tokamax = import_tokamax()
         if transpose_rhs:
             rhs = jnp.swapaxes(rhs, 1, 2)
         return tokamax.ragged_dot(lhs_MK, rhs, group_sizes_G, preferred_element_type=out_dtype,
@@ -70,8 +68,7 @@ class TokamaxContract:
     implementation: str
 
     def __call__(self, lhs_MK, rhs_MN, group_sizes_G, *, out_dtype):
-        import tokamax
-
+        tokamax = import_tokamax()
         return tokamax.ragged_dot_general(lhs_MK, rhs_MN, group_sizes_G, RAGGED_CONTRACTING,
                                           preferred_element_type=out_dtype, implementation=self.implementation)
 

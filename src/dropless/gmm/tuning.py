@@ -24,6 +24,7 @@ stacked along M (`mosaic_ws.grouped_matmul_stacked`: a CTA's output tile is 2*bl
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import math
 import os
@@ -34,6 +35,20 @@ from typing import Any
 
 from dropless.core.errors import MoEError
 from dropless.core.files import write_atomic
+
+# tokamax's Mosaic GPU ragged-dot module: not part of its public API (tokamax.ops.gpu, which re-exports it,
+# also imports tokamax's Triton kernels, which need jax_triton); pyproject.toml pins the tested tokamax release.
+TOKAMAX_MOSAIC_MODULE = "tokamax._src.ops.ragged_dot.pallas_mosaic_gpu"
+
+
+def import_tokamax(module: str = "tokamax"):
+    """`module` of tokamax, or one MoEError naming the fix where tokamax is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise MoEError(f"this grouped GEMM runs tokamax's kernel, but {module} cannot be imported ({error}); install "
+                       "the GPU extra (pip install 'dropless[gpu]') or choose another moe.gmm_backend.") from error
+
 
 PRODUCTS = ("fwd", "dlhs", "drhs")
 KERNELS = ("tokamax", "dropless", "dropless_ws", "dropless_ws_stream", "dropless_ws_stream_async",
@@ -94,9 +109,7 @@ class TileConfig:
     def to_tokamax(self):
         """The same tile as tokamax's `PallasMosaicRaggedDotConfig`."""
         # tokamax.ops.gpu would also import tokamax's Triton kernels, which need jax_triton.
-        from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config
-
-        return Config(
+        return import_tokamax(TOKAMAX_MOSAIC_MODULE).Config(
             block_m=self.block_m, block_n=self.block_n, block_k=self.block_k, num_stages=self.num_stages,
             split_k=1, persistent=self.persistent, grid_minor_dim=self.grid_minor_dim,
             grid_tile_width=self.grid_tile_width)
