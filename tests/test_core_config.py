@@ -243,16 +243,22 @@ def test_stop_signals_must_be_ones_a_process_can_catch():
             TrainConfig(stop_signals=f"SIGTERM,{bad}")
 
 
-def test_overrides_split_at_the_first_equals_sign_and_the_flags_win():
+def test_overrides_split_at_the_first_equals_sign_and_a_flag_may_not_contradict_one():
     assert parse_overrides(["data.source=/corpus/a=b.txt", " train.steps = 5 "]) == {
         "data.source": "/corpus/a=b.txt", "train.steps": "5"}
     for bad in ("train.steps", "=5"):
         with pytest.raises(ConfigError, match="is not a key=value override"):
             parse_overrides([bad])
-    # --steps, --data and --tokenizer are the CLI's own flags: given beside the same key=value, they win.
-    config = build_config("tiny", {"train.steps": "7", "data.source": "a.txt", "data.tokenizer": "a.json"}, steps=3,
-                          data="b.txt", tokenizer="b.json")
+    # --steps, --data and --tokenizer are the CLI's own flags for three settings: beside the same key=value they
+    # must say the same, or neither would be the user's evident intent.
+    given = {"train.steps": "3", "data.source": "b.txt", "data.tokenizer": "b.json"}
+    config = build_config("tiny", {**given, "train.seed": "4"}, steps=3, data="b.txt", tokenizer="b.json")
     assert (config.train.steps, config.data.source, config.data.tokenizer) == (3, "b.txt", "b.json")
+    assert config.train.seed == 4
+    for key, flag in (("train.steps", "--steps 3"), ("data.source", "--data b.txt"),
+                      ("data.tokenizer", "--tokenizer b.json")):
+        with pytest.raises(ConfigError, match=f"^{flag} and {key}=x disagree; give the setting once.$"):
+            build_config("tiny", {**given, key: "x"}, steps=3, data="b.txt", tokenizer="b.json")
 
 
 def test_a_config_with_yarn_rope_scaling_hashes_so_it_can_be_a_static_jit_argument():
