@@ -503,7 +503,8 @@ class DataConfig:
     # document (from the one after the last end-of-document id before it); False = every earlier position.
     document_mask: bool = False
     # The end-of-document id that separates documents (what document_mask reads); -1 = the tokenizer's, which a
-    # text corpus's run resolves and records. A token corpus carries its own separators, so it must name it.
+    # text corpus's run resolves and records when document_mask is on. A token corpus carries its own separators,
+    # so it must name it.
     eos_id: int = -1
 
     def __post_init__(self):
