@@ -163,7 +163,16 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--resume", "--overwrite", "--run-dir", "{f}/run"], ["--resume", "--overwrite", "only one"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--preset", "tiny"], ["differs from --preset tiny", "drop --preset"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--init-from-hf", "{f}/hf"], ["--init-from-hf", "--resume"]),
+    # an output that is one of the command's own inputs, refused before the input is replaced
+    (["eval", "--run-dir", "{f}/run", "--data", "{f}/ok.npy", "--json", "{f}/ok.npy"], ["--json", "is the --data file"]),
+    (["eval", "--run-dir", "{f}/run", "--tokenizer", "{f}/ok.npy", "--json", "{f}/ok.npy"],
+     ["is the --tokenizer file", "would replace the input"]),
+    (["plan", "--preset", "tiny", "--rates", "{f}/ok.npy", "--json", "{f}/ok.npy"], ["--json", "is the --rates file"]),
+    (["bench", "gmm", "--shapes", "tiny", "--configs", "{f}/ok.npy", "--out", "{f}/ok.npy"],
+     ["--out", "is the --configs file"]),
     # a flag and an override of the same setting that disagree: neither silently wins
+    (["eval", "--run-dir", "{f}/run", "--data", "{f}/ok.npy", "data.source=other.npy"],
+     ["--data", "and data.source=other.npy disagree"]),
     (["train", "--steps", "3", "--run-dir", "{f}/new11", "train.steps=4"], ["--steps 3 and train.steps=4 disagree"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--data", "{f}/ok.npy", "data.source=stdlib"],
      ["ok.npy and data.source=stdlib disagree; give the setting once."]),

@@ -294,9 +294,10 @@ def _eval_config(args) -> tuple[Path, config_lib.Config]:
                               f"train.*, data.*, parallel.* or {', '.join(EVAL_KEYS)}.")
     if args.max_sequences is not None and args.max_sequences < 1:
         raise ConfigError(f"--max-sequences must be at least 1; got {args.max_sequences}.")
+    given = config_lib.with_flags(overrides, data=args.data, tokenizer=args.tokenizer)  # refuses a contradiction
     _check_step(args)
     if args.json:
-        check_output("--json", args.json)
+        check_output("--json", args.json, inputs={"--data": args.data, "--tokenizer": args.tokenizer})
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # before the scoring, not after it
     source = Path(args.hf_dir or args.run_dir)
     if args.run_dir:
@@ -308,11 +309,10 @@ def _eval_config(args) -> tuple[Path, config_lib.Config]:
     if args.data is None and not (args.run_dir and not ckpt.imported(source)):
         raise ConfigError(f"{source} holds a Hugging Face model, which has no data of its own to score; give the "
                           "text or tokens to score with --data PATH.")
-    flags = {"data.source": args.data} if args.data is not None else {}
-    tokenizer = Path(args.tokenizer) if args.tokenizer else source / "tokenizer.json"
-    if args.tokenizer or tokenizer.is_file():  # a run trained on token files has none, and needs none
-        flags["data.tokenizer"] = str(tokenizer)
-    config = config_lib.apply_overrides(saved, {**overrides, **flags})
+    tokenizer = Path(given.get("data.tokenizer") or source / "tokenizer.json")
+    if "data.tokenizer" not in given and tokenizer.is_file():  # a run trained on token files has none, needs none
+        given["data.tokenizer"] = str(tokenizer)
+    config = config_lib.apply_overrides(saved, given)
     data = config.data
     held_out = data.eval_source or data.source  # what the scoring reads, without --data
     if args.data is None and not data.tokenizer and resolve_corpus(held_out, data.max_bytes).kind == "text":

@@ -428,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes is None:
         shapes = ["tiny"] if jax.default_backend() == "cpu" else list(DEFAULT_SHAPES)
     _refuse_gpu_sizes_on_cpu(shapes, stages)
-    out = results_path(args.out, jax.devices()[0].device_kind)  # checked, as the chart's path, before measuring
+    # checked, as the chart's path, before measuring
+    out = results_path(args.out, jax.devices()[0].device_kind, inputs={"--configs": args.configs})
     chart = check_output("--chart", args.chart or out.with_suffix(".png"), kind="PNG")
     records: list[dict] = []
     for name in shapes:

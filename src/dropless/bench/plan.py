@@ -100,7 +100,7 @@ def compiled_memory(config, devices: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     if args.json:  # written last, after the search and the compile (--compiled)
-        check_output("--json", args.json)
+        check_output("--json", args.json, inputs={"--rates": args.rates})
     config = build_config(args.preset, parse_overrides(args.overrides))
     cluster = cluster_from_args(args)
     check_memory_flag(args.device_memory_gib)

@@ -50,11 +50,12 @@ def device_slug(device_kind: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", "-".join(words)).strip("-") or "cpu"
 
 
-def results_path(template: str, device_kind: str, flag: str = "--out") -> Path:
-    """`template` with `{device}` filled in by the device's slug, checked as `flag` (`check_output`). Nothing is
-    created: `write_json` makes the folder when the record is written, so an argument refused after this check
-    leaves no empty folder behind."""
-    return check_output(flag, template.format(device=device_slug(device_kind)))
+def results_path(template: str, device_kind: str, flag: str = "--out",
+                 inputs: dict[str, str | Path | None] | None = None) -> Path:
+    """`template` with `{device}` filled in by the device's slug, checked as `flag` (`check_output`, with the
+    command's `inputs`). Nothing is created: `write_json` makes the folder when the record is written, so an
+    argument refused after this check leaves no empty folder behind."""
+    return check_output(flag, template.format(device=device_slug(device_kind)), inputs=inputs)
 
 
 def write_json(path: Path, payload, *, indent: int = 1) -> Path:

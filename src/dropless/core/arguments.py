@@ -73,13 +73,27 @@ MODEL_FILES = ("config.json", "metrics.jsonl", "router.bin", "router.json", "tra
                "*.safetensors", "*.safetensors.index.json")
 
 
-def check_output(flag: str, path: str | Path, *, directory: bool = False, kind: str = "JSON") -> Path:
+def _same_file(a: Path, b: Path) -> bool:
+    """`a` and `b` name one file: the same path once resolved, or two links to one existing file."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_output(flag: str, path: str | Path, *, directory: bool = False, kind: str = "JSON",
+                 inputs: dict[str, str | Path | None] | None = None) -> Path:
     """`path`, given as `flag`, as a Path, or a ConfigError naming what stands in its way: a directory where the
     `kind` file goes, a file where the directory goes (with `directory`), a file in place of any folder above
-    it, or one of a model directory's own files (MODEL_FILES). A folder not made yet passes: the benchmarks'
+    it, one of a model directory's own files (MODEL_FILES), or a file the same command reads (`inputs`: its flag
+    -> the path given, or None), which the write would replace. A folder not made yet passes: the benchmarks'
     writers create theirs. Called before anything is compiled or timed, so that a mistyped path costs a second,
     not the measurement the write comes after."""
     path = Path(path)
+    for name, given in (inputs or {}).items():
+        if given is not None and not directory and _same_file(path, Path(given)):
+            raise ConfigError(f"{flag} {path} is the {name} file; writing the {kind} there would replace the input, "
+                              "so choose another path.")
     if not directory and path.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; give the path of the {kind} file to write.")
     if (not directory and (path.parent / "config.json").is_file()
