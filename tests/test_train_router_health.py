@@ -330,13 +330,19 @@ def test_router_bin_is_the_little_endian_layout_router_json_describes(tmp_path):
 
 
 def test_non_finite_metrics_are_null_in_metrics_jsonl(tmp_path):
-    """A diverged step's NaN loss is JSON null, not the NaN token strict JSON readers (jq, JavaScript) refuse."""
+    """A diverged step's NaN loss is JSON null, not the NaN token strict JSON readers (jq, JavaScript) refuse; so
+    is a NaN in a per-row field (a model whose forward overflows from step 0 logs its router rows so)."""
     writer = metrics_lib.MetricsWriter(tmp_path)
-    writer.write({"step": 1, "loss": float("nan"), "grad_norm": np.float32(np.inf), "lr": 1e-3})
+    writer.write({"step": 1, "loss": float("nan"), "grad_norm": np.float32(np.inf), "lr": 1e-3,
+                  "router_token_share": np.asarray([np.nan, 0.5, -np.inf], np.float32),
+                  "max_layer_load": [[1.0, np.nan]]})
     writer.close()
     line = (tmp_path / "metrics.jsonl").read_text()
     assert json.loads(line, parse_constant=lambda token: pytest.fail(f"{token} in metrics.jsonl")) == \
-        {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3}
+        {"step": 1, "loss": None, "grad_norm": None, "lr": 1e-3, "router_token_share": [None, 0.5, None],
+         "max_layer_load": [[1.0, None]]}
+    (record,) = metrics_lib.read_metrics(tmp_path)
+    assert np.isnan(np.asarray(record["router_token_share"], np.float64)[[0, 2]]).all()  # as the plot reads them
 
 
 def test_kept_metrics_are_on_disk_before_they_replace_the_old_file(tmp_path, monkeypatch):

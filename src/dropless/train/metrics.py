@@ -276,9 +276,10 @@ class MetricsWriter:
 
 def jsonable(value):
     """`value` as a JSON file holds it: arrays as nested lists (6 digits), NumPy and JAX scalars as numbers, and a
-    float that is not finite as null (JSON has no NaN or infinity)."""
+    float that is not finite, alone or in an array, as null (JSON has no NaN or infinity)."""
     if isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0:  # an array field: nested lists, 6 digits
-        return np.round(np.asarray(value, np.float64), 6).tolist()
+        array = np.round(np.asarray(value, np.float64), 6)
+        return np.where(np.isfinite(array), array, None).tolist()
     if hasattr(value, "item"):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
