@@ -85,7 +85,8 @@ def test_cross_group_and_rope_settings_are_validated_when_the_config_is_built():
         with pytest.raises(ConfigError, match=match):
             ModelConfig(rope_scaling={**yarn, **bad})
     ModelConfig(rope_scaling={**yarn, "beta_fast": 8, "beta_slow": 8})
-    for bad, match in [({"rope_theta": 0.0}, "rope_theta=0.0 must be a positive"),
+    for bad, match in [({"rope_theta": 0.0}, "rope_theta=0.0 must be a number above 1"),
+                       ({"rope_theta": 1e-300}, r"rope_theta=1e-300 must be a number above 1 \(RoPE's base"),
                        ({"rope_theta": -1e4}, "rope_theta=-10000.0"), ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0"),
                        ({"rms_norm_eps": math.inf}, "rms_norm_eps=inf"),
                        ({"init_std": -0.02}, "init_std=-0.02 must be > 0"),

@@ -219,8 +219,9 @@ class ModelConfig:
             kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
             _require(kind == "yarn", f"model.rope_scaling type {kind!r} is not supported; use 'yarn' or null.")
             check_yarn_keys(self.rope_scaling)
-        _require(math.isfinite(self.rope_theta) and self.rope_theta > 0,
-                 f"model.rope_theta={self.rope_theta} must be a positive number (RoPE's base; 10000 in most models).")
+        # A base at or below 1 gives no long wavelengths, and one far below overflows the rotation frequencies.
+        _require(math.isfinite(self.rope_theta) and self.rope_theta > 1,
+                 f"model.rope_theta={self.rope_theta} must be a number above 1 (RoPE's base; 10000 in most models).")
         _require(math.isfinite(self.rms_norm_eps) and self.rms_norm_eps >= 0,
                  f"model.rms_norm_eps={self.rms_norm_eps} must be 0 or a small positive number (e.g. 1e-6).")
 
