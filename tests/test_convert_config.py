@@ -195,6 +195,8 @@ def test_unsupported_settings_are_named(hf, field):
     ({**QWEN3_30B_A3B, "rms_norm_eps": "1e-6"}, "rms_norm_eps='1e-6' is not a number"),
     ({**DEEPSEEK_V3, "hidden_size": "7168"}, "hidden_size='7168' is not an integer"),
     ({**MIXTRAL_8X7B, "num_experts_per_tok": True}, "num_experts_per_tok=True is not an integer"),
+    ({**DEEPSEEK_V3, "architectures": [5]}, "architectures=[5] is not a list of names"),
+    ({**DEEPSEEK_V3, "architectures": "DeepseekV3ForCausalLM"}, "architectures='DeepseekV3ForCausalLM' is not a list"),
 ])
 def test_fields_of_the_wrong_json_kind_are_named(hf, field):
     """A value no number can be read from is the file's mistake: one ConvertError naming the field and the fix,

@@ -318,6 +318,13 @@ def test_a_safetensors_tensor_whose_bytes_disagree_with_its_shape_is_named(tmp_p
         CheckpointReader(tmp_path).read("w")
 
 
+@pytest.mark.parametrize("weight_map", [{"w": 5}, {"w": ["a.safetensors"]}, ["a.safetensors"]])
+def test_an_index_whose_weight_map_is_not_names_of_files_is_one_error(tmp_path, weight_map):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ConvertError, match="is not a valid safetensors index"):
+        CheckpointReader(tmp_path)
+
+
 def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
     tensors = {name: np.full(10, i, np.float32) for i, name in enumerate("abc")}
     paths = write_sharded(tmp_path, [(n, "F32", a.shape) for n, a in tensors.items()], tensors.items(),

@@ -72,6 +72,8 @@ class ConvertWarning(UserWarning):
 def family_of(hf: dict) -> str:
     """Our model family for an HF config dict, from `architectures` (or `model_type`)."""
     archs = hf.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(arch, str) for arch in archs):
+        raise malformed("architectures", archs, 'is not a list of names (like ["DeepseekV3ForCausalLM"])')
     for arch in archs:
         if arch in ARCHITECTURES:
             return ARCHITECTURES[arch]

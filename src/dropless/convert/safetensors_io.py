@@ -88,6 +88,8 @@ class CheckpointReader:
         if index.is_file():
             try:
                 files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+                if not all(isinstance(name, str) for name in files):
+                    raise TypeError("a shard name that is not a string")
             except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError):
                 raise ConvertError(f"{index} is not a valid safetensors index (JSON with a 'weight_map' object); "
                                    "re-download it.") from None
