@@ -96,6 +96,10 @@ def test_backend_choice_and_dropless_mosaic_needs_a_gpu():
     assert isinstance(make_gmm(MoEConfig(gmm_backend="auto")),
                       XlaGmm if jax.default_backend() != "gpu" else DroplessMosaicGmm)
     assert make_gmm(MoEConfig(gmm_backend="capacity", capacity_factor=2.0)) == CapacityGmm(2.0)
+    assert MoEConfig(capacity_factor=8.0).capacity_factor == 8.0  # every expert holds every token: allowed
+    with pytest.raises(ConfigError, match=r"moe.capacity_factor=100000000.0 is beyond moe.num_experts=8, where each "
+                                          r"expert's buffer already holds every token; give a factor near 1"):
+        MoEConfig(capacity_factor=1e8)
     backend = make_gmm(MoEConfig(gmm_backend="dropless_mosaic"))
     assert isinstance(backend, DroplessMosaicGmm) and backend is make_gmm(MoEConfig(gmm_backend="dropless_mosaic"))
     if jax.default_backend() != "gpu":

@@ -339,6 +339,11 @@ class MoEConfig:
         for key in ("bias_update_rate", "aux_loss_weight", "seq_aux_loss_weight", "z_loss_weight"):
             _positive(f"moe.{key}", getattr(self, key), allow_zero=True)
         _positive("moe.capacity_factor", self.capacity_factor)
+        # At num_experts each expert's buffer already holds every routed pair; beyond it the buffers only grow
+        # (past int32's rows for a factor like 1e8).
+        _require(self.capacity_factor <= self.num_experts,
+                 f"moe.capacity_factor={self.capacity_factor} is beyond moe.num_experts={self.num_experts}, where "
+                 "each expert's buffer already holds every token; give a factor near 1 (e.g. 1.25).")
         _positive("moe.routed_scaling_factor", self.routed_scaling_factor)
         _require(self.alltoall_buffer_factor >= 1.0,
                  f"moe.alltoall_buffer_factor={self.alltoall_buffer_factor} must be >= 1.0.")
