@@ -737,6 +737,20 @@ def test_a_resume_that_changes_nothing_leaves_config_json_untouched(tmp_path, co
     with pytest.raises(config_lib.ConfigError, match="--resume to step 9, but .* has a checkpoint of step 10 already"):
         loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 9}), resume=True, overwrite=False)
     assert (run_dir / "config.json").stat().st_mtime_ns == 0
+    # A step directory no save made (empty, or without the run's items) is named, not taken for the run's step:
+    # "--steps 60 or more" would train a run of step 10 to 60.
+    for items, reason in (([], "it is empty"), (["optimizer"], "it holds no model weights"),
+                          (["model"], "it holds no optimizer state")):
+        stray = run_dir / "checkpoints" / "60"
+        shutil.rmtree(stray, ignore_errors=True)
+        for item in items:
+            (stray / item).mkdir(parents=True)
+        stray.mkdir(exist_ok=True)
+        with pytest.raises(ckpt.CheckpointError, match=rf"checkpoint 60 in .*checkpoints is not one the run saved "
+                                                       rf"\({reason}\); move it away and resume."):
+            loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 11}), resume=True, overwrite=False)
+    shutil.rmtree(stray)
+    assert (run_dir / "config.json").stat().st_mtime_ns == 0
     loop.prepare_run_dir(run_dir, config.replace(**{"train.steps": 11}), resume=True, overwrite=False)
     assert config_lib.load(run_dir / "config.json").train.steps == 11
     def fills_the_disk(path, data, *args, **kwargs):  # a write that stops partway, as on a full disk

@@ -25,7 +25,8 @@ def fake_run(run_dir: Path, config, tokenizer: bool = True, imported: bool = Fal
     `tokenizer`: the run has one (trained on text; none on tokens). `imported`: also the mark `dropless convert
     --from-hf` leaves (such a run is never resumed, only replaced)."""
     files = {"config.json": None, "metrics.jsonl": b'{"step": 1}\n', "router.json": b"{}", "router.bin": b"\0" * 8,
-             "checkpoints/10/model/data": b"weights", "tensorboard/events": b"events",
+             "checkpoints/10/model/data": b"weights", "checkpoints/10/optimizer/data": b"optimizer state",
+             "tensorboard/events": b"events",
              "checkpoints.damaged/5/model/data": b"damaged", "corpus/tokens-0123.npz": b"the old run's tokens"}
     if imported:
         files["hf_source.json"] = b"{}"

@@ -522,6 +522,17 @@ def _item_names(mngr: ocp.CheckpointManager, step: int) -> set[str]:
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
 
 
+def unfinished(run_dir: Path, step: int) -> str | None:
+    """How `step`'s directory in the run's checkpoints falls short of a run's checkpoint (a file, no model item, no
+    optimizer state), or None. Looked at without reading: a checkpoint that passes may still fail its digest."""
+    if reason := step_is_a_file(run_dir, step):
+        return reason
+    names = {p.name for p in (checkpoint_dir(run_dir) / str(step)).iterdir() if p.is_dir()}
+    if "model" not in names:
+        return "it holds no model weights" if names else "it is empty"
+    return None if "optimizer" in names else "it holds no optimizer state"
+
+
 def require_step(run_dir: Path, step: int, steps) -> None:
     """Refuse a `step` that is not among the run's saved `steps`, naming them."""
     if step not in steps:

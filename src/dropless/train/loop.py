@@ -138,6 +138,10 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
                               f"({saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} given); drop "
                               f"{given} or start a new run with --overwrite or another --run-dir.")
         reached = ckpt.latest_step(run_dir)
+        if reached is not None and config.train.steps < reached and (reason := ckpt.unfinished(run_dir, reached)):
+            # not a step the run reached (a stray or copied-in directory): training to it would start far behind
+            raise ckpt.CheckpointError(f"checkpoint {reached} in {ckpt.checkpoint_dir(run_dir)} is not one the run "
+                                       f"saved ({reason}); move it away and resume.")
         if reached is not None and config.train.steps < reached:  # the saved config would shrink behind the run
             raise ConfigError(f"--resume to step {config.train.steps}, but {run_dir} has a checkpoint of step "
                               f"{reached} already; give --steps {reached} or more (the run's is "
