@@ -534,7 +534,8 @@ def test_a_refused_start_in_a_directory_of_the_user_s_own_deletes_none_of_their_
 def test_a_run_never_starts_over_a_config_json_no_run_wrote(capsys, tmp_path):
     """A Hugging Face model's directory, and one holding another program's config.json: `train` there is refused in
     one line, with --overwrite too (it replaces runs only), and every file stays as it was. A directory where the
-    run's plot goes is named before any step, not after the last."""
+    run's plot goes, and a file where one of its directories goes, are named before any step, not after the
+    last (or as an OS error about a path the user never chose)."""
     hf, own, plotted = tmp_path / "hf", tmp_path / "own", tmp_path / "plotted"
     for directory, text in ((hf, '{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}'),
                             (own, '{"name": "my project"}')):
@@ -542,7 +543,14 @@ def test_a_run_never_starts_over_a_config_json_no_run_wrote(capsys, tmp_path):
         (directory / "config.json").write_text(text)
         (directory / "tokenizer.json").write_text("theirs")
     (plotted / "training.png").mkdir(parents=True)
+    in_the_way = {name: tmp_path / name for name in ("tensorboard", "corpus", "checkpoints.damaged")}
+    for name, directory in in_the_way.items():
+        directory.mkdir()
+        (directory / name).write_text("a file of the user's")
     for directory, extra, fragments in (
+            *((directory, [], [f"{name} is a file where the run's {what} goes; move it away."])
+              for (name, directory), what in zip(in_the_way.items(), ("TensorBoard directory", "token cache",
+                                                                      "directory for damaged checkpoints"))),
             (hf, ["--overwrite"], ["holds a Hugging Face model, not a dropless run", "--overwrite replaces runs only"]),
             (own, [], ["config.json is not a dropless run's config", "choose another --run-dir"]),
             (own, ["--overwrite"], ["config.json is not a dropless run's config", "--overwrite replaces runs only"]),

@@ -82,6 +82,10 @@ class DamagedCheckpoint(CheckpointError):
     """A checkpoint that orbax cannot read, or that reads back different from what was saved."""
 
 
+# Where --resume sets a damaged checkpoint aside, beside RUN_DIR/checkpoints.
+DAMAGED_DIR = "checkpoints.damaged"
+
+
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir).resolve() / "checkpoints"
 
@@ -575,7 +579,7 @@ def imported_fix(run_dir: Path) -> str:
 
 def reached_a_checkpoint(run_dir: Path) -> bool:
     """Whether the run in `run_dir` ever finished a checkpoint (one kept, or one set aside as damaged)."""
-    damaged = checkpoint_dir(run_dir).with_name("checkpoints.damaged")
+    damaged = checkpoint_dir(run_dir).with_name(DAMAGED_DIR)
     return bool(all_steps(run_dir)) or (damaged.is_dir() and any(damaged.iterdir()))
 
 
@@ -661,7 +665,7 @@ def _set_aside(run_dir: Path, step: int) -> Path | None:
     """Move a damaged step out of orbax's sight (process 0; the others wait). None where the step is gone
     already: another process deleted it while it was read, which is why it could not be read."""
     source = checkpoint_dir(run_dir) / str(step)
-    target = checkpoint_dir(run_dir).with_name("checkpoints.damaged") / str(step)
+    target = checkpoint_dir(run_dir).with_name(DAMAGED_DIR) / str(step)
     if jax.process_index() == 0:
         if not os.path.lexists(source):
             target = None

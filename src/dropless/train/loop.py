@@ -209,8 +209,10 @@ def _check_fixed_outputs(run_dir: Path, config: Config) -> None:
     plot, board = run_dir / metrics_lib.PLOT_FILE, run_dir / metrics_lib.TENSORBOARD_DIR
     if config.train.plot and plot.is_dir():
         raise ConfigError(f"{plot} is a directory where the run's plot goes; move it away or set train.plot=false.")
-    if board.exists() and not board.is_dir():
-        raise ConfigError(f"{board} is a file where the run's TensorBoard directory goes; move it away.")
+    for directory, what in ((board, "TensorBoard directory"), (run_dir / CACHE_DIR, "token cache"),
+                            (run_dir / ckpt.DAMAGED_DIR, "directory for damaged checkpoints")):
+        if directory.exists() and not directory.is_dir():
+            raise ConfigError(f"{directory} is a file where the run's {what} goes; move it away.")
 
 
 def train(config: Config, run_dir: Path, *, resume: bool = False, overwrite: bool = False,
