@@ -90,6 +90,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (root / "hfbig" / "config.json").write_text('{"model_type": "mixtral", "hidden_size": "big"}')
     (root / "empty.npy").write_bytes(b"")
     (root / "garbage.npy").write_text("not an array")
+    (root / "list.json").write_text("[1, 2]")  # JSON, but not the record a command reads
+    (root / "object.json").write_text('{"a": 1}')
     np.save(root / "zero.npy", np.zeros((0, 8), np.int32))
     np.save(root / "ok.npy", np.ones((1, 4), np.int32))
     (root / "adir").mkdir()
@@ -218,8 +220,13 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--resume", "--run-dir", " "], ["argument --run-dir: an empty path"]),
     (["convert", "--from", "", "--to-hf", "{f}/out"], ["argument --from: an empty path"]),
     (["logits", "--run-dir", "{f}/run", "--tokens", "{f}/ok.npy", "--out", ""], ["argument --out: an empty path"]),
-    (["bench", "step", "--preset", "tiny", "--seconds", "nan"], ["--seconds nan a number of seconds, 0 or more"]),
+    (["bench", "step", "--preset", "tiny", "--seconds", "nan"],
+     ["--seconds nan must be a number of seconds, 0 or more"]),
     (["bench", "step", "--chart", "{f}/garbage.npy"], ["--chart", "is not a JSON record"]),
+    (["bench", "step", "--chart", "{f}/list.json"], ["--chart", "list.json is not a JSON record"]),
+    (["bench", "step", "--chart", "{f}/object.json"], ["--chart", "object.json is not a JSON record"]),
+    (["bench", "step", "--ep-devices", "0"], ["--ep-devices 0 must be at least 1"]),
+    (["bench", "step", "--compile-workers", "-1"], ["--compile-workers -1 must be at least 1"]),
     (["bench", "step", "--preset", "tiny", "--compilation-cache", "{f}/ok.npy", *SMALL_OVERRIDES],
      ["--compilation-cache", "ok.npy is a file, not a directory"]),  # before compiling
     (["bench", "step", "--preset", "tiny", "--record", "{f}/adir", *SMALL_OVERRIDES],

@@ -31,7 +31,7 @@ from dropless.bench.ladder import RUNGS, run_ladder
 from dropless.bench.records import environment, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_output
+from dropless.core.arguments import ArgumentParser, check_count, check_output, check_seconds
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
 from dropless.train.setup import fit_check
@@ -73,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             ladder = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ConfigError(f"--chart {path} is not a JSON record; give the step-<device>.json a ladder wrote.") from None
+            ladder = None
+        # JSON of another kind (a list, another benchmark's record) has no rungs to draw
+        if not (isinstance(ladder, dict) and isinstance(ladder.get("ladder"), list)
+                and all(isinstance(rung, dict) for rung in ladder["ladder"])):
+            raise ConfigError(f"--chart {path} is not a JSON record; give the step-<device>.json a ladder wrote.")
         print(f"dropless: wrote {report.ladder_chart(ladder, path.with_suffix('.png'))}")
         return 0
     try:
@@ -82,9 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         rungs = {0}
     if not (args.budget >= 0):
         raise ConfigError(f"--budget {args.budget} must be a number of seconds, 0 or more.")
-    if not (args.steps >= 1 and args.warmup >= 0 and math.isfinite(args.seconds) and args.seconds >= 0):
-        raise ConfigError(f"--steps {args.steps} must be at least 1, --warmup {args.warmup} at least 0 and --seconds "
-                          f"{args.seconds} a number of seconds, 0 or more.")
+    check_count("--steps", args.steps)
+    check_count("--warmup", args.warmup, 0)
+    check_seconds("--seconds", args.seconds)
+    check_count("--ep-devices", args.ep_devices)
+    if args.compile_workers is not None:
+        check_count("--compile-workers", args.compile_workers)
     if rungs is not None and not rungs <= set(RUNGS):
         print(f"dropless: error: --rungs {args.rungs!r} must list rungs from 1 to {max(RUNGS)}, e.g. --rungs 1,4,5.",
               file=sys.stderr)

@@ -1,10 +1,12 @@
-"""The command-line parser every `dropless` command uses: argparse, with its errors on one line; and the check of
-an output path that a command writes only after minutes of work."""
+"""The command-line parser every `dropless` command uses: argparse, with its errors on one line; the checks of
+counts and durations a command measures with; and the check of an output path that a command writes only after
+minutes of work."""
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import math
 import os
 from pathlib import Path
 
@@ -64,6 +66,20 @@ def check_choices(flag: str, chosen: list[str], allowed) -> None:
     shown as ''), and the choices."""
     if bad := [x if x else repr(x) for x in chosen if x not in allowed]:
         raise ConfigError(f"{flag}: {', '.join(bad)} not known; choose from {', '.join(allowed)}.")
+
+
+def check_count(flag: str, value: int, least: int = 1, why: str = "") -> None:
+    """A ConfigError where the count `value`, given as `flag`, is below `least`: no steps or calls leave nothing to
+    take a median of, and a negative count means nothing (a range of it is empty). `why` ends the sentence."""
+    if value < least:
+        raise ConfigError(f"{flag} {value} must be at least {least}{why}.")
+
+
+def check_seconds(flag: str, value: float, *, above_zero: bool = False) -> None:
+    """A ConfigError where `value`, given as `flag`, is not a finite number of seconds, 0 or more (above 0 with
+    `above_zero`): nan passes float() and then fails every comparison, which quietly means a limit no one asked for."""
+    if not (math.isfinite(value) and (value > 0 if above_zero else value >= 0)):
+        raise ConfigError(f"{flag} {value} must be a number of seconds, {'above 0' if above_zero else '0 or more'}.")
 
 
 # The files of a model directory (a dropless run, or a Hugging Face model: a folder holding config.json) that an
