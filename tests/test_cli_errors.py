@@ -227,6 +227,16 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "step", "--chart", "{f}/object.json"], ["--chart", "object.json is not a JSON record"]),
     (["bench", "step", "--ep-devices", "0"], ["--ep-devices 0 must be at least 1"]),
     (["bench", "step", "--compile-workers", "-1"], ["--compile-workers -1 must be at least 1"]),
+    (["bench", "plan-accuracy", "--table", "{f}/garbage.npy"], ["--table", "is not a plan-accuracy record"]),
+    (["bench", "plan-accuracy", "--table", "{f}/list.json"], ["--table", "is not a plan-accuracy record"]),
+    (["bench", "plan-accuracy", "--table", "{f}/object.json"], ["--table", "is not a plan-accuracy record"]),
+    (["bench", "plan-accuracy", "--budget", "nan"], ["--budget nan must be a number of seconds, above 0"]),
+    (["bench", "plan-accuracy", "--set", "tiny", "--budget", "-1"], ["--budget -1.0 must be a number of seconds"]),
+    (["bench", "plan-accuracy", "--set", "tiny", "--device", "nope"],  # before the compile process starts
+     ["the rate table has no device 'nope'; choose one of"]),
+    (["bench", "plan-accuracy", "--steps", "0"], ["--steps 0 must be at least 1"]),
+    (["bench", "plan-accuracy", "--warmup", "-1"], ["--warmup -1 must be at least 0"]),
+    (["bench", "plan-accuracy", "--seconds", "nan"], ["--seconds nan must be a number of seconds, 0 or more"]),
     (["bench", "step", "--preset", "tiny", "--compilation-cache", "{f}/ok.npy", *SMALL_OVERRIDES],
      ["--compilation-cache", "ok.npy is a file, not a directory"]),  # before compiling
     (["bench", "step", "--preset", "tiny", "--record", "{f}/adir", *SMALL_OVERRIDES],

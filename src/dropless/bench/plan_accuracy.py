@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dropless.core.arguments import ArgumentParser, check_output
+from dropless.core.arguments import ArgumentParser, check_count, check_output, check_seconds
 from dropless.core.config import ConfigError, build_config, parse_overrides
 
 GIB = 1024**3
@@ -239,6 +239,19 @@ def step_spread(step_ms_all: list[float]) -> float:
     return max(step_ms_all) / min(step_ms_all) - 1
 
 
+def read_record(path: str) -> dict:
+    """The record a run of this benchmark wrote at `path`, or a ConfigError saying it is not one."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        record = None
+    if not (isinstance(record, dict) and record.get("benchmark") == "plan-accuracy"
+            and isinstance(record.get("configs"), list) and all(isinstance(row, dict) for row in record["configs"])):
+        raise ConfigError(f"--table {path} is not a plan-accuracy record; give the JSON that "
+                          "'dropless bench plan-accuracy --out' wrote.")
+    return record
+
+
 def markdown_table(record: dict) -> str:
     """The predicted-against-measured table (BENCHMARKS.md, docs/planning.md) from a record."""
     lines = ["| configuration | peak predicted / measured (GiB) | error | step predicted / measured (ms) | error |",
@@ -283,8 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.table:
-        print(markdown_table(json.loads(Path(args.table).read_text())))
+        print(markdown_table(read_record(args.table)))
         return 0
+    check_count("--warmup", args.warmup, 0)
+    check_count("--steps", args.steps)
+    check_seconds("--seconds", args.seconds)
+    # the compile phase and each worker run under what is left of it (subprocess timeouts)
+    check_seconds("--budget", args.budget, above_zero=True)
+    if args.device:  # the compile process would fail on it after starting a backend
+        from dropless.plan.cost import device_rates, load_rates
+
+        device_rates(load_rates(), args.device)
     if args.compile:
         print(json.dumps(compile_all(json.loads(args.compile), args.cache, args.device)))
         return 0
