@@ -36,7 +36,7 @@ from dropless.bench import pgle, profile, report
 from dropless.bench.harness import time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_choices, check_output
+from dropless.core.arguments import ArgumentParser, check_choices, check_count, check_output
 from dropless.core.config import ConfigError, ParallelConfig, build_config, parse_overrides
 from dropless.core.mesh import batch_sharding, make_mesh
 from dropless.core.xla_flags import SCHEDULING_CANDIDATES
@@ -301,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.traces:
         check_output("--traces", args.traces, directory=True)
     xla_flags.apply()  # before JAX starts a backend: ragged_all_to_all needs its decomposer flag
-    if args.devices < 1:
-        raise ConfigError(f"--devices {args.devices} must be at least 1.")
+    check_count("--devices", args.devices)
+    check_count("--tokens", args.tokens)
+    check_count("--iters", args.iters, why=": the rounds whose median ratio is kept")
+    check_count("--profile-iters", args.profile_iters, why=": the calls traced for the kernel-time breakdown")
     devices = jax.devices()[:args.devices]
     if len(devices) < args.devices:
         raise ConfigError(f"--devices {args.devices} but only {len(devices)} are present; lower --devices.")
