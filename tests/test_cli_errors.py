@@ -245,6 +245,8 @@ def files(tmp_path_factory) -> pathlib.Path:
      ["--iters 0 must be at least 1"]),
     (["bench", "ep", "--preset", "tiny", "--devices", "1", "--profile-iters", "0", "--out", "{f}/ep0.json"],
      ["--profile-iters 0 must be at least 1"]),
+    (["bench", "scale", "--steps", "0"], ["--steps 0 must be at least 1"]),
+    (["bench", "scale", "--seconds", "nan"], ["--seconds nan must be a number of seconds, 0 or more"]),
     (["bench", "step", "--preset", "tiny", "--compilation-cache", "{f}/ok.npy", *SMALL_OVERRIDES],
      ["--compilation-cache", "ok.npy is a file, not a directory"]),  # before compiling
     (["bench", "step", "--preset", "tiny", "--record", "{f}/adir", *SMALL_OVERRIDES],

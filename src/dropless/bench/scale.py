@@ -27,7 +27,7 @@ from dropless.bench.profile import PROFILE_COMPILER_OPTIONS
 from dropless.bench.records import environment, results_path, write_json
 from dropless.bench.runner import Runner, Variant, compile_variants
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_choices
+from dropless.core.arguments import ArgumentParser, check_choices, check_count, check_seconds
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train import metrics as metrics_lib
 from dropless.train.setup import fit_check
@@ -104,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    check_count("--steps", args.steps)
+    check_seconds("--seconds", args.seconds)
     xla_flags.apply()  # before JAX starts a backend
     try:
         wanted = sorted({int(n) for n in args.devices.split(",") if n})
