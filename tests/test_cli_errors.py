@@ -247,6 +247,11 @@ def files(tmp_path_factory) -> pathlib.Path:
      ["--profile-iters 0 must be at least 1"]),
     (["bench", "scale", "--steps", "0"], ["--steps 0 must be at least 1"]),
     (["bench", "scale", "--seconds", "nan"], ["--seconds nan must be a number of seconds, 0 or more"]),
+    (["bench", "gmm", "--shapes", "tiny", "--seed", "-1", "--out", "{f}/gmm-seed.json"],
+     ["--seed -1 must be at least 0"]),
+    (["tune-gmm", "--preset", "tiny", "--rows", "0"], ["--rows 0 must be at least 1"]),
+    (["tune-gmm", "--preset", "tiny", "--workers", "0"], ["--workers 0 must be at least 1"]),
+    (["tune-gmm", "--preset", "tiny", "--seed", "-1"], ["--seed -1 must be at least 0"]),
     (["bench", "step", "--preset", "tiny", "--compilation-cache", "{f}/ok.npy", *SMALL_OVERRIDES],
      ["--compilation-cache", "ok.npy is a file, not a directory"]),  # before compiling
     (["bench", "step", "--preset", "tiny", "--record", "{f}/adir", *SMALL_OVERRIDES],

@@ -30,7 +30,7 @@ from dropless.bench import expert_stage, report
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls
 from dropless.bench.records import environment, results_path, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_choices, check_output
+from dropless.core.arguments import ArgumentParser, check_choices, check_count, check_output
 from dropless.core.config import ConfigError
 from dropless.gmm import tuning as gmm_tuning
 from dropless.gmm.capacity import CapacityGmm
@@ -422,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         check_choices(flag, chosen, allowed)
     if args.shapes is not None and not shapes and not stages:
         raise ConfigError(f"--shapes names no shape; choose from {', '.join(SHAPES)}.")
-    if args.batches < 1:
-        raise ConfigError(f"--batches {args.batches} must be at least 1: the timed batches whose median is kept.")
+    check_count("--batches", args.batches, why=": the timed batches whose median is kept")
+    check_count("--seed", args.seed, 0, why=": numpy's generator of the group sizes takes no negative seed")
     xla_flags.apply()  # before JAX starts a backend
     if args.shapes is None:
         shapes = ["tiny"] if jax.default_backend() == "cpu" else list(DEFAULT_SHAPES)

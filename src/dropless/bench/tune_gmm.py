@@ -29,7 +29,7 @@ from dropless.bench.gmm import SHAPES, SKEWS, checked_groups, group_sizes
 from dropless.bench.harness import REL_ERR_LIMIT, compile_in_threads, first_line, time_calls, watchdog
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_output
+from dropless.core.arguments import ArgumentParser, check_count, check_output
 from dropless.core.config import ConfigError, load_preset
 from dropless.gmm import tuning as gt
 from dropless.gmm.dropless_mosaic import ragged_contract, ragged_rows
@@ -295,6 +295,9 @@ def _keep_untuned(table: dict, device: str, shape: ShapeKey, products, best: dic
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    check_count("--rows", args.rows, why=": the rows M of each --preset shape's grouped GEMM")
+    check_count("--workers", args.workers, why=": the compilations run at once")
+    check_count("--seed", args.seed, 0, why=": numpy's generator of the group sizes takes no negative seed")
     shapes = _shapes(args)
     if not shapes:
         raise ConfigError("give the shapes to tune: --preset NAME, --shape M,K,N,G or --bench-shapes.")
