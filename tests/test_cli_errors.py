@@ -66,6 +66,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     train_bpe(["def f(x):\n    return x\n"] * 20, 300).save(root / "run" / "tokenizer.json")
     shutil.copytree(root / "run", root / "ckfile")
     (root / "ckfile" / "checkpoints").write_text("")  # a file where the run's checkpoints directory belongs
+    (root / "tokenless").mkdir()  # a run trained on token ids: no tokenizer.json
+    (root / "tokenless" / "config.json").write_text(saved)
     for name, group, key, value in (("choicelist", "moe", "gmm_backend", [1]),
                                     ("choicedict", "train", "dtype", {"a": 1})):
         (root / name).mkdir()
@@ -165,6 +167,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["train", "--resume", "--overwrite", "--run-dir", "{f}/run"], ["--resume", "--overwrite", "only one"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--preset", "tiny"], ["differs from --preset tiny", "drop --preset"]),
     (["train", "--resume", "--run-dir", "{f}/run", "--init-from-hf", "{f}/hf"], ["--init-from-hf", "--resume"]),
+    (["generate", "--run-dir", "{f}/tokenless", "--prompt", "x"],
+     ["tokenless/tokenizer.json is missing: generation needs the tokenizer", "dropless logits --tokens"]),
     # an output that is one of the command's own inputs, refused before the input is replaced
     (["eval", "--run-dir", "{f}/run", "--data", "{f}/ok.npy", "--json", "{f}/ok.npy"], ["--json", "is the --data file"]),
     (["eval", "--run-dir", "{f}/run", "--tokenizer", "{f}/ok.npy", "--json", "{f}/ok.npy"],

@@ -185,7 +185,9 @@ def cmd_generate(args) -> int:
     vocab = saved.model.vocab_size
     tokenizer_path = source / "tokenizer.json"
     if not tokenizer_path.exists():
-        raise ConfigError(f"{tokenizer_path} is missing; generation needs the tokenizer the model was trained with.")
+        raise ConfigError(f"{tokenizer_path} is missing: generation needs the tokenizer the model was trained with "
+                          "(a run trained on token ids has none: score ids with 'dropless logits --tokens', or put "
+                          "the tokenizer that made them there).")
     tokenizer = read_tokenizer_file(tokenizer_path)
     prompt_ids = encode_prompt(tokenizer, args.prompt, trained=bool(args.run_dir) and not ckpt.imported(source))
     check_prompt(prompt_ids)  # before the model loads
