@@ -239,6 +239,9 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "plan-accuracy", "--set", "tiny", "--device", "nope"],  # before the compile process starts
      ["the rate table has no device 'nope'; choose one of"]),
     (["bench", "plan-accuracy", "--steps", "0"], ["--steps 0 must be at least 1"]),
+    (["bench", "plan-accuracy", "--set", "tiny", "--out", "{f}/garbage.npy"],  # read before anything is measured
+     ["--out", "garbage.npy is not a plan-accuracy record"]),
+    (["bench", "plan-accuracy", "--set", "tiny", "--budget", "0.001"], ["the compile phase ran past --budget=0 s"]),
     (["bench", "plan-accuracy", "--warmup", "-1"], ["--warmup -1 must be at least 0"]),
     (["bench", "plan-accuracy", "--seconds", "nan"], ["--seconds nan must be a number of seconds, 0 or more"]),
     (["bench", "ep", "--preset", "tiny", "--devices", "1", "--tokens", "0", "--out", "{f}/ep0.json"],

@@ -188,7 +188,7 @@ def run(config_set: str, out: str | None, *, warmup: int, steps: int, seconds: f
             done = _subprocess(["--compile", json.dumps(jobs), "--cache", cache_dir]
                                + (["--device", device] if device else []), timeout=budget)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the compile phase ran past --budget={budget:.0f} s; raise --budget") from None
+            raise ConfigError(f"the compile phase ran past --budget={budget:.0f} s; raise --budget.") from None
         phase = _last_json(done)
         if phase is None:
             raise RuntimeError(f"the compile process failed: {_failure(done)}")
@@ -225,7 +225,7 @@ def run(config_set: str, out: str | None, *, warmup: int, steps: int, seconds: f
             log(f"{row['name']:32s} {row['status']:6.40s} " + " ".join(
                 f"{k} {row[k]:+.1%}" for k in ("peak_error", "step_error") if k in row))
             rows.append(row)
-    previous = json.loads(Path(out).read_text()) if out and Path(out).is_file() else None
+    previous = read_record(out, "--out") if out and Path(out).is_file() else None
     record = {"benchmark": "plan-accuracy", "environment": env, "device": device, "config_set": config_set,
               "wall_s": time.perf_counter() - start, "targets": {"peak": 0.10, "step": 0.20},
               "configs": merged_rows(previous, rows, config_set)}
@@ -239,15 +239,16 @@ def step_spread(step_ms_all: list[float]) -> float:
     return max(step_ms_all) / min(step_ms_all) - 1
 
 
-def read_record(path: str) -> dict:
-    """The record a run of this benchmark wrote at `path`, or a ConfigError saying it is not one."""
+def read_record(path: str, flag: str = "--table") -> dict:
+    """The record a run of this benchmark wrote at `path` (given as `flag`), or a ConfigError saying it is not
+    one."""
     try:
         record = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         record = None
     if not (isinstance(record, dict) and record.get("benchmark") == "plan-accuracy"
             and isinstance(record.get("configs"), list) and all(isinstance(row, dict) for row in record["configs"])):
-        raise ConfigError(f"--table {path} is not a plan-accuracy record; give the JSON that "
+        raise ConfigError(f"{flag} {path} is not a plan-accuracy record; give the JSON that "
                           "'dropless bench plan-accuracy --out' wrote.")
     return record
 
@@ -313,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(run_one(json.loads(args.worker), args.cache, args.warmup, args.steps, args.seconds)))
         return 0
-    if args.out:  # the record is written once every configuration has run
+    if args.out:  # the record is written once every configuration has run, beside the rows it holds already
         check_output("--out", args.out)
+        if Path(args.out).is_file():
+            read_record(args.out, "--out")
     record = run(args.set, args.out, warmup=args.warmup, steps=args.steps, seconds=args.seconds,
                  budget=args.budget, device=args.device, part=args.part)
     print(markdown_table(record))
