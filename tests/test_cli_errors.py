@@ -268,6 +268,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "step", "--preset", "tiny", "--record", "{f}/ok.npy/new/step.json", *SMALL_OVERRIDES],
      ["--record", "ok.npy is a file, not a directory"]),
     (["bench", "ep", "--devices", "0"], ["--devices 0 must be at least 1"]),
+    (["bench", "ep", "--preset", "tiny", "--devices", "1", "--tokens", "300", "train.seq_len=256"],
+     ["--tokens 300 must be a multiple of train.seq_len=256", "e.g. --tokens 256"]),
     (["tune-gmm", "--shape", "1024,64,64,0"], ["--shape '1024,64,64,0' must be four positive integers"]),
     (["bench", "plan-accuracy", "--part", "3/2"], ["--part '3/2' is not K/N"]),
     (["bench", "scale", "--devices", "one"], ["--devices 'one' must be comma-separated integers"]),

@@ -325,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     if not xla or (unknown := [x for x in xla if x not in ("none", "pgle", *xla_flags.SCHEDULING_CANDIDATES)]):
         raise ConfigError(f"--xla {args.xla!r}: choose from none, pgle, {', '.join(xla_flags.SCHEDULING_CANDIDATES)}.")
     config = build_config(args.preset, parse_overrides(args.overrides))
+    seq = config.train.seq_len  # each device holds --tokens / seq sequences: a remainder would go unmeasured
+    if args.tokens > seq and args.tokens % seq:
+        raise ConfigError(f"--tokens {args.tokens} must be a multiple of train.seq_len={seq} (whole sequences per "
+                          f"device), or at most it; e.g. --tokens {args.tokens // seq * seq}.")
     out = results_path(args.out, devices[0].device_kind)  # checked before measuring
     records = measure(config, strategies, skews, tokens_per_device=args.tokens, devices=devices, iters=args.iters,
                       profile_iters=args.profile_iters, chunks=chunks, xla=xla,
