@@ -51,11 +51,13 @@ BENCH_DEPS := bench-needs-gpu $(BENCH_SETUP)
 DROPLESS := $(BENCH_PYTHON) -m dropless.cli
 RESULTS := benchmarks/results
 BENCH_SCRATCH := build/bench
-# $(call merge_records,BENCHMARK,OUT,RECORDS): one record for a benchmark of several runs, each run's record in it.
+# $(call merge_records,BENCHMARK,OUT,RECORDS): one record for a benchmark of several runs, each run's record in it
+# under the name of its file ("run"), which says what a setting outside the config (an environment) was.
 # (RESULTS may name a folder not made yet, e.g. on a device machine's output folder.)
 merge_records = $(BENCH_PYTHON) -c 'import json, os, sys; name, out, *parts = sys.argv[1:]; \
-  os.makedirs(os.path.dirname(out) or ".", exist_ok=True); json.dump({"benchmark": name, \
-  "records": [json.load(open(p)) for p in parts]}, open(out, "w"), indent=1)' $(1) $(2) $(3)
+  os.makedirs(os.path.dirname(out) or ".", exist_ok=True); json.dump({"benchmark": name, "records": [{"run": \
+  os.path.basename(p).removesuffix(".json"), **json.load(open(p))} for p in parts]}, open(out, "w"), indent=1)' \
+  $(1) $(2) $(3)
 # The device part of a record's name, read when a target runs: "NVIDIA H200" -> h200; two GPUs -> h200x2.
 GPU = $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | sed 's/^nvidia-//')
 DSV3_SHAPES := dsv3-gate-up-e32,dsv3-down-e32,dsv3-gate-up-e256,dsv3-down-e256
@@ -312,6 +314,7 @@ bench-fp8-fresh-acc: $(BENCH_DEPS)
 	  $(BENCH_PYTHON) -c "import sys; from dropless.gmm import fresh_acc; fresh_acc.ENABLED = $$2; \
 	  from dropless.cli import main; sys.exit(main(sys.argv[1:]))" bench step --preset deepseek-v3-proxy --steps 5 \
 	  --seconds 6 --record $(BENCH_SCRATCH)/fp8-fresh-acc-step-$$1-$$2.json train.fp8=$$1 || exit 1; done
+	$(call merge_records,fp8-fresh-acc-step,$(RESULTS)/fp8-fresh-acc-step-$(GPU).json,$(foreach r,off-False blockwise-False blockwise-True,$(BENCH_SCRATCH)/fp8-fresh-acc-step-$(r).json))
 
 # 1 GPU: the blockwise weight gradient written in bf16 (train.fp8_wgrad_dtype=bfloat16) against float32: its
 # kernels' tiles and output dtypes at DeepSeek-V3's widths with 32 and 256 groups, then the proxy's step in bf16,

@@ -33,8 +33,8 @@ _lowering = importlib.import_module("jax.experimental.mosaic.gpu.dialect_lowerin
 _BARRIER = "mosaic_gpu.optimization_barrier"
 _WGMMA = "mosaic_gpu.wgmma"
 MODULE_PREFIX = "dropless_fp8_gmm_"
-# Read when a kernel is lowered. Off by default until `make bench-fp8-fresh-acc` has timed it on a GPU: speed is
-# measured, not assumed; the benchmark lowers every kernel both ways.
+# Read when a kernel is lowered. Off: `make bench-fp8-fresh-acc`, which lowers every kernel both ways, measures the
+# same bits and no product or step faster with it on an H200 (BENCHMARKS.md).
 ENABLED = False
 # The predicate wgmma_m64 builds from its first immediate operand: `setp.ne.b32 p, $<operand>, 0`.
 _SCALE_D = re.compile(r"setp\.ne\.b32 p, \$(\d+), 0;\s*wgmma\.mma_async")
