@@ -252,14 +252,14 @@ def test_overrides_split_at_the_first_equals_sign_and_a_flag_may_not_contradict_
             parse_overrides([bad])
     # --steps, --data and --tokenizer are the CLI's own flags for three settings: beside the same key=value they
     # must say the same, or neither would be the user's evident intent.
-    given = {"train.steps": "3", "data.source": "b.txt", "data.tokenizer": "b.json"}
+    given = {"train.steps": "0_003", "data.source": "b.txt", "data.tokenizer": "b.json"}  # 0_003 is 3
     config = build_config("tiny", {**given, "train.seed": "4"}, steps=3, data="b.txt", tokenizer="b.json")
     assert (config.train.steps, config.data.source, config.data.tokenizer) == (3, "b.txt", "b.json")
     assert config.train.seed == 4
-    for key, flag in (("train.steps", "--steps 3"), ("data.source", "--data b.txt"),
-                      ("data.tokenizer", "--tokenizer b.json")):
-        with pytest.raises(ConfigError, match=f"^{flag} and {key}=x disagree; give the setting once.$"):
-            build_config("tiny", {**given, key: "x"}, steps=3, data="b.txt", tokenizer="b.json")
+    for key, flag, other in (("train.steps", "--steps 3", "4"), ("data.source", "--data b.txt", "x"),
+                             ("data.tokenizer", "--tokenizer b.json", "x")):
+        with pytest.raises(ConfigError, match=f"^{flag} and {key}={other} disagree; give the setting once.$"):
+            build_config("tiny", {**given, key: other}, steps=3, data="b.txt", tokenizer="b.json")
 
 
 def test_a_config_with_yarn_rope_scaling_hashes_so_it_can_be_a_static_jit_argument():

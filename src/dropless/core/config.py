@@ -755,12 +755,15 @@ FLAGS = {"train.steps": "--steps", "data.source": "--data", "data.tokenizer": "-
 def with_flags(overrides: dict[str, str], *, steps: int | None = None, data: str | None = None,
                tokenizer: str | None = None) -> dict[str, str]:
     """`overrides` with the flags given among (--steps, --data, --tokenizer) added as their settings; a flag and an
-    override of the same setting with different values are refused rather than one silently taking precedence."""
+    override of the same setting with different values (`train.steps=1_000` is `--steps 1000`) are refused rather
+    than one silently taking precedence."""
     merged = dict(overrides)
     for key, value in zip(FLAGS, (steps, data, tokenizer), strict=True):
         if value is None:
             continue
-        if key in overrides and overrides[key] != str(value):
+        group, _, name = key.partition(".")
+        hint = _field_type(_group_classes()[group], name)
+        if key in overrides and _coerce(key, overrides[key], hint) != _coerce(key, str(value), hint):
             raise ConfigError(f"{FLAGS[key]} {value} and {key}={overrides[key]} disagree; give the setting once.")
         merged[key] = str(value)
     return merged
