@@ -383,3 +383,14 @@ def test_the_nonfinite_guard_counts_steps_in_a_row_across_its_checks(tmp_path):
     with pytest.raises(TrainingDiverged, match=r"not finite at steps 4-6 \(3 in a row.*the last good checkpoint is "
                                                r"step 4 in "):
         guard.check(6, 4, tmp_path)
+
+
+def test_a_loss_not_finite_from_the_first_step_is_not_blamed_on_the_learning_rate(tmp_path):
+    """Step 1's loss and gradients come before any update: a streak from there is the model's settings or the
+    data, and the one line says so instead of advising a lower learning rate."""
+    guard = loop._NonfiniteGuard(2)
+    for _ in range(2):
+        guard.add(np.bool_(True))
+    with pytest.raises(TrainingDiverged, match=r"not finite from step 1, before any update was applied \(2 steps in "
+                                               r"a row.*the learning rate is not the cause; check the model's settings"):
+        guard.check(2, None, tmp_path)

@@ -426,6 +426,11 @@ class _NonfiniteGuard:
         flags, self.pending = jax.device_get(self.pending), []
         for step, flag in enumerate(flags, done - len(flags) + 1):
             self.streak, self.first_bad = (self.streak + 1, self.first_bad or step) if flag else (0, None)
+            if self.streak >= self.limit and self.first_bad == 1:  # the first loss precedes every update
+                raise TrainingDiverged(
+                    f"The loss or gradient norm was not finite from step 1, before any update was applied "
+                    f"({self.streak} steps in a row, train.max_nonfinite_steps={self.limit}), so the learning rate "
+                    "is not the cause; check the model's settings (model.*, moe.*) and the data.")
             if self.streak >= self.limit:
                 fix = (f"the last good checkpoint is step {last_saved} in {ckpt.checkpoint_dir(run_dir)}, which "
                        "--resume continues with the same settings; check the data, or start a new run with a lower "
