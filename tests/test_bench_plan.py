@@ -86,9 +86,9 @@ def rate_files(tmp_path):
      "--compiled needs the plan's 16 devices"),
     (["--compiled"], "--compiled compiles the step on this machine, a cpu, but the plan is for H200 (gpu); run it "
                      "where the plan's device is, or plan for --device cpu."),
-    (["--devices", "0"], "--devices=0 must be >= 1"),
-    (["--hosts", "2", "--gpus-per-host", "0"], "--gpus-per-host=0 must be >= 1"),
-    (["--hosts", "-1"], "--hosts=-1 must be >= 1"),
+    (["--devices", "0"], "--devices 0 must be at least 1"),
+    (["--hosts", "2", "--gpus-per-host", "0"], "--gpus-per-host 0 must be at least 1"),
+    (["--hosts", "-1"], "--hosts -1 must be at least 1"),
     (["--device-memory-gib", "0"], "--device-memory-gib=0.0 must be a finite number of GiB above 0"),
     (["--device-memory-gib", "-5"], "--device-memory-gib=-5.0 must be a finite number"),
     (["--device-memory-gib", "nan"], "--device-memory-gib=nan must be a finite number"),

@@ -275,8 +275,8 @@ def files(tmp_path_factory) -> pathlib.Path:
     (["bench", "scale", "--devices", "one"], ["--devices 'one' must be comma-separated integers"]),
     (["bench", "scale", "--out", "{f}/scale.json"], ["the plan does not fit", "usable of cpu's"]),  # the proxy
     (["profile", "--bogus"], ["unrecognized arguments: --bogus", "'dropless profile --help'"]),
-    (["profile", "--preset", "tiny", "--top", "-5", "--out", "{f}/profile1"], ["--top=-5 must be >= 1"]),
-    (["profile", "--preset", "tiny", "--top", "0", "--out", "{f}/profile2"], ["--top=0 must be >= 1"]),
+    (["profile", "--preset", "tiny", "--top", "-5", "--out", "{f}/profile1"], ["--top -5 must be at least 1: the number of costliest"]),
+    (["profile", "--preset", "tiny", "--top", "0", "--out", "{f}/profile2"], ["--top 0 must be at least 1"]),
     (["profile", "--preset", "tiny", "--out", "{f}/run"], ["--out", "holds a run"]),
     # Bytes that are not UTF-8 (Python keeps them as lone surrogates): no tokenizer or checkpoint writer takes them.
     (["generate", "--run-dir", "{f}/run", "--prompt", "a\udcffb"],

@@ -18,7 +18,7 @@ import math
 from dropless.bench import harness
 from dropless.bench.records import write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_output
+from dropless.core.arguments import ArgumentParser, check_count, check_output
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.plan import Cluster, format_plan, make_plan, search
 from dropless.plan.cost import load_rates, rate_key
@@ -51,8 +51,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def cluster_from_args(args) -> Cluster:
     for flag, value in (("--devices", args.devices), ("--hosts", args.hosts), ("--gpus-per-host", args.gpus_per_host)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag}={value} must be >= 1.")
+        if value is not None:
+            check_count(flag, value)
     if args.hosts is not None:
         return Cluster(args.hosts, args.gpus_per_host or 8, args.device)
     devices = args.devices or 1

@@ -41,7 +41,7 @@ import jax
 from dropless.bench import harness
 from dropless.bench.records import environment, write_json
 from dropless.core import xla_flags
-from dropless.core.arguments import ArgumentParser, check_output
+from dropless.core.arguments import ArgumentParser, check_count, check_output
 from dropless.core.config import ConfigError, build_config, parse_overrides
 from dropless.train.setup import fit_check
 
@@ -434,10 +434,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
     xla_flags.apply()  # before JAX starts a backend
-    if args.steps < 1:
-        raise ConfigError(f"--steps={args.steps} must be >= 1.")
-    if args.top < 1:  # a negative count would slice the list from its end: all but the last few
-        raise ConfigError(f"--top={args.top} must be >= 1 (the number of costliest instructions to list).")
+    check_count("--steps", args.steps)
+    # a negative count would slice the list from its end: all but the last few
+    check_count("--top", args.top, why=": the number of costliest instructions to list")
     config = fit_check(build_config(args.preset, parse_overrides(args.overrides)),
                        log=lambda line: print(line, file=sys.stderr))  # refused as `dropless train` would refuse it
     out = check_output("--out", args.out or f"runs/profile-{args.preset}-{datetime.datetime.now():%Y%m%d-%H%M%S}",
