@@ -435,7 +435,7 @@ def restore(run_dir: Path, step: int, like_model, like_optimizer=None) -> dict[s
         if reason := step_is_a_file(run_dir, step):
             _agree(DamagedCheckpoint(f"{where} cannot be read ({reason})"), where)
         require_step(run_dir, step, mngr.all_steps())
-        names = _item_names(mngr, step)
+        names = _item_names(run_dir, step)
         if like_optimizer is not None and "optimizer" not in names:
             if imported(run_dir):
                 raise CheckpointError(
@@ -521,8 +521,8 @@ def _shape_mismatch(err: BaseException) -> bool:
     return any(word in text for word in ("shape", "tree structure", "dict key mismatch", "missing key"))
 
 
-def _item_names(mngr: ocp.CheckpointManager, step: int) -> set[str]:
-    step_dir = checkpoint_dir(Path(mngr.directory).parent) / str(step)
+def _item_names(run_dir: Path, step: int) -> set[str]:
+    step_dir = checkpoint_dir(run_dir) / str(step)
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
 
 
@@ -531,7 +531,7 @@ def unfinished(run_dir: Path, step: int) -> str | None:
     optimizer state), or None. Looked at without reading: a checkpoint that passes may still fail its digest."""
     if reason := step_is_a_file(run_dir, step):
         return reason
-    names = {p.name for p in (checkpoint_dir(run_dir) / str(step)).iterdir() if p.is_dir()}
+    names = _item_names(run_dir, step)
     if "model" not in names:
         return "it holds no model weights" if names else "it is empty"
     return None if "optimizer" in names else "it holds no optimizer state"

@@ -132,8 +132,8 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
             config = config.replace(**{"data.eos_id": saved.data.eos_id})
         if changed := resume_changes(saved, config):
             key = changed[0]
-            flags = config_lib.FLAGS  # the settings `dropless train` also takes as flags, named beside the key
-            given = f"that override ({flags[key]} or {key}=)" if key in flags else "that override"
+            flag = config_lib.FLAGS.get(key)  # a setting `dropless train` also takes as a flag is named beside it
+            given = f"that override ({flag} or {key}=)" if flag else "that override"
             raise ConfigError(f"--resume keeps the saved config, but {key} differs from the run's "
                               f"({saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} given); drop "
                               f"{given} or start a new run with --overwrite or another --run-dir.")
@@ -166,10 +166,9 @@ def prepare_run_dir(run_dir: Path, config: Config, *, resume: bool, overwrite: b
         saved = None if overwrite or not saved_path.is_file() else ckpt.load_run_config(run_dir)
         if saved is not None and not ckpt.reached_a_checkpoint(run_dir):
             if saved != config:
-                key = next(k for k, v in config.to_flat_dict().items() if saved.to_flat_dict()[k] != v)
                 raise ConfigError(f"{run_dir} holds a run that never reached its first checkpoint, with another "
-                                  f"config ({key}: {saved.to_flat_dict()[key]!r} saved, {config.to_flat_dict()[key]!r} "
-                                  "given); pass --overwrite to replace it, or choose another --run-dir.")
+                                  f"config ({_difference(saved, config)}); pass --overwrite to replace it, or choose "
+                                  "another --run-dir.")
             log(f"dropless: {run_dir} holds this run, which never reached its first checkpoint; starting it again "
                 "from step 0")
         elif not overwrite and not saved_path.is_file() and not ckpt.checkpoint_dir(run_dir).exists():
@@ -193,14 +192,19 @@ def _already_holds(run_dir: Path, saved: Config | None, config: Config) -> str:
     if saved is None or saved == config:
         return (f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, or choose "
                 "another --run-dir.")
-    saved_flat, given = saved.to_flat_dict(), config.to_flat_dict()
     fixed = resume_changes(saved, config)
-    key = fixed[0] if fixed else next(k for k, v in given.items() if saved_flat[k] != v)
-    differs = f"{key}: {saved_flat[key]!r} saved, {given[key]!r} given"
     resume = ("--resume continues it only without that override" if fixed
               else "pass --resume to continue it with the given settings")
-    return (f"{run_dir} already holds a run with a different config ({differs}); {resume}, --overwrite replaces "
-            "it, or choose another --run-dir.")
+    return (f"{run_dir} already holds a run with a different config ({_difference(saved, config, fixed)}); "
+            f"{resume}, --overwrite replaces it, or choose another --run-dir.")
+
+
+def _difference(saved: Config, config: Config, keys: list[str] | None = None) -> str:
+    """The first of `keys` (default: the first setting) in which `config` differs from the saved one, as
+    `KEY: SAVED saved, GIVEN given`."""
+    saved_flat, given = saved.to_flat_dict(), config.to_flat_dict()
+    key = keys[0] if keys else next(k for k, v in given.items() if saved_flat[k] != v)
+    return f"{key}: {saved_flat[key]!r} saved, {given[key]!r} given"
 
 
 def _check_fixed_outputs(run_dir: Path, config: Config) -> None:
