@@ -1,8 +1,9 @@
 """Faults injected into the real `dropless train`, in subprocesses, each compared with one uninterrupted run of
 the same config (the `reference` fixture, shared): SIGKILL at 3 seeded points (between steps and inside a
-checkpoint save, both at exact places, and 1 at a seeded wall-clock delay), then SIGTERM and SIGINT at seeded points (one while a checkpoint is being written), each
-followed by a restart, end exactly (`==`) where the uninterrupted run ends; a learning rate that makes the loss
-non-finite stops the run with exit != 0, no checkpoint with non-finite weights and the good one kept."""
+checkpoint save, both at exact places, and 1 at a seeded wall-clock delay), then SIGTERM and SIGINT at seeded
+points (one while a checkpoint is being written), each followed by a restart, end exactly (`==`) where the
+uninterrupted run ends; a learning rate that makes the loss non-finite stops the run with exit != 0, no checkpoint
+with non-finite weights and the good one kept."""
 
 from __future__ import annotations
 
@@ -86,8 +87,8 @@ STEPS = 32
 # last); no run here draws training.png, which none of these tests reads. The model is test_train.py's with one
 # MoE layer and no dense one: what is tested here is the process (every start traces the step again), and the
 # whole model's checkpoints and resumes are tested in test_train.py.
-SETTINGS = {**SMALL, "model.num_layers": 1, "model.first_dense_layers": 0, "train.eval_every": 100, "train.checkpoint_every": 10, "train.keep_checkpoints": 10,
-            "train.plot": False}
+SETTINGS = {**SMALL, "model.num_layers": 1, "model.first_dense_layers": 0, "train.eval_every": 100,
+            "train.checkpoint_every": 10, "train.keep_checkpoints": 10, "train.plot": False}
 
 
 def _env(cache: Path, **extra: str) -> dict:
@@ -219,10 +220,11 @@ KILLS = ["step", "save", "wall"]
 
 
 def test_sigkill_at_seeded_points_and_stop_signals_each_resumed_exactly(reference):
-    """One run SIGKILLed 3 times (between steps, inside a save, at a wall-clock delay; in a seeded order), each followed by a restart: `--resume` from its newest checkpoint, or, before
-    the first one, the same command again; then stopped by SIGTERM (sent twice) at a seeded step and by SIGINT
-    during a checkpoint save, each resumed. Each killed part's logged losses are compared when it dies, the whole
-    run and its checkpoints at the end."""
+    """One run SIGKILLed 3 times (between steps, inside a save, at a wall-clock delay; in a seeded order), each
+    followed by a restart: `--resume` from its newest checkpoint, or, before the first one, the same command
+    again; then stopped by SIGTERM (sent twice) at a seeded step and by SIGINT during a checkpoint save, each
+    resumed. Each killed part's logged losses are compared when it dies, the whole run and its checkpoints at the
+    end."""
     corpus, cache, run = reference.corpus, reference.cache, reference.root / "killed"
     rng = random.Random(1020)  # its plan ends with the save, past checkpoint 2: the stop signals below resume it
     kills = rng.sample(KILLS, len(KILLS))
