@@ -39,6 +39,10 @@ def compilations():
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
+# One jitted function for every call of the accumulated gradient: a call with the same config (static) and shapes
+# as an earlier one runs that one's program.
+value_and_grad = jax.jit(accumulated_value_and_grad, static_argnums=3)
+
 
 @pytest.fixture(scope="module")
 def batch_and_state():
@@ -47,8 +51,20 @@ def batch_and_state():
     params = transformer.init_params(jax.random.key(0), CONFIG)
     state = {"router_bias": 0.05 * jax.random.normal(jax.random.key(2), transformer.init_state(CONFIG)["router_bias"].shape)}
     batch = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.model.vocab_size)
-    whole = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, CONFIG))(params)  # shared by every split
+    whole = value_and_grad(params, state, batch, CONFIG)  # shared by every split
     return params, state, batch, whole
+
+
+@pytest.fixture(scope="module")
+def other_sequences_step():
+    """(config, optimizer, jitted step) of moe.router_common_source="other_sequences" with running means at rate
+    0.5: one program for the tests that train with it."""
+    from dropless.train.optimizer import make_optimizer
+    from dropless.train.step import make_train_step
+
+    config = CONFIG.replace(**{"moe.router_common_rate": 0.5, "moe.router_common_source": "other_sequences"})
+    optimizer = make_optimizer(config.train)
+    return config, optimizer, jax.jit(make_train_step(config, optimizer))
 
 
 def test_a_fresh_state_follows_train_seed_and_given_weights_are_kept(batch_and_state):
@@ -76,11 +92,12 @@ def test_microbatches_are_strided_rows_that_cover_the_batch_once():
     np.testing.assert_array_equal(np.sort(micro.reshape(-1, 3)[:, 0]), batch[:, 0])
 
 
-@pytest.mark.parametrize("count", [2, 4])
-def test_accumulated_gradients_equal_the_whole_batch(count, batch_and_state):
+def test_accumulated_gradients_equal_the_whole_batch(batch_and_state):
+    """Four microbatches of two sequences (the split of test_router_common_moves_towards_the_step_s_mean_router_input
+    too; two microbatches under expert parallelism: test_train_parallel's unrolled-layers test)."""
     params, state, batch, whole = batch_and_state
-    config = CONFIG.replace(**{"train.grad_accum_steps": count})
-    split = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, config))(params)
+    config = CONFIG.replace(**{"train.grad_accum_steps": 4})
+    split = value_and_grad(params, state, batch, config)
     (total, (cross_entropy, aux)), grads = split
     (want_total, (want_cross_entropy, want_aux)), want_grads = whole
     assert float(cross_entropy) == pytest.approx(float(want_cross_entropy), rel=1e-6)
@@ -169,7 +186,7 @@ def test_bias_centring_equalises_the_step_s_mean_selection_scores(batch_and_stat
     before = offsets(stats.score_moments, stats.tokens_routed)
     assert np.abs(before).max(axis=1).min() > 1e-3
     centred = update_router_biases(state, aux, 0.0, 1.0)
-    again = jax.jit(lambda p, s: accumulated_value_and_grad(p, s, batch, CONFIG))(params, centred)
+    again = value_and_grad(params, centred, batch, CONFIG)  # the fixture's program
     (_, (_, aux_again)), _ = again
     after = offsets(aux_again["moe"].score_moments, aux_again["moe"].tokens_routed)
     np.testing.assert_allclose(after[0], 0.0, atol=2e-6)
@@ -278,28 +295,26 @@ def test_router_common_moves_towards_the_step_s_mean_router_input(batch_and_stat
     assert updated["router_bias"] is state["router_bias"]
     assert update_router_commons(state, aux, 0.25) is state
     # Accumulating over microbatches gives the same running mean as the whole batch.
-    split = jax.jit(lambda p: accumulated_value_and_grad(p, state, batch, CONFIG.replace(
-        **{"train.grad_accum_steps": 4})))(params)
+    split = value_and_grad(params, state, batch, CONFIG.replace(**{"train.grad_accum_steps": 4}))
     np.testing.assert_allclose(update_router_commons(with_common, split[0][1][1], 0.25)["router_common"],
                                updated["router_common"], rtol=1e-5, atol=1e-6)
     assert "router_common" in transformer.init_state(CONFIG.replace(**{"moe.router_common_rate": 0.1}))
     assert "router_common" not in transformer.init_state(CONFIG.replace(**{"moe.router_common_rate": 0.0}))
 
 
-def test_the_other_sequences_direction_serves_the_first_router_common_other_steps(batch_and_state):
+def test_the_other_sequences_direction_serves_the_first_router_common_other_steps(batch_and_state,
+                                                                                   other_sequences_step):
     """moe.router_common_other_steps=1: step 0 routes on the other sequences' mean, as without the option, and
     step 1 on the running mean, as evaluation does (the loss of that pass, not the other sequences')."""
     from dropless.models import transformer
-    from dropless.train.optimizer import make_optimizer
     from dropless.train.step import init_train_state, loss_fn, make_train_step
 
     params, state, batch, _ = batch_and_state
-    always = CONFIG.replace(**{"moe.router_common_rate": 0.5, "moe.router_common_source": "other_sequences"})
+    always, optimizer, step_always = other_sequences_step
     first = always.replace(**{"moe.router_common_other_steps": 1})
-    optimizer = make_optimizer(always.train)
     with_common = {**state, "router_common": transformer.init_state(always)["router_common"]}
     start = init_train_state(jax.random.key(0), always, optimizer, params, with_common)
-    step_always, step_first = (jax.jit(make_train_step(c, optimizer)) for c in (always, first))
+    step_first = jax.jit(make_train_step(first, optimizer))
     (a1, m_a1), (b1, m_b1) = step_always(start, batch), step_first(start, batch)
     assert float(m_a1["loss"]) == float(m_b1["loss"])
     with compilations() as compiled:  # each step takes its own output without compiling again
@@ -312,17 +327,16 @@ def test_the_other_sequences_direction_serves_the_first_router_common_other_step
     assert abs(float(losses[0]) - float(losses[1])) > 3 * 1e-6 * float(losses[0])  # the two passes told apart
 
 
-def test_the_training_step_threads_the_router_common_options(batch_and_state):
+def test_the_training_step_threads_the_router_common_options(batch_and_state, other_sequences_step):
     """With moe.router_common_source="other_sequences" a training pass routes on the other sequences' mean and an
     evaluation pass on the running mean (zero here: as the model without the option); the step moves the running
     means towards the step's mean router input; an imported state without them (`init_train_state` given the
     router bias alone) gets zeros."""
     from dropless.models import transformer
-    from dropless.train.optimizer import make_optimizer
     from dropless.train.step import init_train_state, loss_fn, make_eval_step, make_train_step
 
     params, state, batch, _ = batch_and_state
-    config = CONFIG.replace(**{"moe.router_common_rate": 0.5, "moe.router_common_source": "other_sequences"})
+    config, optimizer, step = other_sequences_step
     with_common = {**state, "router_common": transformer.init_state(config)["router_common"]}
     losses = jax.jit(lambda p, s: [loss_fn(p, s, batch, c, mtp=False, training=t)[1][0]
                                    for c, s, t in ((config, with_common, True), (config, with_common, False),
@@ -331,12 +345,10 @@ def test_the_training_step_threads_the_router_common_options(batch_and_state):
     assert float(losses[1]) == float(losses[2])
     assert float(jax.jit(make_eval_step(config))(params, with_common, batch)) == float(losses[1])
 
-    optimizer = make_optimizer(config.train)
     train_state = init_train_state(jax.random.key(0), config, optimizer, params, state)
     np.testing.assert_array_equal(train_state.model_state["router_common"], 0.0)
-    step = jax.jit(make_train_step(config, optimizer))
     stepped, metrics = step(train_state, batch)
-    (_, (_, aux)), _ = jax.jit(lambda p: accumulated_value_and_grad(p, train_state.model_state, batch, config))(params)
+    (_, (_, aux)), _ = value_and_grad(params, train_state.model_state, batch, config)
     mean = np.asarray(aux["moe"].input_moments)[:, :-1] / np.asarray(aux["moe"].tokens_routed)[:, None]
     np.testing.assert_allclose(stepped.model_state["router_common"], 0.5 * mean, rtol=1e-5, atol=1e-6)
     # The running mean's cosine with the step's mean: 0 while it is zero; near 1 on the same batch a step later.
