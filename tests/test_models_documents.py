@@ -90,17 +90,22 @@ def test_each_document_of_a_packed_sequence_is_computed_as_if_alone(name):
     tokens, spans = _packed(config.model.vocab_size)
     alone, where = _alone(tokens, spans)
     weights = np.asarray(jax.random.normal(jax.random.key(3), (*tokens.shape, config.model.vocab_size)))
-    alone_weights = np.zeros((*alone.shape, config.model.vocab_size), np.float32)
+    # One unmasked pass: the documents alone (padded at their end to the rows' width), then the packed rows
+    # unmasked with zero weights (their logits only; each token's logits and routing are its own, so they add
+    # nothing to the documents' gradient).
+    unmasked_tokens = np.concatenate([np.pad(alone, ((0, 0), (0, tokens.shape[1] - alone.shape[1])),
+                                             constant_values=EOS + 1), tokens])
+    unmasked_weights = np.zeros((*unmasked_tokens.shape, config.model.vocab_size), np.float32)
     for i, (r, a, b) in enumerate(where):
-        alone_weights[i, :b - a] = weights[r, a:b]
+        unmasked_weights[i, :b - a] = weights[r, a:b]
 
-    (packed, got), (by_itself, want) = (_logits_and_grads(params, state, t, w, c) for t, w, c in (
-        (tokens, weights, config), (alone, alone_weights, unmasked_config)))
+    (packed, got), (unmasked_logits, want) = (_logits_and_grads(params, state, t, w, c) for t, w, c in (
+        (tokens, weights, config), (unmasked_tokens, unmasked_weights, unmasked_config)))
+    by_itself, unmasked = unmasked_logits[:len(where)], unmasked_logits[len(where):]
     scale = float(np.abs(packed).max())
     for i, (r, a, b) in enumerate(where):
         np.testing.assert_allclose(packed[r, a:b], by_itself[i, :b - a], rtol=1e-4, atol=1e-5 * scale,
                                    err_msg=f"row {r} document [{a}, {b})")
-    unmasked = np.asarray(FORWARD(params, state, tokens, unmasked_config)[0])
     assert float(np.abs(unmasked[0, 7:] - packed[0, 7:]).max()) > 1e-3 * scale  # the mask is what separates them
     np.testing.assert_allclose(unmasked[:, :7], packed[:, :7], rtol=1e-5, atol=1e-6 * scale)  # first documents
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
@@ -116,9 +121,8 @@ def test_the_mtp_module_attends_within_documents_too():
     tokens, spans = _packed(config.model.vocab_size)
     alone, where = _alone(tokens, spans)
 
-    @functools.partial(jax.jit, static_argnums=1)
-    def mtp(tokens_BS, c):
-        return transformer.forward(params, state, tokens_BS, c, mtp=True)[1]["mtp_logits"][0]
+    def mtp(tokens_BS, c):  # FORWARD's programs: the next test's pass on the documents alone is this one's
+        return FORWARD(params, state, tokens_BS, c, mtp=True)[1]["mtp_logits"][0]
 
     packed = mtp(tokens, config)
     by_itself = mtp(alone, config.replace(**{"data.document_mask": False}))
@@ -136,8 +140,7 @@ def test_the_mtp_loss_scores_the_positions_each_document_has_alone():
     tokens, spans = _packed(config.model.vocab_size)
     batch = np.concatenate([tokens, np.full((2, 1), EOS + 1, np.int32)], axis=1)  # [2, 25]: a target for each
     alone, where = _alone(tokens, spans)
-    _, aux = jax.jit(transformer.forward, static_argnums=3, static_argnames="mtp")(
-        params, state, alone, config.replace(**{"data.document_mask": False}), mtp=True)
+    _, aux = FORWARD(params, state, alone, config.replace(**{"data.document_mask": False}), mtp=True)
     logits = np.asarray(aux["mtp_logits"][0], np.float64)
     log_probs = logits - logits.max(-1, keepdims=True)
     log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
@@ -200,7 +203,8 @@ def test_a_run_on_text_records_its_tokenizer_s_end_of_document_id(tmp_path, corp
     """The id is resolved before the data is read (the trained tokenizer's <|endoftext|>, 0), saved, trained with
     and kept on resume, and `dropless eval` scores with it; the benchmarks' step resolves it as a run does."""
     config = small_config(corpus, **{"data.document_mask": True, "train.steps": 2, "train.eval_every": 2,
-                                     "train.checkpoint_every": 2, "train.plot": False})
+                                     "train.checkpoint_every": 2, "train.plot": False,
+                                     "model.num_layers": 1})  # the id's bookkeeping: one (dense) layer will do
     quiet = {"progress": False, "log": lambda s: None}
     summary = train(config, tmp_path / "run", **quiet)
     assert np.isfinite(summary.eval_losses[-1][1])
