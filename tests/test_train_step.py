@@ -71,7 +71,8 @@ def test_a_fresh_state_follows_train_seed_and_given_weights_are_kept(batch_and_s
     params, state, _, _ = batch_and_state
 
     def fresh(seed, init_weights=None):
-        config = CONFIG.replace(**{"train.seed": seed})
+        # The seed's states of one dense and one MoE layer; the given weights are the fixture's, CONFIG's model.
+        config = CONFIG.replace(**{"train.seed": seed, **({} if init_weights else {"model.num_layers": 2})})
         return setup_lib.init_state(setup_lib.build(config, jax.devices()[:1]), init_weights)
 
     leaves = [jax.tree.leaves(fresh(seed).params) for seed in (0, 0, 1)]
@@ -245,14 +246,15 @@ def test_a_step_whose_gradient_is_not_finite_is_skipped_whole(batch_and_state, m
     ones = jax.tree.map(jnp.ones_like, start.params)
     moved = jax.jit(optimizer.update)(ones, start.opt_state, start.params)[1]  # moments a reset would change
     start = start._replace(opt_state=moved)
-    stepped, metrics = jax.jit(step_lib.make_train_step(config, optimizer))(start, batch)
+    train_step = jax.jit(step_lib.make_train_step(config, optimizer))
+    stepped, metrics = train_step(start, batch)
     assert int(metrics["nonfinite"]) == 1 and np.isfinite(float(metrics["total_loss"]))
     assert int(stepped.step) == 1
     for got, want in zip(jax.tree.leaves((stepped.params, stepped.opt_state, stepped.model_state)),
                          jax.tree.leaves((start.params, start.opt_state, start.model_state)), strict=True):
         np.testing.assert_array_equal(got, want)
     # The schedule counts applied updates: the next step still runs at the skipped step's rate, and reports it.
-    _, again = jax.jit(step_lib.make_train_step(config, optimizer))(stepped, batch)
+    _, again = train_step(stepped, batch)
     assert float(again["lr"]) == float(metrics["lr"])
     assert float(metrics["lr"]) == pytest.approx(float(learning_rate_schedule(config.train)(1)), rel=1e-6)
 
