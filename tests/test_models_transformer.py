@@ -60,8 +60,12 @@ INTERLEAVED = FAMILIES["deepseek_v3"].replace(**{"model.first_dense_layers": 0, 
 FORWARD = jax.jit(transformer.forward, static_argnums=3, static_argnames=("mtp", "hidden"))
 
 
+# Parameters drawn by one program per config, whatever the seed, shared like FORWARD.
+INIT_PARAMS = jax.jit(transformer.init_params, static_argnums=1)
+
+
 def _setup(config: Config, seed=0):
-    params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(seed))
+    params = INIT_PARAMS(jax.random.key(seed), config)
     # A non-zero router bias, different in each layer, checks that layer l gets its own bias row.
     state = transformer.init_state(config)
     state = {"router_bias": 0.05 * jax.random.normal(jax.random.key(7), state["router_bias"].shape)}
@@ -208,23 +212,31 @@ def _has_remat(jaxpr: str) -> bool:
     return re.search(r"\b(remat\w*|checkpoint)\[", jaxpr) is not None
 
 
-@pytest.fixture(scope="module")
-def plain_loss_and_grads():
-    config = FAMILIES["mixtral"]
+# Mixtral's parts in two layers: two scanned iterations, or two unrolled copies of the layer.
+REMAT_MODEL = FAMILIES["mixtral"].replace(**{"model.num_layers": 2})
+
+
+def _jaxpr_and_value_and_grad(config: Config):
+    """The jaxpr of the mean squared logits' value and gradient, and their values, from one trace."""
     params, state, tokens = _setup(config)
     loss = lambda p: jnp.mean(transformer.forward(p, state, tokens, config)[0] ** 2)
-    assert not _has_remat(str(jax.make_jaxpr(jax.grad(loss))(params)))
-    return jax.jit(jax.value_and_grad(loss))(params)
+    traced = jax.jit(jax.value_and_grad(loss)).trace(params)
+    return str(traced.jaxpr), traced.lower().compile()(params)
+
+
+@pytest.fixture(scope="module")
+def plain_loss_and_grads():
+    jaxpr, loss_and_grads = _jaxpr_and_value_and_grad(REMAT_MODEL)
+    assert not _has_remat(jaxpr)
+    return loss_and_grads
 
 
 # remat=full without offloading differs from the offloading case only in its policy (nothing saved).
 @pytest.mark.parametrize("remat, offload", [("moe", ""), ("full", "attn_out,moe_out")])
 def test_rematerialisation_changes_memory_not_numbers(remat, offload, plain_loss_and_grads):
-    config = FAMILIES["mixtral"].replace(**{"train.remat": remat, "train.offload": offload})
-    params, state, tokens = _setup(config)
-    loss = lambda p: jnp.mean(transformer.forward(p, state, tokens, config)[0] ** 2)
-    assert _has_remat(str(jax.make_jaxpr(jax.grad(loss))(params)))
-    got, got_grads = jax.jit(jax.value_and_grad(loss))(params)
+    jaxpr, (got, got_grads) = _jaxpr_and_value_and_grad(
+        REMAT_MODEL.replace(**{"train.remat": remat, "train.offload": offload}))
+    assert _has_remat(jaxpr)
     want, want_grads = plain_loss_and_grads
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
@@ -233,25 +245,13 @@ def test_rematerialisation_changes_memory_not_numbers(remat, offload, plain_loss
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_unrolled_layers_give_the_scanned_numbers(remat, plain_loss_and_grads):
-    config = FAMILIES["mixtral"].replace(**{"train.scan_layers": False, "train.remat": remat})
-    params, state, tokens = _setup(config)
-    loss = lambda p: jnp.mean(transformer.forward(p, state, tokens, config)[0] ** 2)
-    assert "scan[" not in str(jax.make_jaxpr(jax.grad(loss))(params))
-    got, got_grads = jax.jit(jax.value_and_grad(loss))(params)
+    jaxpr, (got, got_grads) = _jaxpr_and_value_and_grad(
+        REMAT_MODEL.replace(**{"train.scan_layers": False, "train.remat": remat}))
+    assert "scan[" not in jaxpr
     want, want_grads = plain_loss_and_grads
     assert float(got) == pytest.approx(float(want), rel=1e-6)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
-
-
-def test_unrolled_layers_stack_the_moe_stats_like_scan():
-    config = FAMILIES["deepseek_v3"]
-    params, state, tokens = _setup(config)
-    _, scanned = FORWARD(params, state, tokens, config)
-    _, unrolled = FORWARD(params, state, tokens, config.replace(**{"train.scan_layers": False}))
-    for got, want in zip(jax.tree.leaves(unrolled), jax.tree.leaves(scanned)):
-        assert got.shape == want.shape
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -379,20 +379,24 @@ def interleaved_grads():
 
 def test_interleaved_layers_match_the_reference(interleaved_grads):
     params, state, tokens, _, ((_, (logits, aux)), _) = interleaved_grads
-    want_logits, want_balance, _ = reference_forward(params, state, tokens, INTERLEAVED)
+    want_logits, want_balance, routes = reference_forward(params, state, tokens, INTERLEAVED)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-4, atol=1e-5)
     assert float(aux["balance_loss"]) == pytest.approx(float(want_balance), rel=1e-4)
     assert aux["moe"].tokens_per_expert.shape == (2, INTERLEAVED.moe.num_experts)
     # Each MoE layer reads its own bias row: the stats follow the layers' order.
-    _, _, routes = reference_forward(params, state, tokens, INTERLEAVED)
     for l, ids in enumerate(routes):
         counts = np.bincount(np.asarray(ids).ravel(), minlength=INTERLEAVED.moe.num_experts)
         np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_per_expert[l]), counts)
 
 
-def test_interleaved_layers_unrolled_give_the_scanned_gradients(interleaved_grads):
-    params, _, _, value_and_grad, ((want, _), want_grads) = interleaved_grads
-    (got, _), got_grads = value_and_grad(INTERLEAVED.replace(**{"train.scan_layers": False}))(params)
+def test_interleaved_layers_unrolled_give_the_scanned_gradients_and_stack_the_moe_stats_like_scan(
+        interleaved_grads):
+    params, _, _, value_and_grad, ((want, (_, want_aux)), want_grads) = interleaved_grads
+    (got, (_, got_aux)), got_grads = value_and_grad(INTERLEAVED.replace(**{"train.scan_layers": False}))(params)
     assert float(got) == pytest.approx(float(want), rel=1e-5)
+    assert jax.tree.structure(got_aux) == jax.tree.structure(want_aux)
+    for g, w in zip(jax.tree.leaves(got_aux), jax.tree.leaves(want_aux)):  # the MoE stats, one row per MoE layer
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
     for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
