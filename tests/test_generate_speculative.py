@@ -15,7 +15,7 @@ from dropless.core.config import ConfigError
 from dropless.models import generate as gen
 from dropless.models import transformer
 from tests.test_models_mtp import CONFIG
-from tests.test_models_transformer import FORWARD
+from tests.test_models_transformer import FORWARD, INIT_PARAMS
 
 MODEL = CONFIG.replace(**{"model.mtp_layers": 1, "model.max_seq_len": 32})
 MTP_LOGITS = jax.jit(transformer.mtp_logits, static_argnums=4)
@@ -43,7 +43,7 @@ def test_verified_drafts_leave_tokens_distributed_as_the_main_model(temperature,
 
 @pytest.fixture(scope="module")
 def model():
-    params = jax.jit(lambda key: transformer.init_params(key, MODEL))(jax.random.key(3))
+    params = INIT_PARAMS(jax.random.key(3), MODEL)
     return params, transformer.init_state(MODEL)
 
 
@@ -83,14 +83,13 @@ def _echoing(params: dict, config) -> dict:
 
 
 @pytest.mark.parametrize("mtp_block", ["moe", "dense"])
-@pytest.mark.parametrize("weights", ["random", "echoing"])
-def test_greedy_drafts_are_the_mtp_modules_over_the_whole_sequence(monkeypatch, request, mtp_block, weights):
+def test_greedy_drafts_are_the_mtp_modules_over_the_whole_sequence(monkeypatch, request, mtp_block):
     """Every draft a pass verifies is the MTP module's argmax at its position of the whole sequence (`mtp_logits`,
     as training computes it), for a module whose drafts never hold (random weights) and one whose drafts always
-    do (`_echoing`): drafts read at a wrong position, or from a cache that still holds a rejected draft, differ."""
+    do (`_echoing`): drafts read at a wrong position, or from a cache that still holds a rejected draft, differ.
+    Both weightings run through the same compiled passes (the weights are their arguments)."""
     config = MODEL.replace(**{"model.mtp_block": mtp_block})
-    params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(5))
-    params = _echoing(params, config) if weights == "echoing" else params
+    random = INIT_PARAMS(jax.random.key(5), config)
     state = transformer.init_state(config)
     verified, verify_draft = [], gen.verify_draft
 
@@ -102,21 +101,23 @@ def test_greedy_drafts_are_the_mtp_modules_over_the_whole_sequence(monkeypatch, 
     gen._speculative_steps.cache_clear()  # trace the passes with the recording stand-in
     request.addfinalizer(gen._speculative_steps.cache_clear)
     prompt, count = [5, 9, 2, 7, 3], 16
-    stats: dict = {}
-    out = gen.generate(config, params, state, prompt, max_new_tokens=count, temperature=0.0, speculative=True,
-                       stats=stats)
-    ids = jnp.asarray([prompt + out], jnp.int32)
-    _, aux = FORWARD(params, state, ids, config, hidden=True)
-    drafts = np.argmax(MTP_LOGITS(params, state, ids, aux["hidden"], config)[0][0], axis=-1)
-    # Token p is drafted at position p - 2; the first pass emits token n and drafts token n + 1.
-    position, emitted, want = len(prompt) + 1, 1, []
-    while emitted < count:
-        want.append(int(drafts[position - 2]))
-        step = 2 if want[-1] == int(ids[0, position]) else 1
-        emitted, position = emitted + step, position + step
-    assert verified == want
-    # The case each weighting is for: every draft kept, or rejections (a cache position written twice).
-    assert stats["accepted"] == len(want) if weights == "echoing" else stats["accepted"] < len(want)
+    for weights, params in (("random", random), ("echoing", _echoing(random, config))):
+        verified.clear()
+        stats: dict = {}
+        out = gen.generate(config, params, state, prompt, max_new_tokens=count, temperature=0.0, speculative=True,
+                           stats=stats)
+        ids = jnp.asarray([prompt + out], jnp.int32)
+        _, aux = FORWARD(params, state, ids, config, hidden=True)
+        drafts = np.argmax(MTP_LOGITS(params, state, ids, aux["hidden"], config)[0][0], axis=-1)
+        # Token p is drafted at position p - 2; the first pass emits token n and drafts token n + 1.
+        position, emitted, want = len(prompt) + 1, 1, []
+        while emitted < count:
+            want.append(int(drafts[position - 2]))
+            step = 2 if want[-1] == int(ids[0, position]) else 1
+            emitted, position = emitted + step, position + step
+        assert verified == want, weights
+        # The case each weighting is for: every draft kept, or rejections (a cache position written twice).
+        assert stats["accepted"] == len(want) if weights == "echoing" else stats["accepted"] < len(want), weights
 
 
 def test_accepted_drafts_give_two_tokens_per_pass(model, monkeypatch, request):
@@ -139,7 +140,7 @@ def test_the_cached_mtp_module_gives_the_whole_sequence_logits(model):
     step = jax.jit(transformer.mtp_forward_cached, static_argnums=6)  # one program for every later position
     for config in (MODEL, MODEL.replace(**{"model.mtp_block": "dense"})):
         if config is not MODEL:
-            params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(4))
+            params = INIT_PARAMS(jax.random.key(4), config)
             state = transformer.init_state(config)
         _, aux = FORWARD(params, state, tokens_1S, config, hidden=True)
         (whole_1SV,) = MTP_LOGITS(params, state, tokens_1S, aux["hidden"], config)
