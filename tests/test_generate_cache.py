@@ -14,7 +14,7 @@ import pytest
 from dropless.models import generate as gen
 from dropless.models import transformer
 from tests.test_generate_speculative import MODEL, summing_cached
-from tests.test_models_transformer import FAMILIES, FORWARD, INTERLEAVED, _setup
+from tests.test_models_transformer import FAMILIES, FORWARD, INIT_PARAMS, INTERLEAVED, _setup
 
 CASES = {**FAMILIES, "interleaved": INTERLEAVED,
          "deepseek_v3_no_q_lora": FAMILIES["deepseek_v3"].replace(**{"model.q_lora_rank": 0})}
@@ -25,20 +25,23 @@ CASES = {**FAMILIES, "interleaved": INTERLEAVED,
 @pytest.mark.parametrize("name, scan", [*((name, True) for name in CASES),
                                         ("deepseek_v3", False), ("interleaved", False)])
 def test_cached_logits_equal_the_whole_forward(name, scan):
-    """A prompt of 3 (padded to 5 with other tokens, which later positions overwrite), two tokens at once, then one
-    at a time: each position's logits are the whole sequence's, in a cache longer than the sequence."""
+    """A prompt of 1 (padded to 2 with another token, which the next pass overwrites), two tokens at once, then one
+    at a time: each position's logits are the whole sequence's, in a cache longer than the sequence. The passes of
+    two tokens, at position 0 and 1, run one program (the position is traced), the passes of one token another."""
     config = CASES[name].replace(**{"train.scan_layers": scan})
-    params, state, tokens_BS = _setup(config)
+    # The parameters and the whole forward of the scanned layers, for the unrolled case too (whose whole forward
+    # gives the scanned numbers: test_models_transformer): one program each for both cases.
+    params, state, tokens_BS = _setup(CASES[name])
     B, S = tokens_BS.shape
-    whole_BSV, _ = FORWARD(params, state, tokens_BS, config)
+    whole_BSV, _ = FORWARD(params, state, tokens_BS, CASES[name])
     step = jax.jit(transformer.forward_cached, static_argnums=5)
     cache = transformer.init_cache(config, B, S + 4)
-    padded_BS = jnp.concatenate([tokens_BS[:, :3], jnp.full((B, 2), 7, tokens_BS.dtype)], axis=1)
-    logits, cache = step(params, state, padded_BS, cache, 0, config)
-    got = [logits[:, :3]]
-    logits, cache = step(params, state, tokens_BS[:, 3:5], cache, jnp.int32(3), config)
+    padded_BS = jnp.concatenate([tokens_BS[:, :1], jnp.full((B, 1), 7, tokens_BS.dtype)], axis=1)
+    logits, cache = step(params, state, padded_BS, cache, jnp.int32(0), config)
+    got = [logits[:, :1]]
+    logits, cache = step(params, state, tokens_BS[:, 1:3], cache, jnp.int32(1), config)
     got.append(logits)
-    for position in range(5, S):
+    for position in range(3, S):
         logits, cache = step(params, state, tokens_BS[:, position:position + 1], cache, jnp.int32(position), config)
         got.append(logits)
     np.testing.assert_allclose(np.concatenate(got, axis=1), whole_BSV, rtol=1e-5, atol=2e-6 * np.abs(whole_BSV).max())
@@ -49,7 +52,7 @@ def test_cached_bf16_logits_are_as_close_to_float32_as_the_whole_forwards(name):
     """In bfloat16, two sequences: the cached pass is no further from the float32 logits than `forward` in
     bfloat16 is (MLA's absorbed kv_b rounds differently, not worse)."""
     config = FAMILIES[name].replace(**{"train.dtype": "bfloat16"})
-    params, state, tokens_BS = _setup(config)
+    params, state, tokens_BS = _setup(FAMILIES[name])  # float32 masters, whatever the compute dtype
     exact_BSV, _ = FORWARD(params, state, tokens_BS, config.replace(**{"train.dtype": "float32"}))
     whole_BSV, _ = FORWARD(params, state, tokens_BS, config)
     step = jax.jit(transformer.forward_cached, static_argnums=5)
@@ -108,7 +111,7 @@ def test_greedy_generation_equals_whole_forward_passes_across_context_shifts(nam
 def test_decoding_compiles_one_program_for_every_position(request):
     """The position is traced: a whole generation, and a second one from a longer prompt of the same padded
     length, reuse one prefill and one decode program."""
-    params = jax.jit(lambda key: transformer.init_params(key, MODEL))(jax.random.key(3))
+    params = INIT_PARAMS(jax.random.key(3), MODEL)
     state = transformer.init_state(MODEL)
     gen._cached_steps.cache_clear()
     request.addfinalizer(gen._cached_steps.cache_clear)
@@ -160,7 +163,7 @@ def test_inference_weights_keep_the_masters_an_fp8_recipe_quantizes():
 
 def test_donated_inference_weights_free_each_float32_matrix():
     config = FAMILIES["deepseek_v3"].replace(**{"train.dtype": "bfloat16"})
-    params, state, tokens_BS = _setup(config)
+    params, state, tokens_BS = _setup(FAMILIES["deepseek_v3"])  # float32 masters, whatever the compute dtype
     want, _ = FORWARD(params, state, tokens_BS, config)
     copy = jax.tree.map(jnp.copy, params)
     cast = transformer.inference_weights(copy, config, donate=True)
