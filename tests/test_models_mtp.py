@@ -7,7 +7,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from dropless.core import mesh as mesh_lib
@@ -15,7 +14,8 @@ from dropless.core.config import Config, ConfigError, ModelConfig
 from dropless.ep import make_executor
 from dropless.models import transformer
 from dropless.train.step import loss_fn
-from tests.test_models_transformer import (FAMILIES, _norm, reference_block, reference_head, reference_hidden)
+from tests.test_models_transformer import (FAMILIES, INIT_PARAMS, _norm, reference_block, reference_head,
+                                          reference_hidden)
 
 B, S, DEPTH, LAMBDA = 8, 8, 2, 0.4
 # One MoE layer and two MTP modules with MoE blocks; GQA, whose graph compiles faster than MLA's (the MTP code
@@ -27,7 +27,7 @@ CONFIG = FAMILIES["mixtral"].replace(**{
 
 
 def _setup(config: Config):
-    params = jax.jit(lambda key: transformer.init_params(key, config))(jax.random.key(0))
+    params = INIT_PARAMS(jax.random.key(0), config)
     bias = 0.05 * jax.random.normal(jax.random.key(7), transformer.init_state(config)["router_bias"].shape)
     batch = jax.random.randint(jax.random.key(8), (B, S + 1), 0, config.model.vocab_size)
     return params, {"router_bias": bias}, batch
@@ -123,8 +123,8 @@ def test_mtp_on_an_8_device_mesh_with_remat_and_scan_gives_the_same_numbers(one_
     assert float(total) == pytest.approx(float(want_total), rel=1e-5)
     assert float(aux["mtp_loss"]) == pytest.approx(float(want_aux["mtp_loss"]), rel=1e-5)
     np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_per_expert), np.asarray(want_aux["moe"].tokens_per_expert))
-    norm = jax.jit(optax.tree.norm)  # one program per tree, not one per leaf
-    assert norm(grads) == pytest.approx(float(norm(want_grads)), rel=1e-4)
+    norm = lambda tree: float(np.sqrt(sum(np.sum(np.asarray(leaf, np.float64) ** 2) for leaf in jax.tree.leaves(tree))))
+    assert norm(grads) == pytest.approx(norm(want_grads), rel=1e-4)  # on the host: no program to compile
     for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
         scale = float(np.max(np.abs(np.asarray(w))))
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
