@@ -258,23 +258,24 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
     def loss(gmm, x, w):
         return jnp.sum(jnp.where(live, gmm(x, w).astype(jnp.float32) * cot, 0))
 
+    dout = jnp.where(live, cot, 0)  # the loss's cotangent of the f32 output
+
     @jax.jit  # one program: op by op, the interpreter's and the VJP's operations each compiled on their own
     def run(x, w):
-        out = tuned_gmm(x, w, sizes, plan, jnp.float32)
-        unzeroed = tuned_gmm(x, w, sizes, plan, jnp.float32, False)  # padding rows left as the kernel left them
-        grads = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32), x, w), (0, 1))
+        # the output and its gradients from one forward call
+        out, pullback = jax.vjp(lambda x, w: tuned_gmm(x, w, sizes, plan, jnp.float32), x, w)
         if rows_kernel != "dropless_ws_stream":
-            return out, unzeroed, *grads(x, w), None, None
-        # the input gradient's padding rows left as the kernel left them (zero_lhs_grad_padding=False; the custom
-        # VJP's choice, the same for every kernel, so checked with one)
-        grads_unzeroed = jax.grad(lambda x, w: loss(lambda a, b: tuned_gmm(a, b, sizes, plan, jnp.float32, True,
-                                                                           False), x, w), (0, 1))
-        return out, unzeroed, *grads(x, w), *grads_unzeroed(x, w)
+            return out, *pullback(dout), None, None, None
+        # the output's and the input gradient's padding rows left as the kernel left them (zero_padding=False,
+        # zero_lhs_grad_padding=False; the custom VJP's choice, the same for every kernel, so checked with one)
+        unzeroed, pullback_unzeroed = jax.vjp(lambda x, w: tuned_gmm(x, w, sizes, plan, jnp.float32, False, False),
+                                              x, w)
+        return out, *pullback(dout), unzeroed, *pullback_unzeroed(dout)
 
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out, unzeroed, dx, dw, dx_unzeroed, dw_unzeroed = run(x, w)
-    assert (unzeroed[:188] == out[:188]).all()
-    if dx_unzeroed is not None:
+        out, dx, dw, unzeroed, dx_unzeroed, dw_unzeroed = run(x, w)
+    if unzeroed is not None:
+        assert (unzeroed[:188] == out[:188]).all()
         assert (dx_unzeroed[:188] == dx[:188]).all() and (dw_unzeroed == dw).all()
     assert out.dtype == jnp.float32 and dx.dtype == x.dtype and dw.dtype == w.dtype
     x_clean = jnp.where(live, x, 0)
@@ -285,7 +286,7 @@ def test_tuned_gmm_forward_and_gradients_match_ragged_dot_in_the_gpu_interpreter
         return ragged_dot(x, w), *jax.grad(lambda x, w: loss(ragged_dot, x, w), (0, 1))(x, w)
 
     ref, ref_dx, ref_dw = reference(x_clean, w)
-    out, unzeroed, dx, dw, ref, ref_dx, ref_dw = map(np.asarray, (out, unzeroed, dx, dw, ref, ref_dx, ref_dw))
+    out, dx, dw, ref, ref_dx, ref_dw = map(np.asarray, (out, dx, dw, ref, ref_dx, ref_dw))
     rel = lambda a, b: float(np.linalg.norm((a.astype(np.float32) - b.astype(np.float32)).ravel())
                              / np.linalg.norm(b.astype(np.float32).ravel()))
     assert rel(out, ref) < 1e-3 and rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2  # f32 out: no bf16 rounding
@@ -609,20 +610,28 @@ def _lower_for_cuda(product: str, config: ProductConfig, out_dtype, m=8192, k=10
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
 
 
+def _each_tile_and_product_in_both_dtypes(kernel, tiles):
+    """(product, kernel, tile, out_dtype) over every product and tile, the output dtype alternating so that each
+    tile is lowered with a bf16 and a float32 output, and each product too (3 products by 3 tiles)."""
+    tiles = sorted(tiles, key=astuple)
+    return [(p, kernel, t, (jnp.bfloat16, jnp.float32)[(i + j) % 2]) for i, p in enumerate(gt.PRODUCTS)
+            for j, t in enumerate(tiles)]
+
+
 # What the layer runs (the packaged default tile, with the float32 output of the down projection) and every
 # warp-specialised candidate, whose output blocks stay in shared memory beside its pipeline stages.
 @pytest.mark.parametrize("product, kernel, tile, out_dtype", [
     ("fwd", "dropless", TileConfig(128, 128, 64, 4), jnp.float32),
     ("dlhs", "dropless", TileConfig(128, 128, 64, 4, grid_minor_dim=0), jnp.bfloat16),
     ("drhs", "dropless", TileConfig(128, 128, 64, 4), jnp.bfloat16),
-    *((p, "dropless_ws", t, dtype) for p in gt.PRODUCTS for t in {c.tile for c in tune_gmm_ws_candidates()}
-      for dtype in (jnp.bfloat16, jnp.float32)),
+    *_each_tile_and_product_in_both_dtypes("dropless_ws", {c.tile for c in tune_gmm_ws_candidates()}),
     # an m-minor walk in bands of 8 (--candidates fine)
     *((p, "dropless_ws", TileConfig(128, 128, 64, 3, grid_minor_dim=0, grid_tile_width=8), jnp.bfloat16)
       for p in gt.PRODUCTS),
     # the streaming kernels' candidates
-    *((p, c.kernel, c.tile, dtype) for p in gt.PRODUCTS for c in tune_gmm_stream_candidates()
-      for dtype in (jnp.bfloat16, jnp.float32)),
+    *(case for kernel in ("dropless_ws_stream", "dropless_ws_stream_async")
+      for case in _each_tile_and_product_in_both_dtypes(
+          kernel, [c.tile for c in tune_gmm_stream_candidates() if c.kernel == kernel])),
     # the stacked rows kernel's tiles (--candidates stacked): the 256-column consumer's two output blocks in
     # float32 (the fewest stages), the 128-column one's in bf16
     *((p, "dropless_ws_stacked", t, dtype) for p in ("fwd", "dlhs")
