@@ -34,13 +34,18 @@ def rel(got, want):
     return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), compiler_options=FAST_COMPILE)
-def layer(mode, strategy_name, expert_parallel, params, bias_E, x_BSD, cotangent_BSD):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 7), compiler_options=FAST_COMPILE)
+def layer(mode, strategy_name, expert_parallel, params, bias_E, x_BSD, cotangent_BSD, row_align=None):
+    """The layer's output, gradients and dropped tokens under recipe `mode`: on one device with the executor the
+    model builds (or, given `row_align`, its grouped GEMM on rows aligned that way), or on the mesh with
+    `expert_parallel` devices on `expert` under dispatch strategy `strategy_name`."""
     recipe = make_recipe(mode)
     executor = None
     if expert_parallel:
         executor = ExpertParallelExecutor(make_mesh(MESHES[expert_parallel]), STRATEGIES[strategy_name],
                                           experts_gmm(MOE, recipe))
+    elif row_align is not None:
+        executor = LocalExecutor(dataclasses.replace(experts_gmm(MOE, recipe), row_align=row_align))
 
     def loss(params, x_BSD):
         y_BSD, stats = moe_layer(params, bias_E, x_BSD, MOE, compute_dtype=jnp.float32, executor=executor,
@@ -84,23 +89,13 @@ def test_fp8_moe_layer_under_another_dispatch_strategy(case):
 
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise", "mxfp8"])
 def test_fp8_moe_layer_on_expert_aligned_rows_equals_it_on_rows_end_to_end(case, mode):
-    """The routed experts' permutation in the FP8 GEMM's layout (row_align=128, zero rows between the experts)
-    against the contiguous layout with gathered weight-gradient copies: the same numbers, to float32 rounding."""
-    params, bias_E, x_BSD, cotangent_BSD, _ = case
-    gmm = experts_gmm(MOE, make_recipe(mode))
-    assert gmm.row_align == 128
-
-    @functools.partial(jax.jit, static_argnums=0, compiler_options=FAST_COMPILE)
-    def run(row_align, params, x_BSD):
-        executor = LocalExecutor(dataclasses.replace(gmm, row_align=row_align))
-
-        def loss(params, x_BSD):
-            y_BSD, _ = moe_layer(params, bias_E, x_BSD, MOE, compute_dtype=jnp.float32, executor=executor)
-            return jnp.sum(y_BSD * cotangent_BSD), y_BSD
-        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x_BSD)
-
-    (_, y_want), grads_want = run(1, params, x_BSD)
-    (_, y_got), grads_got = run(128, params, x_BSD)
+    """The routed experts' permutation in the FP8 GEMM's layout (row_align=128, zero rows between the experts: the
+    executor the model builds, which the one-device test above runs) against the contiguous layout with gathered
+    weight-gradient copies: the same numbers, to float32 rounding."""
+    *inputs, _ = case
+    assert experts_gmm(MOE, make_recipe(mode)).row_align == 128
+    y_want, grads_want, _ = layer(mode, None, 0, *inputs, row_align=1)
+    y_got, grads_got, _ = layer(mode, None, 0, *inputs)
     assert rel(y_got, y_want) < 1e-6
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads_got), jax.tree.leaves(grads_want)):
         assert rel(g, w) < 1e-5, jax.tree_util.keystr(path)
@@ -173,11 +168,16 @@ GQA_MTP = {"model.attention": "gqa", "model.mtp_layers": 1, "model.layer_pattern
            "model.first_dense_layers": 0}
 
 
-# Two cases cover the recipes, one device and expert parallelism, both attentions, MTP and a dense layer after a
-# MoE one. The first compiles and runs two whole training steps and compares their numbers; the second (the cache
-# keyed by the same leaf paths through the same `weight_copies`) traces them only, which is where the count is
-# taken: every combination compiled would cost minutes of the suite.
-@pytest.mark.parametrize("mode,parallel,model,compare,accum", [("blockwise", (2, 1, 4), {}, True, 2),
+# One MoE layer alone: attention's projections, the shared expert and the routed experts, each an FP8 product that
+# reads the step's copies.
+MOE_ONLY = {"model.num_layers": 1, "model.first_dense_layers": 0}
+
+
+# The cases cover the recipes, one device and expert parallelism, both attentions, MTP and a dense layer after a
+# MoE one. The first compiles and runs two whole training steps of one MoE layer and compares their numbers; the
+# others (the cache keyed by the same leaf paths through the same `weight_copies`) trace them only, which is where
+# the count is taken: every combination compiled would cost minutes of the suite.
+@pytest.mark.parametrize("mode,parallel,model,compare,accum", [("blockwise", (2, 1, 4), MOE_ONLY, True, 2),
                                                                ("rowwise", None, GQA_MTP, False, 2),
                                                                ("blockwise", None, {}, False, 1)])
 def test_grad_accumulation_quantizes_each_weight_once_per_step_with_the_same_bits(mode, parallel, model, compare,
