@@ -307,30 +307,57 @@ def test_aligned_copy_puts_each_expert_at_a_multiple_of_128():
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
 def test_e4m3_kernels_equal_the_dequantized_path_in_the_gpu_interpreter(mode, row_align):
     """The native products (dropless.gmm.fp8_mosaic) against the dequantized ones on the same operands, on rows end
-    to end and on expert-aligned rows (whose rows past the groups hold inf; the last group is empty there, so its
-    rowwise scale is NaN, a block's past the groups, which the kernel must not read)."""
+    to end and on expert-aligned rows (_wide_n_cases: whose rows past the groups hold inf; the last group is empty
+    there, so its rowwise scale is NaN, a block's past the groups, which the kernel must not read)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    sizes = [50, 0, 70] if row_align == 1 else [50, 0, 70, 0]
-    x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
-    if row_align > 1:
-        (x, gs), (dy, _) = _aligned(x, sizes, np.inf), _aligned(dy, sizes, np.inf)
     results = []
     for native in (False, True):
         gmm = Fp8Gmm(Fp8Products(Recipe(mode, native), XlaGmm(), XlaContract()), row_align=row_align)
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            results.append(fwd_bwd(Grouped(gmm), x, w, gs, dy))
+        if row_align > 1:
+            results.append(_interpreted(Grouped(gmm), "grouped"))
+        else:
+            x, w, gs, dy = _grouped_case([50, 0, 70], 130, k=256, n=256)
+            with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+                results.append(fwd_bwd(Grouped(gmm), x, w, gs, dy))
     for got, want in zip(*results[::-1]):
         assert rel(got, want) < F32_RTOL
 
 
+def _spread_dense_case():
+    """A dense product's x [64, 256], W [256, 256] and dy [64, 256] whose magnitudes spread over every axis by powers
+    of two (exact): each row or column scale the kernels take (x's rows, W's rows and columns, the transposed copies'
+    rows: x's and dy's columns) differs from its neighbours, so a scale applied to the wrong row or column is far
+    outside float32 rounding; a factor per 128-wide tile and per 128 x 128 block does the same for blockwise's tile
+    and block scales (W's are [2, 2]: transposed, the off-diagonal blocks swap). x and dy are exact in bf16."""
+    x, w, dy = _dense_case(t=64, k=256, n=256)
+    rng = np.random.default_rng(7)
+    spread = lambda shape: 2.0 ** rng.integers(-5, 6, size=shape)
+    tiles = np.repeat(2.0 ** np.asarray([[0, 3]]), 128, axis=1)
+    x, dy = x * spread((1, 256)) * tiles, dy * spread((1, 256)) * tiles[:, ::-1]
+    w = w * spread((256, 1)) * spread((1, 256)) * np.kron(2.0 ** np.asarray([[0, 4], [-4, 2]]), np.ones((128, 128)))
+    x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))
+    return x, w.astype(np.float32), dy
+
+
 def _wide_n_cases():
-    """(grouped x, w, gs, dy on expert-aligned rows with empty groups; dense x, w, dy), both with N = 256, two of the
-    blockwise weight gradient's 128-column CTA tiles."""
+    """(grouped x, w, gs, dy on expert-aligned rows with empty groups, inf past the groups; dense x, w, dy of
+    _spread_dense_case), both with N = 256, two of the blockwise weight gradient's 128-column CTA tiles."""
     sizes = [50, 0, 70, 0]
     x, w, gs, dy = _grouped_case(sizes, 130, k=256, n=256)
-    (x, gs), (dy, _) = _aligned(x, sizes), _aligned(dy, sizes)
-    return (x, w, gs, dy), _dense_case(t=128, k=256, n=256)
+    (x, gs), (dy, _) = _aligned(x, sizes, np.inf), _aligned(dy, sizes, np.inf)
+    return (x, w, gs, dy), _spread_dense_case()
+
+
+@functools.cache
+def _interpreted(f, case):
+    """fwd_bwd(f) on _wide_n_cases' "grouped" or "dense" operands, kernels in the GPU interpreter: once per (f, case),
+    so that the tests that check the same products on the same operands share one interpreted run."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    grouped, (x, w, dy) = _wide_n_cases()
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        return fwd_bwd(f, *(grouped if case == "grouped" else (x, w, None, dy)))
 
 
 @pytest.mark.parametrize("mode", ["rowwise", "blockwise"])
@@ -340,16 +367,11 @@ def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once(mode, native):
     on our kernels in the GPU interpreter, there at FP8_WGRAD_2BYTE's tile under blockwise) writes its float32
     result rounded once to bf16, which comes back as the float32 master's gradient; the output and the input
     gradient are the same bits."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    (x, w, gs, dy), (dense_x, dense_w, dense_dy) = _wide_n_cases()
     results = {}
     for wgrad in ("float32", "bfloat16"):
         recipe = Recipe(mode, native, wgrad=wgrad)
         gmm = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()), row_align=128)
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-            results[wgrad] = (fwd_bwd(Grouped(gmm), x, w, gs, dy),
-                              fwd_bwd(Dense(recipe), dense_x, dense_w, None, dense_dy))
+        results[wgrad] = (_interpreted(Grouped(gmm), "grouped"), _interpreted(Dense(recipe), "dense"))
     for f32, bf16 in zip(results["float32"], results["bfloat16"]):
         assert bf16[2].dtype == jnp.float32
         for a, b in zip(f32[:2], bf16[:2]):
@@ -398,24 +420,13 @@ def test_dense_kernel_writes_the_output_dtype_in_the_gpu_interpreter(mode):
     weight gradient (float32, the master's dtype) unchanged."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    x, w, dy = _dense_case(t=64, k=256, n=256)
-    # Magnitudes spread over every axis by powers of two (exact): each row or column scale the kernels take (x's
-    # rows, W's rows and columns, the transposed copies' rows: x's and dy's columns) differs from its neighbours,
-    # so a scale applied to the wrong row or column is far outside float32 rounding; a factor per 128-wide tile
-    # and per 128 x 128 block does the same for blockwise's tile and block scales (W's are [2, 2]: transposed, the
-    # off-diagonal blocks swap).
-    rng = np.random.default_rng(7)
-    spread = lambda shape: 2.0 ** rng.integers(-5, 6, size=shape)
-    tiles = np.repeat(2.0 ** np.asarray([[0, 3]]), 128, axis=1)
-    x, dy = x * spread((1, 256)) * tiles, dy * spread((1, 256)) * tiles[:, ::-1]
-    w = w * spread((256, 1)) * spread((1, 256)) * np.kron(2.0 ** np.asarray([[0, 4], [-4, 2]]), np.ones((128, 128)))
-    x, dy = (np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (x, dy))  # exact in bf16 and float32
+    x, w, dy = _spread_dense_case()  # its scales all differ: one applied to the wrong row or column shows
+    native = Recipe(mode, native=True)
+    f32 = _interpreted(Dense(native), "dense")
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        native = Recipe(mode, native=True)
-        f32 = fwd_bwd(Dense(native), x, w, None, dy)
         bf16 = fwd_bwd(Dense(native), jnp.asarray(x, jnp.bfloat16), w, None,
                        jnp.asarray(dy, jnp.bfloat16))
-    dequantized = fwd_bwd(Dense(Recipe(mode, native=False)), x, w, None, dy)
+    dequantized = _interpreted(Dense(Recipe(mode, native=False)), "dense")
     for got, want in zip(f32, dequantized):
         assert got.dtype == jnp.float32 and rel(got, want) < F32_RTOL
     assert [a.dtype for a in bf16] == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
@@ -653,7 +664,7 @@ def test_gradients_come_back_in_their_primals_dtypes(mode):
         return y, *pullback(jnp.ones_like(y))
 
     for f, w_ in ((lambda x, w: fp8_matmul(x, w, recipe), w[0]), (lambda x, w: grouped(x, w, gs), w)):
-        y, dx, dw = jax.jit(product_and_gradients, static_argnums=0)(f, x, w_)
+        y, dx, dw = jax.eval_shape(functools.partial(product_and_gradients, f), x, w_)  # traced: the dtypes
         assert (y.dtype, dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16, jnp.float32)
 
 
@@ -687,7 +698,8 @@ def test_the_output_gradient_is_quantized_from_the_inputs_dtype(mode):
     """With bf16 activations and a float32 output, the backward quantizes dy from its bf16 rounding, as the bf16
     operands it stands beside (and as the bf16 path reads it): a float32 dy and the same dy rounded to bf16 first
     give the same bits in dx and dW, dense and grouped."""
-    (x, w, gs, dy), (dense_x, dense_w, dense_dy) = _wide_n_cases()
+    (x, w, gs, dy), _ = _wide_n_cases()
+    dense_x, dense_w, dense_dy = _dense_case(t=128, k=256, n=256)  # dy not exact in bf16
     recipe = Recipe(mode)
     gmm = Fp8Gmm(Fp8Products(recipe, XlaGmm(), XlaContract()), row_align=128)
     for f, a, b, g, d in ((Grouped(gmm), x, w, gs, dy), (Dense(recipe, jnp.float32), dense_x, dense_w, None, dense_dy)):
