@@ -2,6 +2,8 @@
 interpreter against float64 numpy loops over the groups, the tile table lowered for CUDA on the CPU, and the
 errors a caller gets for malformed operands."""
 
+import functools
+
 import numpy as np
 import pytest
 import jax
@@ -85,6 +87,18 @@ def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, s
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
+@functools.cache
+def _nt_run(sizes, scaling, seed, m=256, k=256, n=256, stack="n", tile=NT_TILE, stream=False):
+    """_nt_case's operands and gmm_nt's float32 output on them, once per case (read-only): tests that check the same
+    kernel run share one interpretation."""
+    case = _nt_case(list(sizes), scaling, seed, m=m, k=k, n=n)
+    x, w, sizes_G, lhs_scale, rhs_scale = case
+    out = _run_nt(x, w, sizes_G, scaling, lhs_scale, rhs_scale, stack=stack, tile=tile, stream=stream)
+    for a in (*case, out):
+        a.flags.writeable = False
+    return case, out
+
+
 # (scaling, stack): blockwise also with the consumers stacked along M (a CTA tile of 128 rows: the 100- and 74-row
 # groups are split between the consumers, and a tile runs past the last row).
 LAYOUTS = [("rowwise", "n"), ("blockwise", "n"), ("blockwise", "m")]
@@ -114,8 +128,8 @@ def test_gmm_nt_with_a_256_column_consumer_matches_a_float64_loop_over_groups(st
     weight-scale block, each slice's output columns stored to their place (the check resolves one slice's scale
     blocks off by 0.1%)."""
     tile = WIDEST_TILE
-    x, w, sizes, lhs_scale, rhs_scale = _nt_case(MIXED, "blockwise", seed=5, n=2 * fp8_mosaic.cta_shape(tile, stack)[1])
-    out = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile)
+    (x, w, sizes, lhs_scale, rhs_scale), out = _nt_run(tuple(MIXED), "blockwise", 9,
+                                                       n=2 * fp8_mosaic.cta_shape(tile, stack)[1], stack=stack, tile=tile)
     live = sizes.sum()
     ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
     _assert_matches(out[:live], ref[:live], mag[:live])
@@ -177,16 +191,27 @@ def _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale):
     return ref, mag
 
 
+@functools.cache
+def _tn_run(sizes, scaling, seed, n=128, stack="n", tile=TN_TILE, stream=False, out_dtype=jnp.float32):
+    """_tn_case's operands and gmm_tn_aligned's output on them, once per case (read-only numpy): tests that check
+    the same kernel run share one interpretation."""
+    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(list(sizes), scaling, seed, n=n)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = np.asarray(gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), tile,
+                                        scaling=scaling, lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
+                                        rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack, stream=stream,
+                                        out_dtype=out_dtype))
+    for a in (xT, dyT, sizes_G, lhs_scale, rhs_scale, out):
+        a.flags.writeable = False
+    return (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out
+
+
 @pytest.mark.parametrize("scaling, stack", LAYOUTS)
 @pytest.mark.parametrize("sizes", [MIXED, SKEW], ids=["mixed", "skew"])
 def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, stack, sizes):
-    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(sizes, scaling, seed=3)
+    (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out = _tn_run(tuple(sizes), scaling, 8, stack=stack)
     first, blocks = map(np.asarray, aligned_layout(jnp.asarray(sizes_G)))
     assert [(int(f), int(b)) for f, b in zip(first, blocks)] == layout
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), TN_TILE,
-                             scaling=scaling, lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
-                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack)
     assert out.dtype == jnp.float32 and out.shape == (len(sizes), 256, 128)
     out = np.asarray(out, np.float64)
     ref, mag = _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale)
@@ -201,12 +226,8 @@ def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interprete
 
 def test_gmm_tn_aligned_with_a_256_column_consumer_matches_a_float64_loop_over_groups(stack="m"):
     """Stacked (side by side, its 512 column scales exceed one TMA copy: refused, tested with the lowering)."""
-    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(MIXED, "blockwise", seed=6,
-                                                              n=fp8_mosaic.cta_shape(WIDEST_TILE, stack)[1])
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), WIDEST_TILE,
-                             scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
-                             rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack)
+    (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out = _tn_run(
+        tuple(MIXED), "blockwise", 8, n=fp8_mosaic.cta_shape(WIDEST_TILE, stack)[1], stack=stack, tile=WIDEST_TILE)
     out = np.asarray(out, np.float64)
     _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
     assert all((out[g] == 0).all() for g, size in enumerate(MIXED) if size == 0)
@@ -318,19 +339,16 @@ def test_a_bf16_weight_gradient_takes_the_table_tile_in_five_stages():
 
 def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once():
     """The kernel rounds its float32 carry to the output dtype in the epilogue and nowhere else: the bf16 output
-    at the wide tile, streamed, is the float32 output at the table's tile rounded to bf16, bit for bit."""
-    n = fp8_mosaic.cta_shape(WIDEST_TILE, "m")[1]
-    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(MIXED, "blockwise", seed=11, n=n)
-    args = (jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G))
-    scales = dict(scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
-                  rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack="m")
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        f32 = gmm_tn_aligned(*args, TN_TILE, **scales)
-        bf16 = gmm_tn_aligned(*args, WIDEST_TILE, **scales, out_dtype=jnp.bfloat16, stream=True)
+    at the wide tile, streamed, is the float32 output of the same kernel (the streamed test's 256-column case)
+    rounded to bf16, bit for bit."""
+    case = (tuple(MIXED), "blockwise", 8)
+    kw = dict(n=fp8_mosaic.cta_shape(WIDEST_TILE, "m")[1], stack="m", tile=WIDEST_TILE, stream=True)
+    (xT, dyT, _, layout, lhs_scale, rhs_scale), f32 = _tn_run(*case, **kw)
+    _, bf16 = _tn_run(*case, **kw, out_dtype=jnp.bfloat16)
     assert bf16.dtype == jnp.bfloat16 and f32.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(bf16).view(np.uint16), np.asarray(f32.astype(jnp.bfloat16)).view(np.uint16))
-    assert not np.array_equal(np.asarray(bf16, np.float32), np.asarray(f32))  # the rounding is there to see
-    _assert_matches(np.asarray(f32, np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
+    np.testing.assert_array_equal(bf16.view(np.uint16), f32.astype(jnp.bfloat16).view(np.uint16))
+    assert not np.array_equal(bf16.astype(np.float32), f32)  # the rounding is there to see
+    _assert_matches(f32.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
 
 
 def test_a_stacked_tile_gets_the_most_stages_that_fit():
@@ -429,13 +447,9 @@ def test_streamed_weight_gradient_equals_the_per_tile_pipeline_bit_for_bit(stack
     the per-tile pipeline, so the same bits: empty groups' zeros, 1-row groups, the ring wrapping inside and
     across tiles, two accumulator slices per consumer."""
     n = fp8_mosaic.cta_shape(tile, stack)[1] * (2 if tile.block_n < 128 else 1)
-    xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(sizes, "blockwise", seed=8, n=n)
-    args = (jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), tile)
-    scales = dict(scaling="blockwise", lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
-                  rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        per_tile = np.asarray(gmm_tn_aligned(*args, **scales))
-        streamed = np.asarray(gmm_tn_aligned(*args, **scales, stream=True))
+    (xT, dyT, _, layout, lhs_scale, rhs_scale), per_tile = _tn_run(tuple(sizes), "blockwise", 8, n=n, stack=stack,
+                                                                   tile=tile)
+    _, streamed = _tn_run(tuple(sizes), "blockwise", 8, n=n, stack=stack, tile=tile, stream=True)
     np.testing.assert_array_equal(streamed.view(np.uint32), per_tile.view(np.uint32))
     _assert_matches(streamed.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
 
@@ -456,9 +470,9 @@ def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, s
     consumer waits for its previous store before reusing the output blocks is a GPU timing question that the
     interpreter does not see (its race detector flags the per-tile kernel as well)."""
     n = n_tiles * fp8_mosaic.cta_shape(tile, stack)[1]
-    x, w, sizes, lhs_scale, rhs_scale = _nt_case(sizes, "blockwise", seed=9, k=k, n=n)
-    per_tile = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile)
-    streamed = _run_nt(x, w, sizes, "blockwise", lhs_scale, rhs_scale, stack=stack, tile=tile, stream=True)
+    (x, w, sizes, lhs_scale, rhs_scale), per_tile = _nt_run(tuple(sizes), "blockwise", 9, k=k, n=n, stack=stack,
+                                                            tile=tile)
+    _, streamed = _nt_run(tuple(sizes), "blockwise", 9, k=k, n=n, stack=stack, tile=tile, stream=True)
     live = sizes.sum()
     np.testing.assert_array_equal(streamed[:live].view(np.uint64), per_tile[:live].view(np.uint64))
     ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
