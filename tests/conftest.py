@@ -29,13 +29,14 @@ from dropless.cli import fewer_collections
 from dropless.core import xla_flags
 
 LONGEST_FIRST = (
-    "test_train_faults.py", "test_train_parallel.py", "test_gmm_tuning.py", "test_generate_cache.py",
-    "test_fp8_model.py", "test_gmm_fp8_kernels.py", "test_fp8.py", "test_generate_speculative.py",
-    "test_ep_contract.py", "test_train_checkpoint.py", "test_train_step.py", "test_models_transformer.py",
-    "test_plan_cost.py", "test_train.py", "test_cli.py", "test_plan_search.py", "test_bench_ep.py",
-    "test_bench_step.py", "test_ep_wire.py", "test_moe_layer.py", "test_ep_executor.py", "test_bench_scale.py",
-    "test_models_mtp.py", "test_bench_plan.py", "test_train_evaluate.py", "test_gmm.py", "test_models_attention.py",
-    "test_moe_permute.py", "test_convert_fixtures.py", "test_train_offload.py", "test_ep_alltoall.py",
+    "test_train_faults.py", "test_train_parallel.py", "test_gmm_tuning.py", "test_fp8_model.py", "test_fp8.py",
+    "test_generate_cache.py", "test_train_checkpoint.py", "test_gmm_fp8_kernels.py", "test_train_step.py",
+    "test_train.py", "test_ep_contract.py", "test_bench_ep.py", "test_models_transformer.py", "test_ep_executor.py",
+    "test_models_documents.py", "test_generate_speculative.py", "test_plan_cost.py", "test_cli.py",
+    "test_bench_step.py", "test_moe_layer.py", "test_ep_wire.py", "test_bench_scale.py", "test_models_mtp.py",
+    "test_bench_plan.py", "test_ep_alltoall.py", "test_moe_permute.py", "test_convert_fixtures.py",
+    "test_models_attention.py", "test_train_offload.py", "test_train_evaluate.py", "test_gmm.py",
+    "test_cli_errors.py", "test_bench_expert_stage.py", "test_ep_chunked.py",
 )
 
 
