@@ -150,8 +150,9 @@ def test_the_recomputed_forward_is_what_each_remat_mode_adds(family):
 
 
 def test_xla_compiles_one_recomputation_per_remat_mode():
-    """The compiled program (XLA:CPU, scanned layers) keeps exactly the matmuls the jaxpr asks for: the
-    recomputed forward is neither merged away nor run twice. (On the CPU a grouped matmul compiles to dots.)"""
+    """The compiled program (XLA:CPU, layers unrolled, so each layer's dots are in its text) keeps exactly the
+    matmuls the jaxpr asks for: the recomputed forward is neither merged away nor run twice. (On the CPU a grouped
+    matmul compiles to dots.)"""
     for remat in REMAT:
         config = FAMILIES["qwen3_moe"](**{"train.remat": remat, "train.scan_layers": False})
         setup = harness.build(config, jax.devices()[:1])
