@@ -88,7 +88,7 @@ def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, s
 
 
 @functools.cache
-def _nt_run(sizes, scaling, seed, m=256, k=256, n=256, stack="n", tile=NT_TILE, stream=False):
+def _nt_cached(sizes, scaling, seed, m=256, k=256, n=256, stack="n", tile=NT_TILE, stream=False):
     """_nt_case's operands and gmm_nt's float32 output on them, once per case (read-only): tests that check the same
     kernel run share one interpretation."""
     case = _nt_case(list(sizes), scaling, seed, m=m, k=k, n=n)
@@ -128,8 +128,9 @@ def test_gmm_nt_with_a_256_column_consumer_matches_a_float64_loop_over_groups(st
     weight-scale block, each slice's output columns stored to their place (the check resolves one slice's scale
     blocks off by 0.1%)."""
     tile = WIDEST_TILE
-    (x, w, sizes, lhs_scale, rhs_scale), out = _nt_run(tuple(MIXED), "blockwise", 9,
-                                                       n=2 * fp8_mosaic.cta_shape(tile, stack)[1], stack=stack, tile=tile)
+    (x, w, sizes, lhs_scale, rhs_scale), out = _nt_cached(tuple(MIXED), "blockwise", 9,
+                                                          n=2 * fp8_mosaic.cta_shape(tile, stack)[1], stack=stack,
+                                                          tile=tile)
     live = sizes.sum()
     ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
     _assert_matches(out[:live], ref[:live], mag[:live])
@@ -192,7 +193,7 @@ def _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale):
 
 
 @functools.cache
-def _tn_run(sizes, scaling, seed, n=128, stack="n", tile=TN_TILE, stream=False, out_dtype=jnp.float32):
+def _tn_cached(sizes, scaling, seed, n=128, stack="n", tile=TN_TILE, stream=False, out_dtype=jnp.float32):
     """_tn_case's operands and gmm_tn_aligned's output on them, once per case (read-only numpy): tests that check
     the same kernel run share one interpretation."""
     xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(list(sizes), scaling, seed, n=n)
@@ -209,7 +210,7 @@ def _tn_run(sizes, scaling, seed, n=128, stack="n", tile=TN_TILE, stream=False, 
 @pytest.mark.parametrize("scaling, stack", LAYOUTS)
 @pytest.mark.parametrize("sizes", [MIXED, SKEW], ids=["mixed", "skew"])
 def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interpreter(scaling, stack, sizes):
-    (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out = _tn_run(tuple(sizes), scaling, 8, stack=stack)
+    (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out = _tn_cached(tuple(sizes), scaling, 8, stack=stack)
     first, blocks = map(np.asarray, aligned_layout(jnp.asarray(sizes_G)))
     assert [(int(f), int(b)) for f, b in zip(first, blocks)] == layout
     assert out.dtype == jnp.float32 and out.shape == (len(sizes), 256, 128)
@@ -226,7 +227,7 @@ def test_gmm_tn_aligned_matches_a_float64_loop_over_groups_in_the_gpu_interprete
 
 def test_gmm_tn_aligned_with_a_256_column_consumer_matches_a_float64_loop_over_groups(stack="m"):
     """Stacked (side by side, its 512 column scales exceed one TMA copy: refused, tested with the lowering)."""
-    (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out = _tn_run(
+    (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out = _tn_cached(
         tuple(MIXED), "blockwise", 8, n=fp8_mosaic.cta_shape(WIDEST_TILE, stack)[1], stack=stack, tile=WIDEST_TILE)
     out = np.asarray(out, np.float64)
     _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
@@ -343,8 +344,8 @@ def test_a_bf16_weight_gradient_is_the_float32_one_rounded_once():
     rounded to bf16, bit for bit."""
     case = (tuple(MIXED), "blockwise", 8)
     kw = dict(n=fp8_mosaic.cta_shape(WIDEST_TILE, "m")[1], stack="m", tile=WIDEST_TILE, stream=True)
-    (xT, dyT, _, layout, lhs_scale, rhs_scale), f32 = _tn_run(*case, **kw)
-    _, bf16 = _tn_run(*case, **kw, out_dtype=jnp.bfloat16)
+    (xT, dyT, _, layout, lhs_scale, rhs_scale), f32 = _tn_cached(*case, **kw)
+    _, bf16 = _tn_cached(*case, **kw, out_dtype=jnp.bfloat16)
     assert bf16.dtype == jnp.bfloat16 and f32.dtype == jnp.float32
     np.testing.assert_array_equal(bf16.view(np.uint16), f32.astype(jnp.bfloat16).view(np.uint16))
     assert not np.array_equal(bf16.astype(np.float32), f32)  # the rounding is there to see
@@ -447,9 +448,9 @@ def test_streamed_weight_gradient_equals_the_per_tile_pipeline_bit_for_bit(stack
     the per-tile pipeline, so the same bits: empty groups' zeros, 1-row groups, the ring wrapping inside and
     across tiles, two accumulator slices per consumer."""
     n = fp8_mosaic.cta_shape(tile, stack)[1] * (2 if tile.block_n < 128 else 1)
-    (xT, dyT, _, layout, lhs_scale, rhs_scale), per_tile = _tn_run(tuple(sizes), "blockwise", 8, n=n, stack=stack,
-                                                                   tile=tile)
-    _, streamed = _tn_run(tuple(sizes), "blockwise", 8, n=n, stack=stack, tile=tile, stream=True)
+    (xT, dyT, _, layout, lhs_scale, rhs_scale), per_tile = _tn_cached(tuple(sizes), "blockwise", 8, n=n,
+                                                                      stack=stack, tile=tile)
+    _, streamed = _tn_cached(tuple(sizes), "blockwise", 8, n=n, stack=stack, tile=tile, stream=True)
     np.testing.assert_array_equal(streamed.view(np.uint32), per_tile.view(np.uint32))
     _assert_matches(streamed.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
 
@@ -470,9 +471,9 @@ def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, s
     consumer waits for its previous store before reusing the output blocks is a GPU timing question that the
     interpreter does not see (its race detector flags the per-tile kernel as well)."""
     n = n_tiles * fp8_mosaic.cta_shape(tile, stack)[1]
-    (x, w, sizes, lhs_scale, rhs_scale), per_tile = _nt_run(tuple(sizes), "blockwise", 9, k=k, n=n, stack=stack,
-                                                            tile=tile)
-    _, streamed = _nt_run(tuple(sizes), "blockwise", 9, k=k, n=n, stack=stack, tile=tile, stream=True)
+    (x, w, sizes, lhs_scale, rhs_scale), per_tile = _nt_cached(tuple(sizes), "blockwise", 9, k=k, n=n,
+                                                               stack=stack, tile=tile)
+    _, streamed = _nt_cached(tuple(sizes), "blockwise", 9, k=k, n=n, stack=stack, tile=tile, stream=True)
     live = sizes.sum()
     np.testing.assert_array_equal(streamed[:live].view(np.uint64), per_tile[:live].view(np.uint64))
     ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
