@@ -123,8 +123,10 @@ def test_mtp_on_an_8_device_mesh_with_remat_and_scan_gives_the_same_numbers(one_
     assert float(total) == pytest.approx(float(want_total), rel=1e-5)
     assert float(aux["mtp_loss"]) == pytest.approx(float(want_aux["mtp_loss"]), rel=1e-5)
     np.testing.assert_array_equal(np.asarray(aux["moe"].tokens_per_expert), np.asarray(want_aux["moe"].tokens_per_expert))
-    norm = lambda tree: float(np.sqrt(sum(np.sum(np.asarray(leaf, np.float64) ** 2) for leaf in jax.tree.leaves(tree))))
-    assert norm(grads) == pytest.approx(norm(want_grads), rel=1e-4)  # on the host: no program to compile
+    def norm(tree):  # on the host: no program to compile
+        return float(np.sqrt(sum(np.sum(np.asarray(leaf, np.float64) ** 2) for leaf in jax.tree.leaves(tree))))
+
+    assert norm(grads) == pytest.approx(norm(want_grads), rel=1e-4)
     for (path, g), w in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(want_grads)):
         scale = float(np.max(np.abs(np.asarray(w))))
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4 * scale, err_msg=jax.tree_util.keystr(path))
