@@ -79,21 +79,22 @@ def _nt_case(sizes, scaling, seed, m=256, k=256, n=256):
 
 
 def _run_nt(x, w, sizes, scaling, lhs_scale, rhs_scale, out_dtype=jnp.float32, stack="n", tile=NT_TILE,
-            stream=False):
+            stream=False, behind=False):
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
         out = gmm_nt(jnp.asarray(x, FP8), jnp.asarray(w, FP8), jnp.asarray(sizes), tile, scaling=scaling,
                      lhs_scale=jnp.asarray(lhs_scale, jnp.float32), rhs_scale=jnp.asarray(rhs_scale, jnp.float32),
-                     out_dtype=out_dtype, stack=stack, stream=stream)
+                     out_dtype=out_dtype, stack=stack, stream=stream, behind=behind)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
 @functools.cache
-def _nt_cached(sizes, scaling, seed, m=256, k=256, n=256, stack="n", tile=NT_TILE, stream=False):
+def _nt_cached(sizes, scaling, seed, m=256, k=256, n=256, stack="n", tile=NT_TILE, stream=False, behind=False):
     """_nt_case's operands and gmm_nt's float32 output on them, once per case (read-only): tests that check the same
     kernel run share one interpretation."""
     case = _nt_case(list(sizes), scaling, seed, m=m, k=k, n=n)
     x, w, sizes_G, lhs_scale, rhs_scale = case
-    out = _run_nt(x, w, sizes_G, scaling, lhs_scale, rhs_scale, stack=stack, tile=tile, stream=stream)
+    out = _run_nt(x, w, sizes_G, scaling, lhs_scale, rhs_scale, stack=stack, tile=tile, stream=stream,
+                  behind=behind)
     for a in (*case, out):
         a.flags.writeable = False
     return case, out
@@ -238,7 +239,7 @@ def test_gmm_tn_aligned_with_a_256_column_consumer_matches_a_float64_loop_over_g
         _assert_matches(out, *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, wrong))
 
 
-def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=False):
+def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=False, behind=False):
     """Export the product of the layer y = x·W (x [m, k], W [g, k, n]) for CUDA on this CPU: Mosaic GPU's layout
     inference and shared-memory check run here, as when the GPU compiles the kernel."""
     f32, sizes = jnp.float32, S((g,), jnp.int32)
@@ -255,7 +256,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=Fals
                   (S((contract // SCALE_BLOCK, m), f32),
                    S((g, out_cols // SCALE_BLOCK, contract // SCALE_BLOCK), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_nt(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                             out_dtype=out_dtype, stack=stack, stream=stream)
+                                             out_dtype=out_dtype, stack=stack, stream=stream, behind=behind)
         operands = (S((m, contract), FP8), S((g, out_cols, contract), FP8), sizes, *scales)
     return export.export(jax.jit(fn), platforms=["cuda"])(*operands)
 
@@ -478,6 +479,42 @@ def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, s
     np.testing.assert_array_equal(streamed[:live].view(np.uint64), per_tile[:live].view(np.uint64))
     ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
     _assert_matches(streamed[:live], ref[:live], mag[:live])
+
+
+@pytest.mark.parametrize("stack, tile, sizes, k", [
+    ("m", EMPTY_THEN_FULL, MIXED, 384), ("n", NT_TILE, SKEW, 256), ("m", WIDE_TILE, MIXED, 640)],
+    ids=["stacked-three-steps-empty-then-full", "side-by-side-skew-two-steps", "64x128-five-steps"])
+def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, sizes, k):
+    """gmm_nt(stream=True, behind=True): each K block's product promoted while the next block's wgmma runs, the
+    two accumulators taken in turn, is the same additions in the same order as the per-tile pipeline, so the same
+    bits: two, three and five K steps through two stages (the ring wrapping inside a tile), empty tiles followed by
+    full ones, side by side and stacked. Which step's product is added with which step's scales, and after which
+    release, is what the interpreter checks (it runs each wgmma to completion where it is issued); the wgmma left
+    running is a GPU timing question it does not see."""
+    n = 2 * fp8_mosaic.cta_shape(tile, stack)[1]
+    (x, w, sizes, lhs_scale, rhs_scale), per_tile = _nt_cached(tuple(sizes), "blockwise", 9, k=k, n=n,
+                                                               stack=stack, tile=tile)
+    _, behind = _nt_cached(tuple(sizes), "blockwise", 9, k=k, n=n, stack=stack, tile=tile, stream=True,
+                           behind=True)
+    live = sizes.sum()
+    np.testing.assert_array_equal(behind[:live].view(np.uint64), per_tile[:live].view(np.uint64))
+    ref, mag = _nt_reference(x, w, sizes, "blockwise", lhs_scale, rhs_scale)
+    _assert_matches(behind[:live], ref[:live], mag[:live])
+
+
+@pytest.mark.parametrize("product", ["fwd", "dlhs"])
+def test_promotion_behind_lowers_for_cuda_at_128_columns_and_refuses_what_it_does_not_run(product):
+    """At DeepSeek-V3's gate+up shape, the 64x128 stacked tile in five stages; refused with one clear error per
+    case where it does not run: a consumer wider than one 128-column slice, the per-tile pipeline (rowwise has no
+    streamed kernel, which the test below checks)."""
+    tile = fp8_mosaic.FP8_NARROW
+    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, "m", stream=True,
+                  behind=True).platforms == ("cuda",)
+    for wrong in (dict(tile=FP8_TILES[(product, "blockwise")]), dict(stream=False)):
+        args = dict(tile=tile, stream=True) | wrong
+        with pytest.raises(ValueError, match=r"gmm_nt\(behind=True\)"):
+            _lower(product, "blockwise", args["tile"], 8192, 7168, 4096, 32, jnp.bfloat16, "m",
+                   stream=args["stream"], behind=True)
 
 
 @pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)

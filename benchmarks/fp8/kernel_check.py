@@ -94,8 +94,8 @@ def nt_case(scaling, sizes, k, n, m):
         lhs_scale, rhs_scale = _pow2(kls, (m,)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (kb, m)), _pow2(krs, (g, n // SCALE_BLOCK, kb))
-    fn = lambda tile, stack, stream=False: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(
-        x, w, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream))
+    fn = lambda tile, stack, stream=False, behind=False: jax.jit(lambda x, w, gs, ls, rs: gmm_nt(
+        x, w, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream, behind=behind))
 
     def reference():
         if scaling == "rowwise":

@@ -1,7 +1,7 @@
 """The blockwise e4m3 kernels' consumer layouts and tiles on one GPU, each checked and timed, beside the bf16
 grouped GEMM and the whole FP8 product under each layout table (part of `make bench-fp8-layouts`).
 
-    python benchmarks/fp8/layouts.py --out fp8-layouts.json [--rows 65536 --groups 32]
+    python benchmarks/fp8/layouts.py --out fp8-layouts.json [--rows 65536 --groups 32] [--kernels-only]
 
 Kernels (dropless.gmm.fp8_mosaic, blockwise scaling) at DeepSeek-V3's shapes, rows in Dirichlet(alpha=1) groups
 (seed 0), operands and scales as benchmarks/fp8/kernel_check.py makes them (e4m3 values, power-of-two scales):
@@ -15,7 +15,8 @@ Each variant (stack "n": the two consumers side by side along N; "m": stacked al
 stages that fit in shared memory beside its output blocks, which can be fewer than the tile asks; a consumer
 wider than 128 columns runs 128-column accumulator slices one after another; `stream`: one ring of stages across
 the CTA's tiles instead of a pipeline per tile; "stores waited": streamed, each tile's output store waited for
-where it is issued, a diagnostic of the streamed 64 x 256 kernel) gets one record:
+where it is issued, a diagnostic of the streamed 64 x 256 kernel; "behind": streamed, each K block's product
+promoted while the next block's wgmma runs, one 128-column slice per consumer) gets one record:
 ms (kernel_check's timing: median of 5 batches of 10 calls), TF/s over the rows in groups, and whether its output
 equals the first variant's bit for bit (every layout and tile sums each output's K blocks in the same order, so
 they must; kernel_check.py and the tests hold the first against float32 references). At gate-up fwd the probe's
@@ -65,6 +66,11 @@ NT_VARIANTS = [
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR), False),
     ("m", TileConfig(64, 128, 128, 5, **M_MINOR), True),
     ("n", TileConfig(64, 128, 128, 4, **M_MINOR), False),  # the unscaled kernel's layout and tile, below
+    # Streamed, each K block's product promoted while the next block's wgmma runs (gmm_nt(behind=True)); a slot is
+    # held one step longer, so also with one stage more asked for (_stages keeps what fits).
+    ("m", TileConfig(64, 128, 128, 5, **M_MINOR), "behind"),
+    ("m", TileConfig(64, 128, 128, 6, **M_MINOR), "behind"),
+    ("n", TileConfig(64, 128, 128, 4, **M_MINOR), "behind"),
 ]
 # The weight gradient; at 64x256 one stage fits beside float32 outputs.
 TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR), stream) for stream in (False, True)]
@@ -116,6 +122,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--rows", type=int, default=65536)
     p.add_argument("--groups", type=int, default=32)
+    p.add_argument("--kernels-only", action="store_true",
+                   help="gmm_nt's and gmm_tn_aligned's variants and the unscaled kernel only, not Fp8Gmm's pieces")
     a = p.parse_args()
     m, g = a.rows, a.groups
     sizes = group_sizes("dirichlet", m, g, 0)
@@ -134,7 +142,7 @@ def main() -> None:
             rec = {"shape": name, "stack": stack, "tile": str(tile), "stages": _fitting_stages(case, tile, stack),
                    "stream": stream}
             try:
-                fn = make_fn(tile, stack, bool(stream))
+                fn = make_fn(tile, stack, bool(stream)) if stream != "behind" else make_fn(tile, stack, True, True)
                 if stream == "stores waited":
                     fn = _with_waited_stores(fn)
                 rec |= timed_kernel(fn, args, 2 * int(sizes.sum()) * k * n)
@@ -157,6 +165,8 @@ def main() -> None:
                     rec |= error_fields(e)
                 emit(rec)
         del args, first
+    if a.kernels_only:
+        return
 
     k, n = 7168, 4096
     keys = jax.random.split(jax.random.key(0), 3)

@@ -175,6 +175,7 @@ class _Launch:
     num_rows: int = 0
     groups: int = 1
     stack: str = "n"
+    behind: bool = False
 
     @property
     def slices(self) -> int:
@@ -372,10 +373,10 @@ def _check_operands(lhs, rhs, contraction: int, tile: TileConfig, out_cols: int,
 
 # One jitted program per (tile, scaling, dtypes, shapes): a step calling the same product from several layers and
 # from the recomputed forward lowers its kernel once (each lowering runs Mosaic GPU's compiler passes on the host).
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream", "behind"))
 def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *, scaling: str,
            lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.bfloat16, stack: str = "n",
-           stream: bool = False) -> jax.Array:
+           stream: bool = False, behind: bool = False) -> jax.Array:
     """out[m] = lhs[m] · rhs[g(m)]ᵀ, scaled, [M, N]; rows past sum(group_sizes) are left unwritten.
 
     rowwise:   lhs_scale [M], rhs_scale [G, N]; out[m, n] = acc[m, n] * lhs_scale[m] * rhs_scale[g(m), n].
@@ -385,6 +386,9 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     of stages (`mosaic_ws.run_stream`), so the next tile's first blocks load while the consumers finish the current
     one and its store runs under the next tile's steps, instead of one pipeline per tile filled and drained. The
     same steps in the same order: the same bits as the per-tile pipeline.
+    behind (streamed, one 128-column accumulator slice per consumer): each K block's product is promoted one step
+    behind its wgmma, while the next block's wgmma runs, in two accumulators taken in turn (`_steps_behind`); the
+    same additions in the same order, so the same bits.
     """
     m, k = lhs_MK.shape
     g, n, _ = rhs_GNK.shape
@@ -396,6 +400,10 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     if stream and scaling != "blockwise":
         raise ValueError("gmm_nt(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
+    if behind and not (stream and scaling == "blockwise" and tile.block_n <= SCALE_BLOCK):
+        raise ValueError(f"gmm_nt(behind=True) promotes a streamed blockwise consumer at most {SCALE_BLOCK} columns "
+                         f"wide (its carry and two accumulators fill the registers); got stream={stream}, "
+                         f"scaling={scaling!r}, {tile}.")
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
     padded = max(cta_m, -(-m // TMA_ROW_ALIGNMENT) * TMA_ROW_ALIGNMENT)
@@ -403,18 +411,18 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
         rows = ((0, padded - m),)
         return gmm_nt(jnp.pad(lhs_MK, rows + ((0, 0),)), rhs_GNK, group_sizes_G, tile, scaling=scaling,
                       lhs_scale=jnp.pad(lhs_scale, rows if scaling == "rowwise" else ((0, 0),) + rows),
-                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack, stream=stream)[:m]
+                      rhs_scale=rhs_scale, out_dtype=out_dtype, stack=stack, stream=stream, behind=behind)[:m]
     m_tiles = max_row_tiles(m, g, cta_m)
     tables = row_tiles(group_sizes_G, cta_m, m_tiles)
     scale_lengths = (cta_m,) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), m_tiles, n // cta_n, scaling,
-                out_dtype, m, stack=stack)
+                out_dtype, m, stack=stack, behind=behind)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     if scaling == "rowwise":
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
         # would zero-fill there on the GPU; the padding also keeps M < bm and the interpreter in bounds).
         lhs_scale = jnp.pad(lhs_scale, (0, cta_m))[None, :]
-    kernel, name = (_nt_stream_kernel, "nt_stream") if stream else (_nt_kernel, "nt")
+    kernel, name = (_nt_stream_kernel, "nt_stream" + "_behind" * behind) if stream else (_nt_kernel, "nt")
     return _call(kernel, s, (m, n), name)(lhs_MK, rhs_GNK, lhs_scale, rhs_scale, *tables)
 
 
@@ -520,10 +528,15 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
         mi, ni, group, start, size = tile_at(index)
 
         def body(c):
-            promote = _nt_blockwise_body(s, wg, col_scale, group, ni)
-            start_carries = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
-            _, carries = ring.steps(c, k_steps, lambda ki, *blocks_and_carry: promote((ki,), *blocks_and_carry),
-                                    start_carries)
+            if s.behind:
+                block = (ni * cta_n + s.out_origin(wg)[1]) // SCALE_BLOCK
+                scale = lambda ki, blocks: blocks[2][0, s.lhs_rows(wg)] * col_scale[group, block, ki]
+                carries = (_steps_behind(ring, s, wg, c, k_steps, scale),)
+            else:
+                promote = _nt_blockwise_body(s, wg, col_scale, group, ni)
+                start_carries = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
+                _, carries = ring.steps(c, k_steps, lambda ki, *blocks_and_carry: promote((ki,), *blocks_and_carry),
+                                        start_carries)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
             s.stage_out(ring.out, wg)(carries)
             _store_nt_tile(s, ring.out, out, wg, offset_T[mi], size, start, ni, wait=False)
@@ -533,6 +546,45 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
     blocks = [((cta_m, bk), lhs.dtype, True), ((cta_n, bk), rhs.dtype, True), ((1, cta_m), jnp.float32, False)]
     run_stream(Ring.allocations(s.stages, blocks, CONSUMERS * s.slices, (bm, s.width), s.out_dtype,
                                 out_leading_tile=1), s.stages, s.outer * s.n_tiles, load_tile, compute_tile)
+
+
+def _steps_behind(ring: Ring, s: _Launch, wg, c, steps: int, scale):
+    """A streamed blockwise consumer's `steps` K steps of one tile (a static count, at least one) from ring step
+    c, its one accumulator slice promoted one step behind its wgmma: each step's wgmma goes into a fresh
+    accumulator whose registers are carried to the next step unread; there, once the next step's wgmma is issued
+    and at most that one runs, they are scaled by `scale(ki, blocks)` (the [block_m] row vector of K step ki, from
+    that step's slot, released only after) and added into the float32 carry. The carry takes the same additions in
+    the same order as `ring.steps`; returns it after the last step."""
+    shape = (s.tile.block_m, s.width)
+
+    def issue(c):
+        """Step c's wgmma into a fresh accumulator, left running; its registers, to be read once it finishes."""
+        slot = lax.rem(c, ring.stages)
+        plgpu.barrier_wait(ring.produced.at[slot])
+        a, (b,) = s.slice_operands(ring.operands[0].at[slot], ring.operands[1].at[slot], wg)
+
+        def run(acc):
+            plgpu.wgmma(acc, a, b)
+            return plgpu.wgmma_accumulator_load(acc, wait_n=None)
+
+        return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+    def promote(c, ki, partial, carry, in_flight):
+        """Step c's partial, finished once at most `in_flight` wgmmas run, into the carry; its slot released."""
+        plgpu.wgmma_wait(in_flight)
+        slot = lax.rem(c, ring.stages)
+        blocks = tuple(operand.at[slot] for operand in ring.operands)
+        carry = carry + partial * lax.broadcast_in_dim(scale(ki, blocks), shape, [0])
+        plgpu.barrier_arrive(ring.consumed.at[slot])
+        return carry
+
+    def step(ki, state):
+        c, carry, pending = state
+        partial = issue(c)
+        return c + 1, promote(c - 1, ki - 1, pending, carry, 1), partial
+
+    after, carry, pending = lax.fori_loop(1, steps, step, (c + 1, _zeros(shape), issue(c)))
+    return promote(after - 1, steps - 1, pending, carry, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
