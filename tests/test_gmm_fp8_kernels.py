@@ -194,7 +194,8 @@ def _tn_reference(xT, dyT, layout, scaling, lhs_scale, rhs_scale):
 
 
 @functools.cache
-def _tn_cached(sizes, scaling, seed, n=128, stack="n", tile=TN_TILE, stream=False, out_dtype=jnp.float32):
+def _tn_cached(sizes, scaling, seed, n=128, stack="n", tile=TN_TILE, stream=False, out_dtype=jnp.float32,
+               behind=False):
     """_tn_case's operands and gmm_tn_aligned's output on them, once per case (read-only numpy): tests that check
     the same kernel run share one interpretation."""
     xT, dyT, sizes_G, layout, lhs_scale, rhs_scale = _tn_case(list(sizes), scaling, seed, n=n)
@@ -202,7 +203,7 @@ def _tn_cached(sizes, scaling, seed, n=128, stack="n", tile=TN_TILE, stream=Fals
         out = np.asarray(gmm_tn_aligned(jnp.asarray(xT, FP8), jnp.asarray(dyT, FP8), jnp.asarray(sizes_G), tile,
                                         scaling=scaling, lhs_scale=jnp.asarray(lhs_scale, jnp.float32),
                                         rhs_scale=jnp.asarray(rhs_scale, jnp.float32), stack=stack, stream=stream,
-                                        out_dtype=out_dtype))
+                                        out_dtype=out_dtype, behind=behind))
     for a in (xT, dyT, sizes_G, lhs_scale, rhs_scale, out):
         a.flags.writeable = False
     return (xT, dyT, sizes_G, layout, lhs_scale, rhs_scale), out
@@ -248,7 +249,7 @@ def _lower(product, scaling, tile, m, k, n, g, out_dtype, stack="n", stream=Fals
         scales = ((S((g, k), f32), S((g, n), f32)) if scaling == "rowwise" else
                   (S((p // SCALE_BLOCK, k), f32), S((p // SCALE_BLOCK, n), f32)))
         fn = lambda a, b, gs, ls, rs: gmm_tn_aligned(a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs,
-                                                     out_dtype=out_dtype, stack=stack, stream=stream)
+                                                     out_dtype=out_dtype, stack=stack, stream=stream, behind=behind)
         operands = (S((k, p), FP8), S((n, p), FP8), sizes, *scales)
     else:
         contract, out_cols = (k, n) if product == "fwd" else (n, k)  # dlhs: dy [m, n] · W[g]ᵀ, W read [g, k, n]
@@ -456,6 +457,17 @@ def test_streamed_weight_gradient_equals_the_per_tile_pipeline_bit_for_bit(stack
     _assert_matches(streamed.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
 
 
+@pytest.mark.parametrize("stack, sizes", [("m", MIXED), ("n", [0, 384, 0, 5])], ids=["stacked", "wraps-in-a-tile"])
+def test_weight_gradient_promoted_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bit(stack, sizes):
+    """gmm_tn_aligned(stream=True, behind=True): each column block's product promoted while the next block's wgmma
+    runs gives the per-tile pipeline's bits: empty groups (no step: their zeros), 1- and 2-block groups, three
+    blocks through two stages."""
+    (xT, dyT, _, layout, lhs_scale, rhs_scale), per_tile = _tn_cached(tuple(sizes), "blockwise", 8, stack=stack)
+    _, behind = _tn_cached(tuple(sizes), "blockwise", 8, stack=stack, stream=True, behind=True)
+    np.testing.assert_array_equal(behind.view(np.uint32), per_tile.view(np.uint32))
+    _assert_matches(behind.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
+
+
 # A walk of width 3 over four column tiles: some CTA meets a row tile past the last group (no step) and then a
 # full one, so a consumer and the producer that counted an empty tile's steps differently fall out of step.
 EMPTY_THEN_FULL = TileConfig(64, 64, 128, 2, grid_minor_dim=0, grid_tile_width=3)
@@ -502,18 +514,21 @@ def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bi
     _assert_matches(behind[:live], ref[:live], mag[:live])
 
 
-@pytest.mark.parametrize("product", ["fwd", "dlhs"])
+@pytest.mark.parametrize("product", fp8_mosaic.PRODUCTS)
 def test_promotion_behind_lowers_for_cuda_at_128_columns_and_refuses_what_it_does_not_run(product):
-    """At DeepSeek-V3's gate+up shape, the 64x128 stacked tile in five stages; refused with one clear error per
-    case where it does not run: a consumer wider than one 128-column slice, the per-tile pipeline (rowwise has no
-    streamed kernel, which the test below checks)."""
-    tile = fp8_mosaic.FP8_NARROW
-    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, jnp.bfloat16, "m", stream=True,
+    """At DeepSeek-V3's gate+up shape, the 64x128 stacked tiles (gmm_nt's in five stages, the weight gradient's
+    table tile, float32 out); refused with one clear error per case where it does not run: a consumer wider than
+    one 128-column slice, the per-tile pipeline (rowwise has no streamed kernel, which the test below checks)."""
+    tile, wide = fp8_mosaic.FP8_NARROW, TileConfig(64, 256, 128, 2, grid_minor_dim=0, grid_tile_width=8)
+    out_dtype, kernel = (jnp.float32, "gmm_tn_aligned") if product == "drhs" else (jnp.bfloat16, "gmm_nt")
+    if product == "drhs":
+        tile = FP8_TILES[(product, "blockwise")]
+    assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, out_dtype, "m", stream=True,
                   behind=True).platforms == ("cuda",)
-    for wrong in (dict(tile=FP8_TILES[(product, "blockwise")]), dict(stream=False)):
+    for wrong in (dict(tile=wide), dict(stream=False)):
         args = dict(tile=tile, stream=True) | wrong
-        with pytest.raises(ValueError, match=r"gmm_nt\(behind=True\)"):
-            _lower(product, "blockwise", args["tile"], 8192, 7168, 4096, 32, jnp.bfloat16, "m",
+        with pytest.raises(ValueError, match=kernel + r"\(behind=True\)"):
+            _lower(product, "blockwise", args["tile"], 8192, 7168, 4096, 32, out_dtype, "m",
                    stream=args["stream"], behind=True)
 
 

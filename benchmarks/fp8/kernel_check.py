@@ -128,8 +128,8 @@ def tn_case(scaling, sizes, k, n, m):
         lhs_scale, rhs_scale = _pow2(kls, (g, k)), _pow2(krs, (g, n))
     else:
         lhs_scale, rhs_scale = _pow2(kls, (p // SCALE_BLOCK, k)), _pow2(krs, (p // SCALE_BLOCK, n))
-    fn = lambda tile, stack, stream=False: jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(
-        a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream))
+    fn = lambda tile, stack, stream=False, behind=False: jax.jit(lambda a, b, gs, ls, rs: gmm_tn_aligned(
+        a, b, gs, tile, scaling=scaling, lhs_scale=ls, rhs_scale=rs, stack=stack, stream=stream, behind=behind))
 
     def reference():
         outs = []

@@ -73,7 +73,7 @@ NT_VARIANTS = [
     ("n", TileConfig(64, 128, 128, 4, **M_MINOR), "behind"),
 ]
 # The weight gradient; at 64x256 one stage fits beside float32 outputs.
-TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR), stream) for stream in (False, True)]
+TN_VARIANTS = [("m", TileConfig(64, 128, 128, 4, **M_MINOR), stream) for stream in (False, True, "behind")]
 UNSCALED = [TileConfig(64, 128, 128, 4, **M_MINOR), TileConfig(128, 128, 128, 3, **M_MINOR)]
 # (name, kernel case, K and N of the case: the contraction and output columns of gmm_nt, the two row counts of tn)
 SHAPES = [("gate-up fwd", nt_case, 7168, 4096), ("gate-up dlhs", nt_case, 4096, 7168),

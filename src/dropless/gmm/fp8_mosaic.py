@@ -387,8 +387,8 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     one and its store runs under the next tile's steps, instead of one pipeline per tile filled and drained. The
     same steps in the same order: the same bits as the per-tile pipeline.
     behind (streamed, one 128-column accumulator slice per consumer): each K block's product is promoted one step
-    behind its wgmma, while the next block's wgmma runs, in two accumulators taken in turn (`_steps_behind`); the
-    same additions in the same order, so the same bits.
+    behind its wgmma, while the next block's wgmma runs (`_steps_behind`); the same additions in the same order,
+    so the same bits.
     """
     m, k = lhs_MK.shape
     g, n, _ = rhs_GNK.shape
@@ -400,10 +400,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     if stream and scaling != "blockwise":
         raise ValueError("gmm_nt(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
-    if behind and not (stream and scaling == "blockwise" and tile.block_n <= SCALE_BLOCK):
-        raise ValueError(f"gmm_nt(behind=True) promotes a streamed blockwise consumer at most {SCALE_BLOCK} columns "
-                         f"wide (its carry and two accumulators fill the registers); got stream={stream}, "
-                         f"scaling={scaling!r}, {tile}.")
+    _check_behind("gmm_nt", behind, stream, scaling, tile)
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
     padded = max(cta_m, -(-m // TMA_ROW_ALIGNMENT) * TMA_ROW_ALIGNMENT)
@@ -530,7 +527,8 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
         def body(c):
             if s.behind:
                 block = (ni * cta_n + s.out_origin(wg)[1]) // SCALE_BLOCK
-                scale = lambda ki, blocks: blocks[2][0, s.lhs_rows(wg)] * col_scale[group, block, ki]
+                scale = lambda ki, blocks, shape: lax.broadcast_in_dim(
+                    blocks[2][0, s.lhs_rows(wg)] * col_scale[group, block, ki], shape, [0])
                 carries = (_steps_behind(ring, s, wg, c, k_steps, scale),)
             else:
                 promote = _nt_blockwise_body(s, wg, col_scale, group, ni)
@@ -548,13 +546,20 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
                                 out_leading_tile=1), s.stages, s.outer * s.n_tiles, load_tile, compute_tile)
 
 
-def _steps_behind(ring: Ring, s: _Launch, wg, c, steps: int, scale):
-    """A streamed blockwise consumer's `steps` K steps of one tile (a static count, at least one) from ring step
-    c, its one accumulator slice promoted one step behind its wgmma: each step's wgmma goes into a fresh
-    accumulator whose registers are carried to the next step unread; there, once the next step's wgmma is issued
-    and at most that one runs, they are scaled by `scale(ki, blocks)` (the [block_m] row vector of K step ki, from
-    that step's slot, released only after) and added into the float32 carry. The carry takes the same additions in
-    the same order as `ring.steps`; returns it after the last step."""
+def _check_behind(kernel: str, behind: bool, stream: bool, scaling: str, tile: TileConfig) -> None:
+    if behind and not (stream and scaling == "blockwise" and tile.block_n <= SCALE_BLOCK):
+        raise ValueError(f"{kernel}(behind=True) promotes a streamed blockwise consumer at most {SCALE_BLOCK} "
+                         f"columns wide (its carry and two accumulators fill the registers); got stream={stream}, "
+                         f"scaling={scaling!r}, {tile}.")
+
+
+def _steps_behind(ring: Ring, s: _Launch, wg, c, steps, scale):
+    """A streamed blockwise consumer's `steps` contraction steps of one tile (at least one) from ring step c, its
+    one accumulator slice promoted one step behind its wgmma: each step's wgmma goes into a fresh accumulator whose
+    registers are carried to the next step unread; there, once the next step's wgmma is issued and at most that
+    one runs, they are multiplied by `scale(i, blocks, shape)` (step i's scales, read from its slot, which is
+    released only after) and added into the float32 carry. The carry takes the same additions in the same order as
+    `ring.steps`; returns it after the last step."""
     shape = (s.tile.block_m, s.width)
 
     def issue(c):
@@ -574,7 +579,7 @@ def _steps_behind(ring: Ring, s: _Launch, wg, c, steps: int, scale):
         plgpu.wgmma_wait(in_flight)
         slot = lax.rem(c, ring.stages)
         blocks = tuple(operand.at[slot] for operand in ring.operands)
-        carry = carry + partial * lax.broadcast_in_dim(scale(ki, blocks), shape, [0])
+        carry = carry + partial * scale(ki, blocks, shape)
         plgpu.barrier_arrive(ring.consumed.at[slot])
         return carry
 
@@ -587,10 +592,10 @@ def _steps_behind(ring: Ring, s: _Launch, wg, c, steps: int, scale):
     return promote(after - 1, steps - 1, pending, carry, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream"))
+@functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream", "behind"))
 def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Array, tile: TileConfig, *,
                    scaling: str, lhs_scale: jax.Array, rhs_scale: jax.Array, out_dtype=jnp.float32,
-                   stack: str = "n", stream: bool = False) -> jax.Array:
+                   stack: str = "n", stream: bool = False, behind: bool = False) -> jax.Array:
     """out[g] = lhsT[:, cols of g] · rhsT[:, cols of g]ᵀ, scaled, [G, K, N]: the weight gradient xᵀ·dy.
 
     Group g occupies columns [128 * first_g, 128 * (first_g + blocks_g)) of both copies, with (first_G, blocks_G)
@@ -604,6 +609,7 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     and store the current one, instead of one pipeline per tile filled and drained: a group's gradient tile has
     as many steps as the group has 128-row blocks (16 at DeepSeek-V3's 32 experts, 2 at 256). The same steps
     in the same order: the same bits as the per-tile pipeline.
+    behind: as gmm_nt's, each column block's product promoted while the next block's wgmma runs.
     """
     k, p = lhsT_KP.shape
     n = rhsT_NP.shape[0]
@@ -620,15 +626,17 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
                          f"{SCALE_BLOCK} and K ({k}) a multiple of the CTA tile's {cta_m} rows; got {tile}.")
     if stream and scaling != "blockwise":
         raise ValueError("gmm_tn_aligned(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
+    _check_behind("gmm_tn_aligned", behind, stream, scaling, tile)
     if scaling == "blockwise" and max(cta_m, cta_n) > TMA_MAX_BOX:
         raise ValueError(f"blockwise scaling loads the CTA tile's {cta_m} row and {cta_n} column scales in one copy "
                          f"each, at most {TMA_MAX_BOX} long: choose a smaller tile or stack the consumers.")
     out_dtype = jnp.dtype(out_dtype)
     scale_lengths = (cta_m, cta_n) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), k // cta_m, n // cta_n, scaling,
-                out_dtype, groups=g, stack=stack)
+                out_dtype, groups=g, stack=stack, behind=behind)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
-    kernel, name = (_tn_stream_kernel, "tn_aligned_stream") if stream else (_tn_kernel, "tn_aligned")
+    kernel, name = (_tn_stream_kernel, "tn_aligned_stream" + "_behind" * behind) if stream else (_tn_kernel,
+                                                                                                 "tn_aligned")
     return _call(kernel, s, (g, k, n), name)(*aligned_layout(group_sizes_G, SCALE_BLOCK), lhsT_KP, rhsT_NP,
                                              lhs_scale, rhs_scale)
 
@@ -743,9 +751,14 @@ def _tn_stream_kernel(s: _Launch, first_G, blocks_G, lhs, rhs, row_scale, col_sc
 
     def compute_tile(ring, wg, index, c):
         gi, ki, ni, _, steps = tile_at(index)
-        body = _tn_blockwise_body(s, wg)
         start = tuple(_zeros((bm, s.width)) for _ in range(s.slices))
-        c, carries = ring.steps(c, steps, body, start)
+        if s.behind:  # an empty group's tile takes no step: its wgmmas and their waits stay inside the branch
+            scale = lambda _, blocks, shape: _outer(blocks[2][0, s.lhs_rows(wg)], blocks[3][0, s.slice_cols(wg, 0)],
+                                                    shape)
+            carries = (lax.cond(steps > 0, lambda: _steps_behind(ring, s, wg, c, steps, scale), lambda: start[0]),)
+            c = c + steps
+        else:
+            c, carries = ring.steps(c, steps, _tn_blockwise_body(s, wg), start)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this consumer's previous store has read its blocks
         s.stage_out(ring.out, wg)(carries)
         _store_tn_tile(s, ring.out, out, wg, gi, ki, ni)
