@@ -154,7 +154,8 @@ def rows_product(a: Quantized, b: Quantized, recipe: Recipe, product: str = "fwd
         return fp8_mosaic.gmm_nt(a.values, b.values[None], jnp.full((1,), t, jnp.int32), tile, scaling=recipe.mode,
                                  lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
                                  stack=fp8_mosaic.default_stack(product, recipe.mode),
-                                 stream=fp8_mosaic.default_stream(product, recipe.mode))
+                                 stream=fp8_mosaic.default_stream(product, recipe.mode),
+                                 behind=fp8_mosaic.default_behind(product, recipe.mode, tile))
     if rowwise and not recipe.native:
         return _e4m3_nt(a, b).astype(out_dtype)
     return _dequantized_nt(a, recipe.operand(2), b, recipe.weight(2)).astype(out_dtype)
@@ -169,7 +170,8 @@ def contract_product(aT: Quantized, bT: Quantized, recipe: Recipe, out_dtype=jnp
         return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, jnp.full((1,), t, jnp.int32), tile,
                                          scaling=recipe.mode, lhs_scale=aT.scales.T, rhs_scale=bT.scales.T,
                                          out_dtype=out_dtype, stack=fp8_mosaic.default_stack("drhs", recipe.mode),
-                                         stream=fp8_mosaic.default_stream("drhs", recipe.mode))[0]
+                                         stream=fp8_mosaic.default_stream("drhs", recipe.mode),
+                                         behind=fp8_mosaic.default_behind("drhs", recipe.mode, tile))[0]
     if recipe.mode == "rowwise" and not recipe.native:
         return _e4m3_nt(aT, bT).astype(out_dtype)
     return _dequantized_nt(aT, recipe.operand(2), bT, recipe.operand(2)).astype(out_dtype)

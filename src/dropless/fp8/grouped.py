@@ -124,7 +124,8 @@ class Fp8Products:
             return fp8_mosaic.gmm_nt(a.values, b.values, group_sizes_G, tile, scaling=r.mode, lhs_scale=lhs_scale,
                                      rhs_scale=rhs_scale, out_dtype=out_dtype,
                                      stack=fp8_mosaic.default_stack(product, r.mode),
-                                     stream=fp8_mosaic.default_stream(product, r.mode))
+                                     stream=fp8_mosaic.default_stream(product, r.mode),
+                                     behind=fp8_mosaic.default_behind(product, r.mode, tile))
         a_ = dequantize(a, r.operand(2), jnp.bfloat16)
         b_ = jnp.swapaxes(dequantize(b, r.weight(3), jnp.bfloat16), 1, 2)
         return self.dequantized_rows(a_, b_, group_sizes_G, preferred_element_type=out_dtype, zero_padding=False)
@@ -144,7 +145,8 @@ class Fp8Products:
             return fp8_mosaic.gmm_tn_aligned(aT.values, bT.values, group_sizes_G, tile, scaling=r.mode,
                                              lhs_scale=lhs_scale, rhs_scale=rhs_scale, out_dtype=out_dtype,
                                              stack=fp8_mosaic.default_stack("drhs", r.mode),
-                                             stream=fp8_mosaic.default_stream("drhs", r.mode))
+                                             stream=fp8_mosaic.default_stream("drhs", r.mode),
+                                             behind=fp8_mosaic.default_behind("drhs", r.mode, tile))
         block = (1, r.contract_block)
         a_PK = dequantize(aT, block, jnp.bfloat16).T
         b_PN = dequantize(bT, block, jnp.bfloat16).T

@@ -96,6 +96,9 @@ FP8_STACKS = {(product, scaling): "m" if scaling == "blockwise" else "n" for pro
 # 32-group kernel are one compiled kernel at two row counts, so the cause is a run-time one (unexplained); at
 # 64x128 in five stages the streamed kernel stays behind 64x256 per tile at gate+up. Rowwise has no streamed kernel.
 FP8_STREAM = frozenset({("drhs", "blockwise")})
+# The products whose streamed kernel promotes each block's product behind the next block's wgmma (`behind=True`,
+# the same bits; a consumer of one 128-column slice only).
+FP8_BEHIND: frozenset = frozenset()
 # gmm_nt's blockwise tile where the output's columns are not a multiple of the table's 256 (see default_tile).
 FP8_NARROW = TileConfig(64, 128, 128, 5, grid_minor_dim=0, grid_tile_width=8)
 # The blockwise weight gradient writing 2-byte outputs (train.fp8_wgrad_dtype=bfloat16): the table's 64x128 tile in
@@ -138,6 +141,12 @@ def default_stream(product: str, scaling: str) -> bool:
     """Whether a product's kernel streams its tiles (FP8_STREAM): gmm_nt's or gmm_tn_aligned's `stream`."""
     default_tile(product, 0, 0, 0, 0, scaling)  # the same check of the key
     return (product, scaling) in FP8_STREAM
+
+
+def default_behind(product: str, scaling: str, tile: TileConfig) -> bool:
+    """Whether a product's streamed kernel at `tile` promotes behind the next wgmma (FP8_BEHIND): its `behind`."""
+    return ((product, scaling) in FP8_BEHIND and default_stream(product, scaling)
+            and tile.block_n <= SCALE_BLOCK)
 
 
 def fits(product: str, k: int, n: int, scaling: str) -> bool:
