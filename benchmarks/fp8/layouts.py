@@ -1,7 +1,7 @@
 """The blockwise e4m3 kernels' consumer layouts and tiles on one GPU, each checked and timed, beside the bf16
 grouped GEMM and the whole FP8 product under each layout table (part of `make bench-fp8-layouts`).
 
-    python benchmarks/fp8/layouts.py --out fp8-layouts.json [--rows 65536 --groups 32] [--kernels-only]
+    python benchmarks/fp8/layouts.py --out fp8-layouts.json [--rows 65536 --groups 32] [--part kernels|pieces]
 
 Kernels (dropless.gmm.fp8_mosaic, blockwise scaling) at DeepSeek-V3's shapes, rows in Dirichlet(alpha=1) groups
 (seed 0), operands and scales as benchmarks/fp8/kernel_check.py makes them (e4m3 values, power-of-two scales):
@@ -122,8 +122,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--rows", type=int, default=65536)
     p.add_argument("--groups", type=int, default=32)
-    p.add_argument("--kernels-only", action="store_true",
-                   help="gmm_nt's and gmm_tn_aligned's variants and the unscaled kernel only, not Fp8Gmm's pieces")
+    p.add_argument("--part", choices=("all", "kernels", "pieces"), default="all",
+                   help="kernels: gmm_nt's and gmm_tn_aligned's variants and the unscaled kernel; pieces: the bf16 "
+                        "grouped GEMM and Fp8Gmm under each table")
     a = p.parse_args()
     m, g = a.rows, a.groups
     sizes = group_sizes("dirichlet", m, g, 0)
@@ -135,7 +136,7 @@ def main() -> None:
         write_json(a.out, {"benchmark": "fp8-layouts", "environment": env, "rows": m, "groups": g,
                            "records": records})
 
-    for name, case, k, n in SHAPES:
+    for name, case, k, n in SHAPES if a.part != "pieces" else ():
         make_fn, args, _, live = case("blockwise", sizes, k, n, m)
         first = None
         for stack, tile, stream in TN_VARIANTS if case is tn_case else NT_VARIANTS:
@@ -165,7 +166,7 @@ def main() -> None:
                     rec |= error_fields(e)
                 emit(rec)
         del args, first
-    if a.kernels_only:
+    if a.part == "kernels":
         return
 
     k, n = 7168, 4096
