@@ -5,8 +5,9 @@ kernel (make bench-fp8-sass).
     python benchmarks/fp8/sass_dump.py --out-dir DIR
 
 Kernels, at DeepSeek-V3's gate-up forward shape with 8,192 rows in 8 groups (the code does not depend on the
-row count): gmm_nt blockwise under each consumer layout (fp8_mosaic.FP8_TILES' tile), stacked also streamed, and
-e4m3_probe_kernels.gmm_nt_ws unscaled at the same 64 x 128 tile side by side. Each is compiled in a process of its
+row count): gmm_nt blockwise under each consumer layout (fp8_mosaic.FP8_TILES' tile), stacked also streamed,
+e4m3_probe_kernels.gmm_nt_ws unscaled at the same 64 x 128 tile side by side, and the stacked 64 x 128 tile
+(FP8_NARROW) streamed, with each K block promoted after its wgmma and behind the next one (`behind=True`). Each is compiled in a process of its
 own with MOSAIC_GPU_DUMP_{SASS,PTX,PTXAS} and MOSAIC_GPU_DUMP_TO=DIR/<kernel>, run once, and its dumped SASS
 counted by opcode (the static count of each instruction, e.g. HGMMA, FFMA, FMUL, MOV, CS2R, LDS, LDG, BAR);
 DIR/summary.json holds the counts, the ptxas lines and the files (make bench-fp8-sass keeps it as the record
@@ -25,7 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = ("blockwise-stacked", "blockwise-stacked-streamed", "blockwise-side-by-side", "unscaled-side-by-side")
+KERNELS = ("blockwise-stacked", "blockwise-stacked-streamed", "blockwise-side-by-side", "unscaled-side-by-side",
+           "blockwise-stacked-128-streamed", "blockwise-stacked-128-behind")
 OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?\b")
 # A PTX instruction line: optional predicate, then the opcode with its type suffixes (`fma.rn.f32`,
 # `wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3`).
@@ -52,13 +54,15 @@ def compile_one(kernel: str) -> None:
         tile = TileConfig(64, 128, 128, 4, grid_minor_dim=0, grid_tile_width=8)
         out = jax.jit(lambda x, w, s: gmm_nt_ws(x, w, s, tile))(x, w, sizes)
     else:
-        tile = fp8_mosaic.FP8_TILES[("fwd", "blockwise")]
+        narrow = "-128-" in kernel
+        tile = fp8_mosaic.FP8_NARROW if narrow else fp8_mosaic.FP8_TILES[("fwd", "blockwise")]
         stack = "n" if kernel == "blockwise-side-by-side" else "m"
         ls = jnp.ones((k // 128, m), jnp.float32)
         rs = jnp.ones((g, n // 128, k // 128), jnp.float32)
         out = jax.jit(lambda x, w, s, a, b: fp8_mosaic.gmm_nt(x, w, s, tile, scaling="blockwise", lhs_scale=a,
                                                                rhs_scale=b, stack=stack,
-                                                               stream=kernel.endswith("streamed")))(x, w, sizes, ls, rs)
+                                                               stream=kernel.endswith(("streamed", "behind")),
+                                                               behind=kernel.endswith("behind")))(x, w, sizes, ls, rs)
     jax.block_until_ready(out)
 
 
@@ -104,6 +108,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out-dir", required=True)
     p.add_argument("--kernel", choices=KERNELS, help=argparse.SUPPRESS)  # the child process's
+    p.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated subset of " + ", ".join(KERNELS))
     a = p.parse_args()
     if a.kernel:
         compile_one(a.kernel)
@@ -112,7 +117,7 @@ def main() -> None:
 
     out = Path(a.out_dir)
     summary = {"benchmark": "fp8-sass", "environment": environment(), "kernels": {}}
-    for kernel in KERNELS:
+    for kernel in a.kernels.split(","):
         folder = out / kernel
         folder.mkdir(parents=True, exist_ok=True)
         env = os.environ | {"MOSAIC_GPU_DUMP_SASS": "1", "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1",
