@@ -494,13 +494,14 @@ def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, s
 
 
 @pytest.mark.parametrize("stack, tile, sizes, k", [
-    ("m", EMPTY_THEN_FULL, MIXED, 384), ("n", NT_TILE, SKEW, 256), ("m", WIDE_TILE, MIXED, 640)],
-    ids=["stacked-three-steps-empty-then-full", "side-by-side-skew-two-steps", "64x128-five-steps"])
+    ("m", EMPTY_THEN_FULL, MIXED, 384), ("n", NT_TILE, SKEW, 256), ("m", WIDE_TILE, MIXED, 512)],
+    ids=["stacked-three-steps-empty-then-full", "side-by-side-skew-two-steps", "64x128-four-steps"])
 def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, sizes, k):
     """gmm_nt(stream=True, behind=True): each K block's product promoted while the next block's wgmma runs, the
     two accumulators taken in turn, is the same additions in the same order as the per-tile pipeline, so the same
-    bits: two, three and five K steps through two stages (the ring wrapping inside a tile), empty tiles followed by
-    full ones, side by side and stacked. Which step's product is added with which step's scales, and after which
+    bits: two, three and four K steps through two stages (the steps after the first in pairs, then none, one or
+    two more: every path of `_steps_behind`; the ring wrapping inside a tile), empty tiles followed by full ones,
+    side by side and stacked. Which step's product is added with which step's scales, and after which
     release, is what the interpreter checks (it runs each wgmma to completion where it is issued); the wgmma left
     running is a GPU timing question it does not see."""
     n = 2 * fp8_mosaic.cta_shape(tile, stack)[1]

@@ -592,13 +592,28 @@ def _steps_behind(ring: Ring, s: _Launch, wg, c, steps, scale):
         plgpu.barrier_arrive(ring.consumed.at[slot])
         return carry
 
-    def step(ki, state):
+    def pair(p, state):
+        """Steps 2p + 1 and 2p + 2, step 2p's wgmma running: two per iteration, so that the accumulator issued
+        after a promotion can take the registers that promotion freed and the carried one stays in place across
+        the loop's back edge (a carried accumulator moved while its wgmma runs would have ptxas wait for it)."""
         c, carry, pending = state
-        partial = issue(c)
-        return c + 1, promote(c - 1, ki - 1, pending, carry, 1), partial
+        odd = issue(c)
+        carry = promote(c - 1, 2 * p, pending, carry, 1)
+        even = issue(c + 1)
+        return c + 2, promote(c, 2 * p + 1, odd, carry, 1), even
 
-    after, carry, pending = lax.fori_loop(1, steps, step, (c + 1, _zeros(shape), issue(c)))
-    return promote(after - 1, steps - 1, pending, carry, 0)
+    after, carry, pending = lax.fori_loop(0, (steps - 1) // 2, pair, (c + 1, _zeros(shape), issue(c)))
+
+    def last_two():
+        partial = issue(after)
+        return promote(after, steps - 1, partial, promote(after - 1, steps - 2, pending, carry, 1), 0)
+
+    def last_one():
+        return promote(after - 1, steps - 1, pending, carry, 0)
+
+    if isinstance(steps, int):
+        return last_two() if (steps - 1) % 2 else last_one()
+    return lax.cond((steps - 1) % 2 == 1, last_two, last_one)
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "scaling", "out_dtype", "stack", "stream", "behind"))
