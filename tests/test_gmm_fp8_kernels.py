@@ -499,8 +499,8 @@ def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, s
 def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, sizes, k):
     """gmm_nt(stream=True, behind=True): each K block's product promoted while the next block's wgmma runs, the
     two accumulators taken in turn, is the same additions in the same order as the per-tile pipeline, so the same
-    bits: two, three and four K steps through two stages (the steps after the first in pairs, then none, one or
-    two more: every path of `_steps_behind`; the ring wrapping inside a tile), empty tiles followed by full ones,
+    bits: two, three and four K steps through two stages (the steps after the first taken in pairs, then one more
+    or none: every path of `_steps_behind`; the ring wrapping inside a tile), empty tiles followed by full ones,
     side by side and stacked. Which step's product is added with which step's scales, and after which
     release, is what the interpreter checks (it runs each wgmma to completion where it is issued); the wgmma left
     running is a GPU timing question it does not see."""
