@@ -70,7 +70,7 @@ COLLECTIVE_SETTINGS := default: channels16:NCCL_MIN_NCHANNELS=16 channels32:NCCL
 BENCH_TARGETS := bench-gmm bench-gmm-fine bench-gmm-stream bench-gmm-sass bench-gmm-cluster-probe bench-stage-profile bench-permute tune-gmm-fine tune-gmm-stacked bench-gmm-backends bench-layer-check bench-step bench-step-batch1 bench-step-offload-flags \
   bench-step-4x4096 bench-ep bench-ep-strategies bench-ep-float8 bench-ep-nccl-channels32 bench-ep-xla-flags \
   bench-fp8-check bench-fp8-probe bench-fp8 bench-fp8-gmm bench-fp8-gmm-e256 bench-fp8-gmm-qwen3 bench-fp8-kernels \
-  bench-fp8-step bench-fp8-step-profile bench-fp8-wgrad bench-fp8-fresh-acc bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-documents bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
+  bench-fp8-step bench-fp8-step-profile bench-fp8-behind bench-fp8-wgrad bench-fp8-fresh-acc bench-fp8-layouts bench-fp8-product-check bench-fp8-master bench-fp8-accum bench-fp8-sass bench-fp8-parity bench-fp8-rowwise-compile bench-attention-vjp bench-attention-step bench-documents bench-router bench-router-selection bench-strategy-cost bench-collectives bench-plan
 .PHONY: $(BENCH_TARGETS) bench-needs-gpu bench-speculative
 bench-needs-gpu:
 	@test -n "$(HAS_GPU)" || { echo "The bench-* targets measure on NVIDIA GPUs; nvidia-smi finds none here." >&2; exit 1; }
@@ -357,6 +357,17 @@ bench-fp8-rowwise-compile: $(BENCH_DEPS)
 
 # 1 GPU: what the blockwise e4m3 kernels compile to (SASS, PTX, ptxas registers and spills, opcode counts) beside the
 # unscaled kernel at the same tile; the dumps stay in the scratch folder, their summary is fp8-sass-<gpu>.json.
+# 1 GPU: the blockwise kernels with each block's product promoted behind the next block's wgmma (`behind=True`):
+# bits against the per-tile kernels at edge cases, ptxas's report and SASS of gmm_nt's 64x128 streamed kernel with
+# and without it, and every variant of bench-fp8-layouts' kernels (32 groups) timed in one call.
+bench-fp8-behind: $(BENCH_DEPS)
+	mkdir -p $(BENCH_SCRATCH)
+	$(BENCH_PYTHON) benchmarks/fp8/behind_check.py --out $(RESULTS)/fp8-behind-check-$(GPU).json
+	$(BENCH_PYTHON) benchmarks/fp8/sass_dump.py --out-dir $(BENCH_SCRATCH)/fp8-behind-sass \
+	  --kernels blockwise-stacked-128-streamed,blockwise-stacked-128-behind
+	cp $(BENCH_SCRATCH)/fp8-behind-sass/summary.json $(RESULTS)/fp8-behind-sass-$(GPU).json
+	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --part kernels --out $(RESULTS)/fp8-layouts-behind-$(GPU).json
+
 bench-fp8-sass: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/sass_dump.py --out-dir $(BENCH_SCRATCH)/fp8-sass
 	cp $(BENCH_SCRATCH)/fp8-sass/summary.json $(RESULTS)/fp8-sass-$(GPU).json

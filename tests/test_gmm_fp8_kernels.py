@@ -519,16 +519,20 @@ def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bi
 def test_promotion_behind_lowers_for_cuda_at_128_columns_and_refuses_what_it_does_not_run(product):
     """At DeepSeek-V3's gate+up shape, the 64x128 stacked tiles (gmm_nt's in five stages, the weight gradient's
     table tile, float32 out); refused with one clear error per case where it does not run: a consumer wider than
-    one 128-column slice, the per-tile pipeline (rowwise has no streamed kernel, which the test below checks)."""
+    one 128-column slice, the per-tile pipeline, one pipeline stage (a consumer holds a step's slot until the next
+    step's blocks have landed: with one slot it would wait for itself); rowwise has no streamed kernel, which the
+    test below checks."""
     tile, wide = fp8_mosaic.FP8_NARROW, TileConfig(64, 256, 128, 2, grid_minor_dim=0, grid_tile_width=8)
     out_dtype, kernel = (jnp.float32, "gmm_tn_aligned") if product == "drhs" else (jnp.bfloat16, "gmm_nt")
     if product == "drhs":
         tile = FP8_TILES[(product, "blockwise")]
     assert _lower(product, "blockwise", tile, 8192, 7168, 4096, 32, out_dtype, "m", stream=True,
                   behind=True).platforms == ("cuda",)
-    for wrong in (dict(tile=wide), dict(stream=False)):
+    one_stage = TileConfig(64, 128, 128, 1, grid_minor_dim=0, grid_tile_width=8)
+    for wrong, message in ((dict(tile=wide), "at most 128"), (dict(stream=False), "at most 128"),
+                           (dict(tile=one_stage), "two pipeline stages")):
         args = dict(tile=tile, stream=True) | wrong
-        with pytest.raises(ValueError, match=kernel + r"\(behind=True\)"):
+        with pytest.raises(ValueError, match=kernel + r"\(behind=True\) .*" + message):
             _lower(product, "blockwise", args["tile"], 8192, 7168, 4096, 32, out_dtype, "m",
                    stream=args["stream"], behind=True)
 

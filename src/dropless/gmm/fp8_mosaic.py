@@ -409,7 +409,6 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     if stream and scaling != "blockwise":
         raise ValueError("gmm_nt(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
-    _check_behind("gmm_nt", behind, stream, scaling, tile)
     bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
     padded = max(cta_m, -(-m // TMA_ROW_ALIGNMENT) * TMA_ROW_ALIGNMENT)
@@ -423,6 +422,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     scale_lengths = (cta_m,) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), m_tiles, n // cta_n, scaling,
                 out_dtype, m, stack=stack, behind=behind)
+    _check_behind("gmm_nt", behind, stream, scaling, tile, s.stages)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     if scaling == "rowwise":
         # [1, M + bm]: a row tile's [1, bm] copy stays inside the array even when the tile runs past row M (TMA
@@ -555,11 +555,14 @@ def _nt_stream_kernel(s: _Launch, lhs, rhs, row_scale, col_scale, group_T, start
                                 out_leading_tile=1), s.stages, s.outer * s.n_tiles, load_tile, compute_tile)
 
 
-def _check_behind(kernel: str, behind: bool, stream: bool, scaling: str, tile: TileConfig) -> None:
+def _check_behind(kernel: str, behind: bool, stream: bool, scaling: str, tile: TileConfig, stages: int) -> None:
     if behind and not (stream and scaling == "blockwise" and tile.block_n <= SCALE_BLOCK):
         raise ValueError(f"{kernel}(behind=True) promotes a streamed blockwise consumer at most {SCALE_BLOCK} "
                          f"columns wide (its carry and two accumulators fill the registers); got stream={stream}, "
                          f"scaling={scaling!r}, {tile}.")
+    if behind and stages < 2:  # a consumer holds a step's slot until the next step's blocks have landed
+        raise ValueError(f"{kernel}(behind=True) needs two pipeline stages or more; {stages} fit(s) in shared "
+                         f"memory at {tile}.")
 
 
 def _steps_behind(ring: Ring, s: _Launch, wg, c, steps, scale):
@@ -650,7 +653,6 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
                          f"{SCALE_BLOCK} and K ({k}) a multiple of the CTA tile's {cta_m} rows; got {tile}.")
     if stream and scaling != "blockwise":
         raise ValueError("gmm_tn_aligned(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
-    _check_behind("gmm_tn_aligned", behind, stream, scaling, tile)
     if scaling == "blockwise" and max(cta_m, cta_n) > TMA_MAX_BOX:
         raise ValueError(f"blockwise scaling loads the CTA tile's {cta_m} row and {cta_n} column scales in one copy "
                          f"each, at most {TMA_MAX_BOX} long: choose a smaller tile or stack the consumers.")
@@ -658,6 +660,7 @@ def gmm_tn_aligned(lhsT_KP: jax.Array, rhsT_NP: jax.Array, group_sizes_G: jax.Ar
     scale_lengths = (cta_m, cta_n) if scaling == "blockwise" else ()
     s = _Launch(tile, _stages(tile, out_dtype, scaling, scale_lengths, stack), k // cta_m, n // cta_n, scaling,
                 out_dtype, groups=g, stack=stack, behind=behind)
+    _check_behind("gmm_tn_aligned", behind, stream, scaling, tile, s.stages)
     lhs_scale, rhs_scale = lhs_scale.astype(jnp.float32), rhs_scale.astype(jnp.float32)
     kernel, name = (_tn_stream_kernel, "tn_aligned_stream" + "_behind" * behind) if stream else (_tn_kernel,
                                                                                                  "tn_aligned")
