@@ -457,11 +457,11 @@ def test_streamed_weight_gradient_equals_the_per_tile_pipeline_bit_for_bit(stack
     _assert_matches(streamed.astype(np.float64), *_tn_reference(xT, dyT, layout, "blockwise", lhs_scale, rhs_scale))
 
 
-@pytest.mark.parametrize("stack, sizes", [("m", MIXED), ("n", [0, 384, 0, 5])], ids=["stacked", "wraps-in-a-tile"])
+@pytest.mark.parametrize("stack, sizes", [("m", MIXED), ("m", [0, 384, 0, 5])], ids=["mixed", "wraps-in-a-tile"])
 def test_weight_gradient_promoted_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bit(stack, sizes):
     """gmm_tn_aligned(stream=True, behind=True): each column block's product promoted while the next block's wgmma
     runs gives the per-tile pipeline's bits: empty groups (no step: their zeros), 1- and 2-block groups, three
-    blocks through two stages."""
+    blocks through two stages (the per-tile runs: the float64 and streamed tests' own)."""
     (xT, dyT, _, layout, lhs_scale, rhs_scale), per_tile = _tn_cached(tuple(sizes), "blockwise", 8, stack=stack)
     _, behind = _tn_cached(tuple(sizes), "blockwise", 8, stack=stack, stream=True, behind=True)
     np.testing.assert_array_equal(behind.view(np.uint32), per_tile.view(np.uint32))
@@ -493,10 +493,10 @@ def test_streamed_gmm_nt_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, s
     _assert_matches(streamed[:live], ref[:live], mag[:live])
 
 
-@pytest.mark.parametrize("stack, tile, sizes, k", [
-    ("m", EMPTY_THEN_FULL, MIXED, 384), ("n", NT_TILE, SKEW, 256), ("m", WIDE_TILE, MIXED, 512)],
+@pytest.mark.parametrize("stack, tile, sizes, k, n_tiles", [
+    ("m", EMPTY_THEN_FULL, MIXED, 384, 4), ("n", NT_TILE, SKEW, 256, 2), ("m", WIDE_TILE, MIXED, 512, 2)],
     ids=["stacked-three-steps-empty-then-full", "side-by-side-skew-two-steps", "64x128-four-steps"])
-def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, sizes, k):
+def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bit(stack, tile, sizes, k, n_tiles):
     """gmm_nt(stream=True, behind=True): each K block's product promoted while the next block's wgmma runs, the
     two accumulators taken in turn, is the same additions in the same order as the per-tile pipeline, so the same
     bits: two, three and four K steps through two stages (the steps after the first taken in pairs, then one more
@@ -504,7 +504,7 @@ def test_promotion_behind_the_next_wgmma_equals_the_per_tile_pipeline_bit_for_bi
     side by side and stacked. Which step's product is added with which step's scales, and after which
     release, is what the interpreter checks (it runs each wgmma to completion where it is issued); the wgmma left
     running is a GPU timing question it does not see."""
-    n = 2 * fp8_mosaic.cta_shape(tile, stack)[1]
+    n = n_tiles * fp8_mosaic.cta_shape(tile, stack)[1]  # the first two: the streamed test's cases, run once
     (x, w, sizes, lhs_scale, rhs_scale), per_tile = _nt_cached(tuple(sizes), "blockwise", 9, k=k, n=n,
                                                                stack=stack, tile=tile)
     _, behind = _nt_cached(tuple(sizes), "blockwise", 9, k=k, n=n, stack=stack, tile=tile, stream=True,
