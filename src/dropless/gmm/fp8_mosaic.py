@@ -409,7 +409,7 @@ def gmm_nt(lhs_MK: jax.Array, rhs_GNK: jax.Array, group_sizes_G: jax.Array, tile
     _check_operands(lhs_MK, rhs_GNK, k, tile, n, stack)
     if stream and scaling != "blockwise":
         raise ValueError("gmm_nt(stream=True) runs blockwise scaling only; use stream=False for rowwise.")
-    bm, (cta_m, cta_n) = tile.block_m, cta_shape(tile, stack)
+    cta_m, cta_n = cta_shape(tile, stack)
     out_dtype = jnp.dtype(out_dtype)
     padded = max(cta_m, -(-m // TMA_ROW_ALIGNMENT) * TMA_ROW_ALIGNMENT)
     if padded != m:  # a row tile's box cannot exceed the array, and the array's rows tile by 8 in shared memory
