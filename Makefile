@@ -355,8 +355,6 @@ bench-fp8-master: $(BENCH_DEPS)
 bench-fp8-rowwise-compile: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/rowwise_compile.py --timeout 120 --out $(RESULTS)/fp8-rowwise-compile-$(GPU).json
 
-# 1 GPU: what the blockwise e4m3 kernels compile to (SASS, PTX, ptxas registers and spills, opcode counts) beside the
-# unscaled kernel at the same tile; the dumps stay in the scratch folder, their summary is fp8-sass-<gpu>.json.
 # 1 GPU: the blockwise kernels with each block's product promoted behind the next block's wgmma (`behind=True`):
 # bits against the per-tile kernels at edge cases, ptxas's report and SASS of gmm_nt's 64x128 streamed kernel with
 # and without it, and every variant of bench-fp8-layouts' kernels (32 groups) timed in one call.
@@ -368,6 +366,8 @@ bench-fp8-behind: $(BENCH_DEPS)
 	cp $(BENCH_SCRATCH)/fp8-behind-sass/summary.json $(RESULTS)/fp8-behind-sass-$(GPU).json
 	$(BENCH_PYTHON) benchmarks/fp8/layouts.py --part kernels --out $(RESULTS)/fp8-layouts-behind-$(GPU).json
 
+# 1 GPU: what the blockwise e4m3 kernels compile to (SASS, PTX, ptxas registers and spills, opcode counts) beside the
+# unscaled kernel at the same tile; the dumps stay in the scratch folder, their summary is fp8-sass-<gpu>.json.
 bench-fp8-sass: $(BENCH_DEPS)
 	$(BENCH_PYTHON) benchmarks/fp8/sass_dump.py --out-dir $(BENCH_SCRATCH)/fp8-sass
 	cp $(BENCH_SCRATCH)/fp8-sass/summary.json $(RESULTS)/fp8-sass-$(GPU).json

@@ -24,9 +24,10 @@ unscaled e4m3 kernel (e4m3_probe_kernels.gmm_nt_ws: consumers side by side, no s
 and at its own best, so the promotion's cost is read at equal tiles in the same call. Then, at gate-up, the bf16
 grouped GEMM (fwd, fwd+bwd) and dropless.fp8.Fp8Gmm fwd and fwd+bwd on expert-aligned rows with the blockwise
 recipe under fp8_mosaic's tables, with no product and with every product streamed, and with gmm_nt's products
-at 64x128 in five stages, per tile and with every product streamed and promoted behind, so each ratio to bf16 comes from one run; then one call's weight quantization alone,
-Fp8Gmm fwd+bwd with the weight's copies made outside it (as each microbatch runs under gradient accumulation) and
-Fp8Gmm on the rows laid end to end (row_align=1: only the weight gradient's copies padded, by a column gather).
+at 64x128 in five stages, per tile and with every product streamed and promoted behind, so each ratio to bf16
+comes from one run; then one call's weight quantization alone, Fp8Gmm fwd+bwd with the weight's copies made
+outside it (as each microbatch runs under gradient accumulation) and Fp8Gmm on the rows laid end to end
+(row_align=1: only the weight gradient's copies padded, by a column gather).
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def main() -> None:
             rec = {"shape": name, "stack": stack, "tile": str(tile), "stages": _fitting_stages(case, tile, stack),
                    "stream": stream}
             try:
-                fn = make_fn(tile, stack, bool(stream)) if stream != "behind" else make_fn(tile, stack, True, True)
+                fn = make_fn(tile, stack, bool(stream), stream == "behind")
                 if stream == "stores waited":
                     fn = _with_waited_stores(fn)
                 rec |= timed_kernel(fn, args, 2 * int(sizes.sum()) * k * n)

@@ -7,8 +7,9 @@ kernel (make bench-fp8-sass).
 Kernels, at DeepSeek-V3's gate-up forward shape with 8,192 rows in 8 groups (the code does not depend on the
 row count): gmm_nt blockwise under each consumer layout (fp8_mosaic.FP8_TILES' tile), stacked also streamed,
 e4m3_probe_kernels.gmm_nt_ws unscaled at the same 64 x 128 tile side by side, and the stacked 64 x 128 tile
-(FP8_NARROW) streamed, with each K block promoted after its wgmma and behind the next one (`behind=True`). Each is compiled in a process of its
-own with MOSAIC_GPU_DUMP_{SASS,PTX,PTXAS} and MOSAIC_GPU_DUMP_TO=DIR/<kernel>, run once, and its dumped SASS
+(FP8_NARROW) streamed, with each K block promoted after its wgmma and behind the next one (`behind=True`). Each
+is compiled in a process of its own with MOSAIC_GPU_DUMP_{SASS,PTX,PTXAS} and MOSAIC_GPU_DUMP_TO=DIR/<kernel>, run
+once, and its dumped SASS
 counted by opcode (the static count of each instruction, e.g. HGMMA, FFMA, FMUL, MOV, CS2R, LDS, LDG, BAR);
 DIR/summary.json holds the counts, the ptxas lines and the files (make bench-fp8-sass keeps it as the record
 fp8-sass-<gpu>.json). The static counts say what one K step's
